@@ -1,0 +1,49 @@
+# The two commands of the README:
+#   make run   - set everything up, then run the main job on the embedded default
+#   make test  - set everything up, then run ruff, mypy and the whole test suite
+# Both are idempotent: the virtual environment is (re)built only when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# The mypy view of the package: layout/, kernels/, backends/ mapped under hicache_store/ the
+# way setuptools' package-dir maps them (mypy cannot follow the editable-install import hook).
+TYPECHECK_TREE := .build/typecheck
+
+.PHONY: setup run test lint typecheck pytest bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,file,fsspec,s3,metrics,gpu]'
+	touch $@
+
+run: setup
+	$(VENV)/bin/hicache-store plan --layers 60 --kv-heads 8 --head-dim 128 --dtype bfloat16 \
+		--page-size 64 --layer-partition 30 --head-partition 2 \
+		--writer tp=4,pp=2 --reader tp=2,pp=1
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+$(TYPECHECK_TREE): setup
+	rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/hicache_store
+	for f in hicache_store/*; do ln -s "$(CURDIR)/$$f" $(TYPECHECK_TREE)/hicache_store/; done
+	for d in layout kernels backends; do ln -s "$(CURDIR)/$$d" $(TYPECHECK_TREE)/hicache_store/$$d; done
+
+typecheck: setup
+	rm -rf $(TYPECHECK_TREE)
+	$(MAKE) --no-print-directory $(TYPECHECK_TREE)
+	cd $(TYPECHECK_TREE) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p hicache_store
+
+pytest: setup
+	$(PY) -m pytest -q
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .build .mypy_cache .ruff_cache .pytest_cache

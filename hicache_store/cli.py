@@ -1,0 +1,69 @@
+"""The ``hicache-store`` command line: a thin layer over the public API.
+
+Each subcommand lives in ``hicache_store.commands.<name>`` and exposes
+``register(subparsers) -> None``, which adds its parser and sets ``func`` (a callable taking the
+parsed namespace and returning an exit code). Exit codes: 0 success, 1 failed, 2 bad usage.
+Errors print as one readable line; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from hicache_store import __version__
+
+#: subcommand modules, in the order ``--help`` lists them.
+COMMAND_MODULES: tuple[str, ...] = (
+    "hicache_store.commands.plan",
+)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad flags or arguments detected after parsing: reported on one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # One line, exit 2, like argparse, but without the usage block.
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hicache-store", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    subparsers.required = True
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except UsageError as exc:
+        print(f"hicache-store {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("hicache-store: interrupted", file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"hicache-store {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return int(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Pack / unpack kernels between an engine's KV pools and the unified page layout."""

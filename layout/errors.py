@@ -1,0 +1,99 @@
+"""The one exception hierarchy of hicache-store.
+
+It lives in the lowest layer so that every layer above raises and catches the same classes;
+``hicache_store.errors`` re-exports it together with the backend errors built on it.
+
+Contract: a *miss* is never an exception (it is ``None`` / ``False`` in results). Exceptions are
+for what is broken: bad input, a corrupt object, a backend that cannot answer.
+"""
+
+from __future__ import annotations
+
+
+class HiCacheStoreError(Exception):
+    """Root of every error raised by hicache-store.
+
+    ``backend``, ``operation`` and ``key`` say where it happened when known; they are also
+    rendered into ``str(error)`` so a log line is self-explanatory.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        backend: str | None = None,
+        operation: str | None = None,
+        key: str | None = None,
+    ) -> None:
+        self.message = message
+        self.backend = backend
+        self.operation = operation
+        self.key = key
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        where = [
+            f"{name}={value}"
+            for name, value in (
+                ("backend", self.backend),
+                ("operation", self.operation),
+                ("key", self.key),
+            )
+            if value is not None
+        ]
+        return f"{self.message} ({', '.join(where)})" if where else self.message
+
+
+class InvalidNamespaceError(HiCacheStoreError, ValueError):
+    """A namespace field is impossible (the message names the field)."""
+
+
+class InvalidKeyError(HiCacheStoreError, ValueError):
+    """A key is outside the key grammar; refused before any backend sees it."""
+
+
+class GridMismatchError(HiCacheStoreError, ValueError):
+    """A shard does not align with the partition grid; ``suggestions`` lists grids that would.
+
+    Each suggestion is a ``(layers_per_chunk, heads_per_group)`` pair, coarsest first.
+    """
+
+    def __init__(self, message: str, suggestions: tuple[tuple[int, int], ...] = ()) -> None:
+        super().__init__(message)
+        self.suggestions = suggestions
+
+
+class CorruptObjectError(HiCacheStoreError):
+    """A stored object failed validation. Readers turn this into a miss plus a counted event."""
+
+
+class BadMagicError(CorruptObjectError):
+    """The object does not start with the hicache-store magic."""
+
+
+class UnsupportedVersionError(CorruptObjectError):
+    """The object's format version is not one this library reads."""
+
+
+class TruncatedObjectError(CorruptObjectError):
+    """The object (or its header) is shorter than its own fields say."""
+
+
+class HeaderFieldError(CorruptObjectError):
+    """A header field is out of range, inconsistent, or points outside the object."""
+
+
+class HeaderChecksumError(CorruptObjectError):
+    """The header's own checksum does not match its bytes."""
+
+
+class PayloadChecksumError(CorruptObjectError):
+    """A layer block's checksum does not match its bytes."""
+
+    def __init__(self, message: str, layer: int | None = None) -> None:
+        super().__init__(message)
+        self.layer = layer
+
+
+class KeyMismatchError(CorruptObjectError):
+    """The header describes another object than the key that was asked for."""

@@ -1,0 +1,310 @@
+"""Object framing: a small fixed header, then the payload at a 4096-byte aligned offset.
+
+Binary format, version 1 (all integers little-endian)::
+
+    offset  size  field
+    0       8     magic b"HCSTORE\\0"
+    8       2     format version (1)
+    10      2     kv planes (2 = MHA K/V, 1 = MLA)
+    12      4     payload offset (a multiple of 4096)
+    16      8     payload length in bytes
+    24      8     namespace digest (the 16 hex characters as 8 bytes)
+    32      1     page-hash length in bytes (16 or 32)
+    33      1     reserved, 0
+    34      2     component (0 = full-attention KV)
+    36      4     first layer
+    40      4     last layer (inclusive, as in the key)
+    44      4     head group (0xFFFFFFFF = none, MLA)
+    48      4     number of layer blocks (= last - first + 1)
+    52      4     reserved, 0
+    56      32    page hash (zero-padded when 16 bytes)
+    88      8*n   xxh3_64 of each layer block, in layer order
+    88+8n   8     xxh3_64 of bytes [0, 88+8n): the header's own checksum
+    ...           zero padding up to the payload offset
+
+The payload is ``n`` equal layer blocks; block ``i`` holds layer ``first + i``. One checksum per
+layer block means a range read of some layers is verified without reading the others.
+
+``decode_header`` is strict and bounded: it never reads past the buffer it is given, checks
+every length and offset with exact integer arithmetic (Python ints cannot overflow, and every
+value is checked against explicit bounds before use), and raises one specific
+``CorruptObjectError`` subclass per way a header can be wrong. ``encode_header`` is its inverse.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from .errors import (
+    BadMagicError,
+    HeaderChecksumError,
+    HeaderFieldError,
+    KeyMismatchError,
+    PayloadChecksumError,
+    TruncatedObjectError,
+    UnsupportedVersionError,
+)
+from .keys import ObjectCoords, ObjectKey
+from .namespace import MAX_LAYERS_PER_OBJECT
+
+MAGIC = b"HCSTORE\x00"
+FORMAT_VERSION = 1
+#: payloads start at a multiple of this (O_DIRECT and page alignment).
+PAYLOAD_ALIGNMENT = 4096
+#: an object's payload can be at most this large (1 TiB: far above any page, catches garbage).
+MAX_PAYLOAD_BYTES = 1 << 40
+_NO_GROUP = 0xFFFFFFFF
+_FIXED = struct.Struct("<8sHHIQ8sBBHIIIII32s")
+_FIXED_SIZE = _FIXED.size  # 88
+_U64 = struct.Struct("<Q")
+
+
+def header_bytes_used(num_layers: int) -> int:
+    """Bytes of header content (fixed part, checksum table, header checksum)."""
+    return _FIXED_SIZE + 8 * num_layers + 8
+
+
+def payload_offset(num_layers: int) -> int:
+    """Where the payload starts for an object of ``num_layers`` layer blocks (4096-aligned)."""
+    used = header_bytes_used(num_layers)
+    return -(-used // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
+
+
+def block_checksum(block: bytes | memoryview) -> int:
+    """The checksum of one layer block (xxh3_64)."""
+    return int(xxhash.xxh3_64_intdigest(block))
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    """A decoded header. ``block_checksums[i]`` covers layer ``coords.layer_start + i``."""
+
+    namespace_digest: str
+    page_hash: str
+    coords: ObjectCoords
+    kv_planes: int
+    payload_offset: int
+    payload_length: int
+    block_checksums: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_checksums)
+
+    @property
+    def block_length(self) -> int:
+        return self.payload_length // self.num_blocks
+
+    @property
+    def object_length(self) -> int:
+        return self.payload_offset + self.payload_length
+
+    def key(self) -> ObjectKey:
+        return ObjectKey(self.page_hash, self.namespace_digest, self.coords)
+
+    def block_range(self, layer_start: int, layer_stop: int) -> tuple[int, int]:
+        """Object-absolute byte range ``[start, stop)`` of layers ``[layer_start, layer_stop)``."""
+        first = layer_start - self.coords.layer_start
+        last = layer_stop - self.coords.layer_start
+        if not 0 <= first < last <= self.num_blocks:
+            raise ValueError(
+                f"layers [{layer_start}, {layer_stop}) are not inside the object's "
+                f"[{self.coords.layer_start}, {self.coords.layer_stop})"
+            )
+        return (
+            self.payload_offset + first * self.block_length,
+            self.payload_offset + last * self.block_length,
+        )
+
+
+def checksum_blocks(payload: bytes | memoryview, num_blocks: int) -> tuple[int, ...]:
+    """Checksums of ``num_blocks`` equal blocks of ``payload`` (its length must divide)."""
+    view = memoryview(payload).cast("B")
+    if num_blocks <= 0 or len(view) % num_blocks:
+        raise ValueError(f"payload of {len(view)} bytes cannot be split into {num_blocks} blocks")
+    step = len(view) // num_blocks
+    return tuple(block_checksum(view[i * step : (i + 1) * step]) for i in range(num_blocks))
+
+
+def encode_header(
+    key: ObjectKey,
+    payload: bytes | memoryview,
+    kv_planes: int,
+    *,
+    block_checksums: Sequence[int] | None = None,
+) -> bytes:
+    """The header (padded to the payload offset) for ``payload`` stored under ``key``.
+
+    The payload is split into one block per layer of ``key.coords``. Pass precomputed
+    ``block_checksums`` to avoid hashing twice. ``decode_header`` is the inverse.
+    """
+    coords = key.coords
+    num_blocks = coords.num_layers
+    if num_blocks > MAX_LAYERS_PER_OBJECT:
+        raise ValueError(f"an object holds at most {MAX_LAYERS_PER_OBJECT} layers")
+    length = memoryview(payload).nbytes
+    if length == 0 or length % num_blocks or length > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"payload of {length} bytes does not split into {num_blocks} layer blocks")
+    sums = tuple(block_checksums) if block_checksums is not None else checksum_blocks(
+        payload, num_blocks
+    )
+    if len(sums) != num_blocks:
+        raise ValueError(f"{len(sums)} checksums for {num_blocks} layer blocks")
+    raw_hash = bytes.fromhex(key.page_hash)
+    offset = payload_offset(num_blocks)
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        kv_planes,
+        offset,
+        length,
+        bytes.fromhex(key.namespace_digest),
+        len(raw_hash),
+        0,
+        coords.component,
+        coords.layer_start,
+        coords.layer_stop - 1,
+        _NO_GROUP if coords.head_group is None else coords.head_group,
+        num_blocks,
+        0,
+        raw_hash.ljust(32, b"\x00"),
+    )
+    body = fixed + b"".join(_U64.pack(s) for s in sums)
+    body += _U64.pack(xxhash.xxh3_64_intdigest(body))
+    return body.ljust(offset, b"\x00")
+
+
+def encode_object(key: ObjectKey, payload: bytes | memoryview, kv_planes: int) -> bytes:
+    """Header and payload as one bytes object (convenient for small objects and tests)."""
+    return encode_header(key, payload, kv_planes) + bytes(payload)
+
+
+def decode_header(
+    data: bytes | memoryview,
+    *,
+    expected: ObjectKey | None = None,
+    object_length: int | None = None,
+) -> ObjectHeader:
+    """Decode and check the header at the start of ``data``.
+
+    ``data`` must hold at least the header (``payload_offset`` bytes are enough; fewer raise
+    ``TruncatedObjectError``). With ``expected``, the header must describe exactly that key
+    (``KeyMismatchError`` otherwise). With ``object_length`` (the stored object's size), the
+    payload must end exactly there (``TruncatedObjectError`` / ``HeaderFieldError``).
+    """
+    view = memoryview(data).cast("B")
+    if len(view) < 8 or bytes(view[:8]) != MAGIC:
+        if len(view) < 8 and bytes(view) == MAGIC[: len(view)]:
+            raise TruncatedObjectError(f"object of {len(view)} bytes is shorter than the magic")
+        raise BadMagicError("object does not start with the hicache-store magic")
+    if len(view) < _FIXED_SIZE:
+        raise TruncatedObjectError(f"header truncated at {len(view)} of {_FIXED_SIZE} bytes")
+    (
+        _magic,
+        version,
+        kv_planes,
+        offset,
+        length,
+        raw_ns,
+        hash_len,
+        reserved_a,
+        component,
+        first,
+        last,
+        group,
+        num_blocks,
+        reserved_b,
+        raw_hash,
+    ) = _FIXED.unpack_from(view)
+    if version != FORMAT_VERSION:
+        raise UnsupportedVersionError(f"object format version {version} (this reads {FORMAT_VERSION})")
+    if not 1 <= num_blocks <= MAX_LAYERS_PER_OBJECT:
+        raise HeaderFieldError(f"layer block count {num_blocks} outside [1, {MAX_LAYERS_PER_OBJECT}]")
+    used = header_bytes_used(num_blocks)
+    if len(view) < used:
+        raise TruncatedObjectError(f"header truncated at {len(view)} of {used} bytes")
+    stored_sum = _U64.unpack_from(view, used - 8)[0]
+    if xxhash.xxh3_64_intdigest(view[: used - 8]) != stored_sum:
+        raise HeaderChecksumError("header checksum mismatch")
+    # The header is intact as written; now check that what was written is coherent.
+    if kv_planes not in (1, 2):
+        raise HeaderFieldError(f"kv planes {kv_planes} is neither 1 nor 2")
+    if reserved_a or reserved_b:
+        raise HeaderFieldError("reserved header fields are not zero")
+    if hash_len not in (16, 32) or any(raw_hash[hash_len:]):
+        raise HeaderFieldError(f"page hash length {hash_len} is neither 16 nor 32")
+    if offset != payload_offset(num_blocks):
+        raise HeaderFieldError(
+            f"payload offset {offset} is not {payload_offset(num_blocks)} for {num_blocks} blocks"
+        )
+    if last < first or last - first + 1 != num_blocks:
+        raise HeaderFieldError(f"layers {first}-{last} do not match {num_blocks} blocks")
+    if not 0 < length <= MAX_PAYLOAD_BYTES or length % num_blocks:
+        raise HeaderFieldError(f"payload length {length} does not split into {num_blocks} blocks")
+    if object_length is not None:
+        end = offset + length
+        if object_length < end:
+            raise TruncatedObjectError(f"object is {object_length} bytes, header says {end}")
+        if object_length > end:
+            raise HeaderFieldError(f"object is {object_length} bytes, header says {end}")
+    sums = tuple(
+        _U64.unpack_from(view, _FIXED_SIZE + 8 * i)[0] for i in range(num_blocks)
+    )
+    try:
+        coords = ObjectCoords(first, last + 1, None if group == _NO_GROUP else group, component)
+    except ValueError as exc:
+        raise HeaderFieldError(f"header coordinates: {exc}") from None
+    header = ObjectHeader(
+        namespace_digest=raw_ns.hex(),
+        page_hash=raw_hash[:hash_len].hex(),
+        coords=coords,
+        kv_planes=kv_planes,
+        payload_offset=offset,
+        payload_length=length,
+        block_checksums=sums,
+    )
+    if expected is not None and header.key() != expected:
+        raise KeyMismatchError(
+            f"object header describes {header.key()} but {expected} was asked for"
+        )
+    return header
+
+
+def verify_blocks(
+    header: ObjectHeader, data: bytes | memoryview, layer_start: int, layer_stop: int
+) -> None:
+    """Check the checksums of layers ``[layer_start, layer_stop)`` held contiguously in ``data``.
+
+    ``data`` is exactly those layer blocks (as returned by a range read of
+    ``header.block_range(layer_start, layer_stop)``). Raises ``PayloadChecksumError`` naming the
+    first bad layer, or ``TruncatedObjectError`` if ``data`` has the wrong length.
+    """
+    start, stop = header.block_range(layer_start, layer_stop)
+    view = memoryview(data).cast("B")
+    if len(view) != stop - start:
+        raise TruncatedObjectError(
+            f"layer blocks {layer_start}-{layer_stop - 1}: got {len(view)} bytes, "
+            f"expected {stop - start}"
+        )
+    step = header.block_length
+    first = layer_start - header.coords.layer_start
+    for i in range(layer_stop - layer_start):
+        if block_checksum(view[i * step : (i + 1) * step]) != header.block_checksums[first + i]:
+            raise PayloadChecksumError(
+                f"checksum mismatch in layer {layer_start + i}", layer=layer_start + i
+            )
+
+
+def decode_object(
+    data: bytes | memoryview, *, expected: ObjectKey | None = None
+) -> tuple[ObjectHeader, memoryview]:
+    """Decode a whole object, verify every block, and return the header and payload view."""
+    view = memoryview(data).cast("B")
+    header = decode_header(view, expected=expected, object_length=len(view))
+    payload = view[header.payload_offset :]
+    verify_blocks(header, payload, header.coords.layer_start, header.coords.layer_stop)
+    return header, payload

@@ -1,0 +1,156 @@
+"""Object keys and the storage-key grammar.
+
+An object key names one (page, layer chunk, head group[, component]) object::
+
+    {page_hash}_{namespace_digest}_L{start}-{end}[_H{group}][_C{component}]
+
+``end`` is inclusive (``L30-59``). ``_H`` is present for MHA and absent for MLA. ``_C`` tags a
+non-KV cache component (sliding-window KV, recurrent state, draft model); absent means the
+full-attention KV. Numbers are canonical decimals (no leading zeros), so ``parse_key`` is the
+exact inverse of ``format_key`` and every valid key has exactly one spelling.
+
+Every key that reaches a backend, object key or not (manifests, markers), must match the
+storage-key grammar: 1-255 characters of lowercase hex digits, ``_``, ``-`` and the uppercase
+tag letters, starting with a hex digit or tag letter. No ``/``, ``.``, NUL or whitespace can
+appear, so a key can never traverse a path or inject into a URL.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import InvalidKeyError
+from .namespace import DIGEST_HEX_CHARS
+
+#: the longest storage key (fits one path component of every common filesystem).
+MAX_KEY_LENGTH = 255
+#: hex length of page hashes: xxh3_128 (32) and sha256 (64).
+PAGE_HASH_HEX_LENGTHS: tuple[int, ...] = (32, 64)
+
+_STORAGE_KEY_RE = re.compile(r"[0-9a-fA-Z][0-9a-fA-Z_-]{0,254}")
+_NUM = r"0|[1-9][0-9]{0,5}"
+_OBJECT_KEY_RE = re.compile(
+    rf"(?P<hash>[0-9a-f]{{32}}|[0-9a-f]{{64}})_(?P<ns>[0-9a-f]{{{DIGEST_HEX_CHARS}}})"
+    rf"_L(?P<start>{_NUM})-(?P<end>{_NUM})"
+    rf"(?:_H(?P<group>{_NUM}))?(?:_C(?P<component>[1-9][0-9]{{0,2}}))?"
+)
+_PAGE_HASH_RE = re.compile(r"[0-9a-f]{32}|[0-9a-f]{64}")
+
+
+def validate_storage_key(key: object) -> str:
+    """Return ``key`` if it is inside the storage-key grammar, else raise ``InvalidKeyError``.
+
+    The message shows at most 80 characters of the offending key (escaped), never the rest.
+    """
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"storage key must be a str, got {type(key).__name__}")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidKeyError(f"storage key is {len(key)} characters long (max {MAX_KEY_LENGTH})")
+    if _STORAGE_KEY_RE.fullmatch(key) is None:
+        raise InvalidKeyError(
+            f"storage key {key[:80]!r} has characters outside [0-9a-fA-Z_-] or is empty"
+        )
+    return key
+
+
+def validate_page_hash(page_hash: object) -> str:
+    """Return a page hash (32 or 64 lowercase hex characters) or raise ``InvalidKeyError``."""
+    if not isinstance(page_hash, str) or _PAGE_HASH_RE.fullmatch(page_hash) is None:
+        raise InvalidKeyError(
+            f"page hash {str(page_hash)[:80]!r} is not 32 or 64 lowercase hex characters"
+        )
+    return page_hash
+
+
+@dataclass(frozen=True, order=True)
+class ObjectCoords:
+    """Where an object sits inside a page: its layer range, head group and component.
+
+    ``layer_stop`` is exclusive here (the key prints ``layer_stop - 1``); ``head_group`` is
+    ``None`` for MLA; ``component`` 0 is full-attention KV.
+    """
+
+    layer_start: int
+    layer_stop: int
+    head_group: int | None
+    component: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layer_start < self.layer_stop:
+            raise InvalidKeyError(
+                f"layer range [{self.layer_start}, {self.layer_stop}) is empty or negative"
+            )
+        if self.head_group is not None and self.head_group < 0:
+            raise InvalidKeyError(f"head group {self.head_group} is negative")
+        if not 0 <= self.component <= 999:
+            raise InvalidKeyError(f"component {self.component} outside [0, 999]")
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_stop - self.layer_start
+
+    @property
+    def suffix(self) -> str:
+        """The coordinate part of the key, e.g. ``L30-59_H2``."""
+        text = f"L{self.layer_start}-{self.layer_stop - 1}"
+        if self.head_group is not None:
+            text += f"_H{self.head_group}"
+        if self.component:
+            text += f"_C{self.component}"
+        return text
+
+
+@dataclass(frozen=True)
+class ObjectKey:
+    """A parsed object key: page hash, namespace digest and coordinates."""
+
+    page_hash: str
+    namespace_digest: str
+    coords: ObjectCoords
+
+    def __post_init__(self) -> None:
+        validate_page_hash(self.page_hash)
+        if not re.fullmatch(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}", self.namespace_digest):
+            raise InvalidKeyError(
+                f"namespace digest {self.namespace_digest[:80]!r} is not "
+                f"{DIGEST_HEX_CHARS} lowercase hex characters"
+            )
+
+    def __str__(self) -> str:
+        return format_key(self)
+
+
+def format_key(key: ObjectKey) -> str:
+    """The storage key of an object; ``parse_key`` is its inverse."""
+    return f"{key.page_hash}_{key.namespace_digest}_{key.coords.suffix}"
+
+
+def object_key(page_hash: str, namespace_digest: str, coords: ObjectCoords) -> str:
+    """Shortcut: validate the parts and format the key in one call."""
+    return format_key(ObjectKey(page_hash, namespace_digest, coords))
+
+
+def parse_key(text: str) -> ObjectKey:
+    """Parse an object key strictly; raise ``InvalidKeyError`` for anything else.
+
+    ``format_key(parse_key(k)) == k`` for every valid ``k``.
+    """
+    validate_storage_key(text)
+    match = _OBJECT_KEY_RE.fullmatch(text)
+    if match is None:
+        raise InvalidKeyError(f"{text[:80]!r} is not an object key")
+    start, end = int(match["start"]), int(match["end"])
+    if end < start:
+        raise InvalidKeyError(f"{text[:80]!r}: layer range end {end} < start {start}")
+    group = match["group"]
+    component = match["component"]
+    coords = ObjectCoords(
+        start, end + 1, None if group is None else int(group), int(component or 0)
+    )
+    return ObjectKey(match["hash"], match["ns"], coords)
+
+
+def namespace_prefix(page_hash: str, namespace_digest: str) -> str:
+    """The common prefix of every object of one page in one namespace (for listing)."""
+    return f"{validate_page_hash(page_hash)}_{namespace_digest}_"
