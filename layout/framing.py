@@ -149,8 +149,10 @@ def encode_header(
     length = memoryview(payload).nbytes
     if length == 0 or length % num_blocks or length > MAX_PAYLOAD_BYTES:
         raise ValueError(f"payload of {length} bytes does not split into {num_blocks} layer blocks")
-    sums = tuple(block_checksums) if block_checksums is not None else checksum_blocks(
-        payload, num_blocks
+    sums = (
+        tuple(block_checksums)
+        if block_checksums is not None
+        else checksum_blocks(payload, num_blocks)
     )
     if len(sums) != num_blocks:
         raise ValueError(f"{len(sums)} checksums for {num_blocks} layer blocks")
@@ -221,9 +223,13 @@ def decode_header(
         raw_hash,
     ) = _FIXED.unpack_from(view)
     if version != FORMAT_VERSION:
-        raise UnsupportedVersionError(f"object format version {version} (this reads {FORMAT_VERSION})")
+        raise UnsupportedVersionError(
+            f"object format version {version} (this reads {FORMAT_VERSION})"
+        )
     if not 1 <= num_blocks <= MAX_LAYERS_PER_OBJECT:
-        raise HeaderFieldError(f"layer block count {num_blocks} outside [1, {MAX_LAYERS_PER_OBJECT}]")
+        raise HeaderFieldError(
+            f"layer block count {num_blocks} outside [1, {MAX_LAYERS_PER_OBJECT}]"
+        )
     used = header_bytes_used(num_blocks)
     if len(view) < used:
         raise TruncatedObjectError(f"header truncated at {len(view)} of {used} bytes")
@@ -251,9 +257,7 @@ def decode_header(
             raise TruncatedObjectError(f"object is {object_length} bytes, header says {end}")
         if object_length > end:
             raise HeaderFieldError(f"object is {object_length} bytes, header says {end}")
-    sums = tuple(
-        _U64.unpack_from(view, _FIXED_SIZE + 8 * i)[0] for i in range(num_blocks)
-    )
+    sums = tuple(_U64.unpack_from(view, _FIXED_SIZE + 8 * i)[0] for i in range(num_blocks))
     try:
         coords = ObjectCoords(first, last + 1, None if group == _NO_GROUP else group, component)
     except ValueError as exc:

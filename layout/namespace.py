@@ -118,7 +118,9 @@ def _require_text(field: str, value: object, *, allow_empty: bool) -> str:
 
 def _require_choice(field: str, value: object, choices: tuple[Any, ...]) -> None:
     if value not in choices:
-        raise InvalidNamespaceError(f"{field}: {value!r} is not one of {', '.join(map(str, choices))}")
+        raise InvalidNamespaceError(
+            f"{field}: {value!r} is not one of {', '.join(map(str, choices))}"
+        )
 
 
 @dataclass(frozen=True)
@@ -190,8 +192,9 @@ class Namespace:
     # -- construction helpers -------------------------------------------------------------
 
     @classmethod
-    def create(cls, model: str, shape: ModelShape, dtype: str, page_size: int, grid: Grid,
-               **options: Any) -> Namespace:
+    def create(
+        cls, model: str, shape: ModelShape, dtype: str, page_size: int, grid: Grid, **options: Any
+    ) -> Namespace:
         """Build a namespace from a model shape; MLA defaults to ``replicated``."""
         if shape.kv_kind == "mla":
             options.setdefault("replication", "replicated")
@@ -330,4 +333,3 @@ class Namespace:
     @property
     def objects_per_page(self) -> int:
         return self.num_layer_chunks * self.num_head_groups
-
