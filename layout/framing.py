@@ -193,8 +193,8 @@ def decode_header(
 ) -> ObjectHeader:
     """Decode and check the header at the start of ``data``.
 
-    ``data`` must hold at least the header (``payload_offset`` bytes are enough; fewer raise
-    ``TruncatedObjectError``). With ``expected``, the header must describe exactly that key
+    ``data`` must hold at least the whole header, padding included (``payload_offset`` bytes;
+    fewer raise ``TruncatedObjectError``), and the padding must be zero. With ``expected``, the header must describe exactly that key
     (``KeyMismatchError`` otherwise). With ``object_length`` (the stored object's size), the
     payload must end exactly there (``TruncatedObjectError`` / ``HeaderFieldError``).
     """
@@ -247,6 +247,10 @@ def decode_header(
         raise HeaderFieldError(
             f"payload offset {offset} is not {payload_offset(num_blocks)} for {num_blocks} blocks"
         )
+    if len(view) < offset:
+        raise TruncatedObjectError(f"header truncated at {len(view)} of {offset} bytes")
+    if bytes(view[used:offset]) != bytes(offset - used):
+        raise HeaderFieldError("header padding is not zero")
     if last < first or last - first + 1 != num_blocks:
         raise HeaderFieldError(f"layers {first}-{last} do not match {num_blocks} blocks")
     if not 0 < length <= MAX_PAYLOAD_BYTES or length % num_blocks:

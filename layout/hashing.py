@@ -90,6 +90,8 @@ def page_hashes(
     uint32 little-endian bytes.
     """
     raw = page_hashes_raw(tokens, page_size, algo=algo, prior_hash=prior_hash)
-    width = 2 * (len(raw[0]) if raw else 0)
+    if not raw:
+        return []
+    width = 2 * len(raw[0])
     joined = b"".join(raw).hex()  # one hex() call instead of one per page
     return [joined[i : i + width] for i in range(0, len(joined), width)]

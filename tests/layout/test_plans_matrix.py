@@ -25,9 +25,7 @@ from hicache_store.layout.topology import Topology, shard_of
 PAGE_HASH = "ab" * 32
 MHA = ModelShape.mha(num_layers=60, num_kv_heads=8, head_dim=2)
 MLA = ModelShape.mla(num_layers=61, kv_dim=3)
-MHA_TOPOLOGIES = [
-    Topology(tp, pp) for tp, pp in itertools.product((1, 2, 4, 8, 16), (1, 2, 3, 4))
-]
+MHA_TOPOLOGIES = [Topology(tp, pp) for tp, pp in itertools.product((1, 2, 4, 8, 16), (1, 2, 3, 4))]
 MLA_TOPOLOGIES = [Topology(tp, pp) for tp, pp in itertools.product((1, 2, 4, 8), (1, 2, 3, 4))]
 
 
@@ -47,7 +45,7 @@ def coordinate_ids(ns: Namespace, layout: UnifiedPageLayout) -> tuple[np.ndarray
         indexing="ij",
     )
     layer, plane, token, head, dim = (g.ravel() for g in grids)
-    ids = (((layer * ns.kv_planes + plane) * ns.page_size + token) * ns.num_kv_heads + head)
+    ids = ((layer * ns.kv_planes + plane) * ns.page_size + token) * ns.num_kv_heads + head
     ids = ids * ns.head_dim + dim
     return layout.element_offsets(layer, plane, token, head, dim), ids.astype(np.uint32)
 
@@ -118,7 +116,11 @@ def test_mla_every_reader_gets_its_own_coordinates(writer: Topology) -> None:
 
 @pytest.mark.parametrize(
     ("writer", "reader"),
-    [(Topology(16, 3), Topology(1, 1)), (Topology(2, 4), Topology(8, 3)), (Topology(4, 2), Topology(2, 1))],
+    [
+        (Topology(16, 3), Topology(1, 1)),
+        (Topology(2, 4), Topology(8, 3)),
+        (Topology(4, 2), Topology(2, 1)),
+    ],
     ids=str,
 )
 def test_a_grid_suggested_for_both_reads_without_amplification(
@@ -150,7 +152,9 @@ def test_seed_example_tp4_pp2_writer_tp2_pp1_reader() -> None:
 
 def test_misaligned_writer_is_refused_with_grids_that_work() -> None:
     ns = namespace(MHA, Grid(30, 2))
-    with pytest.raises(GridMismatchError, match=r"tp=16,pp=1 rank 0 cannot write grid 30x2") as info:
+    with pytest.raises(
+        GridMismatchError, match=r"tp=16,pp=1 rank 0 cannot write grid 30x2"
+    ) as info:
         plan_writes(ns, Topology(16, 1), 0)
     assert (60, 1) in info.value.suggestions
     assert "60x1" in str(info.value)

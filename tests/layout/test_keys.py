@@ -1,0 +1,96 @@
+"""Object keys: format/parse are inverses; everything outside the grammar is refused."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache_store.layout.errors import InvalidKeyError
+from hicache_store.layout.keys import (
+    ObjectCoords,
+    ObjectKey,
+    format_key,
+    object_key,
+    parse_key,
+    validate_storage_key,
+)
+
+HASH = "a1" * 32
+NS = "0123456789abcdef"
+
+
+def test_seed_format() -> None:
+    assert object_key(HASH, NS, ObjectCoords(30, 60, 2)) == f"{HASH}_{NS}_L30-59_H2"
+    assert object_key(HASH, NS, ObjectCoords(0, 61, None)) == f"{HASH}_{NS}_L0-60"
+    assert object_key(HASH, NS, ObjectCoords(0, 1, 0, 3)) == f"{HASH}_{NS}_L0-0_H0_C3"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "a/b",
+        "..",
+        "../etc/passwd",
+        "a\x00b",
+        "x" * 10_000,
+        "key with space",
+        "UPPER.case",
+        "ключ",
+        "abc%2F",
+    ],
+)
+def test_storage_grammar_refuses(bad: str) -> None:
+    with pytest.raises(InvalidKeyError):
+        validate_storage_key(bad)
+
+
+def test_storage_grammar_refuses_non_strings() -> None:
+    with pytest.raises(InvalidKeyError, match="must be a str"):
+        validate_storage_key(b"abc")
+
+
+def test_long_key_message_is_bounded() -> None:
+    with pytest.raises(InvalidKeyError) as info:
+        validate_storage_key("a" * 300)
+    assert len(str(info.value)) < 200
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        f"{HASH}_{NS}_L30-29_H2",  # end before start
+        f"{HASH}_{NS}_L030-59_H2",  # leading zero: two spellings of one key
+        f"{HASH}_{NS}_L30-59_H02",
+        f"{HASH[:-1]}_{NS}_L30-59",  # 63 hex chars
+        f"{HASH}_{NS[:-1]}_L30-59",
+        f"{HASH}_{NS}_L30-59_C0",  # component 0 is spelled by omission
+        f"{HASH.upper()}_{NS}_L30-59",
+        f"{HASH}_{NS}_L30-59_H2_",
+    ],
+)
+def test_parse_refuses(bad: str) -> None:
+    with pytest.raises(InvalidKeyError):
+        parse_key(bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    page_hash=st.one_of(
+        st.binary(min_size=16, max_size=16), st.binary(min_size=32, max_size=32)
+    ).map(bytes.hex),
+    ns=st.binary(min_size=8, max_size=8).map(bytes.hex),
+    start=st.integers(0, 99_999),
+    length=st.integers(1, 1000),
+    group=st.one_of(st.none(), st.integers(0, 99_999)),
+    component=st.integers(0, 999),
+)
+def test_parse_is_the_inverse_of_format(
+    page_hash: str, ns: str, start: int, length: int, group: int | None, component: int
+) -> None:
+    key = ObjectKey(page_hash, ns, ObjectCoords(start, start + length, group, component))
+    text = format_key(key)
+    assert validate_storage_key(text) == text
+    assert parse_key(text) == key
+    assert format_key(parse_key(text)) == text

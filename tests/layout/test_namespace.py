@@ -1,0 +1,146 @@
+"""Namespaces: validation naming the field, canonical digests, JSON round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache_store.layout.errors import InvalidNamespaceError
+from hicache_store.layout.namespace import CANONICAL_FIELDS, Grid, ModelShape, Namespace
+
+BASE = Namespace.create(
+    "meta-llama/Llama-3-8B", ModelShape.mha(32, 8, 128), "bfloat16", 64, Grid(16, 2)
+)
+
+
+def test_digest_is_16_hex_and_stable_across_processes() -> None:
+    assert len(BASE.digest) == 16
+    assert int(BASE.digest, 16) >= 0
+    code = (
+        "from hicache_store.layout.namespace import *;"
+        "print(Namespace.create('meta-llama/Llama-3-8B', ModelShape.mha(32, 8, 128),"
+        " 'bfloat16', 64, Grid(16, 2)).digest)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "123"},
+    )
+    assert out.stdout.strip() == BASE.digest
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "other"},
+        {"model_revision": "abc"},
+        {"dtype": "float16"},
+        {"dtype": "float8_e4m3fn"},
+        {"page_size": 32},
+        {"num_layers": 33},
+        {"num_kv_heads": 16},
+        {"head_dim": 64},
+        {"grid": Grid(32, 2)},
+        {"grid": Grid(16, 4)},
+        {"replication": "replicated"},
+        {"hash_algo": "xxh3_128"},
+        {"tenant_salt": "tenant-a"},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_any_field_change_changes_the_digest(change: dict[str, object]) -> None:
+    assert dataclasses.replace(BASE, **change).digest != BASE.digest
+
+
+def test_every_canonical_field_is_encoded() -> None:
+    assert [name for name, _ in BASE.canonical_fields()] == list(CANONICAL_FIELDS)
+
+
+def test_json_round_trip() -> None:
+    data = json.loads(BASE.to_json_text())
+    assert Namespace.from_json(data) == BASE
+    assert data["digest"] == BASE.digest
+
+
+def test_json_with_wrong_digest_is_refused() -> None:
+    data = BASE.to_json() | {"digest": "0" * 16}
+    with pytest.raises(InvalidNamespaceError, match="does not match"):
+        Namespace.from_json(data)
+
+
+def test_json_with_unknown_field_is_refused() -> None:
+    with pytest.raises(InvalidNamespaceError, match="unknown fields"):
+        Namespace.from_json(BASE.to_json() | {"colour": "red"})
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"page_size": 0}, "page_size"),
+        ({"num_layers": 0}, "num_layers"),
+        ({"head_dim": -1}, "head_dim"),
+        ({"dtype": "float13"}, "dtype"),
+        ({"grid": Grid(16, 3)}, "grid.heads_per_group"),
+        ({"grid": Grid(0, 2)}, "grid.layers_per_chunk"),
+        ({"grid": Grid(33, 2)}, "grid.layers_per_chunk"),
+        ({"kv_kind": "gqa"}, "kv_kind"),
+        ({"model": ""}, "model"),
+        ({"model": "a\nb"}, "model"),
+        ({"hash_algo": "md5"}, "hash_algo"),
+        ({"layout_version": 9}, "layout_version"),
+        ({"num_layers": True}, "num_layers"),
+    ],
+)
+def test_impossible_values_name_the_field(change: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        dataclasses.replace(BASE, **change)
+
+
+def test_mla_rules() -> None:
+    ns = Namespace.create("deepseek", ModelShape.mla(61, 576), "bfloat16", 64, Grid(61))
+    assert ns.replication == "replicated"
+    assert ns.kv_planes == 1
+    assert ns.layer_block_bytes() == 64 * 576 * 2
+    with pytest.raises(InvalidNamespaceError, match="^replication:"):
+        dataclasses.replace(ns, replication="head_sharded")
+
+
+def test_torch_style_dtype_is_normalised() -> None:
+    assert dataclasses.replace(BASE, dtype="torch.bfloat16") == BASE
+
+
+def test_geometry() -> None:
+    assert BASE.num_layer_chunks == 2
+    assert BASE.num_head_groups == 4
+    assert BASE.objects_per_page == 8
+    assert BASE.layer_block_bytes() == 2 * 64 * 2 * 128 * 2
+    assert BASE.page_bytes == 8 * 1024 * 1024  # Llama-3-8B page of 64 tokens
+    uneven = Namespace.create("m", ModelShape.mha(61, 8, 4), "float16", 4, Grid(31, 8))
+    assert [uneven.chunk_layers(c) for c in range(uneven.num_layer_chunks)] == [(0, 31), (31, 61)]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    layers=st.integers(1, 200),
+    heads_exp=st.integers(0, 4),
+    dim=st.integers(1, 512),
+    page=st.integers(1, 256),
+    dtype=st.sampled_from(["bfloat16", "float16", "float32", "float8_e4m3fn"]),
+    salt=st.text(max_size=20).filter(str.isprintable),
+)
+def test_json_round_trip_property(
+    layers: int, heads_exp: int, dim: int, page: int, dtype: str, salt: str
+) -> None:
+    heads = 2**heads_exp
+    ns = Namespace.create(
+        "m", ModelShape.mha(layers, heads, dim), dtype, page, Grid(layers, heads), tenant_salt=salt
+    )
+    assert Namespace.from_json(json.loads(ns.to_json_text())) == ns
