@@ -61,6 +61,8 @@ _NO_GROUP = 0xFFFFFFFF
 _FIXED = struct.Struct("<8sHHIQ8sBBHIIIII32s")
 _FIXED_SIZE = _FIXED.size  # 88
 _U64 = struct.Struct("<Q")
+#: anything exposing contiguous bytes through the buffer protocol (numpy arrays work too).
+BytesLike = bytes | bytearray | memoryview
 
 
 def header_bytes_used(num_layers: int) -> int:
@@ -74,7 +76,7 @@ def payload_offset(num_layers: int) -> int:
     return -(-used // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
 
 
-def block_checksum(block: bytes | memoryview) -> int:
+def block_checksum(block: BytesLike) -> int:
     """The checksum of one layer block (xxh3_64)."""
     return int(xxhash.xxh3_64_intdigest(block))
 
@@ -121,7 +123,7 @@ class ObjectHeader:
         )
 
 
-def checksum_blocks(payload: bytes | memoryview, num_blocks: int) -> tuple[int, ...]:
+def checksum_blocks(payload: BytesLike, num_blocks: int) -> tuple[int, ...]:
     """Checksums of ``num_blocks`` equal blocks of ``payload`` (its length must divide)."""
     view = memoryview(payload).cast("B")
     if num_blocks <= 0 or len(view) % num_blocks:
@@ -132,7 +134,7 @@ def checksum_blocks(payload: bytes | memoryview, num_blocks: int) -> tuple[int, 
 
 def encode_header(
     key: ObjectKey,
-    payload: bytes | memoryview,
+    payload: BytesLike,
     kv_planes: int,
     *,
     block_checksums: Sequence[int] | None = None,
@@ -180,13 +182,13 @@ def encode_header(
     return body.ljust(offset, b"\x00")
 
 
-def encode_object(key: ObjectKey, payload: bytes | memoryview, kv_planes: int) -> bytes:
+def encode_object(key: ObjectKey, payload: BytesLike, kv_planes: int) -> bytes:
     """Header and payload as one bytes object (convenient for small objects and tests)."""
     return encode_header(key, payload, kv_planes) + bytes(payload)
 
 
 def decode_header(
-    data: bytes | memoryview,
+    data: BytesLike,
     *,
     expected: ObjectKey | None = None,
     object_length: int | None = None,
@@ -283,7 +285,7 @@ def decode_header(
 
 
 def verify_blocks(
-    header: ObjectHeader, data: bytes | memoryview, layer_start: int, layer_stop: int
+    header: ObjectHeader, data: BytesLike, layer_start: int, layer_stop: int
 ) -> None:
     """Check the checksums of layers ``[layer_start, layer_stop)`` held contiguously in ``data``.
 
@@ -308,7 +310,7 @@ def verify_blocks(
 
 
 def decode_object(
-    data: bytes | memoryview, *, expected: ObjectKey | None = None
+    data: BytesLike, *, expected: ObjectKey | None = None
 ) -> tuple[ObjectHeader, memoryview]:
     """Decode a whole object, verify every block, and return the header and payload view."""
     view = memoryview(data).cast("B")
