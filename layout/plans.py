@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 import numpy.typing as npt
@@ -33,7 +33,7 @@ import numpy.typing as npt
 from .errors import GridMismatchError
 from .framing import payload_offset
 from .host import UnifiedPageLayout
-from .keys import ObjectCoords
+from .keys import ObjectCoords, validate_page_hash
 from .namespace import MAX_LAYERS_PER_OBJECT, Grid, ModelShape, Namespace
 from .topology import Shard, Topology, head_range, shard_of
 
@@ -94,8 +94,29 @@ class ObjectWrite:
     nbytes: int
 
 
+class _KeyedPlan:
+    """Per-page object keys from a plan without re-validating its constant parts."""
+
+    namespace: Namespace
+    objects: tuple[ObjectWrite, ...] | tuple[ObjectRead, ...]
+
+    @cached_property
+    def key_tails(self) -> tuple[str, ...]:
+        """``_{namespace digest}_{suffix}`` of each object, in plan order."""
+        return tuple(f"_{self.namespace.digest}_{o.coords.suffix}" for o in self.objects)
+
+    def object_keys(self, page_hash: str) -> list[str]:
+        """The storage keys of this plan's objects for one page (same order as ``objects``).
+
+        Only the page hash is validated here; the rest was validated when the plan was built.
+        This is the per-page planning work: a few string concatenations.
+        """
+        validate_page_hash(page_hash)
+        return [page_hash + tail for tail in self.key_tails]
+
+
 @dataclass(frozen=True)
-class WritePlan:
+class WritePlan(_KeyedPlan):
     namespace: Namespace
     topology: Topology
     shard: Shard
@@ -146,7 +167,7 @@ class ObjectRead:
 
 
 @dataclass(frozen=True)
-class ReadPlan:
+class ReadPlan(_KeyedPlan):
     namespace: Namespace
     topology: Topology
     shard: Shard

@@ -185,3 +185,12 @@ def test_plans_are_cached() -> None:
     ns = namespace(MHA, Grid(30, 2))
     assert plan_reads(ns, Topology(2, 1), 1) is plan_reads(ns, Topology(2, 1), 1)
     assert plan_writes(ns, Topology(4, 2), 3) is plan_writes(ns, Topology(4, 2), 3)
+
+
+def test_plan_object_keys_equal_formatted_keys() -> None:
+    ns = namespace(MHA, Grid(30, 2))
+    plan = plan_reads(ns, Topology(2, 1), 1)
+    expected = [format_key(ObjectKey(PAGE_HASH, ns.digest, o.coords)) for o in plan.objects]
+    assert plan.object_keys(PAGE_HASH) == expected
+    with pytest.raises(ValueError, match="page hash"):
+        plan.object_keys("../x")
