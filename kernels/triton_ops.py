@@ -1,0 +1,202 @@
+"""Triton launchers: the same four ops, signatures identical to ``reference``.
+
+Each launcher validates through ``plan_copy`` (shapes, strides, dtypes, devices, page bounds,
+overlap, layer range), turns the pool into a table of (layer, plane) base addresses and a
+``[N, page_size]`` table of token offsets, and launches ``kv_page_copy_kernel`` once per run of
+head blocks (one launch for a TP shard or a uniform full page). The kernel moves elements as
+integers of the KV item size, so every dtype is byte-exact.
+
+Tensors must be CUDA tensors, or CPU tensors when this process runs Triton's interpreter
+(``TRITON_INTERPRET=1`` set before the kernel module was first imported; see
+``_triton_kernel``). Triton itself is imported only when a launcher is first called.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from hicache_store.layout.host import UnifiedPageLayout
+
+from ._plan import CopyPlan, plan_copy
+from ._unified import BlockRun
+from .pools import DevicePool, HostPool, as_bits
+
+__all__ = ["host_to_unified", "pack_pages", "unified_to_host", "unpack_pages"]
+
+#: elements one program moves, about: enough work per program, few registers per thread.
+_TILE_ELEMENTS = 4096
+
+
+def pack_pages(
+    pool: DevicePool,
+    pages: torch.Tensor,
+    staging: torch.Tensor,
+    layout: UnifiedPageLayout,
+    *,
+    layers: tuple[int, int] | None = None,
+    check_indices: bool = True,
+) -> torch.Tensor:
+    """Triton version of ``reference.pack_pages`` (same contract)."""
+    _require(pool, DevicePool, "pack_pages")
+    plan = plan_copy(
+        pool, pages, staging, layout, layers=layers, writes_pool=False, check_indices=check_indices
+    )
+    _launch(plan, pack=True)
+    return staging
+
+
+def unpack_pages(
+    staging: torch.Tensor,
+    pool: DevicePool,
+    pages: torch.Tensor,
+    layout: UnifiedPageLayout,
+    *,
+    layers: tuple[int, int] | None = None,
+    check_indices: bool = True,
+) -> None:
+    """Triton version of ``reference.unpack_pages`` (same contract)."""
+    _require(pool, DevicePool, "unpack_pages")
+    plan = plan_copy(
+        pool, pages, staging, layout, layers=layers, writes_pool=True, check_indices=check_indices
+    )
+    _launch(plan, pack=False)
+
+
+def host_to_unified(
+    host: HostPool,
+    pages: torch.Tensor,
+    staging: torch.Tensor,
+    layout: UnifiedPageLayout,
+    *,
+    layers: tuple[int, int] | None = None,
+    check_indices: bool = True,
+) -> torch.Tensor:
+    """Triton version of ``reference.host_to_unified`` (same contract)."""
+    _require(host, HostPool, "host_to_unified")
+    plan = plan_copy(
+        host, pages, staging, layout, layers=layers, writes_pool=False, check_indices=check_indices
+    )
+    _launch(plan, pack=True)
+    return staging
+
+
+def unified_to_host(
+    staging: torch.Tensor,
+    host: HostPool,
+    pages: torch.Tensor,
+    layout: UnifiedPageLayout,
+    *,
+    layers: tuple[int, int] | None = None,
+    check_indices: bool = True,
+) -> None:
+    """Triton version of ``reference.unified_to_host`` (same contract)."""
+    _require(host, HostPool, "unified_to_host")
+    plan = plan_copy(
+        host, pages, staging, layout, layers=layers, writes_pool=True, check_indices=check_indices
+    )
+    _launch(plan, pack=False)
+
+
+def _require(pool: object, kind: type, op: str) -> None:
+    if not isinstance(pool, kind):
+        raise ValueError(f"{op}: pool must be a {kind.__name__}, got {type(pool).__name__}")
+
+
+def _kernel() -> tuple[Any, bool]:
+    from . import _triton_kernel
+
+    return _triton_kernel.kv_page_copy_kernel, _triton_kernel.INTERPRETED
+
+
+def _pool_addressing(plan: CopyPlan) -> tuple[list[int], torch.Tensor, int]:
+    """(base address per selected (layer, plane), token offsets ``[N, P]``, head stride)."""
+    l0, l1 = plan.layers
+    pool = plan.pool
+    page_size = plan.layout.namespace.page_size
+    if isinstance(pool, HostPool):
+        s_layer, s_plane, s_page, s_token, s_head, _ = pool.axis_strides
+        item = pool.buffer.element_size()
+        planes = pool.paged.shape[1]
+        base = pool.buffer.data_ptr()
+        ptrs = [
+            base + (layer * s_layer + p * s_plane) * item
+            for layer in range(l0, l1)
+            for p in range(planes)
+        ]
+        tokens = (plan.table // page_size) * s_page + (plan.table % page_size) * s_token
+        return ptrs, tokens, s_head
+    first = pool.planes[0][0]
+    ptrs = [
+        pool.planes[p][layer].data_ptr() for layer in range(l0, l1) for p in range(len(pool.planes))
+    ]
+    return ptrs, plan.table * first.stride(0), first.stride(1)
+
+
+def _check_run(plan: CopyPlan, run: BlockRun) -> None:
+    # The kernel computes unified offsets as a row-major (layer, plane, token, head, dim)
+    # block; refuse to run if the layout layer ever says otherwise.
+    ns = plan.layout.namespace
+    inner = run.heads * ns.head_dim
+    expected = (ns.kv_planes * ns.page_size * inner, ns.page_size * inner, inner, ns.head_dim, 1)
+    if run.block_strides != expected:
+        raise ValueError(
+            f"unified block strides {run.block_strides} are not the row-major {expected} the "
+            "Triton kernel assumes"
+        )
+
+
+def _launch(plan: CopyPlan, *, pack: bool) -> None:
+    device = plan.pool.device
+    kernel, interpreted = _kernel()
+    if device.type != "cuda" and not (interpreted and device.type == "cpu"):
+        raise ValueError(
+            f"triton backend: tensors on {device}; it needs CUDA tensors, or CPU tensors with "
+            "TRITON_INTERPRET=1 set before the kernels were first imported"
+        )
+    num_pages = plan.table.shape[0]
+    if num_pages == 0:
+        return
+    ptrs, tokens, head_stride = _pool_addressing(plan)
+    ptr_table = _pointer_table(tuple(ptrs), device)
+    tokens = tokens.contiguous()
+    stage = as_bits(plan.stage)
+    ns = plan.layout.namespace
+    block_d = triton_next_power_of_2(ns.head_dim)
+    for run in plan.runs:
+        _check_run(plan, run)
+        rows = ns.page_size * run.num_heads
+        block_r = min(triton_next_power_of_2(rows), max(1, _TILE_ELEMENTS // block_d))
+        stage_off = run.offset + plan.layers[0] * run.block_strides[0]
+        grid = (num_pages, len(ptrs), -(-rows // block_r))
+        kernel[grid](
+            ptr_table,
+            tokens,
+            stage,
+            stage.stride(0),
+            stage_off,
+            run.stride,
+            head_stride,
+            run.head0,
+            P=ns.page_size,
+            HEADS=run.heads,
+            NUM_HEADS=run.num_heads,
+            D=ns.head_dim,
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
+            PACK=pack,
+        )
+
+
+@lru_cache(maxsize=256)
+def _pointer_table(ptrs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # Cached: pools live as long as the engine, so their base addresses repeat call after
+    # call and the small host-to-device copy of the table is paid once per layer range.
+    return torch.tensor(ptrs, dtype=torch.int64, device=device)
+
+
+def triton_next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (``tl.arange`` needs power-of-two extents)."""
+    return 1 << max(0, n - 1).bit_length()
