@@ -1,1 +1,78 @@
-"""Async storage backends: the ``Backend`` ABC, the registry and the built-in backends."""
+"""Async storage backends: the ``Backend`` ABC, the registry and the built-in backends.
+
+Open any backend the same way::
+
+    from hicache_store.backends import open_backend
+    store = open_backend("file:///var/cache/hicache?durability=data", capacity_bytes="200GiB")
+    async with store:
+        await store.put(keys, buffers)
+        sizes = await store.get_into(keys, buffers)      # None = miss
+
+Built-in names: ``file``, ``memory``, ``faulty``, ``s3``, ``fsspec``, ``hf3fs``, ``mooncake``;
+third-party backends register through the entry-point group ``hicache_store.backends``; any
+class works by its ``module:Class`` spec. Backend modules are imported only when opened.
+"""
+
+from __future__ import annotations
+
+from ._aligned import DIRECT_ALIGNMENT, aligned_buffer
+from .base import Backend, VerifiedObject
+from .errors import (
+    BackendClosedError,
+    BackendError,
+    BackendIOError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    CapacityError,
+    DuplicateBackendError,
+    InvalidRangeError,
+    MissingDependencyError,
+    NotFoundError,
+    NotSupportedError,
+    OutOfSpaceError,
+    UnknownBackendError,
+)
+from .registry import (
+    ENTRY_POINT_GROUP,
+    BackendSpec,
+    available_backends,
+    backends,
+    get_backend_class,
+    open_backend,
+    register_backend,
+    unregister_backend,
+)
+from .types import BackendStats, BackendURL, ByteRange, Capabilities, ObjectStat
+
+__all__ = [
+    "DIRECT_ALIGNMENT",
+    "ENTRY_POINT_GROUP",
+    "Backend",
+    "BackendClosedError",
+    "BackendError",
+    "BackendIOError",
+    "BackendSpec",
+    "BackendStats",
+    "BackendTimeoutError",
+    "BackendURL",
+    "BackendUnavailableError",
+    "ByteRange",
+    "Capabilities",
+    "CapacityError",
+    "DuplicateBackendError",
+    "InvalidRangeError",
+    "MissingDependencyError",
+    "NotFoundError",
+    "NotSupportedError",
+    "ObjectStat",
+    "OutOfSpaceError",
+    "UnknownBackendError",
+    "VerifiedObject",
+    "aligned_buffer",
+    "available_backends",
+    "backends",
+    "get_backend_class",
+    "open_backend",
+    "register_backend",
+    "unregister_backend",
+]

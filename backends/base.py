@@ -1,0 +1,492 @@
+"""The async ``Backend`` ABC: a small core each backend implements, helpers written once on top.
+
+Public API (what callers use; implemented here, once, for every backend)::
+
+    exists(keys)                      -> list[bool]
+    get_into(keys, buffers, ranges)   -> list[int | None]   bytes read, None = miss
+    put(keys, buffers)                -> None
+    delete(keys)                      -> list[bool]         False = was absent
+    stat(keys)                        -> list[ObjectStat | None]
+    list_prefix(prefix)               -> async iterator of keys
+    close()
+
+    helpers: exists_prefix_length, get_ranges, put_if_absent, get_bytes, put_bytes, get_object
+
+Core (what a backend implements; the public method has already validated everything):
+``_exists``, ``_get_into``, ``_put``, ``_delete``, ``_stat``; optionally ``_list_prefix``,
+``_put_if_absent``, ``_close``.
+
+Contracts every backend keeps (the conformance suite in ``hicache_store.testing`` checks them):
+
+- **Keys** are validated against the storage-key grammar by the public methods *before* the
+  core runs, so no invalid key ever reaches storage (no path traversal, no URL injection).
+  An invalid key anywhere in a batch refuses the whole batch.
+- **A miss is a result**: ``False`` / ``None``; exceptions mean something is broken.
+- **Whole-object visibility**: no reader ever observes a partially written object (temp +
+  rename, a single PUT, or the store's own atomic put). Writing the same key again is harmless:
+  readers see the old or the new object, never a mix. Within a batch, each object is all or
+  nothing on its own; when ``put`` raises, some objects of the batch may have been written and
+  ``exists`` tells which.
+- **Buffers belong to the caller.** ``put`` only reads its buffers during the call and never
+  keeps them; ``get_into`` writes only bytes ``[0, n)`` of each buffer, where ``n`` is the
+  returned count, and never keeps a reference after returning.
+- **Ranges** are ``ByteRange`` (end exclusive). A range reaching past the object's end, or a
+  buffer too small for the object or range, raises ``InvalidRangeError``; nothing is clamped.
+- **Loops and threads**: a backend binds no event-loop object at construction, so it may be
+  used from any loop (the sync bridge runs its own). Calls may overlap; backends synchronise
+  what they share.
+- **Errors** are translated once at the backend's edge into ``hicache_store.backends.errors``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from hicache_store.layout.errors import CorruptObjectError, InvalidKeyError
+from hicache_store.layout.framing import ObjectHeader, decode_header, payload_offset, verify_blocks
+from hicache_store.layout.keys import ObjectKey, validate_storage_key
+from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT
+
+from .errors import BackendClosedError, InvalidRangeError, NotSupportedError
+from .types import BackendStats, BackendURL, ByteRange, Capabilities, ObjectStat, validate_prefix
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer, Self
+
+log = logging.getLogger(__name__)
+
+#: header bytes fetched first by ``get_object`` (holds the header of objects up to 500 layers).
+_HEADER_PROBE = 4096
+
+
+@dataclass(frozen=True)
+class VerifiedObject:
+    """An object read through the framing layer: its header and the verified payload bytes.
+
+    ``payload`` holds the layer blocks that were asked for (all of them by default), and is a
+    view of the caller's ``into`` buffer when one was given.
+    """
+
+    header: ObjectHeader
+    payload: memoryview
+    layer_start: int
+    layer_stop: int
+
+
+def as_byte_view(buffer: Buffer, *, writable: bool, what: str = "buffer") -> memoryview:
+    """A flat byte view of a caller's buffer (no copy). Refuses non-contiguous memory."""
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous")
+    if writable and view.readonly:
+        raise ValueError(f"{what} is read-only; reads need writable memory")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class Backend(abc.ABC):
+    """An async key-value object store holding KV-cache objects. See the module docstring.
+
+    Subclasses set ``name`` (the registry name) and ``capabilities``, call
+    ``super().__init__()``, and implement the core methods. Build one with
+    ``hicache_store.backends.open_backend(url, **options)``, which calls ``from_url``.
+    Backends are async context managers (``async with open_backend(...) as store``).
+    """
+
+    name: ClassVar[str] = "backend"
+    capabilities: Capabilities = Capabilities()
+
+    def __init__(self) -> None:
+        self.stats = BackendStats()
+        self._closed = False
+
+    # -- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def from_url(cls, url: BackendURL, options: dict[str, Any]) -> Self:
+        """Build from a parsed URL plus options (URL query merged with keyword options).
+
+        The default takes no location and passes the options as keyword arguments; backends
+        that address something (a path, a bucket, a server) override this. Option values from
+        a URL arrive as strings: overrides convert them (see ``types.parse_size``).
+        """
+        if url.location:
+            raise ValueError(f"the {cls.name} backend takes no location, got {url.location!r}")
+        return cls(**options)
+
+    # -- the core each backend implements -----------------------------------------------------
+
+    @abc.abstractmethod
+    async def _exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored. Keys are already validated."""
+
+    @abc.abstractmethod
+    async def _get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+        ranges: Sequence[ByteRange | None],
+    ) -> list[int | None]:
+        """Read each object (or its range) into its buffer; return bytes read or None (miss).
+
+        Buffers are writable flat byte views; for a range, ``len(buffer) >= range.length`` is
+        already checked. A ``None`` range means the whole object: raise ``InvalidRangeError``
+        if it does not fit the buffer. A range past the object's end raises
+        ``InvalidRangeError``. Ranges only arrive here when ``capabilities.ranged_reads``.
+        """
+
+    @abc.abstractmethod
+    async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
+        """Store each buffer under its key, each object atomically visible. Keys validated;
+        the buffers are read-only views the backend must not keep after returning."""
+
+    @abc.abstractmethod
+    async def _delete(self, keys: Sequence[str]) -> list[bool]:
+        """Remove each key; True when it was present."""
+
+    @abc.abstractmethod
+    async def _stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
+        """Size (and mtime when known) of each object, None for a miss."""
+
+    def _list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        """Yield every stored key starting with ``prefix``, in any order, each once."""
+        raise NotSupportedError(
+            "this backend cannot list keys", backend=self.name, operation="list_prefix"
+        )
+
+    async def _put_if_absent(self, key: str, buffer: memoryview) -> bool:
+        """Store unless present. This default checks, then writes: two racing callers may both
+        return True; harmless, because equal keys carry equal bytes. Backends that can do it
+        atomically override it and set ``capabilities.atomic_put``."""
+        if (await self._exists([key]))[0]:
+            return False
+        await self._put([key], [buffer])
+        return True
+
+    async def _close(self) -> None:  # noqa: B027 - optional hook, empty by default
+        """Release resources. Called once."""
+
+    # -- public API: validation here, once --------------------------------------------------
+
+    def _check_open(self, operation: str) -> None:
+        if self._closed:
+            raise BackendClosedError(backend=self.name, operation=operation)
+
+    def _check_keys(self, keys: Sequence[str], operation: str) -> list[str]:
+        if isinstance(keys, (str, bytes)):
+            raise TypeError(f"{operation}: keys must be a sequence of str, not a single string")
+        checked = []
+        for key in keys:
+            try:
+                checked.append(validate_storage_key(key))
+            except InvalidKeyError as exc:
+                exc.backend, exc.operation = self.name, operation
+                raise
+        return checked
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored (a miss is False)."""
+        self._check_open("exists")
+        checked = self._check_keys(keys, "exists")
+        return await self._exists(checked) if checked else []
+
+    async def get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[Buffer],
+        ranges: Sequence[ByteRange | None] | None = None,
+    ) -> list[int | None]:
+        """Read objects (or byte ranges of them) into caller-owned buffers.
+
+        Returns, per key, the number of bytes written at the start of its buffer (the object
+        size, or the range length), or None for a miss. Raises ``InvalidRangeError`` when a
+        range reaches past its object or a buffer is too small. The buffers stay the caller's:
+        nothing is kept after the call. Zero-copy when ``capabilities.zero_copy_reads``.
+        """
+        self._check_open("get_into")
+        checked = self._check_keys(keys, "get_into")
+        if len(buffers) != len(checked):
+            raise ValueError(f"get_into: {len(checked)} keys but {len(buffers)} buffers")
+        if ranges is None:
+            ranges = [None] * len(checked)
+        elif len(ranges) != len(checked):
+            raise ValueError(f"get_into: {len(checked)} keys but {len(ranges)} ranges")
+        views = [as_byte_view(b, writable=True) for b in buffers]
+        for key, view, rng in zip(checked, views, ranges, strict=True):
+            if rng is None:
+                continue
+            if not isinstance(rng, ByteRange):
+                raise TypeError(f"get_into: ranges must be ByteRange or None, got {rng!r}")
+            if len(view) < rng.length:
+                raise InvalidRangeError(
+                    f"buffer of {len(view)} bytes is smaller than range [{rng.start}, {rng.end})",
+                    backend=self.name, operation="get_into", key=key,
+                )
+        if not checked:
+            return []
+        if self.capabilities.ranged_reads or all(r is None for r in ranges):
+            results = await self._get_into(checked, views, list(ranges))
+        else:
+            results = await self._emulated_ranges(checked, views, list(ranges))
+        self.stats.reads += len(checked)
+        for n in results:
+            if n is not None:
+                self.stats.read_hits += 1
+                self.stats.bytes_read += n
+        return results
+
+    async def _emulated_ranges(
+        self, keys: list[str], views: list[memoryview], ranges: list[ByteRange | None]
+    ) -> list[int | None]:
+        # Whole-object reads into scratch memory, then a copy of the range: correct for any
+        # backend, but not zero-copy (hence the ``ranged_reads`` flag).
+        stats = await self._stat(keys)
+        scratch_views: list[memoryview] = []
+        for key, view, rng, st in zip(keys, views, ranges, stats, strict=True):
+            if rng is None or st is None:
+                scratch_views.append(view)
+            else:
+                rng.check_within(st.size, backend=self.name, key=key)
+                scratch_views.append(memoryview(bytearray(st.size)))
+        got = await self._get_into(keys, scratch_views, [None] * len(keys))
+        results: list[int | None] = []
+        for key, view, rng, scratch, n in zip(keys, views, ranges, scratch_views, got, strict=True):
+            if rng is None or n is None:
+                results.append(n)
+                continue
+            # The object may have been replaced between stat and read: check again.
+            rng.check_within(n, backend=self.name, key=key)
+            view[: rng.length] = scratch[rng.start : rng.end]
+            results.append(rng.length)
+        return results
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> None:
+        """Store each buffer under its key; each object becomes visible all at once.
+
+        Rewriting a key replaces it atomically. On failure the error is raised and each object
+        of the batch is either fully written or absent. Buffers are read during the call only.
+        """
+        self._check_open("put")
+        checked = self._check_keys(keys, "put")
+        if len(buffers) != len(checked):
+            raise ValueError(f"put: {len(checked)} keys but {len(buffers)} buffers")
+        views = [as_byte_view(b, writable=False) for b in buffers]
+        if not checked:
+            return
+        await self._put(checked, views)
+        self.stats.writes += len(checked)
+        self.stats.bytes_written += sum(len(v) for v in views)
+
+    async def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Remove each key; True when it was present, False for a miss."""
+        self._check_open("delete")
+        checked = self._check_keys(keys, "delete")
+        if not checked:
+            return []
+        removed = await self._delete(checked)
+        self.stats.deletes += sum(removed)
+        return removed
+
+    async def stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
+        """Size and mtime of each object; None for a miss."""
+        self._check_open("stat")
+        checked = self._check_keys(keys, "stat")
+        return await self._stat(checked) if checked else []
+
+    async def list_prefix(self, prefix: str = "") -> AsyncIterator[str]:
+        """Yield every stored key that starts with ``prefix`` (any order, each key once).
+
+        Raises ``NotSupportedError`` unless ``capabilities.listing``. Keys written or deleted
+        while the listing runs may or may not appear.
+        """
+        self._check_open("list_prefix")
+        validate_prefix(prefix)
+        async for key in self._list_prefix(prefix):
+            yield key
+
+    async def close(self) -> None:
+        """Release resources. Idempotent; every other call afterwards raises
+        ``BackendClosedError``."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # -- helpers, written once ----------------------------------------------------------------
+
+    async def exists_prefix_length(self, keys: Sequence[str], *, chunk: int = 1024) -> int:
+        """How many keys from the start exist consecutively (what engines' ``batch_exists``
+        returns). Probes ``chunk`` keys at a time and stops at the first miss."""
+        self._check_keys(keys, "exists")
+        count = 0
+        for start in range(0, len(keys), max(1, chunk)):
+            hits = await self.exists(keys[start : start + chunk])
+            for hit in hits:
+                if not hit:
+                    return count
+                count += 1
+        return count
+
+    async def get_ranges(
+        self,
+        key: str,
+        ranges: Sequence[ByteRange],
+        *,
+        coalesce_bytes: int = 1 << 20,
+        max_concurrency: int = 8,
+    ) -> list[memoryview] | None:
+        """Fetch several ranges of one object; None on a miss.
+
+        Ranges less than ``coalesce_bytes`` apart are merged into one read, and at most
+        ``max_concurrency`` merged reads run at once. Returns one read-only view per range, in
+        the order given (views may share memory with each other).
+        """
+        if not ranges:
+            return [] if (await self.exists([key]))[0] else None
+        order = sorted(range(len(ranges)), key=lambda i: ranges[i].start)
+        groups: list[tuple[ByteRange, list[int]]] = []
+        for i in order:
+            rng = ranges[i]
+            if groups and rng.start <= groups[-1][0].end + coalesce_bytes:
+                merged, members = groups[-1]
+                groups[-1] = (ByteRange(merged.start, max(merged.end, rng.end)), [*members, i])
+            else:
+                groups.append((rng, [i]))
+        limit = asyncio.Semaphore(max(1, max_concurrency))
+
+        async def fetch(rng: ByteRange) -> memoryview | None:
+            async with limit:
+                buf = bytearray(rng.length)
+                got = await self.get_into([key], [buf], [rng])
+                return memoryview(buf).toreadonly() if got[0] is not None else None
+
+        datas = await asyncio.gather(*(fetch(rng) for rng, _ in groups))
+        out: list[memoryview | None] = [None] * len(ranges)
+        for (merged, members), data in zip(groups, datas, strict=True):
+            if data is None:
+                return None
+            for i in members:
+                rng = ranges[i]
+                out[i] = data[rng.start - merged.start : rng.end - merged.start]
+        return [view for view in out if view is not None]
+
+    async def put_if_absent(self, key: str, buffer: Buffer) -> bool:
+        """Store unless the key exists; True when this call wrote it.
+
+        Atomic (exactly one racing caller wins) when ``capabilities.atomic_put``; otherwise
+        two racing callers may both write, which is harmless for content-addressed keys.
+        """
+        self._check_open("put_if_absent")
+        (checked,) = self._check_keys([key], "put_if_absent")
+        view = as_byte_view(buffer, writable=False)
+        wrote = await self._put_if_absent(checked, view)
+        if wrote:
+            self.stats.writes += 1
+            self.stats.bytes_written += len(view)
+        return wrote
+
+    async def get_bytes(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
+        """A whole object (or range) as new ``bytes``; None on a miss. For small objects and
+        tools: it costs a ``stat`` and a copy. Hot paths use ``get_into``."""
+        if byte_range is not None:
+            buf = bytearray(byte_range.length)
+            got = await self.get_into([key], [buf], [byte_range])
+            return bytes(buf) if got[0] is not None else None
+        for _attempt in range(3):
+            (st,) = await self.stat([key])
+            if st is None:
+                return None
+            buf = bytearray(st.size)
+            try:
+                (n,) = await self.get_into([key], [buf])
+            except InvalidRangeError:
+                continue  # replaced by a larger object between stat and read: try again
+            return None if n is None else bytes(buf[:n])
+        return None
+
+    async def put_bytes(self, key: str, data: Buffer) -> None:
+        """Store one object (a one-key ``put``)."""
+        await self.put([key], [data])
+
+    async def get_object(
+        self,
+        key: str,
+        *,
+        expected: ObjectKey | None = None,
+        layers: tuple[int, int] | None = None,
+        into: Buffer | None = None,
+    ) -> VerifiedObject | None:
+        """Read a framed object and verify it (``hicache_store.layout.framing``).
+
+        Reads and checks the header (against ``expected`` when given), then reads the layer
+        blocks ``layers = (start, stop)`` (all by default) with one range read, into ``into``
+        when given, and verifies their checksums. A miss returns None. A corrupt object (bad
+        header, wrong key, checksum mismatch, wrong size) also returns None and increments
+        ``stats.corruptions``: wrong bytes are never returned. The object stays in place.
+        ``layers`` outside the object's layer range raise ``ValueError`` (a caller bug).
+        """
+        try:
+            return await self._read_verified(key, expected, layers, into)
+        except (CorruptObjectError, InvalidRangeError) as exc:
+            # InvalidRangeError here means the object shrank or its header lies about sizes.
+            self.stats.corruptions += 1
+            log.warning("corrupt object treated as a miss: %s (backend=%s, key=%s)",
+                        exc, self.name, key)
+            return None
+
+    async def _read_verified(
+        self,
+        key: str,
+        expected: ObjectKey | None,
+        layers: tuple[int, int] | None,
+        into: Buffer | None,
+    ) -> VerifiedObject | None:
+        (st,) = await self.stat([key])
+        if st is None:
+            return None
+        size = st.size
+        probe = min(size, _HEADER_PROBE)
+        if probe == 0:
+            raise CorruptObjectError("object is empty")
+        head = bytearray(probe)
+        if (await self.get_into([key], [head], [ByteRange(0, probe)]))[0] is None:
+            return None
+        try:
+            header = decode_header(head, expected=expected, object_length=size)
+        except CorruptObjectError:
+            longest = min(size, payload_offset(MAX_LAYERS_PER_OBJECT))
+            if longest <= probe:
+                raise
+            head = bytearray(longest)
+            if (await self.get_into([key], [head], [ByteRange(0, longest)]))[0] is None:
+                return None
+            header = decode_header(head, expected=expected, object_length=size)
+        start_layer, stop_layer = layers or (header.coords.layer_start, header.coords.layer_stop)
+        start, stop = header.block_range(start_layer, stop_layer)
+        dest = bytearray(stop - start) if into is None else into
+        view = as_byte_view(dest, writable=True, what="into")
+        if (await self.get_into([key], [view], [ByteRange(start, stop)]))[0] is None:
+            return None
+        payload = view[: stop - start]
+        verify_blocks(header, payload, start_layer, stop_layer)
+        return VerifiedObject(header, payload, start_layer, stop_layer)

@@ -1,0 +1,174 @@
+"""Backend errors: the part of the ``HiCacheStoreError`` hierarchy that storage raises.
+
+Contract (SPEC section 3): a *miss* is a result (``None`` / ``False``), never one of these.
+These are for what is broken: a bad range, a store that cannot answer, a full disk, an
+operation a backend does not offer. Every backend translates its native errors (``OSError``,
+SDK exceptions) into this hierarchy exactly once, at its edge, with ``raise ... from native``
+so the original stays in ``__cause__``.
+
+::
+
+    HiCacheStoreError                      (hicache_store.layout.errors)
+    +-- BackendError
+        +-- NotFoundError                  also FileNotFoundError
+        +-- InvalidRangeError              also ValueError
+        +-- BackendUnavailableError        .retryable
+        |   +-- BackendTimeoutError        also TimeoutError, retryable
+        |   +-- BackendClosedError         not retryable
+        +-- NotSupportedError
+        +-- CapacityError
+        |   +-- OutOfSpaceError            also OSError(ENOSPC)
+        +-- BackendIOError                 any other I/O failure, .retryable
+        +-- UnknownBackendError            also LookupError (registry)
+        +-- MissingDependencyError         also ImportError (registry), .install_hint
+        +-- DuplicateBackendError          also ValueError (registry)
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+from hicache_store.layout.errors import HiCacheStoreError
+
+
+class BackendError(HiCacheStoreError):
+    """Root of the errors raised by storage backends and the backend registry."""
+
+
+class NotFoundError(BackendError, FileNotFoundError):
+    """An object an operation *requires* is absent.
+
+    Plain reads never raise this (a miss is ``None``); it is for calls whose contract is
+    "the object must exist", such as a helper asked for a required object.
+    """
+
+
+class InvalidRangeError(BackendError, ValueError):
+    """A byte range is malformed, reaches past the object's end, or does not fit the buffer.
+
+    Ranges are never clamped: object sizes come from the layout, so an over-long range is a
+    caller bug or a corrupt object, and both must be loud.
+    """
+
+
+class BackendUnavailableError(BackendError):
+    """The store cannot answer now. ``retryable`` says whether trying again may succeed."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool = True,
+        backend: str | None = None,
+        operation: str | None = None,
+        key: str | None = None,
+    ) -> None:
+        super().__init__(message, backend=backend, operation=operation, key=key)
+        self.retryable = retryable
+
+
+class BackendTimeoutError(BackendUnavailableError, TimeoutError):
+    """An operation took longer than its deadline (retryable)."""
+
+
+class BackendClosedError(BackendUnavailableError):
+    """The backend was closed; nothing will succeed on it again (not retryable)."""
+
+    def __init__(
+        self, message: str = "backend is closed", *, backend: str | None = None,
+        operation: str | None = None,
+    ) -> None:
+        super().__init__(message, retryable=False, backend=backend, operation=operation)
+
+
+class NotSupportedError(BackendError):
+    """The backend does not offer this operation (see its ``capabilities``)."""
+
+
+class CapacityError(BackendError):
+    """The store is full and could not make room for a write."""
+
+
+class OutOfSpaceError(CapacityError, OSError):
+    """The device or quota ran out of space (ENOSPC / EDQUOT). Reads are unaffected.
+
+    ``errno`` is ``ENOSPC`` so code that only knows ``OSError`` still recognises it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        backend: str | None = None,
+        operation: str | None = None,
+        key: str | None = None,
+    ) -> None:
+        super().__init__(message, backend=backend, operation=operation, key=key)
+        self.errno = _errno.ENOSPC
+
+
+class BackendIOError(BackendError):
+    """Any other I/O failure of the store. ``retryable`` as for ``BackendUnavailableError``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool = False,
+        backend: str | None = None,
+        operation: str | None = None,
+        key: str | None = None,
+    ) -> None:
+        super().__init__(message, backend=backend, operation=operation, key=key)
+        self.retryable = retryable
+
+
+class UnknownBackendError(BackendError, LookupError):
+    """No backend is registered under this name (the message lists the known names)."""
+
+
+class MissingDependencyError(BackendError, ImportError):
+    """A backend's module or one of its optional dependencies cannot be imported.
+
+    ``install_hint`` is the command that fixes it, when one is known.
+    """
+
+    def __init__(self, message: str, *, install_hint: str | None = None,
+                 backend: str | None = None) -> None:
+        if install_hint:
+            message = f"{message}; install it with: {install_hint}"
+        super().__init__(message, backend=backend)
+        self.install_hint = install_hint
+
+
+class DuplicateBackendError(BackendError, ValueError):
+    """A backend name is already registered; names are never silently overridden."""
+
+
+#: errno values that mean "retrying later may work".
+_RETRYABLE_ERRNOS = frozenset(
+    {_errno.EAGAIN, _errno.EINTR, _errno.EBUSY, _errno.ETIMEDOUT, _errno.ENOBUFS, _errno.ENOMEM}
+)
+_SPACE_ERRNOS = frozenset({_errno.ENOSPC, _errno.EDQUOT})
+
+
+def translate_os_error(
+    exc: OSError, *, backend: str, operation: str, key: str | None = None
+) -> BackendError:
+    """Map an ``OSError`` to this hierarchy (the caller raises the result ``from exc``).
+
+    ENOSPC/EDQUOT become ``OutOfSpaceError``, ENOENT ``NotFoundError``, a timeout
+    ``BackendTimeoutError``; everything else ``BackendIOError`` with ``retryable`` set for
+    transient errnos. The message keeps the errno name and strerror.
+    """
+    code = exc.errno
+    name = _errno.errorcode.get(code, str(code)) if code is not None else "OSError"
+    message = f"{operation} failed: [{name}] {exc.strerror or exc}"
+    where = {"backend": backend, "operation": operation, "key": key}
+    if code in _SPACE_ERRNOS:
+        return OutOfSpaceError(message, **where)
+    if code == _errno.ENOENT:
+        return NotFoundError(message, **where)
+    if isinstance(exc, TimeoutError) or code == _errno.ETIMEDOUT:
+        return BackendTimeoutError(message, retryable=True, **where)
+    return BackendIOError(message, retryable=code in _RETRYABLE_ERRNOS, **where)

@@ -1,0 +1,189 @@
+"""``faulty://``: a wrapper that injects faults into any backend, at seeded rates.
+
+Used by the tests of every layer above the backends (the cache tier must degrade to
+recomputation, never hang or serve wrong bytes). With every rate at zero it is transparent:
+it forwards each call unchanged and passes the conformance suite like the backend it wraps.
+
+Faults (``FaultConfig``; rates are probabilities in [0, 1], drawn from one seeded RNG so a run
+is reproducible for a given sequence of calls):
+
+- ``error_rate`` / ``read_error_rate`` / ``write_error_rate``: the call raises a retryable
+  ``BackendUnavailableError`` before reaching the wrapped backend (per call).
+- ``timeout_rate``: the call sleeps ``timeout_s`` and raises ``BackendTimeoutError``.
+- ``latency_s`` (+ uniform ``latency_jitter_s``): added before every call.
+- ``out_of_space_rate``: a ``put`` raises ``OutOfSpaceError`` (1.0 = a full disk); reads go on.
+- ``torn_write_rate``: per object, only a random prefix is stored and the put reports success:
+  a store that breaks the all-or-nothing contract, for testing the framing layer's defence.
+- ``bit_flip_rate``: per object read, one random bit of the bytes delivered to the caller is
+  flipped (the stored copy stays intact): silent media or transfer corruption.
+
+``faults`` may be replaced at any time (``store.faults = FaultConfig(...)``); ``injected``
+counts what was injected, by kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .base import Backend
+from .errors import BackendTimeoutError, BackendUnavailableError, OutOfSpaceError
+from .types import BackendURL, ByteRange, Capabilities, ObjectStat
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """What to inject; all zero (the default) means nothing."""
+
+    seed: int = 0
+    error_rate: float = 0.0
+    read_error_rate: float = 0.0
+    write_error_rate: float = 0.0
+    timeout_rate: float = 0.0
+    timeout_s: float = 0.05
+    latency_s: float = 0.0
+    latency_jitter_s: float = 0.0
+    out_of_space_rate: float = 0.0
+    torn_write_rate: float = 0.0
+    bit_flip_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_rate") and not 0.0 <= value <= 1.0:
+                raise ValueError(f"{f.name} must be in [0, 1], got {value}")
+            if f.name.endswith("_s") and value < 0:
+                raise ValueError(f"{f.name} must be >= 0, got {value}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> FaultConfig:
+        """Build from string or typed options (URL query values are strings)."""
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = set(options) - kinds.keys()
+        if unknown:
+            raise ValueError(f"unknown fault options {sorted(unknown)}; known: {sorted(kinds)}")
+        values: dict[str, Any] = {
+            name: int(value) if name == "seed" else float(value)
+            for name, value in options.items()
+        }
+        return cls(**values)
+
+
+class FaultyBackend(Backend):
+    """Wraps ``inner`` and injects the faults of ``faults``. Closing it closes ``inner``."""
+
+    name = "faulty"
+
+    def __init__(self, inner: Backend, faults: FaultConfig | None = None) -> None:
+        super().__init__()
+        self.inner = inner
+        self.capabilities: Capabilities = inner.capabilities
+        self.injected: Counter[str] = Counter()
+        self._faults = FaultConfig()
+        self._rng = random.Random(0)
+        self.faults = faults or FaultConfig()
+
+    @property
+    def faults(self) -> FaultConfig:
+        return self._faults
+
+    @faults.setter
+    def faults(self, config: FaultConfig) -> None:
+        self._faults = config
+        self._rng = random.Random(config.seed)
+
+    @classmethod
+    def from_url(cls, url: BackendURL, options: dict[str, Any]) -> FaultyBackend:
+        """``faulty://?inner=memory://&error_rate=0.1``: ``inner`` is a URL, a config dict or a
+        ``Backend``; every other option is a ``FaultConfig`` field."""
+        from .registry import open_backend
+
+        opts = dict(options)
+        inner = opts.pop("inner", None)
+        if url.location and inner is None:
+            inner = url.location if "://" in url.location else None
+        if inner is None:
+            raise ValueError("faulty:// needs an inner backend: faulty://?inner=memory://")
+        backend = inner if isinstance(inner, Backend) else open_backend(inner)
+        return cls(backend, FaultConfig.from_options(opts))
+
+    def _chance(self, rate: float) -> bool:
+        return rate > 0.0 and self._rng.random() < rate
+
+    async def _before(self, operation: str, *, writing: bool) -> None:
+        f = self._faults
+        delay = f.latency_s + (self._rng.uniform(0.0, f.latency_jitter_s) if f.latency_jitter_s else 0.0)
+        if delay:
+            await asyncio.sleep(delay)
+        if self._chance(f.timeout_rate):
+            self.injected["timeout"] += 1
+            await asyncio.sleep(f.timeout_s)
+            raise BackendTimeoutError(
+                f"injected timeout after {f.timeout_s}s", backend=self.name, operation=operation
+            )
+        specific = f.write_error_rate if writing else f.read_error_rate
+        if self._chance(f.error_rate) or self._chance(specific):
+            self.injected["error"] += 1
+            raise BackendUnavailableError(
+                "injected failure", retryable=True, backend=self.name, operation=operation
+            )
+        if writing and self._chance(f.out_of_space_rate):
+            self.injected["out_of_space"] += 1
+            raise OutOfSpaceError(
+                "injected: no space left on device", backend=self.name, operation=operation
+            )
+
+    async def _exists(self, keys: Sequence[str]) -> list[bool]:
+        await self._before("exists", writing=False)
+        return await self.inner.exists(keys)
+
+    async def _get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+        ranges: Sequence[ByteRange | None],
+    ) -> list[int | None]:
+        await self._before("get_into", writing=False)
+        results = await self.inner.get_into(keys, buffers, ranges)
+        for buf, n in zip(buffers, results, strict=True):
+            if n and self._chance(self._faults.bit_flip_rate):
+                self.injected["bit_flip"] += 1
+                bit = self._rng.randrange(n * 8)
+                buf[bit // 8] ^= 1 << (bit % 8)
+        return results
+
+    async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
+        await self._before("put", writing=True)
+        stored: list[memoryview] = []
+        for buf in buffers:
+            if len(buf) and self._chance(self._faults.torn_write_rate):
+                self.injected["torn_write"] += 1
+                stored.append(buf[: self._rng.randrange(len(buf))])
+            else:
+                stored.append(buf)
+        await self.inner.put(keys, stored)
+
+    async def _put_if_absent(self, key: str, buffer: memoryview) -> bool:
+        await self._before("put_if_absent", writing=True)
+        return await self.inner.put_if_absent(key, buffer)
+
+    async def _delete(self, keys: Sequence[str]) -> list[bool]:
+        await self._before("delete", writing=True)
+        return await self.inner.delete(keys)
+
+    async def _stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
+        await self._before("stat", writing=False)
+        return await self.inner.stat(keys)
+
+    async def _list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        await self._before("list_prefix", writing=False)
+        async for key in self.inner.list_prefix(prefix):
+            yield key
+
+    async def _close(self) -> None:
+        await self.inner.close()

@@ -1,0 +1,155 @@
+"""``memory://``: the reference backend, an in-process dict with a byte bound and LRU eviction.
+
+It is the executable specification of the ``Backend`` contract (the conformance suite's first
+customer) and the L3 stand-in of unit tests. Not shared between processes and not persistent.
+
+Atomicity: every core method runs without an ``await`` between reading and updating the dict,
+so on one event loop each call is atomic; a stored object is an immutable ``bytes`` copy made
+before it is published, so no reader can observe it half-written and the caller's buffer is
+never aliased.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from ._lru import ChainLRU
+from .base import Backend
+from .errors import CapacityError, InvalidRangeError
+from .types import BackendURL, ByteRange, Capabilities, ObjectStat, parse_size
+
+#: default bound: 1 GiB.
+DEFAULT_CAPACITY_BYTES = 1 << 30
+
+
+class MemoryBackend(Backend):
+    """Objects in a dict, at most ``capacity_bytes`` in total, chain-aware LRU eviction.
+
+    Options: ``capacity_bytes`` (int or a size string such as ``256MiB``; default 1 GiB).
+    An object larger than the capacity raises ``CapacityError``.
+    """
+
+    name = "memory"
+    capabilities = Capabilities(
+        ranged_reads=True, listing=True, atomic_put=True, eviction=True
+    )
+
+    def __init__(self, capacity_bytes: int | str = DEFAULT_CAPACITY_BYTES) -> None:
+        super().__init__()
+        self.capacity_bytes = parse_size(capacity_bytes)
+        self._data: dict[str, bytes] = {}
+        self._lru = ChainLRU()
+
+    @classmethod
+    def from_url(cls, url: BackendURL, options: dict[str, Any]) -> MemoryBackend:
+        # docstring inherited
+        if url.location:
+            raise ValueError(f"memory:// takes no location, got {url.location!r}")
+        return cls(**options)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._lru.total_bytes
+
+    async def _exists(self, keys: Sequence[str]) -> list[bool]:
+        # docstring inherited
+        hits = [key in self._data for key in keys]
+        self._lru.touch_batch([k for k, hit in zip(keys, hits, strict=True) if hit])
+        return hits
+
+    async def _get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+        ranges: Sequence[ByteRange | None],
+    ) -> list[int | None]:
+        # docstring inherited
+        results: list[int | None] = []
+        for key, buf, rng in zip(keys, buffers, ranges, strict=True):
+            data = self._data.get(key)
+            if data is None:
+                results.append(None)
+                continue
+            if rng is None:
+                if len(data) > len(buf):
+                    raise InvalidRangeError(
+                        f"object of {len(data)} bytes does not fit a {len(buf)}-byte buffer",
+                        backend=self.name, operation="get_into", key=key,
+                    )
+                buf[: len(data)] = data
+                results.append(len(data))
+            else:
+                rng.check_within(len(data), backend=self.name, key=key)
+                buf[: rng.length] = data[rng.start : rng.end]
+                results.append(rng.length)
+        self._lru.touch_batch([k for k, n in zip(keys, results, strict=True) if n is not None])
+        return results
+
+    async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
+        # docstring inherited
+        copies = [(key, bytes(buf)) for key, buf in zip(keys, buffers, strict=True)]
+        for key, data in copies:
+            if len(data) > self.capacity_bytes:
+                raise CapacityError(
+                    f"object of {len(data)} bytes exceeds the capacity of {self.capacity_bytes}",
+                    backend=self.name, operation="put", key=key,
+                )
+        latest = dict(copies)  # a key repeated in one batch: the last copy wins
+        self._make_room(sum(len(v) for v in latest.values()), keep=latest.keys())
+        for key, data in latest.items():
+            self._data[key] = data
+        self._lru.add_batch([(key, len(data)) for key, data in copies if latest[key] is data])
+
+    def _make_room(self, incoming: int, keep: Any) -> None:
+        for victim, _size in self._lru.victims():
+            if self._lru.total_bytes + incoming <= self.capacity_bytes:
+                return
+            if victim in keep:
+                continue  # being rewritten by this very batch: its old size goes away anyway
+            del self._data[victim]
+            self._lru.discard(victim)
+            self.stats.evictions += 1
+
+    async def _delete(self, keys: Sequence[str]) -> list[bool]:
+        # docstring inherited
+        removed = []
+        for key in keys:
+            removed.append(self._data.pop(key, None) is not None)
+            self._lru.discard(key)
+        return removed
+
+    async def _stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
+        # docstring inherited
+        return [
+            None if (data := self._data.get(key)) is None else ObjectStat(key, len(data))
+            for key in keys
+        ]
+
+    async def _list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        # docstring inherited; a snapshot, so writes during the listing cannot break it.
+        for key in [k for k in self._data if k.startswith(prefix)]:
+            yield key
+
+    async def _put_if_absent(self, key: str, buffer: memoryview) -> bool:
+        # Atomic: no await between the check and the insert.
+        if key in self._data:
+            return False
+        await self._put([key], [buffer])
+        return True
+
+    async def _close(self) -> None:
+        self._data.clear()
+        self._lru = ChainLRU()
+
+    # -- oracle access for tests (bypasses the API: no validation, no stats, no LRU) ---------
+
+    def raw_get(self, key: str) -> bytes | None:
+        return self._data.get(key)
+
+    def raw_set(self, key: str, data: bytes) -> None:
+        old = self._data.get(key)
+        self._data[key] = bytes(data)
+        if old is not None:
+            self._lru.discard(key)
+        self._lru.add(key, len(data))

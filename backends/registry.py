@@ -1,0 +1,226 @@
+"""The backend registry: names to classes, and the one way every backend is built.
+
+Three sources, one table:
+
+1. **Built-ins**, registered here as lazy import strings (``"file"`` ->
+   ``"hicache_store.backends.file:FileBackend"``): nothing is imported until a backend is
+   opened, and a missing optional dependency turns into ``MissingDependencyError`` carrying the
+   install hint.
+2. **Entry points** in the group ``hicache_store.backends`` (``name = "module:Class"``), read
+   once, the first time a name is looked up that is not already known. A plugin may not take a
+   built-in's name: it is skipped with a warning.
+3. **Explicit** ``register_backend(name, "module:Class" | cls)`` calls. A name is never
+   silently overridden: registering a taken name raises ``DuplicateBackendError`` unless
+   ``replace=True``.
+
+``backends`` is a read-only view of the table. Any class can also be used without registering
+it, by its ``module:Class`` spec.
+
+Building: ``open_backend(url_or_config, **options)`` is the only constructor path, the same
+from Python, the CLI and an engine's extra-config JSON::
+
+    open_backend("file:///var/cache/kv?durability=full", capacity_bytes="200GiB")
+    open_backend({"url": "s3://bucket/prefix", "region": "us-east-1"})
+    open_backend("mypkg.store:MyBackend", endpoint="...")       # a class by spec
+    open_backend({"backend": "mypkg.store:MyBackend", "endpoint": "..."})
+
+The URL's scheme names the backend, its query string gives options, keyword options override
+the query; then ``cls.from_url(url, options)`` builds it. Every backend is built that way: no
+per-name branches anywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import re
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from .base import Backend
+from .errors import (
+    BackendError,
+    DuplicateBackendError,
+    MissingDependencyError,
+    UnknownBackendError,
+)
+from .types import BackendURL
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "hicache_store.backends"
+_NAME_RE = re.compile(r"[a-z][a-z0-9_+.-]{0,63}")
+_SPEC_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One registry entry: where the class lives, how to install what it needs, who added it.
+
+    ``target`` is a ``module:Class`` string (imported on first use) or the class itself.
+    ``origin`` is ``builtin``, ``entry-point`` or ``user``.
+    """
+
+    name: str
+    target: str | type[Backend]
+    install_hint: str | None = None
+    origin: str = "user"
+
+
+_lock = threading.RLock()
+_registry: dict[str, BackendSpec] = {}
+_loaded_groups: set[str] = set()  # entry-point groups already read (read once per process)
+
+#: read-only view of every registered backend (entry points appear once they are loaded).
+backends: Mapping[str, BackendSpec] = MappingProxyType(_registry)
+
+_BUILTINS: tuple[tuple[str, str, str | None], ...] = (
+    ("memory", "hicache_store.backends.memory:MemoryBackend", None),
+    ("file", "hicache_store.backends.file:FileBackend", None),
+    ("faulty", "hicache_store.backends.faulty:FaultyBackend", None),
+    ("s3", "hicache_store.backends.s3:S3Backend", "pip install 'hicache-store[s3]'"),
+    ("fsspec", "hicache_store.backends.fsspec:FsspecBackend", "pip install 'hicache-store[fsspec]'"),
+    ("hf3fs", "hicache_store.backends.hf3fs:HF3FSBackend", "pip install hf3fs-py-usrbio (needs a 3FS cluster)"),
+    ("mooncake", "hicache_store.backends.mooncake:MooncakeBackend",
+     "pip install 'hicache-store[mooncake]'"),
+)
+
+
+def register_backend(
+    name: str,
+    target: str | type[Backend],
+    *,
+    install_hint: str | None = None,
+    replace: bool = False,
+    origin: str = "user",
+) -> None:
+    """Register ``name`` for ``target`` (a ``module:Class`` string, imported lazily, or a class).
+
+    ``name`` is lowercase (``[a-z][a-z0-9_+.-]*``): it is a URL scheme. Raises
+    ``DuplicateBackendError`` if the name is taken, unless ``replace=True``.
+    """
+    if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None:
+        raise ValueError(f"backend name {name!r} must match {_NAME_RE.pattern}")
+    if isinstance(target, str):
+        if _SPEC_RE.fullmatch(target) is None:
+            raise ValueError(f"backend target {target!r} must be 'module:Class'")
+    elif not (isinstance(target, type) and issubclass(target, Backend)):
+        raise TypeError(f"backend target must be 'module:Class' or a Backend subclass, got {target!r}")
+    with _lock:
+        existing = _registry.get(name)
+        if existing is not None and not replace:
+            raise DuplicateBackendError(
+                f"backend name {name!r} is already registered ({existing.origin}: "
+                f"{_describe(existing.target)}); pass replace=True to override it on purpose"
+            )
+        _registry[name] = BackendSpec(name, target, install_hint, origin)
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a name (for tests and for plugins that re-register)."""
+    with _lock:
+        _registry.pop(name, None)
+
+
+def _describe(target: str | type[Backend]) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
+
+def load_entry_points() -> None:
+    """Read the ``hicache_store.backends`` entry-point group (once per process)."""
+    with _lock:
+        if ENTRY_POINT_GROUP in _loaded_groups:
+            return
+        _loaded_groups.add(ENTRY_POINT_GROUP)
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                register_backend(ep.name, ep.value, origin="entry-point")
+            except (DuplicateBackendError, ValueError, TypeError) as exc:
+                dist = getattr(ep.dist, "name", "?")
+                log.warning("ignoring backend entry point %r from %s: %s", ep.name, dist, exc)
+
+
+def available_backends() -> Mapping[str, BackendSpec]:
+    """Every backend name, entry points included (a read-only view)."""
+    load_entry_points()
+    return backends
+
+
+def _import_target(spec: str, *, name: str, install_hint: str | None) -> type[Backend]:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        missing = getattr(exc, "name", None)
+        if missing and (missing == module_name or module_name.startswith(missing + ".")):
+            what = f"backend {name!r} is not available: module {module_name!r} does not exist"
+        else:
+            what = f"backend {name!r} needs {missing or 'a module'} that is not installed ({exc})"
+        raise MissingDependencyError(what, install_hint=install_hint, backend=name) from exc
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise BackendError(f"{spec} is not a hicache_store Backend subclass", backend=name)
+    return cls
+
+
+def get_backend_class(name_or_spec: str) -> type[Backend]:
+    """The class for a registered name or a ``module:Class`` spec (importing it if needed).
+
+    Raises ``UnknownBackendError`` (listing the known names) or ``MissingDependencyError``
+    (with the install hint).
+    """
+    with _lock:
+        spec = _registry.get(name_or_spec)
+    if spec is None and _SPEC_RE.fullmatch(name_or_spec):
+        return _import_target(name_or_spec, name=name_or_spec, install_hint=None)
+    if spec is None:
+        load_entry_points()
+        with _lock:
+            spec = _registry.get(name_or_spec)
+    if spec is None:
+        known = ", ".join(sorted(_registry))
+        raise UnknownBackendError(
+            f"no backend named {name_or_spec!r}; known: {known} (or use 'module:Class')"
+        )
+    if isinstance(spec.target, type):
+        return spec.target
+    return _import_target(spec.target, name=spec.name, install_hint=spec.install_hint)
+
+
+def open_backend(config: str | Mapping[str, Any], /, **options: Any) -> Backend:
+    """Build a backend from a URL, a name, a ``module:Class`` spec, or a config mapping.
+
+    - ``"file:///path?durability=full"``: the scheme names the backend, the query gives options.
+    - ``"memory"`` / ``"mypkg.mod:MyBackend"``: no location.
+    - ``{"url": ..., "backend": ..., **options}``: what an engine's extra-config JSON holds;
+      ``backend`` (a name or spec) wins over the URL's scheme, which then only gives the
+      location.
+
+    Keyword ``options`` override both. The class's ``from_url(url, options)`` does the rest.
+    """
+    opts: dict[str, Any]
+    if isinstance(config, Mapping):
+        opts = dict(config)
+        url_text = opts.pop("url", None)
+        target = opts.pop("backend", None)
+        if url_text is None and target is None:
+            raise ValueError("a backend config needs 'url' or 'backend'")
+        opts.update(options)
+    elif isinstance(config, str):
+        url_text, target, opts = config, None, dict(options)
+    else:
+        raise TypeError(f"open_backend takes a URL string or a mapping, got {type(config).__name__}")
+    if url_text is not None and "://" not in url_text:
+        target, url_text = url_text, None  # a bare name or a module:Class spec
+    url = BackendURL.parse(url_text) if url_text is not None else BackendURL(scheme="")
+    cls = get_backend_class(target or url.scheme)
+    merged = {**url.query, **opts}
+    return cls.from_url(url, merged)
+
+
+for _name, _target, _hint in _BUILTINS:
+    register_backend(_name, _target, install_hint=_hint, origin="builtin")

@@ -1,0 +1,66 @@
+"""Every exception hicache-store raises, in one place for users.
+
+The hierarchy is rooted at ``HiCacheStoreError`` (defined in ``hicache_store.layout.errors``,
+the lowest layer, so every layer raises the same classes); the backend errors are defined in
+``hicache_store.backends.errors``. A miss is never an exception.
+"""
+
+from __future__ import annotations
+
+from hicache_store.backends.errors import (
+    BackendClosedError,
+    BackendError,
+    BackendIOError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    CapacityError,
+    DuplicateBackendError,
+    InvalidRangeError,
+    MissingDependencyError,
+    NotFoundError,
+    NotSupportedError,
+    OutOfSpaceError,
+    UnknownBackendError,
+)
+from hicache_store.layout.errors import (
+    BadMagicError,
+    CorruptObjectError,
+    GridMismatchError,
+    HeaderChecksumError,
+    HeaderFieldError,
+    HiCacheStoreError,
+    InvalidKeyError,
+    InvalidNamespaceError,
+    KeyMismatchError,
+    PayloadChecksumError,
+    TruncatedObjectError,
+    UnsupportedVersionError,
+)
+
+__all__ = [
+    "BackendClosedError",
+    "BackendError",
+    "BackendIOError",
+    "BackendTimeoutError",
+    "BackendUnavailableError",
+    "BadMagicError",
+    "CapacityError",
+    "CorruptObjectError",
+    "DuplicateBackendError",
+    "GridMismatchError",
+    "HeaderChecksumError",
+    "HeaderFieldError",
+    "HiCacheStoreError",
+    "InvalidKeyError",
+    "InvalidNamespaceError",
+    "InvalidRangeError",
+    "KeyMismatchError",
+    "MissingDependencyError",
+    "NotFoundError",
+    "NotSupportedError",
+    "OutOfSpaceError",
+    "PayloadChecksumError",
+    "TruncatedObjectError",
+    "UnknownBackendError",
+    "UnsupportedVersionError",
+]

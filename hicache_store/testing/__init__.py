@@ -1,0 +1,22 @@
+"""``hicache_store.testing``: the public conformance kit for storage backends.
+
+``BackendTests`` is a pytest base class: subclass it with a ``backend`` fixture and the two
+oracle hooks ``oracle_get`` / ``oracle_set`` and every contract of
+``hicache_store.backends.Backend`` is checked against your backend, switched by its
+capabilities. ``run_backend_state_machine`` is the Hypothesis model-based check on its own.
+Needs pytest, pytest-asyncio and hypothesis (the ``dev`` extra).
+"""
+
+from __future__ import annotations
+
+from .backend import INVALID_KEYS, BackendTests, framed_object, pattern
+from .stateful import BackendModelMachine, run_backend_state_machine
+
+__all__ = [
+    "INVALID_KEYS",
+    "BackendModelMachine",
+    "BackendTests",
+    "framed_object",
+    "pattern",
+    "run_backend_state_machine",
+]

@@ -1,0 +1,539 @@
+"""``BackendTests``: the conformance suite every backend runs, built-in or third-party.
+
+Subclass it in a test module (the subclass's name must start with ``Test``) and provide:
+
+- a pytest fixture ``backend`` that yields an open, empty backend with room for a few MiB and
+  closes it afterwards (an async generator fixture is fine);
+- ``async def oracle_get(self, backend, key) -> bytes | None``: the bytes stored under ``key``,
+  read *around* the backend's API (the file on disk, the dict, the S3 object), or None;
+- ``async def oracle_set(self, backend, key, data) -> None``: store bytes under ``key`` around
+  the API (used to plant corrupt objects).
+
+Optionally override ``reopen(backend)`` to return a new backend over the same storage (the
+persistence test runs only when the backend declares ``capabilities.persistent`` and
+``reopen`` returns one). Tests switch on the backend's ``capabilities``. Example::
+
+    class TestMyBackend(BackendTests):
+        @pytest.fixture
+        async def backend(self, tmp_path):
+            store = open_backend(f"mine://{tmp_path}")
+            yield store
+            await store.close()
+
+        async def oracle_get(self, backend, key):
+            return raw_read(backend, key)
+
+        async def oracle_set(self, backend, key, data):
+            raw_write(backend, key, data)
+
+Every test is an ``async def`` marked ``pytest.mark.asyncio`` (pytest-asyncio is required).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import random
+
+import pytest
+
+from hicache_store.backends._aligned import aligned_buffer
+from hicache_store.backends.base import Backend
+from hicache_store.backends.errors import (
+    BackendClosedError,
+    InvalidRangeError,
+    NotSupportedError,
+)
+from hicache_store.backends.types import ByteRange, Capabilities
+from hicache_store.layout.errors import InvalidKeyError
+from hicache_store.layout.framing import encode_object
+from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
+
+from .stateful import run_backend_state_machine
+
+#: keys every backend must refuse, before touching storage.
+INVALID_KEYS: tuple[object, ...] = (
+    "",
+    "a/b",
+    "..",
+    "../a0",
+    "a0\x00",
+    "x" * 10_000,
+    "a" * 256,
+    "a.b",
+    "a b",
+    "\u00e9",
+    b"a0",
+    7,
+)
+#: object sizes the round trip covers: tiny, around the 4 KiB alignment, and a whole MiB.
+ROUNDTRIP_SIZES: tuple[int, ...] = (1, 17, 4095, 4096, 4097, 3 * 4096 + 17, 1 << 20)
+
+
+def pattern(size: int, seed: int) -> bytes:
+    """Deterministic bytes where a shifted or mixed copy is always detectable."""
+    return random.Random(seed).randbytes(size)
+
+
+def framed_object(page: int = 1, layers: int = 4, block: int = 1024) -> tuple[ObjectKey, bytes]:
+    """A small valid framed object (``layers`` blocks of ``block`` bytes) and its key."""
+    key = ObjectKey(
+        f"{page:064x}", "0123456789abcdef", ObjectCoords(0, layers, head_group=0)
+    )
+    payload = b"".join(bytes([i + 1]) * block for i in range(layers))
+    return key, encode_object(key, payload, kv_planes=2)
+
+
+@pytest.mark.asyncio
+class BackendTests(abc.ABC):
+    """The conformance suite. See the module docstring for what a subclass provides."""
+
+    #: Hypothesis budget for the model-based test (keep CI fast).
+    stateful_max_examples = 15
+    stateful_step_count = 12
+
+    @abc.abstractmethod
+    async def oracle_get(self, backend: Backend, key: str) -> bytes | None:
+        """The stored bytes of ``key``, bypassing the backend's API (None if absent)."""
+
+    @abc.abstractmethod
+    async def oracle_set(self, backend: Backend, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key``, bypassing the backend's API."""
+
+    async def reopen(self, backend: Backend) -> Backend | None:
+        """A new backend over the same storage as ``backend`` (None: not reopenable)."""
+        return None
+
+    # -- declarations -------------------------------------------------------------------------
+
+    async def test_declares_capabilities(self, backend: Backend) -> None:
+        assert isinstance(backend.capabilities, Capabilities)
+        assert isinstance(backend.name, str)
+        assert backend.name
+
+    # -- round trips --------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("size", ROUNDTRIP_SIZES)
+    async def test_roundtrip(self, backend: Backend, size: int) -> None:
+        data = pattern(size, size)
+        await backend.put(["a0"], [data])
+        assert await backend.exists(["a0"]) == [True]
+        buf = bytearray(size)
+        assert await backend.get_into(["a0"], [buf]) == [size]
+        assert bytes(buf) == data
+        assert await self.oracle_get(backend, "a0") == data
+        (st,) = await backend.stat(["a0"])
+        assert st is not None
+        assert st.size == size
+        assert st.key == "a0"
+
+    @pytest.mark.parametrize("size", [4096, 3 * 4096 + 17, 1 << 20])
+    async def test_roundtrip_aligned_buffers(self, backend: Backend, size: int) -> None:
+        # Page-aligned buffers take the zero-copy / O_DIRECT paths where a backend has them.
+        src = aligned_buffer(size)
+        src[:] = pattern(size, 7)
+        await backend.put(["b0"], [src])
+        dst = aligned_buffer(size + 4096)
+        dst[size:] = b"\xee" * 4096
+        assert await backend.get_into(["b0"], [dst]) == [size]
+        assert bytes(dst[:size]) == bytes(src)
+        assert bytes(dst[size:]) == b"\xee" * 4096, "bytes past the object were written"
+
+    async def test_empty_object(self, backend: Backend) -> None:
+        await backend.put(["a0"], [b""])
+        assert await backend.exists(["a0"]) == [True]
+        assert await backend.get_into(["a0"], [bytearray(4)]) == [0]
+        (st,) = await backend.stat(["a0"])
+        assert st is not None
+        assert st.size == 0
+
+    async def test_batch_roundtrip(self, backend: Backend) -> None:
+        keys = [f"c{i:x}" for i in range(24)]
+        values = [pattern(100 + 37 * i, i) for i in range(24)]
+        await backend.put(keys, values)
+        buffers = [bytearray(len(v) + 5) for v in values]
+        assert await backend.get_into(keys, buffers) == [len(v) for v in values]
+        for buf, value in zip(buffers, values, strict=True):
+            assert bytes(buf[: len(value)]) == value
+        assert await backend.exists(keys) == [True] * 24
+
+    async def test_empty_batches(self, backend: Backend) -> None:
+        await backend.put([], [])
+        assert await backend.exists([]) == []
+        assert await backend.get_into([], []) == []
+        assert await backend.delete([]) == []
+        assert await backend.stat([]) == []
+
+    # -- misses -------------------------------------------------------------------------------
+
+    async def test_miss_is_a_result(self, backend: Backend) -> None:
+        buf = bytearray(b"\x5a" * 16)
+        assert await backend.exists(["d0", "d1"]) == [False, False]
+        assert await backend.get_into(["d0"], [buf]) == [None]
+        assert await backend.get_into(["d0"], [buf], [ByteRange(0, 4)]) == [None]
+        assert bytes(buf) == b"\x5a" * 16, "a miss wrote into the buffer"
+        assert await backend.stat(["d0"]) == [None]
+        assert await backend.delete(["d0"]) == [False]
+        assert await backend.get_bytes("d0") is None
+        assert await backend.get_object("d0") is None
+
+    async def test_mixed_hits_and_misses(self, backend: Backend) -> None:
+        await backend.put(["a0", "a1"], [b"x" * 10, b"y" * 20])
+        bufs = [bytearray(32) for _ in range(3)]
+        assert await backend.get_into(["a0", "d9", "a1"], bufs) == [10, None, 20]
+        assert await backend.exists(["d9", "a1", "a0"]) == [False, True, True]
+
+    # -- buffers ------------------------------------------------------------------------------
+
+    async def test_writes_only_the_returned_prefix(self, backend: Backend) -> None:
+        await backend.put(["a0"], [b"\x01" * 100])
+        buf = bytearray(b"\xff" * 300)
+        assert await backend.get_into(["a0"], [buf]) == [100]
+        assert bytes(buf[100:]) == b"\xff" * 200
+        buf = bytearray(b"\xff" * 300)
+        assert await backend.get_into(["a0"], [buf], [ByteRange(10, 20)]) == [10]
+        assert bytes(buf[10:]) == b"\xff" * 290
+
+    async def test_buffer_too_small_is_an_error(self, backend: Backend) -> None:
+        await backend.put(["a0"], [b"\x01" * 100])
+        with pytest.raises(InvalidRangeError):
+            await backend.get_into(["a0"], [bytearray(99)])
+        with pytest.raises(InvalidRangeError):
+            await backend.get_into(["a0"], [bytearray(5)], [ByteRange(0, 6)])
+
+    async def test_read_only_buffer_is_refused(self, backend: Backend) -> None:
+        await backend.put(["a0"], [b"\x01" * 10])
+        with pytest.raises(ValueError, match="read-only"):
+            await backend.get_into(["a0"], [b"\x00" * 10])
+
+    async def test_put_does_not_keep_the_callers_buffer(self, backend: Backend) -> None:
+        src = bytearray(b"\x01" * 64)
+        await backend.put(["a0"], [src])
+        src[:] = b"\x02" * 64
+        assert await backend.get_bytes("a0") == b"\x01" * 64
+
+    async def test_numpy_buffers(self, backend: Backend) -> None:
+        np = pytest.importorskip("numpy")
+        src = np.arange(1000, dtype=np.float32)
+        await backend.put(["a0"], [src])
+        dst = np.zeros(1000, dtype=np.float32)
+        assert await backend.get_into(["a0"], [dst]) == [4000]
+        assert (dst == src).all()
+
+    async def test_length_mismatch_is_an_error(self, backend: Backend) -> None:
+        with pytest.raises(ValueError, match="buffers"):
+            await backend.put(["a0", "a1"], [b"x"])
+        with pytest.raises(ValueError, match="buffers"):
+            await backend.get_into(["a0"], [])
+        with pytest.raises(ValueError, match="ranges"):
+            await backend.get_into(["a0"], [bytearray(1)], [])
+
+    # -- ranges -------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        ("start", "end"),
+        [(0, 10_000), (0, 1), (9_999, 10_000), (4096, 8192), (4095, 4097), (17, 5000), (8192, 10_000)],
+    )
+    async def test_range_reads_exact_bytes(self, backend: Backend, start: int, end: int) -> None:
+        data = pattern(10_000, 3)
+        await backend.put(["a0"], [data])
+        buf = bytearray(end - start)
+        assert await backend.get_into(["a0"], [buf], [ByteRange(start, end)]) == [end - start]
+        assert bytes(buf) == data[start:end]
+
+    async def test_range_reads_into_aligned_buffers(self, backend: Backend) -> None:
+        data = pattern(5 * 4096 + 100, 4)
+        await backend.put(["a0"], [data])
+        for rng in (ByteRange(4096, 3 * 4096), ByteRange(4096, 5 * 4096 + 100), ByteRange(0, 4096)):
+            buf = aligned_buffer(rng.length + 4096)
+            buf[:] = b"\xee" * len(buf)
+            assert await backend.get_into(["a0"], [buf], [rng]) == [rng.length]
+            assert bytes(buf[: rng.length]) == data[rng.start : rng.end]
+            assert bytes(buf[rng.length :]) == b"\xee" * 4096
+
+    @pytest.mark.parametrize(("start", "end"), [(0, 101), (100, 101), (99, 200), (500, 600)])
+    async def test_over_long_range_is_an_error(self, backend: Backend, start: int, end: int) -> None:
+        await backend.put(["a0"], [b"\x01" * 100])
+        with pytest.raises(InvalidRangeError):
+            await backend.get_into(["a0"], [bytearray(end - start)], [ByteRange(start, end)])
+
+    @pytest.mark.parametrize(("start", "end"), [(-1, 2), (3, 3), (5, 2), (True, 4), (0, 2.0)])
+    async def test_malformed_range_is_refused(self, start: object, end: object) -> None:
+        with pytest.raises(InvalidRangeError):
+            ByteRange(start, end)  # type: ignore[arg-type]
+
+    async def test_get_ranges_coalesces_and_keeps_order(self, backend: Backend) -> None:
+        data = pattern(50_000, 5)
+        await backend.put(["a0"], [data])
+        ranges = [ByteRange(40_000, 40_010), ByteRange(0, 100), ByteRange(50, 150),
+                  ByteRange(30_000, 49_999)]
+        got = await backend.get_ranges("a0", ranges, coalesce_bytes=64)
+        assert got is not None
+        assert [bytes(v) for v in got] == [data[r.start : r.end] for r in ranges]
+        assert await backend.get_ranges("d0", ranges) is None
+        with pytest.raises(InvalidRangeError):
+            await backend.get_ranges("a0", [ByteRange(49_000, 50_001)])
+
+    # -- rewrites -----------------------------------------------------------------------------
+
+    async def test_rewrite_is_idempotent(self, backend: Backend) -> None:
+        data = pattern(5000, 1)
+        await backend.put(["a0"], [data])
+        await backend.put(["a0"], [data])
+        assert await backend.get_bytes("a0") == data
+
+    @pytest.mark.parametrize("sizes", [(5000, 9000), (9000, 5000)])
+    async def test_rewrite_replaces_whole_object(self, backend: Backend, sizes: tuple[int, int]) -> None:
+        first, second = pattern(sizes[0], 1), pattern(sizes[1], 2)
+        await backend.put(["a0"], [first])
+        await backend.put(["a0"], [second])
+        assert await backend.get_bytes("a0") == second
+        (st,) = await backend.stat(["a0"])
+        assert st is not None
+        assert st.size == sizes[1]
+
+    async def test_key_repeated_in_a_batch(self, backend: Backend) -> None:
+        a, b = pattern(3000, 1), pattern(3000, 2)
+        await backend.put(["a0", "a0"], [a, b])
+        assert await backend.get_bytes("a0") in (a, b)
+
+    async def test_put_if_absent(self, backend: Backend) -> None:
+        assert await backend.put_if_absent("a0", b"first") is True
+        assert await backend.put_if_absent("a0", b"second") is False
+        assert await backend.get_bytes("a0") == b"first"
+
+    async def test_put_if_absent_is_atomic(self, backend: Backend) -> None:
+        if not backend.capabilities.atomic_put:
+            pytest.skip("backend does not declare atomic_put")
+        values = [pattern(2000, i) for i in range(16)]
+        wins = await asyncio.gather(*(backend.put_if_absent("a1", v) for v in values))
+        assert sum(wins) == 1
+        assert await backend.get_bytes("a1") == values[wins.index(True)]
+
+    # -- delete, stat, list -------------------------------------------------------------------
+
+    async def test_delete(self, backend: Backend) -> None:
+        await backend.put(["a0", "a1"], [b"x", b"y"])
+        assert await backend.delete(["a0", "a0", "d0"]) == [True, False, False]
+        assert await backend.exists(["a0", "a1"]) == [False, True]
+        assert await backend.get_into(["a0"], [bytearray(1)]) == [None]
+        assert await self.oracle_get(backend, "a0") is None
+
+    async def test_list_prefix(self, backend: Backend) -> None:
+        if not backend.capabilities.listing:
+            with pytest.raises(NotSupportedError):
+                [k async for k in backend.list_prefix("")]
+            return
+        keys = ["a0", "a01", "a1", "b0", "ab"]
+        await backend.put(keys, [b"x"] * len(keys))
+        assert sorted([k async for k in backend.list_prefix("a0")]) == ["a0", "a01"]
+        assert sorted([k async for k in backend.list_prefix("a")]) == ["a0", "a01", "a1", "ab"]
+        assert sorted([k async for k in backend.list_prefix()]) == sorted(keys)
+        assert [k async for k in backend.list_prefix("c")] == []
+        with pytest.raises(InvalidKeyError):
+            [k async for k in backend.list_prefix("../")]
+
+    async def test_exists_prefix_length(self, backend: Backend) -> None:
+        keys = [f"e{i:x}" for i in range(10)]
+        await backend.put(keys[:5] + keys[6:], [b"x"] * 9)
+        assert await backend.exists_prefix_length(keys) == 5
+        assert await backend.exists_prefix_length(keys, chunk=2) == 5
+        assert await backend.exists_prefix_length(keys[6:]) == 4
+        assert await backend.exists_prefix_length([]) == 0
+        assert await backend.exists_prefix_length(["d0", *keys]) == 0
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("bad", INVALID_KEYS, ids=lambda k: repr(k)[:20])
+    async def test_invalid_keys_are_refused(self, backend: Backend, bad: object) -> None:
+        calls = (
+            lambda: backend.exists([bad]),  # type: ignore[list-item]
+            lambda: backend.get_into([bad], [bytearray(4)]),  # type: ignore[list-item]
+            lambda: backend.put([bad], [b"x"]),  # type: ignore[list-item]
+            lambda: backend.delete([bad]),  # type: ignore[list-item]
+            lambda: backend.stat([bad]),  # type: ignore[list-item]
+            lambda: backend.put_if_absent(bad, b"x"),  # type: ignore[arg-type]
+        )
+        for call in calls:
+            with pytest.raises(InvalidKeyError):
+                await call()
+
+    async def test_invalid_key_refuses_the_whole_batch(self, backend: Backend) -> None:
+        with pytest.raises(InvalidKeyError):
+            await backend.put(["a0", "a/../b", "a1"], [b"x", b"y", b"z"])
+        assert await self.oracle_get(backend, "a0") is None
+        assert await self.oracle_get(backend, "a1") is None
+
+    async def test_a_single_string_is_not_a_batch(self, backend: Backend) -> None:
+        with pytest.raises(TypeError):
+            await backend.exists("a0")
+
+    # -- concurrency and atomic visibility -----------------------------------------------------
+
+    async def test_concurrent_tasks_on_overlapping_keys(self, backend: Backend) -> None:
+        keys = [f"f{i}" for i in range(6)]
+        versions = {k: [pattern(20_000 + 512 * v, 10 * i + v) for v in range(4)]
+                    for i, k in enumerate(keys)}
+        rng = random.Random(11)
+
+        async def worker(seed: int) -> None:
+            local = random.Random(seed)
+            for _ in range(12):
+                key = local.choice(keys)
+                if local.random() < 0.5:
+                    await backend.put([key], [local.choice(versions[key])])
+                else:
+                    buf = bytearray(30_000)
+                    (n,) = await backend.get_into([key], [buf])
+                    assert n is None or bytes(buf[:n]) in versions[key], f"{key}: mixed bytes"
+                if local.random() < 0.1:
+                    await backend.exists(keys)
+
+        await asyncio.gather(*(worker(rng.randrange(1 << 30)) for _ in range(24)))
+        for key in keys:
+            value = await backend.get_bytes(key)
+            assert value is None or value in versions[key]
+
+    async def test_no_partial_object_is_ever_visible(self, backend: Backend) -> None:
+        a, b = b"\xaa" * (1 << 20), b"\xbb" * ((1 << 20) + 4096)
+        done = asyncio.Event()
+
+        async def writer() -> None:
+            for i in range(12):
+                await backend.put(["a0"], [a if i % 2 else b])
+                await asyncio.sleep(0)
+            done.set()
+
+        async def reader() -> int:
+            seen = 0
+            while not done.is_set():
+                buf = bytearray(len(b))
+                (n,) = await backend.get_into(["a0"], [buf])
+                if n is not None:
+                    assert bytes(buf[:n]) in (a, b), f"partial object of {n} bytes observed"
+                    seen += 1
+                await asyncio.sleep(0)
+            return seen
+
+        results = await asyncio.gather(writer(), reader(), reader())
+        assert sum(r for r in results if isinstance(r, int)) >= 0
+
+    # -- oracle and corruption ----------------------------------------------------------------
+
+    async def test_oracle_agrees_with_the_api(self, backend: Backend) -> None:
+        await self.oracle_set(backend, "a0", b"planted")
+        assert await backend.exists(["a0"]) == [True]
+        assert await backend.get_bytes("a0") == b"planted"
+        await backend.put(["a1"], [b"through the api"])
+        assert await self.oracle_get(backend, "a1") == b"through the api"
+
+    async def test_verified_read_of_an_intact_object(self, backend: Backend) -> None:
+        key, blob = framed_object()
+        name = format_key(key)
+        await backend.put([name], [blob])
+        got = await backend.get_object(name, expected=key)
+        assert got is not None
+        assert bytes(got.payload) == blob[-4096:]
+        part = await backend.get_object(name, expected=key, layers=(1, 3))
+        assert part is not None
+        assert bytes(part.payload) == b"\x02" * 1024 + b"\x03" * 1024
+        into = bytearray(4096)
+        got = await backend.get_object(name, expected=key, into=into)
+        assert got is not None
+        assert bytes(into) == blob[-4096:]
+        assert backend.stats.corruptions == 0
+
+    @pytest.mark.parametrize(
+        "where", ["payload", "last_byte", "header_magic", "header_field", "checksum_table"]
+    )
+    async def test_flipped_byte_is_a_miss_and_a_counted_corruption(
+        self, backend: Backend, where: str
+    ) -> None:
+        key, blob = framed_object()
+        name = format_key(key)
+        await backend.put([name], [blob])
+        offset = {"payload": len(blob) - 3000, "last_byte": len(blob) - 1, "header_magic": 0,
+                  "header_field": 40, "checksum_table": 90}[where]
+        raw = await self.oracle_get(backend, name)
+        assert raw == blob
+        damaged = bytearray(raw)
+        damaged[offset] ^= 0x10
+        await self.oracle_set(backend, name, bytes(damaged))
+        before = backend.stats.corruptions
+        assert await backend.get_object(name, expected=key) is None
+        assert backend.stats.corruptions == before + 1
+        assert await backend.exists([name]) == [True], "a verified read must not delete"
+
+    async def test_range_read_verifies_only_its_layers(self, backend: Backend) -> None:
+        key, blob = framed_object()
+        name = format_key(key)
+        damaged = bytearray(blob)
+        damaged[4096 + 3 * 1024 + 5] ^= 0xFF  # layer 3 only
+        await self.oracle_set(backend, name, bytes(damaged))
+        ok = await backend.get_object(name, expected=key, layers=(0, 2))
+        assert ok is not None
+        assert bytes(ok.payload) == b"\x01" * 1024 + b"\x02" * 1024
+        assert await backend.get_object(name, expected=key, layers=(2, 4)) is None
+        assert backend.stats.corruptions == 1
+
+    @pytest.mark.parametrize("damage", ["truncated", "extended", "other_key", "empty", "garbage"])
+    async def test_malformed_stored_objects_are_misses(self, backend: Backend, damage: str) -> None:
+        key, blob = framed_object(page=1)
+        other_key, other_blob = framed_object(page=2)
+        name = format_key(key)
+        planted = {
+            "truncated": blob[:-100],
+            "extended": blob + b"\x00" * 10,
+            "other_key": other_blob,
+            "empty": b"",
+            "garbage": pattern(8192, 9),
+        }[damage]
+        await self.oracle_set(backend, name, planted)
+        assert await backend.get_object(name, expected=key) is None
+        assert backend.stats.corruptions == 1
+        del other_key
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def test_closed_backend_refuses_calls(self, backend: Backend) -> None:
+        await backend.close()
+        await backend.close()  # idempotent
+        assert backend.closed
+        with pytest.raises(BackendClosedError) as info:
+            await backend.exists(["a0"])
+        assert info.value.retryable is False
+        with pytest.raises(BackendClosedError):
+            await backend.put(["a0"], [b"x"])
+
+    async def test_objects_survive_a_reopen(self, backend: Backend) -> None:
+        if not backend.capabilities.persistent:
+            pytest.skip("backend is not persistent")
+        await backend.put(["a0", "a1"], [b"kept", pattern(10_000, 2)])
+        again = await self.reopen(backend)
+        if again is None:
+            pytest.skip("the test module does not implement reopen()")
+        try:
+            assert await again.exists(["a0", "a1", "d0"]) == [True, True, False]
+            assert await again.get_bytes("a1") == pattern(10_000, 2)
+        finally:
+            await again.close()
+
+    async def test_stats_count_reads_and_writes(self, backend: Backend) -> None:
+        before = backend.stats.as_dict()
+        await backend.put(["a0"], [b"x" * 10])
+        await backend.get_into(["a0", "d0"], [bytearray(10), bytearray(10)])
+        after = backend.stats.as_dict()
+        assert after["writes"] - before["writes"] == 1
+        assert after["bytes_written"] - before["bytes_written"] == 10
+        assert after["reads"] - before["reads"] == 2
+        assert after["read_hits"] - before["read_hits"] == 1
+
+    # -- model-based --------------------------------------------------------------------------
+
+    async def test_state_machine_against_a_dict(self, backend: Backend) -> None:
+        await asyncio.to_thread(
+            run_backend_state_machine,
+            backend,
+            max_examples=self.stateful_max_examples,
+            step_count=self.stateful_step_count,
+        )

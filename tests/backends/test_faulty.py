@@ -1,0 +1,122 @@
+"""The faulty wrapper: transparent with faults off (conformance), and each fault as promised."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from hicache_store.backends import (
+    Backend,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    OutOfSpaceError,
+    open_backend,
+)
+from hicache_store.backends.faulty import FaultConfig, FaultyBackend
+from hicache_store.backends.memory import MemoryBackend
+from hicache_store.layout.keys import format_key
+from hicache_store.testing import BackendTests, framed_object
+
+
+def _inner(backend: Backend) -> MemoryBackend:
+    assert isinstance(backend, FaultyBackend) and isinstance(backend.inner, MemoryBackend)
+    return backend.inner
+
+
+class TestFaultyMemoryFaultsOff(BackendTests):
+    @pytest.fixture
+    async def backend(self) -> AsyncIterator[Backend]:
+        store = open_backend("faulty://?seed=3", inner="memory://")
+        yield store
+        await store.close()
+
+    async def oracle_get(self, backend: Backend, key: str) -> bytes | None:
+        return _inner(backend).raw_get(key)
+
+    async def oracle_set(self, backend: Backend, key: str, data: bytes) -> None:
+        _inner(backend).raw_set(key, data)
+
+
+def _faulty(**faults: float) -> FaultyBackend:
+    return FaultyBackend(MemoryBackend(), FaultConfig(seed=1, **faults))  # type: ignore[arg-type]
+
+
+async def test_errors_are_retryable_and_seeded() -> None:
+    outcomes = []
+    errors: list[BackendUnavailableError] = []
+    for _ in range(2):
+        store = _faulty(error_rate=0.5)
+        run = []
+        for _ in range(20):
+            try:
+                await store.exists(["a0"])
+                run.append(True)
+            except BackendUnavailableError as exc:
+                errors.append(exc)
+                run.append(False)
+        outcomes.append(run)
+    assert outcomes[0] == outcomes[1]
+    assert True in outcomes[0]
+    assert False in outcomes[0]
+    assert all(exc.retryable for exc in errors)
+
+
+async def test_timeouts() -> None:
+    store = _faulty(timeout_rate=1.0, timeout_s=0.001)
+    with pytest.raises(BackendTimeoutError):
+        await store.get_into(["a0"], [bytearray(1)])
+    assert store.injected["timeout"] == 1
+
+
+async def test_full_disk_fails_writes_while_reads_go_on() -> None:
+    store = _faulty()
+    await store.put(["a0"], [b"kept"])
+    store.faults = FaultConfig(out_of_space_rate=1.0)
+    with pytest.raises(OutOfSpaceError) as info:
+        await store.put(["a1"], [b"lost"])
+    assert isinstance(info.value, OSError)
+    assert await store.get_bytes("a0") == b"kept"
+    assert await store.exists(["a1"]) == [False]
+
+
+async def test_torn_writes_are_caught_by_framing() -> None:
+    store = _faulty(torn_write_rate=1.0)
+    key, blob = framed_object()
+    await store.put([format_key(key)], [blob])
+    assert len(_inner(store).raw_get(format_key(key)) or b"") < len(blob)
+    assert await store.get_object(format_key(key), expected=key) is None
+    assert store.stats.corruptions == 1
+
+
+async def test_bit_flips_are_caught_by_framing_and_storage_stays_intact() -> None:
+    store = _faulty()
+    key, blob = framed_object()
+    name = format_key(key)
+    await store.put([name], [blob])
+    store.faults = FaultConfig(seed=5, bit_flip_rate=1.0)
+    assert await store.get_object(name, expected=key) is None
+    assert store.stats.corruptions == 1
+    assert _inner(store).raw_get(name) == blob
+    store.faults = FaultConfig()
+    assert await store.get_object(name, expected=key) is not None
+
+
+async def test_latency_is_added() -> None:
+    store = _faulty(latency_s=0.0, latency_jitter_s=0.001)
+    await store.put(["a0"], [b"x"])
+    assert await store.get_bytes("a0") == b"x"
+
+
+def test_bad_fault_config_is_refused() -> None:
+    with pytest.raises(ValueError, match="error_rate"):
+        FaultConfig(error_rate=2.0)
+    with pytest.raises(ValueError, match="unknown fault options"):
+        FaultConfig.from_options({"eror_rate": "0.1"})
+
+
+def test_faulty_url_needs_an_inner_backend() -> None:
+    with pytest.raises(ValueError, match="inner"):
+        open_backend("faulty://")
+    store = open_backend("faulty://?inner=memory%3A%2F%2F&error_rate=0.25")
+    assert isinstance(store, FaultyBackend) and store.faults.error_rate == 0.25

@@ -1,0 +1,251 @@
+"""The conformance suite on the file backend, then what only the file backend promises."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from hicache_store.backends import (
+    Backend,
+    CapacityError,
+    ObjectStat,
+    OutOfSpaceError,
+    aligned_buffer,
+    open_backend,
+)
+from hicache_store.backends.file import FileBackend
+from hicache_store.layout.errors import InvalidKeyError
+from hicache_store.testing import INVALID_KEYS, BackendTests, pattern
+
+
+class FileOracle:
+    async def oracle_get(self, backend: Backend, key: str) -> bytes | None:
+        assert isinstance(backend, FileBackend)
+        path = backend.path_of(key)
+        return path.read_bytes() if path.exists() else None
+
+    async def oracle_set(self, backend: Backend, key: str, data: bytes) -> None:
+        assert isinstance(backend, FileBackend)
+        path = backend.path_of(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    async def reopen(self, backend: Backend) -> Backend | None:
+        assert isinstance(backend, FileBackend)
+        return FileBackend(backend.root, durability=backend.durability)
+
+
+class TestFileBackend(FileOracle, BackendTests):
+    @pytest.fixture
+    async def backend(self, tmp_path: Path) -> AsyncIterator[Backend]:
+        store = open_backend(f"file://{tmp_path}/store?durability=data", capacity_bytes="256MiB")
+        yield store
+        await store.close()
+
+
+class TestFileBackendBufferedNoSync(FileOracle, BackendTests):
+    """The other code paths: buffered I/O only, no flushes, two threads."""
+
+    stateful_max_examples = 5
+
+    @pytest.fixture
+    async def backend(self, tmp_path: Path) -> AsyncIterator[Backend]:
+        store = open_backend(
+            {"url": f"file://{tmp_path}/s", "durability": "none", "direct_io": "never",
+             "io_threads": "2"}
+        )
+        yield store
+        await store.close()
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[FileBackend]:
+    backend = FileBackend(tmp_path / "store", durability="full", capacity_bytes=1 << 20)
+    yield backend
+    await backend.close()
+
+
+async def test_layout_is_sharded_and_temp_free(store: FileBackend) -> None:
+    keys = [f"{i:064x}" for i in range(50)]
+    await store.put(keys, [b"x"] * 50)
+    files = [p for p in (store.root / "objects").rglob("*") if p.is_file()]
+    assert len(files) == 50
+    for path in files:
+        rel = path.relative_to(store.root / "objects")
+        assert len(rel.parts) == 3 and all(len(part) == 2 for part in rel.parts[:2])
+    assert list((store.root / "tmp").iterdir()) == []
+
+
+async def test_invalid_keys_never_touch_the_filesystem(
+    store: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    touched: list[str] = []
+
+    def spy(name: str) -> object:
+        real = getattr(os, name)
+
+        def wrapper(*args: object, **kwargs: object) -> object:
+            touched.append(name)
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("open", "stat", "unlink", "rename", "link", "makedirs", "scandir"):
+        monkeypatch.setattr(os, name, spy(name))
+    for bad in [*INVALID_KEYS, "a/b", "..", "\x00", "k" * 10_000]:
+        with pytest.raises(InvalidKeyError):
+            await store.put([bad], [b"x"])  # type: ignore[list-item]
+        with pytest.raises(InvalidKeyError):
+            await store.get_into([bad], [bytearray(1)])  # type: ignore[list-item]
+        with pytest.raises(InvalidKeyError):
+            await store.exists([bad])  # type: ignore[list-item]
+        with pytest.raises(InvalidKeyError):
+            await store.delete([bad])  # type: ignore[list-item]
+    assert touched == []
+
+
+async def test_exists_finds_objects_of_another_writer_and_after_restart(tmp_path: Path) -> None:
+    first = FileBackend(tmp_path / "s")
+    second = FileBackend(tmp_path / "s")  # another "process": its own index
+    await first.put(["a0"], [b"from first"])
+    assert await second.exists(["a0", "a1"]) == [True, False]
+    assert await second.get_bytes("a0") == b"from first"
+    await second.put(["a1"], [b"from second"])
+    assert await first.exists_prefix_length(["a0", "a1", "a2"]) == 2
+    await first.close()
+    await second.close()
+    third = FileBackend(tmp_path / "s")
+    assert await third.exists(["a0", "a1"]) == [True, True]
+    assert third.used_bytes == len(b"from first") + len(b"from second")
+    await third.close()
+
+
+async def test_capacity_evicts_chain_tails_first(store: FileBackend) -> None:
+    size = 200 * 1024  # capacity 1 MiB: five objects fit
+    chain = [f"c{i}" for i in range(4)]
+    await store.put(chain, [pattern(size, i) for i in range(4)])
+    await store.put(["d0"], [pattern(size, 9)])
+    await store.put(["d1"], [pattern(size, 10)])  # one must go: the chain's deepest page
+    assert [store.path_of(k).exists() for k in chain] == [True, True, True, False]
+    await store.get_into(["c0"], [bytearray(size)])  # the prefix is read again
+    await store.put(["d2", "d3"], [pattern(size, 11), pattern(size, 12)])
+    assert [store.path_of(k).exists() for k in chain] == [True, False, False, False]
+    assert store.used_bytes <= store.capacity_bytes
+    assert store.stats.evictions == 3
+
+
+async def test_eviction_keeps_going_past_an_undeletable_object(
+    store: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    size = 300 * 1024
+    await store.put(["a0", "a1", "a2"], [pattern(size, i) for i in range(3)])
+    stuck = str(store.path_of("a2"))
+    real_unlink = os.unlink
+
+    def unlink(path: str, *args: object, **kwargs: object) -> None:
+        if str(path) == stuck:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        real_unlink(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    await store.put(["b0"], [pattern(size, 7)])
+    assert store.stats.eviction_failures == 1
+    assert store.path_of("a2").exists() and not store.path_of("a1").exists()
+    assert await store.get_bytes("a2") == pattern(size, 2)
+    assert await store.get_bytes("b0") == pattern(size, 7)
+
+
+async def test_capacity_error_when_nothing_can_be_evicted(
+    store: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.put(["a0"], [b"x" * 700_000])
+    monkeypatch.setattr(os, "unlink", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "no")))
+    with pytest.raises(CapacityError):
+        await store.put(["a1"], [b"y" * 700_000])
+    with pytest.raises(CapacityError):
+        await store.put(["a2"], [b"z" * (2 << 20)])
+    assert await store.get_bytes("a0") == b"x" * 700_000
+
+
+async def test_stale_temp_files_are_removed_at_open(tmp_path: Path) -> None:
+    store = FileBackend(tmp_path / "s")
+    await store.close()
+    tmp = tmp_path / "s" / "tmp"
+    dead = tmp / "999999999-deadbeef-0.tmp"  # no such pid
+    dead.write_bytes(b"torn")
+    live = tmp / f"{os.getpid()}-cafe-0.tmp"  # a live writer's: left alone
+    live.write_bytes(b"in flight")
+    garbage = tmp / "whatever"
+    garbage.write_bytes(b"?")
+    again = FileBackend(tmp_path / "s")
+    assert again.removed_temp_files == 2
+    assert sorted(p.name for p in tmp.iterdir()) == [live.name]
+    assert [k async for k in again.list_prefix("")] == []
+    await again.close()
+
+
+async def test_foreign_files_are_neither_listed_nor_evicted(tmp_path: Path) -> None:
+    store = FileBackend(tmp_path / "s", capacity_bytes=1000)
+    foreign = tmp_path / "s" / "objects" / "00" / "00" / "notes.txt"
+    foreign.parent.mkdir(parents=True)
+    foreign.write_text("mine")
+    await store.put(["a0"], [b"x" * 600])
+    await store.put(["a1"], [b"x" * 600])
+    assert foreign.exists()
+    assert [k async for k in store.list_prefix("")] == ["a1"]
+    await store.close()
+
+
+def test_another_layout_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "layout.json").write_text('{"format": "something-else"}')
+    with pytest.raises(Exception, match="another layout"):
+        FileBackend(tmp_path / "s")
+
+
+def test_missing_root_without_create(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        open_backend(f"file://{tmp_path}/nope?create=false")
+
+
+async def test_enospc_from_the_filesystem_is_clean(
+    store: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.put(["a0"], [b"kept"])
+    real_pwrite = os.pwrite
+
+    def full(fd: int, data: object, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OutOfSpaceError):
+        await store.put(["a1", "a2"], [b"x" * 5000, aligned_buffer(8192)])
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    assert await store.exists(["a1", "a2"]) == [False, False]
+    assert await store.get_bytes("a0") == b"kept"
+    assert list((store.root / "tmp").iterdir()) == []
+
+
+async def test_stat_reports_size_and_mtime(store: FileBackend) -> None:
+    await store.put(["a0"], [b"12345"])
+    (st,) = await store.stat(["a0"])
+    assert isinstance(st, ObjectStat) and st.size == 5 and st.mtime is not None
+
+
+async def test_direct_io_paths_round_trip(tmp_path: Path) -> None:
+    store = FileBackend(tmp_path / "s", direct_io="auto")
+    size = 2 * (1 << 20) + 123
+    src = aligned_buffer(size)
+    src[:] = pattern(size, 1)
+    await store.put(["a0"], [src])
+    dst = aligned_buffer(size)
+    assert await store.get_into(["a0"], [dst]) == [size]
+    assert bytes(dst) == bytes(src)
+    unaligned = bytearray(size + 1)
+    assert await store.get_into(["a0"], [memoryview(unaligned)[1:]]) == [size]
+    assert bytes(unaligned[1:]) == bytes(src)
+    await store.close()
