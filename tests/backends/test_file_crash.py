@@ -114,8 +114,7 @@ async def test_full_tmpfs_fails_writes_cleanly_while_reads_go_on(tmp_path: Path)
             k, b = framed_object(page=page, layers=4, block=64 * 1024)
             try:
                 await store.put([str(k)], [b])
-            except OutOfSpaceError as exc:
-                assert isinstance(exc, OSError)
+            except OutOfSpaceError:  # also an OSError with errno ENOSPC
                 break
             filled += 1
         else:
