@@ -1,0 +1,635 @@
+"""The cache tier: L1 (device pool), L2 (host pool), L3 (any backend) under one radix tree.
+
+Primitives, in the order an engine calls them for each request (all on the engine's thread)::
+
+    req = tier.match(tokens)      # walk the tree; find what L3 holds beyond; start a prefetch
+    prep = tier.prepare(req)      # settle the prefetch (policy), agree on the prefix across
+                                  # ranks, allocate L1 pages, start the layer-wise load
+    model.prefill(tokens[prep.start:], prep.start, prep.slots, pool, wait_layer=prep.wait_layer)
+    tier.complete(req)            # insert the new pages, apply the write policy, release locks
+
+    tier.poll()                   # apply finished background work (called by the above too)
+    tier.flush()                  # wait until queued L3 backups are done (tools, tests)
+
+Every state change is prepare-then-complete: pages are locked (``PageNode.lock`` for their L1
+copy, ``host_lock`` for their L2 copy) from ``match`` until ``complete``, and L2 copies that an
+L3 transfer reads or fills are locked until the transfer's completion is applied in ``poll``,
+so nothing is evicted or reused while in flight. Policy (what to keep, when to wait) lives
+here; bytes move in ``kernels`` (L1<->L2) and ``tier.l3`` (L2<->L3).
+
+Failure model: an L3 error, timeout, miss or corrupt object shortens the prefix that hits and
+is counted; the request then recomputes more. Nothing in the engine's path raises because of
+L3, nothing waits longer than the prefetch policy allows, and every host page taken for a
+transfer is returned when the transfer ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from hicache_store._sync import run_sync, submit
+from hicache_store.backends.base import Backend
+from hicache_store.kernels.ops import Backend as KernelBackend
+from hicache_store.kernels.ops import pack_pages, unpack_pages
+from hicache_store.kernels.pools import DevicePool
+from hicache_store.layout.hashing import page_hashes
+from hicache_store.layout.host import UnifiedPageLayout
+from hicache_store.layout.namespace import Namespace
+from hicache_store.layout.topology import Topology, shard_of
+
+from .config import TierConfig, prefetch_timeout
+from .group import LocalGroup, RankGroup
+from .host_pool import HostPagePool
+from .l3 import L3Link, PageIO
+from .metrics import TierMetrics
+from .radix import PageNode, PageTree, Tier
+
+log = logging.getLogger(__name__)
+
+
+class TierCapacityError(RuntimeError):
+    """L1 cannot hold what one request needs, even after evicting everything unlocked."""
+
+
+class DevicePagePool(Protocol):
+    """What the tier needs from an engine's L1 pool (``hicache_store.engine.DeviceKVPool``)."""
+
+    page_size: int
+
+    @property
+    def k_buffers(self) -> Sequence[torch.Tensor]: ...
+
+    @property
+    def v_buffers(self) -> Sequence[torch.Tensor]: ...
+
+    @property
+    def free_pages(self) -> int: ...
+
+    def alloc(self, count: int) -> list[int]: ...
+
+    def free(self, pages: Sequence[int]) -> None: ...
+
+
+class LayerLoad:
+    """An L2 -> L1 load that completes layer by layer.
+
+    ``wait(layer)`` returns once that (local) layer's KV of every loaded page is in L1, so the
+    engine computes layer ``i`` while later layers are still being copied. A failed copy
+    raises from ``wait`` (host-to-device copies do not fail in practice; the tier never
+    hides one).
+    """
+
+    def __init__(
+        self,
+        executor: concurrent.futures.Executor,
+        copy_layer: Callable[[int], None],
+        layers: range,
+    ) -> None:
+        self._layers = layers
+        self._events = [threading.Event() for _ in layers]
+        self._error: BaseException | None = None
+        self._future = executor.submit(self._run, copy_layer)
+
+    def _run(self, copy_layer: Callable[[int], None]) -> None:
+        try:
+            for i, layer in enumerate(self._layers):
+                copy_layer(layer)
+                self._events[i].set()
+        except BaseException as exc:
+            self._error = exc
+            for event in self._events:
+                event.set()
+            raise
+
+    def wait(self, layer: int) -> None:
+        self._events[layer].wait()
+        if self._error is not None:
+            raise RuntimeError("loading cached KV into L1 failed") from self._error
+
+    def wait_all(self) -> None:
+        self._future.result()
+
+
+@dataclass
+class _Prefetch:
+    """An L3 -> L2 fetch of consecutive pages; ``done[i]`` is True/False once page i ends."""
+
+    hashes: list[str]
+    host_pages: list[int]
+    done: list[bool | None]
+    finished: threading.Event = field(default_factory=threading.Event)
+    future: concurrent.futures.Future[None] | None = None
+    abandoned_from: int | None = None
+    io: PageIO = field(default_factory=PageIO)
+
+    def completed_prefix(self) -> int:
+        for i, ok in enumerate(self.done):
+            if ok is not True:
+                return i
+        return len(self.done)
+
+
+@dataclass
+class Request:
+    """One request's state between ``match`` and ``complete``."""
+
+    tokens: torch.Tensor
+    hashes: list[str]
+    nodes: list[PageNode]
+    l1_pages: int
+    l2_pages: int
+    prefetch: _Prefetch | None = None
+    l3_pages: int = 0
+    prefix_pages: int = 0
+    new_device_pages: list[int] = field(default_factory=list)
+    loading: list[PageNode] = field(default_factory=list)
+    host_locked: list[PageNode] = field(default_factory=list)
+    load: LayerLoad | None = None
+    bookkeeping_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the engine needs to compute a request: where to start and where KV lives."""
+
+    start: int
+    slots: torch.Tensor
+    wait_layer: Callable[[int], None] | None
+
+
+class HiCache:
+    """A three-tier KV cache for one rank. See the module docstring for the call order."""
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        config: TierConfig,
+        device_pool: DevicePagePool,
+        *,
+        backend: Backend | None = None,
+        topology: Topology | None = None,
+        rank: int = 0,
+        group: RankGroup | None = None,
+        kernel_backend: KernelBackend = "auto",
+    ) -> None:
+        self.namespace = namespace
+        self.config = config
+        self.pool = device_pool
+        self.topology = topology or Topology()
+        self.rank = rank
+        self.group: RankGroup = group or LocalGroup()
+        self.kernel_backend: KernelBackend = kernel_backend
+        if device_pool.page_size != namespace.page_size:
+            raise ValueError(
+                f"device pool page size {device_pool.page_size} != namespace's {namespace.page_size}"
+            )
+        self.shard = shard_of(namespace, self.topology, rank)
+        self.layout = UnifiedPageLayout.for_shard(namespace, self.shard)
+        self.device = DevicePool.mha(device_pool.k_buffers, device_pool.v_buffers)
+        self.tree = PageTree()
+        self.metrics = TierMetrics()
+        self.host = HostPagePool(config.l2_pages, self.layout.page_bytes)
+        self.l3: L3Link | None = None
+        if backend is not None and config.l2_pages > 0:
+            self.l3 = L3Link(
+                backend,
+                namespace,
+                self.topology,
+                rank,
+                max_inflight_bytes=config.max_inflight_bytes,
+                io_timeout_s=config.io_timeout_s,
+            )
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hicache-load")
+        # Completions from the I/O loop, applied on the engine thread by ``poll``.
+        self._acks: collections.deque[tuple[str, Any]] = collections.deque()
+        self._backups_in_flight = 0
+        self._prefetches: list[_Prefetch] = []
+
+    # == the request path ===================================================================
+
+    def match(self, tokens: Sequence[int] | torch.Tensor) -> Request:
+        """Find the cached prefix of ``tokens`` in every tier and start an L3 prefetch."""
+        started = time.perf_counter()
+        self.poll()
+        token_tensor = torch.as_tensor(tokens, dtype=torch.int64)
+        hashes = page_hashes(
+            token_tensor.numpy().astype("<u4", copy=False),
+            self.namespace.page_size,
+            algo=self.namespace.hash_algo,
+        )
+        nodes = self.tree.match(hashes)
+        l1 = PageTree.resident_prefix(nodes, Tier.L1)
+        in_memory = 0
+        for node in nodes:
+            if node.device_page is None and node.host_page is None:
+                break
+            in_memory += 1
+        held = nodes[:in_memory]
+        req = Request(token_tensor, hashes, [], l1, in_memory - l1)
+        self._hold(req, held)
+        self.tree.touch(held)
+        if self.l3 is not None and in_memory < len(hashes):
+            self._start_prefetch(req)
+        req.bookkeeping_s += time.perf_counter() - started
+        return req
+
+    def prepare(self, req: Request) -> Prepared:
+        """Settle the prefetch, fix the prefix, allocate L1 pages and start loading."""
+        started = time.perf_counter()
+        page = self.namespace.page_size
+        waited = 0.0
+        if req.prefetch is not None:
+            waited = self._settle_prefetch(req)
+        # A prompt must leave at least one token to compute (its logits are the output).
+        usable = min(len(req.nodes), (len(req.tokens) - 1) // page)
+        usable = self.group.agree_min(usable, "prefix_pages")
+        self._release(req, req.nodes[usable:])
+        del req.nodes[usable:]
+        req.prefix_pages = usable
+        req.loading = [n for n in req.nodes if n.device_page is None]
+        new_pages = math.ceil(len(req.tokens) / page) - usable
+        self._make_room_l1(len(req.loading) + new_pages)
+        load_pages = self.pool.alloc(len(req.loading))
+        for node, device_page in zip(req.loading, load_pages, strict=True):
+            node.device_page = device_page
+        req.new_device_pages = self.pool.alloc(new_pages)
+        wait_layer = self._start_load(req) if req.loading else None
+        device_pages = [n.device_page for n in req.nodes] + req.new_device_pages
+        slots = (
+            torch.tensor(device_pages, dtype=torch.int64).repeat_interleave(page) * page
+            + torch.arange(page, dtype=torch.int64).repeat(len(device_pages))
+        )[: len(req.tokens)]
+        self._count_hits(req)
+        req.bookkeeping_s += time.perf_counter() - started - waited
+        return Prepared(usable * page, slots, wait_layer)
+
+    def complete(self, req: Request) -> None:
+        """Insert the request's new pages, apply the write policy, release everything."""
+        started = time.perf_counter()
+        page = self.namespace.page_size
+        if req.load is not None:
+            req.load.wait_all()
+            self.metrics.bytes_l2_to_l1 += len(req.loading) * self.layout.page_bytes
+        for node in req.host_locked:
+            node.host_lock -= 1
+        req.host_locked.clear()
+        if self.config.host_mode == "buffer_only":
+            for node in req.loading:
+                self._drop_host_copy(node)
+        full = len(req.tokens) // page
+        new_nodes = self.tree.insert(req.hashes[:full])[req.prefix_pages :]
+        spare = list(req.new_device_pages)
+        for node in new_nodes:
+            device_page = spare.pop(0)
+            if node.device_page is None:
+                node.device_page = device_page
+                node.hits = max(node.hits, 1)
+            else:  # cached meanwhile by another request: keep that copy
+                spare.append(device_page)
+        self.pool.free(spare)  # the partial last page and duplicates
+        path = req.nodes + new_nodes
+        self.tree.touch(path)
+        self._release(req, req.nodes)
+        threshold = self.config.backup_threshold
+        if threshold and self.config.l2_pages:
+            hot = [n for n in path if n.hits >= threshold]
+            if hot:
+                self._backup_to_host(hot[-1])
+        self.poll()
+        req.bookkeeping_s += time.perf_counter() - started
+
+    # == background work =====================================================================
+
+    def poll(self) -> None:
+        """Apply completed L3 transfers (engine thread only)."""
+        while self._acks:
+            kind, payload = self._acks.popleft()
+            if kind == "backup":
+                self._apply_backup(*payload)
+            elif kind == "prefetch_page":
+                self._apply_abandoned_page(*payload)
+        self._prefetches = [op for op in self._prefetches if not self._prefetch_retired(op)]
+
+    @staticmethod
+    def _prefetch_retired(op: _Prefetch) -> bool:
+        if op.abandoned_from is None or not op.finished.is_set():
+            return False
+        return all(p < 0 for p in op.host_pages[op.abandoned_from :])
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every queued L3 backup and prefetch has finished, then ``poll``."""
+        deadline = time.monotonic() + timeout
+        while self._backups_in_flight or any(not p.finished.is_set() for p in self._prefetches):
+            if time.monotonic() > deadline:
+                raise TimeoutError("L3 transfers did not finish in time")
+            time.sleep(0.002)
+            self.poll()
+        self.poll()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._loader.shutdown(wait=True)
+
+    # == accounting (tests and the leak check) ==============================================
+
+    def host_pages_referenced(self) -> int:
+        """Host pages the tree or a prefetch holds (must always equal ``host.used``)."""
+        in_tree = sum(1 for n in self.tree.nodes() if n.host_page is not None)
+        in_flight = 0
+        for op in self._prefetches:
+            first = 0 if op.abandoned_from is None else op.abandoned_from
+            in_flight += sum(1 for p in op.host_pages[first:] if p >= 0)
+        return in_tree + in_flight
+
+    # == internals ===========================================================================
+
+    def _hold(self, req: Request, nodes: Sequence[PageNode]) -> None:
+        """Lock ``nodes`` for ``req``: their L1 copy, and their L2 copy when it must be loaded."""
+        for node in nodes:
+            node.lock += 1
+            node.hits += 1
+            if node.device_page is None:
+                node.host_lock += 1
+                req.host_locked.append(node)
+        req.nodes.extend(nodes)
+
+    def _release(self, req: Request, nodes: Sequence[PageNode]) -> None:
+        released = set(map(id, nodes))
+        for node in nodes:
+            node.lock -= 1
+        for node in [n for n in req.host_locked if id(n) in released]:
+            node.host_lock -= 1
+        req.host_locked = [n for n in req.host_locked if id(n) not in released]
+
+    def _count_hits(self, req: Request) -> None:
+        page = self.namespace.page_size
+        m = self.metrics
+        m.requests += 1
+        m.input_tokens += len(req.tokens)
+        l1 = min(req.l1_pages, req.prefix_pages)
+        l2 = min(req.l2_pages, req.prefix_pages - l1)
+        l3 = req.prefix_pages - l1 - l2
+        m.hit_tokens_l1 += l1 * page
+        m.hit_tokens_l2 += l2 * page
+        m.hit_tokens_l3 += l3 * page
+        m.computed_tokens += len(req.tokens) - req.prefix_pages * page
+
+    # -- L1 -------------------------------------------------------------------------------
+
+    def _make_room_l1(self, needed: int) -> None:
+        if self.pool.free_pages >= needed:
+            return
+        for node in self.tree.eviction_order(Tier.L1):
+            write_back = self.config.write_policy == "write_back" and self.config.l2_pages
+            if write_back and node.host_page is None:
+                self._backup_to_host(node)
+            assert node.device_page is not None
+            self.pool.free([node.device_page])
+            node.device_page = None
+            self.metrics.evictions_l1 += 1
+            self.tree.prune(node)
+            if self.pool.free_pages >= needed:
+                return
+        raise TierCapacityError(
+            f"L1 holds {self.pool.free_pages} free pages after eviction; the request needs "
+            f"{needed}: give the device pool more pages than the longest request"
+        )
+
+    def _start_load(self, req: Request) -> Callable[[int], None] | None:
+        nodes = req.loading
+        rows = torch.tensor([n.host_page for n in nodes], dtype=torch.int64)
+        staging = self.host.data.index_select(0, rows)
+        first_slots = (
+            torch.tensor([n.device_page for n in nodes], dtype=torch.int64)
+            * self.namespace.page_size
+        )
+        layout, device, kernel = self.layout, self.device, self.kernel_backend
+
+        def copy_layer(layer: int) -> None:
+            unpack_pages(
+                staging, device, first_slots, layout, layers=(layer, layer + 1), backend=kernel
+            )
+
+        start, stop = self.layout.layer_start, self.layout.layer_stop
+        if not self.config.layerwise_load:
+            req.load = LayerLoad(
+                self._loader,
+                lambda _layer: unpack_pages(staging, device, first_slots, layout, backend=kernel),
+                range(1),
+            )
+            only = req.load
+            return lambda _layer: only.wait(0)
+        req.load = LayerLoad(self._loader, copy_layer, range(start, stop))
+        return req.load.wait
+
+    # -- L2 -------------------------------------------------------------------------------
+
+    def _alloc_host(self, count: int) -> list[int] | None:
+        pages = self.host.alloc(count)
+        if pages is not None or self.config.host_mode == "buffer_only":
+            return pages
+        for node in self.tree.eviction_order(Tier.L2):
+            self._drop_host_copy(node)
+            self.metrics.evictions_l2 += 1
+            if self.host.free_pages >= count:
+                break
+        return self.host.alloc(count)
+
+    def _drop_host_copy(self, node: PageNode) -> None:
+        if node.host_page is None or node.host_lock > 0:
+            return
+        self.host.free([node.host_page])
+        node.host_page = None
+        self.tree.prune(node)
+
+    def _backup_to_host(self, node: PageNode) -> None:
+        """Copy ``node`` and every ancestor without an L2 copy from L1 to L2, then queue L3.
+
+        Ancestors first, so L2 stays prefix-closed. Stops (and counts) when L2 is full.
+        """
+        missing = [n for n in node.path() if n.host_page is None and n.device_page is not None]
+        if any(n.host_page is None and n.device_page is None for n in node.path()):
+            return  # a hole above: this chain cannot be backed up as a prefix
+        if missing:
+            pages = self._alloc_host(len(missing))
+            if pages is None:
+                self.metrics.backups_dropped += len(missing)
+                return
+            staging = torch.empty((len(missing), self.layout.page_bytes), dtype=torch.uint8)
+            first_slots = (
+                torch.tensor([n.device_page for n in missing], dtype=torch.int64)
+                * self.namespace.page_size
+            )
+            pack_pages(self.device, first_slots, staging, self.layout, backend=self.kernel_backend)
+            self.host.data.index_copy_(0, torch.tensor(pages, dtype=torch.int64), staging)
+            for n, host_page in zip(missing, pages, strict=True):
+                n.host_page = host_page
+            self.metrics.backups_l2 += len(missing)
+            self.metrics.bytes_l1_to_l2 += len(missing) * self.layout.page_bytes
+        self._queue_l3_backup(node.path())
+
+    # -- L3 -------------------------------------------------------------------------------
+
+    def _queue_l3_backup(self, path: Sequence[PageNode]) -> None:
+        link = self.l3
+        if link is None or not link.can_write:
+            if self.config.host_mode == "buffer_only":
+                for node in path:
+                    self._drop_host_copy(node)
+            return
+        todo: list[PageNode] = []
+        for node in path:
+            if node.in_l3 or node.l3_pending:
+                continue
+            if node.host_page is None:
+                break
+            if self._backups_in_flight + len(todo) >= self.config.max_queued_backup_pages:
+                self.metrics.backups_dropped += 1
+                break
+            todo.append(node)
+        if not todo:
+            return
+        for node in todo:
+            node.l3_pending = True
+            node.host_lock += 1
+        self._backups_in_flight += len(todo)
+        items = [(n, n.page_hash, self.host.row(n.host_page)) for n in todo]  # type: ignore[arg-type]
+
+        async def run() -> None:
+            # Parents before children: a page is written only after its parent succeeded.
+            failed = False
+            for node, page_hash, row in items:
+                io = PageIO()
+                ok = False if failed else await link.write_page(page_hash, row, io)
+                failed = failed or not ok
+                self._acks.append(("backup", (node, ok, io)))
+
+        submit(run())
+
+    def _apply_backup(self, node: PageNode, ok: bool, io: PageIO) -> None:
+        self._backups_in_flight -= 1
+        node.l3_pending = False
+        node.host_lock -= 1
+        parent = node.parent
+        if ok and (parent is None or parent.depth < 0 or parent.in_l3):
+            node.in_l3 = True
+            self.metrics.backups_l3 += 1
+            self.metrics.bytes_l2_to_l3 += io.bytes_moved
+        else:
+            self.metrics.backups_l3_failed += 1
+        if self.config.host_mode == "buffer_only":
+            self._drop_host_copy(node)
+        else:
+            self.tree.prune(node)
+
+    def _start_prefetch(self, req: Request) -> None:
+        link = self.l3
+        assert link is not None
+        start = len(req.nodes)
+        candidates = req.hashes[start:]
+        try:
+            available = run_sync(link.exists_prefix(candidates), timeout=self.config.io_timeout_s)
+        except Exception as exc:
+            log.warning("L3 existence check failed, recomputing instead: %s", exc)
+            available = 0
+        if available * self.namespace.page_size < self.config.prefetch_threshold_tokens:
+            return
+        host_pages = self._alloc_host(available)
+        while host_pages is None and available > 0:
+            available = min(available - 1, self.host.free_pages)
+            host_pages = self.host.alloc(available) if available else None
+        if not host_pages:
+            return
+        hashes = candidates[: len(host_pages)]
+        op = _Prefetch(hashes, host_pages, [None] * len(hashes))
+        rows = [self.host.row(p) for p in host_pages]
+        self.metrics.prefetch_started += 1
+
+        def finish(i: int, ok: bool) -> None:
+            # Set the outcome, then look at abandonment: together with the engine thread doing
+            # the opposite in _settle_prefetch, every abandoned page is freed exactly once.
+            op.done[i] = ok
+            if op.abandoned_from is not None and i >= op.abandoned_from:
+                self._acks.append(("prefetch_page", (op, i)))
+
+        async def run() -> None:
+            try:
+                failed = False
+                for i, (page_hash, row) in enumerate(zip(hashes, rows, strict=True)):
+                    abandoned = op.abandoned_from is not None and i >= op.abandoned_from
+                    ok = (
+                        False
+                        if failed or abandoned
+                        else await link.read_page(page_hash, row, op.io)
+                    )
+                    failed = failed or not ok  # past a failure no page can extend the prefix
+                    finish(i, ok)
+            finally:
+                op.finished.set()
+
+        op.future = submit(run())
+        self._prefetches.append(op)
+        req.prefetch = op
+
+    def _settle_prefetch(self, req: Request) -> float:
+        """Wait as the policy says, take the completed prefix, and return the seconds waited."""
+        op = req.prefetch
+        assert op is not None
+        policy = self.config.prefetch_policy
+        started = time.perf_counter()
+        timed_out = False
+        if policy == "wait_complete":
+            timed_out = not op.finished.wait(self.config.io_timeout_s)
+        elif policy == "timeout":
+            limit = prefetch_timeout(self.config, len(op.hashes) * self.namespace.page_size)
+            timed_out = not op.finished.wait(limit)
+        waited = time.perf_counter() - started
+        done = op.completed_prefix()
+        agreed = self.group.agree_min(done, "prefetch_pages")
+        m = self.metrics
+        if agreed == len(op.hashes):
+            m.prefetch_complete += 1
+        elif timed_out:
+            m.prefetch_timed_out += 1
+        else:
+            m.prefetch_partial += 1
+        m.prefetch_failed_pages += sum(1 for ok in op.done if ok is False)
+        m.corruptions += op.io.corruptions
+        m.bytes_l3_to_l2 += op.io.bytes_moved
+        m.l3_fetched_bytes += op.io.bytes_fetched
+        m.l3_needed_bytes += op.io.bytes_needed
+        op.io = PageIO()
+        # Pages past the agreed prefix are abandoned: their host pages come back once their
+        # reads have ended (now, or when the read's completion is polled).
+        op.abandoned_from = agreed
+        for i in range(agreed, len(op.hashes)):
+            if op.done[i] is not None:
+                self._apply_abandoned_page(op, i)
+        nodes = self.tree.insert(req.hashes[: len(req.nodes) + agreed])[len(req.nodes) :]
+        for node, host_page in zip(nodes, op.host_pages[:agreed], strict=True):
+            if node.host_page is None:
+                node.host_page = host_page
+            else:
+                self.host.free([host_page])
+            node.in_l3 = True
+        self._hold(req, nodes)
+        self.tree.touch(nodes)
+        req.l3_pages = agreed
+        return waited
+
+    def _apply_abandoned_page(self, op: _Prefetch, index: int) -> None:
+        if op.host_pages[index] >= 0:
+            self.host.free([op.host_pages[index]])
+            op.host_pages[index] = -1

@@ -1,0 +1,86 @@
+"""Cache-tier configuration: pool sizes and the write, prefetch and host-memory policies.
+
+Defaults follow SGLang's HiCache so that a user moving over keeps the behaviour they know:
+write-through, best-effort prefetch with a 256-token threshold, timeout knobs
+``base=2 s``, ``per_ki_token=0.1 s``, ``max=30 s``, host memory as a cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+HostMode = Literal["cache", "buffer_only"]
+
+WRITE_POLICIES: tuple[str, ...] = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES: tuple[str, ...] = ("best_effort", "wait_complete", "timeout")
+HOST_MODES: tuple[str, ...] = ("cache", "buffer_only")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """How the tier behaves. Sizes are in pages of the namespace's page size.
+
+    ``l2_pages = 0`` disables L2 (and with it L3, which is reached through L2).
+    ``write_through_threshold``: hits before a page is backed up under
+    ``write_through_selective`` (SGLang uses 2; ``write_through`` behaves as 1).
+    ``prefetch_threshold_tokens``: no L3 prefetch starts for fewer tokens than this.
+    ``max_inflight_bytes``: bytes of L3 traffic (each direction) in flight at once.
+    ``max_queued_backup_pages``: L3 backups waiting beyond this are dropped and counted, so a
+    slow backend never blocks compute.
+    ``io_timeout_s``: an L3 operation slower than this counts as failed (degrade to recompute).
+    """
+
+    l1_pages: int
+    l2_pages: int = 0
+    write_policy: WritePolicy = "write_through"
+    write_through_threshold: int = 2
+    prefetch_policy: PrefetchPolicy = "best_effort"
+    prefetch_threshold_tokens: int = 256
+    prefetch_timeout_base_s: float = 2.0
+    prefetch_timeout_per_ki_token_s: float = 0.1
+    prefetch_timeout_max_s: float = 30.0
+    host_mode: HostMode = "cache"
+    max_inflight_bytes: int = 256 << 20
+    max_queued_backup_pages: int = 4096
+    io_timeout_s: float = 30.0
+    layerwise_load: bool = True
+
+    def __post_init__(self) -> None:
+        if self.l1_pages < 1:
+            raise ValueError("l1_pages: the device pool needs at least one page")
+        if self.l2_pages < 0:
+            raise ValueError("l2_pages: must not be negative")
+        for name, value, choices in (
+            ("write_policy", self.write_policy, WRITE_POLICIES),
+            ("prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES),
+            ("host_mode", self.host_mode, HOST_MODES),
+        ):
+            if value not in choices:
+                raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
+        if self.write_through_threshold < 1:
+            raise ValueError("write_through_threshold: must be at least 1")
+        if min(self.prefetch_timeout_base_s, self.prefetch_timeout_per_ki_token_s) < 0:
+            raise ValueError("prefetch timeouts must not be negative")
+        if self.max_inflight_bytes < 1 or self.max_queued_backup_pages < 0:
+            raise ValueError("max_inflight_bytes / max_queued_backup_pages out of range")
+
+    @property
+    def backup_threshold(self) -> int:
+        """Hits a page needs before it is backed up to L2 (write-back: never proactively)."""
+        if self.write_policy == "write_through":
+            return 1
+        if self.write_policy == "write_through_selective":
+            return self.write_through_threshold
+        return 0
+
+
+def prefetch_timeout(config: TierConfig, tokens: int) -> float:
+    """Seconds a ``timeout`` prefetch of ``tokens`` tokens may wait: SGLang's formula
+    ``min(max, base + per_ki_token * tokens / 1024)``."""
+    return min(
+        config.prefetch_timeout_max_s,
+        config.prefetch_timeout_base_s + config.prefetch_timeout_per_ki_token_s * tokens / 1024,
+    )
