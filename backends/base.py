@@ -57,7 +57,13 @@ from .errors import BackendClosedError, InvalidRangeError, NotSupportedError
 from .types import BackendStats, BackendURL, ByteRange, Capabilities, ObjectStat, validate_prefix
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import numpy as np
     from typing_extensions import Buffer, Self
+
+    #: what callers may pass as a buffer: anything exporting the buffer protocol.
+    BufferLike: TypeAlias = Buffer | np.ndarray[Any, Any]
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +85,9 @@ class VerifiedObject:
     layer_stop: int
 
 
-def as_byte_view(buffer: Buffer, *, writable: bool, what: str = "buffer") -> memoryview:
+def as_byte_view(buffer: BufferLike, *, writable: bool, what: str = "buffer") -> memoryview:
     """A flat byte view of a caller's buffer (no copy). Refuses non-contiguous memory."""
-    view = memoryview(buffer)
+    view = memoryview(buffer)  # type: ignore[arg-type]  # ndarray exports the buffer protocol
     if not view.c_contiguous:
         raise ValueError(f"{what} must be C-contiguous")
     if writable and view.readonly:
@@ -198,7 +204,7 @@ class Backend(abc.ABC):
     async def get_into(
         self,
         keys: Sequence[str],
-        buffers: Sequence[Buffer],
+        buffers: Sequence[BufferLike],
         ranges: Sequence[ByteRange | None] | None = None,
     ) -> list[int | None]:
         """Read objects (or byte ranges of them) into caller-owned buffers.
@@ -265,7 +271,7 @@ class Backend(abc.ABC):
             results.append(rng.length)
         return results
 
-    async def put(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> None:
+    async def put(self, keys: Sequence[str], buffers: Sequence[BufferLike]) -> None:
         """Store each buffer under its key; each object becomes visible all at once.
 
         Rewriting a key replaces it atomically. On failure the error is raised and each object
@@ -390,7 +396,7 @@ class Backend(abc.ABC):
                 out[i] = data[rng.start - merged.start : rng.end - merged.start]
         return [view for view in out if view is not None]
 
-    async def put_if_absent(self, key: str, buffer: Buffer) -> bool:
+    async def put_if_absent(self, key: str, buffer: BufferLike) -> bool:
         """Store unless the key exists; True when this call wrote it.
 
         Atomic (exactly one racing caller wins) when ``capabilities.atomic_put``; otherwise
@@ -424,7 +430,7 @@ class Backend(abc.ABC):
             return None if n is None else bytes(buf[:n])
         return None
 
-    async def put_bytes(self, key: str, data: Buffer) -> None:
+    async def put_bytes(self, key: str, data: BufferLike) -> None:
         """Store one object (a one-key ``put``)."""
         await self.put([key], [data])
 
@@ -434,7 +440,7 @@ class Backend(abc.ABC):
         *,
         expected: ObjectKey | None = None,
         layers: tuple[int, int] | None = None,
-        into: Buffer | None = None,
+        into: BufferLike | None = None,
     ) -> VerifiedObject | None:
         """Read a framed object and verify it (``hicache_store.layout.framing``).
 
@@ -459,7 +465,7 @@ class Backend(abc.ABC):
         key: str,
         expected: ObjectKey | None,
         layers: tuple[int, int] | None,
-        into: Buffer | None,
+        into: BufferLike | None,
     ) -> VerifiedObject | None:
         (st,) = await self.stat([key])
         if st is None:

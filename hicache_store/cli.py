@@ -18,6 +18,7 @@ from hicache_store import __version__
 #: subcommand modules, in the order ``--help`` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
     "hicache_store.commands.plan",
+    "hicache_store.commands.bench",
 )
 
 EXIT_OK = 0

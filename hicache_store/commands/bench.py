@@ -1,0 +1,31 @@
+"""``hicache-store bench``: measurement commands, one sub-subcommand per module.
+
+Each module in ``BENCH_MODULES`` exposes ``register(subparsers)`` like a top-level command
+module (``hicache_store.cli``); adding a benchmark is adding its module name here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+#: bench subcommand modules, in the order ``bench --help`` lists them.
+BENCH_MODULES: tuple[str, ...] = ("hicache_store.commands.bench_backend",)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="measure throughput (backends, ...)", description=__doc__.splitlines()[0]
+    )
+    inner = parser.add_subparsers(
+        dest="bench_command", metavar="BENCHMARK", parser_class=type(parser)
+    )
+    inner.required = True
+    for module_name in BENCH_MODULES:
+        importlib.import_module(module_name).register(inner)
+    parser.set_defaults(func=_missing)
+
+
+def _missing(args: argparse.Namespace) -> int:  # pragma: no cover - argparse requires one
+    raise SystemExit(2)

@@ -1,0 +1,382 @@
+"""``hicache-store bench backend URL``: throughput of a storage backend, next to the raw disk.
+
+Writes ``--objects`` objects of ``--size`` bytes in batches of ``--batch``, then measures, in
+order: write (durable as the URL's ``durability`` says), cold read (page cache dropped first,
+when permitted), warm read (the same again), range read (one ``--range-fraction`` slice from
+the middle of every object) and exists (``--exists-keys`` probes). For local paths it also
+measures a raw baseline in the same run on the same filesystem: the same bytes written and read
+by ``--threads`` threads with O_DIRECT (plus ``fdatasync`` per file on write, so both sides are
+durable), and prints the backend/raw ratio.
+
+Memory: two sets of ``--batch`` page-aligned buffers (sources and destinations), pre-faulted
+before timing, the way an engine's host pool is. Every object read back is checked (its stamp).
+Output: a table, or ``--json``. Progress goes to stderr when it is a terminal (not with
+``--quiet``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hicache_store._sync import run_sync
+from hicache_store.backends import Backend, BackendURL, ByteRange, aligned_buffer, open_backend
+from hicache_store.backends.types import parse_size
+from hicache_store.cli import UsageError
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_STAMP = 16  # bytes at the start of each object that identify it
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "backend",
+        help="measure a backend's write/read/exists throughput against raw O_DIRECT",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    parser.add_argument("url", help="backend URL, e.g. file:///mnt/nvme/kv?durability=data")
+    parser.add_argument("--objects", type=int, default=512, help="objects to write (512)")
+    parser.add_argument("--size", default="8MiB", help="bytes per object (8MiB)")
+    parser.add_argument("--batch", type=int, default=32, help="objects per call (32)")
+    parser.add_argument("--range-fraction", type=float, default=0.25,
+                        help="fraction of each object the range read fetches (0.25)")
+    parser.add_argument("--exists-keys", type=int, default=10_000,
+                        help="keys probed by the exists measure (10000)")
+    parser.add_argument("--threads", type=int, default=8, help="raw baseline threads (8)")
+    parser.add_argument("--baseline", choices=("auto", "no"), default="auto",
+                        help="raw O_DIRECT baseline: auto = for file:// URLs (auto)")
+    parser.add_argument("--drop-caches", choices=("auto", "no"), default="auto",
+                        help="drop the page cache before cold reads when permitted (auto)")
+    parser.add_argument("--keep", action="store_true", help="keep the objects written")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+    parser.set_defaults(func=run)
+
+
+@dataclass
+class BenchConfig:
+    objects: int = 512
+    size: int = 8 << 20
+    batch: int = 32
+    range_fraction: float = 0.25
+    exists_keys: int = 10_000
+    threads: int = 8
+    drop_caches: bool = True
+    keep: bool = False
+
+
+@dataclass
+class Measure:
+    """One phase: how many objects (or keys) and bytes moved in how many seconds."""
+
+    phase: str
+    items: int
+    nbytes: int
+    seconds: float
+    note: str = ""
+    raw_seconds: float | None = None
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def raw_gbps(self) -> float | None:
+        if self.raw_seconds is None or self.raw_seconds <= 0:
+            return None
+        return self.nbytes / self.raw_seconds / 1e9
+
+    @property
+    def per_second(self) -> float:
+        return self.items / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(gbps=self.gbps, raw_gbps=self.raw_gbps, per_second=self.per_second)
+        raw = self.raw_gbps
+        out["ratio"] = self.gbps / raw if raw else None
+        return out
+
+
+@dataclass
+class Progress:
+    """A one-line progress display on stderr (nothing when disabled)."""
+
+    enabled: bool = True
+    _last: float = field(default=0.0, repr=False)
+
+    def update(self, phase: str, done: int, total: int, nbytes: int, started: float) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if done < total and now - self._last < 0.1:
+            return
+        self._last = now
+        rate = nbytes / max(now - started, 1e-9) / 1e9
+        end = "\n" if done >= total else ""
+        print(f"\r{phase:<11} {done:>6}/{total:<6} {rate:6.2f} GB/s", end=end, file=sys.stderr,
+              flush=True)
+
+
+def drop_page_cache() -> bool:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False when not permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def object_key(run: str, index: int) -> str:
+    """A page-hash-like key (64 hex digits) unique to a run."""
+    return f"{run}{index:056x}"
+
+
+def make_buffers(count: int, size: int, seed: int = 0) -> list[memoryview]:
+    """``count`` page-aligned, pre-faulted buffers of pseudo-random bytes."""
+    rng = np.random.default_rng(seed)
+    pattern = rng.integers(0, 256, size=size, dtype=np.uint8)
+    buffers = []
+    for i in range(count):
+        buf = aligned_buffer(size)
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        arr[:] = np.roll(pattern, i)
+        buffers.append(buf)
+    return buffers
+
+
+def stamp(buf: memoryview, index: int) -> None:
+    buf[:_STAMP] = index.to_bytes(_STAMP, "little")
+
+
+def check_stamp(buf: memoryview, index: int) -> None:
+    if bytes(buf[:_STAMP]) != index.to_bytes(_STAMP, "little"):
+        raise RuntimeError(f"object {index} read back with the wrong bytes")
+
+
+async def bench_store(
+    store: Backend,
+    cfg: BenchConfig,
+    *,
+    run: str,
+    progress: Progress,
+    before_cold_read: Callable[[], bool] | None = None,
+) -> list[Measure]:
+    """Write, cold read, warm read, range read and exists on ``store``; returns the measures."""
+    size, n = cfg.size, cfg.objects
+    srcs = make_buffers(min(cfg.batch, n), size, seed=1)
+    dsts = make_buffers(min(cfg.batch, n), size, seed=2)
+    keys = [object_key(run, i) for i in range(n)]
+    batches = [range(i, min(i + cfg.batch, n)) for i in range(0, n, cfg.batch)]
+    measures: list[Measure] = []
+
+    started = time.perf_counter()
+    for batch in batches:
+        bufs = [srcs[j % len(srcs)] for j in range(len(batch))]
+        for j, i in enumerate(batch):
+            stamp(bufs[j], i)
+        await store.put([keys[i] for i in batch], bufs)
+        progress.update("write", batch.stop, n, batch.stop * size, started)
+    measures.append(Measure("write", n, n * size, time.perf_counter() - started))
+
+    async def read_all(phase: str, rng: ByteRange | None = None) -> Measure:
+        length = rng.length if rng else size
+        t0 = time.perf_counter()
+        for batch in batches:
+            views = dsts[: len(batch)]
+            got = await store.get_into(
+                [keys[i] for i in batch], views, None if rng is None else [rng] * len(batch)
+            )
+            for j, i in enumerate(batch):
+                if got[j] != length:
+                    raise RuntimeError(f"object {i}: read {got[j]} bytes, expected {length}")
+                if rng is None:
+                    check_stamp(views[j], i)
+            progress.update(phase, batch.stop, n, batch.stop * length, t0)
+        return Measure(phase, n, n * length, time.perf_counter() - t0)
+
+    cold = before_cold_read() if before_cold_read else False
+    measures.append(await read_all("cold read"))
+    if not cold:
+        measures[-1].note = "page cache not dropped"
+    measures.append(await read_all("warm read"))
+    length = max(4096, int(size * cfg.range_fraction)) // 4096 * 4096
+    start = (size - length) // 2 // 4096 * 4096
+    if 0 < length <= size:
+        measures.append(await read_all("range read", ByteRange(start, start + length)))
+
+    probes = 0
+    t0 = time.perf_counter()
+    while probes < cfg.exists_keys:
+        chunk = keys[: min(len(keys), cfg.exists_keys - probes)]
+        hits = await store.exists(chunk)
+        if not all(hits):
+            raise RuntimeError("exists missed an object that was just written")
+        probes += len(chunk)
+    measures.append(Measure("exists", probes, 0, time.perf_counter() - t0, note="keys/s"))
+
+    if not cfg.keep:
+        for batch in batches:
+            await store.delete([keys[i] for i in batch])
+    return measures
+
+
+class RawBaseline:
+    """Threaded O_DIRECT writes (+ fdatasync) and reads of the same bytes in ``directory``."""
+
+    def __init__(self, directory: Path, cfg: BenchConfig) -> None:
+        self.dir = directory
+        self.cfg = cfg
+        self.srcs = make_buffers(min(cfg.batch, cfg.objects), cfg.size, seed=1)
+        self.dsts = make_buffers(cfg.threads, cfg.size, seed=2)
+
+    def _path(self, i: int) -> str:
+        return os.path.join(self.dir, f"{i:08d}")
+
+    def _write(self, i: int) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT
+        fd = os.open(self._path(i), flags, 0o644)
+        try:
+            view = self.srcs[i % len(self.srcs)]
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], done)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def _read(self, i: int, slot: int) -> None:
+        fd = os.open(self._path(i), os.O_RDONLY | _O_DIRECT)
+        try:
+            view = self.dsts[slot]
+            done = 0
+            while done < len(view):
+                got = os.preadv(fd, [view[done:]], done)
+                if got == 0:
+                    raise RuntimeError("short raw read")
+                done += got
+        finally:
+            os.close(fd)
+
+    def write_seconds(self) -> float:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(self.cfg.threads) as pool:
+            list(pool.map(self._write, range(self.cfg.objects)))
+        return time.perf_counter() - t0
+
+    def read_seconds(self) -> float:
+        slots = list(range(self.cfg.threads))
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(self.cfg.threads) as pool:
+            list(pool.map(lambda i: self._read(i, slots[i % len(slots)]), range(self.cfg.objects)))
+        return time.perf_counter() - t0
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _file_root(url: str) -> Path | None:
+    with contextlib.suppress(ValueError):
+        parsed = BackendURL.parse(url)
+        if parsed.scheme == "file" and parsed.location:
+            return Path(parsed.location).expanduser().resolve()
+    return None
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    try:
+        size = parse_size(args.size)
+    except ValueError as exc:
+        raise UsageError(f"--size: {exc}") from None
+    if args.objects < 1 or args.batch < 1 or args.threads < 1 or args.exists_keys < 0:
+        raise UsageError("--objects, --batch and --threads must be >= 1, --exists-keys >= 0")
+    if size < 4096:
+        raise UsageError("--size must be at least 4KiB")
+    if not 0 < args.range_fraction <= 1:
+        raise UsageError("--range-fraction must be in (0, 1]")
+    return BenchConfig(
+        objects=args.objects, size=size, batch=args.batch, range_fraction=args.range_fraction,
+        exists_keys=args.exists_keys, threads=args.threads,
+        drop_caches=args.drop_caches == "auto", keep=args.keep,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    root = _file_root(args.url)
+    baseline: RawBaseline | None = None
+    if args.baseline == "auto" and root is not None and _O_DIRECT:
+        baseline = RawBaseline(root / f"bench-raw-{os.getpid()}", cfg)
+    store = open_backend(args.url)
+    progress = Progress(enabled=not args.quiet and sys.stderr.isatty())
+    drop = drop_page_cache if cfg.drop_caches else None
+    run_id = os.urandom(4).hex()
+    try:
+        raw_write = raw_read = None
+        if baseline is not None:
+            raw_write = baseline.write_seconds()
+            if drop:
+                drop()
+            raw_read = baseline.read_seconds()
+        measures = run_sync(bench_store(store, cfg, run=run_id, progress=progress,
+                                        before_cold_read=drop))
+    finally:
+        if baseline is not None:
+            baseline.cleanup()
+        run_sync(store.close())
+    for m in measures:
+        if m.phase == "write":
+            m.raw_seconds = raw_write
+        elif m.phase == "cold read":
+            m.raw_seconds = raw_read
+    report = {
+        "url": args.url,
+        "objects": cfg.objects,
+        "object_bytes": cfg.size,
+        "batch": cfg.batch,
+        "baseline": None if baseline is None else f"O_DIRECT, {cfg.threads} threads, fdatasync",
+        "measures": [m.as_dict() for m in measures],
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(measures, cfg, args.url, baseline is not None))
+    return 0
+
+
+def format_table(measures: Sequence[Measure], cfg: BenchConfig, url: str, raw: bool) -> str:
+    lines = [
+        f"{url}: {cfg.objects} objects x {cfg.size} bytes, batches of {cfg.batch}",
+        f"{'phase':<11} {'GB/s':>7} {'raw GB/s':>9} {'ratio':>6} {'seconds':>8}  note",
+    ]
+    for m in measures:
+        if m.phase == "exists":
+            lines.append(f"{m.phase:<11} {m.per_second:>17,.0f} keys/s {m.seconds:>8.3f}  "
+                         f"{m.items} probes")
+            continue
+        raw_gbps = m.raw_gbps
+        raw_text = f"{raw_gbps:9.2f}" if raw_gbps else " " * 9
+        ratio = f"{m.gbps / raw_gbps:6.2f}" if raw_gbps else " " * 6
+        lines.append(f"{m.phase:<11} {m.gbps:7.2f} {raw_text} {ratio} {m.seconds:8.3f}  {m.note}")
+    if raw:
+        lines.append(f"raw = O_DIRECT with {cfg.threads} threads (+fdatasync per file on write), "
+                     "same bytes, same filesystem, same run")
+    return "\n".join(lines)
+
+
+__all__ = ["BenchConfig", "Measure", "RawBaseline", "bench_store", "drop_page_cache", "run"]
