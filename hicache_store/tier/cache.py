@@ -73,7 +73,7 @@ class DevicePagePool(Protocol):
     def v_buffers(self) -> Sequence[torch.Tensor]: ...
 
     @property
-    def free_pages(self) -> int: ...
+    def num_free_pages(self) -> int: ...
 
     def alloc(self, count: int) -> list[int]: ...
 
@@ -389,7 +389,7 @@ class HiCache:
     # -- L1 -------------------------------------------------------------------------------
 
     def _make_room_l1(self, needed: int) -> None:
-        if self.pool.free_pages >= needed:
+        if self.pool.num_free_pages >= needed:
             return
         for node in self.tree.eviction_order(Tier.L1):
             write_back = self.config.write_policy == "write_back" and self.config.l2_pages
@@ -400,10 +400,10 @@ class HiCache:
             node.device_page = None
             self.metrics.evictions_l1 += 1
             self.tree.prune(node)
-            if self.pool.free_pages >= needed:
+            if self.pool.num_free_pages >= needed:
                 return
         raise TierCapacityError(
-            f"L1 holds {self.pool.free_pages} free pages after eviction; the request needs "
+            f"L1 holds {self.pool.num_free_pages} free pages after eviction; the request needs "
             f"{needed}: give the device pool more pages than the longest request"
         )
 
@@ -459,7 +459,15 @@ class HiCache:
 
         Ancestors first, so L2 stays prefix-closed. Stops (and counts) when L2 is full.
         """
-        missing = [n for n in node.path() if n.host_page is None and n.device_page is not None]
+        buffer_only = self.config.host_mode == "buffer_only"
+        missing = [
+            n
+            for n in node.path()
+            if n.host_page is None
+            and n.device_page is not None
+            # In buffer-only mode L2 is only a staging area on the way to L3.
+            and not (buffer_only and (n.in_l3 or n.l3_pending))
+        ]
         if any(n.host_page is None and n.device_page is None for n in node.path()):
             return  # a hole above: this chain cannot be backed up as a prefix
         if missing:
@@ -499,6 +507,10 @@ class HiCache:
                 self.metrics.backups_dropped += 1
                 break
             todo.append(node)
+        if self.config.host_mode == "buffer_only":
+            for node in path:
+                if node not in todo:
+                    self._drop_host_copy(node)
         if not todo:
             return
         for node in todo:

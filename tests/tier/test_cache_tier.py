@@ -1,0 +1,184 @@
+"""The cache tier driving the mini engine: logits equal recompute from L1, L2 and L3 hits."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from hicache_store.backends import open_backend
+from hicache_store.backends.base import Backend
+from hicache_store.engine.config import MiniLlamaConfig
+from hicache_store.engine.kv_pool import DeviceKVPool
+from hicache_store.engine.model import MiniLlama
+from hicache_store.layout.hashing import page_hashes
+from hicache_store.layout.namespace import Grid, ModelShape, Namespace
+from hicache_store.tier.cache import HiCache
+from hicache_store.tier.config import TierConfig
+
+PAGE = 4
+CONFIG = MiniLlamaConfig(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def model() -> MiniLlama:
+    return MiniLlama(CONFIG)
+
+
+def namespace() -> Namespace:
+    shape = ModelShape.mha(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim)
+    grid = Grid(CONFIG.num_layers, CONFIG.num_kv_heads)
+    return Namespace.create("mini-llama", shape, "float32", PAGE, grid)
+
+
+def make_tier(
+    l1_pages: int, l2_pages: int = 0, backend: Backend | None = None, **options: object
+) -> HiCache:
+    pool = DeviceKVPool.for_model(CONFIG, num_pages=l1_pages, page_size=PAGE)
+    config = TierConfig(
+        l1_pages=l1_pages,
+        l2_pages=l2_pages,
+        prefetch_threshold_tokens=PAGE,
+        **options,  # type: ignore[arg-type]
+    )
+    return HiCache(namespace(), config, pool, backend=backend)
+
+
+def serve(tier: HiCache, model: MiniLlama, tokens: list[int]) -> tuple[torch.Tensor, int]:
+    req = tier.match(tokens)
+    prep = tier.prepare(req)
+    logits = model.prefill(
+        torch.tensor(tokens[prep.start :]),
+        prep.start,
+        prep.slots,
+        tier.pool,  # type: ignore[arg-type]
+        wait_layer=prep.wait_layer,
+    )
+    tier.complete(req)
+    return logits, prep.start
+
+
+def check(tier: HiCache, model: MiniLlama, tokens: list[int]) -> int:
+    logits, start = serve(tier, model, tokens)
+    expected = model.forward_full(torch.tensor(tokens))[start:]
+    assert torch.equal(logits, expected), "logits differ from a full recompute"
+    tier.tree.check_prefix_closed()
+    assert tier.host.used == tier.host_pages_referenced()
+    return start
+
+
+def prompts(seed: int, n: int, length: int) -> Iterator[list[int]]:
+    rng = random.Random(seed)
+    for _ in range(n):
+        yield [rng.randrange(CONFIG.vocab_size) for _ in range(length)]
+
+
+def test_l1_hit_is_used_in_place(model: MiniLlama) -> None:
+    tier = make_tier(l1_pages=32)
+    (doc,) = prompts(1, 1, 24)
+    assert check(tier, model, doc) == 0
+    assert check(tier, model, [*doc, 7, 8, 9]) == 24
+    assert tier.metrics.hit_tokens_l1 == 24
+    tier.close()
+
+
+def test_l2_hit_is_loaded_layer_by_layer(model: MiniLlama) -> None:
+    tier = make_tier(l1_pages=10, l2_pages=64)
+    first, second = prompts(2, 2, 32)
+    check(tier, model, first)
+    check(tier, model, second)  # evicts the first prompt from L1 (write-through kept it in L2)
+    assert tier.metrics.evictions_l1 > 0
+    start = check(tier, model, [*first, 1, 2])
+    assert start == 32
+    assert tier.metrics.hit_tokens_l2 > 0
+    assert tier.metrics.bytes_l2_to_l1 > 0
+    tier.close()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_l3_hit_after_a_restart(model: MiniLlama, policy: str) -> None:
+    backend = open_backend("memory://")
+    writer = make_tier(l1_pages=16, l2_pages=16, backend=backend)
+    (doc,) = prompts(3, 1, 40)
+    check(writer, model, doc)
+    writer.flush()
+    assert writer.metrics.backups_l3 == 10
+    writer.close()
+    # A new instance (empty L1 and L2) over the same L3.
+    reader = make_tier(
+        l1_pages=16,
+        l2_pages=16,
+        backend=backend,
+        prefetch_policy="wait_complete" if policy == "best_effort" else policy,
+    )
+    start = check(reader, model, [*doc, 5])
+    assert start == 40
+    assert reader.metrics.hit_tokens_l3 == 40
+    assert reader.metrics.read_amplification == 1.0
+    reader.close()
+
+
+def test_write_back_backs_up_on_eviction(model: MiniLlama) -> None:
+    tier = make_tier(l1_pages=10, l2_pages=64, write_policy="write_back")
+    first, second = prompts(4, 2, 32)
+    check(tier, model, first)
+    assert tier.metrics.backups_l2 == 0
+    check(tier, model, second)
+    assert tier.metrics.backups_l2 > 0
+    assert check(tier, model, [*first, 3]) == 32
+    tier.close()
+
+
+def test_selective_backs_up_only_hot_pages(model: MiniLlama) -> None:
+    tier = make_tier(l1_pages=32, l2_pages=64, write_policy="write_through_selective")
+    (doc,) = prompts(5, 1, 16)
+    check(tier, model, doc)
+    assert tier.metrics.backups_l2 == 0
+    check(tier, model, [*doc, 1])  # second hit: now hot
+    assert tier.metrics.backups_l2 == 4  # the four pages of the prefix, now hit twice
+    tier.close()
+
+
+def test_buffer_only_keeps_no_host_copies(model: MiniLlama) -> None:
+    backend = open_backend("memory://")
+    tier = make_tier(
+        l1_pages=10,
+        l2_pages=16,
+        backend=backend,
+        host_mode="buffer_only",
+        prefetch_policy="wait_complete",
+    )
+    first, second = prompts(6, 2, 32)
+    check(tier, model, first)
+    tier.flush()
+    assert tier.host.used == 0
+    check(tier, model, second)
+    tier.flush()
+    assert check(tier, model, [*first, 2]) == 32
+    assert tier.metrics.hit_tokens_l3 > 0
+    tier.flush()
+    assert tier.host.used == 0
+    tier.close()
+
+
+def test_corrupt_l3_object_is_a_miss_not_wrong_kv(model: MiniLlama) -> None:
+    backend = open_backend("memory://")
+    writer = make_tier(l1_pages=16, l2_pages=16, backend=backend)
+    (doc,) = prompts(7, 1, 24)
+    check(writer, model, doc)
+    writer.flush()
+    writer.close()
+    # Flip one payload byte of the third page's object.
+    hashes = page_hashes(doc, PAGE)
+    assert writer.l3 is not None
+    (key,) = writer.l3.read_plan.object_keys(hashes[2])
+    data = bytearray(backend._data[key])  # type: ignore[attr-defined]
+    data[-1] ^= 0xFF
+    backend._data[key] = bytes(data)  # type: ignore[attr-defined]
+    reader = make_tier(l1_pages=16, l2_pages=16, backend=backend, prefetch_policy="wait_complete")
+    start = check(reader, model, [*doc, 1])
+    assert start == 2 * PAGE  # pages 0 and 1 hit; page 2 is corrupt, so it and 3+ recompute
+    assert reader.metrics.corruptions == 1
+    reader.close()
