@@ -1,0 +1,336 @@
+"""``fsspec+<protocol>://...``: any fsspec filesystem as L3 (GCS, Azure, HDFS, SFTP, ...).
+
+URLs name the filesystem after the ``+``: ``fsspec+memory://scratch/kv``,
+``fsspec+file:///var/cache/kv``, ``fsspec+s3://bucket/kv``, ``fsspec+gcs://bucket/kv``
+(``fsspec://path?protocol=gcs`` works too). The location is the root directory; each object is
+the file ``<root>/<key>``. Options: ``max_concurrency`` (threads, default 8),
+``atomic_write`` (auto | direct | rename), ``storage_options`` (a dict handed to
+``fsspec.filesystem``); every other option is handed to the filesystem as a keyword
+(``endpoint_url``, ``key``, ``secret``, ``anon``, ... for s3fs; URL values arrive as strings).
+
+**Calls.** Reads use ``cat_ranges`` (one call for all the ranges of a batch: async filesystems
+such as s3fs, gcsfs and adlfs issue them concurrently) and ``cat_file``; writes use
+``pipe_file``. Each batch call runs on a bounded thread pool, so the event loop never blocks
+(fsspec's async filesystems run their own loop in their own thread; calling their sync API
+from a pool thread is what they support). Reads are not zero-copy: fsspec returns ``bytes``
+that are copied into the caller's buffer.
+
+**Ranges** are never clamped: fsspec returns short data for a range past the end, so a short
+answer is an ``InvalidRangeError``.
+
+**Atomic visibility** depends on the filesystem, so ``atomic_write=auto`` picks per protocol:
+
+- ``direct`` (one ``pipe_file``) for object stores, where a PUT is atomic (s3, gcs, az/abfs,
+  oss, ...), and for ``memory`` (the new object replaces the old one in one dict assignment);
+- ``rename`` for everything else (``file``, ``sftp``, ``hdfs``, ...): the bytes go to a hidden
+  temp file beside the object (its name holds a ``.``, so it can never be taken for a key),
+  then ``mv`` publishes it. That is atomic where the filesystem's rename is (POSIX ``file``,
+  HDFS, SFTP's posix-rename); on a filesystem whose ``mv`` is copy-then-delete (FTP, WebDAV,
+  some FUSE mounts), a reader may see a partial object: use such stores only with framed
+  objects (``get_object`` verifies checksums and turns a torn object into a miss).
+
+**put_if_absent** is check-then-write (not atomic: ``capabilities.atomic_put`` is false); racing
+writers of one key write the same bytes, which is harmless for content-addressed keys.
+
+**Delete** asks ``info`` first: several filesystems (s3fs) delete an absent key silently, and
+the contract says whether it was there. **Listing** is one ``ls`` of the root (keys are flat),
+bypassing listing caches.
+
+**Capacity**: fsspec filesystems report no capacity; bound them with the store's own tools
+(bucket lifecycle rules) or ``hicache-store gc``. ``capabilities.eviction`` is false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import secrets
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from hicache_store.layout.errors import InvalidKeyError
+from hicache_store.layout.keys import validate_storage_key
+
+from .base import Backend
+from .errors import BackendError, BackendIOError, InvalidRangeError, translate_os_error
+from .types import BackendURL, ByteRange, Capabilities, ObjectStat
+
+T = TypeVar("T")
+
+#: protocols whose single write is atomic (object stores, and the in-process dict).
+DIRECT_WRITE_PROTOCOLS = frozenset({
+    "memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "b2",
+})
+#: protocols whose objects live only in this process.
+PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
+ATOMIC_WRITE_MODES = ("auto", "direct", "rename")
+
+
+class FsspecBackend(Backend):
+    """Objects as files ``<root>/<key>`` on any fsspec filesystem. See the module docstring."""
+
+    name = "fsspec"
+    capabilities = Capabilities(ranged_reads=True, listing=True, persistent=True, shared=True)
+
+    def __init__(
+        self,
+        protocol: str,
+        root: str,
+        *,
+        max_concurrency: int = 8,
+        atomic_write: str = "auto",
+        storage_options: dict[str, Any] | None = None,
+        **filesystem_options: Any,
+    ) -> None:
+        super().__init__()
+        import fsspec
+
+        if atomic_write not in ATOMIC_WRITE_MODES:
+            raise ValueError(f"atomic_write must be one of {ATOMIC_WRITE_MODES}, got {atomic_write!r}")
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+        self.protocol = protocol
+        options = {**(storage_options or {}), **filesystem_options}
+        self.fs: Any = fsspec.filesystem(protocol, **options)
+        stripped = self.fs._strip_protocol(root) if root else ""
+        self.root = str(stripped).rstrip("/") or ("/" if protocol in ("file", "local") else "")
+        if not self.root:
+            raise ValueError(f"fsspec+{protocol}:// needs a root directory")
+        if atomic_write == "auto":
+            atomic_write = "direct" if protocol in DIRECT_WRITE_PROTOCOLS else "rename"
+        self.atomic_write = atomic_write
+        local = protocol in PROCESS_LOCAL_PROTOCOLS
+        self.capabilities = type(self).capabilities.replace(persistent=not local, shared=not local)
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="hicache-fsspec")
+        try:
+            self._translated("open", None, self.fs.makedirs, self.root, exist_ok=True)
+        except BaseException:
+            self._pool.shutdown(wait=False)
+            raise
+
+    @classmethod
+    def from_url(cls, url: BackendURL, options: dict[str, Any]) -> FsspecBackend:
+        """``fsspec+<protocol>://<root>`` or ``fsspec://<root>?protocol=<protocol>``."""
+        opts = dict(options)
+        _, plus, protocol = url.scheme.partition("+")
+        if not plus:
+            protocol = str(opts.pop("protocol", ""))
+        else:
+            opts.pop("protocol", None)
+        if not protocol:
+            raise ValueError("name the filesystem: fsspec+<protocol>://root (e.g. fsspec+gcs://b/kv)")
+        if "max_concurrency" in opts:
+            opts["max_concurrency"] = int(opts["max_concurrency"])
+        return cls(protocol, url.location, **opts)
+
+    def __repr__(self) -> str:
+        return f"FsspecBackend({self.protocol}://{self.root}, atomic_write={self.atomic_write})"
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _path(self, key: str) -> str:
+        return f"{self.root.rstrip('/')}/{key}"
+
+    def _translated(self, operation: str, key: str | None, fn: Callable[..., T], *args: Any,
+                    **kwargs: Any) -> T:
+        """Call the filesystem; translate its failure once, here."""
+        try:
+            return fn(*args, **kwargs)
+        except BackendError:
+            raise
+        except OSError as exc:
+            raise translate_os_error(exc, backend=self.name, operation=operation, key=key) from exc
+        except Exception as exc:
+            raise BackendIOError(
+                f"{operation} failed: {type(exc).__name__}: {str(exc)[:200]}",
+                backend=self.name, operation=operation, key=key,
+            ) from exc
+
+    async def _run(self, operation: str, key: str | None, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._pool, lambda: self._translated(operation, key, fn, *args)
+        )
+
+    # -- exists / stat ------------------------------------------------------------------------
+
+    def _info(self, key: str) -> ObjectStat | None:
+        try:
+            info = self.fs.info(self._path(key))
+        except FileNotFoundError:
+            return None
+        if info.get("type") == "directory":
+            return None
+        mtime = info.get("mtime", info.get("LastModified", info.get("created")))
+        if hasattr(mtime, "timestamp"):
+            mtime = mtime.timestamp()
+        return ObjectStat(key, int(info.get("size") or 0), float(mtime) if mtime is not None else None)
+
+    async def _stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
+        # docstring inherited
+        return list(await asyncio.gather(*(self._run("stat", k, self._info, k) for k in keys)))
+
+    async def _exists(self, keys: Sequence[str]) -> list[bool]:
+        # docstring inherited
+        return [st is not None for st in await self._stat(keys)]
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def _cat_whole(self, keys: Sequence[str]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for key in keys:
+            try:
+                out.append(bytes(self.fs.cat_file(self._path(key))))
+            except FileNotFoundError:
+                out.append(None)
+        return out
+
+    def _cat_ranges(self, keys: Sequence[str], ranges: Sequence[ByteRange]) -> list[bytes | None]:
+        answers = self.fs.cat_ranges(
+            [self._path(k) for k in keys], [r.start for r in ranges], [r.end for r in ranges],
+            on_error="return",
+        )
+        out: list[bytes | None] = []
+        for key, rng, answer in zip(keys, ranges, answers, strict=True):
+            if isinstance(answer, FileNotFoundError):
+                out.append(None)
+            elif isinstance(answer, OSError) and answer.errno == errno.EINVAL:
+                # s3fs and friends answer HTTP 416 with EINVAL: a range past the end.
+                raise InvalidRangeError(
+                    f"range [{rng.start}, {rng.end}) is not satisfiable",
+                    backend=self.name, operation="get_into", key=key,
+                ) from answer
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                out.append(bytes(answer))
+        return out
+
+    async def _get_into(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+        ranges: Sequence[ByteRange | None],
+    ) -> list[int | None]:
+        # docstring inherited
+        whole = [i for i, r in enumerate(ranges) if r is None]
+        ranged = [i for i, r in enumerate(ranges) if r is not None]
+        jobs = []
+        if whole:
+            jobs.append(self._run("get_into", None, self._cat_whole, [keys[i] for i in whole]))
+        if ranged:
+            jobs.append(self._run(
+                "get_into", None, self._cat_ranges,
+                [keys[i] for i in ranged], [ranges[i] for i in ranged],
+            ))
+        answers = await asyncio.gather(*jobs)
+        datas: dict[int, bytes | None] = {}
+        for indices, answer in zip([g for g in (whole, ranged) if g], answers, strict=True):
+            datas.update(zip(indices, answer, strict=True))
+        results: list[int | None] = []
+        for i, (key, buf, rng) in enumerate(zip(keys, buffers, ranges, strict=True)):
+            data = datas[i]
+            if data is None:
+                results.append(None)
+                continue
+            wanted = rng.length if rng is not None else len(data)
+            if rng is not None and len(data) != wanted:
+                raise InvalidRangeError(
+                    f"range [{rng.start}, {rng.end}) reaches past the end of the object",
+                    backend=self.name, operation="get_into", key=key,
+                )
+            if len(data) > len(buf):
+                raise InvalidRangeError(
+                    f"object of {len(data)} bytes does not fit a {len(buf)}-byte buffer",
+                    backend=self.name, operation="get_into", key=key,
+                )
+            buf[:wanted] = data
+            results.append(wanted)
+        return results
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def _write(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        if self.atomic_write == "direct":
+            self.fs.pipe_file(path, data)
+            return
+        # Hidden temp beside the object (same directory, so the rename stays on one device);
+        # its name holds '.', which no key can, so listings never report it.
+        temp = f"{self.root.rstrip('/')}/.{key}.{secrets.token_hex(6)}.tmp"
+        try:
+            self.fs.pipe_file(temp, data)
+            self.fs.mv(temp, path)
+        except BaseException:
+            # Already gone or never written: the original failure is what matters.
+            with contextlib.suppress(OSError):
+                self.fs.rm_file(temp)
+            raise
+
+    def _write_batch(self, items: Sequence[tuple[str, bytes]]) -> None:
+        for key, data in items:
+            self._translated("put", key, self._write, key, data)
+
+    async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
+        # docstring inherited. ``bytes(view)`` is the one copy fsspec needs (pipe takes bytes);
+        # it is made here, during the call, so the caller's buffer is never kept.
+        latest = {k: bytes(v) for k, v in zip(keys, buffers, strict=True)}
+        await asyncio.gather(*(
+            self._run("put", k, self._write_batch, [(k, data)]) for k, data in latest.items()
+        ))
+
+    # -- delete / list --------------------------------------------------------------------------
+
+    def _delete_one(self, key: str) -> bool:
+        path = self._path(key)
+        try:
+            self.fs.info(path)
+        except FileNotFoundError:
+            return False
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            return False  # removed by someone else between the two calls
+        return True
+
+    async def _delete(self, keys: Sequence[str]) -> list[bool]:
+        # docstring inherited. A key repeated in a batch is removed once: True, then False.
+        unique = list(dict.fromkeys(keys))
+        found = await asyncio.gather(*(self._run("delete", k, self._delete_one, k) for k in unique))
+        gone = {k for k, hit in zip(unique, found, strict=True) if hit}
+        seen: set[str] = set()
+        removed = []
+        for key in keys:
+            removed.append(key in gone and key not in seen)
+            seen.add(key)
+        return removed
+
+    def _ls(self) -> list[str]:
+        try:
+            self.fs.invalidate_cache(self.root)
+            names = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        finally:
+            # Never let a cached listing answer a later ``info``: other writers exist.
+            self.fs.invalidate_cache(self.root)
+        keys = []
+        for name in names:
+            key = str(name).rstrip("/").rsplit("/", 1)[-1]
+            try:
+                keys.append(validate_storage_key(key))
+            except InvalidKeyError:
+                continue  # temp files and foreign files are never keys
+        return keys
+
+    async def _list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        # docstring inherited
+        for key in await self._run("list_prefix", None, self._ls):
+            if key.startswith(prefix):
+                yield key
+
+    async def _close(self) -> None:
+        # docstring inherited
+        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
