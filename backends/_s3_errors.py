@@ -116,7 +116,8 @@ def translate(
                 "bucket policy",
                 **where,
             )
-        if code == "NoSuchBucket":
+        if code == "NoSuchBucket" or (key is None and status == 404):
+            # HEAD bucket answers a bare 404; calls without a key only miss on the bucket.
             return BackendUnavailableError(
                 f"{operation} on {target}: the bucket does not exist", retryable=False, **where
             )

