@@ -343,10 +343,11 @@ class Backend(abc.ABC):
     async def exists_prefix_length(self, keys: Sequence[str], *, chunk: int = 1024) -> int:
         """How many keys from the start exist consecutively (what engines' ``batch_exists``
         returns). Probes ``chunk`` keys at a time and stops at the first miss."""
-        self._check_keys(keys, "exists")
+        self._check_open("exists")
+        checked = self._check_keys(keys, "exists")
         count = 0
-        for start in range(0, len(keys), max(1, chunk)):
-            hits = await self.exists(keys[start : start + chunk])
+        for start in range(0, len(checked), max(1, chunk)):
+            hits = await self._exists(checked[start : start + chunk])
             for hit in hits:
                 if not hit:
                     return count

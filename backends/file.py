@@ -320,12 +320,27 @@ class FileBackend(Backend):
             hits = [key in self._lru for key in keys]
         missing = [key for key, hit in zip(keys, hits, strict=True) if not hit]
         if missing:
-            stats = await self._run(self._translated, "exists", None, self._stat_paths, missing)
-            found = {st.key for st in stats if st is not None}
+            found = await self._run(self._translated, "exists", None, self._probe, missing)
             hits = [hit or key in found for key, hit in zip(keys, hits, strict=True)]
         with self._lock:
             self._lru.touch_batch([key for key, hit in zip(keys, hits, strict=True) if hit])
         return hits
+
+    def _probe(self, keys: Sequence[str]) -> set[str]:
+        """One ``stat`` per key not in the index (objects another process wrote, or written
+        before a restart and not yet seen); found ones join the index."""
+        found: list[tuple[str, int]] = []
+        stat, join, shard_dir = os.stat, os.path.join, self._shard_dir
+        for key in keys:
+            try:
+                found.append((key, stat(join(shard_dir(key), key)).st_size))
+            except FileNotFoundError:
+                continue
+        with self._lock:
+            for key, size in found:
+                if key not in self._lru:
+                    self._lru.add(key, size)
+        return {key for key, _ in found}
 
     def _stat_paths(self, keys: Sequence[str]) -> list[ObjectStat | None]:
         out: list[ObjectStat | None] = []
