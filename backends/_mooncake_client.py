@@ -238,9 +238,9 @@ class SharedClient:
         try:
             yield view, region.start
         finally:
+            # Unregistered first; the mapping itself goes when the last view of it does
+            # (numpy views made by the caller may outlive this block by a moment).
             self.unregister(region.start)
-            view.release()
-            temp.close()
 
     # -- blocking calls (run on ``executor`` threads) ---------------------------------------
 

@@ -126,7 +126,7 @@ class MooncakeConfig:
     def client_key(self) -> tuple[Any, ...]:
         """What identifies one shared client: two backends with equal keys share a client."""
         return (self.master, self.metadata, self.protocol, self.device, self.segment,
-                self.buffer, self.hostname, self.tenant)
+                self.buffer, self.hostname, self.tenant, self.bounce, self.threads)
 
     @classmethod
     def resolve(
