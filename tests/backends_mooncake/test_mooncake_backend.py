@@ -1,0 +1,236 @@
+"""Mooncake-specific behaviour against real servers: zero-copy through registered memory,
+return codes, a segment holder killed mid-batch and restarted, deadlines, eviction."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hicache_store.backends import open_backend
+from hicache_store.backends._mooncake_client import SharedClient
+from hicache_store.backends._mooncake_local import LocalMooncake
+from hicache_store.backends.errors import (
+    BackendTimeoutError,
+    BackendUnavailableError,
+    InvalidRangeError,
+)
+from hicache_store.backends.mooncake import MooncakeBackend
+from hicache_store.backends.types import ByteRange
+
+pytestmark = pytest.mark.mooncake
+MiB = 1 << 20
+
+
+def keys(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i:04d}" for i in range(n)]
+
+
+def open_mooncake(url: str, **options: Any) -> MooncakeBackend:
+    store = open_backend(url, **options)
+    assert isinstance(store, MooncakeBackend)
+    return store
+
+
+@pytest.fixture(scope="module")
+def own_deployment() -> Iterator[LocalMooncake]:
+    """A deployment of this module's own: these tests kill its holder."""
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    with LocalMooncake(segment="256 MB", client_ttl=2) as deployment:
+        yield deployment
+
+
+# -- zero-copy --------------------------------------------------------------------------------
+
+
+async def test_registered_host_buffer_is_zero_copy(
+    mooncake_url: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = open_mooncake(mooncake_url(), timeout=20)
+    pool = np.zeros(16 * MiB, dtype=np.uint8)
+    await store.register_host_buffer(pool)
+    try:
+        src = np.random.default_rng(1).integers(0, 256, 8 * MiB, dtype=np.uint8)
+        pool[: 8 * MiB] = src
+
+        def no_staging(*_a: object, **_k: object) -> None:
+            raise AssertionError("a registered buffer went through a staging slab")
+
+        monkeypatch.setattr(SharedClient, "staging", no_staging)
+        ks = keys("ZC", 8)
+        await store.put(ks, [memoryview(pool)[i * MiB : (i + 1) * MiB] for i in range(8)])
+        dest = memoryview(pool)[8 * MiB :]
+        got = await store.get_into(ks, [dest[i * MiB : (i + 1) * MiB] for i in range(8)])
+        assert got == [MiB] * 8
+        assert np.array_equal(pool[8 * MiB :], src)
+        (n,) = await store.get_into([ks[3]], [dest[:100]], [ByteRange(500, 600)])
+        assert n == 100 and np.array_equal(pool[8 * MiB : 8 * MiB + 100], src[3 * MiB + 500 : 3 * MiB + 600])
+    finally:
+        monkeypatch.undo()
+        await store.unregister_host_buffer(pool)
+        await store.close()
+
+
+async def test_overlapping_registration_is_refused(mooncake_url: Callable[..., str]) -> None:
+    store = open_mooncake(mooncake_url(), timeout=20)
+    pool = np.zeros(MiB, dtype=np.uint8)
+    await store.register_host_buffer(pool)
+    try:
+        with pytest.raises(ValueError, match="overlaps"):
+            await store.register_host_buffer(pool[4096:])
+    finally:
+        await store.close()
+
+
+# -- return codes -------------------------------------------------------------------------------
+
+
+async def test_leased_object_is_still_deleted(mooncake_url: Callable[..., str]) -> None:
+    # A read grants the reader a lease; a plain remove then fails with -706. Ours forces.
+    store = open_mooncake(mooncake_url(), timeout=20)
+    try:
+        await store.put(["LEASE0"], [b"x" * 4096])
+        assert (await store.get_into(["LEASE0"], [bytearray(4096)])) == [4096]
+        assert store._client_sync().store.remove("LEASE0") == -706
+        assert await store.delete(["LEASE0"]) == [True]
+        assert await store.exists(["LEASE0"]) == [False]
+    finally:
+        await store.close()
+
+
+async def test_put_does_not_keep_old_value_and_put_if_absent_does(
+    mooncake_url: Callable[..., str]
+) -> None:
+    store = open_mooncake(mooncake_url(), timeout=20)
+    try:
+        raw = store._client_sync().store
+        await store.put(["OW0"], [b"old"])
+        assert raw.put("OW0", b"new") == 0 and bytes(raw.get("OW0")) == b"old"  # Mooncake's put
+        await store.put(["OW0"], [b"new"])  # ours replaces (upsert)
+        assert await store.get_bytes("OW0") == b"new"
+        assert await store.put_if_absent("OW0", b"other") is False
+        assert await store.get_bytes("OW0") == b"new"
+    finally:
+        await store.close()
+
+
+async def test_too_small_buffer_and_range_past_end(mooncake_url: Callable[..., str]) -> None:
+    store = open_mooncake(mooncake_url(), timeout=20)
+    try:
+        await store.put(["SZ0"], [b"y" * 5000])
+        with pytest.raises(InvalidRangeError):  # Mooncake's -600
+            await store.get_into(["SZ0"], [bytearray(100)])
+        with pytest.raises(InvalidRangeError):
+            await store.get_into(["SZ0"], [bytearray(100)], [ByteRange(4950, 5050)])
+        assert await store.get_into(["SZ9"], [bytearray(10)]) == [None]  # -704
+    finally:
+        await store.close()
+
+
+async def test_unreachable_master_fails_fast() -> None:
+    from hicache_store.backends._mooncake_local import free_port
+
+    store = open_mooncake(f"mooncake://127.0.0.1:{free_port()}", timeout=5)
+    start = time.monotonic()
+    with pytest.raises(BackendUnavailableError) as info:
+        await store.exists(["a0"])
+    assert info.value.retryable and time.monotonic() - start < 5
+    await store.close()
+
+
+# -- failures of the deployment ---------------------------------------------------------------
+
+
+async def test_holder_killed_mid_batch_then_restarted(own_deployment: LocalMooncake) -> None:
+    store = open_mooncake(own_deployment.url, timeout=15, bounce="16MiB", threads=2)
+    try:
+        data = [os.urandom(MiB) for _ in range(32)]
+        ks = keys("KILL", 32)
+        await store.put(ks, data)
+
+        async def reads() -> list[object]:
+            outcomes: list[object] = []
+            for _ in range(10):
+                bufs = [bytearray(MiB) for _ in ks]
+                try:
+                    got = await store.get_into(ks, bufs)
+                except BackendUnavailableError as exc:
+                    assert exc.retryable
+                    outcomes.append("retryable")
+                    continue
+                for n, buf, want in zip(got, bufs, data, strict=True):
+                    assert n is None or bytes(buf[:n]) == want  # a miss or the right bytes
+                outcomes.append(got)
+            return outcomes
+
+        task = asyncio.create_task(reads())
+        await asyncio.sleep(0.05)
+        own_deployment.kill_holder()
+        start = time.monotonic()
+        await asyncio.wait_for(task, 60)  # never hangs
+        assert time.monotonic() - start < 60
+        # With the holder gone, writes fail retryably (no segment space) and reads miss.
+        await asyncio.sleep(own_deployment.client_ttl + 1.5)
+        with pytest.raises(BackendUnavailableError) as info:
+            await store.put(["KILL-NEW"], [b"z" * MiB])
+        assert info.value.retryable
+        assert await store.get_into(ks[:2], [bytearray(MiB), bytearray(MiB)]) == [None, None]
+        # A new holder: the same backend object recovers without being recreated.
+        own_deployment.start_holder()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                await store.put(["KILL-NEW"], [b"z" * MiB])
+                break
+            except BackendUnavailableError:
+                assert time.monotonic() < deadline, "no recovery after the holder restarted"
+                await asyncio.sleep(0.25)
+        assert await store.get_bytes("KILL-NEW") == b"z" * MiB
+    finally:
+        await store.close()
+
+
+async def test_deadline_raises_and_late_put_is_undone(own_deployment: LocalMooncake) -> None:
+    store = open_mooncake(own_deployment.url, timeout=0.001, bounce="64MiB", threads=1)
+    try:
+        ks = keys("LATE", 32)
+        with pytest.raises(BackendTimeoutError) as info:
+            await store.put(ks, [os.urandom(MiB) for _ in ks])
+        assert info.value.retryable
+        await store.drain()
+        store.config.__dict__["timeout"] = 20.0  # frozen dataclass: tests only
+        assert await store.exists(ks) == [False] * len(ks)
+    finally:
+        await store.close()
+
+
+async def test_eviction_shows_up_as_misses(tmp_path: Any) -> None:
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    with LocalMooncake(segment="64 MB", client_ttl=2) as small:
+        store = open_mooncake(small.url, timeout=20, bounce="16MiB", threads=2)
+        try:
+            ks = keys("EV", 160)
+            data = {k: os.urandom(MiB) for k in ks}
+            errors = 0
+            for i in range(0, len(ks), 8):
+                batch = ks[i : i + 8]
+                try:
+                    await store.put(batch, [data[k] for k in batch])
+                except BackendUnavailableError as exc:  # pool full before eviction caught up
+                    assert exc.retryable
+                    errors += 1
+            hits = 0
+            for k in ks:
+                buf = bytearray(MiB)
+                (n,) = await store.get_into([k], [buf])
+                if n is not None:
+                    assert bytes(buf) == data[k], "evicted or overwritten object read back wrong"
+                    hits += 1
+            assert 0 < hits < len(ks)  # some evicted, none wrong
+        finally:
+            await store.close()
