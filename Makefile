@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-stamp
 # way setuptools' package-dir maps them (mypy cannot follow the editable-install import hook).
 TYPECHECK_TREE := .build/typecheck
 
-.PHONY: setup run test lint typecheck pytest bench clean
+.PHONY: setup run plan test lint typecheck pytest clean
 
 setup: $(STAMP)
 
@@ -19,10 +19,17 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,file,fsspec,s3,metrics,gpu]'
+	$(PY) -m pip install -q -e '.[dev,file,fsspec,s3,metrics,gpu,bench]'
 	touch $@
 
+# The main job: the multi-turn benchmark under L1, L1+L2 and L1+L2+L3 (the file backend
+# under .run/multiturn), with a table on stdout and JSON + a PNG chart under .run/.
 run: setup
+	$(VENV)/bin/hicache-store bench multiturn --workdir .run/multiturn \
+		--json .run/multiturn.json --chart .run/multiturn.png
+
+# The layout example of the design notes: which objects each rank writes and reads.
+plan: setup
 	$(VENV)/bin/hicache-store plan --layers 60 --kv-heads 8 --head-dim 128 --dtype bfloat16 \
 		--page-size 64 --layer-partition 30 --head-partition 2 \
 		--writer tp=4,pp=2 --reader tp=2,pp=1

@@ -11,7 +11,10 @@ import importlib
 from typing import Any
 
 #: bench subcommand modules, in the order ``bench --help`` lists them.
-BENCH_MODULES: tuple[str, ...] = ("hicache_store.commands.bench_backend",)
+BENCH_MODULES: tuple[str, ...] = (
+    "hicache_store.commands.bench_backend",
+    "hicache_store.commands.bench_multiturn",
+)
 
 
 def register(subparsers: Any) -> None:

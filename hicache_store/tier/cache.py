@@ -25,6 +25,7 @@ transfer is returned when the transfer ends.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import logging
@@ -55,6 +56,9 @@ from .metrics import TierMetrics
 from .radix import PageNode, PageTree, Tier
 
 log = logging.getLogger(__name__)
+
+#: L3 backups written concurrently in one batch of the backup worker.
+_BACKUP_BATCH_PAGES = 16
 
 
 class TierCapacityError(RuntimeError):
@@ -213,6 +217,9 @@ class HiCache:
         # Completions from the I/O loop, applied on the engine thread by ``poll``.
         self._acks: collections.deque[tuple[str, Any]] = collections.deque()
         self._backups_in_flight = 0
+        self._backup_queue: collections.deque[tuple[PageNode, str, Any]] = collections.deque()
+        self._backup_worker_lock = threading.Lock()
+        self._backup_worker_running = False
         self._prefetches: list[_Prefetch] = []
 
     # == the request path ===================================================================
@@ -517,18 +524,40 @@ class HiCache:
             node.l3_pending = True
             node.host_lock += 1
         self._backups_in_flight += len(todo)
-        items = [(n, n.page_hash, self.host.row(n.host_page)) for n in todo]  # type: ignore[arg-type]
+        rows = [self.host.row(n.host_page) for n in todo]  # type: ignore[arg-type]
+        self._backup_queue.extend(
+            (node, node.page_hash, row) for node, row in zip(todo, rows, strict=True)
+        )
+        with self._backup_worker_lock:
+            if not self._backup_worker_running:
+                self._backup_worker_running = True
+                submit(self._backup_worker(link))
 
-        async def run() -> None:
-            # Parents before children: a page is written only after its parent succeeded.
-            failed = False
-            for node, page_hash, row in items:
-                io = PageIO()
-                ok = False if failed else await link.write_page(page_hash, row, io)
-                failed = failed or not ok
-                self._acks.append(("backup", (node, ok, io)))
+    async def _backup_worker(self, link: L3Link) -> None:
+        """Drain the backup queue in FIFO batches, one batch at a time.
 
-        submit(run())
+        Batches are written concurrently inside but sequentially between them, and their
+        acknowledgements are queued in FIFO order, so a page's parent (queued earlier) is
+        acknowledged first: ``_apply_backup`` can then refuse a page whose parent failed,
+        which keeps what L3 is known to hold prefix-closed.
+        """
+        while True:
+            with self._backup_worker_lock:
+                if not self._backup_queue:
+                    self._backup_worker_running = False
+                    return
+                count = min(len(self._backup_queue), _BACKUP_BATCH_PAGES)
+                batch = [self._backup_queue.popleft() for _ in range(count)]
+            ios = [PageIO() for _ in batch]
+            results = await asyncio.gather(
+                *(
+                    link.write_page(page_hash, row, io)
+                    for (_node, page_hash, row), io in zip(batch, ios, strict=True)
+                ),
+                return_exceptions=True,
+            )
+            for (node, _hash, _row), io, ok in zip(batch, ios, results, strict=True):
+                self._acks.append(("backup", (node, ok is True, io)))
 
     def _apply_backup(self, node: PageNode, ok: bool, io: PageIO) -> None:
         self._backups_in_flight -= 1

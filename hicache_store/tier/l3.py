@@ -216,9 +216,7 @@ class L3Link:
             ByteRange(header_len + obj.fetch_start, header_len + obj.fetch_stop),
         ]
         try:
-            got = await self.backend.get_into(
-                [key, key], [header_buf.data, target.data], ranges
-            )
+            got = await self.backend.get_into([key, key], [header_buf.data, target.data], ranges)
         except InvalidRangeError as exc:
             # A range past the end: the stored object is shorter than its namespace says.
             raise CorruptObjectError(f"{key}: {exc}") from exc

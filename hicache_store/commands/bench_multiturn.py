@@ -1,0 +1,149 @@
+"""``hicache-store bench multiturn``: the multi-turn workload under L1, L1+L2, L1+L2+L3.
+
+The default L3 is the file backend under ``--workdir`` (a fresh folder each run). L1 and L2 are
+sized below the workload's working set (``--l1-fraction``, ``--l2-fraction``), so the smaller
+configurations must recompute what they lost. Prints a table, and writes JSON (``--json``) and
+a PNG chart (``--chart``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hicache_store.cli import UsageError
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "multiturn",
+        help="multi-turn shared-prefix workload under L1, L1+L2, L1+L2+L3",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    work = parser.add_argument_group("workload")
+    work.add_argument("--groups", type=int, default=4, help="groups sharing a system prompt")
+    work.add_argument("--conversations", type=int, default=4, help="conversations per group")
+    work.add_argument("--turns", type=int, default=4)
+    work.add_argument("--system-tokens", type=int, default=1024)
+    work.add_argument("--question-tokens", type=int, default=32)
+    work.add_argument("--answer-tokens", type=int, default=128)
+    work.add_argument("--seed", type=int, default=0)
+    sizes = parser.add_argument_group("tiers")
+    sizes.add_argument("--preset", default="bench", help="mini engine preset (tiny, bench)")
+    sizes.add_argument("--page-size", type=int, default=16)
+    sizes.add_argument("--l1-fraction", type=float, default=0.2, help="L1 size / working set")
+    sizes.add_argument("--l2-fraction", type=float, default=0.5, help="L2 size / working set")
+    sizes.add_argument("--backend", help="L3 backend URL (default: file backend in --workdir)")
+    sizes.add_argument("--workdir", type=Path, default=Path(".run/multiturn"))
+    sizes.add_argument(
+        "--configs", default="L1,L1+L2,L1+L2+L3", help="comma-separated subset to run"
+    )
+    policy = parser.add_argument_group("policies")
+    policy.add_argument(
+        "--write-policy",
+        default="write_through",
+        choices=["write_through", "write_through_selective", "write_back"],
+    )
+    policy.add_argument(
+        "--prefetch-policy",
+        default="wait_complete",
+        choices=["best_effort", "wait_complete", "timeout"],
+    )
+    policy.add_argument("--host-mode", default="cache", choices=["cache", "buffer_only"])
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
+    out.add_argument("--chart", type=Path, metavar="PATH", help="write a PNG chart")
+    out.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hicache_store.bench.multiturn import default_setups, fresh_directory, run_setup
+    from hicache_store.bench.multiturn import write_chart as draw
+    from hicache_store.bench.workload import WorkloadSpec, generate
+    from hicache_store.engine.config import MiniLlamaConfig
+    from hicache_store.engine.model import MiniLlama
+
+    try:
+        config = MiniLlamaConfig.preset(args.preset)
+        spec = WorkloadSpec(
+            groups=args.groups,
+            conversations=args.conversations,
+            turns=args.turns,
+            system_tokens=args.system_tokens,
+            question_tokens=args.question_tokens,
+            answer_tokens=args.answer_tokens,
+            vocab_size=config.vocab_size,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    workdir = fresh_directory(args.workdir)
+    backend_url = args.backend or f"file://{(workdir / 'l3').resolve()}"
+    setups = default_setups(
+        spec,
+        args.page_size,
+        l1_fraction=args.l1_fraction,
+        l2_fraction=args.l2_fraction,
+        backend_url=backend_url,
+    )
+    wanted = [name.strip() for name in args.configs.split(",") if name.strip()]
+    unknown = set(wanted) - {s.name for s in setups}
+    if unknown:
+        raise UsageError(f"--configs: unknown {sorted(unknown)}; choose from L1, L1+L2, L1+L2+L3")
+    setups = [s for s in setups if s.name in wanted]
+    model = MiniLlama(config)
+    total = sum(1 for _ in generate(spec))
+    options = {
+        "write_policy": args.write_policy,
+        "prefetch_policy": args.prefetch_policy,
+        "host_mode": args.host_mode,
+    }
+    print(
+        f"model {args.preset}: {config.num_layers} layers, {config.num_kv_heads} KV heads x "
+        f"{config.head_dim}, {config.dtype}; page {args.page_size} tokens; {total} requests, "
+        f"working set {spec.working_set_tokens} tokens",
+        file=sys.stderr,
+    )
+    summaries = []
+    for setup in setups:
+
+        def progress(done: int, name: str = setup.name) -> None:
+            if not args.no_progress:
+                bar = "#" * (30 * done // total)
+                print(f"\r  {name:<9} [{bar:<30}] {done}/{total}", end="", file=sys.stderr)
+
+        result = run_setup(model, spec, setup, args.page_size, options, progress)
+        if not args.no_progress:
+            print(file=sys.stderr)
+        summaries.append(result.summary())
+    print(render_table(summaries))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"workload": vars(spec), "results": summaries}, indent=2))
+    if args.chart:
+        args.chart.parent.mkdir(parents=True, exist_ok=True)
+        draw(summaries, args.chart)
+    return 0
+
+
+def render_table(summaries: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'config':<10} {'L1 pages':>8} {'L2 pages':>8} {'hit':>6} {'hit>t1':>7} {'L1':>6} "
+        f"{'L2':>6} {'L3':>6} {'TTFT mean':>10} {'median':>8} {'input tok/s':>12} {'bookkeep':>9}"
+    )
+    lines = [head]
+    for s in summaries:
+        setup = s["setup"]
+        lines.append(
+            f"{setup['name']:<10} {setup['l1_pages']:>8} {setup['l2_pages']:>8} "
+            f"{100 * s['hit_rate']:>5.1f}% {100 * s['hit_rate_after_first_turn']:>6.1f}% "
+            f"{100 * s['hit_rate_l1']:>5.1f}% {100 * s['hit_rate_l2']:>5.1f}% "
+            f"{100 * s['hit_rate_l3']:>5.1f}% {1e3 * s['ttft_mean_s']:>8.1f}ms "
+            f"{1e3 * s['ttft_median_s']:>6.1f}ms {s['input_throughput_tok_s']:>12.0f} "
+            f"{100 * s['bookkeeping_share']:>8.2f}%"
+        )
+    return "\n".join(lines)
