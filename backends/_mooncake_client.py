@@ -79,13 +79,14 @@ def code_error(
     (transfer failure) and RPC failures are ``BackendUnavailableError(retryable=True)``.
     Everything else is a non-retryable ``BackendIOError``.
     """
-    where = {"backend": backend, "operation": operation, "key": key}
     message = f"{operation} failed with Mooncake error {code}"
     if code == NO_AVAILABLE_HANDLE:
-        return BackendUnavailableError(message + " (no segment space available)", **where)
+        message += " (no segment space available)"
     if code in RETRYABLE_CODES:
-        return BackendUnavailableError(message, retryable=True, **where)
-    return BackendIOError(message, retryable=False, **where)
+        return BackendUnavailableError(message, retryable=True, backend=backend,
+                                       operation=operation, key=key)
+    return BackendIOError(message, retryable=False, backend=backend, operation=operation,
+                          key=key)
 
 
 def _import_store_class() -> Any:

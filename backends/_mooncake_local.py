@@ -75,7 +75,8 @@ def binaries_available() -> str | None:
         path = find_binary(name)
         if path is None:
             return f"{name} not found (pip install mooncake-transfer-engine-non-cuda)"
-        probe = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
+        probe = subprocess.run(  # noqa: S603 - our own binary path, no shell
+            [path, "--version"], capture_output=True, text=True, check=False)
         if "error while loading shared libraries" in probe.stderr:
             return f"{name} cannot start: {probe.stderr.strip()} (apt-get install -y libibverbs1)"
     return None
@@ -108,8 +109,8 @@ def _build_shim(workdir: Path) -> str | None:
         return None
     src, lib = workdir / "loopback_bind.c", workdir / "loopback_bind.so"
     src.write_text(_SHIM_SOURCE)
-    done = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(lib), str(src), "-ldl"],
-                          capture_output=True, check=False)
+    args = [cc, "-shared", "-fPIC", "-O2", "-o", str(lib), str(src), "-ldl"]
+    done = subprocess.run(args, capture_output=True, check=False)  # noqa: S603 - no shell
     return str(lib) if done.returncode == 0 else None
 
 
@@ -156,7 +157,8 @@ class LocalMooncake:
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen[bytes]:
         log = open(self.workdir / log_name, "wb")  # noqa: SIM115 - handed to the child
         try:
-            return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
+            return subprocess.Popen(  # noqa: S603 - our binaries, fixed flags, no shell
+                args, stdout=log, stderr=subprocess.STDOUT, env=self._env(),
                                     cwd=self.workdir, start_new_session=True)
         finally:
             log.close()

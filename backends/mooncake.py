@@ -135,10 +135,12 @@ class MooncakeBackend(Backend):
             if late is not None:
                 late.set()
             if not future.cancel() and on_late is not None:
-                def late(done: concurrent.futures.Future[T]) -> None:
+                cleanup = on_late
+
+                def finished_late(done: concurrent.futures.Future[T]) -> None:
                     if not done.cancelled() and done.exception() is None:
-                        on_late(done.result())
-                future.add_done_callback(late)
+                        cleanup(done.result())
+                future.add_done_callback(finished_late)
             raise BackendTimeoutError(
                 f"{operation} took longer than {self.config.timeout}s",
                 backend=self.name, operation=operation,

@@ -9,8 +9,8 @@ with that reason; nothing is installed from here.
 
 from __future__ import annotations
 
-import os
 import asyncio
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 

@@ -160,12 +160,12 @@ async def test_holder_killed_mid_batch_then_restarted(own_deployment: LocalMoonc
                 try:
                     got = await store.get_into(ks, bufs)
                 except BackendUnavailableError as exc:
-                    assert exc.retryable
-                    outcomes.append("retryable")
+                    outcomes.append("retryable" if exc.retryable else exc)
                     continue
                 for n, buf, want in zip(got, bufs, data, strict=True):
                     assert n is None or bytes(buf[:n]) == want  # a miss or the right bytes
                 outcomes.append(got)
+            assert not any(isinstance(o, Exception) for o in outcomes), outcomes
             return outcomes
 
         task = asyncio.create_task(reads())
@@ -222,8 +222,7 @@ async def test_eviction_shows_up_as_misses(tmp_path: Any) -> None:
                 try:
                     await store.put(batch, [data[k] for k in batch])
                 except BackendUnavailableError as exc:  # pool full before eviction caught up
-                    assert exc.retryable
-                    errors += 1
+                    errors += 1 if exc.retryable else 1000
             hits = 0
             for k in ks:
                 buf = bytearray(MiB)
@@ -231,6 +230,7 @@ async def test_eviction_shows_up_as_misses(tmp_path: Any) -> None:
                 if n is not None:
                     assert bytes(buf) == data[k], "evicted or overwritten object read back wrong"
                     hits += 1
+            assert errors < 1000, "a non-retryable error under memory pressure"
             assert 0 < hits < len(ks)  # some evicted, none wrong
         finally:
             await store.close()
