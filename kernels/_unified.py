@@ -61,7 +61,10 @@ def block_runs(layout: UnifiedPageLayout) -> tuple[BlockRun, ...]:
             )
         else:
             head0 = block.head_start - layout.head_start
-            runs.append(BlockRun(head0, 1, block.num_heads, offset, 0, strides))
+            # A lone block's stride is its own size (where a next block would start), never
+            # 0: torch treats a zero stride in an output view as overlap and takes a slow path.
+            size = block.nbytes // layout.namespace.itemsize
+            runs.append(BlockRun(head0, 1, block.num_heads, offset, size, strides))
     return tuple(runs)
 
 
