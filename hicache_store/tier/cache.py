@@ -536,10 +536,11 @@ class HiCache:
     async def _backup_worker(self, link: L3Link) -> None:
         """Drain the backup queue in FIFO batches, one batch at a time.
 
-        Batches are written concurrently inside but sequentially between them, and their
-        acknowledgements are queued in FIFO order, so a page's parent (queued earlier) is
-        acknowledged first: ``_apply_backup`` can then refuse a page whose parent failed,
-        which keeps what L3 is known to hold prefix-closed.
+        Pages of different chains are written concurrently; within a chain a page's write
+        starts only after its parent's succeeded (and is skipped if the parent's failed), so
+        what this instance writes to L3 is always a prefix of each chain. Outcomes are kept on
+        the nodes (``l3_write_ok``, touched only by this worker) and acknowledged in FIFO
+        order for ``_apply_backup``.
         """
         while True:
             with self._backup_worker_lock:
@@ -548,23 +549,39 @@ class HiCache:
                     return
                 count = min(len(self._backup_queue), _BACKUP_BATCH_PAGES)
                 batch = [self._backup_queue.popleft() for _ in range(count)]
+            tasks: dict[int, asyncio.Task[bool]] = {}
             ios = [PageIO() for _ in batch]
-            results = await asyncio.gather(
-                *(
-                    link.write_page(page_hash, row, io)
-                    for (_node, page_hash, row), io in zip(batch, ios, strict=True)
-                ),
-                return_exceptions=True,
-            )
-            for (node, _hash, _row), io, ok in zip(batch, ios, results, strict=True):
-                self._acks.append(("backup", (node, ok is True, io)))
+
+            async def write(
+                node: PageNode,
+                page_hash: str,
+                row: Any,
+                io: PageIO,
+                tasks: dict[int, asyncio.Task[bool]] = tasks,
+            ) -> bool:
+                parent = node.parent
+                if parent is not None and parent.depth >= 0 and not parent.in_l3:
+                    before = tasks.get(id(parent))
+                    parent_ok = await before if before is not None else parent.l3_write_ok
+                    if not parent_ok:
+                        return False
+                try:
+                    return await link.write_page(page_hash, row, io)
+                except Exception:  # write_page reports failures; this is belt and braces
+                    return False
+
+            for (node, page_hash, row), io in zip(batch, ios, strict=True):
+                tasks[id(node)] = asyncio.ensure_future(write(node, page_hash, row, io))
+            for (node, _hash, _row), io in zip(batch, ios, strict=True):
+                ok = await tasks[id(node)]
+                node.l3_write_ok = ok
+                self._acks.append(("backup", (node, ok, io)))
 
     def _apply_backup(self, node: PageNode, ok: bool, io: PageIO) -> None:
         self._backups_in_flight -= 1
         node.l3_pending = False
         node.host_lock -= 1
-        parent = node.parent
-        if ok and (parent is None or parent.depth < 0 or parent.in_l3):
+        if ok:
             node.in_l3 = True
             self.metrics.backups_l3 += 1
             self.metrics.bytes_l2_to_l3 += io.bytes_moved

@@ -4,8 +4,11 @@ Pages are identified by their chained page hash (``hicache_store.layout.hashing`
 from the root is a token prefix and the tree needs no token comparison: matching a request is a
 walk over its page hashes. Each node is one full page.
 
-Invariant kept by the tier (and checked by the tests): for every tier, the set of nodes
-resident in it is *prefix-closed* — if a node is resident, so is its parent. Eviction therefore
+Invariant kept by the tier (and checked by the tests): for L1 and L2, the set of nodes
+resident in it is *prefix-closed* — if a node is resident, so is its parent. (L3 is written
+parent-first, so what one instance writes there is a prefix too; but ``in_l3`` only records
+what this instance *knows*, and a page fetched from L3 may have a parent whose L3 copy it
+never checked, so the known set is not checked for closure.) Eviction therefore
 only takes a tier's *leaves* (resident nodes with no resident child), least recently used first,
 so a cached chain loses its tail, never a page in its middle.
 
@@ -36,6 +39,7 @@ class PageNode:
     ``host_lock``: transfers reading or writing its L2 copy (not evictable from L2 while > 0).
     ``hits``: how many requests matched it (write-through-selective counts these).
     ``l3_pending``: an L3 backup of it is queued or in flight.
+    ``l3_write_ok``: outcome of this instance's last L3 write of it (the backup worker's).
     """
 
     page_hash: str
@@ -46,6 +50,7 @@ class PageNode:
     host_page: int | None = None
     in_l3: bool = False
     l3_pending: bool = False
+    l3_write_ok: bool = False
     lock: int = 0
     host_lock: int = 0
     hits: int = 0
@@ -183,7 +188,7 @@ class PageTree:
             current = parent
 
     def check_prefix_closed(self) -> None:
-        """Raise ``AssertionError`` if some tier holds a page without its parent (tests)."""
+        """Raise ``AssertionError`` if L1 or L2 holds a page without its parent (tests)."""
         for node in self.nodes():
             parent = node.parent
             if parent is None or parent.depth < 0:
@@ -191,5 +196,3 @@ class PageTree:
             for tier in Tier:
                 if node.resident(tier) and not parent.resident(tier):
                     raise AssertionError(f"{node} is in {tier.name} without its parent {parent}")
-            if node.in_l3 and not parent.in_l3:
-                raise AssertionError(f"{node} is in L3 without its parent {parent}")
