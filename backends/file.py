@@ -117,7 +117,7 @@ class FileBackend(Backend):
     """Objects as files under ``root``. See the module docstring for every guarantee.
 
     Options: ``durability`` (none | data | full, default data), ``capacity_bytes`` (int or
-    size string; default 90% of the space available at open), ``io_threads`` (default 8),
+    size string; default 90% of the space available at open), ``io_threads`` (default 16),
     ``direct_io`` (auto | never), ``create`` (make the root if missing, default True).
     """
 
@@ -138,7 +138,7 @@ class FileBackend(Backend):
         *,
         durability: Durability = "data",
         capacity_bytes: int | str | None = None,
-        io_threads: int = 8,
+        io_threads: int = 16,
         direct_io: DirectIO = "auto",
         create: bool = True,
     ) -> None:
@@ -320,6 +320,8 @@ class FileBackend(Backend):
             hits = [key in self._lru for key in keys]
         missing = [key for key, hit in zip(keys, hits, strict=True) if not hit]
         if missing:
+            # One job for all unknown keys: a stat is a few microseconds, so splitting the
+            # batch over threads only adds GIL hand-offs (measured slower on 2 cores).
             found = await self._run(self._translated, "exists", None, self._probe, missing)
             hits = [hit or key in found for key, hit in zip(keys, hits, strict=True)]
         with self._lock:

@@ -54,17 +54,24 @@ def raw(cfg: BenchConfig, where: Path) -> dict[str, float]:
     finally:
         base.cleanup()
     total = cfg.objects * cfg.size
-    return {"write": gb_s(total, write), "write_returned": gb_s(total, write),
-            "cold_read": gb_s(total, read)}
+    return {
+        "write": gb_s(total, write),
+        "write_returned": gb_s(total, write),
+        "cold_read": gb_s(total, read),
+    }
 
 
 def ours(cfg: BenchConfig, where: Path, **options: Any) -> dict[str, float]:
     store = FileBackend(where, **options)
 
     async def go() -> dict[str, float]:
-        measures = await bench_store(store, cfg, run=os.urandom(4).hex(),
-                                     progress=Progress(enabled=False),
-                                     before_cold_read=drop_page_cache)
+        measures = await bench_store(
+            store,
+            cfg,
+            run=os.urandom(4).hex(),
+            progress=Progress(enabled=False),
+            before_cold_read=drop_page_cache,
+        )
         await store.close()
         out = {m.phase.replace(" ", "_"): m.gbps for m in measures if m.phase != "exists"}
         out["write_returned"] = out["write"]  # durability=data: durable when put returns
@@ -76,10 +83,24 @@ def ours(cfg: BenchConfig, where: Path, **options: Any) -> dict[str, float]:
         shutil.rmtree(where, ignore_errors=True)
 
 
-def peer(system: str, cfg: BenchConfig, where: Path, python: str, exists_keys: int) -> dict[str, Any]:
-    cmd = [python, str(ROOT / "bench" / "bench_backend_peers.py"), system, "--dir", str(where),
-           "--objects", str(cfg.objects), "--batch", str(cfg.batch), "--threads", "4",
-           "--exists-keys", str(exists_keys)]
+def peer(
+    system: str, cfg: BenchConfig, where: Path, python: str, exists_keys: int
+) -> dict[str, Any]:
+    cmd = [
+        python,
+        str(ROOT / "bench" / "bench_backend_peers.py"),
+        system,
+        "--dir",
+        str(where),
+        "--objects",
+        str(cfg.objects),
+        "--batch",
+        str(cfg.batch),
+        "--threads",
+        "4",
+        "--exists-keys",
+        str(exists_keys),
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     finally:
@@ -159,8 +180,12 @@ def exists_figures(where: Path, count: int) -> dict[str, Any]:
             await store.close()
 
         asyncio.run(same_process())
-        probe = subprocess.run([sys.executable, "-c", _PROBE, str(store_dir), str(key_file)],
-                               capture_output=True, text=True, check=True)
+        probe = subprocess.run(
+            [sys.executable, "-c", _PROBE, str(store_dir), str(key_file)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         restarted = json.loads(probe.stdout)
         assert restarted["hits"] == count
         out["restart_s"] = restarted["exists_s"]
@@ -174,34 +199,50 @@ def exists_figures(where: Path, count: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--objects", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=8, help="raw baseline threads")
+    parser.add_argument("--batch", type=int, default=128, help="SGLang's STORAGE_BATCH_SIZE")
+    parser.add_argument("--threads", type=int, default=16,
+                        help="raw baseline threads = the file backend's pool = LMCache's")
     parser.add_argument("--exists-keys", type=int, default=10_000)
     parser.add_argument("--dir", default=str(ROOT / ".build" / "bench-data"))
-    parser.add_argument("--peer-python", default=str(ROOT / ".build" / "bench-venv" / "bin" / "python"))
+    parser.add_argument(
+        "--peer-python", default=str(ROOT / ".build" / "bench-venv" / "bin" / "python")
+    )
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument("--write-md", action="store_true", help="update BENCHMARKS.md")
     parser.add_argument("--json", help="also write the raw results to this file")
     args = parser.parse_args()
     data = Path(args.dir)
     data.mkdir(parents=True, exist_ok=True)
-    cfg = BenchConfig(objects=args.objects, size=OBJECT_BYTES, batch=args.batch,
-                      exists_keys=args.exists_keys, threads=args.threads)
+    cfg = BenchConfig(
+        objects=args.objects,
+        size=OBJECT_BYTES,
+        batch=args.batch,
+        exists_keys=args.exists_keys,
+        threads=args.threads,
+    )
     cold = drop_page_cache()
     results: dict[str, Any] = {"objects": cfg.objects, "object_bytes": cfg.size, "cold": cold}
     steps: list[tuple[str, Any]] = [
         ("raw O_DIRECT", lambda: raw(cfg, data / "raw")),
-        ("hicache-store file (O_DIRECT, durability=data)",
-         lambda: ours(cfg, data / "ours", durability="data")),
-        ("hicache-store file (buffered, durability=data)",
-         lambda: ours(cfg, data / "ours-buf", durability="data", direct_io="never")),
+        (
+            "hicache-store file (O_DIRECT, durability=data)",
+            lambda: ours(cfg, data / "ours", durability="data"),
+        ),
+        (
+            "hicache-store file (buffered, durability=data)",
+            lambda: ours(cfg, data / "ours-buf", durability="data", direct_io="never"),
+        ),
     ]
     if not args.skip_peers:
         steps += [
-            ("SGLang HiCacheFile", lambda: peer("sglang", cfg, data / "sglang",
-                                                args.peer_python, args.exists_keys)),
-            ("LMCache LocalDiskBackend", lambda: peer("lmcache", cfg, data / "lmcache",
-                                                      args.peer_python, args.exists_keys)),
+            (
+                "SGLang HiCacheFile",
+                lambda: peer("sglang", cfg, data / "sglang", args.peer_python, args.exists_keys),
+            ),
+            (
+                "LMCache LocalDiskBackend",
+                lambda: peer("lmcache", cfg, data / "lmcache", args.peer_python, args.exists_keys),
+            ),
         ]
     steps.append(("raw O_DIRECT (end of run)", lambda: raw(cfg, data / "raw2")))
     systems: dict[str, dict[str, Any]] = {}
@@ -229,11 +270,11 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         f"Command (as root, so the page cache can be dropped): `{cmd}`. One run, side by side, "
         f"{n} objects of {size >> 20} MiB on the same filesystem (ext4 on the VM's virtio disk), "
-        f"warm memory, batches of {args.batch} objects. GB/s = 10^9 bytes/s. \"durable write\": "
+        f'warm memory, batches of {args.batch} objects. GB/s = 10^9 bytes/s. "durable write": '
         "the data is on the device when the measured call returns (hicache-store: "
         "`durability=data`, an fdatasync per object before its rename; the peers do not flush, so "
         "their figure includes an `os.sync()` after the last call; raw: fdatasync per file). "
-        "\"as returned\": the same without that sync. \"cold read\": page cache dropped first "
+        '"as returned": the same without that sync. "cold read": page cache dropped first '
         f"(`sync; echo 3 > /proc/sys/vm/drop_caches`; dropped: {results['cold']}). Raw = "
         f"{args.threads} threads of O_DIRECT `pwrite`/`preadv` of the same bytes.",
         "",
@@ -241,16 +282,22 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, m in systems.items():
+
         def cell(key: str, m: dict[str, Any] = m) -> str:
             value = m.get(key)
             return f"{value:.2f}" if isinstance(value, float) else "-"
-        lines.append(f"| {name} | {cell('write')} | {cell('write_returned')} | "
-                     f"{cell('cold_read')} | {cell('warm_read')} | {cell('range_read')} |")
+
+        lines.append(
+            f"| {name} | {cell('write')} | {cell('write_returned')} | "
+            f"{cell('cold_read')} | {cell('warm_read')} | {cell('range_read')} |"
+        )
     ours_d = systems["hicache-store file (O_DIRECT, durability=data)"]
     raw0 = systems["raw O_DIRECT"]
     lines += ["", "Ratios (hicache-store file with O_DIRECT, `durability=data`):", ""]
-    lines.append(f"- against raw O_DIRECT: durable write {ours_d['write'] / raw0['write']:.2f}, "
-                 f"cold read {ours_d['cold_read'] / raw0['cold_read']:.2f}")
+    lines.append(
+        f"- against raw O_DIRECT: durable write {ours_d['write'] / raw0['write']:.2f}, "
+        f"cold read {ours_d['cold_read'] / raw0['cold_read']:.2f}"
+    )
     for peer_name in ("SGLang HiCacheFile", "LMCache LocalDiskBackend"):
         if peer_name in systems:
             p = systems[peer_name]
@@ -273,8 +320,10 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
     rows = [
         ("hicache-store, in the writing process (index hit)", ex["same_process_s"]),
         ("hicache-store, fresh process (index rebuilt at open)", ex["restart_s"]),
-        ("hicache-store, keys another process wrote after we opened (one stat each)",
-         ex["other_writer_s"]),
+        (
+            "hicache-store, keys another process wrote after we opened (one stat each)",
+            ex["other_writer_s"],
+        ),
     ]
     sg = systems.get("SGLang HiCacheFile")
     if sg:
@@ -282,12 +331,16 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
     for label, seconds in rows:
         lines.append(f"| {label} | {seconds * 1e3:.1f} | {keys / seconds:,.0f} |")
     lines.append("")
-    lines.append(f"Opening the store in the fresh process (rebuilding the index of "
-                 f"{ex['restart_open_objects']:,} objects) took {ex['restart_open_s'] * 1e3:.0f} ms.")
+    lines.append(
+        f"Opening the store in the fresh process (rebuilding the index of "
+        f"{ex['restart_open_objects']:,} objects) took {ex['restart_open_s'] * 1e3:.0f} ms."
+    )
     if sg:
-        lines.append(f"Ratio against SGLang `batch_exists`: {sg['exists_s'] / ex['same_process_s']:.1f}x "
-                     f"(same process), {sg['exists_s'] / ex['restart_s']:.1f}x (fresh process), "
-                     f"{sg['exists_s'] / ex['other_writer_s']:.1f}x (another writer's keys).")
+        lines.append(
+            f"Ratio against SGLang `batch_exists`: {sg['exists_s'] / ex['same_process_s']:.1f}x "
+            f"(same process), {sg['exists_s'] / ex['restart_s']:.1f}x (fresh process), "
+            f"{sg['exists_s'] / ex['other_writer_s']:.1f}x (another writer's keys)."
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -49,12 +49,14 @@ def register(subparsers: Any) -> None:
     parser.add_argument("url", help="backend URL, e.g. file:///mnt/nvme/kv?durability=data")
     parser.add_argument("--objects", type=int, default=512, help="objects to write (512)")
     parser.add_argument("--size", default="8MiB", help="bytes per object (8MiB)")
-    parser.add_argument("--batch", type=int, default=32, help="objects per call (32)")
+    parser.add_argument("--batch", type=int, default=128,
+                        help="objects per call (128, SGLang's storage batch size)")
     parser.add_argument("--range-fraction", type=float, default=0.25,
                         help="fraction of each object the range read fetches (0.25)")
     parser.add_argument("--exists-keys", type=int, default=10_000,
                         help="keys probed by the exists measure (10000)")
-    parser.add_argument("--threads", type=int, default=8, help="raw baseline threads (8)")
+    parser.add_argument("--threads", type=int, default=16,
+                        help="raw baseline threads (16, the file backend's default pool)")
     parser.add_argument("--baseline", choices=("auto", "no"), default="auto",
                         help="raw O_DIRECT baseline: auto = for file:// URLs (auto)")
     parser.add_argument("--drop-caches", choices=("auto", "no"), default="auto",
@@ -69,10 +71,10 @@ def register(subparsers: Any) -> None:
 class BenchConfig:
     objects: int = 512
     size: int = 8 << 20
-    batch: int = 32
+    batch: int = 128
     range_fraction: float = 0.25
     exists_keys: int = 10_000
-    threads: int = 8
+    threads: int = 16
     drop_caches: bool = True
     keep: bool = False
 
