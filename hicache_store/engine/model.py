@@ -27,16 +27,24 @@ hold it. This holds by construction, not by luck of rounding:
    by shape (a 1-row matmul, for example, takes a GEMV path that rounds differently from the
    blocked GEMM), so fixing the shape fixes the arithmetic; no library computes a row's result
    from the values of other rows.
-2. Attention of block ``b`` reads keys ``[0, (b+1)*B)``, one fixed-shape ``bmm`` for the scores
-   and one for the weighted sum, in float32. Keys past the end of the sequence are zero and
-   masked (weight exactly 0), so the result does not depend on how long the sequence is.
+2. Attention of block ``b`` reads keys ``[0, (b+1)*B)``: one ``scaled_dot_product_attention``
+   call (explicit causal mask, float32 accumulation inside the fused kernel) whose shapes depend
+   only on ``b``. Keys past the end of the sequence are zero and masked (weight exactly 0), so the
+   result does not depend on how long the sequence is.
 3. The prefix K/V read from the pool are bitwise copies of what an earlier computation wrote
    (``index_copy_`` / ``index_select``; the pool's dtype is the model dtype), and RoPE tables are
    computed per block on the CPU from the absolute positions.
 
 In bfloat16/float16 the same argument holds (K/V are rounded to the model dtype once, before they
-are stored, in both paths), so those dtypes are exact too. Across devices or thread counts the
-GEMM kernels differ and only rounding-level agreement can be expected.
+are stored, in both paths), so those dtypes are exact too. Across devices, torch builds or
+intra-op thread counts the kernels may differ and only rounding-level agreement is promised (on
+the 2-core CPU this was written on, 1 and 2 threads happen to agree bit for bit as well).
+
+Performance: no Python loop over tokens; per layer, one GEMM per block and projection, one fused
+attention call per block, one ``index_copy_`` and one ``index_select`` per K and V. The ops are
+small (``compute_block`` rows), so on a CPU shared with other busy threads (a cache tier's I/O,
+other processes) intra-op parallelism costs more in OpenMP barriers than it gains:
+``torch.set_num_threads(1)`` is then markedly faster.
 
 Extension point: attention is ``_attend`` on one block over a key range; a sliding-window layer
 would narrow the key range (and its mask) per ``config.layer_kinds``.
@@ -161,9 +169,8 @@ class MiniLlama:
         )
         self._rope_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         block = cfg.compute_block
-        # Strict upper triangle: query row r of a block may not see key column c > r.
-        tri = torch.ones(block, block, dtype=torch.bool).triu(1)
-        self._block_mask = tri.repeat(cfg.group_size, 1).to(self.device)  # [group*B, B]
+        # Which of its own block's keys a query row may see (True: key column c <= row r).
+        self._tail_mask = torch.ones(block, block, dtype=torch.bool).tril().to(self.device)
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -316,25 +323,25 @@ class MiniLlama:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int
     ) -> torch.Tensor:
         """Causal GQA of one block's queries ``q [B, heads, head_dim]`` over keys
-        ``[0, (block+1)*B)`` of ``k``/``v`` (float32 ``[kv_heads, >= (block+1)*B, head_dim]``,
-        zero past the sequence end). Returns ``[B, heads*head_dim]`` in the model dtype."""
-        cfg = self.config
-        size, kv_heads, group, head_dim = (
-            cfg.compute_block,
-            cfg.num_kv_heads,
-            cfg.group_size,
-            cfg.head_dim,
-        )
+        ``[0, (block+1)*B)`` of ``k``/``v`` (``[kv_heads, >= (block+1)*B, head_dim]``, model
+        dtype, zero past the sequence end). Returns ``[B, heads*head_dim]`` in the model dtype.
+
+        One ``scaled_dot_product_attention`` call whose shapes depend only on ``block`` (the fused
+        CPU kernel accumulates in float32 and splits queries and keys by size, so fixed shapes mean
+        fixed arithmetic). Query head ``h`` reads KV head ``h // group_size``.
+        """
+        size = self.config.compute_block
         keys = (block + 1) * size
-        # Query head h uses KV head h // group: rows of kv head j are its group's heads x tokens.
-        qf = q.reshape(size, kv_heads, group, head_dim).permute(1, 2, 0, 3).float()
-        qf = qf.reshape(kv_heads, group * size, head_dim) * head_dim**-0.5
-        scores = torch.bmm(qf, k[:, :keys].transpose(1, 2))  # [kv_heads, group*B, keys]
-        scores[:, :, keys - size :].masked_fill_(self._block_mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.bmm(probs, v[:, :keys])  # [kv_heads, group*B, head_dim]
-        out = out.view(kv_heads, group, size, head_dim).permute(2, 0, 1, 3)
-        return out.reshape(size, cfg.num_heads * head_dim).to(cfg.torch_dtype)
+        mask = torch.ones(size, keys, dtype=torch.bool, device=self.device)
+        mask[:, keys - size :] = self._tail_mask
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k[None, :, :keys],
+            v[None, :, :keys],
+            attn_mask=mask,
+            enable_gqa=True,
+        )  # [1, heads, B, head_dim]
+        return out[0].transpose(0, 1).reshape(size, -1)
 
     def _forward(
         self, tokens: torch.Tensor, start_pos: int, kv: _LayerKV, *, last_only: bool
@@ -357,8 +364,14 @@ class MiniLlama:
         hidden[valid] = self.embed.index_select(0, tokens)
         blocks = hidden.view(n_blocks, size, cfg.hidden_size)
         ropes = [self._rope_block(first_block + j) for j in range(n_blocks)]
-        # Padded K/V of positions [0, last_block*size), float32, [kv_heads, positions, head_dim].
-        k_all = torch.zeros(cfg.num_kv_heads, last_block * size, cfg.head_dim, device=self.device)
+        # Padded K/V of positions [0, last_block*size): [kv_heads, positions, head_dim].
+        k_all = torch.zeros(
+            cfg.num_kv_heads,
+            last_block * size,
+            cfg.head_dim,
+            dtype=cfg.torch_dtype,
+            device=self.device,
+        )
         v_all = torch.zeros_like(k_all)
 
         heads = cfg.num_heads + cfg.num_kv_heads  # query and key heads, rotated together
