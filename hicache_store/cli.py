@@ -19,6 +19,7 @@ from hicache_store import __version__
 COMMAND_MODULES: tuple[str, ...] = (
     "hicache_store.commands.plan",
     "hicache_store.commands.bench",
+    "hicache_store.commands.gc",
 )
 
 EXIT_OK = 0

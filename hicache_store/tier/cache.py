@@ -28,11 +28,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,6 +60,16 @@ log = logging.getLogger(__name__)
 
 #: L3 backups written concurrently in one batch of the backup worker.
 _BACKUP_BATCH_PAGES = 16
+
+
+@contextlib.contextmanager
+def _timed(req: Request) -> Iterator[None]:
+    """Count the enclosed time as the request's I/O (data movement), not bookkeeping."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        req.io_s += time.perf_counter() - started
 
 
 class TierCapacityError(RuntimeError):
@@ -145,7 +156,12 @@ class _Prefetch:
 
 @dataclass
 class Request:
-    """One request's state between ``match`` and ``complete``."""
+    """One request's state between ``match`` and ``complete``.
+
+    ``bookkeeping_s``: time the tier spent on the engine thread deciding (matching, planning,
+    scheduling), excluding ``io_s``: time spent moving data or waiting for the backend
+    (existence checks, L1 <-> L2 copies), and excluding prefetch waits.
+    """
 
     tokens: torch.Tensor
     hashes: list[str]
@@ -160,6 +176,7 @@ class Request:
     host_locked: list[PageNode] = field(default_factory=list)
     load: LayerLoad | None = None
     bookkeeping_s: float = 0.0
+    io_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -247,7 +264,7 @@ class HiCache:
         self.tree.touch(held)
         if self.l3 is not None and in_memory < len(hashes):
             self._start_prefetch(req)
-        req.bookkeeping_s += time.perf_counter() - started
+        req.bookkeeping_s += time.perf_counter() - started - req.io_s
         return req
 
     def prepare(self, req: Request) -> Prepared:
@@ -255,6 +272,7 @@ class HiCache:
         started = time.perf_counter()
         page = self.namespace.page_size
         waited = 0.0
+        io_before = req.io_s
         if req.prefetch is not None:
             waited = self._settle_prefetch(req)
         # A prompt must leave at least one token to compute (its logits are the output).
@@ -277,15 +295,17 @@ class HiCache:
             + torch.arange(page, dtype=torch.int64).repeat(len(device_pages))
         )[: len(req.tokens)]
         self._count_hits(req)
-        req.bookkeeping_s += time.perf_counter() - started - waited
+        req.bookkeeping_s += time.perf_counter() - started - waited - (req.io_s - io_before)
         return Prepared(usable * page, slots, wait_layer)
 
     def complete(self, req: Request) -> None:
         """Insert the request's new pages, apply the write policy, release everything."""
         started = time.perf_counter()
         page = self.namespace.page_size
+        io_before = req.io_s
         if req.load is not None:
-            req.load.wait_all()
+            with _timed(req):
+                req.load.wait_all()
             self.metrics.bytes_l2_to_l1 += len(req.loading) * self.layout.page_bytes
         for node in req.host_locked:
             node.host_lock -= 1
@@ -311,9 +331,10 @@ class HiCache:
         if threshold and self.config.l2_pages:
             hot = [n for n in path if n.hits >= threshold]
             if hot:
-                self._backup_to_host(hot[-1])
+                with _timed(req):  # the L1 -> L2 copy is data movement, not bookkeeping
+                    self._backup_to_host(hot[-1])
         self.poll()
-        req.bookkeeping_s += time.perf_counter() - started
+        req.bookkeeping_s += time.perf_counter() - started - (req.io_s - io_before)
 
     # == background work =====================================================================
 
@@ -417,7 +438,8 @@ class HiCache:
     def _start_load(self, req: Request) -> Callable[[int], None] | None:
         nodes = req.loading
         rows = torch.tensor([n.host_page for n in nodes], dtype=torch.int64)
-        staging = self.host.data.index_select(0, rows)
+        with _timed(req):
+            staging = self.host.data.index_select(0, rows)
         first_slots = (
             torch.tensor([n.device_page for n in nodes], dtype=torch.int64)
             * self.namespace.page_size
@@ -598,7 +620,10 @@ class HiCache:
         start = len(req.nodes)
         candidates = req.hashes[start:]
         try:
-            available = run_sync(link.exists_prefix(candidates), timeout=self.config.io_timeout_s)
+            with _timed(req):  # a round trip to the backend: I/O, not bookkeeping
+                available = run_sync(
+                    link.exists_prefix(candidates), timeout=self.config.io_timeout_s
+                )
         except Exception as exc:
             log.warning("L3 existence check failed, recomputing instead: %s", exc)
             available = 0
