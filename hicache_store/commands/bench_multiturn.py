@@ -57,6 +57,13 @@ def register(subparsers: Any) -> None:
     out.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
     out.add_argument("--chart", type=Path, metavar="PATH", help="write a PNG chart")
     out.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch compute threads (1 leaves a core to the tier's I/O; the mini engine's "
+        "small ops gain little from more on a 2-core machine)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -95,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise UsageError(f"--configs: unknown {sorted(unknown)}; choose from L1, L1+L2, L1+L2+L3")
     setups = [s for s in setups if s.name in wanted]
+    import torch
+
+    torch.set_num_threads(max(1, args.threads))
     model = MiniLlama(config)
     total = sum(1 for _ in generate(spec))
     options = {

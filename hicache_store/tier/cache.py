@@ -500,10 +500,22 @@ class HiCache:
         if any(n.host_page is None and n.device_page is None for n in node.path()):
             return  # a hole above: this chain cannot be backed up as a prefix
         if missing:
-            pages = self._alloc_host(len(missing))
-            if pages is None:
-                self.metrics.backups_dropped += len(missing)
-                return
+            # Pin the chain's existing L2 copies: evicting one to make room would leave a hole.
+            pinned = [n for n in node.path() if n.host_page is not None]
+            for n in pinned:
+                n.host_lock += 1
+            try:
+                pages = self._alloc_host(len(missing))
+            finally:
+                for n in pinned:
+                    n.host_lock -= 1
+            if pages is None:  # L2 cannot take the whole chain: keep as long a prefix as fits
+                fit = self.host.free_pages
+                pages = self.host.alloc(fit) if fit else None
+                self.metrics.backups_dropped += len(missing) - fit
+                if pages is None:
+                    return
+                missing = missing[:fit]
             staging = torch.empty((len(missing), self.layout.page_bytes), dtype=torch.uint8)
             first_slots = (
                 torch.tensor([n.device_page for n in missing], dtype=torch.int64)

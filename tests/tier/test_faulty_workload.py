@@ -22,34 +22,9 @@ from hicache_store.tier.config import TierConfig
 PAGE = 4
 
 
-def run(faults: FaultConfig, policy: str) -> tuple[HiCache, FaultyBackend]:
-    config = MiniLlamaConfig(dtype="float32")
-    model = MiniLlama(config)
-    backend = FaultyBackend(open_backend("memory://"), faults)
-    spec = WorkloadSpec(
-        groups=2,
-        conversations=2,
-        turns=3,
-        system_tokens=48,
-        question_tokens=6,
-        answer_tokens=10,
-        vocab_size=config.vocab_size,
-        seed=3,
-    )
-    pool = DeviceKVPool.for_model(config, num_pages=32, page_size=PAGE)
-    tier = HiCache(
-        namespace_for(config, PAGE),
-        TierConfig(
-            l1_pages=48,
-            l2_pages=24,
-            prefetch_policy=policy,
-            prefetch_threshold_tokens=PAGE,  # type: ignore[arg-type]
-            prefetch_timeout_base_s=0.05,
-            io_timeout_s=0.5,
-        ),
-        pool,
-        backend=backend,
-    )
+def serve_workload(tier: HiCache, model: MiniLlama, spec: WorkloadSpec) -> None:
+    """Serve every request (and its answer, as decode would), checking each against recompute."""
+    pool = tier.pool
     for request in generate(spec):
         for tokens in (request.prompt, request.prompt + request.answer):
             req = tier.match(tokens)
@@ -58,7 +33,7 @@ def run(faults: FaultConfig, policy: str) -> tuple[HiCache, FaultyBackend]:
                 torch.tensor(tokens[prep.start :]),
                 prep.start,
                 prep.slots,
-                pool,
+                pool,  # type: ignore[arg-type]
                 wait_layer=prep.wait_layer,
             )
             tier.complete(req)
@@ -67,31 +42,69 @@ def run(faults: FaultConfig, policy: str) -> tuple[HiCache, FaultyBackend]:
             tier.tree.check_prefix_closed()
             assert tier.host.used == tier.host_pages_referenced()
     tier.flush(timeout=30)
-    return tier, backend
+
+
+def new_tier(model: MiniLlama, backend: FaultyBackend, policy: str) -> HiCache:
+    pool = DeviceKVPool.for_model(model.config, num_pages=32, page_size=PAGE)
+    config = TierConfig(
+        l1_pages=32,
+        l2_pages=12,
+        prefetch_policy=policy,  # type: ignore[arg-type]
+        prefetch_threshold_tokens=PAGE,
+        prefetch_timeout_base_s=0.05,
+        io_timeout_s=0.5,
+    )
+    return HiCache(namespace_for(model.config, PAGE), config, pool, backend=backend)
+
+
+def assert_idle(tier: HiCache) -> None:
+    """Host-pool accounting is back to the tree's references, with nothing in flight."""
+    assert tier.host.used == tier.host_pages_referenced()
+    assert not tier._prefetches
+    assert all(n.host_lock == 0 and n.lock == 0 for n in tier.tree.nodes())
 
 
 def test_failing_l3_degrades_to_recompute_and_never_serves_corruption() -> None:
-    faults = FaultConfig(
+    model = MiniLlama(MiniLlamaConfig(dtype="float32"))
+    spec = WorkloadSpec(
+        groups=2,
+        conversations=2,
+        turns=3,
+        system_tokens=48,
+        question_tokens=6,
+        answer_tokens=10,
+        vocab_size=model.config.vocab_size,
+        seed=3,
+    )
+    backend = FaultyBackend(open_backend("memory://"))
+    # 1. 20% errors, latency spikes, timeouts, bit flips and torn writes, under each policy.
+    backend.faults = FaultConfig(
         seed=11,
         error_rate=0.2,
-        latency_s=0.0,
         latency_jitter_s=0.01,
         timeout_rate=0.05,
         timeout_s=0.02,
         bit_flip_rate=0.2,
         torn_write_rate=0.1,
     )
-    corruptions = l3_hits = injected = 0
     for policy in ("wait_complete", "timeout", "best_effort"):
-        tier, backend = run(faults, policy)
-        injected += backend.injected["bit_flip"] + backend.injected["torn_write"]
-        corruptions += tier.metrics.corruptions
-        l3_hits += tier.metrics.hit_tokens_l3
-        # Host-pool accounting returns to the tree's references, with nothing in flight.
-        assert tier.host.used == tier.host_pages_referenced()
-        assert not tier._prefetches
-        assert all(n.host_lock == 0 and n.lock == 0 for n in tier.tree.nodes())
+        tier = new_tier(model, backend, policy)
+        serve_workload(tier, model, spec)
+        assert_idle(tier)
         tier.close()
-    assert injected > 0
-    assert corruptions > 0, "injected corruption must be caught and counted"
-    assert l3_hits > 0, "some L3 reads should still succeed"
+    assert sum(backend.injected.values()) > 0
+    # 2. A fresh instance whose every L3 read is corrupted in transit: all caught, none served.
+    backend.faults = FaultConfig(bit_flip_rate=1.0)
+    tier = new_tier(model, backend, "wait_complete")
+    serve_workload(tier, model, spec)
+    assert tier.metrics.corruptions > 0
+    assert tier.metrics.hit_tokens_l3 == 0
+    assert_idle(tier)
+    tier.close()
+    # 3. The same store without faults: what the failing phases stored is good KV.
+    backend.faults = FaultConfig()
+    tier = new_tier(model, backend, "wait_complete")
+    serve_workload(tier, model, spec)
+    assert tier.metrics.hit_tokens_l3 > 0
+    assert_idle(tier)
+    tier.close()
