@@ -20,6 +20,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "hicache_store.commands.plan",
     "hicache_store.commands.bench",
     "hicache_store.commands.gc",
+    "hicache_store.commands.prepopulate",
+    "hicache_store.commands.inspect",
 )
 
 EXIT_OK = 0

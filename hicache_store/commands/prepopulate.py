@@ -1,0 +1,171 @@
+"""``hicache-store prepopulate URL``: compute prompts' KV with a real model and store it in L3.
+
+Writes the objects every rank of ``--topology`` would write for the target namespace (model,
+dtype, ``--page-size``, grid, tenant), so that deployment (and any other topology reading the
+same namespace) finds the KV as its own::
+
+    hicache-store prepopulate file:///var/cache/kv --model /models/llama-3-8b \\
+        --prompts system_prompts.jsonl --page-size 64 --topology tp=4,pp=2 --dtype bfloat16
+
+Resumable (pages whose objects exist are skipped), batched, with a progress bar (tokens/s,
+bytes/s) on stderr and a summary on stdout (``--json`` for data). ``--dry-run`` writes
+nothing and reports what would be written. Exit code 1 when a write failed (rerun to retry).
+Library: ``hicache_store.ops.prepopulate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from hicache_store._sync import run_sync
+from hicache_store.backends import open_backend
+from hicache_store.cli import UsageError
+from hicache_store.layout.errors import GridMismatchError, InvalidNamespaceError
+from hicache_store.layout.namespace import HASH_ALGOS, Grid
+from hicache_store.layout.plans import suggest_grid
+from hicache_store.layout.topology import Topology
+from hicache_store.ops.config import layered, require, resolve
+from hicache_store.ops.progress import ProgressBar, human_bytes
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "prepopulate", help="compute prompts' KV with a model and store it for a deployment",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    parser.add_argument("url", nargs="?", default=None,
+                        help="backend URL, e.g. file:///var/cache/kv (or HICACHE_STORE_URL)")
+    src = parser.add_argument_group("prompts and model")
+    src.add_argument("--prompts", action="append", default=[], metavar="FILE",
+                     help="JSONL (text / messages / input_ids per line) or text file; repeatable")
+    src.add_argument("--model", metavar="DIR",
+                     help="local Hugging Face model directory (tokenizer + causal LM)")
+    src.add_argument("--mini-engine", metavar="PRESET",
+                     help="use the project's MiniLlama preset instead (prompts give input_ids)")
+    src.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="dtype the model runs in and the KV is stored in (default: auto)")
+    src.add_argument("--device", default="cpu", help="torch device for the forward pass")
+    src.add_argument("--max-tokens", type=int, default=None,
+                     help="truncate each prompt to this many tokens (default: no limit)")
+    ns = parser.add_argument_group("target namespace and deployment")
+    ns.add_argument("--model-name", help="model name in the namespace (default: the model dir name)")
+    ns.add_argument("--model-revision", default="", help="revision or weights fingerprint")
+    ns.add_argument("--page-size", type=int, default=64, help="tokens per page (default: 64)")
+    ns.add_argument("--layer-partition", type=int,
+                    help="layers per object (default: the coarsest the topology can write)")
+    ns.add_argument("--head-partition", type=int,
+                    help="KV heads per object (default: the coarsest the topology can write)")
+    ns.add_argument("--topology", default="tp=1,pp=1",
+                    help="writer topology, e.g. tp=4,pp=2 (default: tp=1,pp=1)")
+    ns.add_argument("--hash-algo", default="sha256", choices=list(HASH_ALGOS),
+                    help="page-hash algorithm (default: sha256, as SGLang)")
+    ns.add_argument("--tenant-salt", default="", help="tenant salt of the namespace")
+    run_ = parser.add_argument_group("run")
+    run_.add_argument("--batch-size", type=int, default=8,
+                      help="prompts per batch (one exists probe and concurrent writes; default 8)")
+    run_.add_argument("--max-inflight", default="256MiB",
+                      help="bytes of writes in flight (default: 256MiB)")
+    run_.add_argument("--dry-run", action="store_true",
+                      help="compute and write nothing; report what would be written")
+    run_.add_argument("--json", action="store_true", help="print the summary as JSON")
+    run_.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    layered(parser, section="prepopulate")
+    parser.set_defaults(func=run)
+
+
+def _positive(value: int | None, flag: str) -> None:
+    if value is not None and value < 1:
+        raise UsageError(f"{flag} must be positive, got {value}")
+
+
+def run(args: argparse.Namespace) -> int:
+    resolve(args)
+    url = require(args, "url", "a backend URL")
+    if not args.prompts:
+        raise UsageError("give at least one --prompts FILE")
+    if (args.model is None) == (args.mini_engine is None):
+        raise UsageError("give exactly one of --model DIR and --mini-engine PRESET")
+    for value, flag in ((args.page_size, "--page-size"), (args.batch_size, "--batch-size"),
+                        (args.max_tokens, "--max-tokens"),
+                        (args.layer_partition, "--layer-partition"),
+                        (args.head_partition, "--head-partition")):
+        _positive(value, flag)
+    try:
+        topology = Topology.parse(args.topology)
+        from hicache_store.backends.types import parse_size
+
+        max_inflight = parse_size(args.max_inflight)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+    from hicache_store.ops.prepopulate import Progress, namespace_for, prepopulate
+    from hicache_store.ops.sources import HFSource, MiniEngineSource, PromptError, load_prompts
+
+    try:
+        prompts = list(load_prompts(args.prompts))
+    except PromptError as exc:
+        raise UsageError(str(exc)) from None
+    source: HFSource | MiniEngineSource
+    if args.model is not None:
+        source = HFSource(args.model, dtype=args.dtype, device=args.device,
+                          model_name=args.model_name)
+    else:
+        if args.dtype not in ("auto", "float32"):
+            raise UsageError("--mini-engine presets compute in float32; leave --dtype auto")
+        try:
+            source = MiniEngineSource(args.mini_engine, model_name=args.model_name)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    try:
+        tokens = [source.tokenize(p) for p in prompts]
+    except PromptError as exc:
+        raise UsageError(str(exc)) from None
+    if args.max_tokens is not None:
+        tokens = [t[: args.max_tokens] for t in tokens]
+    try:
+        coarse = suggest_grid(source.shape, [topology])
+        grid = Grid(args.layer_partition or coarse.layers_per_chunk,
+                    args.head_partition or coarse.heads_per_group)
+        namespace = namespace_for(source, page_size=args.page_size, grid=grid,
+                                  model_revision=args.model_revision, hash_algo=args.hash_algo,
+                                  tenant_salt=args.tenant_salt)
+    except (InvalidNamespaceError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+    bar = ProgressBar(0, "pages", label="prepopulate", enabled=not args.no_progress)
+
+    def show(state: Progress) -> None:
+        bar.total = state.pages_total
+        bar.update(state.pages_done, tokens=state.tokens_done, nbytes=state.bytes_done)
+
+    async def go() -> Any:
+        backend = open_backend(url)
+        try:
+            return await prepopulate(backend, source, tokens, namespace, topology,
+                                     batch_size=args.batch_size, dry_run=args.dry_run,
+                                     max_inflight_bytes=max_inflight, progress=show)
+        finally:
+            await backend.close()
+
+    try:
+        report = run_sync(go())
+    except GridMismatchError as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps({**report.as_dict(), "namespace_json": namespace.to_json()}, indent=2))
+    else:
+        verb = "would write" if args.dry_run else "wrote"
+        rate = report.tokens_computed / report.seconds if report.seconds else 0.0
+        print(f"namespace {namespace.digest} ({namespace.model}, {namespace.dtype}, page "
+              f"{namespace.page_size}, grid {namespace.grid}) for {topology} "
+              f"({report.ranks_writing} writing ranks, {report.objects_per_page} objects/page)")
+        print(f"{report.prompts} prompts, {report.pages} pages: {report.pages_present} present, "
+              f"{verb} {report.pages_written} ({report.objects_written} objects, "
+              f"{human_bytes(report.bytes_written)}); {report.tokens_computed} tokens computed "
+              f"in {report.seconds:.1f}s ({rate:,.0f} tok/s); "
+              f"{report.write_failures} failed writes")
+    return 1 if report.write_failures else 0
