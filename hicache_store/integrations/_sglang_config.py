@@ -1,0 +1,166 @@
+"""The adapter's keys in SGLang's ``--hicache-storage-backend-extra-config`` JSON.
+
+SGLang hands the backend the whole extra-config dict (``storage_config.extra_config``) after
+popping its own prefetch keys. The keys read here, all optional except ``url``:
+
+``url``              our backend URL: ``file:///var/cache/kv``, ``s3://bucket/prefix``,
+                     ``mooncake://host:port``, ``hf3fs:///mnt/3fs/kv``, ``memory``, ...
+``backend_options``  a JSON object of options for that backend (``{"durability": "full"}``).
+``grid``             the partition grid, ``"LxH"`` (layers per chunk x KV heads per group) or
+                     ``[L, H]``. Deployments share stored KV only when their grids are equal.
+``share_with``       instead of ``grid``: the other topologies that will share this store,
+                     ``["tp=1,pp=1", "tp=4,pp=2"]``; the grid is the coarsest every one of
+                     them and this deployment can write (``suggest_grid``).
+``tenant_salt``      isolates tenants: different salts never hit each other's KV.
+``model``            the model identity in the namespace (default: SGLang's ``model_name``,
+                     the served model path; set it when deployments load one model from
+                     different paths). ``model_revision``: an optional weights fingerprint.
+``kv_dtype``         the logical KV dtype; needed for float8 KV (SGLang stores it as uint8).
+``num_layers``       the model's layer count; needed with PP (a stage's pool holds only its
+                     own layers). ``pp_layers``: explicit per-stage layer counts.
+``num_kv_heads``     the model's KV heads; default local heads x TP size (right whenever TP
+                     size <= KV heads).
+``io_timeout_s``     per-page I/O deadline (default 30 s); a late page is a failure.
+``staging_mib``      staging memory per SGLang thread and direction (default 256 MiB).
+``max_inflight_mib`` bytes of reads in flight per rank (default 1024 MiB).
+
+Without ``grid`` and ``share_with`` the grid is the coarsest this deployment's own topology
+can write (one object per page per writing rank). That is the fastest choice but only other
+deployments configured with the same grid share it, so for topology-free sharing set ``grid``
+(or the same ``share_with``) on every deployment: e.g. ``"grid": "1x1"`` is writable and
+readable by every topology, at one object per (layer, head) per page.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache_store.layout.namespace import Grid
+from hicache_store.layout.topology import Topology
+
+#: keys SGLang itself reads from the same JSON (ignored here, never an error).
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "prefetch_timeout_max",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+    }
+)
+ADAPTER_KEYS = frozenset(
+    {
+        "url",
+        "backend",
+        "backend_options",
+        "grid",
+        "share_with",
+        "tenant_salt",
+        "model",
+        "model_revision",
+        "kv_dtype",
+        "num_layers",
+        "pp_layers",
+        "num_kv_heads",
+        "io_timeout_s",
+        "staging_mib",
+        "max_inflight_mib",
+    }
+)
+
+
+def parse_grid(value: Any) -> Grid:
+    """``"30x2"`` or ``[30, 2]``: layers per chunk x KV heads per group.
+
+    A bare number (``"30"``) is layers per chunk with one KV head per group.
+    """
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?", value)
+        if match is None:
+            raise ValueError(f"grid: {value!r} is not 'LxH' (e.g. '30x2')")
+        return Grid(int(match[1]), int(match[2] or 1))
+    if isinstance(value, list | tuple) and len(value) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return Grid(int(value[0]), int(value[1]))
+    raise ValueError(f"grid: {value!r} is not 'LxH' or [L, H]")
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """The parsed extra-config (see the module docstring for each key)."""
+
+    backend: dict[str, Any]
+    grid: Grid | None = None
+    share_with: tuple[Topology, ...] = ()
+    tenant_salt: str = ""
+    model: str | None = None
+    model_revision: str = ""
+    kv_dtype: str | None = None
+    num_layers: int | None = None
+    pp_layers: tuple[int, ...] | None = None
+    num_kv_heads: int | None = None
+    io_timeout_s: float = 30.0
+    staging_bytes: int = 256 << 20
+    max_inflight_bytes: int = 1 << 30
+    ignored: tuple[str, ...] = field(default=())
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | str | None) -> AdapterConfig:
+        """Parse SGLang's extra-config dict (or its JSON text). Raises ``ValueError``."""
+        if isinstance(extra, str):
+            extra = json.loads(extra)
+        if not isinstance(extra, Mapping):
+            raise ValueError(
+                "the hicache-store SGLang backend needs --hicache-storage-backend-extra-config "
+                'with at least {"url": ...}'
+            )
+        if "url" not in extra and "backend" not in extra:
+            raise ValueError('extra-config: "url" (our backend URL, e.g. "file:///kv") is required')
+        options = extra.get("backend_options") or {}
+        if not isinstance(options, Mapping):
+            raise ValueError("extra-config: backend_options must be a JSON object")
+        backend: dict[str, Any] = dict(options)
+        for key in ("url", "backend"):
+            if key in extra:
+                backend[key] = extra[key]
+        grid = parse_grid(extra["grid"]) if extra.get("grid") is not None else None
+        share = extra.get("share_with") or ()
+        if isinstance(share, str):
+            share = [share]
+        pp_layers = extra.get("pp_layers")
+        ignored = tuple(sorted(k for k in extra if k not in ADAPTER_KEYS | SGLANG_KEYS))
+        return cls(
+            backend=backend,
+            grid=grid,
+            share_with=tuple(Topology.parse(str(t)) for t in share),
+            tenant_salt=str(extra.get("tenant_salt", "")),
+            model=str(extra["model"]) if extra.get("model") else None,
+            model_revision=str(extra.get("model_revision", "")),
+            kv_dtype=str(extra["kv_dtype"]) if extra.get("kv_dtype") else None,
+            num_layers=_optional_int(extra, "num_layers"),
+            pp_layers=tuple(int(n) for n in pp_layers) if pp_layers else None,
+            num_kv_heads=_optional_int(extra, "num_kv_heads"),
+            io_timeout_s=float(extra.get("io_timeout_s", 30.0)),
+            staging_bytes=int(float(extra.get("staging_mib", 256)) * (1 << 20)),
+            max_inflight_bytes=int(float(extra.get("max_inflight_mib", 1024)) * (1 << 20)),
+            ignored=ignored,
+        )
+
+
+def _optional_int(extra: Mapping[str, Any], key: str) -> int | None:
+    value = extra.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"extra-config: {key} must be an integer, got {value!r}")
+    return int(value)

@@ -1,0 +1,144 @@
+"""What the SGLang adapter reads from an SGLang host pool, in one place.
+
+The adapter touches an SGLang host KV pool (``MHATokenToKVPoolHost`` /
+``MLATokenToKVPoolHost`` in ``sglang.srt.mem_cache.pool_host``) only through the attributes
+listed in ``HOST_POOL_ATTRIBUTES``; nothing else of SGLang's pool API is used (no pointer
+tables, no ``get_page_buffer_meta``, no transfer kernels). A test checks these names against
+SGLang's own class source, so an object with exactly these attributes is a faithful stand-in
+where SGLang's pool cannot be constructed (on CPU its module imports torchvision).
+
+From those attributes ``describe_host_pool`` builds the kernels' ``HostPool``: the whole pool
+tensor plus the layout layer's ``PoolLayout`` (which validates shape and strides), and the
+pool's KV geometry for the namespace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from hicache_store.kernels.pools import HostPool
+from hicache_store.layout.host import POOL_LAYOUTS, PoolLayout, PoolLayoutName
+
+#: attributes the adapter reads, per KV kind (MLA pools are recognised by ``kv_cache_dim``).
+HOST_POOL_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "mha": ("layout", "page_size", "dtype", "kv_buffer", "layer_num", "head_num", "head_dim"),
+    "mla": ("layout", "page_size", "dtype", "kv_buffer", "layer_num", "kv_cache_dim"),
+}
+#: read when present (PP stages): the first global layer the pool holds.
+OPTIONAL_ATTRIBUTES: tuple[str, ...] = ("start_layer",)
+
+#: torch dtypes whose bytes name a KV dtype without help; uint8 pools (SGLang's fp8 storage)
+#: need ``kv_dtype`` in the extra-config.
+_TORCH_KV_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+}
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """The KV geometry of one rank's host pool (local layers and heads)."""
+
+    kv_kind: Literal["mha", "mla"]
+    layout: PoolLayoutName
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    torch_dtype: torch.dtype
+    start_layer: int | None
+
+    def kv_dtype(self, override: str | None) -> str:
+        """The logical KV dtype name: ``override`` when given, else from the pool's dtype."""
+        if override is not None:
+            return override
+        name = _TORCH_KV_DTYPES.get(self.torch_dtype)
+        if name is None:
+            raise ValueError(
+                f"host pool dtype {self.torch_dtype} does not name a KV dtype (SGLang keeps "
+                "float8 KV in uint8 buffers); set \"kv_dtype\" in the extra-config, e.g. "
+                '"float8_e4m3fn"'
+            )
+        return name
+
+    def pool_layout(self, num_pages: int | None = None) -> PoolLayout:
+        return PoolLayout(
+            self.layout,
+            self.kv_kind,
+            self.num_layers,
+            self.num_heads,
+            self.head_dim,
+            self.page_size,
+            self.num_pages if num_pages is None else num_pages,
+        )
+
+
+def _require(pool: Any, name: str) -> Any:
+    if not hasattr(pool, name):
+        raise ValueError(
+            f"host pool {type(pool).__name__} has no attribute {name!r}; the hicache-store "
+            f"adapter needs {HOST_POOL_ATTRIBUTES}"
+        )
+    return getattr(pool, name)
+
+
+def describe_host_pool(pool: Any) -> tuple[PoolGeometry, HostPool]:
+    """The geometry of an SGLang host pool and the kernels' view of its ``kv_buffer``.
+
+    Raises ``ValueError`` naming what does not fit: a layout the kernels do not move
+    (``page_unified``, ``page_first_kv_split``, ...), a buffer whose shape is not the layout's.
+    """
+    kind: Literal["mha", "mla"] = "mla" if hasattr(pool, "kv_cache_dim") else "mha"
+    values = {name: _require(pool, name) for name in HOST_POOL_ATTRIBUTES[kind]}
+    layout = values["layout"]
+    if layout not in POOL_LAYOUTS:
+        raise ValueError(
+            f"host pool layout {layout!r} is not supported by the hicache-store adapter; "
+            f"use --hicache-mem-layout one of {', '.join(POOL_LAYOUTS)}"
+        )
+    buffer = values["kv_buffer"]
+    if not isinstance(buffer, torch.Tensor):
+        raise ValueError(f"host pool kv_buffer is a {type(buffer).__name__}, not a tensor")
+    page_size = int(values["page_size"])
+    layers = int(values["layer_num"])
+    heads = int(values["head_num"]) if kind == "mha" else 1
+    dim = int(values["head_dim"]) if kind == "mha" else int(values["kv_cache_dim"])
+    # The page count comes from the buffer itself: the slot axis of layer_first/page_first,
+    # the page axis of the paged layouts.
+    slot_axis = {"layer_first": 1, "page_first": 0, "page_first_direct": 0, "page_head": 0}
+    axis = slot_axis[layout] + (1 if kind == "mha" else 0)
+    extent = int(buffer.shape[axis]) if buffer.dim() > axis else 0
+    pages = extent // page_size if layout in ("layer_first", "page_first") else extent
+    start = getattr(pool, "start_layer", None)
+    geometry = PoolGeometry(
+        kv_kind=kind,
+        layout=layout,
+        num_layers=layers,
+        num_heads=heads,
+        head_dim=dim,
+        page_size=page_size,
+        num_pages=max(pages, 1),
+        torch_dtype=buffer.dtype,
+        start_layer=int(start) if isinstance(start, int) else None,
+    )
+    return geometry, HostPool(buffer, geometry.pool_layout())
+
+
+def page_view(geometry: PoolGeometry, flat: torch.Tensor) -> HostPool:
+    """A one-page ``HostPool`` over a flat page of SGLang's generic path.
+
+    SGLang's ``get_data_page(index, flat=True)`` is the page's slice of the pool tensor,
+    flattened, so it is exactly a one-page pool of the same layout, and
+    ``set_from_flat_data_page`` reads the same order back.
+    """
+    layout = geometry.pool_layout(num_pages=1)
+    if flat.numel() != layout.numel:
+        raise ValueError(f"flat page of {flat.numel()} elements, a page has {layout.numel}")
+    return HostPool(flat.contiguous().view(layout.shape), layout)

@@ -1,0 +1,652 @@
+"""SGLang HiCache storage backend: unified, topology-free L3 on any hicache-store backend.
+
+Launch SGLang with::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "hicache_store",
+        "module_path": "hicache_store.integrations.sglang", "class_name": "HiCacheStoreStorage",
+        "interface_v1": 1, "url": "file:///var/cache/kv", "grid": "1x1"}'
+
+(the extra-config keys are documented in ``_sglang_config``). SGLang's ``StorageBackendFactory``
+imports this module, checks that ``HiCacheStoreStorage`` subclasses its ``HiCacheStorage`` (it
+does whenever SGLang is importable; without SGLang it is a plain class with the same methods),
+builds it as ``cls(storage_config, kwargs)`` and calls ``register_mem_pool_host(host_pool)``.
+
+**What a page becomes.** SGLang's page keys are the sha256 page-hash chain of SPEC §2, used as
+they are. At registration the adapter derives the namespace (model, KV kind, dtype, layers, KV
+heads, head or latent dim, page size, grid, tenant salt) and this rank's shard (TP/PP rank and
+size; MLA and DP-attention pools are replicated across TP, so only TP rank 0 writes). A page
+moves between SGLang's host pool (``layer_first``, ``page_first``, ``page_first_direct``,
+``page_head``; MHA and MLA) and unified objects through the kernels' host relayouts; object
+keys carry the namespace digest, never a rank, so a deployment with another TP/PP size reads
+the same objects, and another dtype, model, grid or salt never hits.
+
+**Data path.** Writes: the pages of a batch are relayouted straight into page-aligned framed
+buffers (header space, then the unified payload, when the rank writes one object per page, the
+case of every grid a topology can write whole), the headers are filled in and each object is
+put from there (the file backend writes it with O_DIRECT). A rank that writes several objects
+per page goes through ``L3Link.write_page``. Reads: ``L3Link.read_page`` assembles each page
+into an aligned staging row from verified objects (ranges of objects for layer sub-ranges,
+sliced head groups), then the rows are relayouted into the pool. Reads never land in the pool
+directly, even where a host page is byte for byte the unified page (MLA ``page_first_direct``):
+a read that times out cannot be cancelled in its I/O thread and could write into slots SGLang
+has already given to another request; staging rows are dropped instead.
+Batches are cut into chunks of ``staging_mib`` with two buffers per thread, so the relayout of
+one chunk overlaps the I/O of the next.
+
+**Threads and failures.** SGLang calls from its prefetch, I/O and backup threads at once.
+Each call runs its I/O on the one sync bridge loop (``hicache_store._sync``) and keeps its own
+staging buffers (per thread); counters are under a lock. No data method raises or returns
+None into SGLang: an error, a timeout, a miss or a corrupt object is ``False`` (per page) or
+``0``, logged and counted in ``counters``. Configuration errors (a missing ``url``, a pool
+that does not match the namespace) raise at construction or registration, so that a
+misconfigured server fails at startup instead of silently recomputing.
+
+**Not supported** (refused at startup with a message): attention context parallelism and DCP
+(``attn_cp_size``/``dcp_size`` > 1), the ``page_unified`` and NPU host layouts, SGLang's v2
+multi-pool interface (hybrid models' extra pools).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+import torch
+
+from hicache_store import _sync
+from hicache_store.backends import Backend, aligned_buffer, open_backend
+from hicache_store.kernels.ops import host_to_unified, unified_to_host
+from hicache_store.kernels.pools import HostPool
+from hicache_store.layout.framing import encode_header, payload_offset
+from hicache_store.layout.host import UnifiedPageLayout
+from hicache_store.layout.keys import ObjectKey, validate_page_hash
+from hicache_store.layout.namespace import Grid, ModelShape, Namespace
+from hicache_store.layout.plans import WritePlan, suggest_grid
+from hicache_store.layout.topology import Topology
+from hicache_store.tier.l3 import L3Link, PageIO
+
+from ._sglang_config import AdapterConfig
+from ._sglang_pool import PoolGeometry, describe_host_pool, page_view
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_ALIGN = 4096
+
+if TYPE_CHECKING:
+    _HiCacheStorage = object
+else:
+    try:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _HiCacheStorage
+    except Exception:  # not installed, or its imports fail: work as a plain class
+        _HiCacheStorage = object
+
+#: whether ``HiCacheStoreStorage`` subclasses SGLang's ``HiCacheStorage`` in this process.
+SGLANG_AVAILABLE = _HiCacheStorage is not object
+
+__all__ = ["SGLANG_AVAILABLE", "AdapterStats", "HiCacheStoreStorage"]
+
+
+def _round_up(n: int, to: int = _ALIGN) -> int:
+    return -(-n // to) * to
+
+
+@dataclass
+class AdapterStats:
+    """What ``get_stats`` returns: SGLang's ``StorageMetrics`` fields, plus our counters.
+
+    The four lists are drained on each call (as SGLang's own backends do): pages per call and
+    GB/s per call of prefetches (reads) and backups (writes).
+    """
+
+    prefetch_pgs: list[int] = field(default_factory=list)
+    backup_pgs: list[int] = field(default_factory=list)
+    prefetch_bandwidth: list[float] = field(default_factory=list)
+    backup_bandwidth: list[float] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Registered:
+    """Everything derived at ``register_mem_pool_host``."""
+
+    geometry: PoolGeometry
+    host: HostPool
+    namespace: Namespace
+    topology: Topology
+    rank: int
+    layout: UnifiedPageLayout
+    link: L3Link
+    fused_write: bool  # one object per page, framed in place
+
+
+class _Staging(threading.local):
+    """Per-thread, page-aligned staging buffers (two per purpose, reused across calls)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, int, int], tuple[memoryview, torch.Tensor]] = {}
+
+    def get(self, purpose: str, slot: int, nbytes: int) -> tuple[memoryview, torch.Tensor]:
+        key = (purpose, slot, nbytes)
+        found = self.buffers.get(key)
+        if found is None:
+            for stale in [k for k in self.buffers if k[:2] == (purpose, slot)]:
+                del self.buffers[stale]
+            view = aligned_buffer(nbytes)
+            found = (view, torch.frombuffer(view, dtype=torch.uint8))
+            self.buffers[key] = found
+        return found
+
+
+class HiCacheStoreStorage(_HiCacheStorage):
+    """SGLang's ``HiCacheStorage`` contract on a hicache-store backend (see the module doc)."""
+
+    def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        extra.update(kwargs or {})
+        self.config = AdapterConfig.from_extra_config(extra)
+        if self.config.ignored:
+            log.warning("hicache-store: unknown extra-config keys ignored: %s", self.config.ignored)
+        self.storage_config = storage_config
+        self.tp_rank = int(getattr(storage_config, "tp_rank", 0))
+        self.tp_size = int(getattr(storage_config, "tp_size", 1))
+        self.pp_rank = int(getattr(storage_config, "pp_rank", 0) or 0)
+        self.pp_size = int(getattr(storage_config, "pp_size", 1) or 1)
+        self.replicated = bool(getattr(storage_config, "is_mla_model", False))
+        for name in ("attn_cp_size", "dcp_size"):
+            if int(getattr(storage_config, name, 1) or 1) > 1:
+                raise ValueError(f"hicache-store SGLang backend: {name} > 1 is not supported")
+        self.backend: Backend = open_backend(self.config.backend)
+        self._registered: _Registered | None = None
+        self._staging = _Staging()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._counters: dict[str, int] = {}
+        self._stats = AdapterStats()
+
+    # -- registration ----------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Derive the namespace and this rank's shard from the host pool; raise on mismatch."""
+        self.mem_pool_host = mem_pool_host
+        geometry, host = describe_host_pool(mem_pool_host)
+        cfg = self.config
+        topology = Topology(self.tp_size, self.pp_size, cfg.pp_layers)
+        rank = topology.rank_of(self.tp_rank, self.pp_rank)
+        mla = geometry.kv_kind == "mla"
+        num_layers = cfg.num_layers
+        if num_layers is None:
+            if self.pp_size > 1 and cfg.pp_layers is None:
+                raise ValueError(
+                    'hicache-store: with PP, set "num_layers" (the model\'s layer count) or '
+                    '"pp_layers" in the extra-config: a stage\'s pool holds only its layers'
+                )
+            num_layers = sum(cfg.pp_layers) if cfg.pp_layers else geometry.num_layers
+        if mla:
+            shape = ModelShape.mla(num_layers, geometry.head_dim)
+        else:
+            heads = cfg.num_kv_heads or (
+                geometry.num_heads if self.replicated else geometry.num_heads * self.tp_size
+            )
+            shape = ModelShape.mha(num_layers, heads, geometry.head_dim)
+        replication = "replicated" if (mla or self.replicated) else "head_sharded"
+        grid = cfg.grid or self._default_grid(shape, topology, replication)
+        model = cfg.model or getattr(self.storage_config, "model_name", None) or ""
+        if not model:
+            raise ValueError('hicache-store: SGLang gave no model_name; set "model"')
+        namespace = Namespace.create(
+            model,
+            shape,
+            geometry.kv_dtype(cfg.kv_dtype),
+            geometry.page_size,
+            grid,
+            replication=replication,
+            model_revision=cfg.model_revision,
+            tenant_salt=cfg.tenant_salt,
+        )
+        link = L3Link(
+            self.backend,
+            namespace,
+            topology,
+            rank,
+            max_inflight_bytes=cfg.max_inflight_bytes,
+            io_timeout_s=cfg.io_timeout_s,
+        )
+        layout = link.read_plan.page
+        shard = link.read_plan.shard
+        if geometry.start_layer is not None and self.pp_size > 1 and (
+            geometry.start_layer != shard.layer_start
+        ):
+            raise ValueError(
+                f"hicache-store: PP stage {self.pp_rank} holds layers from "
+                f"{geometry.start_layer}, the topology {topology} puts it at "
+                f"{shard.layer_start}; set \"pp_layers\" to SGLang's split"
+            )
+        host.check_against(layout)
+        plan = link.write_plan
+        self._registered = _Registered(
+            geometry=geometry,
+            host=host,
+            namespace=namespace,
+            topology=topology,
+            rank=rank,
+            layout=layout,
+            link=link,
+            fused_write=_single_object(plan, layout),
+        )
+        log.info(
+            "hicache-store: %s on %s, namespace %s (%s %s, %d layers, %d KV heads x %d, "
+            "page %d, grid %s, salt %s), %s rank %d, %s",
+            type(self).__name__,
+            self.config.backend.get("url", self.config.backend.get("backend")),
+            namespace.digest,
+            namespace.model,
+            namespace.dtype,
+            namespace.num_layers,
+            namespace.num_kv_heads,
+            namespace.head_dim,
+            namespace.page_size,
+            grid,
+            "set" if namespace.tenant_salt else "none",
+            topology,
+            rank,
+            "writes" if link.can_write else "reads only",
+        )
+
+    def _default_grid(self, shape: ModelShape, topology: Topology, replication: str) -> Grid:
+        """The coarsest grid this topology and every ``share_with`` topology can write."""
+        return suggest_grid(shape, [topology, *self.config.share_with], replication)
+
+    @property
+    def namespace(self) -> Namespace | None:
+        reg = self._registered
+        return None if reg is None else reg.namespace
+
+    # -- the v1 interface ------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many pages from the start are stored whole for this rank (0 on any error)."""
+        return self._guard(
+            "exists", 0, lambda reg: self._run(reg.link.exists_prefix(list(keys)), reg)
+        )
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        """Write pages from host slots; one bool per key (True: stored, or not ours to write)."""
+        return self._guard(
+            "set", [False] * len(keys), lambda reg: self._set_pages(reg, keys, host_indices)
+        )
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        """Read pages into host slots; one bool per key (False: miss, error or corruption)."""
+        return self._guard(
+            "get", [False] * len(keys), lambda reg: self._get_pages(reg, keys, host_indices)
+        )
+
+    # -- the generic (legacy) interface ----------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def set(
+        self,
+        key: str,
+        value: Any = None,
+        target_location: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Write flat pages as SGLang's ``get_data_page(index)`` returns them."""
+
+        def go(reg: _Registered) -> bool:
+            if values is None or len(values) != len(keys):
+                raise ValueError("batch_set: one flat page tensor per key is required")
+            slots = torch.arange(reg.geometry.page_size, dtype=torch.int64)
+            return all(
+                self._set_pages(reg, [key], slots, host=page_view(reg.geometry, value))[0]
+                for key, value in zip(keys, values, strict=True)
+            )
+
+        return bool(self._guard("set", False, go))
+
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        """Read flat pages (``set_from_flat_data_page`` order); None per missing page.
+
+        A given target tensor of a page's size is filled and returned; otherwise a new one.
+        """
+
+        def go(reg: _Registered) -> list[torch.Tensor | None]:
+            targets = list(target_locations) if target_locations is not None else []
+            out: list[torch.Tensor | None] = []
+            numel = reg.geometry.pool_layout(num_pages=1).numel
+            slots = torch.arange(reg.geometry.page_size, dtype=torch.int64)
+            for i, key in enumerate(keys):
+                target = targets[i] if i < len(targets) else None
+                fresh = torch.empty(numel, dtype=reg.host.dtype)
+                ok = self._get_pages(reg, [key], slots, host=page_view(reg.geometry, fresh))[0]
+                if not ok:
+                    out.append(None)
+                elif (
+                    isinstance(target, torch.Tensor)
+                    and target.is_contiguous()
+                    and target.numel() * target.element_size() == fresh.numel() * fresh.element_size()
+                ):
+                    target.view(-1).view(torch.uint8).copy_(fresh.view(torch.uint8))
+                    out.append(target)
+                else:
+                    out.append(fresh)
+            return out
+
+        return list(self._guard("get", [None] * len(keys), go))
+
+    # -- admin -----------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Delete this namespace's objects (other namespaces sharing the store are kept)."""
+        reg = self._registered
+        if reg is None or not self.backend.capabilities.listing:
+            return
+        marker = f"_{reg.namespace.digest}_"
+
+        async def go() -> int:
+            keys = [k async for k in self.backend.list_prefix("") if marker in k]
+            for s in range(0, len(keys), 1024):
+                await self.backend.delete(keys[s : s + 1024])
+            return len(keys)
+
+        try:
+            removed = _sync.run_sync(go(), timeout=max(60.0, self.config.io_timeout_s))
+            log.info("hicache-store: clear removed %d objects of %s", removed, marker[1:-1])
+        except Exception as exc:
+            self._count("clear_failed")
+            log.warning("hicache-store: clear failed: %s", exc)
+
+    def get_stats(self) -> AdapterStats:
+        """SGLang's storage metrics (drained) and our cumulative counters; never None."""
+        with self._lock:
+            stats, self._stats = self._stats, AdapterStats()
+            stats.counters = dict(self._counters)
+        return stats
+
+    @property
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counters)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            _sync.run_sync(self.backend.close(), timeout=30.0)
+        except Exception as exc:
+            log.warning("hicache-store: closing the backend failed: %s", exc)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] = self._counters.get(name, 0) + n
+
+    def _guard(self, op: str, failed: T, fn: Callable[[_Registered], T]) -> T:
+        """Run ``fn``; any exception becomes ``failed``, logged and counted. Never raises."""
+        try:
+            reg = self._registered
+            if reg is None or self._closed:
+                self._count(f"{op}_unavailable")
+                return failed
+            return fn(reg)
+        except BaseException as exc:  # SGLang's daemon threads die on any exception
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise
+            self._count(f"{op}_errors")
+            log.warning("hicache-store: %s failed: %r", op, exc)
+            return failed
+
+    def _run(self, coro: Coroutine[Any, Any, T], reg: _Registered) -> T:
+        return _sync.run_sync(coro, timeout=reg.link.io_timeout_s * 2 + 5)
+
+    @staticmethod
+    def _first_slots(reg: _Registered, keys: Sequence[str], host_indices: torch.Tensor) -> torch.Tensor:
+        page_size = reg.geometry.page_size
+        flat = host_indices.reshape(-1)
+        if flat.numel() != len(keys) * page_size:
+            raise ValueError(
+                f"{len(keys)} keys need {len(keys) * page_size} host indices, got {flat.numel()}"
+            )
+        for key in keys:
+            validate_page_hash(key)
+        return flat.to(device="cpu", dtype=torch.int64).view(len(keys), page_size)
+
+    def _chunk_pages(self, row_bytes: int) -> int:
+        return max(1, self.config.staging_bytes // row_bytes)
+
+    # writes -------------------------------------------------------------------------------
+
+    def _set_pages(
+        self,
+        reg: _Registered,
+        keys: Sequence[str],
+        host_indices: torch.Tensor,
+        host: HostPool | None = None,
+    ) -> list[bool]:
+        n = len(keys)
+        if n == 0:
+            return []
+        plan = reg.link.write_plan
+        if plan is None:  # this rank's shard does not align with the grid
+            self._count("set_refused", n)
+            return [False] * n
+        if not plan.objects:  # a replica that is not the writer: nothing to do
+            return [True] * n
+        table = self._first_slots(reg, keys, host_indices)
+        pool = reg.host if host is None else host
+        started = time.perf_counter()
+        try:
+            if reg.fused_write:
+                results = self._set_fused(reg, plan, keys, table, pool)
+            else:
+                results = self._set_via_link(reg, keys, table, pool)
+        except BaseException:
+            self._staging.buffers.clear()  # a put may still read them (see _get_pages)
+            raise
+        if not all(results):
+            self._staging.buffers.clear()
+        self._account("set", results, plan.bytes_per_page, started)
+        return results
+
+    def _set_fused(
+        self,
+        reg: _Registered,
+        plan: WritePlan,
+        keys: Sequence[str],
+        table: torch.Tensor,
+        pool: HostPool,
+    ) -> list[bool]:
+        """One object per page: relayout into aligned [header | payload] frames, then put."""
+        (obj,) = plan.objects
+        ns = reg.namespace
+        header = payload_offset(obj.coords.num_layers)
+        payload = obj.nbytes
+        stride = header + _round_up(payload)
+        per_chunk = self._chunk_pages(stride)
+        results: list[bool] = []
+        inflight: list[concurrent.futures.Future[list[bool]]] = []
+        for c, s in enumerate(range(0, len(keys), per_chunk)):
+            e = min(s + per_chunk, len(keys))
+            if len(inflight) >= 2:  # the buffer of chunk c-2 is free once its puts are done
+                results.extend(inflight.pop(0).result())
+            view, tensor = self._staging.get("set", c % 2, per_chunk * stride)
+            staging = tensor.as_strided((e - s, payload), (stride, 1), header)
+            host_to_unified(pool, table[s:e], staging, reg.layout)
+            array = np.frombuffer(view, dtype=np.uint8)
+            frames: list[memoryview] = []
+            for i in range(e - s):
+                base = i * stride
+                body = view[base + header : base + header + payload]
+                head = encode_header(ObjectKey(keys[s + i], ns.digest, obj.coords), body,
+                                     ns.kv_planes)
+                array[base : base + header] = np.frombuffer(head, dtype=np.uint8)
+                frames.append(view[base : base + header + payload])
+            okeys = [plan.object_keys(k)[0] for k in keys[s:e]]
+            inflight.append(_sync.submit(self._put_frames(okeys, frames, reg.link.io_timeout_s)))
+        for fut in inflight:
+            results.extend(fut.result())
+        return results
+
+    async def _put_frames(
+        self, keys: list[str], frames: list[memoryview], timeout: float
+    ) -> list[bool]:
+        import asyncio
+
+        async def one(key: str, frame: memoryview) -> bool:
+            try:
+                await asyncio.wait_for(self.backend.put([key], [frame]), timeout)
+            except Exception as exc:
+                log.warning("hicache-store: put of %s failed: %s", key[:16], exc)
+                return False
+            return True
+
+        return list(await asyncio.gather(*(one(k, f) for k, f in zip(keys, frames, strict=True))))
+
+    def _set_via_link(
+        self, reg: _Registered, keys: Sequence[str], table: torch.Tensor, pool: HostPool
+    ) -> list[bool]:
+        """Several objects per page: relayout, then ``L3Link.write_page`` frames each object."""
+        import asyncio
+
+        row = _round_up(reg.layout.page_bytes)
+        per_chunk = self._chunk_pages(row)
+        results: list[bool] = []
+        for s in range(0, len(keys), per_chunk):
+            e = min(s + per_chunk, len(keys))
+            _view, tensor = self._staging.get("set", 0, per_chunk * row)
+            staging = tensor.as_strided((e - s, reg.layout.page_bytes), (row, 1), 0)
+            host_to_unified(pool, table[s:e], staging, reg.layout)
+            rows = staging.numpy()
+            io = PageIO()
+
+            async def go(rows: Any = rows, s: int = s, e: int = e, io: PageIO = io) -> list[bool]:
+                done = await asyncio.gather(
+                    *(reg.link.write_page(keys[s + i], rows[i], io) for i in range(e - s))
+                )
+                return list(done)
+
+            results.extend(self._run(go(), reg))
+        return results
+
+    # reads --------------------------------------------------------------------------------
+
+    def _get_pages(
+        self,
+        reg: _Registered,
+        keys: Sequence[str],
+        host_indices: torch.Tensor,
+        host: HostPool | None = None,
+    ) -> list[bool]:
+        n = len(keys)
+        if n == 0:
+            return []
+        table = self._first_slots(reg, keys, host_indices)
+        pool = reg.host if host is None else host
+        started = time.perf_counter()
+        try:
+            results = self._get_staged(reg, keys, table, pool)
+        except BaseException:
+            # A timed-out read may still land in this thread's staging buffers later (a
+            # thread-pool read cannot be cancelled): never reuse them.
+            self._staging.buffers.clear()
+            raise
+        self._account("get", results, reg.layout.page_bytes, started)
+        return results
+
+    def _get_staged(
+        self, reg: _Registered, keys: Sequence[str], table: torch.Tensor, pool: HostPool
+    ) -> list[bool]:
+        page_bytes = reg.layout.page_bytes
+        row = _round_up(page_bytes)
+        per_chunk = self._chunk_pages(row)
+        chunks = [(s, min(s + per_chunk, len(keys))) for s in range(0, len(keys), per_chunk)]
+        results: list[bool] = []
+
+        def start(c: int) -> tuple[concurrent.futures.Future[list[bool]], torch.Tensor]:
+            s, e = chunks[c]
+            _view, tensor = self._staging.get("get", c % 2, per_chunk * row)
+            staging = tensor.as_strided((e - s, page_bytes), (row, 1), 0)
+            rows = staging.numpy()
+            return _sync.submit(self._read_rows(reg, keys[s:e], rows)), staging
+
+        pending = start(0)
+        for c, (s, e) in enumerate(chunks):
+            fut, staging = pending
+            got = fut.result(timeout=reg.link.io_timeout_s * 2 + 5)
+            if c + 1 < len(chunks):
+                pending = start(c + 1)  # overlaps this chunk's relayout
+            ok = torch.tensor(got, dtype=torch.bool)
+            if bool(ok.all()):
+                unified_to_host(staging, pool, table[s:e], reg.layout)
+            elif bool(ok.any()):
+                idx = ok.nonzero().view(-1)
+                unified_to_host(staging[idx], pool, table[s:e][idx], reg.layout)
+            results.extend(got)
+        return results
+
+    async def _read_rows(
+        self, reg: _Registered, keys: Sequence[str], rows: np.ndarray[Any, Any]
+    ) -> list[bool]:
+        import asyncio
+
+        io = PageIO()
+        done = await asyncio.gather(
+            *(reg.link.read_page(key, rows[i], io) for i, key in enumerate(keys))
+        )
+        if io.corruptions:
+            self._count("corrupt_objects", io.corruptions)
+        return list(done)
+
+    def _account(self, op: str, results: list[bool], page_bytes: int, started: float) -> None:
+        ok = sum(results)
+        seconds = max(time.perf_counter() - started, 1e-9)
+        with self._lock:
+            self._counters[f"{op}_pages"] = self._counters.get(f"{op}_pages", 0) + ok
+            failed = len(results) - ok
+            if failed:
+                self._counters[f"{op}_failed"] = self._counters.get(f"{op}_failed", 0) + failed
+            pgs = self._stats.prefetch_pgs if op == "get" else self._stats.backup_pgs
+            bw = self._stats.prefetch_bandwidth if op == "get" else self._stats.backup_bandwidth
+            pgs.append(ok)
+            bw.append(ok * page_bytes / seconds / 1e9)
+
+
+def _single_object(plan: WritePlan | None, layout: UnifiedPageLayout) -> bool:
+    return (
+        plan is not None
+        and len(plan.objects) == 1
+        and plan.objects[0].page_offset == 0
+        and plan.objects[0].nbytes == layout.page_bytes
+    )
