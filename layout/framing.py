@@ -284,9 +284,7 @@ def decode_header(
     return header
 
 
-def verify_blocks(
-    header: ObjectHeader, data: BytesLike, layer_start: int, layer_stop: int
-) -> None:
+def verify_blocks(header: ObjectHeader, data: BytesLike, layer_start: int, layer_stop: int) -> None:
     """Check the checksums of layers ``[layer_start, layer_stop)`` held contiguously in ``data``.
 
     ``data`` is exactly those layer blocks (as returned by a range read of

@@ -22,6 +22,11 @@ from typing import Any
 import numpy as np
 import xxhash
 
+try:  # the optional C accelerator of the sha256 chain (setup.py); same results, ~3x faster
+    from . import _chain as _accelerated
+except ImportError:  # pragma: no cover - exercised where the extension could not be built
+    _accelerated = None
+
 _DIGESTS: dict[str, Callable[[bytes], bytes]] = {
     "sha256": lambda data: hashlib.sha256(data).digest(),
     "xxh3_128": xxhash.xxh3_128_digest,
@@ -55,14 +60,25 @@ def page_hashes_raw(
     *,
     algo: str = "sha256",
     prior_hash: str | None = None,
+    accelerate: bool = True,
 ) -> list[bytes]:
-    """Raw digests of every full page (see the module docstring for the chain)."""
+    """Raw digests of every full page (see the module docstring for the chain).
+
+    ``accelerate=False`` forces the pure-Python loop (the tests compare both paths).
+    """
     if page_size < 1:
         raise ValueError(f"page_size: must be positive, got {page_size}")
     try:
         digest = _DIGESTS[algo]
     except KeyError:
         raise ValueError(f"algo: {algo!r} is not one of {', '.join(_DIGESTS)}") from None
+    if algo == "sha256" and _accelerated is not None and accelerate:
+        prior = None if prior_hash is None else bytes.fromhex(prior_hash)
+        if isinstance(tokens, np.ndarray):
+            tokens = tokens_to_bytes(tokens)
+        if isinstance(tokens, (list, bytes)):
+            joined: bytes = _accelerated.chain_sha256(tokens, page_size, prior)
+            return [joined[i : i + 32] for i in range(0, len(joined), 32)]
     data = tokens if isinstance(tokens, bytes) else tokens_to_bytes(tokens)
     step = 4 * page_size
     stop = len(data) // step * step
@@ -83,13 +99,16 @@ def page_hashes(
     *,
     algo: str = "sha256",
     prior_hash: str | None = None,
+    accelerate: bool = True,
 ) -> list[str]:
     """Hex page hashes of every full page of ``tokens`` (a partial last page gets none).
 
     ``tokens`` may be a list of ints, a 1-D numpy array, an ``array('I')`` or already-packed
     uint32 little-endian bytes.
     """
-    raw = page_hashes_raw(tokens, page_size, algo=algo, prior_hash=prior_hash)
+    raw = page_hashes_raw(
+        tokens, page_size, algo=algo, prior_hash=prior_hash, accelerate=accelerate
+    )
     if not raw:
         return []
     width = 2 * len(raw[0])

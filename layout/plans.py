@@ -105,13 +105,16 @@ class _KeyedPlan:
         """``_{namespace digest}_{suffix}`` of each object, in plan order."""
         return tuple(f"_{self.namespace.digest}_{o.coords.suffix}" for o in self.objects)
 
-    def object_keys(self, page_hash: str) -> list[str]:
+    def object_keys(self, page_hash: str, *, trusted: bool = False) -> list[str]:
         """The storage keys of this plan's objects for one page (same order as ``objects``).
 
         Only the page hash is validated here; the rest was validated when the plan was built.
-        This is the per-page planning work: a few string concatenations.
+        ``trusted=True`` skips that check for hashes this library computed itself
+        (``hashing.page_hashes``), which the cache tier does; hashes from outside (an engine's
+        keys) must be checked. This is the per-page planning work: a few string concatenations.
         """
-        validate_page_hash(page_hash)
+        if not trusted:
+            validate_page_hash(page_hash)
         return [page_hash + tail for tail in self.key_tails]
 
 

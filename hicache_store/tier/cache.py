@@ -230,6 +230,7 @@ class HiCache:
                 max_inflight_bytes=config.max_inflight_bytes,
                 io_timeout_s=config.io_timeout_s,
             )
+            self.l3.trusted_hashes = True  # the tier hashes tokens itself
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hicache-load")
         # Completions from the I/O loop, applied on the engine thread by ``poll``.
         self._acks: collections.deque[tuple[str, Any]] = collections.deque()

@@ -105,6 +105,9 @@ class L3Link:
             log.warning("L3 backups disabled for this rank: %s", exc)
             self.write_plan = None
         self.io_timeout_s = io_timeout_s
+        #: page hashes come from ``hashing.page_hashes`` (the tier), not from outside: skip
+        #: re-validating them. Leave False for hashes an engine passes in.
+        self.trusted_hashes = False
         self._read_budget = ByteBudget(max_inflight_bytes)
         self._write_budget = ByteBudget(max_inflight_bytes)
 
@@ -119,7 +122,11 @@ class L3Link:
         per_page = len(self.read_plan.objects)
         if not page_hashes or per_page == 0:
             return 0
-        keys = [key for h in page_hashes for key in self.read_plan.object_keys(h)]
+        keys = [
+            key
+            for h in page_hashes
+            for key in self.read_plan.object_keys(h, trusted=self.trusted_hashes)
+        ]
         found = await asyncio.wait_for(self.backend.exists(keys), self.io_timeout_s)
         for page in range(len(page_hashes)):
             if not all(found[page * per_page : (page + 1) * per_page]):
@@ -133,7 +140,7 @@ class L3Link:
         plan = self.write_plan
         if plan is None or not plan.objects:
             return False
-        keys = plan.object_keys(page_hash)
+        keys = plan.object_keys(page_hash, trusted=self.trusted_hashes)
         buffers: list[memoryview] = []
         for obj in plan.objects:
             payload = row[obj.page_offset : obj.page_offset + obj.nbytes]
@@ -168,7 +175,7 @@ class L3Link:
         On False, ``row`` may hold partial data: the caller must not use it.
         """
         plan = self.read_plan
-        keys = plan.object_keys(page_hash)
+        keys = plan.object_keys(page_hash, trusted=self.trusted_hashes)
         need = sum(o.header_bytes + o.fetch_bytes for o in plan.objects)
         taken = await self._read_budget.acquire(need)
         try:

@@ -74,3 +74,35 @@ def test_bad_arguments() -> None:
         page_hashes([1, 2], 0)
     with pytest.raises(ValueError, match="algo"):
         page_hashes([1, 2], 1, algo="md5")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_accelerated_and_python_chains_agree(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    page = rng.choice([1, 3, 64])
+    tokens = [rng.randrange(2**32) for _ in range(rng.randrange(0, 900))]
+    prior = rng.choice([None, "ab" * 32])
+    fast = page_hashes(tokens, page, prior_hash=prior)
+    slow = page_hashes(tokens, page, prior_hash=prior, accelerate=False)
+    assert fast == slow
+    as_bytes = np.array(tokens, dtype="<u4").tobytes()
+    assert page_hashes(as_bytes, page, prior_hash=prior) == slow
+
+
+def test_accelerator_is_built_where_openssl_headers_exist() -> None:
+    # Where a compiler and OpenSSL headers exist (this project's machines and CI), the fast
+    # path must really be in use, or the benchmark figures would describe code that does not run.
+    import shutil
+    from pathlib import Path
+
+    from hicache_store.layout import hashing
+
+    if shutil.which("cc") is None or not Path("/usr/include/openssl/evp.h").exists():
+        pytest.skip("no C compiler or OpenSSL headers here: the pure-Python chain is used")
+    assert hashing._accelerated is not None
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], [1.5], ["x"]])
+def test_accelerated_chain_refuses_bad_ids(bad: list[object]) -> None:
+    with pytest.raises(ValueError, match="uint32"):
+        page_hashes(bad * 4, 4)  # type: ignore[arg-type]
