@@ -25,13 +25,13 @@ on the device under its name).
 writes come straight from it with ``os.pwrite``. When the caller's buffer address and the file
 offset are 4096-aligned (``direct_io=auto``, the default) the file is opened with O_DIRECT and
 the page cache is bypassed; an unaligned tail (< 4 KiB) goes through a per-thread aligned block.
-Why O_DIRECT by default, measured on this project's VM (see BENCHMARKS.md "Backends"): a cold
-buffered read or a buffered write needs fresh page-cache pages, and allocating them costs more
-than the device transfer (buffered durable write ~1.6 GB/s, cold read ~1.4 GB/s, against
-~2.1 / 2.0 GB/s with O_DIRECT), and an fdatasync after an O_DIRECT write has almost nothing to
-flush. Buffered I/O wins only re-reads of data already in the page cache (~4 GB/s):
-``direct_io=never`` selects it for stores that fit in RAM. Unaligned buffers always go
-buffered.
+Why O_DIRECT by default, measured on this project's VM (BENCHMARKS.md "Backends", 512 x 8 MiB
+in one run): a buffered write or a cold buffered read needs fresh page-cache pages, and on this
+VM allocating them costs more than the device transfer. O_DIRECT gave 2.23 GB/s durable write
+and 2.44 GB/s cold read against 0.34 and 1.47 GB/s buffered (an fdatasync after a buffered
+write has all the data still to flush; after an O_DIRECT write almost nothing). Buffered I/O
+wins only re-reads of data already in the page cache (5.7 against 2.2 GB/s): ``direct_io=never``
+selects it for stores that fit in RAM. Unaligned buffers always go buffered.
 
 **Parallel I/O.** Each object's I/O is one job on a bounded thread pool (``io_threads``);
 the syscalls release the GIL, so a batch keeps that many requests in flight on the device.

@@ -221,7 +221,8 @@ def main() -> int:
         threads=args.threads,
     )
     cold = drop_page_cache()
-    results: dict[str, Any] = {"objects": cfg.objects, "object_bytes": cfg.size, "cold": cold}
+    results: dict[str, Any] = {"objects": cfg.objects, "object_bytes": cfg.size, "cold": cold,
+                               "load_start": os.getloadavg()[0]}
     steps: list[tuple[str, Any]] = [
         ("raw O_DIRECT", lambda: raw(cfg, data / "raw")),
         (
@@ -252,6 +253,7 @@ def main() -> int:
     results["systems"] = systems
     print("... exists", file=sys.stderr, flush=True)
     results["exists"] = exists_figures(data / "exists", args.exists_keys)
+    results["load_end"] = os.getloadavg()[0]
     text = render(results, args)
     print(text)
     if args.json:
@@ -276,7 +278,9 @@ def render(results: dict[str, Any], args: argparse.Namespace) -> str:
         "their figure includes an `os.sync()` after the last call; raw: fdatasync per file). "
         '"as returned": the same without that sync. "cold read": page cache dropped first '
         f"(`sync; echo 3 > /proc/sys/vm/drop_caches`; dropped: {results['cold']}). Raw = "
-        f"{args.threads} threads of O_DIRECT `pwrite`/`preadv` of the same bytes.",
+        f"{args.threads} threads of O_DIRECT `pwrite`/`preadv` of the same bytes. Load average "
+        f"(other work on the 2 cores) {results['load_start']:.1f} at the start, "
+        f"{results['load_end']:.1f} at the end.",
         "",
         "| system | durable write | write as returned | cold read | warm read | range read (1/4) |",
         "|---|---|---|---|---|---|",
