@@ -18,7 +18,8 @@ Procedure, per batch of ``batch_size`` prompts:
 3. one forward pass per prompt that has a missing page, over the prompt's full pages (always
    the same tokens, so a rerun computes identical bytes);
 4. each missing rank's host page built in the ``page_unified`` layout of its shard and written
-   with ``L3Link.write_page``; writes run concurrently, bounded by ``max_inflight_bytes``.
+   with ``L3Link.write_page``, parent-first within each chain (see ``_write_waves``); the
+   writes of one wave run concurrently, bounded by ``max_inflight_bytes``.
 
 The namespace's manifest (``ops.manifest``) is written before the first object. ``dry_run``
 does steps 1-2 only and reports what would be written. A failed write is counted (the summary
@@ -175,6 +176,7 @@ async def prepopulate(
         for (i, page, h), ranks in zip(pending, missing, strict=True):
             if ranks:
                 work.setdefault(i, []).append((page, h, ranks))
+        computed: list[tuple[LayerKV, list[tuple[int, str, list[L3Link]]]]] = []
         for i, pages in work.items():
             if dry_run:
                 report.pages_written += len(pages)
@@ -186,11 +188,11 @@ async def prepopulate(
                                                 for o in objs)
                 continue
             full = len(hashes[i]) * namespace.page_size
-            kv = source.kv(list(token_lists[i])[:full])
+            computed.append((source.kv(list(token_lists[i])[:full]), pages))
             report.prompts_computed += 1
             report.tokens_computed += full
             state.tokens_done += full
-            await _write_pages(namespace, kv, pages, report)
+        await _write_waves(namespace, computed, report)
         state.pages_done += len(pending)
         state.bytes_done = report.bytes_written
         if progress is not None:
@@ -227,11 +229,14 @@ async def _missing_ranks(writers: Sequence[L3Link], page_hashes_: Sequence[str]
     return out
 
 
-async def _write_pages(namespace: Namespace, kv: LayerKV,
-                       pages: Sequence[tuple[int, str, list[L3Link]]],
+async def _write_waves(namespace: Namespace,
+                       computed: Sequence[tuple[LayerKV, list[tuple[int, str, list[L3Link]]]]],
                        report: PrepopulateReport) -> None:
-    """Build and write every (page, rank) host row concurrently; count what landed."""
-    async def one(page: int, h: str, link: L3Link) -> tuple[bool, int, int]:
+    """Write the batch's missing pages parent-first: wave ``j`` holds the ``j``-th missing page
+    of every prompt (all their ranks' objects concurrently), and starts when wave ``j - 1`` is
+    done. So within a chain a page is never newer than its successor, the order the cache tier
+    writes in and ``hicache-store gc`` relies on to shorten chains from their tails."""
+    async def one(kv: LayerKV, page: int, h: str, link: L3Link) -> tuple[bool, int, int]:
         plan = link.write_plan
         assert plan is not None
         row = page_rows(namespace, plan.page, kv, page)
@@ -239,18 +244,21 @@ async def _write_pages(namespace: Namespace, kv: LayerKV,
         ok = await link.write_page(h, row, io)
         return ok, len(plan.objects), io.bytes_moved
 
-    jobs = [one(page, h, link) for page, h, ranks in pages for link in ranks]
-    results = await asyncio.gather(*jobs)
-    index = 0
-    for _page, _h, ranks in pages:
-        page_ok = True
-        for _link in ranks:
-            ok, objects, nbytes = results[index]
-            index += 1
-            if ok:
-                report.objects_written += objects
-                report.bytes_written += nbytes
-            else:
-                report.write_failures += 1
-                page_ok = False
-        report.pages_written += page_ok
+    depth = max((len(pages) for _kv, pages in computed), default=0)
+    for wave in range(depth):
+        items = [(kv, pages[wave]) for kv, pages in computed if wave < len(pages)]
+        results = await asyncio.gather(*(
+            one(kv, page, h, link) for kv, (page, h, ranks) in items for link in ranks))
+        index = 0
+        for _kv, (_page, _h, ranks) in items:
+            page_ok = True
+            for _link in ranks:
+                ok, objects, nbytes = results[index]
+                index += 1
+                if ok:
+                    report.objects_written += objects
+                    report.bytes_written += nbytes
+                else:
+                    report.write_failures += 1
+                    page_ok = False
+            report.pages_written += page_ok
