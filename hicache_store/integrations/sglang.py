@@ -361,7 +361,8 @@ class HiCacheStoreStorage(_HiCacheStorage):
                     out.append(fresh)
             return out
 
-        return list(self._guard("get", [None] * len(keys), go))
+        missing: list[torch.Tensor | None] = [None] * len(keys)
+        return self._guard("get", missing, go)
 
     # -- admin -----------------------------------------------------------------------------
 
