@@ -80,9 +80,17 @@ def bench_sglang(args: argparse.Namespace) -> dict[str, object]:
 
     def make(path: str) -> HiCacheFile:
         cfg = HiCacheStorageConfig(
-            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-            is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-            model_name="bench", extra_config={"file_storage_path": path},
+            tp_rank=0,
+            tp_size=1,
+            pp_rank=0,
+            pp_size=1,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            is_mla_model=False,
+            enable_storage_metrics=False,
+            is_page_first_layout=True,
+            model_name="bench",
+            extra_config={"file_storage_path": path},
         )
         return HiCacheFile(cfg, file_path=path)
 
@@ -139,7 +147,9 @@ def bench_lmcache(args: argparse.Namespace) -> dict[str, object]:
     n, batch = args.objects, args.batch
     size = 2 * LAYERS * PAGE_SIZE * HEADS * DIM * 2
     cfg = LMCacheEngineConfig.from_defaults(
-        chunk_size=PAGE_SIZE, local_cpu=False, local_disk=os.path.join(args.dir, "pages"),
+        chunk_size=PAGE_SIZE,
+        local_cpu=False,
+        local_disk=os.path.join(args.dir, "pages"),
         max_local_disk_size=(n * size * 2 + (1 << 30)) / 1024**3,
         extra_config={"disk_io_threads": args.threads},
     )
