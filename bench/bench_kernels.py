@@ -71,9 +71,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--groups", default="8,2,1", help="heads per group to try")
     parser.add_argument("--forms", default="separate,stacked")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     L, H, D, P, N = args.layers, args.heads, args.head_dim, args.page_size, args.pages
     pool_pages = N + max(1, N // 8)

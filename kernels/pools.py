@@ -109,6 +109,12 @@ class DevicePool:
                     raise ValueError(
                         f"{where}: the dim axis must be contiguous, strides {buf.stride()}"
                     )
+                if buf.stride() != first.stride():
+                    # one (slot, head) stride pair addresses every buffer in the kernels
+                    raise ValueError(
+                        f"{where}: strides {tuple(buf.stride())} differ from layer 0's "
+                        f"{tuple(first.stride())}"
+                    )
         if self.kv_kind == "mla" and first.shape[1] != 1:
             raise ValueError(
                 f"device pool: an MLA buffer has one head, got shape {tuple(first.shape)}"

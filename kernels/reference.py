@@ -16,7 +16,7 @@ Bytes move as integers, so float8 values and NaN payloads are copied exactly.
 How the torch code does it without a Python loop per page or per layer: the pool is viewed as
 one strided tensor ``[layers, planes, pages, page_size, heads, dim]`` and the staging run of
 head blocks as a permuted view with the same axes, and one index op moves all selected pages of
-all layers (``index_select`` into the staging view, ``index_copy_`` back). Each page of each
+all layers (``index_select`` into the staging view, ``index_put_`` back). Each page of each
 (layer, plane) is a contiguous run of ``page_size * heads * dim`` elements on both sides when
 the run spans the shard's heads, so the op streams memory like a plain copy. Two cases use more
 than one call: a device pool whose layers are separate allocations (one call per (layer,
@@ -36,6 +36,7 @@ from hicache_store.layout.host import UnifiedPageLayout
 from ._pages import page_structure
 from ._plan import CopyPlan, plan_copy
 from ._unified import BlockRun, run_view
+from ._views import coalesce, widen
 from .pools import DevicePool, HostPool, as_bits
 
 __all__ = ["host_to_unified", "pack_pages", "unified_to_host", "unpack_pages"]
@@ -144,12 +145,28 @@ def _copy(plan: CopyPlan, *, to_pool: bool) -> None:
             if structure is not None and (isinstance(plan.pool, DevicePool) or structure[0] == 0):
                 residue, page_ids = structure
                 paged = _paged(plan.pool, pool_view, residue, page_size)
-                if to_pool:
-                    paged.index_copy_(2, page_ids, target)
-                else:
-                    torch.index_select(paged, 2, page_ids, out=target)
+                _page_copy(paged, page_ids, target, to_pool=to_pool)
             else:
                 _token_copy(plan, pool_view, target, to_pool=to_pool)
+
+
+def _page_copy(
+    paged: torch.Tensor, page_ids: torch.Tensor, target: torch.Tensor, *, to_pool: bool
+) -> None:
+    """Whole pages: ``target[:, :, i] <-> paged[:, :, page_ids[i]]`` as one index op.
+
+    Pages go to the front (the index axis), the rest is widened and coalesced (``_views``)
+    so that each page moves as a few long runs. Gathering is ``index_select`` into the
+    staging view; scattering is ``index_put_``, which copies whole runs per index (faster
+    than ``index_copy_``, which looks up the index per element). Page ids are distinct for
+    scatters (validated), so ``index_put_`` without accumulation is deterministic.
+    """
+    pool_side, stage_side = widen(paged.movedim(2, 0), target.movedim(2, 0))
+    pool_side, stage_side = coalesce(pool_side, stage_side, 1, 1)
+    if to_pool:
+        pool_side.index_put_((page_ids,), stage_side)
+    else:
+        torch.index_select(pool_side, 0, page_ids, out=stage_side)
 
 
 def _pool_views(plan: CopyPlan, run: BlockRun) -> Iterator[tuple[torch.Tensor, slice, slice]]:
@@ -205,6 +222,8 @@ def _token_copy(
         front = pool_view.movedim(2, 0)  # [slots, L', planes', ...]
         indices = [table]
     target_front = target.movedim((2, 3), (0, 1))  # [N, P, L', planes', ...]
+    front, target_front = widen(front, target_front)
+    front, target_front = coalesce(front, target_front, len(indices), 2)
     if to_pool:
         front.index_put_(tuple(indices), target_front)
     else:

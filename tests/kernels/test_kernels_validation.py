@@ -109,6 +109,9 @@ def test_device_pool_construction() -> None:
         DevicePool.mha(k, [k[0], torch.zeros(8, 3, 4, dtype=torch.bfloat16)])
     with pytest.raises(ValueError, match="dim axis must be contiguous"):
         DevicePool.mha(k, [t.transpose(0, 2).contiguous().transpose(0, 2) for t in k])
+    wide = torch.zeros(8, 3, 4, dtype=torch.bfloat16)[:, :2]
+    with pytest.raises(ValueError, match="plane 1 layer 1: strides"):
+        DevicePool.mha(k, [k[0], wide])
     with pytest.raises(ValueError, match="same, non-zero number of layers"):
         DevicePool.mha(k, k[:1])
     with pytest.raises(ValueError, match="expected \\[num_slots, heads, dim\\]"):
