@@ -35,7 +35,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 #: Environment of every rank process: gloo binds the loopback interface only.
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
@@ -126,8 +126,10 @@ def _worker(
                 else:
                     os.environ[k] = v
         conn.send(reply)
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
+    # Leave without interpreter teardown: the parent is done with this rank, and joining the
+    # I/O threads or destroying the process group could only delay (or hang) the exit.
+    conn.close()
+    os._exit(0)
 
 
 class RankPool:
@@ -216,10 +218,11 @@ class RankPool:
                     f"{timeout_s:.0f}s; the pool's processes were killed"
                 )
             ready = multiprocessing.connection.wait(list(waiting), timeout=deadline - now)
-            for conn in ready:
-                rank = waiting.pop(conn)  # type: ignore[call-overload]
+            for obj in ready:
+                conn = cast(multiprocessing.connection.Connection, obj)
+                rank = waiting.pop(conn)
                 try:
-                    replies[rank] = conn.recv()  # type: ignore[union-attr]
+                    replies[rank] = conn.recv()
                 except EOFError:
                     self.kill()
                     raise RuntimeError(f"{what}: rank {rank} died") from None
