@@ -20,11 +20,11 @@ import json
 from typing import Any
 
 from hicache_store._sync import run_sync
-from hicache_store.backends import open_backend
 from hicache_store.cli import UsageError
 from hicache_store.ops.config import layered, require, resolve
 from hicache_store.ops.inspection import StoreReport, VerifyReport, inspect_store, verify_store
 from hicache_store.ops.progress import ProgressBar, human_bytes
+from hicache_store.ops.store import open_store
 
 
 def register(subparsers: Any) -> None:
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--concurrency must be positive, got {args.concurrency}")
 
     async def go() -> tuple[StoreReport, VerifyReport | None]:
-        backend = open_backend(url)
+        backend = open_store(url)
         try:
             report = await inspect_store(backend, namespace=args.namespace)
             if not args.verify:

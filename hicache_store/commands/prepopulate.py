@@ -20,7 +20,6 @@ import json
 from typing import Any
 
 from hicache_store._sync import run_sync
-from hicache_store.backends import open_backend
 from hicache_store.cli import UsageError
 from hicache_store.layout.errors import GridMismatchError, InvalidNamespaceError
 from hicache_store.layout.namespace import HASH_ALGOS, Grid
@@ -28,6 +27,7 @@ from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology
 from hicache_store.ops.config import layered, require, resolve
 from hicache_store.ops.progress import ProgressBar, human_bytes
+from hicache_store.ops.store import open_store
 
 
 def register(subparsers: Any) -> None:
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     source: HFSource | MiniEngineSource
     if args.model is not None:
         source = HFSource(args.model, dtype=args.dtype, device=args.device,
-                          model_name=args.model_name)
+                          model_name=args.model_name, progress=not args.no_progress)
     else:
         if args.dtype not in ("auto", "float32"):
             raise UsageError("--mini-engine presets compute in float32; leave --dtype auto")
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         bar.update(state.pages_done, tokens=state.tokens_done, nbytes=state.bytes_done)
 
     async def go() -> Any:
-        backend = open_backend(url)
+        backend = open_store(url)
         try:
             return await prepopulate(backend, source, tokens, namespace, topology,
                                      batch_size=args.batch_size, dry_run=args.dry_run,

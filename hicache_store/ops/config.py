@@ -157,9 +157,7 @@ def _convert_one(action: argparse.Action, value: Any) -> Any:
     if isinstance(value, (dict, list)):
         raise ValueError(f"expected a single value, got {value!r}")
     converter = action.type
-    if callable(converter) and isinstance(value, str):
-        value = converter(value)
-    elif callable(converter) and converter in (int, float) and not isinstance(value, bool):
+    if (callable(converter) and isinstance(value, str)) or (callable(converter) and converter in (int, float) and not isinstance(value, bool)):
         value = converter(value)
     elif callable(converter) and not isinstance(value, str):
         value = converter(str(value))

@@ -23,6 +23,7 @@ sequence with a real forward pass:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 from collections.abc import Iterator, Sequence
@@ -125,9 +126,10 @@ class HFSource:
     """A local Hugging Face causal LM and its tokenizer (see the module docstring)."""
 
     def __init__(self, path: str | Path, *, dtype: str = "auto", device: str = "cpu",
-                 model_name: str | None = None) -> None:
+                 model_name: str | None = None, progress: bool = True) -> None:
         try:
-            import transformers
+            # Typed as Any: transformers' own annotations are partial and vary by release.
+            transformers: Any = importlib.import_module("transformers")
         except ImportError as exc:
             from hicache_store.backends.errors import MissingDependencyError
 
@@ -135,6 +137,8 @@ class HFSource:
                 f"a Hugging Face model needs transformers ({exc})",
                 install_hint="pip install 'hicache-store[hf]'",
             ) from exc
+        if not progress:
+            transformers.utils.logging.disable_progress_bar()
         folder = Path(path)
         if not folder.is_dir():
             raise FileNotFoundError(f"model directory {folder} does not exist")
@@ -190,7 +194,8 @@ class HFSource:
             "past_key_values")
         with torch.no_grad():
             out = self.model(input_ids=ids, use_cache=cache is not None, **{name: cache})
-        return out.logits[0, -1]
+        logits: torch.Tensor = out.logits[0, -1]
+        return logits
 
 
 def output_cache(output: Any) -> Any:

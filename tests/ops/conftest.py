@@ -9,10 +9,7 @@ from pathlib import Path
 
 import pytest
 
-WORDS = (
-    "the cache keeps pages of keys and values so a long shared prefix is computed once "
-    "and read back from storage when the next request arrives with the same system prompt"
-).split()
+WORDS = ["the", "cache", "keeps", "pages", "of", "keys", "and", "values", "so", "a", "long", "shared", "prefix", "is", "computed", "once", "and", "read", "back", "from", "storage", "when", "the", "next", "request", "arrives", "with", "the", "same", "system", "prompt"]
 
 
 def make_tiny_llama(folder: Path) -> Path:
