@@ -279,3 +279,10 @@ def cp_restore(ctx: RankContext, setup: Setup, prompt: list[int]) -> dict[str, A
         "start": start,
         "exact": bool(torch.equal(logits, expected)),
     }
+
+
+def fail_on_rank(ctx: RankContext, failing: int) -> int:
+    """``failing`` raises before the agreement its peers wait in (they are stuck there)."""
+    if ctx.rank == failing:
+        raise RuntimeError(f"rank {failing} failed on purpose")
+    return ctx.group.agree_min(ctx.rank, "never_reached_by_all")
