@@ -22,7 +22,13 @@ $(STAMP): pyproject.toml tests/plugins/example_backend/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,file,fsspec,s3,metrics,gpu,bench,mooncake,s3test]'
+	$(PY) -m pip install -q -e '.[dev,file,fsspec,s3,metrics,gpu,bench,mooncake,s3test,hf]'
+	# SGLang's storage interface for the adapter tests: --no-deps keeps its CUDA torch and
+	# server dependencies out; these are the small packages its storage modules import.
+	$(PY) -m pip install -q --no-deps sglang==0.5.23 orjson psutil pybase64 requests urllib3 \
+		idna certifi charset-normalizer packaging pillow starlette anyio msgspec pydantic \
+		pydantic_core typing-inspection pyzmq tqdm ipython traitlets Pygments aiohttp multidict \
+		attrs yarl propcache aiohappyeyeballs aiosignal frozenlist
 	# The example third-party backend, installed so its entry point is really discovered.
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e tests/plugins/example_backend
 	touch $@

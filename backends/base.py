@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from hicache_store.layout.errors import CorruptObjectError, InvalidKeyError
 from hicache_store.layout.framing import ObjectHeader, decode_header, payload_offset, verify_blocks
-from hicache_store.layout.keys import ObjectKey, validate_storage_key
+from hicache_store.layout.keys import ObjectKey, validate_storage_keys
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT
 
 from .errors import BackendClosedError, InvalidRangeError, NotSupportedError
@@ -186,14 +186,11 @@ class Backend(abc.ABC):
     def _check_keys(self, keys: Sequence[str], operation: str) -> list[str]:
         if isinstance(keys, (str, bytes)):
             raise TypeError(f"{operation}: keys must be a sequence of str, not a single string")
-        checked = []
-        for key in keys:
-            try:
-                checked.append(validate_storage_key(key))
-            except InvalidKeyError as exc:
-                exc.backend, exc.operation = self.name, operation
-                raise
-        return checked
+        try:
+            return validate_storage_keys(keys)
+        except InvalidKeyError as exc:
+            exc.backend, exc.operation = self.name, operation
+            raise
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is stored (a miss is False)."""

@@ -217,9 +217,22 @@ def open_backend(config: str | Mapping[str, Any], /, **options: Any) -> Backend:
     if url_text is not None and "://" not in url_text:
         target, url_text = url_text, None  # a bare name or a module:Class spec
     url = BackendURL.parse(url_text) if url_text is not None else BackendURL(scheme="")
-    cls = get_backend_class(target or url.scheme)
+    name = target or url.scheme
+    cls = get_backend_class(name)
     merged = {**url.query, **opts}
-    return cls.from_url(url, merged)
+    try:
+        return cls.from_url(url, merged)
+    except MissingDependencyError:
+        raise
+    except ImportError as exc:
+        # An SDK imported lazily by the backend's constructor (boto3, s3fs, ...): same
+        # one-line error with the install hint as a missing backend module.
+        spec = _registry.get(name)
+        raise MissingDependencyError(
+            f"the {name} backend needs a package that is not installed ({exc})",
+            install_hint=spec.install_hint if spec is not None else None,
+            backend=name,
+        ) from exc
 
 
 for _name, _target, _hint in _BUILTINS:

@@ -266,7 +266,7 @@ def main() -> None:
         Grid(2 if args.smoke else 8, 2),
     )
     fp8 = Namespace.create(
-        "llama-fp8", ModelShape.mha(4, 8, 128), "float8_e4m3fn", 4 if args.smoke else 64, Grid(2, 8)
+        "llama-fp8", ModelShape.mha(4, 8, 128), "float8_e4m3fn", 4 if args.smoke else 64, Grid(2, 4)
     )
     mla = Namespace.create(
         "deepseek",

@@ -53,13 +53,15 @@ async def run(deployment: LocalMooncake, objects: int, size: int, rounds: int) -
     sizes = [size] * objects
 
     async def raw_put() -> None:
-        codes = await asyncio.to_thread(raw.batch_upsert_from, keys,
-                                        [ptr_src + o for o in offsets], sizes)
+        codes = await asyncio.to_thread(
+            raw.batch_upsert_from, keys, [ptr_src + o for o in offsets], sizes
+        )
         assert all(c == 0 for c in codes), codes[:4]
 
     async def raw_get() -> None:
-        got = await asyncio.to_thread(raw.batch_get_into, keys,
-                                      [ptr_dst + o for o in offsets], sizes)
+        got = await asyncio.to_thread(
+            raw.batch_get_into, keys, [ptr_dst + o for o in offsets], sizes
+        )
         assert all(n == size for n in got), got[:4]
 
     src_view, dst_view = memoryview(src), memoryview(dst)
@@ -88,8 +90,10 @@ async def run(deployment: LocalMooncake, objects: int, size: int, rounds: int) -
     await store.close()
     raw_put_med = statistics.median(results["raw"]["put"])
     raw_get_med = statistics.median(results["raw"]["get"])
-    print(f"{objects} x {size / (1 << 20):g} MiB, {rounds} rounds, median GiB/s "
-          "(TCP loopback, separate segment holder)")
+    print(
+        f"{objects} x {size / (1 << 20):g} MiB, {rounds} rounds, median GiB/s "
+        "(TCP loopback, separate segment holder)"
+    )
     print(f"{'mode':<18}{'put':>8}{'get':>8}{'put/raw':>9}{'get/raw':>9}")
     for mode, r in results.items():
         p, g = statistics.median(r["put"]), statistics.median(r["get"])

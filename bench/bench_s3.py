@@ -48,28 +48,39 @@ def mib_s(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / (1 << 20)
 
 
-def baseline(server: Any, prefix: str, payloads: list[bytes], concurrency: int) -> tuple[float, float]:
+def baseline(
+    server: Any, prefix: str, payloads: list[bytes], concurrency: int
+) -> tuple[float, float]:
     """Seconds to PUT then GET every object with a raw boto3 thread pool."""
-    client = server.client(max_pool_connections=concurrency,
-                           retries={"mode": "standard", "max_attempts": 3})
+    client = server.client(
+        max_pool_connections=concurrency, retries={"mode": "standard", "max_attempts": 3}
+    )
     keys = [f"{prefix}/{i:08x}" for i in range(len(payloads))]
     with ThreadPoolExecutor(concurrency) as pool:
         start = time.perf_counter()
-        list(pool.map(lambda kv: client.put_object(Bucket=server.bucket, Key=kv[0], Body=kv[1]),
-                      zip(keys, payloads, strict=True)))
+        list(
+            pool.map(
+                lambda kv: client.put_object(Bucket=server.bucket, Key=kv[0], Body=kv[1]),
+                zip(keys, payloads, strict=True),
+            )
+        )
         put = time.perf_counter() - start
         start = time.perf_counter()
-        got = list(pool.map(
-            lambda k: client.get_object(Bucket=server.bucket, Key=k)["Body"].read(), keys))
+        got = list(
+            pool.map(lambda k: client.get_object(Bucket=server.bucket, Key=k)["Body"].read(), keys)
+        )
         get = time.perf_counter() - start
     assert [len(g) for g in got] == [len(p) for p in payloads]
     return put, get
 
 
-async def ours(server: Any, prefix: str, payloads: list[bytes], concurrency: int) -> tuple[float, float]:
+async def ours(
+    server: Any, prefix: str, payloads: list[bytes], concurrency: int
+) -> tuple[float, float]:
     """Seconds to ``put`` then ``get_into`` every object through the s3 backend."""
-    store = open_backend(f"s3://{server.bucket}/{prefix}", max_concurrency=concurrency,
-                         **server.options)
+    store = open_backend(
+        f"s3://{server.bucket}/{prefix}", max_concurrency=concurrency, **server.options
+    )
     keys = [f"{i:08x}" for i in range(len(payloads))]
     buffers = [bytearray(len(p)) for p in payloads]
     try:
@@ -86,10 +97,13 @@ async def ours(server: Any, prefix: str, payloads: list[bytes], concurrency: int
     return put, get
 
 
-async def ranged(server: Any, prefix: str, payloads: list[bytes], concurrency: int) -> dict[str, float]:
+async def ranged(
+    server: Any, prefix: str, payloads: list[bytes], concurrency: int
+) -> dict[str, float]:
     """Read one eighth of each object (a layer sub-range) and count the bytes received."""
-    store = open_backend(f"s3://{server.bucket}/{prefix}", max_concurrency=concurrency,
-                         **server.options)
+    store = open_backend(
+        f"s3://{server.bucket}/{prefix}", max_concurrency=concurrency, **server.options
+    )
     assert isinstance(store, S3Backend)
     keys = [f"{i:08x}" for i in range(len(payloads))]
     size = len(payloads[0])
@@ -119,32 +133,46 @@ def main() -> None:
     payloads = [os.urandom(size) for _ in range(args.objects)]
     total = size * args.objects
     seaweed = _seaweed_module()
-    rows: dict[str, list[tuple[float, float]]] = {"boto3 thread pool": [], "hicache-store s3://": []}
+    rows: dict[str, list[tuple[float, float]]] = {
+        "boto3 thread pool": [],
+        "hicache-store s3://": [],
+    }
     with seaweed.seaweed_server(bucket="hicache-bench") as server:
         for r in range(args.rounds):
             put, get = baseline(server, f"raw{r}", payloads, args.concurrency)
             rows["boto3 thread pool"].append((mib_s(total, put), mib_s(total, get)))
             put, get = asyncio.run(ours(server, f"ours{r}", payloads, args.concurrency))
             rows["hicache-store s3://"].append((mib_s(total, put), mib_s(total, get)))
-            print(f"round {r}: " + ", ".join(
-                f"{name} PUT {v[-1][0]:.0f} GET {v[-1][1]:.0f} MiB/s" for name, v in rows.items()),
-                flush=True)
+            print(
+                f"round {r}: "
+                + ", ".join(
+                    f"{name} PUT {v[-1][0]:.0f} GET {v[-1][1]:.0f} MiB/s"
+                    for name, v in rows.items()
+                ),
+                flush=True,
+            )
         sub = asyncio.run(ranged(server, "ours0", payloads, args.concurrency))
-    print(f"\n{args.objects} objects x {size >> 20} MiB, concurrency {args.concurrency}, "
-          f"{args.rounds} rounds alternating (MiB/s; best, then every round)\n")
+    print(
+        f"\n{args.objects} objects x {size >> 20} MiB, concurrency {args.concurrency}, "
+        f"{args.rounds} rounds alternating (MiB/s; best, then every round)\n"
+    )
     print("| client | PUT best | GET best | PUT rounds | GET rounds |")
     print("|---|---|---|---|---|")
     for name, values in rows.items():
         puts = " / ".join(f"{p:.0f}" for p, _ in values)
         gets = " / ".join(f"{g:.0f}" for _, g in values)
-        print(f"| {name} | {max(p for p, _ in values):.0f} | {max(g for _, g in values):.0f} "
-              f"| {puts} | {gets} |")
+        print(
+            f"| {name} | {max(p for p, _ in values):.0f} | {max(g for _, g in values):.0f} "
+            f"| {puts} | {gets} |"
+        )
     best = {name: (max(p for p, _ in v), max(g for _, g in v)) for name, v in rows.items()}
     ratio_put = best["hicache-store s3://"][0] / best["boto3 thread pool"][0]
     ratio_get = best["hicache-store s3://"][1] / best["boto3 thread pool"][1]
     print(f"\nratio ours/baseline: PUT {ratio_put:.2f}, GET {ratio_get:.2f}")
-    print(f"layer sub-range (1/8 of each object): asked {sub['asked']} B, body bytes received "
-          f"{sub['received']} B ({sub['received'] / sub['asked']:.3f}x), {sub['mib_s']:.0f} MiB/s")
+    print(
+        f"layer sub-range (1/8 of each object): asked {sub['asked']} B, body bytes received "
+        f"{sub['received']} B ({sub['received'] / sub['asked']:.3f}x), {sub['mib_s']:.0f} MiB/s"
+    )
 
 
 if __name__ == "__main__":

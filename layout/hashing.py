@@ -17,11 +17,13 @@ import array
 import hashlib
 import sys
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import xxhash
 
+_accelerated: ModuleType | None
 try:  # the optional C accelerator of the sha256 chain (setup.py); same results, ~3x faster
     from . import _chain as _accelerated
 except ImportError:  # pragma: no cover - exercised where the extension could not be built

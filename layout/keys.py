@@ -18,6 +18,7 @@ appear, so a key can never traverse a path or inject into a URL.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import InvalidKeyError
@@ -52,6 +53,27 @@ def validate_storage_key(key: object) -> str:
             f"storage key {key[:80]!r} has characters outside [0-9a-fA-Z_-] or is empty"
         )
     return key
+
+
+_KEY_CHARACTERS = b"0123456789abcdefABCDEFGHIJKLMNOPQRSTUVWXYZ_-"
+_KEY_FIRST_EXCLUDED = frozenset("_-")
+
+
+def validate_storage_keys(keys: Sequence[object]) -> list[str]:
+    """``validate_storage_key`` for a whole batch, returning the keys as a list.
+
+    Same rules and errors as the per-key check (the first offending key is reported), but the
+    common all-valid case costs one pass over the joined text in C instead of a regex match per
+    key, which matters to ``exists`` over thousands of keys.
+    """
+    batch = list(keys)
+    if all(type(k) is str for k in batch):
+        texts: list[str] = batch  # type: ignore[assignment]
+        if all(0 < len(k) <= MAX_KEY_LENGTH and k[0] not in _KEY_FIRST_EXCLUDED for k in texts):
+            joined = "".join(texts)
+            if joined.isascii() and not joined.encode("ascii").translate(None, _KEY_CHARACTERS):
+                return texts
+    return [validate_storage_key(k) for k in batch]  # raises for the first bad key
 
 
 def validate_page_hash(page_hash: object) -> str:

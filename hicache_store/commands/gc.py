@@ -67,6 +67,12 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2).lower()]
 
 
+def is_manifest(key: str) -> bool:
+    """Namespace manifests (``M_{digest}``, see ``hicache_store.ops.manifest``) are not KV:
+    gc never deletes them."""
+    return key.startswith("M_")
+
+
 def page_of(key: str) -> str:
     """The page a key belongs to: its page hash (the part before the first ``_``)."""
     return key.split("_", 1)[0]
@@ -79,6 +85,7 @@ def plan_gc(
 
     Pure: no I/O. A page is dropped whole once any of its objects is picked for the budget.
     """
+    entries = [e for e in entries if not is_manifest(e.key)]
     expired = [e for e in entries if max_age is not None and now - e.mtime > max_age]
     gone = {e.key for e in expired}
     rest = [e for e in entries if e.key not in gone]

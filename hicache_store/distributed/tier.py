@@ -179,9 +179,8 @@ class RankedHiCache(HiCache):
         return req
 
     def prepare(self, req: Request) -> Prepared:
-        if req.prefetch is None:
-            # Join the agreement the ranks with a prefetch make in ``_settle_prefetch``.
-            self.group.agree_min(0, "prefetch_pages")
+        # ``HiCache.prepare`` makes the ``prefetch_pages`` agreement on every rank, with 0 where
+        # a rank started no prefetch.
         prepared = super().prepare(req)
         op = req.prefetch
         if op is not None:

@@ -127,6 +127,8 @@ class LayerLoad:
             raise
 
     def wait(self, layer: int) -> None:
+        """Block until ``layer`` is loaded. ``layer`` is the index among the layers this rank
+        holds (0 for its first layer), as the rank's engine numbers its pool's layers."""
         self._events[layer].wait()
         if self._error is not None:
             raise RuntimeError("loading cached KV into L1 failed") from self._error
@@ -231,6 +233,8 @@ class HiCache:
                 io_timeout_s=config.io_timeout_s,
             )
             self.l3.trusted_hashes = True  # the tier hashes tokens itself
+            if self.l3.can_write:
+                self._write_manifest(backend)
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hicache-load")
         # Completions from the I/O loop, applied on the engine thread by ``poll``.
         self._acks: collections.deque[tuple[str, Any]] = collections.deque()
@@ -239,6 +243,19 @@ class HiCache:
         self._backup_worker_lock = threading.Lock()
         self._backup_worker_running = False
         self._prefetches: list[_Prefetch] = []
+
+    def _write_manifest(self, backend: Backend) -> None:
+        """Record the namespace in L3 (``M_{digest}``) so operators' tools can describe it.
+
+        Best effort: a store that cannot take it now still serves KV; tools then show the
+        namespace as unknown.
+        """
+        from hicache_store.ops.manifest import ensure_manifest
+
+        try:
+            run_sync(ensure_manifest(backend, self.namespace), timeout=self.config.io_timeout_s)
+        except Exception as exc:
+            log.warning("could not write the namespace manifest: %s", exc)
 
     # == the request path ===================================================================
 
@@ -276,6 +293,12 @@ class HiCache:
         io_before = req.io_s
         if req.prefetch is not None:
             waited = self._settle_prefetch(req)
+        else:
+            # Every rank must reach every agreement, in the same order: a rank that started no
+            # prefetch (nothing in L3, or its existence check failed) joins with 0, so the
+            # group uses no prefetched page. Skipping it would pair this rank's next collective
+            # with another rank's prefetch agreement: a wrong minimum, then a hang.
+            self.group.agree_min(0, "prefetch_pages")
         # A prompt must leave at least one token to compute (its logits are the output).
         usable = min(len(req.nodes), (len(req.tokens) - 1) // page)
         usable = self.group.agree_min(usable, "prefix_pages")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from hicache_store.backends._aligned import aligned_buffer
 from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import InvalidRangeError
 from hicache_store.backends.types import ByteRange
@@ -151,7 +152,8 @@ class L3Link:
             )
             # One contiguous buffer per object: header then payload (one copy of the page,
             # cheaper than a second request per object on every backend).
-            framed = np.empty(len(header) + obj.nbytes, dtype=np.uint8)
+            # Page-aligned memory, so the file backend can write it with O_DIRECT.
+            framed = np.frombuffer(aligned_buffer(len(header) + obj.nbytes), dtype=np.uint8)
             framed[: len(header)] = np.frombuffer(header, dtype=np.uint8)
             framed[len(header) :] = payload
             buffers.append(framed.data)

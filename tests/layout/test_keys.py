@@ -14,6 +14,7 @@ from hicache_store.layout.keys import (
     object_key,
     parse_key,
     validate_storage_key,
+    validate_storage_keys,
 )
 
 HASH = "a1" * 32
@@ -94,3 +95,22 @@ def test_parse_is_the_inverse_of_format(
     assert validate_storage_key(text) == text
     assert parse_key(text) == key
     assert format_key(parse_key(text)) == text
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["", "_lead", "-lead", "a/b", "..", "a\x00b", "x" * 256, "ключ", "a.b", "a b", "g"],
+)
+def test_batch_validation_refuses_what_the_single_check_refuses(bad: str) -> None:
+    good = ["ab" * 16 + "_L0-1", "ff"]
+    with pytest.raises(InvalidKeyError):
+        validate_storage_key(bad)
+    with pytest.raises(InvalidKeyError):
+        validate_storage_keys([*good, bad, *good])
+
+
+def test_batch_validation_accepts_valid_keys_and_refuses_non_strings() -> None:
+    keys = ["ab" * 32 + "_0123456789abcdef_L0-29_H1", "M0123", "x" * 0 + "F" * 255]
+    assert validate_storage_keys(keys) == keys
+    with pytest.raises(InvalidKeyError, match="must be a str"):
+        validate_storage_keys(["ab", b"cd"])

@@ -182,3 +182,15 @@ def test_corrupt_l3_object_is_a_miss_not_wrong_kv(model: MiniLlama) -> None:
     assert start == 2 * PAGE  # pages 0 and 1 hit; page 2 is corrupt, so it and 3+ recompute
     assert reader.metrics.corruptions == 1
     reader.close()
+
+
+def test_the_tier_records_its_namespace_manifest() -> None:
+    from hicache_store._sync import run_sync
+    from hicache_store.ops.manifest import list_manifests, manifest_key, read_manifest
+
+    backend = open_backend("memory://")
+    tier = make_tier(l1_pages=8, l2_pages=8, backend=backend)
+    key = manifest_key(tier.namespace)
+    assert run_sync(list_manifests(backend)) == [key]
+    assert run_sync(read_manifest(backend, key)) == tier.namespace
+    tier.close()
