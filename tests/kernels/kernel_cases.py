@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from hypothesis import strategies as st
 
 from hicache_store.kernels import DevicePool, HostPool
 from hicache_store.kernels.pools import as_bits
@@ -251,3 +252,34 @@ def page_lists(
     residue = 0 if form == "aligned" else 1
     pages = torch.randperm((num_slots - residue) // page_size, generator=gen)[:count]
     return pages * page_size + residue
+
+
+@st.composite
+def random_case(draw: st.DrawFn) -> tuple[UnifiedPageLayout, str, str, int]:
+    """A random unified layout (any namespace, layer and head sub-range), pool form, page form
+    and page count: the space the kernels must cover."""
+    kind = draw(st.sampled_from(["mha", "mla"]))
+    layers = draw(st.integers(1, 5))
+    heads = draw(st.sampled_from([1, 2, 4, 6])) if kind == "mha" else 1
+    hpg = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
+    dtype = draw(st.sampled_from(DTYPES))
+    ns = namespace(
+        kind,
+        dtype,
+        layers=layers,
+        heads=heads,
+        dim=draw(st.sampled_from([1, 3, 8])),
+        page_size=draw(st.sampled_from([1, 2, 3, 4])),
+        grid=Grid(draw(st.integers(1, layers)), hpg),
+    )
+    l0 = draw(st.integers(0, layers - 1))
+    l1 = draw(st.integers(l0 + 1, layers))
+    h0 = draw(st.integers(0, ns.num_kv_heads - 1))
+    h1 = draw(st.integers(h0 + 1, ns.num_kv_heads))
+    layout = UnifiedPageLayout(ns, l0, l1, h0, h1)
+    return (
+        layout,
+        draw(st.sampled_from(POOL_FORMS)),
+        draw(st.sampled_from(["aligned", "residue", "ragged", "table"])),
+        draw(st.integers(1, 5)),
+    )

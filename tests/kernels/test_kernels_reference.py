@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kernel_cases import (
     DTYPES,
     POOL_FORMS,
@@ -20,6 +22,7 @@ from kernel_cases import (
     host_values,
     namespace,
     page_lists,
+    random_case,
     shard_layouts,
     staging,
     staging_values,
@@ -317,3 +320,37 @@ def test_host_and_device_relayouts_agree(gen: torch.Generator) -> None:
     pack_pages(case.pool, pages, a, layout)
     host_to_unified(host, pages, b, layout)
     assert torch.equal(as_bits(a), as_bits(b))
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=random_case(), seed=st.integers(0, 2**32))
+def test_random_geometries_follow_the_layout_and_round_trip(
+    case: tuple[UnifiedPageLayout, str, str, int], seed: int
+) -> None:
+    """Any namespace, any layer and head sub-range, any pool form and page form."""
+    layout, form, pages_form, count = case
+    ns = layout.namespace
+    dtype = next(d for d in DTYPES if str(d).removeprefix("torch.") == ns.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    slots = (count + 2) * (ns.page_size + 2)
+    source = device_pool(layout, dtype, slots, form, gen)
+    pages = page_lists(slots, ns.page_size, count, pages_form, gen)
+    table = slot_table(
+        pages,
+        page_size=ns.page_size,
+        num_slots=slots,
+        device=pages.device,
+        writes_pool=True,
+        check_indices=True,
+    )
+    stage, _ = staging(layout, count, dtype, gen)
+    before = as_bits(stage).clone()
+    pack_pages(source.pool, pages, stage, layout)
+    assert torch.equal(
+        as_bits(stage), expected_staging(before, device_values(source.pool, table), layout)
+    )
+    target = device_pool(layout, dtype, slots, form, gen)
+    poisoned = target.snapshot()
+    unpack_pages(stage, target.pool, pages, layout)
+    want = _expected_pool(target, poisoned, table, source)
+    assert all(torch.equal(a, b) for a, b in zip(target.snapshot(), want, strict=True))

@@ -12,6 +12,8 @@ import importlib.util
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kernel_cases import (
     DTYPES,
     POOL_FORMS,
@@ -20,6 +22,7 @@ from kernel_cases import (
     host_pool,
     namespace,
     page_lists,
+    random_case,
     staging,
 )
 
@@ -58,9 +61,10 @@ def _check_pack_unpack(
     pages: torch.Tensor,
     gen: torch.Generator,
     layers: tuple[int, int] | None = None,
+    slots: int = SLOTS,
 ) -> None:
     n = pages.shape[0]
-    case = device_pool(layout, dtype, SLOTS, form, gen)
+    case = device_pool(layout, dtype, slots, form, gen)
     source = case.snapshot()
     ref_stage, _ = staging(layout, n, dtype, gen)
     tri_stage = ref_stage.clone()
@@ -70,7 +74,7 @@ def _check_pack_unpack(
     assert _same(case.snapshot(), source)
 
     # unpack the packed rows into two identical poisoned pools
-    ref_pool = device_pool(layout, dtype, SLOTS, form, gen)
+    ref_pool = device_pool(layout, dtype, slots, form, gen)
     tri_pool = _clone_case(ref_pool)
     stage_before = as_bits(ref_stage).clone()
     unpack_pages(ref_stage, ref_pool.pool, pages, layout, layers=layers, backend="torch")
@@ -144,3 +148,16 @@ def test_host_relayouts(kind: str, name: str, gen: torch.Generator) -> None:
     unified_to_host(ref, ref_host, pages, layout, backend="torch")
     unified_to_host(ref, tri_host, pages, layout, backend="triton")
     assert torch.equal(as_bits(tri_host.buffer), as_bits(ref_host.buffer))
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=random_case(), seed=st.integers(0, 2**32))
+def test_random_geometries(case: tuple[UnifiedPageLayout, str, str, int], seed: int) -> None:
+    """Odd page sizes and head dims (masked tiles), sub-ranges, every pool and page form."""
+    layout, form, pages_form, count = case
+    ns = layout.namespace
+    dtype = next(d for d in DTYPES if str(d).removeprefix("torch.") == ns.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    slots = (count + 2) * (ns.page_size + 2)
+    pages = page_lists(slots, ns.page_size, count, pages_form, gen)
+    _check_pack_unpack(layout, dtype, form, pages, gen, slots=slots)
