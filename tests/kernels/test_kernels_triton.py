@@ -150,7 +150,7 @@ def test_host_relayouts(kind: str, name: str, gen: torch.Generator) -> None:
     assert torch.equal(as_bits(tri_host.buffer), as_bits(ref_host.buffer))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(case=random_case(), seed=st.integers(0, 2**32))
 def test_random_geometries(case: tuple[UnifiedPageLayout, str, str, int], seed: int) -> None:
     """Odd page sizes and head dims (masked tiles), sub-ranges, every pool and page form."""
