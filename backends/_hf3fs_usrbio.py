@@ -24,6 +24,8 @@ region, or batches with more I/Os than the ring holds, are split into rounds.
 
 from __future__ import annotations
 
+import contextlib
+import contextlib
 import datetime
 import importlib
 import logging
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 
 #: filesystem types /proc/mounts shows for a 3FS FUSE mount.
 HF3FS_FSTYPES = ("fuse.hf3fs", "hf3fs", "fuse.3fs", "3fs")
+#: where POSIX shared memory (``SharedMemory``) lives on Linux; USRBIO registers only that.
+_SHM_DIR = "/dev/shm/"  # noqa: S108 - not a temp file: the shm_open namespace
 
 
 def load_usrbio() -> ModuleType | None:
@@ -84,10 +88,8 @@ def _open_shm(name: str) -> SharedMemory:
     """Attach to an existing ``/dev/shm`` segment without letting this process's resource
     tracker unlink it at exit (it belongs to whoever created it)."""
     shm = SharedMemory(name=name, create=False)
-    try:
+    with contextlib.suppress(Exception):  # tracker internals differ across versions
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:  # pragma: no cover - tracker internals differ across versions
-        pass
     return shm
 
 
@@ -100,11 +102,11 @@ def shm_mapping_of(address: int, maps_file: str = "/proc/self/maps") -> tuple[st
         return None
     for line in lines:
         parts = line.split(maxsplit=5)
-        if len(parts) < 6 or not parts[5].startswith("/dev/shm/"):
+        if len(parts) < 6 or not parts[5].startswith(_SHM_DIR):
             continue
         lo, hi = (int(x, 16) for x in parts[0].split("-"))
         if lo <= address < hi:
-            name = parts[5][len("/dev/shm/"):].strip()
+            name = parts[5][len(_SHM_DIR):].strip()
             if name.endswith(" (deleted)"):
                 return None  # unlinked: cannot be attached by name any more
             return name, address - lo + int(parts[2], 16)
@@ -156,10 +158,8 @@ class _Channel:
         self.ring = None
         self.iov = None
         self.staging.release()
-        try:
+        with contextlib.suppress(BufferError):  # a view escaped; the mapping dies with it
             self.shm.close()
-        except BufferError:  # pragma: no cover - a view escaped; the mapping dies with it
-            pass
         self.shm.unlink()
 
 
@@ -254,15 +254,12 @@ class UsrbioEngine:
     def _drop_region(region: HostRegion) -> None:
         region.iov = None
         if region.close_shm:
-            try:
+            # BufferError: the caller still holds views; the mapping goes with the last one.
+            with contextlib.suppress(BufferError):
                 region.shm.close()
-            except BufferError:
-                pass  # the caller still holds views of it; the mapping goes with the last one
         if region.unlink_shm:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 region.shm.unlink()
-            except FileNotFoundError:
-                pass
 
     def _region_for(self, view: memoryview) -> HostRegion | None:
         if not self._regions or not len(view):

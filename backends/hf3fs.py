@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Literal
 
-from ._aligned import aligned_buffer, address_of
+from ._aligned import address_of, aligned_buffer
 from ._hf3fs_usrbio import IoOp, UsrbioEngine, is_hf3fs_fstype, load_usrbio, mount_of
 from .base import as_byte_view
 from .errors import BackendError, InvalidRangeError, translate_os_error
@@ -136,7 +136,8 @@ class HF3FSBackend(FileBackend):
         try:
             chosen, reason, io, mount = choose_engine(str(self.root), engine)
             if chosen == "usrbio":
-                assert io is not None and mount is not None
+                assert io is not None
+                assert mount is not None
                 self._usrbio = UsrbioEngine(
                     io, mount, entries=ring_entries, staging_bytes=staging,
                     timeout_s=float(usrbio_timeout),

@@ -104,11 +104,23 @@ def _backend(setup: Setup, faults: FaultConfig | None) -> Backend:
 
 
 class LegacyPrepare(RankedHiCache):
-    """A rank that agrees on ``prefetch_pages`` only when it has a prefetch (``HiCache``'s
-    own ``prepare``): what the consensus check must catch."""
+    """A rank that agrees on ``prefetch_pages`` only when it has a prefetch (what ``HiCache``
+    once did, a real bug): what the consensus check must catch."""
 
     def prepare(self, req: Request) -> Prepared:
-        return HiCache.prepare(self, req)
+        if req.prefetch is not None:
+            return super().prepare(req)
+        group: Any = self.group
+        real = group.agree_min
+
+        def skip_prefetch_agreement(value: int, what: str) -> int:
+            return value if what == "prefetch_pages" else int(real(value, what))
+
+        group.agree_min = skip_prefetch_agreement
+        try:
+            return super().prepare(req)
+        finally:
+            del group.agree_min
 
 
 def serve_group(

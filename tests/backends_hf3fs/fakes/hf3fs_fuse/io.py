@@ -33,6 +33,7 @@ recorded in ``STATE.violations`` so a backend that swallows exceptions is still 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import uuid
@@ -92,7 +93,7 @@ STATE = FakeState()
 
 def reset() -> FakeState:
     """A fresh checker state (tests call this before each use)."""
-    global STATE
+    global STATE  # noqa: PLW0603 - the module-level state is the fake's API
     STATE = FakeState()
     return STATE
 
@@ -155,7 +156,7 @@ def force_fsync(fd: int) -> None:
     os.fsync(fd)
 
 
-class iovec:  # noqa: N801 - the real class's name
+class iovec:
     """Registered shared memory (FAKE)."""
 
     def __init__(self, shm: Any, mount: str, link: str) -> None:
@@ -178,10 +179,8 @@ class iovec:  # noqa: N801 - the real class's name
 
 
 def _iovec_gone(ident: int, link: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(link)
-    except FileNotFoundError:
-        pass
     for p in STATE.outstanding:
         if id(p.iov.parent) == ident:  # pragma: no cover - parent alive while referenced
             STATE.violations.append("iovec released with I/O outstanding")
@@ -217,7 +216,7 @@ class _Result:
     userdata: Any
 
 
-class ioring:  # noqa: N801 - the real class's name
+class ioring:
     """A submission ring (FAKE: I/O runs synchronously at ``submit``)."""
 
     def __init__(self, mount: str, entries: int, for_read: bool) -> None:
