@@ -25,7 +25,6 @@ region, or batches with more I/Os than the ring holds, are split into rounds.
 from __future__ import annotations
 
 import contextlib
-import contextlib
 import datetime
 import importlib
 import logging
@@ -82,6 +81,14 @@ def mount_of(path: str, mounts_file: str = "/proc/mounts") -> tuple[str, str] | 
 
 def is_hf3fs_fstype(fstype: str) -> bool:
     return fstype in HF3FS_FSTYPES or fstype.startswith("fuse.hf3fs")
+
+
+def shm_buf(shm: SharedMemory) -> memoryview:
+    """The mapped bytes of an open ``SharedMemory`` (typed as optional by typeshed)."""
+    buf = shm.buf
+    if buf is None:
+        raise ValueError("shared memory is closed")
+    return buf
 
 
 def _open_shm(name: str) -> SharedMemory:
@@ -150,7 +157,7 @@ class _Channel:
         self.for_read = for_read
         self.entries = entries
         self.shm = SharedMemory(create=True, size=staging_bytes)
-        self.staging = self.shm.buf
+        self.staging = shm_buf(self.shm)
         self.iov: Any = io.make_iovec(self.shm, mount)
         self.ring: Any = io.make_ioring(mount, entries, for_read=for_read)
 
@@ -206,7 +213,7 @@ class UsrbioEngine:
             shm.close()
             shm.unlink()
             raise
-        view = shm.buf[:nbytes]
+        view = shm_buf(shm)[:nbytes]
         region = HostRegion(address_of(view), nbytes, iov, 0, shm, True, True)
         with self._regions_lock:
             self._regions.append(region)
@@ -220,7 +227,7 @@ class UsrbioEngine:
         again and registered, and I/O for the buffer uses the matching slice of it (same pages,
         so still no copy)."""
         if isinstance(buffer, SharedMemory):
-            view = buffer.buf
+            view = shm_buf(buffer)
             region = HostRegion(address_of(view), len(view), None, 0, buffer, False, False)
         else:
             found = shm_mapping_of(address_of(buffer)) if len(buffer) else None

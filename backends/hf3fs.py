@@ -50,7 +50,7 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Literal
 
 from ._aligned import address_of, aligned_buffer
-from ._hf3fs_usrbio import IoOp, UsrbioEngine, is_hf3fs_fstype, load_usrbio, mount_of
+from ._hf3fs_usrbio import IoOp, UsrbioEngine, is_hf3fs_fstype, load_usrbio, mount_of, shm_buf
 from .base import as_byte_view
 from .errors import BackendError, InvalidRangeError, translate_os_error
 from .file import FileBackend, _fsync_dir, _fsync_dirs
@@ -204,7 +204,7 @@ class HF3FSBackend(FileBackend):
         """Undo ``register_host_buffer`` / ``allocate_host_buffer`` (no call may be using it)."""
         if self._usrbio is None:
             return
-        view = buffer.buf if isinstance(buffer, SharedMemory) else as_byte_view(
+        view = shm_buf(buffer) if isinstance(buffer, SharedMemory) else as_byte_view(
             buffer, writable=False, what="host buffer")
         self._usrbio.unregister_region(address_of(view))
 
@@ -219,8 +219,10 @@ class HF3FSBackend(FileBackend):
         # docstring inherited
         if self._usrbio is None:
             return await super()._get_into(keys, buffers, ranges)
-        results = await self._run(self._translated, "get_into", None, self._usrbio_read,
-                                  list(keys), list(buffers), list(ranges))
+        results: list[int | None] = await self._run(
+            self._translated, "get_into", None, self._usrbio_read,
+            list(keys), list(buffers), list(ranges),
+        )
         with self._lock:
             self._lru.touch_batch([k for k, n in zip(keys, results, strict=True) if n is not None])
         return results
@@ -349,20 +351,20 @@ class HF3FSBackend(FileBackend):
                     fd_of[i] = None
                     os.close(fd_or_none)
             for i, key in enumerate(keys):
-                tmp = temps[i]
-                if tmp is None or outcomes[i] is not True:
+                staged = temps[i]
+                if staged is None or outcomes[i] is not True:
                     continue
                 try:
-                    outcomes[i] = self._publish(key, tmp, exclusive)
+                    outcomes[i] = self._publish(key, staged, exclusive)
                     temps[i] = None
                 except OSError as exc:
                     outcomes[i] = self._op_error(exc, "put", key)
         finally:
             self._release_fds(registered, [fd for fd in fd_of if fd is not None])
-            for tmp in temps:
-                if tmp is not None:
+            for leftover in temps:
+                if leftover is not None:
                     with contextlib.suppress(OSError):
-                        os.unlink(tmp)
+                        os.unlink(leftover)
         return outcomes
 
     def _publish(self, key: str, tmp: str, exclusive: bool) -> bool:
@@ -397,7 +399,7 @@ class HF3FSBackend(FileBackend):
     def _op_error(self, exc: BaseException, operation: str, key: str) -> BaseException:
         if isinstance(exc, BackendError):
             if getattr(exc, "key", None) is None:
-                exc.key = key  # type: ignore[attr-defined]
+                exc.key = key
             return exc
         if isinstance(exc, OSError):
             err = translate_os_error(exc, backend=self.name, operation=operation, key=key)
