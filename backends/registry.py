@@ -218,6 +218,9 @@ def open_backend(config: str | Mapping[str, Any], /, **options: Any) -> Backend:
         target, url_text = url_text, None  # a bare name or a module:Class spec
     url = BackendURL.parse(url_text) if url_text is not None else BackendURL(scheme="")
     name = target or url.scheme
+    if target is None and "+" in name and name not in _registry:
+        # ``fsspec+s3://``: a backend with a sub-protocol; the backend reads it from the URL.
+        name = name.partition("+")[0]
     cls = get_backend_class(name)
     merged = {**url.query, **opts}
     try:

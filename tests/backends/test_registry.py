@@ -170,3 +170,12 @@ async def test_entry_point_plugin_works_end_to_end() -> None:
     store = open_backend("example://e2e")
     await store.put(["a0"], [b"plugin"])
     assert await open_backend("example://e2e").get_bytes("a0") == b"plugin"
+
+
+def test_a_sub_protocol_scheme_opens_its_backend() -> None:
+    from hicache_store.backends import open_backend
+    from hicache_store.backends.fsspec import FsspecBackend
+
+    store = open_backend("fsspec+memory://registry-test")
+    assert isinstance(store, FsspecBackend)
+    assert store.protocol == "memory"
