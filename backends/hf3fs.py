@@ -145,6 +145,9 @@ class HF3FSBackend(FileBackend):
         except BaseException:
             self._pool.shutdown(wait=False)
             raise
+        if self._usrbio is not None:
+            # Zero-copy only into registered host regions; other buffers bounce via staging.
+            self.capabilities = self.capabilities.replace(zero_copy_reads=False)
         self.engine: str = chosen
         self.engine_reason: str = reason
         self.mount_point: str | None = mount
