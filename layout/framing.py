@@ -10,7 +10,7 @@ Binary format, version 1 (all integers little-endian)::
     16      8     payload length in bytes
     24      8     namespace digest (the 16 hex characters as 8 bytes)
     32      1     page-hash length in bytes (16 or 32)
-    33      1     reserved, 0
+    33      1     parent page-hash length (0 = unknown or first page, else the page's)
     34      2     component (0 = full-attention KV)
     36      4     first layer
     40      4     last layer (inclusive, as in the key)
@@ -18,9 +18,13 @@ Binary format, version 1 (all integers little-endian)::
     48      4     number of layer blocks (= last - first + 1)
     52      4     reserved, 0
     56      32    page hash (zero-padded when 16 bytes)
-    88      8*n   xxh3_64 of each layer block, in layer order
-    88+8n   8     xxh3_64 of bytes [0, 88+8n): the header's own checksum
+    88      32    parent page hash: the previous page of the chain (zero-padded; zero if unknown)
+    120     8*n   xxh3_64 of each layer block, in layer order
+    120+8n  8     xxh3_64 of bytes [0, 120+8n): the header's own checksum
     ...           zero padding up to the payload offset
+
+The parent link lets tools that see only stored objects (``hicache-store gc``) rebuild the
+chains and shorten them from the tail, never leaving a hole in the middle of a cached prefix.
 
 The payload is ``n`` equal layer blocks; block ``i`` holds layer ``first + i``. One checksum per
 layer block means a range read of some layers is verified without reading the others.
@@ -48,7 +52,7 @@ from .errors import (
     TruncatedObjectError,
     UnsupportedVersionError,
 )
-from .keys import ObjectCoords, ObjectKey
+from .keys import ObjectCoords, ObjectKey, validate_page_hash
 from .namespace import MAX_LAYERS_PER_OBJECT
 
 MAGIC = b"HCSTORE\x00"
@@ -58,8 +62,8 @@ PAYLOAD_ALIGNMENT = 4096
 #: an object's payload can be at most this large (1 TiB: far above any page, catches garbage).
 MAX_PAYLOAD_BYTES = 1 << 40
 _NO_GROUP = 0xFFFFFFFF
-_FIXED = struct.Struct("<8sHHIQ8sBBHIIIII32s")
-_FIXED_SIZE = _FIXED.size  # 88
+_FIXED = struct.Struct("<8sHHIQ8sBBHIIIII32s32s")
+_FIXED_SIZE = _FIXED.size  # 120
 _U64 = struct.Struct("<Q")
 #: anything exposing contiguous bytes through the buffer protocol (numpy arrays work too).
 BytesLike = bytes | bytearray | memoryview
@@ -83,7 +87,11 @@ def block_checksum(block: BytesLike) -> int:
 
 @dataclass(frozen=True)
 class ObjectHeader:
-    """A decoded header. ``block_checksums[i]`` covers layer ``coords.layer_start + i``."""
+    """A decoded header. ``block_checksums[i]`` covers layer ``coords.layer_start + i``.
+
+    ``parent_hash`` is the previous page of the chain, or None when the writer did not know it
+    (or this is a chain's first page).
+    """
 
     namespace_digest: str
     page_hash: str
@@ -92,6 +100,7 @@ class ObjectHeader:
     payload_offset: int
     payload_length: int
     block_checksums: tuple[int, ...]
+    parent_hash: str | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -138,11 +147,13 @@ def encode_header(
     kv_planes: int,
     *,
     block_checksums: Sequence[int] | None = None,
+    parent_hash: str | None = None,
 ) -> bytes:
     """The header (padded to the payload offset) for ``payload`` stored under ``key``.
 
     The payload is split into one block per layer of ``key.coords``. Pass precomputed
-    ``block_checksums`` to avoid hashing twice. ``decode_header`` is the inverse.
+    ``block_checksums`` to avoid hashing twice, and the chain's previous page hash as
+    ``parent_hash`` when known. ``decode_header`` is the inverse.
     """
     coords = key.coords
     num_blocks = coords.num_layers
@@ -159,6 +170,7 @@ def encode_header(
     if len(sums) != num_blocks:
         raise ValueError(f"{len(sums)} checksums for {num_blocks} layer blocks")
     raw_hash = bytes.fromhex(key.page_hash)
+    raw_parent = b"" if parent_hash is None else bytes.fromhex(validate_page_hash(parent_hash))
     offset = payload_offset(num_blocks)
     fixed = _FIXED.pack(
         MAGIC,
@@ -168,7 +180,7 @@ def encode_header(
         length,
         bytes.fromhex(key.namespace_digest),
         len(raw_hash),
-        0,
+        len(raw_parent),
         coords.component,
         coords.layer_start,
         coords.layer_stop - 1,
@@ -176,15 +188,18 @@ def encode_header(
         num_blocks,
         0,
         raw_hash.ljust(32, b"\x00"),
+        raw_parent.ljust(32, b"\x00"),
     )
     body = fixed + b"".join(_U64.pack(s) for s in sums)
     body += _U64.pack(xxhash.xxh3_64_intdigest(body))
     return body.ljust(offset, b"\x00")
 
 
-def encode_object(key: ObjectKey, payload: BytesLike, kv_planes: int) -> bytes:
+def encode_object(
+    key: ObjectKey, payload: BytesLike, kv_planes: int, *, parent_hash: str | None = None
+) -> bytes:
     """Header and payload as one bytes object (convenient for small objects and tests)."""
-    return encode_header(key, payload, kv_planes) + bytes(payload)
+    return encode_header(key, payload, kv_planes, parent_hash=parent_hash) + bytes(payload)
 
 
 def decode_header(
@@ -215,7 +230,7 @@ def decode_header(
         length,
         raw_ns,
         hash_len,
-        reserved_a,
+        parent_len,
         component,
         first,
         last,
@@ -223,6 +238,7 @@ def decode_header(
         num_blocks,
         reserved_b,
         raw_hash,
+        raw_parent,
     ) = _FIXED.unpack_from(view)
     if version != FORMAT_VERSION:
         raise UnsupportedVersionError(
@@ -241,8 +257,10 @@ def decode_header(
     # The header is intact as written; now check that what was written is coherent.
     if kv_planes not in (1, 2):
         raise HeaderFieldError(f"kv planes {kv_planes} is neither 1 nor 2")
-    if reserved_a or reserved_b:
+    if reserved_b:
         raise HeaderFieldError("reserved header fields are not zero")
+    if parent_len not in (0, 16, 32) or any(raw_parent[parent_len:]):
+        raise HeaderFieldError(f"parent hash length {parent_len} is not 0, 16 or 32")
     if hash_len not in (16, 32) or any(raw_hash[hash_len:]):
         raise HeaderFieldError(f"page hash length {hash_len} is neither 16 nor 32")
     if offset != payload_offset(num_blocks):
@@ -276,6 +294,7 @@ def decode_header(
         payload_offset=offset,
         payload_length=length,
         block_checksums=sums,
+        parent_hash=raw_parent[:parent_len].hex() if parent_len else None,
     )
     if expected is not None and header.key() != expected:
         raise KeyMismatchError(

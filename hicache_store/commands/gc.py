@@ -5,39 +5,48 @@ single writer can enforce a budget. ``gc`` runs from one place (cron, a sidecar)
 
     hicache-store gc 's3://bucket/kv?endpoint_url=...' --max-bytes 2TiB --max-age 7d --dry-run
 
-What it deletes, in order:
+It works on whole *pages* (all objects sharing a page hash: every layer chunk and head group)
+and on chains: every object header names its page's parent (``layout.framing``), so gc reads
+one header per page and rebuilds the chains. It only ever deletes a chain's current tail (a
+page none of whose children is stored), least recently written first, so a cached prefix is
+shortened from its end and never holed in the middle:
 
-1. every object older than ``--max-age`` (by its store mtime);
-2. then, while the rest exceeds ``--max-bytes``, whole *pages* (all objects sharing a page
-   hash: every layer chunk and head group), oldest write second first, and within one second
-   the later-written page first. Engines write a prefix's pages in chain order in one batch, so
-   inside a batch the chain's tail goes before its head and a cached chain is shortened from
-   its end, never holed in the middle. Listings carry no parent links, so across batches
-   the order is plain age.
+1. tails whose newest object is older than ``--max-age``, repeatedly (an expired page whose
+   descendants are still fresh stays until they go);
+2. then, while the rest exceeds ``--max-bytes``, the oldest tails.
 
-Backends with a cheap ``list_entries(prefix)`` (``s3``: size and mtime come with the listing)
-use it; any other listing backend is listed then ``stat``-ed. ``--dry-run`` prints what would go
-and deletes nothing. Deletion failures are counted and reported; gc keeps going.
+Pages whose header cannot be read (another format, corrupt) count as chains of their own.
+Namespace manifests (``M_...``) are never deleted. Backends with a cheap
+``list_entries(prefix)`` (``s3``: size and mtime come with the listing) use it; any other
+listing backend is listed then ``stat``-ed. ``--dry-run`` prints what would go and deletes
+nothing. Deletion failures are counted and reported; gc keeps going.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import heapq
+import itertools
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hicache_store._sync import run_sync
 from hicache_store.backends import Backend, BackendError, open_backend
-from hicache_store.backends.types import parse_size
+from hicache_store.backends.types import ByteRange, parse_size
 from hicache_store.cli import UsageError
+from hicache_store.layout.errors import CorruptObjectError
+from hicache_store.layout.framing import decode_header
 
 _DURATION_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*", re.IGNORECASE)
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 DELETE_CHUNK = 1000
+#: headers read per batch, and bytes read of each (enough for objects of up to 494 layers;
+#: a longer header fails to decode and its page counts as a chain of its own).
+HEADER_CHUNK = 256
+HEADER_PROBE = 4096
 
 
 @dataclass(frozen=True)
@@ -79,32 +88,85 @@ def page_of(key: str) -> str:
 
 
 def plan_gc(
-    entries: Sequence[Entry], *, now: float, max_bytes: int | None, max_age: float | None
+    entries: Sequence[Entry],
+    *,
+    now: float,
+    max_bytes: int | None,
+    max_age: float | None,
+    parents: Mapping[str, str | None] | None = None,
 ) -> tuple[list[Entry], list[Entry]]:
     """``(expired, over_budget)``: the entries to delete, see the module docstring.
 
-    Pure: no I/O. A page is dropped whole once any of its objects is picked for the budget.
+    ``parents`` maps a page to its parent page (None: unknown or first); without it every page
+    is its own chain. Pure: no I/O.
     """
-    entries = [e for e in entries if not is_manifest(e.key)]
-    expired = [e for e in entries if max_age is not None and now - e.mtime > max_age]
-    gone = {e.key for e in expired}
-    rest = [e for e in entries if e.key not in gone]
-    over: list[Entry] = []
-    total = sum(e.size for e in rest)
-    if max_bytes is None or total <= max_bytes:
-        return expired, over
+    parents = parents or {}
     pages: dict[str, list[Entry]] = {}
-    for entry in rest:
-        pages.setdefault(page_of(entry.key), []).append(entry)
-    # A page's age is its newest object's; oldest second first, then later-written first.
-    order = sorted(pages.values(), key=lambda objs: (
-        math.floor(max(o.mtime for o in objs)), -max(o.mtime for o in objs)))
-    for objs in order:
-        if total <= max_bytes:
-            break
-        over.extend(objs)
-        total -= sum(o.size for o in objs)
+    for entry in entries:
+        if not is_manifest(entry.key):
+            pages.setdefault(page_of(entry.key), []).append(entry)
+    newest = {page: max(e.mtime for e in objs) for page, objs in pages.items()}
+    children: dict[str, int] = dict.fromkeys(pages, 0)
+    for page in pages:
+        parent = parents.get(page)
+        if parent is not None and parent in children and parent != page:
+            children[parent] += 1
+    order = itertools.count()
+    heap = [(newest[p], next(order), p) for p in pages if children[p] == 0]
+    heapq.heapify(heap)
+    total = sum(e.size for objs in pages.values() for e in objs)
+    expired: list[Entry] = []
+    over: list[Entry] = []
+    waiting: list[tuple[float, int, str]] = []  # fresh tails, kept for the budget phase
+
+    def drop(page: str, into: list[Entry]) -> None:
+        nonlocal total
+        into.extend(pages[page])
+        total -= sum(e.size for e in pages[page])
+        parent = parents.get(page)
+        if parent is not None and parent in children and parent != page:
+            children[parent] -= 1
+            if children[parent] == 0:
+                heapq.heappush(heap, (newest[parent], next(order), parent))
+
+    while heap:  # 1. age: expired tails, and the parents they uncover
+        item = heapq.heappop(heap)
+        if max_age is not None and now - item[0] > max_age:
+            drop(item[2], expired)
+        else:
+            waiting.append(item)
+    for item in waiting:
+        heapq.heappush(heap, item)
+    while heap and max_bytes is not None and total > max_bytes:  # 2. budget: oldest tails
+        drop(heapq.heappop(heap)[2], over)
     return expired, over
+
+
+async def read_parents(backend: Backend, entries: Sequence[Entry]) -> dict[str, str | None]:
+    """Each page's parent, from the header of one of its objects (None where unreadable)."""
+    first: dict[str, Entry] = {}
+    for entry in entries:
+        if not is_manifest(entry.key):
+            first.setdefault(page_of(entry.key), entry)
+    parents: dict[str, str | None] = {}
+    items = list(first.items())
+    for start in range(0, len(items), HEADER_CHUNK):
+        chunk = items[start : start + HEADER_CHUNK]
+        buffers = [bytearray(min(e.size, HEADER_PROBE)) for _, e in chunk]
+        ranges = [ByteRange(0, len(b)) for b in buffers]
+        try:
+            got = await backend.get_into([e.key for _, e in chunk], buffers, ranges)
+        except BackendError:
+            got = [None] * len(chunk)
+        for (page, _entry), buf, n in zip(chunk, buffers, got, strict=True):
+            parent = None
+            if n:
+                try:
+                    parent = decode_header(memoryview(buf)[:n]).parent_hash
+                except CorruptObjectError:
+                    parent = None
+            parents[page] = parent
+    return parents
 
 
 async def scan(backend: Backend, prefix: str) -> list[Entry]:
@@ -122,14 +184,25 @@ async def scan(backend: Backend, prefix: str) -> list[Entry]:
 
 
 async def collect_garbage(
-    backend: Backend, *, max_bytes: int | None, max_age: float | None, prefix: str = "",
-    dry_run: bool = False, now: float | None = None,
+    backend: Backend,
+    *,
+    max_bytes: int | None,
+    max_age: float | None,
+    prefix: str = "",
+    dry_run: bool = False,
+    now: float | None = None,
 ) -> GcReport:
     """Scan, plan and (unless ``dry_run``) delete. Failed deletions are counted, not raised."""
     entries = await scan(backend, prefix)
     report = GcReport(scanned=len(entries), scanned_bytes=sum(e.size for e in entries))
-    expired, over = plan_gc(entries, now=time.time() if now is None else now,
-                            max_bytes=max_bytes, max_age=max_age)
+    parents = await read_parents(backend, entries)
+    expired, over = plan_gc(
+        entries,
+        now=time.time() if now is None else now,
+        max_bytes=max_bytes,
+        max_age=max_age,
+        parents=parents,
+    )
     report.expired, report.over_budget = len(expired), len(over)
     doomed = expired + over
     report.deleted_bytes = sum(e.size for e in doomed)
@@ -147,14 +220,17 @@ async def collect_garbage(
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "gc", help="delete old objects and keep a shared store under a size budget",
+        "gc",
+        help="delete old objects and keep a shared store under a size budget",
         description=__doc__.splitlines()[0],
     )
     parser.add_argument("url", help="backend URL, e.g. s3://bucket/prefix?endpoint_url=...")
     parser.add_argument("--max-bytes", help="size budget, e.g. 500GiB")
     parser.add_argument("--max-age", help="delete objects older than this, e.g. 7d or 12h")
     parser.add_argument("--prefix", default="", help="only keys starting with this")
-    parser.add_argument("--dry-run", action="store_true", help="print what would go, delete nothing")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print what would go, delete nothing"
+    )
     parser.set_defaults(func=run)
 
 
@@ -170,14 +246,21 @@ def run(args: argparse.Namespace) -> int:
     async def go() -> GcReport:
         backend = open_backend(args.url)
         try:
-            return await collect_garbage(backend, max_bytes=max_bytes, max_age=max_age,
-                                         prefix=args.prefix, dry_run=args.dry_run)
+            return await collect_garbage(
+                backend,
+                max_bytes=max_bytes,
+                max_age=max_age,
+                prefix=args.prefix,
+                dry_run=args.dry_run,
+            )
         finally:
             await backend.close()
 
     report = run_sync(go())
     verb = "would delete" if args.dry_run else "deleted"
-    print(f"scanned {report.scanned} objects ({report.scanned_bytes} bytes); {verb} "
-          f"{report.expired} expired and {report.over_budget} over budget "
-          f"({report.deleted_bytes} bytes); {report.failures} failures")
+    print(
+        f"scanned {report.scanned} objects ({report.scanned_bytes} bytes); {verb} "
+        f"{report.expired} expired and {report.over_budget} over budget "
+        f"({report.deleted_bytes} bytes); {report.failures} failures"
+    )
     return 1 if report.failures else 0

@@ -511,7 +511,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
                 base = i * stride
                 body = view[base + header : base + header + payload]
                 head = encode_header(ObjectKey(keys[s + i], ns.digest, obj.coords), body,
-                                     ns.kv_planes)
+                                     ns.kv_planes, parent_hash=_parent(keys, s + i))
                 array[base : base + header] = np.frombuffer(head, dtype=np.uint8)
                 frames.append(view[base : base + header + payload])
             okeys = [plan.object_keys(k)[0] for k in keys[s:e]]
@@ -554,7 +554,10 @@ class HiCacheStoreStorage(_HiCacheStorage):
 
             async def go(rows: Any = rows, s: int = s, e: int = e, io: PageIO = io) -> list[bool]:
                 done = await asyncio.gather(
-                    *(reg.link.write_page(keys[s + i], rows[i], io) for i in range(e - s))
+                    *(
+                        reg.link.write_page(keys[s + i], rows[i], io, _parent(keys, s + i))
+                        for i in range(e - s)
+                    )
                 )
                 return list(done)
 
@@ -651,3 +654,13 @@ def _single_object(plan: WritePlan | None, layout: UnifiedPageLayout) -> bool:
         and plan.objects[0].page_offset == 0
         and plan.objects[0].nbytes == layout.page_bytes
     )
+
+
+def _parent(keys: Sequence[str], index: int) -> str | None:
+    """The chain predecessor of ``keys[index]`` for the object header (gc's chain links).
+
+    SGLang's controller backs up one radix node's pages per call, in chain order, so the
+    previous key of the batch is the page's parent; the first page's parent is not passed.
+    A wrong guess would only make gc's order less good, never change what a read returns.
+    """
+    return keys[index - 1] if index > 0 else None

@@ -156,6 +156,8 @@ async def prepopulate(
               for t in token_lists]
     seen: set[str] = set()
     unique_total = len({h for hs in hashes for h in hs})
+    # Each page's predecessor in its chain, recorded in the objects' headers for gc.
+    parent_of = {h: (hs[j - 1] if j else None) for hs in hashes for j, h in enumerate(hs)}
     state = Progress(pages_total=unique_total, started=started)
     if not dry_run and unique_total:
         await ensure_manifest(backend, namespace)
@@ -192,7 +194,7 @@ async def prepopulate(
             report.prompts_computed += 1
             report.tokens_computed += full
             state.tokens_done += full
-        await _write_waves(namespace, computed, report)
+        await _write_waves(namespace, computed, report, parent_of)
         state.pages_done += len(pending)
         state.bytes_done = report.bytes_written
         if progress is not None:
@@ -231,7 +233,8 @@ async def _missing_ranks(writers: Sequence[L3Link], page_hashes_: Sequence[str]
 
 async def _write_waves(namespace: Namespace,
                        computed: Sequence[tuple[LayerKV, list[tuple[int, str, list[L3Link]]]]],
-                       report: PrepopulateReport) -> None:
+                       report: PrepopulateReport,
+                       parent_of: dict[str, str | None]) -> None:
     """Write the batch's missing pages parent-first: wave ``j`` holds the ``j``-th missing page
     of every prompt (all their ranks' objects concurrently), and starts when wave ``j - 1`` is
     done. So within a chain a page is never newer than its successor, the order the cache tier
@@ -241,7 +244,7 @@ async def _write_waves(namespace: Namespace,
         assert plan is not None
         row = page_rows(namespace, plan.page, kv, page)
         io = PageIO()
-        ok = await link.write_page(h, row, io)
+        ok = await link.write_page(h, row, io, parent_of.get(h))
         return ok, len(plan.objects), io.bytes_moved
 
     depth = max((len(pages) for _kv, pages in computed), default=0)

@@ -396,6 +396,19 @@ class HiCache:
 
     # == accounting (tests and the leak check) ==============================================
 
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the tier's bookkeeping is inconsistent (tests, debugging).
+
+        L1 is prefix-closed; so is L2 in ``cache`` mode (in ``buffer_only`` mode L2 holds only
+        pages in transit, released as each transfer ends, in any order); every host page in use
+        is referenced by the tree or a prefetch.
+        """
+        tiers = (Tier.L1,) if self.config.host_mode == "buffer_only" else (Tier.L1, Tier.L2)
+        self.tree.check_prefix_closed(tiers)
+        used, referenced = self.host.used, self.host_pages_referenced()
+        if used != referenced:
+            raise AssertionError(f"{used} host pages in use, {referenced} referenced")
+
     def host_pages_referenced(self) -> int:
         """Host pages the tree or a prefetch holds (must always equal ``host.used``)."""
         in_tree = sum(1 for n in self.tree.nodes() if n.host_page is not None)
@@ -624,7 +637,10 @@ class HiCache:
                     if not parent_ok:
                         return False
                 try:
-                    return await link.write_page(page_hash, row, io)
+                    known = parent is not None and parent.depth >= 0
+                    return await link.write_page(
+                        page_hash, row, io, parent.page_hash if known and parent else None
+                    )
                 except Exception:  # write_page reports failures; this is belt and braces
                     return False
 

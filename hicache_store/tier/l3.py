@@ -136,8 +136,14 @@ class L3Link:
 
     # -- writes -----------------------------------------------------------------------------
 
-    async def write_page(self, page_hash: str, row: Row, io: PageIO) -> bool:
-        """Frame and put this rank's objects of one page; True when all are stored."""
+    async def write_page(
+        self, page_hash: str, row: Row, io: PageIO, parent_hash: str | None = None
+    ) -> bool:
+        """Frame and put this rank's objects of one page; True when all are stored.
+
+        ``parent_hash`` (the chain's previous page, when known) goes into every object's header
+        so that offline tools can rebuild the chains (``hicache-store gc``).
+        """
         plan = self.write_plan
         if plan is None or not plan.objects:
             return False
@@ -149,6 +155,7 @@ class L3Link:
                 ObjectKey(page_hash, self.namespace.digest, obj.coords),
                 payload.data,
                 self.namespace.kv_planes,
+                parent_hash=parent_hash,
             )
             # One contiguous buffer per object: header then payload (one copy of the page,
             # cheaper than a second request per object on every backend).

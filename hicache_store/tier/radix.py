@@ -187,12 +187,12 @@ class PageTree:
             self._size -= 1
             current = parent
 
-    def check_prefix_closed(self) -> None:
-        """Raise ``AssertionError`` if L1 or L2 holds a page without its parent (tests)."""
+    def check_prefix_closed(self, tiers: tuple[Tier, ...] = (Tier.L1, Tier.L2)) -> None:
+        """Raise ``AssertionError`` if one of ``tiers`` holds a page without its parent."""
         for node in self.nodes():
             parent = node.parent
             if parent is None or parent.depth < 0:
                 continue
-            for tier in Tier:
+            for tier in tiers:
                 if node.resident(tier) and not parent.resident(tier):
                     raise AssertionError(f"{node} is in {tier.name} without its parent {parent}")

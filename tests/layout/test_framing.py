@@ -260,3 +260,20 @@ def test_nonzero_padding() -> None:
 def test_header_without_its_padding_is_truncated() -> None:
     with pytest.raises(TruncatedObjectError, match="of 4096 bytes"):
         decode_header(encode_object(KEY, PAYLOAD, 2)[:200])
+
+
+def test_parent_link_round_trip() -> None:
+    parent = "1e" * 32
+    header, _ = decode_object(encode_object(KEY, PAYLOAD, 2, parent_hash=parent), expected=KEY)
+    assert header.parent_hash == parent
+    assert decode_object(encode_object(KEY, PAYLOAD, 2))[0].parent_hash is None
+
+
+def test_bad_parent_hash_length() -> None:
+    with pytest.raises(HeaderFieldError, match="parent hash length"):
+        decode_header(edited(33, "<B", 7))
+
+
+def test_parent_hash_must_be_a_page_hash() -> None:
+    with pytest.raises(ValueError, match="page hash"):
+        encode_header(KEY, PAYLOAD, 2, parent_hash="../x")

@@ -64,8 +64,7 @@ def check(tier: HiCache, model: MiniLlama, tokens: list[int]) -> int:
     logits, start = serve(tier, model, tokens)
     expected = model.forward_full(torch.tensor(tokens))[start:]
     assert torch.equal(logits, expected), "logits differ from a full recompute"
-    tier.tree.check_prefix_closed()
-    assert tier.host.used == tier.host_pages_referenced()
+    tier.check_invariants()
     return start
 
 

@@ -39,8 +39,7 @@ def serve_workload(tier: HiCache, model: MiniLlama, spec: WorkloadSpec) -> None:
             tier.complete(req)
             expected = model.forward_full(torch.tensor(tokens))[prep.start :]
             assert torch.equal(logits, expected), "wrong KV reached the engine"
-            tier.tree.check_prefix_closed()
-            assert tier.host.used == tier.host_pages_referenced()
+            tier.check_invariants()
     tier.flush(timeout=30)
 
 
