@@ -27,7 +27,7 @@ def register(subparsers: Any) -> None:
     work.add_argument("--groups", type=int, default=4, help="groups sharing a system prompt")
     work.add_argument("--conversations", type=int, default=4, help="conversations per group")
     work.add_argument("--turns", type=int, default=4)
-    work.add_argument("--system-tokens", type=int, default=1024)
+    work.add_argument("--system-tokens", type=int, default=2048)
     work.add_argument("--question-tokens", type=int, default=32)
     work.add_argument("--answer-tokens", type=int, default=128)
     work.add_argument("--seed", type=int, default=0)
