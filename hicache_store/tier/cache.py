@@ -223,6 +223,7 @@ class HiCache:
         self.metrics = TierMetrics()
         self.host = HostPagePool(config.l2_pages, self.layout.page_bytes)
         self.l3: L3Link | None = None
+        self._registered = False
         if backend is not None and config.l2_pages > 0:
             self.l3 = L3Link(
                 backend,
@@ -235,6 +236,7 @@ class HiCache:
             self.l3.trusted_hashes = True  # the tier hashes tokens itself
             if self.l3.can_write:
                 self._write_manifest(backend)
+            self._registered = self._register_host_pool(backend)
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hicache-load")
         # Completions from the I/O loop, applied on the engine thread by ``poll``.
         self._acks: collections.deque[tuple[str, Any]] = collections.deque()
@@ -243,6 +245,20 @@ class HiCache:
         self._backup_worker_lock = threading.Lock()
         self._backup_worker_running = False
         self._prefetches: list[_Prefetch] = []
+
+    def _register_host_pool(self, backend: Backend) -> bool:
+        """Offer the L2 pool to backends that read into registered memory without a copy
+        (Mooncake's ``register_buffer``, 3FS's USRBIO iovec). Best effort: unregistered, the
+        backend stages through its own buffers."""
+        register = getattr(backend, "register_host_buffer", None)
+        if register is None or self.host.num_pages == 0:
+            return False
+        try:
+            run_sync(register(self.host.data.numpy().data), timeout=self.config.io_timeout_s)
+        except Exception as exc:
+            log.warning("could not register the host pool with the backend: %s", exc)
+            return False
+        return True
 
     def _write_manifest(self, backend: Backend) -> None:
         """Record the namespace in L3 (``M_{digest}``) so operators' tools can describe it.
@@ -393,6 +409,16 @@ class HiCache:
             self.flush()
         finally:
             self._loader.shutdown(wait=True)
+            if self._registered and self.l3 is not None:
+                unregister = getattr(self.l3.backend, "unregister_host_buffer", None)
+                if unregister is not None:
+                    try:
+                        run_sync(
+                            unregister(self.host.data.numpy().data),
+                            timeout=self.config.io_timeout_s,
+                        )
+                    except Exception as exc:
+                        log.warning("could not unregister the host pool: %s", exc)
 
     # == accounting (tests and the leak check) ==============================================
 

@@ -193,3 +193,27 @@ def test_the_tier_records_its_namespace_manifest() -> None:
     assert run_sync(list_manifests(backend)) == [key]
     assert run_sync(read_manifest(backend, key)) == tier.namespace
     tier.close()
+
+
+def test_the_host_pool_is_offered_to_backends_that_register_memory(model: MiniLlama) -> None:
+    from hicache_store.backends.memory import MemoryBackend
+
+    class Registering(MemoryBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.registered: list[int] = []
+            self.unregistered: list[int] = []
+
+        async def register_host_buffer(self, buffer: memoryview) -> None:
+            self.registered.append(memoryview(buffer).nbytes)
+
+        async def unregister_host_buffer(self, buffer: memoryview) -> None:
+            self.unregistered.append(memoryview(buffer).nbytes)
+
+    backend = Registering()
+    tier = make_tier(l1_pages=16, l2_pages=8, backend=backend)
+    assert backend.registered == [tier.host.data.numel()]
+    (doc,) = prompts(8, 1, 20)
+    check(tier, model, doc)
+    tier.close()
+    assert backend.unregistered == [tier.host.data.numel()]
