@@ -217,3 +217,53 @@ def test_the_host_pool_is_offered_to_backends_that_register_memory(model: MiniLl
     check(tier, model, doc)
     tier.close()
     assert backend.unregistered == [tier.host.data.numel()]
+
+
+def test_metrics_as_dict_and_prometheus_text(model: MiniLlama) -> None:
+    tier = make_tier(l1_pages=16, l2_pages=16)
+    (doc,) = prompts(9, 1, 24)
+    check(tier, model, doc)
+    check(tier, model, [*doc, 1])
+    data = tier.metrics.to_dict()
+    assert data["requests"] == 2
+    assert data["hit_tokens_l1"] == 24
+    assert data["token_hit_rate"] == pytest.approx(24 / 49)
+    text = tier.metrics.to_prometheus()
+    assert "hicache_store_hit_tokens_l1 24.0" in text
+    assert "# TYPE hicache_store_token_hit_rate gauge" in text
+    tier.close()
+
+
+def test_timeout_prefetch_gives_up_on_a_slow_l3_and_recomputes(model: MiniLlama) -> None:
+    from hicache_store.backends.faulty import FaultConfig, FaultyBackend
+
+    inner = open_backend("memory://")
+    writer = make_tier(l1_pages=16, l2_pages=16, backend=inner)
+    (doc,) = prompts(10, 1, 40)
+    check(writer, model, doc)
+    writer.flush()
+    writer.close()
+    slow = FaultyBackend(inner, FaultConfig(latency_s=0.4))
+    reader = make_tier(
+        l1_pages=16,
+        l2_pages=16,
+        backend=slow,
+        prefetch_policy="timeout",
+        prefetch_timeout_base_s=0.05,
+        prefetch_timeout_per_ki_token_s=0.0,
+    )
+    req = reader.match([*doc, 1])
+    prep = reader.prepare(req)  # waits 0.05 s for reads that take 0.4 s each
+    assert prep.start < 40, "the slow prefetch cannot have completed"
+    assert reader.metrics.prefetch_timed_out == 1
+    logits = model.prefill(
+        torch.tensor([*doc, 1][prep.start :]),
+        prep.start,
+        prep.slots,
+        reader.pool,  # type: ignore[arg-type]
+        wait_layer=prep.wait_layer,
+    )
+    reader.complete(req)
+    assert torch.equal(logits, model.forward_full(torch.tensor([*doc, 1]))[prep.start :])
+    reader.close()
+    reader.check_invariants()
