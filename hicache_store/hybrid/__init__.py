@@ -5,10 +5,15 @@
 * ``state_l3``: ``StateL3``, the L3 path for non-KV objects (namespaced and framed like KV).
 * ``store``: ``ComponentStore``, a component's own L1/L2 pools plus its L3 objects, with the
   backup-only-what-is-missing rule for snapshots taken on an existing prefix.
+* ``model``: ``HybridMiniLlama``, the mini engine plus a recurrent layer (resumable from a
+  snapshot, bit-exact).
+* ``cache``: ``HybridCache``, the KV tier (``HiCache``) plus a recurrent-checkpoint store: the
+  prefix is the longest KV prefix whose snapshot loads, snapshots are backed up on their own.
 """
 
 from __future__ import annotations
 
+from .cache import RECURRENT, HybridCache, HybridPrepared, HybridRequest
 from .components import (
     ComponentSpec,
     HitRule,
@@ -17,10 +22,16 @@ from .components import (
     match_components,
     validate_components,
 )
+from .model import HybridMiniLlama
 from .state_l3 import StateIO, StateL3
 from .store import ComponentStore, StoreFullError, StoreMetrics
 
 __all__ = [
+    "RECURRENT",
+    "HybridCache",
+    "HybridMiniLlama",
+    "HybridPrepared",
+    "HybridRequest",
     "ComponentSpec",
     "ComponentStore",
     "HitRule",
