@@ -7,6 +7,9 @@
   backup-only-what-is-missing rule for snapshots taken on an existing prefix.
 * ``model``: ``HybridMiniLlama``, the mini engine plus a recurrent layer (resumable from a
   snapshot, bit-exact).
+* ``draft``: a speculative-decoding draft model's KV beside the target's, packed (draft layers
+  inside the target's page objects, ``PackedDraftCache``) or sidecar (its own component and
+  pools following the target's pages, ``SidecarDraftCache``), seed 000 §3.
 * ``cache``: ``HybridCache``, the KV tier (``HiCache``) plus a recurrent-checkpoint store: the
   prefix is the longest KV prefix whose snapshot loads, snapshots are backed up on their own.
 """
@@ -22,12 +25,34 @@ from .components import (
     match_components,
     validate_components,
 )
+from .draft import (
+    TARGET,
+    DraftPrepared,
+    DraftRequest,
+    PackedDraftCache,
+    SidecarDraftCache,
+    check_packable,
+    draft_config,
+    draft_spec,
+    layer_view,
+    packed_namespace,
+)
 from .model import HybridMiniLlama
 from .state_l3 import StateIO, StateL3
 from .store import ComponentStore, StoreFullError, StoreMetrics
 
 __all__ = [
     "RECURRENT",
+    "TARGET",
+    "DraftPrepared",
+    "DraftRequest",
+    "PackedDraftCache",
+    "SidecarDraftCache",
+    "check_packable",
+    "draft_config",
+    "draft_spec",
+    "layer_view",
+    "packed_namespace",
     "HybridCache",
     "HybridMiniLlama",
     "HybridPrepared",
