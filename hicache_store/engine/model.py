@@ -52,6 +52,7 @@ would narrow the key range (and its mask) per ``config.layer_kinds``.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -76,15 +77,15 @@ class _Layer:
     w_down: torch.Tensor  # [hidden, intermediate]
 
 
-class _LayerKV:
+class _LayerKV(abc.ABC):
     """Where a layer's K/V come from and go to: local tensors (reference) or the pool."""
 
+    @abc.abstractmethod
     def exchange(
         self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new rows' K/V ``[T_new, kv_heads, head_dim]``; return K and V of positions
         ``[0, end)`` as ``[end, kv_heads, head_dim]`` in the model dtype."""
-        raise NotImplementedError
 
 
 class _LocalKV(_LayerKV):
