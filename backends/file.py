@@ -420,11 +420,7 @@ class FileBackend(Backend):
         sizes = [len(view) for view in buffers]
         await self._reserve(keys, sum(sizes))
         try:
-            jobs = [
-                self._run(self._translated, "put", key, self._write_one, key, view, False)
-                for key, view in zip(keys, buffers, strict=True)
-            ]
-            outcomes = await asyncio.gather(*jobs, return_exceptions=True)
+            outcomes = await self._write_batch(keys, buffers)
             written = [
                 (key, size)
                 for key, size, outcome in zip(keys, sizes, outcomes, strict=True)
@@ -441,6 +437,21 @@ class FileBackend(Backend):
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
+
+    async def _write_batch(
+        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> list[bool | BaseException]:
+        """Write and publish each object; per key True (published) or the error it raised.
+
+        The I/O step of ``_put``, which keeps the capacity reservation, directory fsyncs and
+        the LRU bookkeeping around it; backends with another I/O engine (``hf3fs``) override
+        only this.
+        """
+        jobs = [
+            self._run(self._translated, "put", key, self._write_one, key, view, False)
+            for key, view in zip(keys, buffers, strict=True)
+        ]
+        return list(await asyncio.gather(*jobs, return_exceptions=True))
 
     async def _put_if_absent(self, key: str, buffer: memoryview) -> bool:
         # Atomic across threads and processes: link() refuses an existing name.

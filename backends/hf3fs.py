@@ -53,7 +53,7 @@ from ._aligned import address_of, aligned_buffer
 from ._hf3fs_usrbio import IoOp, UsrbioEngine, is_hf3fs_fstype, load_usrbio, mount_of, shm_buf
 from .base import as_byte_view
 from .errors import BackendError, InvalidRangeError, translate_os_error
-from .file import FileBackend, _fsync_dir, _fsync_dirs
+from .file import FileBackend, _fsync_dir
 from .types import BackendStats, BackendURL, ByteRange, parse_bool, parse_size
 
 log = logging.getLogger(__name__)
@@ -280,27 +280,16 @@ class HF3FSBackend(FileBackend):
 
     # -- USRBIO writes -------------------------------------------------------------------------
 
-    async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
-        # docstring inherited
+    async def _write_batch(
+        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> list[bool | BaseException]:
+        # docstring inherited: one ring batch for the whole put under USRBIO
         if self._usrbio is None:
-            await super()._put(keys, buffers)
-            return
-        sizes = [len(view) for view in buffers]
-        await self._reserve(keys, sum(sizes))
-        try:
-            outcomes = await self._run(self._usrbio_write, list(keys), list(buffers), False)
-            written = [(k, s) for k, s, o in zip(keys, sizes, outcomes, strict=True) if o is True]
-            if self.durability == "full" and written:
-                dirs = sorted({self._shard_dir(key) for key, _ in written})
-                await self._run(self._translated, "put", None, _fsync_dirs, dirs)
-        finally:
-            with self._lock:
-                self._reserved -= sum(sizes)
-        with self._lock:
-            self._lru.add_batch(written)
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
+            return await super()._write_batch(keys, buffers)
+        outcomes: list[bool | BaseException] = await self._run(
+            self._usrbio_write, list(keys), list(buffers), False
+        )
+        return outcomes
 
     def _write_one(self, key: str, view: memoryview, exclusive: bool) -> bool:
         if self._usrbio is None:
