@@ -29,7 +29,6 @@ component (no sliding-window pools yet), synchronous snapshot I/O.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -38,7 +37,7 @@ import torch
 from hicache_store.backends.base import Backend
 from hicache_store.engine.kv_pool import DeviceKVPool
 from hicache_store.layout.namespace import Namespace
-from hicache_store.tier.cache import HiCache, Request, TierCapacityError
+from hicache_store.tier.cache import HiCache, Request
 from hicache_store.tier.config import TierConfig
 
 from .components import ComponentSpec, HitRule, Location
@@ -195,8 +194,7 @@ class HybridCache:
 
     def evict_device(self) -> None:
         """Drop every unlocked L1 copy (KV pages and snapshots); lower tiers keep theirs."""
-        with contextlib.suppress(TierCapacityError):  # pages locked by requests in flight stay
-            self.tier._make_room_l1(self.pool.num_pages)  # no public hook in the tier yet
+        self.tier.evict_device()
         self.snapshots.evict_all(Location.L1)
 
     def flush(self) -> None:

@@ -42,7 +42,6 @@ L3 completion events; decode-time KV of either model is not cached.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -53,7 +52,7 @@ from hicache_store.backends.base import Backend
 from hicache_store.engine.config import MiniLlamaConfig
 from hicache_store.engine.kv_pool import DeviceKVPool
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
-from hicache_store.tier.cache import HiCache, Request, TierCapacityError
+from hicache_store.tier.cache import HiCache, Request
 from hicache_store.tier.config import TierConfig
 from hicache_store.tier.radix import PageNode
 
@@ -204,8 +203,7 @@ class PackedDraftCache:
 
     def evict_device(self) -> None:
         """Drop every unlocked L1 page (both models' layers: they share the pages)."""
-        with contextlib.suppress(TierCapacityError):
-            self.tier._make_room_l1(self.pool.num_pages)  # no public hook in the tier yet
+        self.tier.evict_device()
 
     def flush(self) -> None:
         self.tier.flush()
@@ -420,8 +418,7 @@ class SidecarDraftCache:
 
     def evict_device(self) -> None:
         """Drop every unlocked L1 page of the target, and the draft's with them."""
-        with contextlib.suppress(TierCapacityError):
-            self.tier._make_room_l1(self.pool.num_pages)  # no public hook in the tier yet
+        self.tier.evict_device()
         self.store.evict_all(Location.L1)
         self._drop_stale()
 

@@ -80,6 +80,7 @@ class DevicePagePool(Protocol):
     """What the tier needs from an engine's L1 pool (``hicache_store.engine.DeviceKVPool``)."""
 
     page_size: int
+    num_pages: int
 
     @property
     def k_buffers(self) -> Sequence[torch.Tensor]: ...
@@ -375,6 +376,13 @@ class HiCache:
                     self._backup_to_host(hot[-1])
         self.poll()
         req.bookkeeping_s += time.perf_counter() - started - (req.io_s - io_before)
+
+    def evict_device(self) -> None:
+        """Evict every unlocked page from L1 (lower tiers keep theirs; write-back backs up
+        first). Pages locked by requests in flight stay. For tools and tests that need a
+        cold L1, and for wrappers that keep other components beside the KV."""
+        with contextlib.suppress(TierCapacityError):  # locked pages cannot go: that is fine
+            self._make_room_l1(self.pool.num_pages)
 
     # == background work =====================================================================
 

@@ -156,7 +156,7 @@ def serve_group(
                 if rogue.kind == "other_prompt":
                     tokens[-1] = (tokens[-1] + 1) % setup.model_config.vocab_size
                 elif rogue.kind == "evict_l1":
-                    engine.tier._make_room_l1(engine.pool.num_pages)
+                    engine.tier.evict_device()
             served = engine.serve(tokens)
             expected = model.forward_full(torch.tensor(tokens))[served.start :]
             out.starts.append(served.start)
