@@ -35,6 +35,8 @@ DTYPE = torch.bfloat16
 
 
 def drop_caches() -> bool:
+    # A copy of hicache_store.commands.bench_backend.drop_page_cache: this script runs in the
+    # peer interpreter, where hicache-store is not installed.
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:

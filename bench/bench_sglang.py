@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hicache_store.commands.bench_backend import drop_page_cache
 from hicache_store.integrations.sglang import HiCacheStoreStorage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,16 +67,6 @@ class PageFirstPool:
         self.kv_buffer[:, index : index + PAGE_SIZE] = data_page.reshape(
             2, PAGE_SIZE, LAYERS, HEADS, DIM
         )
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        return False
-    return True
 
 
 def storage_config(extra: dict[str, Any]) -> Any:
@@ -123,7 +114,7 @@ def run_ours(pool: PageFirstPool, keys: list[str], where: Path, snapshot: torch.
     out["write_durable_s"] = out["write_returned_s"]  # durability=data: on disk when it returns
     assert store.batch_exists(keys) == n
     pool.kv_buffer.zero_()
-    out["cold"] = drop_caches()
+    out["cold"] = drop_page_cache()
     out["cold_read_s"] = timed(read)
     out["exact"] = torch.equal(pool.kv_buffer.view(torch.int16), snapshot)
     out["warm_read_s"] = timed(read)
@@ -157,7 +148,7 @@ def run_hicachefile(
     out: dict[str, Any] = {"write_returned_s": timed(write)}
     out["write_durable_s"] = out["write_returned_s"] + timed(os.sync)
     pool.kv_buffer.zero_()
-    out["cold"] = drop_caches()
+    out["cold"] = drop_page_cache()
     out["cold_read_s"] = timed(read)
     out["exact"] = torch.equal(pool.kv_buffer.view(torch.int16), snapshot)
     out["warm_read_s"] = timed(read)
