@@ -217,7 +217,9 @@ class L3Link:
         expected = ObjectKey(page_hash, self.namespace.digest, obj.coords)
         header_len = obj.header_bytes
         object_len = header_len + obj.payload_bytes
-        header_buf = np.empty(header_len, dtype=np.uint8)
+        # Page-aligned like the payload, so the header read is O_DIRECT too (no readahead of
+        # payload bytes into the page cache that the direct payload read then bypasses).
+        header_buf = np.frombuffer(aligned_buffer(header_len), dtype=np.uint8)
         (segment,) = obj.segments
         direct = segment.count == 1 and segment.src_offset == 0
         # Whole-group reads land straight in the host row (zero-copy where the backend can);
