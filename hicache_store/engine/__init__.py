@@ -4,14 +4,14 @@
 * ``DeviceKVPool`` (``kv_pool``): per-layer K/V buffers ``[num_slots, kv_heads, head_dim]`` in the
   kernels' device-pool format, with a page allocator.
 * ``MiniLlama`` (``model``): ``forward_full`` (reference) and ``prefill`` over a cached prefix,
-  bit-exact with each other.
+  bit-exact with each other; sliding-window layers keep their KV in a ``WindowKV``.
 """
 
 from __future__ import annotations
 
 from hicache_store.engine.config import PRESETS, MiniLlamaConfig
 from hicache_store.engine.kv_pool import DeviceKVPool, PoolExhaustedError
-from hicache_store.engine.model import MiniLlama, WaitLayer
+from hicache_store.engine.model import MiniLlama, WaitLayer, WindowKV
 
 __all__ = [
     "PRESETS",
@@ -20,4 +20,5 @@ __all__ = [
     "MiniLlamaConfig",
     "PoolExhaustedError",
     "WaitLayer",
+    "WindowKV",
 ]

@@ -10,9 +10,12 @@ Presets: ``MiniLlamaConfig()`` is a tiny model for CPU unit tests (milliseconds 
 prefill compute dominates TTFT on a 2-core CPU, small enough that a few hundred requests finish in
 minutes.
 
-Extension point: all layers are full-attention layers today. Hybrid models (sliding-window layers,
-recurrent state) would add a per-layer ``layer_types`` tuple here; ``layer_kinds`` already gives
-the code one place to ask.
+Layer kinds: every layer is a full-attention layer unless listed in ``window_layers``; those are
+sliding-window layers (a query at position ``t`` sees keys ``(t - sliding_window, t]``, as
+Mistral/Gemma). ``layer_kinds`` is the one place the code asks. The device KV pool holds the
+full-attention layers only (``full_layers``); a sliding-window layer's KV is a separate cache
+component with its own pools (``hicache_store.hybrid``), because resuming needs only its last
+``sliding_window`` tokens.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ class MiniLlamaConfig:
     seed: int = 0
     #: tokens per execution block; rows are processed in blocks aligned to absolute positions.
     compute_block: int = 64
+    #: indices of sliding-window layers (sorted, distinct; empty: all layers are full attention).
+    window_layers: tuple[int, ...] = ()
+    #: tokens a sliding-window layer attends to (itself included); 0 iff ``window_layers`` is empty.
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -84,6 +91,28 @@ class MiniLlamaConfig:
             )
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        # JSON round trips give lists: accept any sequence of ints, store a tuple (hashable).
+        layers = tuple(self.window_layers)
+        object.__setattr__(self, "window_layers", layers)
+        if any(not isinstance(i, int) or isinstance(i, bool) for i in layers):
+            raise ValueError(f"window_layers must be layer indices, got {layers!r}")
+        if list(layers) != sorted(set(layers)) or (
+            layers and not 0 <= layers[0] <= layers[-1] < self.num_layers
+        ):
+            raise ValueError(
+                f"window_layers must be sorted distinct indices in [0, {self.num_layers}), "
+                f"got {layers!r}"
+            )
+        if len(layers) == self.num_layers:
+            raise ValueError("window_layers: at least one layer must be a full-attention layer")
+        window = self.sliding_window
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+            raise ValueError(f"sliding_window must be a non-negative int, got {window!r}")
+        if bool(window) != bool(layers):
+            raise ValueError(
+                "sliding_window must be positive exactly when window_layers is non-empty, got "
+                f"sliding_window={window} with window_layers={layers!r}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -97,14 +126,22 @@ class MiniLlamaConfig:
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
-        """The attention kind of each layer; ``"full"`` for all of them in this version."""
-        return ("full",) * self.num_layers
+        """The attention kind of each layer: ``"full"`` or ``"window"`` (sliding window)."""
+        windowed = set(self.window_layers)
+        return tuple("window" if i in windowed else "full" for i in range(self.num_layers))
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """Indices of the full-attention layers: the device pool's layers, in order."""
+        windowed = set(self.window_layers)
+        return tuple(i for i in range(self.num_layers) if i not in windowed)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V over all layers for one token (what a cache tier moves per token)."""
+        """Bytes of K and V of the full-attention layers for one token (what the device pool and
+        the cache tier's pages hold per token; all layers when there are no window layers)."""
         itemsize = torch.finfo(self.torch_dtype).bits // 8
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+        return len(self.full_layers) * 2 * self.num_kv_heads * self.head_dim * itemsize
 
     def with_(self, **changes: Any) -> MiniLlamaConfig:
         """A copy with some fields changed (validated like a new config)."""

@@ -111,9 +111,10 @@ class DeviceKVPool:
         page_size: int,
         device: torch.device | str = "cpu",
     ) -> DeviceKVPool:
-        """A pool with the geometry and dtype ``config``'s model reads and writes."""
+        """A pool with the geometry and dtype ``config``'s model reads and writes (its
+        full-attention layers; sliding-window layers keep their KV elsewhere)."""
         return cls(
-            num_layers=config.num_layers,
+            num_layers=len(config.full_layers),
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             num_pages=num_pages,

@@ -46,8 +46,12 @@ small (``compute_block`` rows), so on a CPU shared with other busy threads (a ca
 other processes) intra-op parallelism costs more in OpenMP barriers than it gains:
 ``torch.set_num_threads(1)`` is then markedly faster.
 
-Extension point: attention is ``_attend`` on one block over a key range; a sliding-window layer
-would narrow the key range (and its mask) per ``config.layer_kinds``.
+Sliding-window layers (``config.window_layers``): the same attention call over the same key range,
+with the mask also hiding keys at or before ``t - sliding_window`` for query ``t``. Their K/V do
+not live in the device pool (which holds the full-attention layers) but in a ``WindowKV`` the caller
+passes to ``prefill``: a per-sequence buffer where only the prefix's last ``sliding_window`` rows
+must be valid (older rows are masked, so whatever finite values they hold, here zeros, never
+change a bit of the result: a masked score is exactly ``-inf`` and its weight exactly 0).
 """
 
 from __future__ import annotations
@@ -118,6 +122,62 @@ class _PoolKV(_LayerKV):
         k_buf.index_copy_(0, self.new_slots, k_new)
         v_buf.index_copy_(0, self.new_slots, v_new)
         return k_buf.index_select(0, self.all_slots), v_buf.index_select(0, self.all_slots)
+
+
+class WindowKV:
+    """The sliding-window layers' K and V of one sequence, outside the device pool.
+
+    ``k`` and ``v``: ``[num_window_layers, length, kv_heads, head_dim]`` in the model dtype, row
+    ``p`` holding position ``p`` (window layers in ``config.window_layers`` order). Before a
+    ``prefill(tokens, start_pos, ...)`` the rows ``[start_pos - sliding_window, start_pos)`` must
+    hold the prefix's K/V (a cache restores them); ``prefill`` writes rows ``[start_pos, end)``.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device or k.dim() != 4:
+            raise ValueError(
+                f"k and v must be 4-D tensors of one shape, dtype and device, got "
+                f"{tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}"
+            )
+        self.k = k
+        self.v = v
+
+    @classmethod
+    def zeros(
+        cls, config: MiniLlamaConfig, length: int, device: torch.device | str = "cpu"
+    ) -> WindowKV:
+        shape = (len(config.window_layers), length, config.num_kv_heads, config.head_dim)
+        k = torch.zeros(shape, dtype=config.torch_dtype, device=device)
+        return cls(k, torch.zeros_like(k))
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[1])
+
+
+class _SplitKV(_LayerKV):
+    """Full-attention layers through ``_PoolKV`` (pool layer = rank among full layers), window
+    layers through a ``WindowKV``."""
+
+    def __init__(
+        self, config: MiniLlamaConfig, pool_kv: _PoolKV, window: WindowKV, start_pos: int
+    ) -> None:
+        self.pool_kv = pool_kv
+        self.window = window
+        self.start_pos = start_pos
+        self.pool_index = {layer: i for i, layer in enumerate(config.full_layers)}
+        self.window_index = {layer: i for i, layer in enumerate(config.window_layers)}
+
+    def exchange(
+        self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.pool_index:
+            return self.pool_kv.exchange(self.pool_index[layer], k_new, v_new)
+        i = self.window_index[layer]
+        end = self.start_pos + k_new.shape[0]
+        self.window.k[i, self.start_pos : end] = k_new
+        self.window.v[i, self.start_pos : end] = v_new
+        return self.window.k[i, :end], self.window.v[i, :end]
 
 
 class MiniLlama:
@@ -199,6 +259,7 @@ class MiniLlama:
         wait_layer: WaitLayer | None = None,
         *,
         last_only: bool = False,
+        window: WindowKV | None = None,
     ) -> torch.Tensor:
         """Compute the suffix ``tokens`` (positions ``start_pos .. start_pos+T_new-1``) over the
         cached prefix in ``pool``; return logits ``[T_new, vocab]`` (``[1, vocab]`` for the last
@@ -211,12 +272,17 @@ class MiniLlama:
         device. The KV of position ``p < start_pos`` must already be at ``slots[p]`` (not checked:
         that is the cache tier's contract).
 
-        Effects: for every layer, the suffix's K/V are written to ``slots[start_pos:]``; nothing
-        else in the pool is written.
+        Effects: for every pool layer, the suffix's K/V are written to ``slots[start_pos:]``;
+        nothing else in the pool is written.
 
-        ``wait_layer(i)`` is called exactly once per layer, in order ``0 .. num_layers-1`` (also
-        when ``start_pos == 0``), after layer ``i``'s Q/K/V projections of the suffix and before
-        layer ``i`` first touches the pool (reads or writes). A cache tier loading the prefix layer
+        Sliding-window layers (a config with ``window_layers``; ``window`` is then required and
+        must cover ``start_pos + T_new`` rows): their prefix K/V are read from ``window`` (only
+        the last ``sliding_window`` rows before ``start_pos`` matter) and the suffix's written
+        into it; the pool holds the full-attention layers only.
+
+        ``wait_layer(i)`` is called exactly once per pool layer, in order ``0 .. pool layers-1``
+        (also when ``start_pos == 0``), after that layer's Q/K/V projections of the suffix and
+        before it first touches the pool (reads or writes). A cache tier loading the prefix layer
         by layer passes its handle's ``wait`` here so compute on layer ``i`` overlaps the transfer
         of later layers. An exception from ``wait_layer`` propagates; the suffix slots of layers
         before ``i`` then hold new KV and the rest are untouched.
@@ -226,10 +292,16 @@ class MiniLlama:
             raise ValueError(f"start_pos must be a non-negative int, got {start_pos!r}")
         self._check_pool(pool)
         slot_t = self._check_slots(slots, start_pos + toks.numel(), pool)
+        pool_kv = _PoolKV(pool, slot_t, start_pos, wait_layer)
+        kv: _LayerKV = pool_kv
+        if self.config.window_layers:
+            self._check_window(window, start_pos + toks.numel())
+            assert window is not None
+            kv = _SplitKV(self.config, pool_kv, window, start_pos)
+        elif window is not None:
+            raise ValueError("window: this model has no sliding-window layers")
         with torch.no_grad():
-            return self._forward(
-                toks, start_pos, _PoolKV(pool, slot_t, start_pos, wait_layer), last_only=last_only
-            )
+            return self._forward(toks, start_pos, kv, last_only=last_only)
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -254,9 +326,29 @@ class MiniLlama:
             raise ValueError(f"tokens: id {bad} out of range [0, {self.config.vocab_size})")
         return toks.to(device=self.device, dtype=torch.int64)
 
+    def _check_window(self, window: WindowKV | None, length: int) -> None:
+        cfg = self.config
+        if window is None:
+            raise ValueError("window: a model with sliding-window layers needs a WindowKV")
+        expected = (len(cfg.window_layers), cfg.num_kv_heads, cfg.head_dim, cfg.torch_dtype)
+        actual = (window.k.shape[0], window.k.shape[2], window.k.shape[3], window.k.dtype)
+        if expected != actual or window.k.device != self.device:
+            raise ValueError(
+                "window does not match the model: (window layers, kv_heads, head_dim, dtype) is "
+                f"{actual} on {window.k.device}, expected {expected} on {self.device}"
+            )
+        if window.length < length:
+            raise ValueError(f"window: {window.length} rows, the sequence needs {length}")
+
     def _check_pool(self, pool: DeviceKVPool) -> None:
         cfg = self.config
-        expected = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.torch_dtype, self.device)
+        expected = (
+            len(cfg.full_layers),
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.torch_dtype,
+            self.device,
+        )
         actual = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device)
         if expected != actual:
             raise ValueError(
@@ -321,11 +413,13 @@ class MiniLlama:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_eps)
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int, window: int = 0
     ) -> torch.Tensor:
         """Causal GQA of one block's queries ``q [B, heads, head_dim]`` over keys
         ``[0, (block+1)*B)`` of ``k``/``v`` (``[kv_heads, >= (block+1)*B, head_dim]``, model
         dtype, zero past the sequence end). Returns ``[B, heads*head_dim]`` in the model dtype.
+        ``window > 0``: query ``t`` sees only keys ``(t - window, t]`` (same call, same shapes:
+        a narrower mask, so the masked keys' values never matter).
 
         One ``scaled_dot_product_attention`` call whose shapes depend only on ``block`` (the fused
         CPU kernel accumulates in float32 and splits queries and keys by size, so fixed shapes mean
@@ -335,6 +429,10 @@ class MiniLlama:
         keys = (block + 1) * size
         mask = torch.ones(size, keys, dtype=torch.bool, device=self.device)
         mask[:, keys - size :] = self._tail_mask
+        if window:
+            query_pos = torch.arange(block * size, keys, device=self.device)[:, None]
+            key_pos = torch.arange(keys, device=self.device)[None, :]
+            mask &= key_pos > query_pos - window
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             k[None, :, :keys],
@@ -376,6 +474,7 @@ class MiniLlama:
         v_all = torch.zeros_like(k_all)
 
         heads = cfg.num_heads + cfg.num_kv_heads  # query and key heads, rotated together
+        windows = [cfg.sliding_window if kind == "window" else 0 for kind in cfg.layer_kinds]
         for index, layer in enumerate(self.layers):
             queries: list[torch.Tensor] = []
             k_rows = torch.empty(
@@ -405,7 +504,8 @@ class MiniLlama:
                 finishing = range(last_row // size, last_row // size + 1)
             for j in finishing:
                 x = blocks[j]
-                x.add_(F.linear(self._attend(queries[j], k_all, v_all, first_block + j), layer.wo))
+                attn = self._attend(queries[j], k_all, v_all, first_block + j, windows[index])
+                x.add_(F.linear(attn, layer.wo))
                 gate, up = F.linear(self._rms_norm(x, layer.mlp_norm), layer.w_gate_up).chunk(2, -1)
                 x.add_(F.linear(F.silu(gate).mul_(up), layer.w_down))
 

@@ -5,18 +5,20 @@
 * ``state_l3``: ``StateL3``, the L3 path for non-KV objects (namespaced and framed like KV).
 * ``store``: ``ComponentStore``, a component's own L1/L2 pools plus its L3 objects, with the
   backup-only-what-is-missing rule for snapshots taken on an existing prefix.
-* ``model``: ``HybridMiniLlama``, the mini engine plus a recurrent layer (resumable from a
-  snapshot, bit-exact).
+* ``model``: ``HybridMiniLlama``, the mini engine (full-attention and sliding-window layers) plus
+  a recurrent layer (resumable from a snapshot, bit-exact); ``WindowComponent``, the
+  sliding-window KV component (one object per page, needed only inside the window).
 * ``draft``: a speculative-decoding draft model's KV beside the target's, packed (draft layers
   inside the target's page objects, ``PackedDraftCache``) or sidecar (its own component and
   pools following the target's pages, ``SidecarDraftCache``), seed 000 §3.
-* ``cache``: ``HybridCache``, the KV tier (``HiCache``) plus a recurrent-checkpoint store: the
-  prefix is the longest KV prefix whose snapshot loads, snapshots are backed up on their own.
+* ``cache``: ``HybridCache``, the KV tier (``HiCache``) plus a window-page store and a
+  recurrent-checkpoint store: the prefix is the longest KV prefix at which every component loads;
+  snapshots and window pages are backed up on their own.
 """
 
 from __future__ import annotations
 
-from .cache import RECURRENT, HybridCache, HybridPrepared, HybridRequest
+from .cache import RECURRENT, HybridCache, HybridMetrics, HybridPrepared, HybridRequest
 from .components import (
     ComponentSpec,
     HitRule,
@@ -37,12 +39,14 @@ from .draft import (
     layer_view,
     packed_namespace,
 )
-from .model import HybridMiniLlama
+from .model import WINDOW_COMPONENT, HybridMiniLlama, WindowComponent
 from .state_l3 import StateIO, StateL3
 from .store import ComponentStore, StoreFullError, StoreMetrics
 
 __all__ = [
     "RECURRENT",
+    "WINDOW_COMPONENT",
+    "WindowComponent",
     "TARGET",
     "DraftPrepared",
     "DraftRequest",
@@ -54,6 +58,7 @@ __all__ = [
     "layer_view",
     "packed_namespace",
     "HybridCache",
+    "HybridMetrics",
     "HybridMiniLlama",
     "HybridPrepared",
     "HybridRequest",

@@ -1,30 +1,33 @@
-"""A hybrid cache: the KV tier (``HiCache``, component 0) plus a recurrent-checkpoint store.
+"""A hybrid cache: the KV tier (``HiCache``, component 0) plus the model's other components, a
+sliding-window KV store (component 1, optional) and a recurrent-checkpoint store (component 2).
 
 Call order per request (one rank, the engine's thread)::
 
     hreq = cache.match(tokens)
-    prep = cache.prepare(hreq)              # prefix = longest KV prefix ending at a checkpoint
+    prep = cache.prepare(hreq)              # prefix: every component resumable there
     logits, _, snaps = model.prefill(tokens[prep.start:], prep.start, prep.slots, cache.pool,
                                      prep.state, wait_layer=prep.wait_layer,
-                                     snapshot_at=prep.snapshot_at)
-    cache.complete(hreq, snaps)             # save snapshots, back them up, release
+                                     snapshot_at=prep.snapshot_at, window=prep.window)
+    cache.complete(hreq, snaps, prep.window)  # save snapshots and window pages, back them up
 
 How the prefix is fixed: ``HiCache.prepare`` settles its prefetch and then fixes the KV prefix at
 its rank agreement (``RankGroup.agree_min(.., "prefix_pages")``). ``HybridCache`` gives the tier a
-group that, at that point, lowers the KV prefix to the longest one whose recurrent snapshot it
-can actually load (L1, L2 or L3; a missing or corrupt snapshot moves to the previous
-checkpoint, down to 0 = recompute from the start). The snapshot is loaded right there, so the
-prefix is never promised without its state.
+group that, at that point, lowers the KV prefix to the longest one at which every component is
+available (``match_components``: the window pages inside the sliding window before the prefix
+end, the recurrent snapshot exactly at it) and whose objects actually load from L1, L2 or L3. A
+missing or corrupt object moves the prefix to the previous usable end, down to 0 = recompute from
+the start. The objects are loaded right there, so the prefix is never promised without its state.
 
 Snapshots are taken at the request's last full page and at the branch point (the end of the
 longest KV prefix already in the tree, when computation started before it). With
 ``backup_snapshots_on_existing_prefix`` (default), every new snapshot is backed up to L2/L3 if it
 misses there, also when its prefix's KV was already backed up (the seed's write-through fix);
 False reproduces the old behaviour (only snapshots on pages this request inserted are backed
-up), for comparison.
+up), for comparison. Window pages of every full page the request computed are saved and backed
+up the same way (only what misses below L1 moves).
 
-Limits of this first slice: one rank (the cap is not yet agreed across ranks), one checkpoint
-component (no sliding-window pools yet), synchronous snapshot I/O.
+Limits of this slice: one rank (the cap is not yet agreed across ranks), synchronous component
+I/O (the KV tier's own pages keep its asynchronous backup and prefetch).
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ from hicache_store.layout.namespace import Namespace
 from hicache_store.tier.cache import HiCache, Request
 from hicache_store.tier.config import TierConfig
 
-from .components import ComponentSpec, HitRule, Location
+from hicache_store.engine.model import WindowKV
+
+from .components import ComponentSpec, HitRule, Location, match_components
+from .model import WindowComponent
 from .state_l3 import StateL3
 from .store import ComponentStore
 
@@ -71,7 +77,9 @@ class HybridRequest:
     tree_pages: int = 0
     prefix_pages: int = 0
     state: torch.Tensor | None = None
-    locked: list[str] = field(default_factory=list)
+    window: WindowKV | None = None
+    #: (store, page hash) of every component object locked until ``complete``.
+    locked: list[tuple[ComponentStore, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -81,15 +89,39 @@ class HybridPrepared:
     wait_layer: Callable[[int], None] | None
     state: torch.Tensor | None
     snapshot_at: tuple[int, ...]
+    #: the window layers' KV buffer (restored rows filled), None without window layers.
+    window: WindowKV | None = None
 
 
 @dataclass
 class HybridMetrics:
+    """Counters of a ``HybridCache``.
+
+    ``component_tokens[name]``: over all requests, the prefix tokens that component alone could
+    have resumed after (across L1/L2/L3, within the prompt's usable pages); divided by
+    ``prompt_tokens`` it is that component's hit rate. ``limited_by[name]``: requests whose
+    prefix that component shortened below what the others allowed.
+    """
+
     requests: int = 0
+    prompt_tokens: int = 0
     kv_prefix_tokens: int = 0  # what the KV tier alone could have reused
-    hit_tokens: int = 0  # what was reused (KV and snapshot)
+    hit_tokens: int = 0  # what was reused (every component)
     snapshot_hits: int = 0
     snapshot_backups: int = 0
+    window_pages_restored: int = 0
+    window_pages_saved: int = 0
+    window_backups: int = 0
+    load_failures: int = 0  # objects that were listed but did not load (corrupt, gone)
+    component_tokens: dict[str, int] = field(default_factory=dict)
+    limited_by: dict[str, int] = field(default_factory=dict)
+
+    def hit_rates(self) -> dict[str, float]:
+        """Per component, and ``"all"`` for the prefix actually reused: tokens / prompt tokens."""
+        total = max(self.prompt_tokens, 1)
+        rates = {name: tokens / total for name, tokens in self.component_tokens.items()}
+        rates["all"] = self.hit_tokens / total
+        return rates
 
 
 class HybridCache:
@@ -105,27 +137,64 @@ class HybridCache:
         backend: Backend | None = None,
         backup_snapshots_on_existing_prefix: bool = True,
         spec: ComponentSpec = RECURRENT,
+        window: WindowComponent | None = None,
+        window_l1_slots: int = 0,
+        window_l2_slots: int = 0,
     ) -> None:
+        """``window``: the sliding-window component (``HybridMiniLlama.window_component``), with
+        its own L1/L2 pools of ``window_l1_slots`` / ``window_l2_slots`` pages; L1 must hold at
+        least one window's pages plus one (``ValueError`` otherwise)."""
         if spec.rule is not HitRule.CHECKPOINT:
             raise ValueError("HybridCache manages one checkpoint component")
         self._group = _CheckpointGroup()
         self.tier = HiCache(namespace, config, pool, backend=backend, group=self._group)
         self.pool = pool
         self.page_size = namespace.page_size
-        l3 = None
-        if backend is not None and config.l2_pages > 0:
-            l3 = StateL3(backend, namespace, spec, io_timeout_s=config.io_timeout_s)
+        with_l2 = config.l2_pages > 0
+
+        def state_l3(component: ComponentSpec) -> StateL3 | None:
+            if backend is None or not with_l2:
+                return None
+            return StateL3(backend, namespace, component, io_timeout_s=config.io_timeout_s)
+
         self.snapshots = ComponentStore(
             spec,
             state_shape,
             torch.float32,
             l1_slots=snapshot_l1_slots,
-            l2_slots=snapshot_l2_slots if config.l2_pages > 0 else 0,
-            l3=l3,
+            l2_slots=snapshot_l2_slots if with_l2 else 0,
+            l3=state_l3(spec),
             device=pool.device,
         )
+        self.window = window
+        self.windows: ComponentStore | None = None
+        if window is not None:
+            needed = -(-window.spec.window_tokens // self.page_size) + 2
+            if window_l1_slots < needed:
+                raise ValueError(
+                    f"window_l1_slots={window_l1_slots}: a window of "
+                    f"{window.spec.window_tokens} tokens needs at least {needed} L1 pages"
+                )
+            if window.page_shape[2] != self.page_size:
+                raise ValueError("window component page size differs from the namespace's")
+            self.windows = ComponentStore(
+                window.spec,
+                window.page_shape,
+                window.dtype,
+                l1_slots=window_l1_slots,
+                l2_slots=window_l2_slots if with_l2 else 0,
+                l3=state_l3(window.spec),
+                device=pool.device,
+            )
+        #: the components of every match, KV first (its availability is the tier's answer).
+        self.kv_spec = ComponentSpec("kv", 0, HitRule.FULL, num_layers=pool.num_layers)
+        self.stores = [s for s in (self.windows, self.snapshots) if s is not None]
+        self.specs = [self.kv_spec, *(s.spec for s in self.stores)]
         self.backup_on_existing = backup_snapshots_on_existing_prefix
-        self.metrics = HybridMetrics()
+        self.metrics = HybridMetrics(
+            component_tokens={spec.name: 0 for spec in self.specs},
+            limited_by={spec.name: 0 for spec in self.specs},
+        )
 
     # -- the request path -------------------------------------------------------------------
 
@@ -136,21 +205,8 @@ class HybridCache:
         return HybridRequest(toks, kv, list(kv.hashes), tree_pages)
 
     def prepare(self, hreq: HybridRequest) -> HybridPrepared:
-        def cap(kv_pages: int) -> int:
-            self.metrics.kv_prefix_tokens += kv_pages * self.page_size
-            known = self.snapshots.availability(hreq.hashes[:kv_pages], check_l3=True)
-            for p in range(kv_pages, 0, -1):
-                if known[p - 1] is None:
-                    continue
-                state = self.snapshots.load(hreq.hashes[p - 1])  # None: corrupt or gone
-                if state is not None:
-                    self.snapshots.lock(hreq.hashes[p - 1])
-                    hreq.locked.append(hreq.hashes[p - 1])
-                    hreq.state = state
-                    return p
-            return 0
-
-        self._group.cap = cap
+        usable = max(0, (len(hreq.tokens) - 1) // self.page_size)
+        self._group.cap = lambda kv_pages: self._settle_components(hreq, kv_pages, usable)
         try:
             prep = self.tier.prepare(hreq.kv)
         finally:
@@ -161,41 +217,131 @@ class HybridCache:
         else:
             self.metrics.snapshot_hits += 1
         self.metrics.requests += 1
+        self.metrics.prompt_tokens += len(hreq.tokens)
         self.metrics.hit_tokens += prep.start
         full = len(hreq.tokens) // self.page_size
         ends = {full}
         if hreq.prefix_pages < hreq.tree_pages <= full:
             ends.add(hreq.tree_pages)  # the branch point
         snapshot_at = tuple(sorted(p * self.page_size for p in ends if p > hreq.prefix_pages))
-        return HybridPrepared(prep.start, prep.slots, prep.wait_layer, hreq.state, snapshot_at)
+        return HybridPrepared(
+            prep.start, prep.slots, prep.wait_layer, hreq.state, snapshot_at, hreq.window
+        )
 
-    def complete(self, hreq: HybridRequest, snapshots: Mapping[int, torch.Tensor]) -> None:
-        """Insert the KV pages (the tier's write policy), save and back up the snapshots."""
+    def _settle_components(self, hreq: HybridRequest, kv_pages: int, usable: int) -> int:
+        """The tier's prefix cap: the longest prefix ``<= kv_pages`` at which every component's
+        objects are available and load; they are loaded (and locked) into ``hreq``."""
+        self.metrics.kv_prefix_tokens += kv_pages * self.page_size
+        hashes = hreq.hashes[:usable]
+        availability: dict[str, list[Location | None]] = {
+            self.kv_spec.name: [Location.L1 if i < kv_pages else None for i in range(usable)]
+        }
+        for store in self.stores:
+            availability[store.spec.name] = store.availability(hashes, check_l3=True)
+        while True:
+            found = match_components(self.specs, availability, self.page_size)
+            loaded, failed = self._load_components(hreq, found.restore)
+            if failed is None:
+                break
+            # Listed but not loadable (corrupt, gone): absent from now on, so the loop ends.
+            self.metrics.load_failures += 1
+            name, index = failed
+            availability[name][index] = None
+        # Per-component hit rates, on what actually loads (a corrupt object counts as absent).
+        for name, pages in found.alone.items():
+            self.metrics.component_tokens[name] += pages * self.page_size
+        for name in found.limited_by:
+            self.metrics.limited_by[name] += 1
+        hreq.state = loaded.get((self.snapshots.spec.name, found.prefix_pages - 1))
+        if self.window is not None:
+            buffer = self.window.buffer(len(hreq.tokens), self.pool.device)
+            for index, _ in found.restore[self.window.spec.name]:
+                self.window.put_page(buffer, index, loaded[(self.window.spec.name, index)])
+            self.metrics.window_pages_restored += len(found.restore[self.window.spec.name])
+            hreq.window = buffer
+        return found.prefix_pages
+
+    def _load_components(
+        self, hreq: HybridRequest, restore: Mapping[str, tuple[tuple[int, Location], ...]]
+    ) -> tuple[dict[tuple[str, int], torch.Tensor], tuple[str, int] | None]:
+        """Load and lock every listed component object: ``(objects by (component, page index),
+        None)``; on the first failure unlock what this call locked and return ``({}, (component,
+        page index))``."""
+        loaded: dict[tuple[str, int], torch.Tensor] = {}
+        locked: list[tuple[ComponentStore, str]] = []
+        for store in self.stores:
+            for index, _ in restore[store.spec.name]:
+                page_hash = hreq.hashes[index]
+                obj = store.load(page_hash)
+                if obj is None:
+                    for done, locked_hash in locked:
+                        done.unlock(locked_hash)
+                    return {}, (store.spec.name, index)
+                store.lock(page_hash)
+                locked.append((store, page_hash))
+                loaded[(store.spec.name, index)] = obj
+        hreq.locked.extend(locked)
+        return loaded, None
+
+    def complete(
+        self,
+        hreq: HybridRequest,
+        snapshots: Mapping[int, torch.Tensor],
+        window: WindowKV | None = None,
+    ) -> None:
+        """Insert the KV pages (the tier's write policy); save and back up the snapshots and the
+        window pages of every full page this request computed (``window``: the buffer the
+        model's prefill filled, required with a window component)."""
+        if (window is None) != (self.window is None):
+            raise ValueError(
+                "complete: pass the window KV buffer exactly when the model has window layers"
+            )
         existed = hreq.tree_pages
         self.tier.complete(hreq.kv)
-        for h in hreq.locked:
-            self.snapshots.unlock(h)
+        for store, page_hash in hreq.locked:
+            store.unlock(page_hash)
         hreq.locked.clear()
+        backups = bool(self.tier.config.l2_pages)
         for pos, state in sorted(snapshots.items()):
             if pos % self.page_size:
                 raise ValueError(f"snapshot at token {pos} is not at a page boundary")
             pages = pos // self.page_size
             page_hash = hreq.hashes[pages - 1]
-            parent = hreq.hashes[pages - 2] if pages >= 2 else None
-            self.snapshots.save(page_hash, state, parent_hash=parent)
+            self.snapshots.save(page_hash, state, parent_hash=self._parent(hreq, pages - 1))
             on_existing_prefix = pages <= existed
-            if self.tier.config.l2_pages and (self.backup_on_existing or not on_existing_prefix):
-                before = self.snapshots.metrics.backups_l2 + self.snapshots.metrics.backups_l3
-                self.snapshots.backup(page_hash)
-                after = self.snapshots.metrics.backups_l2 + self.snapshots.metrics.backups_l3
-                self.metrics.snapshot_backups += after > before
+            if backups and (self.backup_on_existing or not on_existing_prefix):
+                self.metrics.snapshot_backups += self._backup(self.snapshots, page_hash)
+        if window is not None:
+            assert self.window is not None and self.windows is not None
+            for index in range(hreq.prefix_pages, len(hreq.tokens) // self.page_size):
+                page_hash = hreq.hashes[index]
+                self.windows.save(
+                    page_hash,
+                    self.window.page(window, index),
+                    parent_hash=self._parent(hreq, index),
+                )
+                self.metrics.window_pages_saved += 1
+                if backups:
+                    self.metrics.window_backups += self._backup(self.windows, page_hash)
+
+    @staticmethod
+    def _parent(hreq: HybridRequest, index: int) -> str | None:
+        return hreq.hashes[index - 1] if index >= 1 else None
+
+    @staticmethod
+    def _backup(store: ComponentStore, page_hash: str) -> bool:
+        """Back up one object; True when something moved (L1 -> L2 or -> L3)."""
+        before = store.metrics.backups_l2 + store.metrics.backups_l3
+        store.backup(page_hash)
+        return store.metrics.backups_l2 + store.metrics.backups_l3 > before
 
     # -- maintenance --------------------------------------------------------------------------
 
     def evict_device(self) -> None:
         """Drop every unlocked L1 copy (KV pages and snapshots); lower tiers keep theirs."""
         self.tier.evict_device()
-        self.snapshots.evict_all(Location.L1)
+        for store in self.stores:
+            store.evict_all(Location.L1)
 
     def flush(self) -> None:
         self.tier.flush()
@@ -205,4 +351,5 @@ class HybridCache:
 
     def check_invariants(self) -> None:
         self.tier.check_invariants()
-        self.snapshots.check_invariants()
+        for store in self.stores:
+            store.check_invariants()

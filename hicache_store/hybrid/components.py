@@ -104,8 +104,8 @@ class HybridMatch:
     of each object of that component the engine needs, in page order (objects already in L1
     included, so the engine knows every slot it uses). ``alone[name]``: the longest prefix that
     component alone would allow (for per-component hit rates and diagnostics). ``limited_by``:
-    the components whose own limit equals the result while the token match is longer (empty
-    when nothing but the request itself limits the match).
+    the binding components, those without which the match would be longer (empty when no single
+    component shortens it, e.g. when every component ends where the request does).
     """
 
     prefix_pages: int
@@ -127,8 +127,8 @@ def match_components(
     ``availability[spec.name]`` gives, per page index, where that component's object lives
     (see the module docstring); all sequences cover the same pages (the request's full pages).
     ``max_pages`` caps the result (a prompt must keep one token to compute). Cost: linear in the
-    number of pages times the number of components (each rule's constraint is monotone or
-    point-wise, so one descending scan finds the answer).
+    number of pages times the square of the number of components (one descending scan per subset
+    asked: all, each alone, all but each).
     """
     validate_components(specs)
     if page_size <= 0:
@@ -157,12 +157,11 @@ def match_components(
             return availability[spec.name][p - 1] is not None
         return last_missing[spec.name][p] < needed.start
 
-    best = 0
-    for p in range(cap, 0, -1):
-        if all(ok(spec, p) for spec in specs):
-            best = p
-            break
-    alone = {s.name: next((p for p in range(cap, 0, -1) if ok(s, p)), 0) for s in specs}
+    def longest(among: Sequence[ComponentSpec]) -> int:
+        return next((p for p in range(cap, 0, -1) if all(ok(s, p) for s in among)), 0)
+
+    best = longest(specs)
+    alone = {s.name: longest([s]) for s in specs}
     restore = {
         s.name: tuple(
             (i, loc)
@@ -171,5 +170,7 @@ def match_components(
         )
         for s in specs
     }
-    limited_by = tuple(s.name for s in specs if alone[s.name] == best) if best < cap else ()
+    limited_by = tuple(
+        s.name for s in specs if best < cap and longest([o for o in specs if o is not s]) > best
+    )
     return HybridMatch(best, best * page_size, restore, alone, limited_by)

@@ -75,6 +75,25 @@ def test_missing_snapshot_shortens_to_last_checkpoint() -> None:
     assert m.prefix_pages == 0 and m.restore == {"full": (), "mamba": ()}
 
 
+def test_limited_by_names_the_binding_components() -> None:
+    """A component is binding when the match without it would be longer."""
+    # window hole at page 5, checkpoints at 4 and 6 pages: without the window -> 6, without the
+    # snapshots -> 5 (window pages 3, 4 intact); with both -> 4. Both bind, the KV does not.
+    avail = {
+        "full": [L1] * 6,
+        "swa": [L1, L1, L1, L1, L1, None],
+        "mamba": [None, None, None, L2, None, L3],
+    }
+    m = match_components([FULL, SWA, SNAP], avail, PAGE)
+    assert m.prefix_pages == 4
+    assert m.alone == {"full": 6, "swa": 5, "mamba": 6}
+    assert m.limited_by == ("swa", "mamba")
+    # every component ends at the same page: no single one shortens the match
+    avail = {"full": [L1, L1, None], "swa": [L1, L1, None], "mamba": [None, L1, None]}
+    m = match_components([FULL, SWA, SNAP], avail, PAGE)
+    assert m.prefix_pages == 2 and m.limited_by == ()
+
+
 def test_max_pages_cap() -> None:
     avail = {"full": [L1] * 4, "mamba": [L1, L1, L1, L1]}
     assert match_components([FULL, SNAP], avail, PAGE, max_pages=2).prefix_pages == 2
