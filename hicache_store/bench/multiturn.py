@@ -98,9 +98,16 @@ class SetupResult:
 
 
 def namespace_for(config: MiniLlamaConfig, page_size: int) -> Namespace:
-    shape = ModelShape.mha(config.num_layers, config.num_kv_heads, config.head_dim)
-    grid = Grid(config.num_layers, config.num_kv_heads)
-    return Namespace.create("hicache-store/mini-llama", shape, config.dtype, page_size, grid)
+    """The namespace of the mini engine's pool pages: its full-attention layers; a model with
+    sliding-window layers is another model (its window and layer list are in the name)."""
+    layers = len(config.full_layers)
+    shape = ModelShape.mha(layers, config.num_kv_heads, config.head_dim)
+    grid = Grid(layers, config.num_kv_heads)
+    model = "hicache-store/mini-llama"
+    if config.window_layers:
+        listed = ",".join(map(str, config.window_layers))
+        model += f"+swa{config.sliding_window}@{listed}"
+    return Namespace.create(model, shape, config.dtype, page_size, grid)
 
 
 def default_setups(

@@ -33,6 +33,19 @@ def register(subparsers: Any) -> None:
     work.add_argument("--seed", type=int, default=0)
     sizes = parser.add_argument_group("tiers")
     sizes.add_argument("--preset", default="bench", help="mini engine preset (tiny, bench)")
+    sizes.add_argument(
+        "--model",
+        default="llama",
+        choices=["llama", "hybrid"],
+        help="llama: full-attention layers only; hybrid: every other layer a sliding-window "
+        "layer plus a recurrent layer, with per-component hit rates",
+    )
+    sizes.add_argument(
+        "--sliding-window",
+        type=int,
+        default=256,
+        help="tokens a sliding-window layer attends to (--model hybrid)",
+    )
     sizes.add_argument("--page-size", type=int, default=16)
     sizes.add_argument("--l1-fraction", type=float, default=0.2, help="L1 size / working set")
     sizes.add_argument("--l2-fraction", type=float, default=0.5, help="L2 size / working set")
@@ -68,14 +81,18 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hicache_store.bench.hybrid import hybrid_config, run_hybrid_setup
     from hicache_store.bench.multiturn import default_setups, fresh_directory, run_setup
     from hicache_store.bench.multiturn import write_chart as draw
     from hicache_store.bench.workload import WorkloadSpec, generate
     from hicache_store.engine.config import MiniLlamaConfig
     from hicache_store.engine.model import MiniLlama
+    from hicache_store.hybrid.model import HybridMiniLlama
 
     try:
         config = MiniLlamaConfig.preset(args.preset)
+        if args.model == "hybrid":
+            config = hybrid_config(config, args.sliding_window)
         spec = WorkloadSpec(
             groups=args.groups,
             conversations=args.conversations,
@@ -105,17 +122,24 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(max(1, args.threads))
-    model = MiniLlama(config)
+    hybrid = HybridMiniLlama(config) if args.model == "hybrid" else None
+    model = hybrid.base if hybrid is not None else MiniLlama(config)
     total = sum(1 for _ in generate(spec))
     options = {
         "write_policy": args.write_policy,
         "prefetch_policy": args.prefetch_policy,
         "host_mode": args.host_mode,
     }
+    kinds = (
+        f"{len(config.window_layers)} of them sliding-window ({config.sliding_window} tokens) "
+        f"+ a recurrent layer"
+        if hybrid is not None
+        else "full attention"
+    )
     print(
-        f"model {args.preset}: {config.num_layers} layers, {config.num_kv_heads} KV heads x "
-        f"{config.head_dim}, {config.dtype}; page {args.page_size} tokens; {total} requests, "
-        f"working set {spec.working_set_tokens} tokens",
+        f"model {args.preset} ({args.model}): {config.num_layers} layers, {kinds}, "
+        f"{config.num_kv_heads} KV heads x {config.head_dim}, {config.dtype}; page "
+        f"{args.page_size} tokens; {total} requests, working set {spec.working_set_tokens} tokens",
         file=sys.stderr,
     )
     summaries = []
@@ -126,11 +150,17 @@ def run(args: argparse.Namespace) -> int:
                 bar = "#" * (30 * done // total)
                 print(f"\r  {name:<9} [{bar:<30}] {done}/{total}", end="", file=sys.stderr)
 
-        result = run_setup(model, spec, setup, args.page_size, options, progress)
+        if hybrid is not None:
+            result = run_hybrid_setup(hybrid, spec, setup, args.page_size, options, progress)
+        else:
+            result = run_setup(model, spec, setup, args.page_size, options, progress)
         if not args.no_progress:
             print(file=sys.stderr)
         summaries.append(result.summary())
     print(render_table(summaries))
+    if hybrid is not None:
+        print()
+        print(render_components(summaries))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"workload": vars(spec), "results": summaries}, indent=2))
@@ -156,4 +186,22 @@ def render_table(summaries: list[dict[str, Any]]) -> str:
             f"{1e3 * s['ttft_median_s']:>6.1f}ms {s['input_throughput_tok_s']:>12.0f} "
             f"{100 * s['bookkeeping_share']:>8.2f}%"
         )
+    return "\n".join(lines)
+
+
+def render_components(summaries: list[dict[str, Any]]) -> str:
+    """Per-component hit rates of hybrid runs: what each component alone could have resumed
+    (share of prompt tokens), what was reused, and how often each component was binding."""
+    first = summaries[0]["tier"]["components"]
+    names = [n for n in first["hit_rates"] if n != "all"]
+    head = f"{'config':<10} {'reused':>7} " + " ".join(f"{n + ' hit':>14}" for n in names)
+    head += "  " + " ".join(f"{n + ' bound':>16}" for n in names)
+    lines = ["per-component hit rates (tokens each component alone could resume after)", head]
+    for s in summaries:
+        comp = s["tier"]["components"]
+        rates, bound = comp["hit_rates"], comp["limited_by"]
+        row = f"{s['setup']['name']:<10} {100 * rates['all']:>6.1f}% "
+        row += " ".join(f"{100 * rates[n]:>13.1f}%" for n in names)
+        row += "  " + " ".join(f"{bound[n]:>16}" for n in names)
+        lines.append(row)
     return "\n".join(lines)

@@ -39,11 +39,10 @@ import torch
 
 from hicache_store.backends.base import Backend
 from hicache_store.engine.kv_pool import DeviceKVPool
+from hicache_store.engine.model import WindowKV
 from hicache_store.layout.namespace import Namespace
 from hicache_store.tier.cache import HiCache, Request
 from hicache_store.tier.config import TierConfig
-
-from hicache_store.engine.model import WindowKV
 
 from .components import ComponentSpec, HitRule, Location, match_components
 from .model import WindowComponent
@@ -312,7 +311,8 @@ class HybridCache:
             if backups and (self.backup_on_existing or not on_existing_prefix):
                 self.metrics.snapshot_backups += self._backup(self.snapshots, page_hash)
         if window is not None:
-            assert self.window is not None and self.windows is not None
+            assert self.window is not None
+            assert self.windows is not None
             for index in range(hreq.prefix_pages, len(hreq.tokens) // self.page_size):
                 page_hash = hreq.hashes[index]
                 self.windows.save(

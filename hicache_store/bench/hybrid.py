@@ -1,0 +1,156 @@
+"""The multi-turn benchmark on the hybrid mini engine (``bench multiturn --model hybrid``).
+
+Same workload, tier configurations and records as ``bench.multiturn``; the model is
+``HybridMiniLlama`` (the preset's layers, every other one a sliding-window layer, plus a recurrent
+layer) served through ``HybridCache``. Besides the token hit rates by tier, each configuration
+reports per-component hit rates: for the full-attention KV, the sliding-window pages and the
+recurrent snapshots, the share of prompt tokens that component alone could have resumed after,
+next to the share actually reused (every component at once), and how often each component was
+the binding one (``HybridMetrics``).
+
+Sizing: the window-page pools have as many pages as the KV pools (one window object per page);
+the snapshot pools hold one snapshot per ``SNAPSHOT_EVERY`` KV pages (a recurrent state is a
+small fixed-size object per prefix end, and only request ends and branch points get one).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from hicache_store.backends import open_backend
+from hicache_store.engine.config import MiniLlamaConfig
+from hicache_store.hybrid.cache import HybridCache, HybridMetrics
+from hicache_store.hybrid.model import HybridMiniLlama
+from hicache_store.tier.config import TierConfig
+
+from .multiturn import RequestRecord, SetupResult, TierSetup, namespace_for
+from .workload import TurnRequest, WorkloadSpec, generate
+
+#: KV pages per snapshot slot in each tier.
+SNAPSHOT_EVERY = 8
+
+
+def hybrid_config(base: MiniLlamaConfig, sliding_window: int) -> MiniLlamaConfig:
+    """``base`` with every odd layer a sliding-window layer of ``sliding_window`` tokens."""
+    return base.with_(
+        window_layers=tuple(range(1, base.num_layers, 2)), sliding_window=sliding_window
+    )
+
+
+def run_hybrid_setup(
+    model: HybridMiniLlama,
+    spec: WorkloadSpec,
+    setup: TierSetup,
+    page_size: int,
+    tier_options: dict[str, Any],
+    progress: Callable[[int], None] | None = None,
+) -> SetupResult:
+    """Serve the whole workload under one configuration through a ``HybridCache``."""
+    window = model.window_component(page_size)
+    backend = open_backend(setup.backend_url) if setup.backend_url else None
+    cache = HybridCache(
+        namespace_for(model.config, page_size),
+        TierConfig(l1_pages=setup.l1_pages, l2_pages=setup.l2_pages, **tier_options),
+        model.make_pool(setup.l1_pages, page_size),
+        model.state_shape,
+        snapshot_l1_slots=max(16, setup.l1_pages // SNAPSHOT_EVERY),
+        snapshot_l2_slots=max(16, setup.l2_pages // SNAPSHOT_EVERY),
+        backend=backend,
+        window=window,
+        window_l1_slots=setup.l1_pages,
+        window_l2_slots=setup.l2_pages,
+    )
+    result = SetupResult(setup)
+    prompts = HybridMetrics(
+        component_tokens=dict.fromkeys(cache.metrics.component_tokens, 0),
+        limited_by=dict.fromkeys(cache.metrics.limited_by, 0),
+    )
+    started = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            for i, request in enumerate(generate(spec)):
+                before = copy.deepcopy(cache.metrics)
+                result.records.append(_serve(model, cache, request))
+                _add_delta(prompts, before, cache.metrics)
+                if request.answer:  # decode's KV joins the cache; not a prompt, not counted
+                    _prefill(model, cache, request.prompt + request.answer)
+                if progress is not None:
+                    progress(i + 1)
+        cache.flush()
+    finally:
+        cache.close()
+        if backend is not None:
+            from hicache_store._sync import run_sync
+
+            run_sync(backend.close())
+    result.wall_s = time.perf_counter() - started
+    counters = asdict(cache.metrics)
+    result.tier_metrics = {
+        **cache.tier.metrics.to_dict(),
+        "components": {
+            # over the prompts (the records' requests), not the answers' decode prefills
+            "hit_rates": prompts.hit_rates(),
+            "limited_by": dict(prompts.limited_by),
+            # every request through the cache, answers included
+            "counters": {
+                k: v for k, v in counters.items() if k not in ("component_tokens", "limited_by")
+            },
+        },
+    }
+    return result
+
+
+def _add_delta(total: HybridMetrics, before: HybridMetrics, after: HybridMetrics) -> None:
+    """Add what one request changed in the hit counters (``after - before``) to ``total``."""
+    total.prompt_tokens += after.prompt_tokens - before.prompt_tokens
+    total.hit_tokens += after.hit_tokens - before.hit_tokens
+    for name, tokens in after.component_tokens.items():
+        total.component_tokens[name] += tokens - before.component_tokens[name]
+    for name, count in after.limited_by.items():
+        total.limited_by[name] += count - before.limited_by[name]
+
+
+def _prefill(model: HybridMiniLlama, cache: HybridCache, tokens: list[int]) -> Any:
+    """One request through the cache; returns the tier request (for its hit split)."""
+    hreq = cache.match(tokens)
+    prep = cache.prepare(hreq)
+    _, _, snapshots = model.prefill(
+        torch.tensor(tokens[prep.start :]),
+        prep.start,
+        prep.slots,
+        cache.pool,
+        prep.state,
+        wait_layer=prep.wait_layer,
+        snapshot_at=prep.snapshot_at,
+        window=prep.window,
+    )
+    cache.complete(hreq, snapshots, prep.window)
+    return hreq
+
+
+def _serve(model: HybridMiniLlama, cache: HybridCache, request: TurnRequest) -> RequestRecord:
+    started = time.perf_counter()
+    hreq = _prefill(model, cache, request.prompt)
+    # TTFT here includes saving the snapshots and window pages (synchronous component I/O).
+    ttft = time.perf_counter() - started
+    req = hreq.kv
+    page = cache.page_size
+    l1 = min(req.l1_pages, req.prefix_pages)
+    l2 = min(req.l2_pages, req.prefix_pages - l1)
+    l3 = req.prefix_pages - l1 - l2
+    return RequestRecord(
+        request.conversation,
+        request.turn,
+        len(request.prompt),
+        l1 * page,
+        l2 * page,
+        l3 * page,
+        ttft,
+        req.bookkeeping_s,
+    )
