@@ -26,8 +26,12 @@ False reproduces the old behaviour (only snapshots on pages this request inserte
 up), for comparison. Window pages of every full page the request computed are saved and backed
 up the same way (only what misses below L1 moves).
 
-Limits of this slice: one rank (the cap is not yet agreed across ranks), synchronous component
-I/O (the KV tier's own pages keep its asynchronous backup and prefetch).
+Several ranks: the prefix is agreed in rounds until it is resumable on every rank
+(``_ComponentGroup``); each rank's component objects are its shard, under its own keys.
+
+Limits of this slice: synchronous component I/O (the KV tier's own pages keep its asynchronous
+backup and prefetch); component objects are keyed by rank, so unlike KV pages they are read back
+only by a deployment of the same topology.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ from hicache_store.backends.base import Backend
 from hicache_store.engine.kv_pool import DeviceKVPool
 from hicache_store.engine.model import WindowKV
 from hicache_store.layout.namespace import Namespace
+from hicache_store.layout.topology import Topology
 from hicache_store.tier.cache import HiCache, Request
 from hicache_store.tier.config import TierConfig
+from hicache_store.tier.group import LocalGroup, RankGroup
 
 from .components import ComponentSpec, HitRule, Location, match_components
 from .model import WindowComponent
@@ -53,19 +59,47 @@ from .store import ComponentStore
 RECURRENT = ComponentSpec("recurrent", 2, HitRule.CHECKPOINT)
 
 
-class _CheckpointGroup:
-    """A one-rank group whose prefix agreement is lowered to a loadable checkpoint."""
+class _ComponentGroup:
+    """The tier's rank group, with the prefix agreement lowered to a prefix every rank can
+    resume at (its components' objects loaded).
 
-    rank = 0
-    size = 1
+    Each rank's usable prefixes are its own (a snapshot or window page may be missing on one
+    rank only), and a checkpoint prefix below one rank's best need not be usable on another. So
+    the agreement is a descent: the ranks agree on the KV prefix ``v`` as before, then each
+    proposes the longest prefix ``<= v`` it can resume at (``cap``) and they agree on the
+    minimum; repeated until the minimum equals ``v``. Every rank sees the same sequence of agreed
+    values, so all run the same number of rounds; ``v`` decreases strictly each round, so it ends
+    (at worst at 0, where every rank can resume).
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, inner: RankGroup) -> None:
+        self.inner = inner
         self.cap: Callable[[int], int] | None = None
+        self.rounds = 0  # agreement rounds of the last prefix decision (1 = no descent)
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
 
     def agree_min(self, value: int, what: str) -> int:
-        if what == "prefix_pages" and self.cap is not None:
-            return self.cap(value)
-        return value
+        agreed = self.inner.agree_min(value, what)
+        if what != "prefix_pages" or self.cap is None:
+            return agreed
+        if self.inner.size == 1:
+            self.rounds = 1
+            return self.cap(agreed)
+        self.rounds = 0
+        while True:
+            self.rounds += 1
+            proposal = self.cap(agreed)
+            lowered = self.inner.agree_min(proposal, "prefix_pages:components")
+            if lowered == agreed:
+                return agreed
+            agreed = lowered
 
 
 @dataclass
@@ -139,14 +173,32 @@ class HybridCache:
         window: WindowComponent | None = None,
         window_l1_slots: int = 0,
         window_l2_slots: int = 0,
+        topology: Topology | None = None,
+        rank: int = 0,
+        group: RankGroup | None = None,
     ) -> None:
         """``window``: the sliding-window component (``HybridMiniLlama.window_component``), with
         its own L1/L2 pools of ``window_l1_slots`` / ``window_l2_slots`` pages; L1 must hold at
-        least one window's pages plus one (``ValueError`` otherwise)."""
+        least one window's pages plus one (``ValueError`` otherwise).
+
+        Several ranks: ``topology``, ``rank`` and ``group`` as for ``HiCache``. The KV pages go
+        through the tier's plans; the other components are this rank's shard of them, stored
+        under the rank's own keys (``StateL3`` ``shard``), and the prefix is agreed so that it is
+        a resumable prefix on every rank (``_ComponentGroup``)."""
         if spec.rule is not HitRule.CHECKPOINT:
             raise ValueError("HybridCache manages one checkpoint component")
-        self._group = _CheckpointGroup()
-        self.tier = HiCache(namespace, config, pool, backend=backend, group=self._group)
+        self._group = _ComponentGroup(group or LocalGroup())
+        # A rank's component objects are its own shard: keyed by its rank in the group.
+        shard = self._group.rank if self._group.size > 1 else None
+        self.tier = HiCache(
+            namespace,
+            config,
+            pool,
+            backend=backend,
+            topology=topology,
+            rank=rank,
+            group=self._group,
+        )
         self.pool = pool
         self.page_size = namespace.page_size
         with_l2 = config.l2_pages > 0
@@ -154,7 +206,9 @@ class HybridCache:
         def state_l3(component: ComponentSpec) -> StateL3 | None:
             if backend is None or not with_l2:
                 return None
-            return StateL3(backend, namespace, component, io_timeout_s=config.io_timeout_s)
+            return StateL3(
+                backend, namespace, component, io_timeout_s=config.io_timeout_s, shard=shard
+            )
 
         self.snapshots = ComponentStore(
             spec,
@@ -205,7 +259,10 @@ class HybridCache:
 
     def prepare(self, hreq: HybridRequest) -> HybridPrepared:
         usable = max(0, (len(hreq.tokens) - 1) // self.page_size)
-        self._group.cap = lambda kv_pages: self._settle_components(hreq, kv_pages, usable)
+        rounds = iter(range(1 << 30))
+        self._group.cap = lambda kv_pages: self._settle_components(
+            hreq, kv_pages, usable, first=next(rounds) == 0
+        )
         try:
             prep = self.tier.prepare(hreq.kv)
         finally:
@@ -227,10 +284,20 @@ class HybridCache:
             prep.start, prep.slots, prep.wait_layer, hreq.state, snapshot_at, hreq.window
         )
 
-    def _settle_components(self, hreq: HybridRequest, kv_pages: int, usable: int) -> int:
+    def _settle_components(
+        self, hreq: HybridRequest, kv_pages: int, usable: int, *, first: bool
+    ) -> int:
         """The tier's prefix cap: the longest prefix ``<= kv_pages`` at which every component's
-        objects are available and load; they are loaded (and locked) into ``hreq``."""
-        self.metrics.kv_prefix_tokens += kv_pages * self.page_size
+        objects are available and load; they are loaded (and locked) into ``hreq``.
+
+        Called again (``first`` False) when the ranks agreed on a shorter prefix: what the last
+        call loaded is released first, and the hit counters keep the first call's view."""
+        for store, page_hash in hreq.locked:
+            store.unlock(page_hash)
+        hreq.locked.clear()
+        hreq.state, hreq.window = None, None
+        if first:
+            self.metrics.kv_prefix_tokens += kv_pages * self.page_size
         hashes = hreq.hashes[:usable]
         availability: dict[str, list[Location | None]] = {
             self.kv_spec.name: [Location.L1 if i < kv_pages else None for i in range(usable)]
@@ -247,10 +314,11 @@ class HybridCache:
             name, index = failed
             availability[name][index] = None
         # Per-component hit rates, on what actually loads (a corrupt object counts as absent).
-        for name, pages in found.alone.items():
-            self.metrics.component_tokens[name] += pages * self.page_size
-        for name in found.limited_by:
-            self.metrics.limited_by[name] += 1
+        if first:
+            for name, pages in found.alone.items():
+                self.metrics.component_tokens[name] += pages * self.page_size
+            for name in found.limited_by:
+                self.metrics.limited_by[name] += 1
         hreq.state = loaded.get((self.snapshots.spec.name, found.prefix_pages - 1))
         if self.window is not None:
             buffer = self.window.buffer(len(hreq.tokens), self.pool.device)
@@ -334,6 +402,11 @@ class HybridCache:
         before = store.metrics.backups_l2 + store.metrics.backups_l3
         store.backup(page_hash)
         return store.metrics.backups_l2 + store.metrics.backups_l3 > before
+
+    @property
+    def agreement_rounds(self) -> int:
+        """Rounds the last prefix agreement took (1: the ranks agreed at once; 0: none yet)."""
+        return self._group.rounds
 
     # -- maintenance --------------------------------------------------------------------------
 

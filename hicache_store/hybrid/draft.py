@@ -54,9 +54,10 @@ from hicache_store.engine.kv_pool import DeviceKVPool
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.tier.cache import HiCache, Request
 from hicache_store.tier.config import TierConfig
+from hicache_store.tier.group import LocalGroup
 from hicache_store.tier.radix import PageNode
 
-from .cache import _CheckpointGroup
+from .cache import _ComponentGroup
 from .components import ComponentSpec, HitRule, HybridMatch, Location, match_components
 from .state_l3 import StateL3
 from .store import ComponentStore
@@ -278,7 +279,7 @@ class SidecarDraftCache:
             raise ValueError("the sidecar draft component is a full-rule component other than 0")
         if self.spec.num_layers != draft_pool.num_layers:
             raise ValueError("the draft component's num_layers must be the draft pool's")
-        self._group = _CheckpointGroup()
+        self._group = _ComponentGroup(LocalGroup())
         self.tier = HiCache(namespace, config, target_pool, backend=backend, group=self._group)
         self.pool = target_pool
         self.draft_pool = draft_pool

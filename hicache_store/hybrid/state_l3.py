@@ -60,13 +60,18 @@ class StateL3:
         *,
         payload_bytes: int | None = None,
         io_timeout_s: float = 30.0,
+        shard: int | None = None,
     ) -> None:
+        """``shard``: the rank's shard of a component sharded across ranks (a TP rank's slice
+        of the recurrent state or of the window layers' heads), written as the key's head group
+        (``_H{shard}``) so that ranks sharing a backend never overwrite each other's objects;
+        None for an unsharded component."""
         if spec.component == 0:
             raise ValueError("component 0 is the tier's full-attention KV (use HiCache's L3Link)")
         self.backend = backend
         self.namespace = namespace
         self.spec = spec
-        self.coords = ObjectCoords(0, spec.num_layers, None, spec.component)
+        self.coords = ObjectCoords(0, spec.num_layers, shard, spec.component)
         self.payload_bytes = payload_bytes
         self.io_timeout_s = io_timeout_s
         self.io = StateIO()
