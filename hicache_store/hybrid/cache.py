@@ -29,13 +29,17 @@ up the same way (only what misses below L1 moves).
 Several ranks: the prefix is agreed in rounds until it is resumable on every rank
 (``_ComponentGroup``); each rank's component objects are its shard, under its own keys.
 
-Limits of this slice: synchronous component I/O (the KV tier's own pages keep its asynchronous
-backup and prefetch); component objects are keyed by rank, so unlike KV pages they are read back
+Component objects go to L3 in the background (``async_component_io``): ``poll`` applies the
+finished puts and keeps their completion events (``drain_events``), ``flush`` waits for them.
+
+Limits of this slice: component loads are synchronous at ``prepare`` (no prefetch of component
+objects ahead of the request); component objects are keyed by rank, so unlike KV pages they are read back
 only by a deployment of the same topology.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -53,7 +57,7 @@ from hicache_store.tier.group import LocalGroup, RankGroup
 from .components import ComponentSpec, HitRule, Location, match_components
 from .model import WindowComponent
 from .state_l3 import StateL3
-from .store import ComponentStore
+from .store import BackupEvent, ComponentStore
 
 #: the recurrent checkpoint component of ``HybridMiniLlama``.
 RECURRENT = ComponentSpec("recurrent", 2, HitRule.CHECKPOINT)
@@ -176,8 +180,13 @@ class HybridCache:
         topology: Topology | None = None,
         rank: int = 0,
         group: RankGroup | None = None,
+        async_component_io: bool = True,
     ) -> None:
-        """``window``: the sliding-window component (``HybridMiniLlama.window_component``), with
+        """``async_component_io``: component objects are put to L3 in the background (applied
+        by ``poll``/``complete``, awaited by ``flush``), like the tier's KV pages; False puts
+        them on the engine thread.
+
+        ``window``: the sliding-window component (``HybridMiniLlama.window_component``), with
         its own L1/L2 pools of ``window_l1_slots`` / ``window_l2_slots`` pages; L1 must hold at
         least one window's pages plus one (``ValueError`` otherwise).
 
@@ -218,6 +227,7 @@ class HybridCache:
             l2_slots=snapshot_l2_slots if with_l2 else 0,
             l3=state_l3(spec),
             device=pool.device,
+            async_l3=async_component_io,
         )
         self.window = window
         self.windows: ComponentStore | None = None
@@ -238,12 +248,15 @@ class HybridCache:
                 l2_slots=window_l2_slots if with_l2 else 0,
                 l3=state_l3(window.spec),
                 device=pool.device,
+                async_l3=async_component_io,
             )
         #: the components of every match, KV first (its availability is the tier's answer).
         self.kv_spec = ComponentSpec("kv", 0, HitRule.FULL, num_layers=pool.num_layers)
         self.stores = [s for s in (self.windows, self.snapshots) if s is not None]
         self.specs = [self.kv_spec, *(s.spec for s in self.stores)]
         self.backup_on_existing = backup_snapshots_on_existing_prefix
+        # Completion events until drained; bounded so an engine that never drains cannot grow it.
+        self._events: collections.deque[BackupEvent] = collections.deque(maxlen=1 << 16)
         self.metrics = HybridMetrics(
             component_tokens={spec.name: 0 for spec in self.specs},
             limited_by={spec.name: 0 for spec in self.specs},
@@ -391,6 +404,8 @@ class HybridCache:
                 self.metrics.window_pages_saved += 1
                 if backups:
                     self.metrics.window_backups += self._backup(self.windows, page_hash)
+        for store in self.stores:  # apply component puts that finished meanwhile
+            self._events.extend(store.poll())
 
     @staticmethod
     def _parent(hreq: HybridRequest, index: int) -> str | None:
@@ -399,9 +414,14 @@ class HybridCache:
     @staticmethod
     def _backup(store: ComponentStore, page_hash: str) -> bool:
         """Back up one object; True when something moved (L1 -> L2 or -> L3)."""
-        before = store.metrics.backups_l2 + store.metrics.backups_l3
+
+        def moved() -> int:
+            m = store.metrics
+            return m.backups_l2 + m.backups_l3 + m.backups_l3_queued
+
+        before = moved()
         store.backup(page_hash)
-        return store.metrics.backups_l2 + store.metrics.backups_l3 > before
+        return moved() > before
 
     @property
     def agreement_rounds(self) -> int:
@@ -416,11 +436,31 @@ class HybridCache:
         for store in self.stores:
             store.evict_all(Location.L1)
 
-    def flush(self) -> None:
-        self.tier.flush()
+    def poll(self) -> None:
+        """Apply finished background transfers: the tier's, and the components' L3 backups
+        (their completion events are kept for ``drain_events``)."""
+        self.tier.poll()
+        for store in self.stores:
+            self._events.extend(store.poll())
+
+    def drain_events(self) -> list[BackupEvent]:
+        """The component backups that finished since the last call (completion events)."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait for every queued L3 transfer (KV pages and component objects), then poll."""
+        self.tier.flush(timeout)
+        for store in self.stores:
+            self._events.extend(store.flush(timeout))
 
     def close(self) -> None:
-        self.tier.close()
+        try:
+            for store in self.stores:
+                self._events.extend(store.flush())
+        finally:
+            self.tier.close()
 
     def check_invariants(self) -> None:
         self.tier.check_invariants()

@@ -35,13 +35,18 @@ hash``): every device page the tier allocates goes through ``prepare`` (loaded p
 pages), where the entry is overwritten (restored or computed) or dropped, so a stale draft page
 is never taken for a valid one (a request that does not speculate leaves no draft entry).
 
-Limits of this slice: one rank; sidecar draft I/O is synchronous on the engine thread (the
-tier's KV backups stay asynchronous), so the draft's copies are not yet part of the tier's own
-L3 completion events; decode-time KV of either model is not cached.
+Completion events (sidecar): the draft's L3 puts run in the background like the tier's KV
+backups; a page yields one event (``drain_events``) once *both* its target object and its draft
+object have finished their backup, ``ok`` only when both are stored, so "this page is in L3"
+always means both models' KV (packed: the tier's own events cover both by construction).
+
+Limits of this slice: one rank; draft restores are synchronous at ``prepare``; decode-time KV of
+either model is not cached.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +65,7 @@ from hicache_store.tier.radix import PageNode
 from .cache import _ComponentGroup
 from .components import ComponentSpec, HitRule, HybridMatch, Location, match_components
 from .state_l3 import StateL3
-from .store import ComponentStore
+from .store import BackupEvent, ComponentStore
 
 #: the target's full-attention KV (the tier's own pages) in a draft-aware match.
 TARGET = ComponentSpec("target", 0, HitRule.FULL)
@@ -302,9 +307,18 @@ class SidecarDraftCache:
             l2_slots=store_l2_pages if config.l2_pages > 0 else 0,
             l3=l3,
             device=draft_pool.device,
+            async_l3=True,
         )
         self._draft_l1: dict[int, str] = {}  # device page -> page hash whose draft KV it holds
         self.metrics = DraftMetrics()
+        #: pages whose draft object is on its way to L3 -> the target's backup outcome once
+        #: known (None: its backup is still in flight)
+        self._awaiting: dict[str, bool | None] = {}
+        #: target outcomes applied during the ``complete`` in progress (before its pages are
+        #: registered as awaiting)
+        self._fresh_outcomes: dict[str, bool] = {}
+        self._events: collections.deque[BackupEvent] = collections.deque(maxlen=1 << 16)
+        self.tier.backup_listeners.append(self._on_target_backup)
 
     # -- the request path ---------------------------------------------------------------------
 
@@ -406,6 +420,21 @@ class SidecarDraftCache:
             self.store.save(page_hash, self._read_page(node.device_page), parent_hash=parent)
             if self.store.backup(page_hash):
                 self.metrics.draft_pages_backed_up += 1
+            if self.store.l3_pending(page_hash):
+                if node.in_l3 and not node.l3_pending:
+                    self._awaiting[page_hash] = True  # the target was stored before
+                elif node.l3_pending:
+                    self._awaiting[page_hash] = None
+                elif page_hash in self._fresh_outcomes:  # its backup ended during complete
+                    self._awaiting[page_hash] = self._fresh_outcomes[page_hash]
+        self._fresh_outcomes.clear()
+        self.poll()
+
+    def _on_target_backup(self, page_hash: str, ok: bool) -> None:
+        if page_hash in self._awaiting:
+            self._awaiting[page_hash] = ok
+        else:
+            self._fresh_outcomes[page_hash] = ok
 
     # -- maintenance ----------------------------------------------------------------------------
 
@@ -423,11 +452,36 @@ class SidecarDraftCache:
         self.store.evict_all(Location.L1)
         self._drop_stale()
 
-    def flush(self) -> None:
-        self.tier.flush()
+    def poll(self) -> None:
+        """Apply finished transfers; a page whose target and draft objects have both ended
+        their L3 backup yields one completion event (``ok``: both stored)."""
+        self.tier.poll()
+        self._fresh_outcomes.clear()  # outcomes of pages no draft object waits for
+        self.store.poll()
+        for page_hash, target_ok in list(self._awaiting.items()):
+            if target_ok is None or self.store.l3_pending(page_hash):
+                continue
+            del self._awaiting[page_hash]
+            ok = target_ok and self.store.in_l3(page_hash)
+            self._events.append(BackupEvent("target+draft", page_hash, ok))
+
+    def drain_events(self) -> list[BackupEvent]:
+        """Pages whose target and draft backups both finished since the last call."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def flush(self, timeout: float = 60.0) -> None:
+        self.tier.flush(timeout)
+        self.store.flush(timeout)
+        self.poll()
 
     def close(self) -> None:
-        self.tier.close()
+        try:
+            self.store.flush()
+            self.poll()
+        finally:
+            self.tier.close()
 
     def check_invariants(self) -> None:
         self.tier.check_invariants()

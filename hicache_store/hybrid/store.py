@@ -16,19 +16,24 @@ last page of the prefix it was taken at, for a checkpoint; the page itself, for 
   miss; a corrupt L3 object is a counted miss).
 
 Single-threaded bookkeeping (the engine's thread); L3 I/O goes through the sync bridge and is
-bounded by the ``StateL3`` timeout. (A first slice: backups are synchronous, unlike the KV tier's
-background worker.)
+bounded by the ``StateL3`` timeout. L3 backups are synchronous by default; with
+``async_l3=True`` they are queued on the bridge loop (at most ``max_pending_l3`` in flight; more
+are dropped and counted, as the KV tier drops backups past its queue) and take effect when the
+engine thread calls ``poll`` (or ``flush``), which returns one ``BackupEvent`` per finished put:
+the component's completion events. An object whose put is pending is not queued again.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hicache_store._sync import run_sync
+from hicache_store._sync import run_sync, submit
 
 from .components import ComponentSpec, Location
 from .state_l3 import StateL3
@@ -58,6 +63,18 @@ class StoreMetrics:
     misses: int = 0
     evictions_l1: int = 0
     evictions_l2: int = 0
+    backups_l3_queued: int = 0
+    backups_l3_failed: int = 0
+    backups_l3_dropped: int = 0
+
+
+@dataclass(frozen=True)
+class BackupEvent:
+    """One finished L3 backup of a component object (``ok``: stored)."""
+
+    component: str
+    page_hash: str
+    ok: bool
 
 
 class StoreFullError(RuntimeError):
@@ -75,6 +92,8 @@ class ComponentStore:
         l2_slots: int,
         l3: StateL3 | None = None,
         device: torch.device | str = "cpu",
+        async_l3: bool = False,
+        max_pending_l3: int = 256,
     ) -> None:
         if l1_slots <= 0:
             raise ValueError("l1_slots must be positive")
@@ -102,6 +121,10 @@ class ComponentStore:
         self._entries: dict[str, _Entry] = {}
         self._clock = itertools.count(1)
         self.metrics = StoreMetrics()
+        self.async_l3 = async_l3
+        self.max_pending_l3 = max_pending_l3
+        #: queued L3 puts by page hash, in submission order
+        self._pending: dict[str, concurrent.futures.Future[bool]] = {}
 
     # -- queries --------------------------------------------------------------------------
 
@@ -185,7 +208,7 @@ class ComponentStore:
                 entry.l2_slot = slot
                 self.metrics.backups_l2 += 1
                 moved = True
-        if self.l3 is not None and not entry.in_l3:
+        if self.l3 is not None and not entry.in_l3 and page_hash not in self._pending:
             source = (
                 self.l2[entry.l2_slot]
                 if entry.l2_slot is not None
@@ -194,14 +217,70 @@ class ComponentStore:
                 else None
             )
             if source is not None:
+                # A copy of the bytes: the slot may be evicted and reused before the put ends.
                 data = source.numpy().tobytes()
-                if run_sync(self.l3.put(page_hash, data, parent_hash=entry.parent_hash)):
-                    entry.in_l3 = True
-                    self.metrics.backups_l3 += 1
+                put = self.l3.put(page_hash, data, parent_hash=entry.parent_hash)
+                if not self.async_l3:
+                    if run_sync(put):
+                        entry.in_l3 = True
+                        self.metrics.backups_l3 += 1
+                        moved = True
+                elif len(self._pending) >= self.max_pending_l3:
+                    put.close()  # never awaited
+                    self.metrics.backups_l3_dropped += 1
+                else:
+                    self._pending[page_hash] = submit(put)
+                    self.metrics.backups_l3_queued += 1
                     moved = True
         if not moved:
             self.metrics.backups_skipped += 1
-        return entry.l2_slot is not None or entry.in_l3
+        return entry.l2_slot is not None or entry.in_l3 or page_hash in self._pending
+
+    # -- asynchronous L3 backups ------------------------------------------------------------
+
+    def in_l3(self, page_hash: str) -> bool:
+        """Known to be stored in L3 (a put applied, or found by a check)."""
+        entry = self._entries.get(page_hash)
+        return entry is not None and entry.in_l3
+
+    def l3_pending(self, page_hash: str) -> bool:
+        """An L3 put of the object is queued and not yet applied."""
+        return page_hash in self._pending
+
+    @property
+    def pending_l3(self) -> int:
+        """L3 puts queued and not yet applied by ``poll``."""
+        return len(self._pending)
+
+    def poll(self) -> list[BackupEvent]:
+        """Apply the L3 puts that finished (engine thread); their completion events, in
+        submission order among those that finished."""
+        events: list[BackupEvent] = []
+        for page_hash, future in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[page_hash]
+            ok = future.exception() is None and bool(future.result())
+            if ok:
+                self._entry(page_hash).in_l3 = True
+                self.metrics.backups_l3 += 1
+            else:
+                self.metrics.backups_l3_failed += 1
+            events.append(BackupEvent(self.spec.name, page_hash, ok))
+        return events
+
+    def flush(self, timeout: float = 60.0) -> list[BackupEvent]:
+        """Wait for every queued L3 put (``TimeoutError`` after ``timeout``), then ``poll``."""
+        deadline = time.monotonic() + timeout
+        for future in list(self._pending.values()):
+            remaining = deadline - time.monotonic()
+            try:
+                future.exception(timeout=max(remaining, 0.0))
+            except concurrent.futures.TimeoutError:
+                raise TimeoutError(
+                    f"{self.spec.name}: L3 backups did not finish in {timeout} s"
+                ) from None
+        return self.poll()
 
     # -- reads ----------------------------------------------------------------------------
 

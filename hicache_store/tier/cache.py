@@ -246,6 +246,10 @@ class HiCache:
         self._backup_worker_lock = threading.Lock()
         self._backup_worker_running = False
         self._prefetches: list[_Prefetch] = []
+        #: completion events of L3 backups: each is called with ``(page_hash, ok)`` on the
+        #: engine thread when ``poll`` applies a finished backup (components that ride along a
+        #: page, e.g. a sidecar draft, join their own outcome to the page's here).
+        self.backup_listeners: list[Callable[[str, bool], None]] = []
 
     def _register_host_pool(self, backend: Backend) -> bool:
         """Offer the L2 pool to backends that read into registered memory without a copy
@@ -686,6 +690,8 @@ class HiCache:
                 self._acks.append(("backup", (node, ok, io)))
 
     def _apply_backup(self, node: PageNode, ok: bool, io: PageIO) -> None:
+        for listener in self.backup_listeners:
+            listener(node.page_hash, ok)
         self._backups_in_flight -= 1
         node.l3_pending = False
         node.host_lock -= 1
