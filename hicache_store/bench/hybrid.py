@@ -8,9 +8,10 @@ recurrent snapshots, the share of prompt tokens that component alone could have 
 next to the share actually reused (every component at once), and how often each component was
 the binding one (``HybridMetrics``).
 
-Sizing: the window-page pools have as many pages as the KV pools (one window object per page);
-the snapshot pools hold one snapshot per ``SNAPSHOT_EVERY`` KV pages (a recurrent state is a
-small fixed-size object per prefix end, and only request ends and branch points get one).
+Sizing (memory-fair): the window-page pools have as many pages as the KV pools (with every other
+layer a window layer, the same bytes); only the window pages before checkpoints are kept, so the
+snapshot pools get one slot per window's worth of pages (every snapshot a pool holds can have its
+window), at least ``MIN_SNAPSHOT_SLOTS``.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from hicache_store.tier.config import TierConfig
 from .multiturn import RequestRecord, SetupResult, TierSetup, namespace_for
 from .workload import TurnRequest, WorkloadSpec, generate
 
-#: KV pages per snapshot slot in each tier.
-SNAPSHOT_EVERY = 8
+MIN_SNAPSHOT_SLOTS = 4
 
 
 def hybrid_config(base: MiniLlamaConfig, sliding_window: int) -> MiniLlamaConfig:
@@ -50,21 +50,29 @@ def run_hybrid_setup(
     page_size: int,
     tier_options: dict[str, Any],
     progress: Callable[[int], None] | None = None,
+    *,
+    checkpoint_interval_pages: int = 0,
 ) -> SetupResult:
     """Serve the whole workload under one configuration through a ``HybridCache``."""
     window = model.window_component(page_size)
+    per_window = 1 if window is None else len(window.spec.pages_needed(1 << 20, page_size))
+
+    def snapshot_slots(pages: int) -> int:
+        return max(MIN_SNAPSHOT_SLOTS, pages // per_window)
+
     backend = open_backend(setup.backend_url) if setup.backend_url else None
     cache = HybridCache(
         namespace_for(model.config, page_size),
         TierConfig(l1_pages=setup.l1_pages, l2_pages=setup.l2_pages, **tier_options),
         model.make_pool(setup.l1_pages, page_size),
         model.state_shape,
-        snapshot_l1_slots=max(16, setup.l1_pages // SNAPSHOT_EVERY),
-        snapshot_l2_slots=max(16, setup.l2_pages // SNAPSHOT_EVERY),
+        snapshot_l1_slots=snapshot_slots(setup.l1_pages),
+        snapshot_l2_slots=snapshot_slots(setup.l2_pages),
         backend=backend,
         window=window,
         window_l1_slots=setup.l1_pages,
         window_l2_slots=setup.l2_pages,
+        checkpoint_interval_pages=checkpoint_interval_pages,
     )
     result = SetupResult(setup)
     prompts = HybridMetrics(

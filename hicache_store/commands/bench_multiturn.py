@@ -41,6 +41,14 @@ def register(subparsers: Any) -> None:
         "layer plus a recurrent layer, with per-component hit rates",
     )
     sizes.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=0,
+        metavar="PAGES",
+        help="--model hybrid: also snapshot the recurrent state every PAGES pages (0: only at "
+        "request ends and branch points)",
+    )
+    sizes.add_argument(
         "--sliding-window",
         type=int,
         default=256,
@@ -91,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = MiniLlamaConfig.preset(args.preset)
+        if args.checkpoint_interval < 0:
+            raise ValueError("--checkpoint-interval must be >= 0")
         if args.model == "hybrid":
             config = hybrid_config(config, args.sliding_window)
         spec = WorkloadSpec(
@@ -151,7 +161,15 @@ def run(args: argparse.Namespace) -> int:
                 print(f"\r  {name:<9} [{bar:<30}] {done}/{total}", end="", file=sys.stderr)
 
         if hybrid is not None:
-            result = run_hybrid_setup(hybrid, spec, setup, args.page_size, options, progress)
+            result = run_hybrid_setup(
+                hybrid,
+                spec,
+                setup,
+                args.page_size,
+                options,
+                progress,
+                checkpoint_interval_pages=args.checkpoint_interval,
+            )
         else:
             result = run_setup(model, spec, setup, args.page_size, options, progress)
         if not args.no_progress:

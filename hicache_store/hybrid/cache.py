@@ -18,13 +18,16 @@ end, the recurrent snapshot exactly at it) and whose objects actually load from 
 missing or corrupt object moves the prefix to the previous usable end, down to 0 = recompute from
 the start. The objects are loaded right there, so the prefix is never promised without its state.
 
-Snapshots are taken at the request's last full page and at the branch point (the end of the
-longest KV prefix already in the tree, when computation started before it). With
+Snapshots are taken at the request's last full page, at the branch point (the end of the
+longest KV prefix already in the tree, when computation started before it) and, with
+``checkpoint_interval_pages``, every that many pages (so a KV prefix that lost its tail can still
+resume at a checkpoint inside it). With
 ``backup_snapshots_on_existing_prefix`` (default), every new snapshot is backed up to L2/L3 if it
 misses there, also when its prefix's KV was already backed up (the seed's write-through fix);
 False reproduces the old behaviour (only snapshots on pages this request inserted are backed
-up), for comparison. Window pages of every full page the request computed are saved and backed
-up the same way (only what misses below L1 moves).
+up), for comparison. The window pages a new snapshot needs (those inside the window before it,
+computed by this request) are saved and backed up the same way (only what misses below L1
+moves); no other window page is kept, since a resume happens only at a checkpoint.
 
 Several ranks: the prefix is agreed in rounds until it is resumable on every rank
 (``_ComponentGroup``); each rank's component objects are its shard, under its own keys.
@@ -173,6 +176,7 @@ class HybridCache:
         snapshot_l2_slots: int,
         backend: Backend | None = None,
         backup_snapshots_on_existing_prefix: bool = True,
+        checkpoint_interval_pages: int = 0,
         spec: ComponentSpec = RECURRENT,
         window: WindowComponent | None = None,
         window_l1_slots: int = 0,
@@ -182,7 +186,12 @@ class HybridCache:
         group: RankGroup | None = None,
         async_component_io: bool = True,
     ) -> None:
-        """``async_component_io``: component objects are put to L3 in the background (applied
+        """``checkpoint_interval_pages``: besides the request's end and the branch point, take a
+        snapshot every that many pages of the computed range (0: none). Without them, a KV prefix
+        that lost its tail (L1 evicted the newest pages, L2 kept the older ones) is useless: no
+        snapshot sits at its end, so the match falls to the previous request end or to 0.
+
+        ``async_component_io``: component objects are put to L3 in the background (applied
         by ``poll``/``complete``, awaited by ``flush``), like the tier's KV pages; False puts
         them on the engine thread.
 
@@ -255,6 +264,9 @@ class HybridCache:
         self.stores = [s for s in (self.windows, self.snapshots) if s is not None]
         self.specs = [self.kv_spec, *(s.spec for s in self.stores)]
         self.backup_on_existing = backup_snapshots_on_existing_prefix
+        if checkpoint_interval_pages < 0:
+            raise ValueError("checkpoint_interval_pages must be >= 0")
+        self.checkpoint_interval = checkpoint_interval_pages
         # Completion events until drained; bounded so an engine that never drains cannot grow it.
         self._events: collections.deque[BackupEvent] = collections.deque(maxlen=1 << 16)
         self.metrics = HybridMetrics(
@@ -292,6 +304,9 @@ class HybridCache:
         ends = {full}
         if hreq.prefix_pages < hreq.tree_pages <= full:
             ends.add(hreq.tree_pages)  # the branch point
+        if self.checkpoint_interval:  # periodic checkpoints inside the computed range
+            step = self.checkpoint_interval
+            ends.update(range(step * (hreq.prefix_pages // step + 1), full, step))
         snapshot_at = tuple(sorted(p * self.page_size for p in ends if p > hreq.prefix_pages))
         return HybridPrepared(
             prep.start, prep.slots, prep.wait_layer, hreq.state, snapshot_at, hreq.window
@@ -394,7 +409,20 @@ class HybridCache:
         if window is not None:
             assert self.window is not None
             assert self.windows is not None
-            for index in range(hreq.prefix_pages, len(hreq.tokens) // self.page_size):
+            # A resume happens only at a checkpoint, so only the window pages before each new
+            # snapshot can ever be read: keep those (their retention then follows the
+            # snapshots' instead of competing with pages no resume needs).
+            wanted = sorted(
+                {
+                    index
+                    for pos in snapshots
+                    for index in self.window.spec.pages_needed(
+                        pos // self.page_size, self.page_size
+                    )
+                    if index >= hreq.prefix_pages
+                }
+            )
+            for index in wanted:
                 page_hash = hreq.hashes[index]
                 self.windows.save(
                     page_hash,

@@ -118,8 +118,9 @@ def test_l1_and_l2_hits_restore_the_window(model: HybridMiniLlama) -> None:
 
 
 def test_restore_from_l3_loads_only_the_window(model: HybridMiniLlama, tmp_path: Path) -> None:
-    """A fresh instance resumes after the 6-page document from L3 with the window layers' KV of
-    the last two pages only: the older window objects are deleted first and not missed."""
+    """Only the window pages before checkpoints are stored (a resume happens only there), and a
+    fresh instance resumes after the 6-page document from L3 with the window layers' KV of its
+    last two pages."""
     rng = random.Random(1)
     doc = rand(rng, 24)
     backend = open_backend(f"file://{tmp_path}/l3")
@@ -128,10 +129,9 @@ def test_restore_from_l3_loads_only_the_window(model: HybridMiniLlama, tmp_path:
     serve(first, model, doc + rand(rng, 6))  # snapshot at the document's end, backed up
     first.flush()
     doc_hashes = hashes(doc)
-    old = [window_key(first, h) for h in doc_hashes[:4]]
-    assert all(run_sync(backend.exists(old)))
+    stored = run_sync(backend.exists([window_key(first, h) for h in doc_hashes]))
+    assert stored == [False] * 4 + [True] * 2  # the window before the checkpoint at 24
     first.close()
-    assert all(run_sync(backend.delete(old)))
     second = make_cache(model, backend)
     assert serve(second, model, doc + rand(rng, 3)) == len(doc)
     assert second.windows is not None and second.windows.metrics.loads_l3 == 2
@@ -184,11 +184,19 @@ def test_complete_requires_the_window_buffer(model: HybridMiniLlama) -> None:
     hreq = cache.match(tokens)
     prep = cache.prepare(hreq)
     assert prep.window is not None and prep.window.length == 10
+    assert prep.snapshot_at == (8,)
     _, _, snaps = model.prefill(
-        torch.tensor(tokens), 0, prep.slots, cache.pool, None, window=prep.window
+        torch.tensor(tokens),
+        0,
+        prep.slots,
+        cache.pool,
+        None,
+        window=prep.window,
+        snapshot_at=prep.snapshot_at,
     )
     with pytest.raises(ValueError, match="window KV buffer"):
         cache.complete(hreq, snaps)
     cache.complete(hreq, snaps, prep.window)
     assert cache.windows is not None
-    assert cache.windows.location(hashes(tokens)[1]) is Location.L1
+    # the window before the checkpoint at 8 tokens: pages 0 and 1
+    assert [cache.windows.location(h) for h in hashes(tokens)] == [Location.L1, Location.L1]
