@@ -43,6 +43,7 @@ only by a deployment of the same topology.
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -284,9 +285,9 @@ class HybridCache:
 
     def prepare(self, hreq: HybridRequest) -> HybridPrepared:
         usable = max(0, (len(hreq.tokens) - 1) // self.page_size)
-        rounds = iter(range(1 << 30))
+        calls = itertools.count()
         self._group.cap = lambda kv_pages: self._settle_components(
-            hreq, kv_pages, usable, first=next(rounds) == 0
+            hreq, kv_pages, usable, first=next(calls) == 0
         )
         try:
             prep = self.tier.prepare(hreq.kv)
