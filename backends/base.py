@@ -4,6 +4,7 @@ Public API (what callers use; implemented here, once, for every backend)::
 
     exists(keys)                      -> list[bool]
     get_into(keys, buffers, ranges)   -> list[int | None]   bytes read, None = miss
+    get_scatter(key, buffers, range)  -> int | None         one range into several buffers
     put(keys, buffers)                -> None
     delete(keys)                      -> list[bool]         False = was absent
     stat(keys)                        -> list[ObjectStat | None]
@@ -14,7 +15,7 @@ Public API (what callers use; implemented here, once, for every backend)::
 
 Core (what a backend implements; the public method has already validated everything):
 ``_exists``, ``_get_into``, ``_put``, ``_delete``, ``_stat``; optionally ``_list_prefix``,
-``_put_if_absent``, ``_close``.
+``_put_if_absent``, ``_get_scatter``, ``_close``.
 
 Contracts every backend keeps (the conformance suite in ``hicache_store.testing`` checks them):
 
@@ -32,6 +33,11 @@ Contracts every backend keeps (the conformance suite in ``hicache_store.testing`
   returned count, and never keeps a reference after returning.
 - **Ranges** are ``ByteRange`` (end exclusive). A range reaching past the object's end, or a
   buffer too small for the object or range, raises ``InvalidRangeError``; nothing is clamped.
+- **Scatter reads** (``get_scatter``) fill several buffers, in order, from one contiguous range
+  of one object (e.g. a framed object's header and payload, landing in separate memory), with
+  the same range, miss and buffer rules as ``get_into``. The default issues one ranged read per
+  buffer; a backend that can do it in one request (the file backend: one ``preadv``) overrides
+  ``_get_scatter``.
 - **Loops and threads**: a backend binds no event-loop object at construction, so it may be
   used from any loop (the sync bridge runs its own). Calls may overlap; backends synchronise
   what they share.
@@ -93,6 +99,35 @@ def as_byte_view(buffer: BufferLike, *, writable: bool, what: str = "buffer") ->
     if writable and view.readonly:
         raise ValueError(f"{what} is read-only; reads need writable memory")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def scatter_views(views: Sequence[memoryview], length: int) -> list[memoryview]:
+    """The leading ``length`` bytes of ``views`` taken in order, as non-empty views.
+
+    Later views are cut or dropped so the result covers exactly ``length`` bytes (raises
+    ``ValueError`` when the views hold fewer). What a scatter read fills, and nothing more.
+    """
+    parts: list[memoryview] = []
+    left = length
+    for view in views:
+        if left == 0:
+            break
+        take = min(left, len(view))
+        if take:
+            parts.append(view[:take])
+            left -= take
+    if left:
+        raise ValueError(f"buffers hold {length - left} of the {length} bytes to scatter")
+    return parts
+
+
+def _is_buffer(obj: object) -> bool:
+    """Whether ``obj`` itself exports the buffer protocol (a numpy array, an mmap...)."""
+    try:
+        memoryview(obj)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
 
 
 class Backend(abc.ABC):
@@ -174,6 +209,27 @@ class Backend(abc.ABC):
         await self._put([key], [buffer])
         return True
 
+    async def _get_scatter(
+        self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange
+    ) -> int | None:
+        """Read ``byte_range`` of one object into ``buffers`` in order; bytes read or None.
+
+        ``buffers`` are writable flat byte views that together cover exactly
+        ``byte_range.length`` bytes (the public method trims them), none empty. A range past
+        the object's end raises ``InvalidRangeError``. This default reads each buffer's
+        sub-range in one ``_get_into`` batch (ranges emulated as ``get_into`` does when the
+        backend has no ranged reads); backends that can read it all in one request override it.
+        A concurrent rewrite of the key may then be seen part old, part new: callers verify
+        what they read (framed objects carry checksums), as for two ``get_into`` ranges.
+        """
+        ranges: list[ByteRange | None] = []
+        offset = byte_range.start
+        for view in buffers:
+            ranges.append(ByteRange(offset, offset + len(view)))
+            offset += len(view)
+        got = await self._fetch_into([key] * len(buffers), list(buffers), ranges)
+        return None if any(n is None for n in got) else byte_range.length
+
     async def _close(self) -> None:  # noqa: B027 - optional hook, empty by default
         """Release resources. Called once."""
 
@@ -232,16 +288,60 @@ class Backend(abc.ABC):
                 )
         if not checked:
             return []
-        if self.capabilities.ranged_reads or all(r is None for r in ranges):
-            results = await self._get_into(checked, views, list(ranges))
-        else:
-            results = await self._emulated_ranges(checked, views, list(ranges))
+        results = await self._fetch_into(checked, views, list(ranges))
         self.stats.reads += len(checked)
         for n in results:
             if n is not None:
                 self.stats.read_hits += 1
                 self.stats.bytes_read += n
         return results
+
+    async def get_scatter(
+        self, key: str, buffers: Sequence[BufferLike], byte_range: ByteRange
+    ) -> int | None:
+        """Read bytes ``byte_range`` of one object into several buffers, filling them in order.
+
+        Returns the number of bytes read (``byte_range.length``) or None for a miss. The first
+        buffer receives the first bytes of the range, the next one continues where it ends,
+        and so on; bytes past the range's length are not written (a last buffer may be partly
+        filled, later ones untouched). Raises ``InvalidRangeError`` when the range reaches past
+        the object's end or the buffers together are smaller than the range, ``ValueError``
+        for a read-only buffer, ``TypeError`` for a single buffer instead of a sequence.
+        On a miss the buffers hold no bytes of the object, unless it vanished during the
+        read (then they may hold some: a None result means "do not use the buffers").
+        Typical use: a framed object's header into one buffer and its payload straight into
+        its destination, in one request where the backend can (``_get_scatter``).
+        """
+        self._check_open("get_scatter")
+        (checked,) = self._check_keys([key], "get_scatter")
+        if isinstance(buffers, str) or _is_buffer(buffers):
+            raise TypeError("get_scatter: buffers must be a sequence of buffers, not one buffer")
+        if not isinstance(byte_range, ByteRange):
+            raise TypeError(f"get_scatter: byte_range must be a ByteRange, got {byte_range!r}")
+        views = [as_byte_view(b, writable=True) for b in buffers]
+        capacity = sum(len(v) for v in views)
+        if capacity < byte_range.length:
+            raise InvalidRangeError(
+                f"buffers of {capacity} bytes in all are smaller than range "
+                f"[{byte_range.start}, {byte_range.end})",
+                backend=self.name,
+                operation="get_scatter",
+                key=checked,
+            )
+        n = await self._get_scatter(checked, scatter_views(views, byte_range.length), byte_range)
+        self.stats.reads += 1
+        if n is not None:
+            self.stats.read_hits += 1
+            self.stats.bytes_read += n
+        return n
+
+    async def _fetch_into(
+        self, keys: list[str], views: list[memoryview], ranges: list[ByteRange | None]
+    ) -> list[int | None]:
+        # Native ranges where the backend has them, else emulated on whole-object reads.
+        if self.capabilities.ranged_reads or all(r is None for r in ranges):
+            return await self._get_into(keys, views, ranges)
+        return await self._emulated_ranges(keys, views, ranges)
 
     async def _emulated_ranges(
         self, keys: list[str], views: list[memoryview], ranges: list[ByteRange | None]

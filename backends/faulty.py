@@ -14,8 +14,9 @@ is reproducible for a given sequence of calls):
 - ``out_of_space_rate``: a ``put`` raises ``OutOfSpaceError`` (1.0 = a full disk); reads go on.
 - ``torn_write_rate``: per object, only a random prefix is stored and the put reports success:
   a store that breaks the all-or-nothing contract, for testing the framing layer's defence.
-- ``bit_flip_rate``: per object read, one random bit of the bytes delivered to the caller is
-  flipped (the stored copy stays intact): silent media or transfer corruption.
+- ``bit_flip_rate``: per object read (a key of ``get_into``, or a ``get_scatter``), one random
+  bit of the bytes delivered to the caller is flipped (the stored copy stays intact): silent
+  media or transfer corruption.
 
 ``faults`` may be replaced at any time (``store.faults = FaultConfig(...)``); ``injected``
 counts what was injected, by kind.
@@ -156,6 +157,23 @@ class FaultyBackend(Backend):
                 bit = self._rng.randrange(n * 8)
                 buf[bit // 8] ^= 1 << (bit % 8)
         return results
+
+    async def _get_scatter(
+        self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange
+    ) -> int | None:
+        # Forwarded to the inner backend's own scatter read (its one-request path, if it has
+        # one), with the same faults as a read: errors, timeouts, latency, one flipped bit.
+        await self._before("get_scatter", writing=False)
+        n = await self.inner.get_scatter(key, buffers, byte_range)
+        if n and self._chance(self._faults.bit_flip_rate):
+            self.injected["bit_flip"] += 1
+            bit = self._rng.randrange(n * 8)
+            for buf in buffers:  # the public method gave exactly n bytes of buffers
+                if bit < len(buf) * 8:
+                    buf[bit // 8] ^= 1 << (bit % 8)
+                    break
+                bit -= len(buf) * 8
+        return n
 
     async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
         await self._before("put", writing=True)

@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 from ._aligned import address_of, aligned_buffer
 from ._hf3fs_usrbio import IoOp, UsrbioEngine, is_hf3fs_fstype, load_usrbio, mount_of, shm_buf
-from .base import as_byte_view
+from .base import Backend, as_byte_view
 from .errors import BackendError, InvalidRangeError, translate_os_error
 from .file import FileBackend, _fsync_dir
 from .types import BackendStats, BackendURL, ByteRange, parse_bool, parse_size
@@ -229,6 +229,16 @@ class HF3FSBackend(FileBackend):
         with self._lock:
             self._lru.touch_batch([k for k, n in zip(keys, results, strict=True) if n is not None])
         return results
+
+    async def _get_scatter(
+        self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange
+    ) -> int | None:
+        # docstring inherited. Under USRBIO: the generic one range per buffer, which
+        # ``_get_into`` submits as one ring batch; the POSIX engine keeps the file backend's
+        # single preadv.
+        if self._usrbio is None:
+            return await super()._get_scatter(key, buffers, byte_range)
+        return await Backend._get_scatter(self, key, buffers, byte_range)
 
     def _read_one(self, key: str, view: memoryview, rng: ByteRange | None) -> int | None:
         if self._usrbio is None:

@@ -46,7 +46,7 @@ from hicache_store.backends.errors import (
 )
 from hicache_store.backends.types import ByteRange, Capabilities
 from hicache_store.layout.errors import InvalidKeyError
-from hicache_store.layout.framing import encode_object
+from hicache_store.layout.framing import decode_header, encode_object, verify_blocks
 from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
 
 from .stateful import run_backend_state_machine
@@ -274,6 +274,105 @@ class BackendTests(abc.ABC):
         with pytest.raises(InvalidRangeError):
             await backend.get_ranges("a0", [ByteRange(49_000, 50_001)])
 
+    # -- scatter reads ------------------------------------------------------------------------
+
+    @pytest.mark.parametrize(
+        ("start", "end", "sizes"),
+        [
+            (0, 10_000, (4096, 5904)),  # a framed object's header, then its payload
+            (0, 10_000, (1, 4095, 5904)),
+            (17, 9_000, (100, 8_883)),
+            (9_999, 10_000, (1,)),
+            (4096, 10_000, (3000, 2904)),
+        ],
+    )
+    async def test_scatter_read_equals_the_contiguous_bytes(
+        self, backend: Backend, start: int, end: int, sizes: tuple[int, ...]
+    ) -> None:
+        data = pattern(10_000, 6)
+        await backend.put(["a0"], [data])
+        buffers = [bytearray(n) for n in sizes]
+        assert await backend.get_scatter("a0", buffers, ByteRange(start, end)) == end - start
+        assert b"".join(buffers) == data[start:end]
+
+    async def test_scatter_read_into_aligned_buffers(self, backend: Backend) -> None:
+        # Page-aligned header and payload buffers: the one-request / O_DIRECT paths where a
+        # backend has them, including a payload whose length is not a whole block.
+        size = 4096 + 3 * 4096 + 17
+        data = pattern(size, 8)
+        await backend.put(["a0"], [data])
+        header, payload = aligned_buffer(4096), aligned_buffer(3 * 4096 + 17 + 4096)
+        payload[:] = b"\xee" * len(payload)
+        assert await backend.get_scatter("a0", [header, payload], ByteRange(0, size)) == size
+        assert bytes(header) + bytes(payload[: size - 4096]) == data
+        assert bytes(payload[size - 4096 :]) == b"\xee" * 4096, "bytes past the range were written"
+
+    async def test_scatter_read_fills_buffers_in_order_and_no_further(
+        self, backend: Backend
+    ) -> None:
+        data = pattern(1000, 9)
+        await backend.put(["a0"], [data])
+        buffers = [bytearray(b"\xff" * 300), bytearray(b"\xff" * 300), bytearray(b"\xff" * 300)]
+        assert await backend.get_scatter("a0", buffers, ByteRange(100, 600)) == 500
+        assert bytes(buffers[0]) == data[100:400]
+        assert bytes(buffers[1]) == data[400:600] + b"\xff" * 100
+        assert bytes(buffers[2]) == b"\xff" * 300
+
+    async def test_scatter_read_of_a_miss(self, backend: Backend) -> None:
+        buffers = [bytearray(b"\x5a" * 8), bytearray(b"\x5a" * 8)]
+        assert await backend.get_scatter("d0", buffers, ByteRange(0, 16)) is None
+        assert buffers == [bytearray(b"\x5a" * 8)] * 2, "a miss wrote into the buffers"
+
+    @pytest.mark.parametrize(("start", "end"), [(0, 101), (100, 101), (50, 150), (500, 600)])
+    async def test_scatter_read_past_the_end_is_an_error(
+        self, backend: Backend, start: int, end: int
+    ) -> None:
+        await backend.put(["a0"], [b"\x01" * 100])
+        half = (end - start) // 2
+        buffers = [bytearray(half), bytearray(end - start - half)]
+        with pytest.raises(InvalidRangeError):
+            await backend.get_scatter("a0", buffers, ByteRange(start, end))
+
+    async def test_scatter_read_buffers_too_small_is_an_error(self, backend: Backend) -> None:
+        await backend.put(["a0"], [b"\x01" * 100])
+        with pytest.raises(InvalidRangeError):
+            await backend.get_scatter("a0", [bytearray(40), bytearray(40)], ByteRange(0, 81))
+        with pytest.raises(InvalidRangeError):
+            await backend.get_scatter("a0", [], ByteRange(0, 1))
+
+    async def test_scatter_read_refuses_bad_arguments(self, backend: Backend) -> None:
+        await backend.put(["a0"], [b"\x01" * 10])
+        with pytest.raises(ValueError, match="read-only"):
+            await backend.get_scatter("a0", [bytearray(5), b"\x00" * 5], ByteRange(0, 10))
+        with pytest.raises(TypeError, match="sequence of buffers"):
+            await backend.get_scatter("a0", bytearray(10), ByteRange(0, 10))  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="ByteRange"):
+            await backend.get_scatter("a0", [bytearray(10)], (0, 10))  # type: ignore[arg-type]
+        with pytest.raises(InvalidKeyError):
+            await backend.get_scatter("a/../b", [bytearray(10)], ByteRange(0, 10))
+
+    async def test_scatter_read_of_a_framed_object_verifies(self, backend: Backend) -> None:
+        # What the cache tier does: header and payload of one object in one scatter read.
+        key, blob = framed_object()
+        name = format_key(key)
+        await backend.put([name], [blob])
+        header, payload = bytearray(4096), bytearray(len(blob) - 4096)
+        assert await backend.get_scatter(name, [header, payload], ByteRange(0, len(blob))) == len(
+            blob
+        )
+        decoded = decode_header(header, expected=key, object_length=len(blob))
+        verify_blocks(decoded, payload, 0, 4)
+
+    async def test_scatter_read_counts_one_read(self, backend: Backend) -> None:
+        await backend.put(["a0"], [b"x" * 10])
+        before = backend.stats.as_dict()
+        await backend.get_scatter("a0", [bytearray(4), bytearray(6)], ByteRange(0, 10))
+        await backend.get_scatter("d0", [bytearray(4), bytearray(6)], ByteRange(0, 10))
+        after = backend.stats.as_dict()
+        assert after["reads"] - before["reads"] == 2
+        assert after["read_hits"] - before["read_hits"] == 1
+        assert after["bytes_read"] - before["bytes_read"] == 10
+
     # -- rewrites -----------------------------------------------------------------------------
 
     async def test_rewrite_is_idempotent(self, backend: Backend) -> None:
@@ -349,6 +448,7 @@ class BackendTests(abc.ABC):
         calls = (
             lambda: backend.exists([bad]),  # type: ignore[list-item]
             lambda: backend.get_into([bad], [bytearray(4)]),  # type: ignore[list-item]
+            lambda: backend.get_scatter(bad, [bytearray(4)], ByteRange(0, 4)),  # type: ignore[arg-type]
             lambda: backend.put([bad], [b"x"]),  # type: ignore[list-item]
             lambda: backend.delete([bad]),  # type: ignore[list-item]
             lambda: backend.stat([bad]),  # type: ignore[list-item]
@@ -504,6 +604,8 @@ class BackendTests(abc.ABC):
         assert info.value.retryable is False
         with pytest.raises(BackendClosedError):
             await backend.put(["a0"], [b"x"])
+        with pytest.raises(BackendClosedError):
+            await backend.get_scatter("a0", [bytearray(1)], ByteRange(0, 1))
 
     async def test_objects_survive_a_reopen(self, backend: Backend) -> None:
         if not backend.capabilities.persistent:

@@ -10,11 +10,14 @@ from hicache_store.backends import (
     Backend,
     BackendTimeoutError,
     BackendUnavailableError,
+    ByteRange,
     OutOfSpaceError,
     open_backend,
 )
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
 from hicache_store.backends.memory import MemoryBackend
+from hicache_store.layout.errors import CorruptObjectError
+from hicache_store.layout.framing import decode_header, verify_blocks
 from hicache_store.layout.keys import format_key
 from hicache_store.testing import BackendTests, framed_object
 
@@ -120,3 +123,39 @@ def test_faulty_url_needs_an_inner_backend() -> None:
         open_backend("faulty://")
     store = open_backend("faulty://?inner=memory%3A%2F%2F&error_rate=0.25")
     assert isinstance(store, FaultyBackend) and store.faults.error_rate == 0.25
+
+
+async def test_scatter_reads_get_the_read_faults() -> None:
+    store = _faulty()
+    data = bytes(range(256)) * 40
+    await store.put(["a0"], [data])
+    # Faults off: forwarded to the inner backend's own scatter read (one read there).
+    buffers = [bytearray(4096), bytearray(len(data) - 4096)]
+    assert await store.get_scatter("a0", buffers, ByteRange(0, len(data))) == len(data)
+    assert b"".join(buffers) == data
+    assert _inner(store).stats.reads == 1
+    store.faults = FaultConfig(read_error_rate=1.0)
+    with pytest.raises(BackendUnavailableError):
+        await store.get_scatter("a0", buffers, ByteRange(0, len(data)))
+    store.faults = FaultConfig(timeout_rate=1.0, timeout_s=0.001)
+    with pytest.raises(BackendTimeoutError):
+        await store.get_scatter("a0", buffers, ByteRange(0, len(data)))
+    assert store.injected["error"] == 1
+    assert store.injected["timeout"] == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_scatter_bit_flips_land_in_one_buffer_and_storage_stays_intact(seed: int) -> None:
+    store = _faulty()
+    key, blob = framed_object()
+    name = format_key(key)
+    await store.put([name], [blob])
+    store.faults = FaultConfig(seed=seed, bit_flip_rate=1.0)
+    header, payload = bytearray(4096), bytearray(len(blob) - 4096)
+    assert await store.get_scatter(name, [header, payload], ByteRange(0, len(blob))) == len(blob)
+    got = bytes(header) + bytes(payload)
+    assert sum(bin(a ^ b).count("1") for a, b in zip(got, blob, strict=True)) == 1
+    assert store.injected["bit_flip"] == 1
+    assert _inner(store).raw_get(name) == blob
+    with pytest.raises(CorruptObjectError):  # what the cache tier's verification sees
+        verify_blocks(decode_header(header, expected=key, object_length=len(blob)), payload, 0, 4)

@@ -11,12 +11,14 @@ import pytest
 
 from hicache_store.backends import (
     Backend,
+    ByteRange,
     CapacityError,
     ObjectStat,
     OutOfSpaceError,
     aligned_buffer,
     open_backend,
 )
+from hicache_store.backends import file as file_module
 from hicache_store.backends.file import FileBackend
 from hicache_store.layout.errors import InvalidKeyError
 from hicache_store.testing import INVALID_KEYS, BackendTests, pattern
@@ -248,4 +250,65 @@ async def test_direct_io_paths_round_trip(tmp_path: Path) -> None:
     unaligned = bytearray(size + 1)
     assert await store.get_into(["a0"], [memoryview(unaligned)[1:]]) == [size]
     assert bytes(unaligned[1:]) == bytes(src)
+    await store.close()
+
+
+async def test_scatter_read_direct_and_buffered_paths_agree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = FileBackend(tmp_path / "s", direct_io="auto")
+    if not store.direct_io:
+        pytest.skip("the filesystem under tmp_path has no O_DIRECT")
+    size = 4096 + 2 * (1 << 20) + 17  # header block, payload, an unaligned tail
+    src = aligned_buffer(size)
+    src[:] = pattern(size, 2)
+    await store.put(["a0"], [src])
+    direct: list[int] = []
+    real = file_module._pread_direct
+
+    def spy(fd: int, views: list[memoryview], offset: int, length: int) -> None:
+        direct.append(len(views))
+        real(fd, views, offset, length)
+
+    monkeypatch.setattr(file_module, "_pread_direct", spy)
+    whole = ByteRange(0, size)
+    # Aligned buffers, aligned offset: O_DIRECT, both buffers in one vectored read.
+    header, payload = aligned_buffer(4096), aligned_buffer(size - 4096)
+    assert await store.get_scatter("a0", [header, payload], whole) == size
+    assert direct == [2]
+    assert bytes(header) + bytes(payload) == bytes(src)
+    # A misaligned buffer forces the buffered path: the same bytes.
+    raw = bytearray(size - 4096 + 1)
+    header2 = aligned_buffer(4096)
+    assert await store.get_scatter("a0", [header2, memoryview(raw)[1:]], whole) == size
+    assert bytes(header2) + bytes(raw[1:]) == bytes(src)
+    # So does a first buffer that is not a whole number of blocks, or an unaligned offset.
+    small, rest = aligned_buffer(100), aligned_buffer(size - 100)
+    assert await store.get_scatter("a0", [small, rest], whole) == size
+    assert bytes(small) + bytes(rest) == bytes(src)
+    part = aligned_buffer(size - 4097)
+    assert await store.get_scatter("a0", [part], ByteRange(4097, size)) == size - 4097
+    assert bytes(part) == bytes(src[4097:])
+    assert direct == [2], "only the aligned read may use O_DIRECT"
+    await store.close()
+
+
+async def test_scatter_read_resumes_after_short_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # preadv may move fewer bytes than asked (signals, the kernel's per-call limit): the read
+    # goes on from where it stopped, across buffer boundaries.
+    store = FileBackend(tmp_path / "s", direct_io="never")
+    data = pattern(10_000, 4)
+    await store.put(["a0"], [data])
+    real = os.preadv
+
+    def short(fd: int, buffers: list[memoryview], offset: int) -> int:
+        return real(fd, [memoryview(buffers[0])[:777]], offset)
+
+    monkeypatch.setattr(os, "preadv", short)
+    buffers = [bytearray(1000), bytearray(3), bytearray(8997)]
+    assert await store.get_scatter("a0", buffers, ByteRange(0, 10_000)) == 10_000
+    assert b"".join(buffers) == data
+    monkeypatch.undo()
     await store.close()

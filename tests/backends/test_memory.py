@@ -27,6 +27,23 @@ class TestMemoryBackend(BackendTests):
         backend.raw_set(key, data)
 
 
+class _WithoutRangedReads(MemoryBackend):
+    capabilities = MemoryBackend.capabilities.replace(ranged_reads=False)
+
+
+class TestBaseClassRangeEmulation(TestMemoryBackend):
+    """A backend without native ranges: ``get_into`` ranges and ``get_scatter`` (one range per
+    buffer) go through the base class's emulation on whole-object reads."""
+
+    stateful_max_examples = 5
+
+    @pytest.fixture
+    async def backend(self) -> AsyncIterator[Backend]:
+        store = _WithoutRangedReads(capacity_bytes="64MiB")
+        yield store
+        await store.close()
+
+
 async def test_capacity_bound_evicts_least_recently_used() -> None:
     store = MemoryBackend(capacity_bytes=1000)
     await store.put(["a0", "a1", "a2"], [b"x" * 300] * 3)

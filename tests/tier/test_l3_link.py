@@ -1,0 +1,156 @@
+"""``L3Link`` reads: one scatter read per whole object, two ranges for a layer sub-range, and a
+corrupt, short or absent object is a failed page, never wrong bytes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hicache_store.backends import Backend, aligned_buffer, open_backend
+from hicache_store.backends.file import FileBackend
+from hicache_store.layout.host import UnifiedPageLayout
+from hicache_store.layout.namespace import Grid, ModelShape, Namespace
+from hicache_store.layout.topology import Topology
+from hicache_store.tier.l3 import L3Link, PageIO
+
+# 4 layers in one object per head group of 2 heads (two objects per page), fp16.
+NS = Namespace.create("m", ModelShape.mha(4, 4, 8), "float16", 4, Grid(4, 2))
+WRITER = Topology(1, 1)
+PAGE = f"{7:064x}"
+
+
+def link(backend: Backend, topology: Topology = WRITER, rank: int = 0) -> L3Link:
+    return L3Link(backend, NS, topology, rank, max_inflight_bytes=1 << 20, io_timeout_s=10.0)
+
+
+def full_page(seed: int = 0) -> np.ndarray:
+    nbytes = UnifiedPageLayout.full_page(NS).page_bytes
+    row = np.frombuffer(aligned_buffer(nbytes), dtype=np.uint8)
+    row[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return row
+
+
+def expected_shard(page: np.ndarray, reader: UnifiedPageLayout) -> np.ndarray:
+    """The reader's page, element by element from the full page (``element_offsets``)."""
+    coords = np.meshgrid(
+        np.arange(reader.layer_start, reader.layer_stop),
+        np.arange(NS.kv_planes),
+        np.arange(NS.page_size),
+        np.arange(reader.head_start, reader.head_stop),
+        np.arange(NS.head_dim),
+        indexing="ij",
+    )
+    full = page.view(np.uint16)
+    out = np.zeros(reader.page_bytes // 2, dtype=np.uint16)
+    out[reader.element_offsets(*coords)] = full[
+        UnifiedPageLayout.full_page(NS).element_offsets(*coords)
+    ]
+    return out.view(np.uint8)
+
+
+def new_row(target: L3Link) -> np.ndarray:
+    return np.frombuffer(aligned_buffer(target.read_plan.page.page_bytes), dtype=np.uint8)
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[FileBackend]:
+    backend = open_backend(f"file://{tmp_path}/s")
+    assert isinstance(backend, FileBackend)
+    yield backend
+    await backend.close()
+
+
+async def test_whole_objects_are_one_read_each(store: FileBackend) -> None:
+    page = full_page()
+    writer = link(store)
+    assert await writer.write_page(PAGE, page, PageIO())
+    before = store.stats.reads
+    row = new_row(writer)
+    assert await writer.read_page(PAGE, row, PageIO())
+    assert np.array_equal(row, page)
+    assert store.stats.reads - before == 2, "one scatter read per object (two objects)"
+
+
+@pytest.mark.parametrize(
+    ("topology", "rank"),
+    [
+        (Topology(1, 2), 1),  # layers 2-3 of each object: header, then a payload sub-range
+        (Topology(1, 2), 0),  # layers 0-1: contiguous with the header
+        (Topology(4, 1), 3),  # one head of a two-head group, through scratch memory
+        (Topology(4, 2), 7),  # both
+    ],
+)
+async def test_shard_reads_assemble_exact_bytes(
+    store: FileBackend, topology: Topology, rank: int
+) -> None:
+    page = full_page(1)
+    assert await link(store).write_page(PAGE, page, PageIO())
+    reader = link(store, topology, rank)
+    row = new_row(reader)
+    assert await reader.read_page(PAGE, row, PageIO())
+    assert np.array_equal(row, expected_shard(page, reader.read_plan.page))
+
+
+@pytest.mark.parametrize("where", ["header", "padding", "payload", "last_byte", "truncated"])
+@pytest.mark.parametrize(("topology", "rank"), [(WRITER, 0), (Topology(1, 2), 1)])
+async def test_damaged_object_fails_the_page(
+    store: FileBackend, where: str, topology: Topology, rank: int
+) -> None:
+    page = full_page(2)
+    writer = link(store)
+    assert await writer.write_page(PAGE, page, PageIO())
+    victim = store.path_of(writer.write_plan.object_keys(PAGE)[1])  # type: ignore[union-attr]
+    raw = bytearray(victim.read_bytes())
+    if where == "truncated":
+        raw = raw[:-100]
+    else:
+        # Every reader here fetches the header and the last layer (the object's last 256 bytes).
+        offset = {"header": 40, "padding": 3000, "payload": -200, "last_byte": -1}[where]
+        raw[offset] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    reader = link(store, topology, rank)
+    io = PageIO()
+    assert not await reader.read_page(PAGE, new_row(reader), io)
+    assert io.corruptions == 1
+
+
+async def test_damaged_object_outside_the_fetched_layers_is_not_read(store: FileBackend) -> None:
+    page = full_page(3)
+    writer = link(store)
+    assert await writer.write_page(PAGE, page, PageIO())
+    victim = store.path_of(writer.write_plan.object_keys(PAGE)[0])  # type: ignore[union-attr]
+    raw = bytearray(victim.read_bytes())
+    raw[4096 + 10] ^= 0x01  # layer 0 of the first object
+    victim.write_bytes(bytes(raw))
+    stage1 = link(store, Topology(1, 2), 1)  # reads layers 2-3 only
+    row = new_row(stage1)
+    assert await stage1.read_page(PAGE, row, PageIO())
+    assert np.array_equal(row, expected_shard(page, stage1.read_plan.page))
+    stage0 = link(store, Topology(1, 2), 0)
+    io = PageIO()
+    assert not await stage0.read_page(PAGE, new_row(stage0), io)
+    assert io.corruptions == 1
+
+
+async def test_missing_object_is_a_miss_not_a_corruption(store: FileBackend) -> None:
+    writer = link(store)
+    assert await writer.write_page(PAGE, full_page(4), PageIO())
+    await store.delete([writer.write_plan.object_keys(PAGE)[1]])  # type: ignore[union-attr]
+    io = PageIO()
+    assert not await writer.read_page(PAGE, new_row(writer), io)
+    assert io.corruptions == 0
+
+
+async def test_any_backend_takes_the_scatter_read() -> None:
+    # The memory backend has no scatter read of its own: the base class's per-buffer ranges.
+    store = open_backend("memory://")
+    writer = link(store)
+    page = full_page(5)
+    assert await writer.write_page(PAGE, page, PageIO())
+    row = new_row(writer)
+    assert await writer.read_page(PAGE, row, PageIO())
+    assert np.array_equal(row, page)
+    await store.close()
