@@ -26,11 +26,11 @@ import torch
 
 from hicache_store.backends import open_backend
 from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.hybrid.cache import HybridCache, HybridMetrics
+from hicache_store.hybrid.cache import HybridCache, HybridMetrics, run_request
 from hicache_store.hybrid.model import HybridMiniLlama
 from hicache_store.tier.config import TierConfig
 
-from .multiturn import RequestRecord, SetupResult, TierSetup, namespace_for
+from .multiturn import RequestRecord, SetupResult, TierSetup, namespace_for, record_of
 from .workload import TurnRequest, WorkloadSpec, generate
 
 MIN_SNAPSHOT_SLOTS = 4
@@ -87,7 +87,7 @@ def run_hybrid_setup(
                 result.records.append(_serve(model, cache, request))
                 _add_delta(prompts, before, cache.metrics)
                 if request.answer:  # decode's KV joins the cache; not a prompt, not counted
-                    _prefill(model, cache, request.prompt + request.answer)
+                    run_request(cache, model, request.prompt + request.answer)
                 if progress is not None:
                     progress(i + 1)
         cache.flush()
@@ -124,41 +124,10 @@ def _add_delta(total: HybridMetrics, before: HybridMetrics, after: HybridMetrics
         total.limited_by[name] += count - before.limited_by[name]
 
 
-def _prefill(model: HybridMiniLlama, cache: HybridCache, tokens: list[int]) -> Any:
-    """One request through the cache; returns the tier request (for its hit split)."""
-    hreq = cache.match(tokens)
-    prep = cache.prepare(hreq)
-    _, _, snapshots = model.prefill(
-        torch.tensor(tokens[prep.start :]),
-        prep.start,
-        prep.slots,
-        cache.pool,
-        prep.state,
-        wait_layer=prep.wait_layer,
-        snapshot_at=prep.snapshot_at,
-        window=prep.window,
-    )
-    cache.complete(hreq, snapshots, prep.window)
-    return hreq
-
-
 def _serve(model: HybridMiniLlama, cache: HybridCache, request: TurnRequest) -> RequestRecord:
     started = time.perf_counter()
-    hreq = _prefill(model, cache, request.prompt)
-    # TTFT here includes saving the snapshots and window pages (synchronous component I/O).
+    _, hreq, _ = run_request(cache, model, request.prompt)
+    # TTFT here includes ``complete``: saving the snapshots and window pages into L1/L2 and
+    # queuing their L3 puts (the plain model's TTFT ends before ``complete``).
     ttft = time.perf_counter() - started
-    req = hreq.kv
-    page = cache.page_size
-    l1 = min(req.l1_pages, req.prefix_pages)
-    l2 = min(req.l2_pages, req.prefix_pages - l1)
-    l3 = req.prefix_pages - l1 - l2
-    return RequestRecord(
-        request.conversation,
-        request.turn,
-        len(request.prompt),
-        l1 * page,
-        l2 * page,
-        l3 * page,
-        ttft,
-        req.bookkeeping_s,
-    )
+    return record_of(request, hreq.kv, cache.page_size, ttft)

@@ -27,7 +27,7 @@ from hicache_store.engine.config import MiniLlamaConfig
 from hicache_store.engine.kv_pool import DeviceKVPool
 from hicache_store.engine.model import MiniLlama
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
-from hicache_store.tier.cache import HiCache
+from hicache_store.tier.cache import HiCache, Request
 from hicache_store.tier.config import TierConfig
 
 from .workload import TurnRequest, WorkloadSpec, generate
@@ -185,7 +185,11 @@ def _serve(
     )
     ttft = time.perf_counter() - started
     tier.complete(req)
-    page = tier.namespace.page_size
+    return record_of(request, req, tier.namespace.page_size, ttft)
+
+
+def record_of(request: TurnRequest, req: Request, page_size: int, ttft: float) -> RequestRecord:
+    """The record of a served prompt: its prefix split by the tier each page came from."""
     l1 = min(req.l1_pages, req.prefix_pages)
     l2 = min(req.l2_pages, req.prefix_pages - l1)
     l3 = req.prefix_pages - l1 - l2
@@ -193,9 +197,9 @@ def _serve(
         request.conversation,
         request.turn,
         len(request.prompt),
-        l1 * page,
-        l2 * page,
-        l3 * page,
+        l1 * page_size,
+        l2 * page_size,
+        l3 * page_size,
         ttft,
         req.bookkeeping_s,
     )

@@ -42,8 +42,6 @@ only by a deployment of the same topology.
 
 from __future__ import annotations
 
-import collections
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -59,9 +57,9 @@ from hicache_store.tier.config import TierConfig
 from hicache_store.tier.group import LocalGroup, RankGroup
 
 from .components import ComponentSpec, HitRule, Location, match_components
-from .model import WindowComponent
+from .model import HybridMiniLlama, WindowComponent
 from .state_l3 import StateL3
-from .store import BackupEvent, ComponentStore
+from .store import BackupEvent, ComponentStore, EventLog
 
 #: the recurrent checkpoint component of ``HybridMiniLlama``.
 RECURRENT = ComponentSpec("recurrent", 2, HitRule.CHECKPOINT)
@@ -268,8 +266,7 @@ class HybridCache:
         if checkpoint_interval_pages < 0:
             raise ValueError("checkpoint_interval_pages must be >= 0")
         self.checkpoint_interval = checkpoint_interval_pages
-        # Completion events until drained; bounded so an engine that never drains cannot grow it.
-        self._events: collections.deque[BackupEvent] = collections.deque(maxlen=1 << 16)
+        self._events = EventLog()
         self.metrics = HybridMetrics(
             component_tokens={spec.name: 0 for spec in self.specs},
             limited_by={spec.name: 0 for spec in self.specs},
@@ -285,10 +282,8 @@ class HybridCache:
 
     def prepare(self, hreq: HybridRequest) -> HybridPrepared:
         usable = max(0, (len(hreq.tokens) - 1) // self.page_size)
-        calls = itertools.count()
-        self._group.cap = lambda kv_pages: self._settle_components(
-            hreq, kv_pages, usable, first=next(calls) == 0
-        )
+        listed: dict[str, list[Location | None]] = {}  # filled by the first cap call
+        self._group.cap = lambda kv_pages: self._settle_components(hreq, kv_pages, usable, listed)
         try:
             prep = self.tier.prepare(hreq.kv)
         finally:
@@ -314,25 +309,33 @@ class HybridCache:
         )
 
     def _settle_components(
-        self, hreq: HybridRequest, kv_pages: int, usable: int, *, first: bool
+        self,
+        hreq: HybridRequest,
+        kv_pages: int,
+        usable: int,
+        listed: dict[str, list[Location | None]],
     ) -> int:
         """The tier's prefix cap: the longest prefix ``<= kv_pages`` at which every component's
         objects are available and load; they are loaded (and locked) into ``hreq``.
 
-        Called again (``first`` False) when the ranks agreed on a shorter prefix: what the last
-        call loaded is released first, and the hit counters keep the first call's view."""
+        ``listed``: where each component's objects are, per page, found by the first call of a
+        request (L3 existence included) and kept for the next ones, with the objects that failed
+        to load marked absent. Called again when the ranks agreed on a shorter prefix: what the
+        last call loaded is released first, and the hit counters keep the first call's view."""
         for store, page_hash in hreq.locked:
             store.unlock(page_hash)
         hreq.locked.clear()
         hreq.state, hreq.window = None, None
+        hashes = hreq.hashes[:usable]
+        first = not listed
         if first:
             self.metrics.kv_prefix_tokens += kv_pages * self.page_size
-        hashes = hreq.hashes[:usable]
-        availability: dict[str, list[Location | None]] = {
-            self.kv_spec.name: [Location.L1 if i < kv_pages else None for i in range(usable)]
+            for store in self.stores:
+                listed[store.spec.name] = store.availability(hashes, check_l3=True)
+        availability = {
+            self.kv_spec.name: [Location.L1 if i < kv_pages else None for i in range(usable)],
+            **listed,
         }
-        for store in self.stores:
-            availability[store.spec.name] = store.availability(hashes, check_l3=True)
         while True:
             found = match_components(self.specs, availability, self.page_size)
             loaded, failed = self._load_components(hreq, found.restore)
@@ -474,9 +477,7 @@ class HybridCache:
 
     def drain_events(self) -> list[BackupEvent]:
         """The component backups that finished since the last call (completion events)."""
-        events = list(self._events)
-        self._events.clear()
-        return events
+        return self._events.drain()
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait for every queued L3 transfer (KV pages and component objects), then poll."""
@@ -486,8 +487,7 @@ class HybridCache:
 
     def close(self) -> None:
         try:
-            for store in self.stores:
-                self._events.extend(store.flush())
+            self.flush()
         finally:
             self.tier.close()
 
@@ -495,3 +495,26 @@ class HybridCache:
         self.tier.check_invariants()
         for store in self.stores:
             store.check_invariants()
+
+
+def run_request(
+    cache: HybridCache, model: HybridMiniLlama, tokens: Sequence[int]
+) -> tuple[torch.Tensor, HybridRequest, HybridPrepared]:
+    """One request through ``cache`` and ``model`` in the documented call order (match,
+    prepare, prefill of the suffix with its snapshots and window KV, complete). Returns the
+    suffix's logits (rows ``prep.start ..``), the request and what ``prepare`` decided."""
+    toks = list(tokens)
+    hreq = cache.match(toks)
+    prep = cache.prepare(hreq)
+    logits, _, snapshots = model.prefill(
+        torch.tensor(toks[prep.start :]),
+        prep.start,
+        prep.slots,
+        cache.pool,
+        prep.state,
+        wait_layer=prep.wait_layer,
+        snapshot_at=prep.snapshot_at,
+        window=prep.window,
+    )
+    cache.complete(hreq, snapshots, prep.window)
+    return logits, hreq, prep

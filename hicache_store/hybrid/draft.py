@@ -46,7 +46,6 @@ either model is not cached.
 
 from __future__ import annotations
 
-import collections
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,7 +64,7 @@ from hicache_store.tier.radix import PageNode
 from .cache import _ComponentGroup
 from .components import ComponentSpec, HitRule, HybridMatch, Location, match_components
 from .state_l3 import StateL3
-from .store import BackupEvent, ComponentStore
+from .store import BackupEvent, ComponentStore, EventLog
 
 #: the target's full-attention KV (the tier's own pages) in a draft-aware match.
 TARGET = ComponentSpec("target", 0, HitRule.FULL)
@@ -317,7 +316,7 @@ class SidecarDraftCache:
         #: target outcomes applied during the ``complete`` in progress (before its pages are
         #: registered as awaiting)
         self._fresh_outcomes: dict[str, bool] = {}
-        self._events: collections.deque[BackupEvent] = collections.deque(maxlen=1 << 16)
+        self._events = EventLog()
         self.tier.backup_listeners.append(self._on_target_backup)
 
     # -- the request path ---------------------------------------------------------------------
@@ -463,13 +462,11 @@ class SidecarDraftCache:
                 continue
             del self._awaiting[page_hash]
             ok = target_ok and self.store.in_l3(page_hash)
-            self._events.append(BackupEvent("target+draft", page_hash, ok))
+            self._events.extend([BackupEvent("target+draft", page_hash, ok)])
 
     def drain_events(self) -> list[BackupEvent]:
         """Pages whose target and draft backups both finished since the last call."""
-        events = list(self._events)
-        self._events.clear()
-        return events
+        return self._events.drain()
 
     def flush(self, timeout: float = 60.0) -> None:
         self.tier.flush(timeout)

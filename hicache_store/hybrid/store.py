@@ -25,10 +25,11 @@ the component's completion events. An object whose put is pending is not queued 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,23 @@ class BackupEvent:
     component: str
     page_hash: str
     ok: bool
+
+
+class EventLog:
+    """Completion events kept until drained; bounded, so an engine that never drains them
+    cannot grow it (the oldest are dropped first)."""
+
+    def __init__(self, limit: int = 1 << 16) -> None:
+        self._events: collections.deque[BackupEvent] = collections.deque(maxlen=limit)
+
+    def extend(self, events: Iterable[BackupEvent]) -> None:
+        self._events.extend(events)
+
+    def drain(self) -> list[BackupEvent]:
+        """The events since the last call, oldest first."""
+        events = list(self._events)
+        self._events.clear()
+        return events
 
 
 class StoreFullError(RuntimeError):

@@ -23,7 +23,7 @@ from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.base import Backend
 from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.hybrid.cache import HybridCache
+from hicache_store.hybrid.cache import HybridCache, run_request
 from hicache_store.hybrid.model import HybridMiniLlama
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
@@ -104,19 +104,7 @@ def make_cache(model: HybridMiniLlama, backend: Backend, group: _Member) -> Hybr
 
 
 def serve(cache: HybridCache, model: HybridMiniLlama, tokens: list[int]) -> int:
-    hreq = cache.match(tokens)
-    prep = cache.prepare(hreq)
-    logits, _, snaps = model.prefill(
-        torch.tensor(tokens[prep.start :]),
-        prep.start,
-        prep.slots,
-        cache.pool,
-        prep.state,
-        wait_layer=prep.wait_layer,
-        snapshot_at=prep.snapshot_at,
-        window=prep.window,
-    )
-    cache.complete(hreq, snaps, prep.window)
+    logits, _, prep = run_request(cache, model, tokens)
     assert torch.equal(logits, model.forward_full(torch.tensor(tokens))[prep.start :])
     cache.check_invariants()
     return prep.start

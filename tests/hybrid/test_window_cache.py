@@ -13,7 +13,7 @@ from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.base import Backend
 from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.hybrid.cache import HybridCache
+from hicache_store.hybrid.cache import HybridCache, run_request
 from hicache_store.hybrid.components import Location
 from hicache_store.hybrid.model import HybridMiniLlama
 from hicache_store.layout.hashing import page_hashes
@@ -58,19 +58,7 @@ def make_cache(model: HybridMiniLlama, backend: Backend | None = None, **kw: int
 
 def serve(cache: HybridCache, model: HybridMiniLlama, tokens: list[int]) -> int:
     """Serve one request, check its logits against a full recompute, return the reused tokens."""
-    hreq = cache.match(tokens)
-    prep = cache.prepare(hreq)
-    logits, _, snaps = model.prefill(
-        torch.tensor(tokens[prep.start :]),
-        prep.start,
-        prep.slots,
-        cache.pool,
-        prep.state,
-        wait_layer=prep.wait_layer,
-        snapshot_at=prep.snapshot_at,
-        window=prep.window,
-    )
-    cache.complete(hreq, snaps, prep.window)
+    logits, _, prep = run_request(cache, model, tokens)
     expected = model.forward_full(torch.tensor(tokens))[prep.start :]
     assert torch.equal(logits, expected), "logits differ from a full recompute"
     cache.check_invariants()
