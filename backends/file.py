@@ -182,6 +182,11 @@ class FileBackend(Backend):
         """``file:///abs/path`` (or ``file://rel/path``) plus the options of ``__init__``."""
         if not url.location:
             raise ValueError("file:// needs a directory, e.g. file:///var/cache/hicache")
+        return cls(url.location, **cls._typed_options(options))
+
+    @staticmethod
+    def _typed_options(options: dict[str, Any]) -> dict[str, Any]:
+        """``options`` with the file backend's URL-query strings converted to their types."""
         opts = dict(options)
         if "io_threads" in opts:
             opts["io_threads"] = int(opts["io_threads"])
@@ -189,7 +194,7 @@ class FileBackend(Backend):
             opts["create"] = parse_bool(opts["create"])
         if opts.get("capacity_bytes") is not None:
             opts["capacity_bytes"] = parse_size(opts["capacity_bytes"])
-        return cls(url.location, **opts)
+        return opts
 
     def __repr__(self) -> str:
         return f"FileBackend({str(self.root)!r}, durability={self.durability!r})"

@@ -54,7 +54,7 @@ from ._hf3fs_usrbio import IoOp, UsrbioEngine, is_hf3fs_fstype, load_usrbio, mou
 from .base import Backend, as_byte_view
 from .errors import BackendError, InvalidRangeError, translate_os_error
 from .file import FileBackend, _fsync_dir
-from .types import BackendStats, BackendURL, ByteRange, parse_bool, parse_size
+from .types import BackendStats, BackendURL, ByteRange, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -158,18 +158,11 @@ class HF3FSBackend(FileBackend):
         """``hf3fs:///mnt/3fs/prefix`` plus the options of ``__init__``."""
         if not url.location:
             raise ValueError("hf3fs:// needs a directory, e.g. hf3fs:///mnt/3fs/kv")
-        opts = dict(options)
+        opts = cls._typed_options(options)  # the file backend's options
         if "ring_entries" in opts:
             opts["ring_entries"] = int(opts["ring_entries"])
         if "usrbio_timeout" in opts:
             opts["usrbio_timeout"] = float(opts["usrbio_timeout"])
-        # The file backend's options, converted the way FileBackend.from_url does.
-        if "io_threads" in opts:
-            opts["io_threads"] = int(opts["io_threads"])
-        if "create" in opts:
-            opts["create"] = parse_bool(opts["create"])
-        if opts.get("capacity_bytes") is not None:
-            opts["capacity_bytes"] = parse_size(opts["capacity_bytes"])
         return cls(url.location, **opts)
 
     def __repr__(self) -> str:
