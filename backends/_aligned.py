@@ -8,6 +8,7 @@ is what the object framing aligns payloads to.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 
@@ -18,18 +19,36 @@ DIRECT_ALIGNMENT = 4096
 
 _local = threading.local()
 
+# ``populate``: transparent huge pages where the kernel gives them, every page faulted in
+# before the first I/O. Measured on this project's VM (256 cold 8 MiB O_DIRECT reads, 16 in
+# flight, into a fresh 128 MiB buffer after 2 GiB of memory was allocated and freed, 4 rounds
+# each, one process): 4 KiB pages populated at mmap 1.0-1.6 GB/s, 4 KiB pages written by
+# the CPU first 1.2-1.7, huge pages written first 2.1-2.75; 4 KiB pages first faulted in by
+# the read itself stay at 1.3-1.5 on every later read. Buffers the CPU fills before any I/O
+# (write staging) fault their own pages in and need not populate.
+_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
-def aligned_buffer(nbytes: int) -> memoryview:
+
+def aligned_buffer(nbytes: int, *, populate: bool = False) -> memoryview:
     """A writable, zero-filled, page-aligned buffer of ``nbytes`` bytes (anonymous mmap).
 
     Buffers from here (and torch/numpy views of them) let the file backend use O_DIRECT with
     no bounce copy. The memory is returned to the OS when the last view of it is released.
+    ``populate``: huge pages where possible, all resident when this returns; use it for
+    buffers that reads land in before the CPU writes them (see above).
     """
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     if nbytes == 0:
         return memoryview(bytearray())
-    return memoryview(mmap.mmap(-1, nbytes))
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if populate:
+        if _HUGEPAGE is not None:
+            with contextlib.suppress(OSError):  # THP off or unsupported: 4 KiB pages
+                buffer.madvise(_HUGEPAGE)
+        # Write faults now, after the advice (MAP_POPULATE would fault 4 KiB pages first).
+        np.frombuffer(buffer, dtype=np.uint8).fill(0)
+    return memoryview(buffer)
 
 
 def address_of(view: memoryview) -> int:

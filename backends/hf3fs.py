@@ -178,7 +178,7 @@ class HF3FSBackend(FileBackend):
         file path can use O_DIRECT into it."""
         self._check_open("allocate_host_buffer")
         if self._usrbio is None:
-            return aligned_buffer(nbytes)
+            return aligned_buffer(nbytes, populate=True)  # reads land in it
         return await asyncio.to_thread(self._usrbio.allocate_region, nbytes)
 
     async def register_host_buffer(self, buffer: Any) -> bool:

@@ -21,7 +21,8 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
 ``num_kv_heads``     the model's KV heads; default local heads x TP size (right whenever TP
                      size <= KV heads).
 ``io_timeout_s``     per-page I/O deadline (default 30 s); a late page is a failure.
-``staging_mib``      staging memory per SGLang thread and direction (default 256 MiB).
+``staging_mib``      staging memory per SGLang thread and direction (default 256 MiB; a read
+                     window takes at most 16 pages of it).
 ``max_inflight_mib`` bytes of reads in flight per rank (default 1024 MiB).
 
 Without ``grid`` and ``share_with`` the grid is the coarsest this deployment's own topology

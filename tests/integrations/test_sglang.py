@@ -444,6 +444,70 @@ def test_failures_never_raise(url: str, tmp_path: Path) -> None:
     assert store.batch_set_v1(keys_for(1), slots([0])) == [False]
 
 
+def test_read_window_reports_each_page_and_leaves_failed_slots_alone(
+    url: str, tmp_path: Path
+) -> None:
+    # Staging for three rows: ten pages stream through a window of 3, with a missing page
+    # and a corrupt one inside it; the rest must land exactly, those two slots keep their bytes.
+    pool = StandInPool("page_first", pages=24)
+    store = adapter(pool, url=url, staging_mib=3 * 4096 / 2**20)
+    data = random_pages(10)
+    for i, d in enumerate(data):
+        pool.put(i, d)
+    keys = keys_for(10, "window")
+    assert store.batch_set_v1(keys, slots(list(range(10)))) == [True] * 10
+    objects = tmp_path / "kv" / "objects"
+    (gone,) = list(objects.rglob(keys[4] + "*"))
+    gone.unlink()
+    (bad,) = list(objects.rglob(keys[7] + "*"))
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    bad.write_bytes(bytes(raw))
+    (before,) = random_pages(1)
+    for i in range(10):
+        pool.put(12 + i, before)
+    got = store.batch_get_v1(keys, slots(list(range(12, 22))))
+    assert got == [i not in (4, 7) for i in range(10)]
+    for i in range(10):
+        assert same(pool.take(12 + i), before if i in (4, 7) else data[i]), i
+    assert store.get_stats().counters["corrupt_objects"] == 1
+
+
+def test_read_window_is_made_at_registration(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hicache_store.integrations.sglang as module
+
+    pool = StandInPool("page_first", pages=8)
+    store = adapter(pool, url=url)
+    data = random_pages(2)
+    for i, d in enumerate(data):
+        pool.put(i, d)
+    keys = keys_for(2, "made")
+    assert store.batch_set_v1(keys, slots([0, 1])) == [True, True]
+    made: list[tuple[int, bool]] = []
+    real = module.aligned_buffer
+
+    def counting(nbytes: int, *, populate: bool = False) -> memoryview:
+        made.append((nbytes, populate))
+        return real(nbytes, populate=populate)
+
+    monkeypatch.setattr(module, "aligned_buffer", counting)
+    results: list[list[bool]] = []
+    reader = threading.Thread(  # SGLang prefetches from its own thread
+        target=lambda: results.append(store.batch_get_v1(keys, slots([4, 5])))
+    )
+    reader.start()
+    reader.join()
+    assert results == [[True, True]]
+    assert made == []  # the window made at registration was adopted, not a new one
+    assert same(pool.take(4), data[0]) and same(pool.take(5), data[1])
+    # a second reading thread makes its own (populated) window
+    again = threading.Thread(target=lambda: results.append(store.batch_get_v1(keys, slots([6, 7]))))
+    again.start()
+    again.join()
+    assert results[1] == [True, True]
+    assert [populate for _, populate in made] == [True]
+
+
 def test_threads_share_one_adapter(url: str) -> None:
     pool = StandInPool("page_first", pages=32)
     store = adapter(pool, url=url, staging_mib=0.002)
