@@ -251,7 +251,8 @@ def write_section(path: Path, section: str) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         end = text.find("\n## ", start + 1)
-        text = text[: start + 1] + section + (text[end + 1 :] if end >= 0 else "")
+        rest = "\n" + text[end + 1 :] if end >= 0 else ""
+        text = text[: start + 1] + section.rstrip("\n") + "\n" + rest
     path.write_text(text)
 
 
