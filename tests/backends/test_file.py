@@ -19,6 +19,7 @@ from hicache_store.backends import (
     open_backend,
 )
 from hicache_store.backends import file as file_module
+from hicache_store.backends._aligned import is_aligned
 from hicache_store.backends.file import FileBackend
 from hicache_store.layout.errors import InvalidKeyError
 from hicache_store.testing import INVALID_KEYS, BackendTests, pattern
@@ -251,6 +252,26 @@ async def test_direct_io_paths_round_trip(tmp_path: Path) -> None:
     assert await store.get_into(["a0"], [memoryview(unaligned)[1:]]) == [size]
     assert bytes(unaligned[1:]) == bytes(src)
     await store.close()
+
+
+@pytest.mark.parametrize("populate", [False, True])
+async def test_aligned_buffers_take_direct_reads(tmp_path: Path, populate: bool) -> None:
+    # Populated buffers (huge-page advice, faulted in) behave like plain ones: aligned,
+    # zero-filled, writable, private to the process, and O_DIRECT reads land in them exactly.
+    size = 4 * (1 << 20) + 4096
+    buf = aligned_buffer(size, populate=populate)
+    assert len(buf) == size and not buf.readonly
+    assert is_aligned(buf) and not any(bytes(buf[:: 1 << 16]))
+    store = FileBackend(tmp_path / "s", direct_io="auto")
+    src = aligned_buffer(size)
+    src[:] = pattern(size, 3)
+    await store.put(["a7"], [src])
+    assert await store.get_into(["a7"], [buf]) == [size]
+    assert bytes(buf) == bytes(src)
+    await store.close()
+    assert aligned_buffer(0, populate=populate) == b""
+    with pytest.raises(ValueError):
+        aligned_buffer(-1, populate=populate)
 
 
 async def test_scatter_read_direct_and_buffered_paths_agree(
