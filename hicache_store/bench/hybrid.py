@@ -22,16 +22,21 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-import torch
-
 from hicache_store.backends import open_backend
 from hicache_store.engine.config import MiniLlamaConfig
 from hicache_store.hybrid.cache import HybridCache, HybridMetrics, run_request
 from hicache_store.hybrid.model import HybridMiniLlama
 from hicache_store.tier.config import TierConfig
 
-from .multiturn import RequestRecord, SetupResult, TierSetup, namespace_for, record_of
-from .workload import TurnRequest, WorkloadSpec, generate
+from .multiturn import (
+    RequestRecord,
+    SetupResult,
+    TierSetup,
+    namespace_for,
+    record_of,
+    serve_workload,
+)
+from .workload import TurnRequest, WorkloadSpec
 
 MIN_SNAPSHOT_SLOTS = 4
 
@@ -79,25 +84,15 @@ def run_hybrid_setup(
         component_tokens=dict.fromkeys(cache.metrics.component_tokens, 0),
         limited_by=dict.fromkeys(cache.metrics.limited_by, 0),
     )
-    started = time.perf_counter()
-    try:
-        with torch.inference_mode():
-            for i, request in enumerate(generate(spec)):
-                before = copy.deepcopy(cache.metrics)
-                result.records.append(_serve(model, cache, request))
-                _add_delta(prompts, before, cache.metrics)
-                if request.answer:  # decode's KV joins the cache; not a prompt, not counted
-                    run_request(cache, model, request.prompt + request.answer)
-                if progress is not None:
-                    progress(i + 1)
-        cache.flush()
-    finally:
-        cache.close()
-        if backend is not None:
-            from hicache_store._sync import run_sync
 
-            run_sync(backend.close())
-    result.wall_s = time.perf_counter() - started
+    def step(request: TurnRequest) -> None:
+        before = copy.deepcopy(cache.metrics)
+        result.records.append(_serve(model, cache, request))
+        _add_delta(prompts, before, cache.metrics)
+        if request.answer:  # decode's KV joins the cache; not a prompt, not counted
+            run_request(cache, model, request.prompt + request.answer)
+
+    result.wall_s = serve_workload(spec, step, cache, backend, progress)
     counters = asdict(cache.metrics)
     result.tier_metrics = {
         **cache.tier.metrics.to_dict(),

@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from hicache_store.backends import open_backend
+from hicache_store.backends import Backend, open_backend
 from hicache_store.engine.config import MiniLlamaConfig
 from hicache_store.engine.kv_pool import DeviceKVPool
 from hicache_store.engine.model import MiniLlama
@@ -149,24 +149,45 @@ def run_setup(
         backend=backend,
     )
     result = SetupResult(setup)
+
+    def step(request: TurnRequest) -> None:
+        result.records.append(_serve(model, tier, pool, request))
+        _append_answer(model, tier, pool, request)
+
+    result.wall_s = serve_workload(spec, step, tier, backend, progress)
+    result.tier_metrics = tier.metrics.to_dict()
+    return result
+
+
+class _Cache(Protocol):
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def serve_workload(
+    spec: WorkloadSpec,
+    step: Callable[[TurnRequest], None],
+    cache: _Cache,
+    backend: Backend | None,
+    progress: Callable[[int], None] | None,
+) -> float:
+    """Run ``step`` on every request of ``spec`` (inference mode, progress after each), flush
+    ``cache``, then close it and ``backend`` (also on error); return the wall seconds."""
     started = time.perf_counter()
     try:
         with torch.inference_mode():
             for i, request in enumerate(generate(spec)):
-                result.records.append(_serve(model, tier, pool, request))
-                _append_answer(model, tier, pool, request)
+                step(request)
                 if progress is not None:
                     progress(i + 1)
-        tier.flush()
+        cache.flush()
     finally:
-        tier.close()
+        cache.close()
         if backend is not None:
             from hicache_store._sync import run_sync
 
             run_sync(backend.close())
-    result.wall_s = time.perf_counter() - started
-    result.tier_metrics = tier.metrics.to_dict()
-    return result
+    return time.perf_counter() - started
 
 
 def _serve(

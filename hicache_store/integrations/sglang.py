@@ -496,13 +496,10 @@ class HiCacheStoreStorage(_HiCacheStorage):
     def _chunk_pages(self, row_bytes: int) -> int:
         return max(1, self.config.staging_bytes // row_bytes)
 
-    def _read_slots(self, row_bytes: int) -> int:
-        return max(1, min(_READ_WINDOW_PAGES, self.config.staging_bytes // row_bytes))
-
     def _read_staging(self, reg: _Registered) -> tuple[int, int, _StagingKey]:
         """(rows, row bytes, staging key) of the read window (one source for reads and spares)."""
         row = _round_up(reg.layout.page_bytes)
-        slots = self._read_slots(row)
+        slots = max(1, min(_READ_WINDOW_PAGES, self.config.staging_bytes // row))
         return slots, row, ("get", 0, slots * row)
 
     # writes -------------------------------------------------------------------------------

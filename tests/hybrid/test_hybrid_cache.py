@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _hybrid_helpers import serve
 
 from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.base import Backend
 from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.hybrid.cache import HybridCache, run_request
+from hicache_store.hybrid.cache import HybridCache
 from hicache_store.hybrid.components import Location
 from hicache_store.hybrid.model import HybridMiniLlama
 from hicache_store.layout.hashing import page_hashes
@@ -53,15 +54,6 @@ def make_cache(
         backend=backend,
         **options,
     )  # type: ignore[arg-type]
-
-
-def serve(cache: HybridCache, model: HybridMiniLlama, tokens: list[int]) -> int:
-    """Serve one request, check its logits against a full recompute, return the reused tokens."""
-    logits, _, prep = run_request(cache, model, tokens)
-    expected = model.forward_full(torch.tensor(tokens))[prep.start :]
-    assert torch.equal(logits, expected), "logits differ from a full recompute"
-    cache.check_invariants()
-    return prep.start
 
 
 def hashes(tokens: list[int]) -> list[str]:

@@ -18,12 +18,13 @@ from typing import TypeVar
 
 import pytest
 import torch
+from _hybrid_helpers import serve
 
 from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.base import Backend
 from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.hybrid.cache import HybridCache, run_request
+from hicache_store.hybrid.cache import HybridCache
 from hicache_store.hybrid.model import HybridMiniLlama
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
@@ -101,13 +102,6 @@ def make_cache(model: HybridMiniLlama, backend: Backend, group: _Member) -> Hybr
         window_l2_slots=64,
         group=group,
     )
-
-
-def serve(cache: HybridCache, model: HybridMiniLlama, tokens: list[int]) -> int:
-    logits, _, prep = run_request(cache, model, tokens)
-    assert torch.equal(logits, model.forward_full(torch.tensor(tokens))[prep.start :])
-    cache.check_invariants()
-    return prep.start
 
 
 def on_ranks(group: ThreadGroup, fn: Callable[[int], T]) -> list[T]:
