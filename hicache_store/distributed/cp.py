@@ -35,7 +35,7 @@ from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology, shard_of
-from hicache_store.tier.l3 import L3Link, PageIO
+from hicache_store.objects import IOStats, L3Link
 
 from .group import TorchGroup
 
@@ -95,7 +95,7 @@ class CPShardStore:
         rows = np.zeros((len(mine), self.layout.page_bytes), dtype=np.uint8)
         restored = count
         for i, q in enumerate(mine):
-            ok = run_sync(self.link.read_page(hashes[q], rows[i], PageIO()))
+            ok = run_sync(self.link.read_page(hashes[q], rows[i], IOStats()))
             if not ok:
                 restored = q  # a prefix ends before the first page any rank lacks
                 break

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from hicache_store.backends.base import Backend
 from hicache_store.layout.errors import CorruptObjectError
-from hicache_store.layout.framing import decode_object, encode_header
 from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
 from hicache_store.layout.namespace import Namespace
+from hicache_store.objects import Arena, Frame, ObjectIO
 
 from .components import ComponentSpec
 
@@ -75,6 +75,8 @@ class StateL3:
         self.payload_bytes = payload_bytes
         self.io_timeout_s = io_timeout_s
         self.io = StateIO()
+        self._io = ObjectIO(backend, namespace, io_timeout_s=io_timeout_s)
+        self._frames: Arena | None = None
 
     def object_key(self, page_hash: str) -> ObjectKey:
         return ObjectKey(page_hash, self.namespace.digest, self.coords)
@@ -108,16 +110,20 @@ class StateL3:
                 f"{self.spec.name}: payload of {view.nbytes} bytes, expected {self.payload_bytes}"
             )
         key = self.object_key(page_hash)
-        header = encode_header(key, view, self.namespace.kv_planes, parent_hash=parent_hash)
-        data = header + bytes(view)
+        header = self._io.header_bytes(self.coords.num_layers)
+        arena = self._arena(header + view.nbytes)
+        slot = arena.take()
         try:
-            await asyncio.wait_for(self.backend.put([format_key(key)], [data]), self.io_timeout_s)
-        except Exception as exc:
+            frame = slot[: header + view.nbytes]
+            frame[header:] = view
+            (ok,) = await self._io.put([Frame(key, frame, parent_hash)])
+        finally:
+            arena.give(slot)
+        if not ok:
             self.io.put_failures += 1
-            log.warning("L3 backup of %s at %s failed: %s", self.spec.name, page_hash[:16], exc)
             return False
         self.io.puts += 1
-        self.io.bytes_written += len(data)
+        self.io.bytes_written += len(frame)
         return True
 
     async def get(self, page_hash: str) -> bytes | None:
@@ -125,26 +131,39 @@ class StateL3:
         self.io.gets += 1
         key = self.object_key(page_hash)
         try:
-            data = await asyncio.wait_for(
-                self.backend.get_bytes(format_key(key)), self.io_timeout_s
-            )
-        except Exception as exc:
-            self.io.errors += 1
-            log.warning("L3 read of %s at %s failed: %s", self.spec.name, page_hash[:16], exc)
-            return None
-        if data is None:
-            self.io.misses += 1
-            return None
-        try:
-            _header, payload = decode_object(data, expected=key)
-            if self.payload_bytes is not None and payload.nbytes != self.payload_bytes:
-                raise CorruptObjectError(
-                    f"payload of {payload.nbytes} bytes, expected {self.payload_bytes}"
-                )
+            if self.payload_bytes is None:
+                found = await self._io.read_object(format_key(key))
+                payload = None if found is None else bytes(found[1])
+            else:
+                payload = await self._read_sized(key, self.payload_bytes)
         except CorruptObjectError as exc:
             self.io.corruptions += 1
             log.warning("corrupt %s object treated as a miss: %s", self.spec.name, exc)
             return None
+        except Exception as exc:
+            self.io.errors += 1
+            log.warning("L3 read of %s at %s failed: %r", self.spec.name, page_hash[:16], exc)
+            return None
+        if payload is None:
+            self.io.misses += 1
+            return None
         self.io.hits += 1
-        self.io.bytes_read += len(data)
-        return bytes(payload)
+        self.io.bytes_read += self._io.frame_bytes(self.coords.num_layers, len(payload))
+        return payload
+
+    async def _read_sized(self, key: ObjectKey, payload_bytes: int) -> bytes | None:
+        header = self._io.header_bytes(self.coords.num_layers)
+        arena = self._arena(header + payload_bytes)
+        slot = arena.take()
+        try:
+            frame = slot[: header + payload_bytes]
+            if await self._io.read_frame(key, frame) is None:
+                return None
+            return bytes(frame[header:])
+        finally:
+            arena.give(slot)
+
+    def _arena(self, nbytes: int) -> Arena:
+        if self._frames is None or self._frames.slot_bytes < nbytes:
+            self._frames = Arena(nbytes)
+        return self._frames

@@ -61,20 +61,18 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
 import torch
 
 from hicache_store import _sync
 from hicache_store.backends import Backend, aligned_buffer, open_backend
 from hicache_store.kernels.ops import host_to_unified, unified_to_host
 from hicache_store.kernels.pools import HostPool
-from hicache_store.layout.framing import encode_header, payload_offset
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.keys import ObjectKey, validate_page_hash
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.plans import WritePlan, suggest_grid
 from hicache_store.layout.topology import Topology
-from hicache_store.tier.l3 import L3Link, PageIO
+from hicache_store.objects import Frame, IOStats, L3Link
 
 from ._sglang_config import AdapterConfig
 from ._sglang_pool import PoolGeometry, describe_host_pool, page_view
@@ -544,10 +542,12 @@ class HiCacheStoreStorage(_HiCacheStorage):
         table: torch.Tensor,
         pool: HostPool,
     ) -> list[bool]:
-        """One object per page: relayout into aligned [header | payload] frames, then put."""
+        """One object per page: relayout into the payloads of aligned frames, then
+        ``ObjectIO.put`` seals each header in place and stores it (under its byte budget)."""
         (obj,) = plan.objects
-        ns = reg.namespace
-        header = payload_offset(obj.coords.num_layers)
+        digest = reg.namespace.digest
+        io = reg.link.io
+        header = io.header_bytes(obj.coords.num_layers)
         payload = obj.nbytes
         stride = header + _round_up(payload)
         per_chunk = self._chunk_pages(stride)
@@ -560,35 +560,18 @@ class HiCacheStoreStorage(_HiCacheStorage):
             view, tensor = self._staging.get("set", c % 2, per_chunk * stride)
             staging = tensor.as_strided((e - s, payload), (stride, 1), header)
             host_to_unified(pool, table[s:e], staging, reg.layout)
-            array = np.frombuffer(view, dtype=np.uint8)
-            frames: list[memoryview] = []
-            for i in range(e - s):
-                base = i * stride
-                body = view[base + header : base + header + payload]
-                head = encode_header(ObjectKey(keys[s + i], ns.digest, obj.coords), body,
-                                     ns.kv_planes, parent_hash=_parent(keys, s + i))
-                array[base : base + header] = np.frombuffer(head, dtype=np.uint8)
-                frames.append(view[base : base + header + payload])
-            okeys = [plan.object_keys(k)[0] for k in keys[s:e]]
-            inflight.append(_sync.submit(self._put_frames(okeys, frames, reg.link.io_timeout_s)))
+            frames = [
+                Frame(
+                    ObjectKey(keys[s + i], digest, obj.coords),
+                    view[i * stride : i * stride + header + payload],
+                    _parent(keys, s + i),
+                )
+                for i in range(e - s)
+            ]
+            inflight.append(_sync.submit(io.put(frames)))
         for fut in inflight:
             results.extend(fut.result())
         return results
-
-    async def _put_frames(
-        self, keys: list[str], frames: list[memoryview], timeout: float
-    ) -> list[bool]:
-        import asyncio
-
-        async def one(key: str, frame: memoryview) -> bool:
-            try:
-                await asyncio.wait_for(self.backend.put([key], [frame]), timeout)
-            except Exception as exc:
-                log.warning("hicache-store: put of %s failed: %s", key[:16], exc)
-                return False
-            return True
-
-        return list(await asyncio.gather(*(one(k, f) for k, f in zip(keys, frames, strict=True))))
 
     def _set_via_link(
         self, reg: _Registered, keys: Sequence[str], table: torch.Tensor, pool: HostPool
@@ -605,9 +588,9 @@ class HiCacheStoreStorage(_HiCacheStorage):
             staging = tensor.as_strided((e - s, reg.layout.page_bytes), (row, 1), 0)
             host_to_unified(pool, table[s:e], staging, reg.layout)
             rows = staging.numpy()
-            io = PageIO()
+            io = IOStats()
 
-            async def go(rows: Any = rows, s: int = s, e: int = e, io: PageIO = io) -> list[bool]:
+            async def go(rows: Any = rows, s: int = s, e: int = e, io: IOStats = io) -> list[bool]:
                 done = await asyncio.gather(
                     *(
                         reg.link.write_page(keys[s + i], rows[i], io, _parent(keys, s + i))
@@ -659,7 +642,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         _view, tensor = self._staging.get(*key, populate=True)
         staging = tensor.as_strided((slots, page_bytes), (row, 1), 0)
         rows = staging.numpy()
-        io = PageIO()
+        io = IOStats()
         results = [False] * n
         in_flight: dict[concurrent.futures.Future[bool], tuple[int, int]] = {}
         timeout = reg.link.io_timeout_s * 2 + 5

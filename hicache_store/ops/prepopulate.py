@@ -42,7 +42,7 @@ from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology
-from hicache_store.tier.l3 import L3Link, PageIO
+from hicache_store.objects import IOStats, L3Link
 
 from .manifest import ensure_manifest
 from .sources import KVSource, LayerKV
@@ -243,7 +243,7 @@ async def _write_waves(namespace: Namespace,
         plan = link.write_plan
         assert plan is not None
         row = page_rows(namespace, plan.page, kv, page)
-        io = PageIO()
+        io = IOStats()
         ok = await link.write_page(h, row, io, parent_of.get(h))
         return ok, len(plan.objects), io.bytes_moved
 

@@ -15,7 +15,7 @@ Every state change is prepare-then-complete: pages are locked (``PageNode.lock``
 copy, ``host_lock`` for their L2 copy) from ``match`` until ``complete``, and L2 copies that an
 L3 transfer reads or fills are locked until the transfer's completion is applied in ``poll``,
 so nothing is evicted or reused while in flight. Policy (what to keep, when to wait) lives
-here; bytes move in ``kernels`` (L1<->L2) and ``tier.l3`` (L2<->L3).
+here; bytes move in ``kernels`` (L1<->L2) and ``objects`` (L2<->L3).
 
 Failure model: an L3 error, timeout, miss or corrupt object shortens the prefix that hits and
 is counted; the request then recomputes more. Nothing in the engine's path raises because of
@@ -48,11 +48,11 @@ from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology, shard_of
+from hicache_store.objects import IOStats, L3Link
 
 from .config import TierConfig, prefetch_timeout
 from .group import LocalGroup, RankGroup
 from .host_pool import HostPagePool
-from .l3 import L3Link, PageIO
 from .metrics import TierMetrics
 from .radix import PageNode, PageTree, Tier
 
@@ -60,6 +60,20 @@ log = logging.getLogger(__name__)
 
 #: L3 backups written concurrently in one batch of the backup worker.
 _BACKUP_BATCH_PAGES = 16
+#: an L2 -> L1 load over more runs of consecutive host rows than this gathers them first.
+_MAX_ROW_RUNS = 8
+
+
+def _consecutive_runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(index, first page, count)`` of each run of consecutive ascending pages, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for i, page in enumerate(pages):
+        if runs and page == runs[-1][1] + runs[-1][2]:
+            index, first, count = runs[-1]
+            runs[-1] = (index, first, count + 1)
+        else:
+            runs.append((i, page, 1))
+    return runs
 
 
 @contextlib.contextmanager
@@ -148,7 +162,7 @@ class _Prefetch:
     finished: threading.Event = field(default_factory=threading.Event)
     future: concurrent.futures.Future[None] | None = None
     abandoned_from: int | None = None
-    io: PageIO = field(default_factory=PageIO)
+    io: IOStats = field(default_factory=IOStats)
 
     def completed_prefix(self) -> int:
         for i, ok in enumerate(self.done):
@@ -512,31 +526,37 @@ class HiCache:
 
     def _start_load(self, req: Request) -> Callable[[int], None] | None:
         nodes = req.loading
-        rows = torch.tensor([n.host_page for n in nodes], dtype=torch.int64)
         with _timed(req):
-            staging = self.host.data.index_select(0, rows)
+            parts = self._host_runs([n.host_page for n in nodes])  # type: ignore[misc]
         first_slots = (
             torch.tensor([n.device_page for n in nodes], dtype=torch.int64)
             * self.namespace.page_size
         )
         layout, device, kernel = self.layout, self.device, self.kernel_backend
 
-        def copy_layer(layer: int) -> None:
-            unpack_pages(
-                staging, device, first_slots, layout, layers=(layer, layer + 1), backend=kernel
-            )
+        def copy(layers: tuple[int, int] | None) -> None:
+            for first, rows in parts:
+                slots = first_slots[first : first + rows.shape[0]]
+                unpack_pages(rows, device, slots, layout, layers=layers, backend=kernel)
 
         start, stop = self.layout.layer_start, self.layout.layer_stop
         if not self.config.layerwise_load:
-            req.load = LayerLoad(
-                self._loader,
-                lambda _layer: unpack_pages(staging, device, first_slots, layout, backend=kernel),
-                range(1),
-            )
+            req.load = LayerLoad(self._loader, lambda _layer: copy(None), range(1))
             only = req.load
             return lambda _layer: only.wait(0)
-        req.load = LayerLoad(self._loader, copy_layer, range(start, stop))
+        req.load = LayerLoad(self._loader, lambda layer: copy((layer, layer + 1)), range(start, stop))
         return req.load.wait
+
+    def _host_runs(self, pages: Sequence[int]) -> list[tuple[int, torch.Tensor]]:
+        """``pages`` of the host pool as ``(index of the first, rows)`` views, one per run of
+        consecutive pages, so the kernels copy straight from and into the pool. Rows scattered
+        over more than ``_MAX_ROW_RUNS`` runs are gathered into one staging tensor instead (a
+        copy, but one kernel call per layer instead of one per run): read-only use."""
+        runs = _consecutive_runs(pages)
+        if len(runs) <= _MAX_ROW_RUNS:
+            return [(i, self.host.data[p : p + n]) for i, p, n in runs]
+        index = torch.tensor(list(pages), dtype=torch.int64)
+        return [(0, self.host.data.index_select(0, index))]
 
     # -- L2 -------------------------------------------------------------------------------
 
@@ -591,13 +611,19 @@ class HiCache:
                 if pages is None:
                     return
                 missing = missing[:fit]
-            staging = torch.empty((len(missing), self.layout.page_bytes), dtype=torch.uint8)
             first_slots = (
                 torch.tensor([n.device_page for n in missing], dtype=torch.int64)
                 * self.namespace.page_size
             )
-            pack_pages(self.device, first_slots, staging, self.layout, backend=self.kernel_backend)
-            self.host.data.index_copy_(0, torch.tensor(pages, dtype=torch.int64), staging)
+            # Straight into the host rows, one kernel call per run of consecutive rows.
+            for i, page, count in _consecutive_runs(pages):
+                pack_pages(
+                    self.device,
+                    first_slots[i : i + count],
+                    self.host.data[page : page + count],
+                    self.layout,
+                    backend=self.kernel_backend,
+                )
             for n, host_page in zip(missing, pages, strict=True):
                 n.host_page = host_page
             self.metrics.backups_l2 += len(missing)
@@ -659,13 +685,13 @@ class HiCache:
                 count = min(len(self._backup_queue), _BACKUP_BATCH_PAGES)
                 batch = [self._backup_queue.popleft() for _ in range(count)]
             tasks: dict[int, asyncio.Task[bool]] = {}
-            ios = [PageIO() for _ in batch]
+            ios = [IOStats() for _ in batch]
 
             async def write(
                 node: PageNode,
                 page_hash: str,
                 row: Any,
-                io: PageIO,
+                io: IOStats,
                 tasks: dict[int, asyncio.Task[bool]] = tasks,
             ) -> bool:
                 parent = node.parent
@@ -689,7 +715,7 @@ class HiCache:
                 node.l3_write_ok = ok
                 self._acks.append(("backup", (node, ok, io)))
 
-    def _apply_backup(self, node: PageNode, ok: bool, io: PageIO) -> None:
+    def _apply_backup(self, node: PageNode, ok: bool, io: IOStats) -> None:
         for listener in self.backup_listeners:
             listener(node.page_hash, ok)
         self._backups_in_flight -= 1
@@ -785,7 +811,7 @@ class HiCache:
         m.bytes_l3_to_l2 += op.io.bytes_moved
         m.l3_fetched_bytes += op.io.bytes_fetched
         m.l3_needed_bytes += op.io.bytes_needed
-        op.io = PageIO()
+        op.io = IOStats()
         # Pages past the agreed prefix are abandoned: their host pages come back once their
         # reads have ended (now, or when the read's completion is polled).
         op.abandoned_from = agreed

@@ -44,7 +44,7 @@ class HostPagePool:
         """``count`` free rows, or None (and nothing taken) if fewer are free."""
         if count > len(self._free):
             return None
-        pages = [self._free.pop() for _ in range(count)]
+        pages = sorted(self._free.pop() for _ in range(count))  # ascending: runs of rows
         self._in_use.update(pages)
         return pages
 

@@ -22,9 +22,9 @@ from hicache_store.engine.model import MiniLlama
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.plans import plan_reads
 from hicache_store.layout.topology import Topology
+from hicache_store.objects import IOStats, L3Link
 from hicache_store.tier.cache import HiCache, Prepared, Request
 from hicache_store.tier.config import TierConfig
-from hicache_store.tier.l3 import L3Link, PageIO
 
 
 @dataclass(frozen=True)
@@ -228,14 +228,14 @@ def mla_one_writer(ctx: RankContext, l3_dir: str, pages: int) -> dict[str, Any]:
     hashes = [f"{i:064x}" for i in range(1, pages + 1)]
     written = 0
     for h, row in zip(hashes, rows, strict=True):
-        written += int(run_sync(link.write_page(h, row, PageIO())))
+        written += int(run_sync(link.write_page(h, row, IOStats())))
     ctx.group.barrier()
     found = run_sync(link.exists_prefix(hashes))
     agreed = ctx.group.agree_min(found, "mla_pages")
     same = []
     for h, row in zip(hashes[:agreed], rows, strict=True):
         got = np.zeros(size, dtype=np.uint8)
-        ok = run_sync(link.read_page(h, got, PageIO()))
+        ok = run_sync(link.read_page(h, got, IOStats()))
         same.append(bool(ok) and bool(np.array_equal(got, row)))
     objects = sorted(run_sync(_list(backend)))
     run_sync(backend.close())

@@ -564,3 +564,28 @@ def test_config_errors_raise_at_startup(url: str) -> None:
     store.register_mem_pool_host(pool)
     assert store.namespace is not None and store.namespace.dtype == "float8_e4m3fn"
     assert importlib.util.find_spec("hicache_store.integrations.sglang") is not None
+
+
+def test_writes_stay_within_the_byte_budget(tmp_path: Path) -> None:
+    # 400 pages of 6 KiB frames into a slow store, at most 1 MiB in flight.
+    pool = StandInPool("page_first", pages=400)
+    url = f"faulty://?inner=file://{tmp_path / 'kv'}&latency_s=0.02"
+    store = adapter(pool, url=url, max_inflight_mib=1)
+    budget = store._registered.link.io.write_budget  # type: ignore[union-attr]
+    peak, done = 0, threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, budget.used)
+            done.wait(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert store.batch_set_v1(keys_for(400), slots(list(range(400)))) == [True] * 400
+    finally:
+        done.set()
+        watcher.join()
+    assert (1 << 20) // 2 < peak <= 1 << 20
+    store.close()

@@ -20,10 +20,10 @@ from hicache_store.backends.base import Backend
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.namespace import Grid, Namespace
 from hicache_store.layout.topology import Topology
+from hicache_store.objects import IOStats, L3Link
 from hicache_store.ops.manifest import list_manifests, read_manifest
 from hicache_store.ops.prepopulate import Progress, namespace_for, prepopulate
 from hicache_store.ops.sources import HFSource, Prompt, cache_layers, output_cache
-from hicache_store.tier.l3 import L3Link, PageIO
 
 from .conftest import sentence
 
@@ -80,7 +80,7 @@ async def _to_thread_read(backend: Backend, ns: Namespace, topology: Topology, r
     pages = []
     for h in hashes:
         row = np.zeros(layout.page_bytes, dtype=np.uint8)
-        assert await link.read_page(h, row, PageIO())
+        assert await link.read_page(h, row, IOStats())
         blocks = []
         for block in layout.blocks:
             raw = torch.from_numpy(row[block.offset:block.offset + block.nbytes].copy())

@@ -14,7 +14,7 @@ from hicache_store.backends.file import FileBackend
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.topology import Topology
-from hicache_store.tier.l3 import L3Link, PageIO
+from hicache_store.objects import IOStats, L3Link
 
 # 4 layers in one object per head group of 2 heads (two objects per page), fp16.
 NS = Namespace.create("m", ModelShape.mha(4, 4, 8), "float16", 4, Grid(4, 2))
@@ -66,10 +66,10 @@ async def store(tmp_path: Path) -> AsyncIterator[FileBackend]:
 async def test_whole_objects_are_one_read_each(store: FileBackend) -> None:
     page = full_page()
     writer = link(store)
-    assert await writer.write_page(PAGE, page, PageIO())
+    assert await writer.write_page(PAGE, page, IOStats())
     before = store.stats.reads
     row = new_row(writer)
-    assert await writer.read_page(PAGE, row, PageIO())
+    assert await writer.read_page(PAGE, row, IOStats())
     assert np.array_equal(row, page)
     assert store.stats.reads - before == 2, "one scatter read per object (two objects)"
 
@@ -87,10 +87,10 @@ async def test_shard_reads_assemble_exact_bytes(
     store: FileBackend, topology: Topology, rank: int
 ) -> None:
     page = full_page(1)
-    assert await link(store).write_page(PAGE, page, PageIO())
+    assert await link(store).write_page(PAGE, page, IOStats())
     reader = link(store, topology, rank)
     row = new_row(reader)
-    assert await reader.read_page(PAGE, row, PageIO())
+    assert await reader.read_page(PAGE, row, IOStats())
     assert np.array_equal(row, expected_shard(page, reader.read_plan.page))
 
 
@@ -101,7 +101,7 @@ async def test_damaged_object_fails_the_page(
 ) -> None:
     page = full_page(2)
     writer = link(store)
-    assert await writer.write_page(PAGE, page, PageIO())
+    assert await writer.write_page(PAGE, page, IOStats())
     victim = store.path_of(writer.write_plan.object_keys(PAGE)[1])  # type: ignore[union-attr]
     raw = bytearray(victim.read_bytes())
     if where == "truncated":
@@ -112,7 +112,7 @@ async def test_damaged_object_fails_the_page(
         raw[offset] ^= 0x01
     victim.write_bytes(bytes(raw))
     reader = link(store, topology, rank)
-    io = PageIO()
+    io = IOStats()
     assert not await reader.read_page(PAGE, new_row(reader), io)
     assert io.corruptions == 1
 
@@ -120,26 +120,26 @@ async def test_damaged_object_fails_the_page(
 async def test_damaged_object_outside_the_fetched_layers_is_not_read(store: FileBackend) -> None:
     page = full_page(3)
     writer = link(store)
-    assert await writer.write_page(PAGE, page, PageIO())
+    assert await writer.write_page(PAGE, page, IOStats())
     victim = store.path_of(writer.write_plan.object_keys(PAGE)[0])  # type: ignore[union-attr]
     raw = bytearray(victim.read_bytes())
     raw[4096 + 10] ^= 0x01  # layer 0 of the first object
     victim.write_bytes(bytes(raw))
     stage1 = link(store, Topology(1, 2), 1)  # reads layers 2-3 only
     row = new_row(stage1)
-    assert await stage1.read_page(PAGE, row, PageIO())
+    assert await stage1.read_page(PAGE, row, IOStats())
     assert np.array_equal(row, expected_shard(page, stage1.read_plan.page))
     stage0 = link(store, Topology(1, 2), 0)
-    io = PageIO()
+    io = IOStats()
     assert not await stage0.read_page(PAGE, new_row(stage0), io)
     assert io.corruptions == 1
 
 
 async def test_missing_object_is_a_miss_not_a_corruption(store: FileBackend) -> None:
     writer = link(store)
-    assert await writer.write_page(PAGE, full_page(4), PageIO())
+    assert await writer.write_page(PAGE, full_page(4), IOStats())
     await store.delete([writer.write_plan.object_keys(PAGE)[1]])  # type: ignore[union-attr]
-    io = PageIO()
+    io = IOStats()
     assert not await writer.read_page(PAGE, new_row(writer), io)
     assert io.corruptions == 0
 
@@ -149,8 +149,8 @@ async def test_any_backend_takes_the_scatter_read() -> None:
     store = open_backend("memory://")
     writer = link(store)
     page = full_page(5)
-    assert await writer.write_page(PAGE, page, PageIO())
+    assert await writer.write_page(PAGE, page, IOStats())
     row = new_row(writer)
-    assert await writer.read_page(PAGE, row, PageIO())
+    assert await writer.read_page(PAGE, row, IOStats())
     assert np.array_equal(row, page)
     await store.close()

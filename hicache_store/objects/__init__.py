@@ -1,0 +1,32 @@
+"""Stored objects: the one framed-object I/O path, above ``backends`` and below everything else.
+
+* ``format``: ``ObjectFormat`` (how a payload becomes a stored object: key, header, seal, open)
+  and ``FRAMED``, this library's format (``layout.framing``).
+* ``io``: ``ObjectIO``, framed writes in place in the caller's staging and verified reads
+  (whole frame, layer range), under byte budgets and a timeout; ``Frame``, ``IOStats``,
+  ``ByteBudget``.
+* ``pages``: ``L3Link``, a rank's host pages to and from the objects its plans name.
+* ``arena``: ``Arena``, reused page-aligned staging slots.
+
+Users: the cache tier (pages and component state), the SGLang adapter, ``prepopulate``,
+context-parallel restore, and the operator tools (``read_header`` / ``read_object``).
+"""
+
+from __future__ import annotations
+
+from .arena import Arena
+from .format import FRAMED, FramedFormat, ObjectFormat
+from .io import ByteBudget, Frame, IOStats, ObjectIO
+from .pages import L3Link
+
+__all__ = [
+    "FRAMED",
+    "Arena",
+    "ByteBudget",
+    "Frame",
+    "FramedFormat",
+    "IOStats",
+    "L3Link",
+    "ObjectFormat",
+    "ObjectIO",
+]

@@ -1,0 +1,97 @@
+"""Object formats: how a payload becomes a stored object and back, in one place each way.
+
+A format owns four things and nothing else: the storage key of an object, the bytes reserved
+before its payload (``header_bytes``), ``seal`` (called once per object on the write path, after
+the payload is in place: fills the header, and may transform the payload in place) and
+``open_header`` / ``open_blocks`` (called on the read path: check the header read for a key,
+then check, and may transform in place, the layer blocks that were read). ``ObjectIO`` calls
+exactly these, so a format is the extension point for:
+
+* **encryption at rest** (issue 24): an authenticated format seals each layer block in place
+  with the object's key and header as associated data in ``seal`` and opens it in
+  ``open_blocks``; nothing else on the data path changes.
+* **another engine's object layout** (issue 21, SGLang's bare ``page-unified-v1``): a format
+  with ``header_bytes == 0``, its own ``storage_key``, an ``open_header`` that synthesises the
+  header from the key and the expected size, and no block checks.
+
+``FRAMED`` is this library's format (``layout.framing``: a checksummed header with one xxh3 per
+layer block, the payload at a 4096-byte aligned offset).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from hicache_store.layout.framing import (
+    ObjectHeader,
+    decode_header,
+    encode_header,
+    payload_offset,
+    verify_blocks,
+)
+from hicache_store.layout.keys import ObjectKey, format_key
+
+
+class ObjectFormat(Protocol):
+    """How payloads are stored. See the module docstring for what each method may do."""
+
+    @property
+    def name(self) -> str: ...
+
+    def storage_key(self, key: ObjectKey) -> str:
+        """The backend key of ``key`` (validated again by the backend)."""
+        ...
+
+    def header_bytes(self, num_layers: int) -> int:
+        """Bytes before the payload in an object of ``num_layers`` layer blocks (0: none)."""
+        ...
+
+    def seal(
+        self, key: ObjectKey, frame: memoryview, *, kv_planes: int, parent_hash: str | None
+    ) -> None:
+        """Make ``frame`` (``header_bytes`` reserved, then the payload) the stored object."""
+        ...
+
+    def open_header(self, key: ObjectKey, header: memoryview, *, payload_bytes: int) -> ObjectHeader:
+        """Check the ``header_bytes`` read for ``key`` (whose payload must be ``payload_bytes``
+        long); raise ``CorruptObjectError`` on any disagreement."""
+        ...
+
+    def open_blocks(
+        self, header: ObjectHeader, data: memoryview, layer_start: int, layer_stop: int
+    ) -> None:
+        """Check the layer blocks ``[layer_start, layer_stop)`` read contiguously into ``data``;
+        raise ``CorruptObjectError`` when one is wrong."""
+        ...
+
+
+class FramedFormat:
+    """Format version 1 of ``layout.framing``: header, per-layer xxh3 checksums, aligned payload."""
+
+    name = "framed-v1"
+
+    def storage_key(self, key: ObjectKey) -> str:
+        return format_key(key)
+
+    def header_bytes(self, num_layers: int) -> int:
+        return payload_offset(num_layers)
+
+    def seal(
+        self, key: ObjectKey, frame: memoryview, *, kv_planes: int, parent_hash: str | None
+    ) -> None:
+        size = self.header_bytes(key.coords.num_layers)
+        header = encode_header(key, frame[size:], kv_planes, parent_hash=parent_hash)
+        frame[:size] = header
+
+    def open_header(self, key: ObjectKey, header: memoryview, *, payload_bytes: int) -> ObjectHeader:
+        size = self.header_bytes(key.coords.num_layers)
+        return decode_header(header, expected=key, object_length=size + payload_bytes)
+
+    def open_blocks(
+        self, header: ObjectHeader, data: memoryview, layer_start: int, layer_stop: int
+    ) -> None:
+        verify_blocks(header, data, layer_start, layer_stop)
+
+
+#: this library's object format (the default everywhere).
+FRAMED: ObjectFormat = FramedFormat()

@@ -1,0 +1,351 @@
+"""``ObjectIO``: the one write path and the one verified read path of stored objects.
+
+Everything that stores or fetches a framed object goes through here: the cache tier's pages
+(``objects.pages.L3Link``), cache components' state, the SGLang adapter, and the operator tools.
+What it guarantees, once:
+
+* **Writes frame in place.** The caller lays out each object as a *frame*: ``header_bytes``
+  reserved, then the payload, in its own (reused, page-aligned) staging. ``put`` seals the
+  header into the reserved bytes (``ObjectFormat.seal``) and stores the frame as it is: no copy,
+  no mapping per object.
+* **Reads are verified** before a byte counts: the header is checked against the key asked for
+  and the size the reader expects, then every layer block read (``ObjectFormat.open_header`` /
+  ``open_blocks``). A whole-frame read (``read_frame``) also checks the stored size: an object
+  longer or shorter than the frame is corrupt. Layer ranges (``read_blocks``) land straight in
+  the caller's memory; headers land in slots of a reused arena.
+* **Bounded.** Bytes in flight per direction are limited by a ``ByteBudget`` (a write of one
+  frame larger than the limit waits for all of it); every backend call ends within
+  ``io_timeout_s`` (``TimeoutError``).
+
+Outcomes: a write reports ``True``/``False`` per frame (failures are logged, never raised: a
+failed backup is a lost copy, not an error of the engine's path). A read returns the header on
+success, ``None`` on a miss, and raises ``CorruptObjectError`` for a corrupt object (callers
+count it and treat it as a miss) and the backend's errors or ``TimeoutError`` for failures.
+
+Coroutines run on the sync bridge's loop (``hicache_store._sync``) or any other loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from hicache_store.backends.base import Backend
+from hicache_store.backends.errors import InvalidRangeError
+from hicache_store.backends.types import ByteRange
+from hicache_store.layout.errors import CorruptObjectError, InvalidKeyError, TruncatedObjectError
+from hicache_store.layout.framing import ObjectHeader, decode_header, payload_offset
+from hicache_store.layout.keys import ObjectKey, parse_key
+from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
+
+from .arena import Arena
+from .format import FRAMED, ObjectFormat
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ByteBudget:
+    """An async limit on bytes in flight (a request larger than the limit waits for all)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"byte budget: limit {limit} must be positive")
+        self.limit = limit
+        self.used = 0
+        self._cond: asyncio.Condition | None = None
+
+    def _condition(self) -> asyncio.Condition:
+        # Created lazily so it belongs to the loop that uses it.
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def acquire(self, nbytes: int) -> int:
+        """Wait until ``nbytes`` (at most the limit) fit; returns what to ``release``."""
+        take = min(nbytes, self.limit)
+        cond = self._condition()
+        async with cond:
+            await cond.wait_for(lambda: self.used + take <= self.limit)
+            self.used += take
+        return take
+
+    async def release(self, taken: int) -> None:
+        cond = self._condition()
+        async with cond:
+            self.used -= taken
+            cond.notify_all()
+
+
+@dataclass
+class IOStats:
+    """Outcome counters of a batch of transfers (merged into metrics by their owner).
+
+    ``bytes_moved``: bytes that crossed to or from the backend (headers included).
+    ``bytes_fetched`` / ``bytes_needed``: payload bytes read and payload bytes the reader
+    needed (their ratio is the read amplification of head subsets).
+    """
+
+    bytes_moved: int = 0
+    bytes_fetched: int = 0
+    bytes_needed: int = 0
+    corruptions: int = 0
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One object to write: ``buffer`` is ``header_bytes`` reserved, then the payload."""
+
+    key: ObjectKey
+    buffer: memoryview
+    parent_hash: str | None = None
+
+
+@dataclass
+class _HeaderSlots:
+    """Header arenas by header size (objects of more layers have longer headers)."""
+
+    arenas: dict[int, Arena] = field(default_factory=dict)
+
+    def arena(self, nbytes: int) -> Arena:
+        found = self.arenas.get(nbytes)
+        if found is None:
+            found = self.arenas[nbytes] = Arena(nbytes, block_slots=32)
+        return found
+
+
+class ObjectIO:
+    """Stored objects of one namespace on one backend. See the module docstring.
+
+    ``namespace`` may be None for tools that only read (writes then raise ``ValueError``).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        namespace: Namespace | None = None,
+        *,
+        fmt: ObjectFormat = FRAMED,
+        max_inflight_bytes: int = 256 << 20,
+        io_timeout_s: float = 30.0,
+    ) -> None:
+        if io_timeout_s <= 0:
+            raise ValueError(f"io_timeout_s {io_timeout_s} must be positive")
+        self.backend = backend
+        self.namespace = namespace
+        self.format = fmt
+        self.io_timeout_s = io_timeout_s
+        self.read_budget = ByteBudget(max_inflight_bytes)
+        self.write_budget = ByteBudget(max_inflight_bytes)
+        self._headers = _HeaderSlots()
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    def header_bytes(self, num_layers: int) -> int:
+        """Bytes reserved before the payload of an object of ``num_layers`` layers."""
+        return self.format.header_bytes(num_layers)
+
+    def frame_bytes(self, num_layers: int, payload_bytes: int) -> int:
+        """The stored size of an object: header, then payload."""
+        return self.header_bytes(num_layers) + payload_bytes
+
+    def storage_key(self, key: ObjectKey) -> str:
+        return self.format.storage_key(key)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    async def put(self, frames: Sequence[Frame]) -> list[bool]:
+        """Seal each frame in place and store it; ``True`` per object stored.
+
+        Each frame's bytes count against the write budget while its put runs (so a batch
+        never has more than the budget in flight); each put ends within ``io_timeout_s``. A
+        frame whose buffer cannot hold a payload raises ``ValueError`` (a caller bug) before
+        anything is sealed or stored.
+        """
+        namespace = self.namespace
+        if namespace is None:
+            raise ValueError("ObjectIO without a namespace cannot write")
+        for frame in frames:
+            if len(frame.buffer) <= self.header_bytes(frame.key.coords.num_layers):
+                raise ValueError(f"{frame.key}: a frame of {len(frame.buffer)} bytes has no payload")
+        for frame in frames:
+            self.format.seal(
+                frame.key, frame.buffer, kv_planes=namespace.kv_planes, parent_hash=frame.parent_hash
+            )
+        return list(await asyncio.gather(*(self._put_one(f) for f in frames)))
+
+    async def _put_one(self, frame: Frame) -> bool:
+        key = self.storage_key(frame.key)
+        taken = await self.write_budget.acquire(len(frame.buffer))
+        try:
+            await asyncio.wait_for(self.backend.put([key], [frame.buffer]), self.io_timeout_s)
+        except Exception as exc:
+            log.warning("put of %s failed: %r", key[:24], exc)
+            return False
+        finally:
+            await self.write_budget.release(taken)
+        return True
+
+    # -- reads ------------------------------------------------------------------------------
+
+    async def read_frame(self, key: ObjectKey, frame: memoryview) -> ObjectHeader | None:
+        """Read a whole object into ``frame`` (its exact stored size) and verify every block.
+
+        ``None`` on a miss. ``CorruptObjectError`` when the object is corrupt, including a
+        stored size other than ``len(frame)``.
+        """
+        header_len = self.header_bytes(key.coords.num_layers)
+        payload_len = len(frame) - header_len
+        if payload_len <= 0:
+            raise ValueError(f"{key}: a frame of {len(frame)} bytes has no payload")
+        storage_key = self.storage_key(key)
+        taken = await self.read_budget.acquire(len(frame))
+        try:
+            # The whole object, no range: the backend refuses one larger than the frame.
+            got = await self._bounded(self.backend.get_into([storage_key], [frame]))
+        except InvalidRangeError as exc:
+            raise CorruptObjectError(f"{storage_key}: stored larger than its frame: {exc}") from exc
+        finally:
+            await self.read_budget.release(taken)
+        (n,) = got
+        if n is None:
+            return None
+        if n != len(frame):
+            raise TruncatedObjectError(f"{storage_key}: stored {n} bytes, the frame is {len(frame)}")
+        header = self.format.open_header(key, frame[:header_len], payload_bytes=payload_len)
+        self.format.open_blocks(
+            header, frame[header_len:], key.coords.layer_start, key.coords.layer_stop
+        )
+        return header
+
+    async def read_blocks(
+        self,
+        key: ObjectKey,
+        dest: memoryview,
+        *,
+        payload_bytes: int,
+        layers: tuple[int, int] | None = None,
+    ) -> ObjectHeader | None:
+        """Read layer blocks ``layers`` (all by default) of an object into ``dest``, verified.
+
+        ``payload_bytes`` is the object's whole payload (from the reader's namespace); ``dest``
+        receives exactly the blocks asked for. The header lands in an arena slot. One request
+        when the blocks start at the object's first layer (header and blocks are contiguous),
+        two ranged reads otherwise. ``None`` on a miss; ``CorruptObjectError`` when the header
+        or a block read is wrong or the object is shorter than its frame.
+        """
+        coords = key.coords
+        first, stop = layers or (coords.layer_start, coords.layer_stop)
+        if not coords.layer_start <= first < stop <= coords.layer_stop:
+            raise ValueError(f"{key}: layers [{first}, {stop}) outside the object's")
+        block = payload_bytes // coords.num_layers
+        if block * coords.num_layers != payload_bytes:
+            raise ValueError(f"{key}: {payload_bytes} bytes do not split into layer blocks")
+        start = (first - coords.layer_start) * block
+        length = (stop - first) * block
+        if len(dest) < length:
+            raise ValueError(f"{key}: {len(dest)} bytes cannot hold {length}")
+        target = dest[:length]
+        header_len = self.header_bytes(coords.num_layers)
+        storage_key = self.storage_key(key)
+        arena = self._headers.arena(header_len)
+        slot = arena.take()
+        head = slot[:header_len]
+        taken = await self.read_budget.acquire(header_len + length)
+        try:
+            if header_len == 0:
+                hit = await self._ranged(storage_key, [target], [ByteRange.of(start, length)])
+            elif start == 0:
+                # Header and blocks are contiguous: one scatter read (the file backend serves
+                # it with one open and one preadv).
+                hit = await self._scatter(storage_key, [head, target], header_len + length)
+            else:
+                hit = await self._ranged(
+                    storage_key,
+                    [head, target],
+                    [ByteRange(0, header_len), ByteRange.of(header_len + start, length)],
+                )
+            if not hit:
+                return None
+            header = self.format.open_header(key, head, payload_bytes=payload_bytes)
+            self.format.open_blocks(header, target, first, stop)
+            return header
+        finally:
+            await self.read_budget.release(taken)
+            arena.give(slot)  # the read has ended: the backend writes no more into it
+
+    async def _scatter(self, storage_key: str, buffers: list[memoryview], length: int) -> bool:
+        try:
+            n = await self._bounded(self.backend.get_scatter(storage_key, buffers, ByteRange(0, length)))
+        except InvalidRangeError as exc:
+            # The range reaches past the end: the stored object is shorter than its frame.
+            raise TruncatedObjectError(f"{storage_key}: {exc}") from exc
+        return n is not None
+
+    async def _ranged(
+        self, storage_key: str, buffers: list[memoryview], ranges: list[ByteRange]
+    ) -> bool:
+        try:
+            got = await self._bounded(self.backend.get_into([storage_key] * len(buffers), buffers, ranges))
+        except InvalidRangeError as exc:
+            raise TruncatedObjectError(f"{storage_key}: {exc}") from exc
+        return all(n is not None for n in got)
+
+    async def _bounded(self, call: Awaitable[T]) -> T:
+        return await asyncio.wait_for(call, self.io_timeout_s)
+
+    # -- tools ------------------------------------------------------------------------------
+
+    async def read_header(self, storage_key: str) -> ObjectHeader | None:
+        """The checked header of a stored object, ``None`` on a miss (operator tools).
+
+        The header must describe the key it is stored under. ``CorruptObjectError`` otherwise.
+        """
+        expected = _parsed(storage_key)
+        probe = payload_offset(1)
+        for length in (probe, payload_offset(MAX_LAYERS_PER_OBJECT)):
+            buf = bytearray(length)
+            try:
+                got = await self._bounded(self.backend.get_scatter(storage_key, [buf], ByteRange(0, length)))
+            except InvalidRangeError:
+                # Shorter than the probe: read what there is and let the decoder judge it.
+                data = await self._bounded(self.backend.get_bytes(storage_key))
+                if data is None:
+                    return None
+                return decode_header(data, expected=expected, object_length=len(data))
+            if got is None:
+                return None
+            try:
+                return decode_header(buf, expected=expected)
+            except TruncatedObjectError:
+                if length != probe:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def read_object(self, storage_key: str) -> tuple[ObjectHeader, memoryview] | None:
+        """A whole stored object, verified (its stored size included): header and payload
+        (operator tools; the cache's data path uses ``read_frame`` / ``read_blocks``)."""
+        key = _parsed(storage_key)
+        if key is None:
+            raise CorruptObjectError(f"{storage_key[:80]!r} is not an object key")
+        (stat,) = await self._bounded(self.backend.stat([storage_key]))
+        if stat is None:
+            return None
+        frame = memoryview(bytearray(stat.size))
+        header_len = self.header_bytes(key.coords.num_layers)
+        if stat.size <= header_len:
+            raise TruncatedObjectError(f"{storage_key}: {stat.size} bytes hold no payload")
+        header = await self.read_frame(key, frame)
+        if header is None:
+            return None
+        return header, frame[header_len:]
+
+
+def _parsed(storage_key: str) -> ObjectKey | None:
+    try:
+        return parse_key(storage_key)
+    except InvalidKeyError:
+        return None

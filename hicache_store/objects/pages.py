@@ -1,0 +1,208 @@
+"""Pages <-> stored objects: a rank's host page to the objects its plans name, and back.
+
+Writes: each page becomes the objects ``plan_writes`` gives this rank (one writer per object
+among replicas). ``write_page`` frames them in reused staging (each object's payload copied
+once from the host row behind its reserved header) and ``ObjectIO.put`` seals and stores them;
+a page counts as written when all its objects are. Callers whose staging already has the frame
+layout (the SGLang adapter relays straight into it) use ``ObjectIO.put`` themselves.
+
+Reads: each page is assembled from the objects (or layer ranges of objects) ``plan_reads``
+names, every byte verified by ``ObjectIO.read_blocks`` before it counts: whole head groups land
+straight in the host row, head subsets in reused scratch and are sliced after verification. A
+miss, a corrupt object or an error fails the page (never wrong bytes); outcomes are counted in
+the ``IOStats`` the caller passes, nothing raises, so the tier degrades to recomputation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from hicache_store.backends.base import Backend
+from hicache_store.layout.errors import CorruptObjectError, GridMismatchError
+from hicache_store.layout.keys import ObjectKey
+from hicache_store.layout.namespace import Namespace
+from hicache_store.layout.plans import (
+    ObjectRead,
+    ReadPlan,
+    WritePlan,
+    apply_segments,
+    plan_reads,
+    plan_writes,
+)
+from hicache_store.layout.topology import Topology
+
+from .arena import Arena
+from .format import FRAMED, ObjectFormat
+from .io import Frame, IOStats, ObjectIO
+
+log = logging.getLogger(__name__)
+Row = npt.NDArray[np.uint8]
+
+
+class L3Link:
+    """Moves pages between host rows and one backend for one rank of one namespace."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        namespace: Namespace,
+        topology: Topology,
+        rank: int,
+        *,
+        max_inflight_bytes: int,
+        io_timeout_s: float,
+        fmt: ObjectFormat = FRAMED,
+    ) -> None:
+        self.backend = backend
+        self.namespace = namespace
+        self.io = ObjectIO(
+            backend,
+            namespace,
+            fmt=fmt,
+            max_inflight_bytes=max_inflight_bytes,
+            io_timeout_s=io_timeout_s,
+        )
+        self.read_plan: ReadPlan = plan_reads(namespace, topology, rank)
+        self.write_plan: WritePlan | None
+        try:
+            self.write_plan = plan_writes(namespace, topology, rank)
+        except GridMismatchError as exc:
+            # A rank whose shard does not align with the grid can still read everything.
+            log.warning("L3 backups disabled for this rank: %s", exc)
+            self.write_plan = None
+        #: page hashes come from ``hashing.page_hashes`` (the tier), not from outside: skip
+        #: re-validating them in ``exists_prefix``'s batch. Leave False for hashes an engine
+        #: passes in. (Reads and writes always validate: ``ObjectKey`` checks its parts.)
+        self.trusted_hashes = False
+        self._frames: dict[int, Arena] = {}  # write staging by frame size
+        self._scratch: dict[int, Arena] = {}  # head-subset reads by fetch size
+
+    @property
+    def io_timeout_s(self) -> float:
+        return self.io.io_timeout_s
+
+    @property
+    def can_write(self) -> bool:
+        return self.write_plan is not None and bool(self.write_plan.objects)
+
+    # -- existence ------------------------------------------------------------------------
+
+    async def exists_prefix(self, page_hashes: Sequence[str]) -> int:
+        """How many leading pages have every object this rank reads."""
+        per_page = len(self.read_plan.objects)
+        if not page_hashes or per_page == 0:
+            return 0
+        keys = [
+            key
+            for h in page_hashes
+            for key in self.read_plan.object_keys(h, trusted=self.trusted_hashes)
+        ]
+        found = await asyncio.wait_for(self.backend.exists(keys), self.io_timeout_s)
+        for page in range(len(page_hashes)):
+            if not all(found[page * per_page : (page + 1) * per_page]):
+                return page
+        return len(page_hashes)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    async def write_page(
+        self, page_hash: str, row: Row, io: IOStats, parent_hash: str | None = None
+    ) -> bool:
+        """Frame and store this rank's objects of one page; True when all are stored.
+
+        ``parent_hash`` (the chain's previous page, when known) goes into every object's header
+        so that offline tools can rebuild the chains (``hicache-store gc``).
+        """
+        plan = self.write_plan
+        if plan is None or not plan.objects:
+            return False
+        digest = self.namespace.digest
+        frames: list[Frame] = []
+        taken: list[tuple[Arena, memoryview]] = []
+        try:
+            for obj in plan.objects:
+                header = self.io.header_bytes(obj.coords.num_layers)
+                arena = _arena(self._frames, header + obj.nbytes)
+                slot = arena.take()
+                taken.append((arena, slot))
+                frame = slot[: header + obj.nbytes]
+                np.frombuffer(frame, dtype=np.uint8)[header:] = row[
+                    obj.page_offset : obj.page_offset + obj.nbytes
+                ]
+                key = ObjectKey(page_hash, digest, obj.coords)
+                frames.append(Frame(key, frame, parent_hash))
+            done = await self.io.put(frames)
+        finally:
+            for arena, slot in taken:
+                arena.give(slot)  # every put has ended: the backend keeps no reference
+        if not all(done):
+            return False
+        io.bytes_moved += sum(len(f.buffer) for f in frames)
+        return True
+
+    # -- reads ------------------------------------------------------------------------------
+
+    async def read_page(self, page_hash: str, row: Row, io: IOStats) -> bool:
+        """Assemble one page into ``row`` from verified objects; False on any miss or error.
+
+        On False, ``row`` may hold partial data: the caller must not use it.
+        """
+        plan = self.read_plan
+        digest = self.namespace.digest
+        try:
+            hits = await asyncio.gather(
+                *(
+                    self._read_object(ObjectKey(page_hash, digest, obj.coords), obj, row)
+                    for obj in plan.objects
+                )
+            )
+        except CorruptObjectError as exc:
+            io.corruptions += 1
+            log.warning("corrupt L3 object treated as a miss: %s", exc)
+            return False
+        except Exception as exc:
+            log.warning("L3 read of page %s failed: %r", page_hash[:16], exc)
+            return False
+        if not all(hits):
+            return False
+        io.bytes_fetched += plan.bytes_fetched
+        io.bytes_needed += plan.bytes_needed
+        io.bytes_moved += plan.bytes_fetched + plan.header_bytes
+        return True
+
+    async def _read_object(self, key: ObjectKey, obj: ObjectRead, row: Row) -> bool:
+        (segment,) = obj.segments
+        direct = segment.count == 1 and segment.src_offset == 0
+        layers = (obj.layer_start, obj.layer_stop)
+        if direct:
+            # Whole head groups land straight in the host row (zero-copy where the backend can).
+            target = row[segment.dst_offset : segment.dst_offset + obj.fetch_bytes]
+            header = await self.io.read_blocks(
+                key, target.data, payload_bytes=obj.payload_bytes, layers=layers
+            )
+            return header is not None
+        # A head subset: the whole group's layers into scratch, sliced after verification.
+        arena = _arena(self._scratch, obj.fetch_bytes)
+        slot = arena.take()
+        try:
+            header = await self.io.read_blocks(
+                key, slot, payload_bytes=obj.payload_bytes, layers=layers
+            )
+            if header is not None:
+                scratch = np.frombuffer(slot, dtype=np.uint8)[: obj.fetch_bytes]
+                apply_segments(obj.segments, scratch, row)
+        finally:
+            arena.give(slot)
+        return header is not None
+
+
+def _arena(arenas: dict[int, Arena], nbytes: int) -> Arena:
+    found = arenas.get(nbytes)
+    if found is None:
+        found = arenas[nbytes] = Arena(nbytes)
+    return found
