@@ -1,15 +1,20 @@
 /* Optional C accelerator for the sha256 page-hash chain of hicache_store.layout.hashing.
  *
  * chain_sha256(tokens, page_size, prior) -> bytes
- *   tokens: a list of ints (each in uint32 range) or a bytes-like object holding uint32
- *           little-endian token ids; page_size > 0; prior: 32 raw bytes or None.
+ *   tokens: a list of integers (Python ints or anything with __index__, e.g. numpy int64),
+ *           each in [0, 2**63), or a bytes-like object holding uint32 little-endian ids;
+ *           page_size > 0; prior: 32 raw bytes or None.
  *   Returns the raw 32-byte digests of every full page, concatenated:
  *   h_0 = sha256(prior || page_0) (no prior: sha256(page_0)), h_i = sha256(h_{i-1} || page_i).
+ *   A page is its ids as uint32 little-endian; a page holding an id of 2**32 or more is
+ *   0xff followed by its ids as uint64 little-endian (SGLang 0.5.23's wide encoding: the odd
+ *   byte count keeps the two encodings apart).
  *
- * It computes exactly what the pure-Python loop computes (the tests compare both); it exists
- * because the per-page Python overhead and the list -> uint32 conversion dominate the cost of
- * hashing a long prompt. OpenSSL's EVP interface is used so SHA extensions are used when the CPU
- * has them. If this module cannot be built, hashing.py falls back to the Python loop.
+ * It computes exactly what the pure-Python loop computes (the tests compare both, and both
+ * against SGLang's get_hash_str); it exists because the per-page Python overhead and the
+ * list -> uint32 conversion dominate the cost of hashing a long prompt. OpenSSL's EVP
+ * interface is used so SHA extensions are used when the CPU has them. If this module cannot
+ * be built, hashing.py falls back to the Python loop.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -21,13 +26,48 @@
 
 static EVP_MD *sha256_md = NULL;
 
-static int hash_page(EVP_MD_CTX *ctx, const unsigned char *prev, size_t prev_len,
+#define WIDE_TAG 0xff
+#define MAX_TOKEN 0x7FFFFFFFFFFFFFFFULL
+static const char RANGE_MESSAGE[] = "tokens: ids must be integers in [0, 2**63)";
+
+static int hash_page(EVP_MD_CTX *ctx, const unsigned char *prev, size_t prev_len, int wide,
                      const unsigned char *page, size_t page_len, unsigned char *out) {
+    static const unsigned char tag = WIDE_TAG;
     unsigned int n = 0;
     return EVP_DigestInit_ex(ctx, sha256_md, NULL) == 1 &&
            (prev_len == 0 || EVP_DigestUpdate(ctx, prev, prev_len) == 1) &&
+           (!wide || EVP_DigestUpdate(ctx, &tag, 1) == 1) &&
            EVP_DigestUpdate(ctx, page, page_len) == 1 &&
            EVP_DigestFinal_ex(ctx, out, &n) == 1 && n == DIGEST;
+}
+
+/* An exact int's value in [0, 2**63); -1 with ValueError set otherwise. Runs no Python code. */
+static int int_value(PyObject *item, unsigned long long *value) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(item);
+    if ((v == (unsigned long long)-1 && PyErr_Occurred()) || v > MAX_TOKEN) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, RANGE_MESSAGE);
+        return -1;
+    }
+    *value = v;
+    return 0;
+}
+
+/* Any other item through __index__ (numpy integers); the caller holds a reference to it. */
+static int index_value(PyObject *item, unsigned long long *value) {
+    PyObject *index = PyNumber_Index(item);
+    if (index == NULL) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, RANGE_MESSAGE);
+        return -1;
+    }
+    int rc = int_value(index, value);
+    Py_DECREF(index);
+    return rc;
+}
+
+static inline void store_le(unsigned char *dst, unsigned long long v, int width) {
+    for (int b = 0; b < width; b++) dst[b] = (unsigned char)((v >> (8 * b)) & 0xFF);
 }
 
 static PyObject *chain_sha256(PyObject *self, PyObject *args) {
@@ -63,36 +103,42 @@ static PyObject *chain_sha256(PyObject *self, PyObject *args) {
     }
     Py_ssize_t pages = count / page_size;
     PyObject *result = PyBytes_FromStringAndSize(NULL, pages * DIGEST);
-    unsigned char *page_buf = is_list ? PyMem_Malloc((size_t)page_size * 4) : NULL;
+    /* list mode: the page's ids (uint64), then its encoding (at most 8 bytes per id) */
+    unsigned long long *ids = is_list ? PyMem_Malloc((size_t)page_size * sizeof(*ids)) : NULL;
+    unsigned char *page_buf = is_list ? PyMem_Malloc((size_t)page_size * 8) : NULL;
     EVP_MD_CTX *ctx = EVP_MD_CTX_new();
-    if (result == NULL || ctx == NULL || (is_list && page_buf == NULL)) {
-        if (result != NULL || ctx == NULL || (is_list && page_buf == NULL)) PyErr_NoMemory();
+    if (result == NULL || ctx == NULL || (is_list && (page_buf == NULL || ids == NULL))) {
+        if (result != NULL) PyErr_NoMemory();
         goto fail;
     }
     unsigned char *out = (unsigned char *)PyBytes_AS_STRING(result);
     for (Py_ssize_t p = 0; p < pages; p++) {
         const unsigned char *page;
+        size_t page_len = (size_t)page_size * 4;
+        int wide = 0;
         if (is_list) {
             for (Py_ssize_t i = 0; i < page_size; i++) {
                 PyObject *item = PyList_GET_ITEM(tokens, p * page_size + i);
-                unsigned long value = PyLong_AsUnsignedLong(item);
-                if (value == (unsigned long)-1 && PyErr_Occurred()) {
-                    PyErr_Clear();
-                    PyErr_SetString(PyExc_ValueError,
-                                    "tokens: ids must be integers in uint32 range");
-                    goto fail;
+                if (PyLong_CheckExact(item)) {
+                    if (int_value(item, &ids[i]) < 0) goto fail;
+                } else {
+                    /* __index__ runs Python code, which may drop the item or shrink the
+                     * list: hold a reference, and check the length afterwards. */
+                    Py_INCREF(item);
+                    int bad = index_value(item, &ids[i]);
+                    Py_DECREF(item);
+                    if (bad) goto fail;
+                    if (PyList_GET_SIZE(tokens) < count) {
+                        PyErr_SetString(PyExc_ValueError, "tokens: list changed while hashing");
+                        goto fail;
+                    }
                 }
-                if (value > 0xFFFFFFFFUL) {
-                    PyErr_SetString(PyExc_ValueError,
-                                    "tokens: ids must be integers in uint32 range");
-                    goto fail;
-                }
-                uint32_t v = (uint32_t)value;
-                unsigned char *dst = page_buf + 4 * i;
-                dst[0] = (unsigned char)(v & 0xFF);
-                dst[1] = (unsigned char)((v >> 8) & 0xFF);
-                dst[2] = (unsigned char)((v >> 16) & 0xFF);
-                dst[3] = (unsigned char)((v >> 24) & 0xFF);
+                wide |= ids[i] > 0xFFFFFFFFULL;
+                store_le(page_buf + 4 * i, ids[i], 4); /* the narrow encoding, as we go */
+            }
+            if (wide) { /* rare: re-encode the page as uint64 */
+                for (Py_ssize_t i = 0; i < page_size; i++) store_le(page_buf + 8 * i, ids[i], 8);
+                page_len = (size_t)page_size * 8;
             }
             page = page_buf;
         } else {
@@ -100,20 +146,21 @@ static PyObject *chain_sha256(PyObject *self, PyObject *args) {
         }
         const unsigned char *previous = p == 0 ? prev : out + (p - 1) * DIGEST;
         size_t previous_len = p == 0 ? prev_len : DIGEST;
-        if (!hash_page(ctx, previous, previous_len, page, (size_t)page_size * 4,
-                       out + p * DIGEST)) {
+        if (!hash_page(ctx, previous, previous_len, wide, page, page_len, out + p * DIGEST)) {
             PyErr_SetString(PyExc_RuntimeError, "OpenSSL sha256 failed");
             goto fail;
         }
     }
     EVP_MD_CTX_free(ctx);
     PyMem_Free(page_buf);
+    PyMem_Free(ids);
     if (!is_list) PyBuffer_Release(&view);
     return result;
 
 fail:
     if (ctx != NULL) EVP_MD_CTX_free(ctx);
     PyMem_Free(page_buf);
+    PyMem_Free(ids);
     if (!is_list) PyBuffer_Release(&view);
     Py_XDECREF(result);
     return NULL;
