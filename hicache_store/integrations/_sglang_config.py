@@ -24,6 +24,9 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
 ``staging_mib``      staging memory per SGLang thread and direction (default 256 MiB; a read
                      window takes at most 16 pages of it).
 ``max_inflight_mib`` bytes of reads in flight per rank (default 1024 MiB).
+``allow_clear``      ``true`` lets SGLang's ``clear()`` (``POST /hicache/storage-backend/clear``,
+                     a P/D role switch) delete this namespace's objects; default ``false``:
+                     a shared store is never wiped by one server.
 
 Without ``grid`` and ``share_with`` the grid is the coarsest this deployment's own topology
 can write (one object per page per writing rank). That is the fastest choice but only other
@@ -75,6 +78,7 @@ ADAPTER_KEYS = frozenset(
         "io_timeout_s",
         "staging_mib",
         "max_inflight_mib",
+        "allow_clear",
     }
 )
 
@@ -113,6 +117,7 @@ class AdapterConfig:
     io_timeout_s: float = 30.0
     staging_bytes: int = 256 << 20
     max_inflight_bytes: int = 1 << 30
+    allow_clear: bool = False
     ignored: tuple[str, ...] = field(default=())
 
     @classmethod
@@ -154,6 +159,7 @@ class AdapterConfig:
             io_timeout_s=float(extra.get("io_timeout_s", 30.0)),
             staging_bytes=int(float(extra.get("staging_mib", 256)) * (1 << 20)),
             max_inflight_bytes=int(float(extra.get("max_inflight_mib", 1024)) * (1 << 20)),
+            allow_clear=_optional_bool(extra, "allow_clear"),
             ignored=ignored,
         )
 
@@ -165,3 +171,10 @@ def _optional_int(extra: Mapping[str, Any], key: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"extra-config: {key} must be an integer, got {value!r}")
     return int(value)
+
+
+def _optional_bool(extra: Mapping[str, Any], key: str) -> bool:
+    value = extra.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"extra-config: {key} must be true or false, got {value!r}")
+    return value

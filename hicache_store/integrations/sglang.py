@@ -40,15 +40,16 @@ faulted in) at registration, so the first prefetch does not pay for it.
 **Threads and failures.** SGLang calls from its prefetch, I/O and backup threads at once.
 Each call runs its I/O on the one sync bridge loop (``hicache_store._sync``) and keeps its own
 staging buffers (per thread; the first reading thread adopts the window made at
-registration); counters are under a lock. No data method raises or returns
-None into SGLang: an error, a timeout, a miss or a corrupt object is ``False`` (per page) or
-``0``, logged and counted in ``counters``. Configuration errors (a missing ``url``, a pool
-that does not match the namespace) raise at construction or registration, so that a
-misconfigured server fails at startup instead of silently recomputing.
+registration). No data method raises or returns None into SGLang: an error, a timeout, a miss
+or a corrupt object is ``False`` (per page) or ``0``, logged and counted in ``counters``.
+Configuration errors (a missing ``url``, a pool that does not match the namespace, a hybrid
+model's sidecar pool) raise at construction or registration, so that a misconfigured server
+fails at startup instead of silently recomputing. ``get_stats`` returns SGLang's
+``StorageMetrics`` (``_sglang_metrics``); ``clear`` deletes nothing unless ``allow_clear``.
 
 **Not supported** (refused at startup with a message): attention context parallelism and DCP
-(``attn_cp_size``/``dcp_size`` > 1), the ``page_unified`` and NPU host layouts, SGLang's v2
-multi-pool interface (hybrid models' extra pools).
+(``attn_cp_size``/``dcp_size`` > 1), the ``page_unified`` and NPU host layouts, the sidecar
+pools of SGLang's v2 multi-pool interface (hybrid models; see ``_sglang_v2``).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -75,7 +76,9 @@ from hicache_store.layout.topology import Topology
 from hicache_store.objects import Frame, IOStats, L3Link
 
 from ._sglang_config import AdapterConfig
+from ._sglang_metrics import AdapterMetrics
 from ._sglang_pool import PoolGeometry, describe_host_pool, page_view
+from ._sglang_v2 import KV_POOL, check_pool, pool_name, transfer_result
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -101,26 +104,11 @@ else:
 #: whether ``HiCacheStoreStorage`` subclasses SGLang's ``HiCacheStorage`` in this process.
 SGLANG_AVAILABLE = _HiCacheStorage is not object
 
-__all__ = ["SGLANG_AVAILABLE", "AdapterStats", "HiCacheStoreStorage"]
+__all__ = ["SGLANG_AVAILABLE", "HiCacheStoreStorage"]
 
 
 def _round_up(n: int, to: int = _ALIGN) -> int:
     return -(-n // to) * to
-
-
-@dataclass
-class AdapterStats:
-    """What ``get_stats`` returns: SGLang's ``StorageMetrics`` fields, plus our counters.
-
-    The four lists are drained on each call (as SGLang's own backends do): pages per call and
-    GB/s per call of prefetches (reads) and backups (writes).
-    """
-
-    prefetch_pgs: list[int] = field(default_factory=list)
-    backup_pgs: list[int] = field(default_factory=list)
-    prefetch_bandwidth: list[float] = field(default_factory=list)
-    backup_bandwidth: list[float] = field(default_factory=list)
-    counters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -213,8 +201,9 @@ class HiCacheStoreStorage(_HiCacheStorage):
         self._staging = _Staging(self._spares)
         self._lock = threading.Lock()
         self._closed = False
-        self._counters: dict[str, int] = {}
-        self._stats = AdapterStats()
+        labels = {"tp_rank": str(self.tp_rank), "pp_rank": str(self.pp_rank)}
+        export = bool(getattr(storage_config, "enable_storage_metrics", False))
+        self._metrics = AdapterMetrics(prometheus_labels=labels if export else None)
 
     # -- registration ----------------------------------------------------------------------
 
@@ -339,6 +328,60 @@ class HiCacheStoreStorage(_HiCacheStorage):
             "get", [False] * len(keys), lambda reg: self._get_pages(reg, keys, host_indices)
         )
 
+    # -- the v2 (multi-pool) interface: KV only for now, see _sglang_v2 --------------------
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Accept the KV pool again; refuse any sidecar pool with one clear error (start-up)."""
+        check_pool(host_pool, host_pool_name, getattr(self, "mem_pool_host", None))
+        pools: dict[str, Any] = self.__dict__.setdefault("registered_pools", {})
+        pools[pool_name(host_pool_name)] = host_pool
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
+    ) -> Any:
+        """KV-only transfers: the v1 prefix; any sidecar pool: no hit. Never raises."""
+
+        def go(reg: _Registered) -> Any:
+            if any(pool_name(t.name) != KV_POOL for t in pool_transfers or ()):
+                self._count("v2_refused")
+                return transfer_result(0, {}, [])
+            hit = int(self._run(reg.link.exists_prefix(list(keys)), reg))
+            return transfer_result(hit, {KV_POOL: hit} if hit else {}, None)
+
+        return self._guard("exists", None, go) or transfer_result(0, {}, [])
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """KV transfers are read as by ``batch_get_v1``; other pools fail. Never raises."""
+        return self._transfer_v2("get", transfers)
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """KV transfers are written as by ``batch_set_v1``; other pools fail. Never raises."""
+        return self._transfer_v2("set", transfers)
+
+    def _transfer_v2(self, op: str, transfers: Any) -> dict[Any, list[bool]]:
+        """One success list per transfer, keyed by its (SGLang) pool name."""
+        results: dict[Any, list[bool]] = {}
+        try:
+            batch = list(transfers or ())
+        except Exception:
+            self._count(f"{op}_errors")
+            return results
+        for transfer in batch:
+            try:
+                name, keys = transfer.name, list(transfer.keys or ())
+                host_indices = transfer.host_indices
+            except Exception:  # not a PoolTransfer: nothing to report it under
+                self._count(f"{op}_errors")
+                continue
+            if pool_name(name) != KV_POOL:
+                self._count("v2_refused")
+                results[name] = [False] * len(keys)
+            elif op == "get":
+                results[name] = self.batch_get_v1(keys, host_indices)
+            else:
+                results[name] = self.batch_set_v1(keys, host_indices)
+        return results
+
     # -- the generic (legacy) interface ----------------------------------------------------
 
     def exists(self, key: str) -> bool:
@@ -413,11 +456,29 @@ class HiCacheStoreStorage(_HiCacheStorage):
 
     # -- admin -----------------------------------------------------------------------------
 
-    def clear(self) -> None:
-        """Delete this namespace's objects (other namespaces sharing the store are kept)."""
+    def clear(self) -> bool:
+        """SGLang's ``POST /hicache/storage-backend/clear`` and P/D role switch. Never raises.
+
+        By default nothing is deleted (logged and counted as ``clear_refused``): an L3 store
+        is usually shared, by other servers of the deployment, by other deployments of the
+        model, by ``prepopulate``, so one server's role switch must not wipe what all of them
+        read. With ``"allow_clear": true`` in the extra-config this namespace's objects are
+        deleted; other namespaces (another model, dtype, grid or tenant salt) are kept.
+        Returns whether objects were deleted.
+        """
         reg = self._registered
+        if not self.config.allow_clear:
+            self._count("clear_refused")
+            log.warning(
+                "hicache-store: clear() refused: the store may be shared by other servers and "
+                'deployments; set "allow_clear": true in the extra-config to let SGLang '
+                "delete this namespace's objects"
+            )
+            return False
         if reg is None or not self.backend.capabilities.listing:
-            return
+            self._count("clear_failed")
+            log.warning("hicache-store: clear() needs a registered pool and a listing backend")
+            return False
         marker = f"_{reg.namespace.digest}_"
 
         async def go() -> int:
@@ -428,22 +489,25 @@ class HiCacheStoreStorage(_HiCacheStorage):
 
         try:
             removed = _sync.run_sync(go(), timeout=max(60.0, self.config.io_timeout_s))
-            log.info("hicache-store: clear removed %d objects of %s", removed, marker[1:-1])
         except Exception as exc:
             self._count("clear_failed")
             log.warning("hicache-store: clear failed: %s", exc)
+            return False
+        log.info("hicache-store: clear removed %d objects of %s", removed, marker[1:-1])
+        return True
 
-    def get_stats(self) -> AdapterStats:
-        """SGLang's storage metrics (drained) and our cumulative counters; never None."""
-        with self._lock:
-            stats, self._stats = self._stats, AdapterStats()
-            stats.counters = dict(self._counters)
-        return stats
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` of the calls since the last call (drained); never None.
+
+        Our cumulative counters are ``counters`` (and Prometheus, see ``_sglang_metrics``).
+        """
+        return self._metrics.drain()
 
     @property
     def counters(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counters)
+        """Cumulative event counts: ``set_pages``, ``get_pages``, ``*_failed``, ``*_errors``,
+        ``corrupt_objects``, ``set_refused``, ``v2_refused``, ``clear_refused``, ..."""
+        return self._metrics.counters()
 
     def close(self) -> None:
         with self._lock:
@@ -458,8 +522,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
     # -- internals -------------------------------------------------------------------------
 
     def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counters[name] = self._counters.get(name, 0) + n
+        self._metrics.count(name, n)
 
     def _guard(self, op: str, failed: T, fn: Callable[[_Registered], T]) -> T:
         """Run ``fn``; any exception becomes ``failed``, logged and counted. Never raises."""
@@ -679,17 +742,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         return results
 
     def _account(self, op: str, results: list[bool], page_bytes: int, started: float) -> None:
-        ok = sum(results)
-        seconds = max(time.perf_counter() - started, 1e-9)
-        with self._lock:
-            self._counters[f"{op}_pages"] = self._counters.get(f"{op}_pages", 0) + ok
-            failed = len(results) - ok
-            if failed:
-                self._counters[f"{op}_failed"] = self._counters.get(f"{op}_failed", 0) + failed
-            pgs = self._stats.prefetch_pgs if op == "get" else self._stats.backup_pgs
-            bw = self._stats.prefetch_bandwidth if op == "get" else self._stats.backup_bandwidth
-            pgs.append(ok)
-            bw.append(ok * page_bytes / seconds / 1e9)
+        self._metrics.record(op, results, page_bytes, time.perf_counter() - started)
 
 
 def _single_object(plan: WritePlan | None, layout: UnifiedPageLayout) -> bool:

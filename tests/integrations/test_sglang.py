@@ -1,11 +1,12 @@
-"""The SGLang adapter through SGLang's own interface and classes.
+"""The SGLang adapter through SGLang's own interface, with stand-in host pools.
 
-SGLang's host pools (``sglang.srt.mem_cache.pool_host``) do not import on a CPU machine (they
-pull torchvision and CUDA kernel modules), so the pools here are stand-ins with exactly the
-attributes the adapter reads (``HOST_POOL_ATTRIBUTES``), plus SGLang's generic-path page
-methods; ``test_stand_in_matches_sglang_source`` checks those names and every layout's buffer
-shape against SGLang's class source. Pages are put into and taken out of the stand-ins by
-plain tensor indexing written here (the oracle), never by the kernels under test.
+These tests call the adapter directly (fast, every layout and failure case); the pools are
+stand-ins with exactly the attributes the adapter reads (``HOST_POOL_ATTRIBUTES``), plus
+SGLang's generic-path page methods; ``test_stand_in_matches_sglang_source`` checks those names
+and every layout's buffer shape against SGLang's class source. SGLang's real controller and
+host pools drive the adapter in ``test_sglang_controller.py``. Pages are put into and taken
+out of the stand-ins by plain tensor indexing written here (the oracle), never by the kernels
+under test.
 """
 
 from __future__ import annotations
@@ -436,9 +437,9 @@ def test_failures_never_raise(url: str, tmp_path: Path) -> None:
     raw[-1] ^= 0xFF
     obj.write_bytes(bytes(raw))
     assert store.batch_get_v1(keys_for(1, "c"), slots([1])) == [False]
-    stats = store.get_stats()
-    assert stats.counters["corrupt_objects"] == 1
-    assert stats.counters["set_errors"] >= 2
+    counters = store.counters
+    assert counters["corrupt_objects"] == 1
+    assert counters["set_errors"] >= 2
     store.close()
     assert store.batch_exists(keys_for(1, "c")) == 0
     assert store.batch_set_v1(keys_for(1), slots([0])) == [False]
@@ -470,7 +471,7 @@ def test_read_window_reports_each_page_and_leaves_failed_slots_alone(
     assert got == [i not in (4, 7) for i in range(10)]
     for i in range(10):
         assert same(pool.take(12 + i), before if i in (4, 7) else data[i]), i
-    assert store.get_stats().counters["corrupt_objects"] == 1
+    assert store.counters["corrupt_objects"] == 1
 
 
 def test_read_window_is_made_at_registration(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -543,7 +544,7 @@ def test_threads_share_one_adapter(url: str) -> None:
 def test_clear_removes_only_this_namespace(url: str) -> None:
     pool = StandInPool("page_first")
     pool.put(0, random_pages(1)[0])
-    a = adapter(pool, url=url)
+    a = adapter(pool, url=url, allow_clear=True)
     b = adapter(pool, url=url, tenant_salt="b")
     keys = keys_for(1)
     assert a.batch_set_v1(keys, slots([0])) == [True]
