@@ -239,7 +239,12 @@ class HiCache:
         self.host = HostPagePool(config.l2_pages, self.layout.page_bytes)
         self.l3: L3Link | None = None
         self._registered = False
-        if backend is not None and config.l2_pages > 0:
+        if backend is not None and config.l2_pages == 0:
+            raise ValueError(
+                "an L3 backend needs L2: set TierConfig(l2_pages=...) > 0 (L3 pages move "
+                "through host memory; buffer_only mode keeps L2 to in-flight pages)"
+            )
+        if backend is not None:
             self.l3 = L3Link(
                 backend,
                 namespace,

@@ -1,8 +1,12 @@
 """Cache-tier configuration: pool sizes and the write, prefetch and host-memory policies.
 
-Defaults follow SGLang's HiCache so that a user moving over keeps the behaviour they know:
-write-through, best-effort prefetch with a 256-token threshold, timeout knobs
-``base=2 s``, ``per_ki_token=0.1 s``, ``max=30 s``, host memory as a cache.
+Defaults: write-through, host memory as a cache, and a ``timeout`` prefetch with SGLang's knobs
+(``base=2 s``, ``per_ki_token=0.1 s``, ``max=30 s``) and no minimum length, so that whatever L3
+holds of a prompt is restored, short prompts included, and no request waits unboundedly.
+SGLang's own defaults (``best_effort`` with a 256-token threshold) restore nothing for prompts
+under 256 tokens and, in a caller that prepares right after matching, nothing at all: set them
+explicitly to get SGLang's behaviour. An L3 backend needs L2 (``l2_pages > 0``): L3 pages move
+through host memory, and ``HiCache`` refuses a backend without it.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ HOST_MODES: tuple[str, ...] = ("cache", "buffer_only")
 class TierConfig:
     """How the tier behaves. Sizes are in pages of the namespace's page size.
 
-    ``l2_pages = 0`` disables L2 (and with it L3, which is reached through L2).
+    ``l2_pages = 0`` disables L2; L3 is reached through L2, so a tier with a backend needs
+    ``l2_pages > 0`` (``HiCache`` raises otherwise).
     ``write_through_threshold``: hits before a page is backed up under
     ``write_through_selective`` (SGLang uses 2; ``write_through`` behaves as 1).
-    ``prefetch_threshold_tokens``: no L3 prefetch starts for fewer tokens than this.
+    ``prefetch_threshold_tokens``: no L3 prefetch starts for fewer tokens than this (default 0:
+    any stored full page is worth restoring).
     ``max_inflight_bytes``: bytes of L3 traffic (each direction) in flight at once.
     ``max_queued_backup_pages``: L3 backups waiting beyond this are dropped and counted, so a
     slow backend never blocks compute.
@@ -37,8 +43,8 @@ class TierConfig:
     l2_pages: int = 0
     write_policy: WritePolicy = "write_through"
     write_through_threshold: int = 2
-    prefetch_policy: PrefetchPolicy = "best_effort"
-    prefetch_threshold_tokens: int = 256
+    prefetch_policy: PrefetchPolicy = "timeout"
+    prefetch_threshold_tokens: int = 0
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_ki_token_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
@@ -60,6 +66,8 @@ class TierConfig:
         ):
             if value not in choices:
                 raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
+        if self.prefetch_threshold_tokens < 0:
+            raise ValueError("prefetch_threshold_tokens: must not be negative")
         if self.write_through_threshold < 1:
             raise ValueError("write_through_threshold: must be at least 1")
         if min(self.prefetch_timeout_base_s, self.prefetch_timeout_per_ki_token_s) < 0:

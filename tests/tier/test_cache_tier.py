@@ -119,6 +119,29 @@ def test_l3_hit_after_a_restart(model: MiniLlama, policy: str) -> None:
     reader.close()
 
 
+def test_default_config_restores_a_short_prompt_from_l3(model: MiniLlama) -> None:
+    # 62 tokens: far below SGLang's 256-token prefetch threshold. The defaults must restore
+    # every stored full page of it (15 pages of 4), not silently recompute.
+    backend = open_backend("memory://")
+    pool = DeviceKVPool.for_model(CONFIG, num_pages=32, page_size=PAGE)
+    writer = HiCache(namespace(), TierConfig(l1_pages=32, l2_pages=32), pool, backend=backend)
+    (doc,) = prompts(9, 1, 62)
+    check(writer, model, doc)
+    writer.flush()
+    writer.close()
+    pool = DeviceKVPool.for_model(CONFIG, num_pages=32, page_size=PAGE)
+    reader = HiCache(namespace(), TierConfig(l1_pages=32, l2_pages=32), pool, backend=backend)
+    assert check(reader, model, doc) == 60
+    assert reader.metrics.hit_tokens_l3 == 60
+    reader.close()
+
+
+def test_a_backend_without_l2_is_refused() -> None:
+    pool = DeviceKVPool.for_model(CONFIG, num_pages=8, page_size=PAGE)
+    with pytest.raises(ValueError, match="l2_pages"):
+        HiCache(namespace(), TierConfig(l1_pages=8), pool, backend=open_backend("memory://"))
+
+
 def test_write_back_backs_up_on_eviction(model: MiniLlama) -> None:
     tier = make_tier(l1_pages=10, l2_pages=64, write_policy="write_back")
     first, second = prompts(4, 2, 32)
