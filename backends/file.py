@@ -179,10 +179,8 @@ class FileBackend(Backend):
 
     @classmethod
     def from_url(cls, url: BackendURL, options: dict[str, Any]) -> FileBackend:
-        """``file:///abs/path`` (or ``file://rel/path``) plus the options of ``__init__``."""
-        if not url.location:
-            raise ValueError("file:// needs a directory, e.g. file:///var/cache/hicache")
-        return cls(url.location, **cls._typed_options(options))
+        """``file:///abs/path`` plus the options of ``__init__`` (``BackendURL.local_path``)."""
+        return cls(url.local_path(), **cls._typed_options(options))
 
     @staticmethod
     def _typed_options(options: dict[str, Any]) -> dict[str, Any]:

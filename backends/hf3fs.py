@@ -156,14 +156,13 @@ class HF3FSBackend(FileBackend):
     @classmethod
     def from_url(cls, url: BackendURL, options: dict[str, Any]) -> HF3FSBackend:
         """``hf3fs:///mnt/3fs/prefix`` plus the options of ``__init__``."""
-        if not url.location:
-            raise ValueError("hf3fs:// needs a directory, e.g. hf3fs:///mnt/3fs/kv")
+        root = url.local_path()
         opts = cls._typed_options(options)  # the file backend's options
         if "ring_entries" in opts:
             opts["ring_entries"] = int(opts["ring_entries"])
         if "usrbio_timeout" in opts:
             opts["usrbio_timeout"] = float(opts["usrbio_timeout"])
-        return cls(url.location, **opts)
+        return cls(root, **opts)
 
     def __repr__(self) -> str:
         return f"HF3FSBackend({str(self.root)!r}, engine={self.engine!r})"

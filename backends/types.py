@@ -144,6 +144,26 @@ class BackendURL:
         query = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
         return cls(parts.scheme.lower(), parts.netloc, urllib.parse.unquote(parts.path), query)
 
+    def local_path(self) -> str:
+        """The absolute directory a local-path URL names: ``file:///var/kv`` -> ``/var/kv``.
+
+        Only the three-slash form (or ``file://localhost/var/kv``) is a path: in
+        ``file://tmp/kv`` the ``tmp`` is a host part, and taking it as a relative directory would
+        write somewhere the user did not mean, so it is refused, as is a relative or empty path.
+        Raises ``ValueError`` naming the form that works.
+        """
+        example = f"{self.scheme}:///var/cache/hicache"
+        if self.netloc not in ("", "localhost"):
+            raise ValueError(
+                f"{self.scheme}://{self.netloc}{self.path}: {self.netloc!r} is a host part, not a "
+                f"directory; write an absolute path with three slashes "
+                f"({self.scheme}:///{(self.netloc + self.path).lstrip('/')} for /"
+                f"{(self.netloc + self.path).lstrip('/')})"
+            )
+        if not self.path.startswith("/"):
+            raise ValueError(f"{self.scheme}:// needs an absolute directory, e.g. {example}")
+        return self.path
+
     @property
     def location(self) -> str:
         if self.netloc and self.path:

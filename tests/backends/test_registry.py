@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,6 +143,27 @@ def test_url_parsing() -> None:
     assert BackendURL.parse("file:///var/kv").location == "/var/kv"
     with pytest.raises(ValueError, match="scheme"):
         BackendURL.parse("/var/kv")
+
+
+@pytest.mark.parametrize("scheme", ["file", "hf3fs"])
+def test_a_local_url_with_a_host_part_is_refused(
+    scheme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``file://tmp/x`` once wrote to ./tmp/x: the host part must be an error, creating nothing.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"'tmp' is a host part.*{scheme}:///tmp/x"):
+        open_backend(f"{scheme}://tmp/x")
+    with pytest.raises(ValueError, match="absolute directory"):
+        open_backend(f"{scheme}://")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_file_url_forms_that_name_a_path(tmp_path: Path) -> None:
+    for url in (f"file://{tmp_path}/a", f"file://localhost{tmp_path}/b"):
+        store = open_backend(url)
+        assert isinstance(store, FileBackend)
+        asyncio.run(store.close())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
 
 
 # -- the example plugin, installed as a real distribution with an entry point ----------------
