@@ -37,16 +37,18 @@ readable by every topology, at one object per (layer, head) per page.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hicache_store.layout.namespace import Grid
 from hicache_store.layout.topology import Topology
 
-#: keys SGLang itself reads from the same JSON (ignored here, never an error).
+#: keys SGLang itself reads from the same JSON (ignored here, never an error). Any other key
+#: that is not in ``ADAPTER_KEYS`` is refused: a typo must not silently change the namespace.
 SGLANG_KEYS = frozenset(
     {
         "backend_name",
@@ -118,7 +120,6 @@ class AdapterConfig:
     staging_bytes: int = 256 << 20
     max_inflight_bytes: int = 1 << 30
     allow_clear: bool = False
-    ignored: tuple[str, ...] = field(default=())
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | str | None) -> AdapterConfig:
@@ -144,7 +145,7 @@ class AdapterConfig:
         if isinstance(share, str):
             share = [share]
         pp_layers = extra.get("pp_layers")
-        ignored = tuple(sorted(k for k in extra if k not in ADAPTER_KEYS | SGLANG_KEYS))
+        _refuse_unknown_keys(extra)
         return cls(
             backend=backend,
             grid=grid,
@@ -160,8 +161,27 @@ class AdapterConfig:
             staging_bytes=int(float(extra.get("staging_mib", 256)) * (1 << 20)),
             max_inflight_bytes=int(float(extra.get("max_inflight_mib", 1024)) * (1 << 20)),
             allow_clear=_optional_bool(extra, "allow_clear"),
-            ignored=ignored,
         )
+
+
+def _refuse_unknown_keys(extra: Mapping[str, Any]) -> None:
+    """A key neither SGLang nor the adapter reads is a typo: refuse it, never ignore it.
+
+    Ignoring ``"tenant-salt"`` would put a tenant into the shared unsalted namespace, and a
+    misspelled ``"grid"`` would give a deployment a grid nobody else shares (zero hits).
+    """
+    unknown = sorted(str(k) for k in extra if k not in ADAPTER_KEYS | SGLANG_KEYS)
+    if not unknown:
+        return
+    known = sorted(ADAPTER_KEYS)
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(key.replace("-", "_"), known, n=1, cutoff=0.6)
+        parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(
+        f"extra-config: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; the "
+        f"hicache-store keys are {', '.join(known)} (backend options go in backend_options)"
+    )
 
 
 def _optional_int(extra: Mapping[str, Any], key: str) -> int | None:

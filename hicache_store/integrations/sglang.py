@@ -184,8 +184,6 @@ class HiCacheStoreStorage(_HiCacheStorage):
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         extra.update(kwargs or {})
         self.config = AdapterConfig.from_extra_config(extra)
-        if self.config.ignored:
-            log.warning("hicache-store: unknown extra-config keys ignored: %s", self.config.ignored)
         self.storage_config = storage_config
         self.tp_rank = int(getattr(storage_config, "tp_rank", 0))
         self.tp_size = int(getattr(storage_config, "tp_size", 1))

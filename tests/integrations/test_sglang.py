@@ -590,3 +590,13 @@ def test_writes_stay_within_the_byte_budget(tmp_path: Path) -> None:
         watcher.join()
     assert (1 << 20) // 2 < peak <= 1 << 20
     store.close()
+
+
+def test_a_misspelled_extra_config_key_is_an_error(url: str) -> None:
+    # "tenant-salt" once only warned, and the tenant joined the shared unsalted namespace.
+    with pytest.raises(ValueError, match=r"unknown key 'tenant-salt' \(did you mean 'tenant_salt'\?\)"):
+        HiCacheStoreStorage(make_config(url=url, **{"tenant-salt": "acme"}), {})
+    with pytest.raises(ValueError, match=r"unknown keys 'gird' \(did you mean 'grid'\?\), 'zzz'"):
+        HiCacheStoreStorage(make_config(url=url, gird="1x1", zzz=1), {})
+    # SGLang's own keys (popped or read by SGLang) stay accepted.
+    HiCacheStoreStorage(make_config(url=url, prefetch_threshold=64, tp_lcm_size=2), {}).close()
