@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache_store._sync import run_sync
 from hicache_store.cli import UsageError
 from hicache_store.layout.errors import GridMismatchError, InvalidNamespaceError
 from hicache_store.layout.namespace import HASH_ALGOS, Grid
-from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology
 from hicache_store.ops.config import layered, require, resolve
 from hicache_store.ops.progress import ProgressBar, human_bytes
 from hicache_store.ops.store import open_store
+
+if TYPE_CHECKING:
+    from hicache_store.ops.deployment import Deployment
 
 
 def register(subparsers: Any) -> None:
@@ -49,19 +51,35 @@ def register(subparsers: Any) -> None:
     src.add_argument("--device", default="cpu", help="torch device for the forward pass")
     src.add_argument("--max-tokens", type=int, default=None,
                      help="truncate each prompt to this many tokens (default: no limit)")
-    ns = parser.add_argument_group("target namespace and deployment")
-    ns.add_argument("--model-name", help="model name in the namespace (default: the model dir name)")
-    ns.add_argument("--model-revision", default="", help="revision or weights fingerprint")
-    ns.add_argument("--page-size", type=int, default=64, help="tokens per page (default: 64)")
+    ns = parser.add_argument_group(
+        "target namespace and deployment",
+        "Give the engine's own settings, or nothing will hit: the same model id, page size and "
+        "dtype, and the SGLang extra-config the deployment runs with (--extra-config) or its "
+        "grid and salt as flags.")
+    ns.add_argument("--model-id", metavar="ID",
+                    help="model identity in the namespace: SGLang's served model name, which "
+                    "defaults to its --model-path exactly as given (default: --model as given, "
+                    "or the mini engine preset's name)")
+    ns.add_argument("--model-name", dest="model_id", help=argparse.SUPPRESS)  # the old name
+    ns.add_argument("--extra-config", metavar="JSON|@FILE",
+                    help="the deployment's SGLang --hicache-storage-backend-extra-config; its "
+                    "grid, share_with, tenant_salt, model, model_revision and kv_dtype apply")
+    ns.add_argument("--model-revision", help="revision or weights fingerprint (default: none)")
+    ns.add_argument("--page-size", type=int, default=64,
+                    help="tokens per page, SGLang's --page-size (default: 64)")
     ns.add_argument("--layer-partition", type=int,
-                    help="layers per object (default: the coarsest the topology can write)")
+                    help="layers per object (default: as the SGLang adapter: the coarsest grid "
+                    "the topology and every --share-with topology can write)")
     ns.add_argument("--head-partition", type=int,
-                    help="KV heads per object (default: the coarsest the topology can write)")
+                    help="KV heads per object (default: as for --layer-partition)")
     ns.add_argument("--topology", default="tp=1,pp=1",
                     help="writer topology, e.g. tp=4,pp=2 (default: tp=1,pp=1)")
+    ns.add_argument("--share-with", action="append", default=[], metavar="TOPOLOGY",
+                    help="another topology that will read this store (the adapter's share_with); "
+                    "repeatable")
     ns.add_argument("--hash-algo", default="sha256", choices=list(HASH_ALGOS),
                     help="page-hash algorithm (default: sha256, as SGLang)")
-    ns.add_argument("--tenant-salt", default="", help="tenant salt of the namespace")
+    ns.add_argument("--tenant-salt", help="tenant salt of the namespace (default: none)")
     run_ = parser.add_argument_group("run")
     run_.add_argument("--batch-size", type=int, default=8,
                       help="prompts per batch (one exists probe and concurrent writes; default 8)")
@@ -78,6 +96,40 @@ def register(subparsers: Any) -> None:
 def _positive(value: int | None, flag: str) -> None:
     if value is not None and value < 1:
         raise UsageError(f"{flag} must be positive, got {value}")
+
+
+def _deployment(args: argparse.Namespace, topology: Topology) -> Deployment:
+    """The target deployment from ``--extra-config`` and the namespace flags; a flag that
+    contradicts the extra-config is a usage error (one of them is not what the engine runs)."""
+    from hicache_store.ops.deployment import Deployment, load_extra_config, parse_adapter_config
+
+    try:
+        extra = load_extra_config(args.extra_config) if args.extra_config else {}
+        for key, flag, value in (("tenant_salt", "--tenant-salt", args.tenant_salt),
+                                 ("model_revision", "--model-revision", args.model_revision),
+                                 ("model", "--model-id", args.model_id)):
+            if value is None:
+                continue
+            if extra.get(key) not in (None, value):
+                raise ValueError(f"{flag} {value!r} differs from the extra-config's {key}")
+            extra[key] = value
+        if args.share_with:
+            extra["share_with"] = [*_as_list(extra.get("share_with")), *args.share_with]
+        if extra.get("grid") is not None and (args.layer_partition or args.head_partition):
+            raise ValueError("give the grid either in the extra-config or as "
+                             "--layer-partition/--head-partition, not both")
+        config = parse_adapter_config(extra)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    default_id = args.model if args.model is not None else None
+    return Deployment(config=config, model_id=default_id, topology=topology,
+                      hash_algo=args.hash_algo)
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,24 +152,34 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
-    from hicache_store.ops.prepopulate import Progress, namespace_for, prepopulate
+    from hicache_store.ops.prepopulate import (
+        Progress,
+        check_writer_topology,
+        namespace_for,
+        prepopulate,
+    )
     from hicache_store.ops.sources import HFSource, MiniEngineSource, PromptError, load_prompts
 
     try:
         prompts = list(load_prompts(args.prompts))
     except PromptError as exc:
         raise UsageError(str(exc)) from None
+    deployment = _deployment(args, topology)
+    model_id = deployment.model
     source: HFSource | MiniEngineSource
     if args.model is not None:
         source = HFSource(args.model, dtype=args.dtype, device=args.device,
-                          model_name=args.model_name, progress=not args.no_progress)
+                          model_name=model_id, progress=not args.no_progress)
     else:
         if args.dtype not in ("auto", "float32"):
             raise UsageError("--mini-engine presets compute in float32; leave --dtype auto")
         try:
-            source = MiniEngineSource(args.mini_engine, model_name=args.model_name)
+            source = MiniEngineSource(args.mini_engine, model_name=model_id)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+    if deployment.kv_dtype is not None and deployment.kv_dtype != source.dtype:
+        raise UsageError(f"the extra-config's kv_dtype {deployment.kv_dtype} differs from the "
+                         f"model's KV dtype {source.dtype} (set --dtype)")
     try:
         tokens = [source.tokenize(p) for p in prompts]
     except PromptError as exc:
@@ -125,13 +187,15 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens is not None:
         tokens = [t[: args.max_tokens] for t in tokens]
     try:
-        coarse = suggest_grid(source.shape, [topology])
-        grid = Grid(args.layer_partition or coarse.layers_per_chunk,
-                    args.head_partition or coarse.heads_per_group)
+        default = deployment.grid_for(source.shape)
+        grid = Grid(args.layer_partition or default.layers_per_chunk,
+                    args.head_partition or default.heads_per_group)
         namespace = namespace_for(source, page_size=args.page_size, grid=grid,
-                                  model_revision=args.model_revision, hash_algo=args.hash_algo,
-                                  tenant_salt=args.tenant_salt)
-    except (InvalidNamespaceError, ValueError) as exc:
+                                  model_revision=deployment.config.model_revision,
+                                  hash_algo=args.hash_algo,
+                                  tenant_salt=deployment.config.tenant_salt)
+        check_writer_topology(namespace, topology)
+    except (InvalidNamespaceError, ValueError) as exc:  # GridMismatchError included
         raise UsageError(str(exc)) from None
 
     bar = ProgressBar(0, "pages", label="prepopulate", enabled=not args.no_progress)

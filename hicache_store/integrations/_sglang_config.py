@@ -44,7 +44,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hicache_store.layout.namespace import Grid
+from hicache_store.layout.namespace import Grid, ModelShape
+from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology
 
 #: keys SGLang itself reads from the same JSON (ignored here, never an error). Any other key
@@ -120,6 +121,14 @@ class AdapterConfig:
     staging_bytes: int = 256 << 20
     max_inflight_bytes: int = 1 << 30
     allow_clear: bool = False
+
+    def grid_for(self, shape: ModelShape, topology: Topology, replication: str) -> Grid:
+        """The deployment's grid: ``grid`` if set, else the coarsest grid ``topology`` and every
+        ``share_with`` topology can write (``suggest_grid``). The one rule the adapter and the
+        operator tools (``prepopulate``, ``doctor``) share, so they agree on the namespace."""
+        if self.grid is not None:
+            return self.grid
+        return suggest_grid(shape, [topology, *self.share_with], replication)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | str | None) -> AdapterConfig:

@@ -70,8 +70,8 @@ from hicache_store.kernels.ops import host_to_unified, unified_to_host
 from hicache_store.kernels.pools import HostPool
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.keys import ObjectKey, validate_page_hash
-from hicache_store.layout.namespace import Grid, ModelShape, Namespace
-from hicache_store.layout.plans import WritePlan, suggest_grid
+from hicache_store.layout.namespace import ModelShape, Namespace
+from hicache_store.layout.plans import WritePlan
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import Frame, IOStats, L3Link
 
@@ -229,7 +229,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             )
             shape = ModelShape.mha(num_layers, heads, geometry.head_dim)
         replication = "replicated" if (mla or self.replicated) else "head_sharded"
-        grid = cfg.grid or self._default_grid(shape, topology, replication)
+        grid = cfg.grid_for(shape, topology, replication)
         model = cfg.model or getattr(self.storage_config, "model_name", None) or ""
         if not model:
             raise ValueError('hicache-store: SGLang gave no model_name; set "model"')
@@ -292,10 +292,6 @@ class HiCacheStoreStorage(_HiCacheStorage):
             rank,
             "writes" if link.can_write else "reads only",
         )
-
-    def _default_grid(self, shape: ModelShape, topology: Topology, replication: str) -> Grid:
-        """The coarsest grid this topology and every ``share_with`` topology can write."""
-        return suggest_grid(shape, [topology, *self.config.share_with], replication)
 
     @property
     def namespace(self) -> Namespace | None:

@@ -38,9 +38,12 @@ import numpy as np
 import torch
 
 from hicache_store.backends.base import Backend
+from hicache_store.layout.errors import GridMismatchError
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.host import UnifiedPageLayout
+from hicache_store.layout.keys import ObjectCoords
 from hicache_store.layout.namespace import Namespace
+from hicache_store.layout.plans import plan_writes
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import IOStats, L3Link
 
@@ -136,9 +139,11 @@ async def prepopulate(
 ) -> PrepopulateReport:
     """Store the KV of every full page of ``token_lists`` for ``namespace`` as ``topology``'s
     ranks would (see the module docstring). Returns the report; raises only for what is broken
-    before writing starts (bad topology for this namespace, a backend that cannot answer)."""
+    before writing starts: a topology whose ranks cannot write every object of a page
+    (``GridMismatchError``, see ``check_writer_topology``), a backend that cannot answer."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
+    check_writer_topology(namespace, topology)
     started = time.monotonic()
     links = [
         L3Link(backend, namespace, topology, rank, max_inflight_bytes=max_inflight_bytes,
@@ -201,6 +206,29 @@ async def prepopulate(
             progress(state)
     report.seconds = time.monotonic() - started
     return report
+
+
+def check_writer_topology(namespace: Namespace, topology: Topology) -> None:
+    """Raise ``GridMismatchError`` unless ``topology``'s ranks together write every object of
+    a page of ``namespace``.
+
+    A rank whose shard does not align with the grid cannot write (the cache tier then only
+    reads, and warns); for prepopulation that is an error: pages missing some objects are
+    misses for every reader, so a run that "succeeds" would fill the store with KV nobody can
+    use. The first misaligned rank's error names the grids that would work.
+    """
+    written: set[ObjectCoords] = set()
+    for rank in range(topology.world_size):
+        plan = plan_writes(namespace, topology, rank)  # raises for a misaligned rank
+        written.update(obj.coords for obj in plan.objects)
+    needed = {obj.coords for obj in plan_writes(namespace, Topology(1, 1), 0).objects}
+    # Aligned ranks always cover the grid together; checked anyway, since a page with a hole
+    # is exactly the silent loss this function exists to prevent.
+    if written != needed:
+        raise GridMismatchError(
+            f"the ranks of {topology} write {len(written & needed)} of the {len(needed)} objects "
+            f"of each page of grid {namespace.grid}"
+        )
 
 
 def _header(num_layers: int) -> int:

@@ -162,7 +162,10 @@ class HFSource:
             int(head_dim),
         )
         self.dtype = str(self.model.dtype).removeprefix("torch.")
-        self.model_name = model_name or folder.resolve().name
+        # SGLang names the model by its --model-path exactly as given (unless a served name
+        # is set): the same string here, so a store prepopulated from the path SGLang serves
+        # is found by it (ops.deployment).
+        self.model_name = model_name or str(path)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if prompt.input_ids is not None:

@@ -600,3 +600,21 @@ def test_a_misspelled_extra_config_key_is_an_error(url: str) -> None:
         HiCacheStoreStorage(make_config(url=url, gird="1x1", zzz=1), {})
     # SGLang's own keys (popped or read by SGLang) stay accepted.
     HiCacheStoreStorage(make_config(url=url, prefetch_threshold=64, tp_lcm_size=2), {}).close()
+
+
+@pytest.mark.parametrize(("tp", "share_with"), [(1, []), (2, []), (2, ["tp=1,pp=2"]), (4, [])])
+def test_adapter_and_operator_tools_derive_the_same_namespace(
+    url: str, tp: int, share_with: list[str]
+) -> None:
+    # prepopulate and doctor describe a deployment with ops.deployment; the adapter must land
+    # on the same namespace from the same inputs, or a prepopulated store never hits.
+    from hicache_store.layout.namespace import ModelShape
+    from hicache_store.layout.topology import Topology
+    from hicache_store.ops.deployment import Deployment, parse_adapter_config
+
+    extra = {"share_with": share_with, "tenant_salt": "t1"} if share_with else {}
+    store = adapter(StandInPool("page_first", heads=H // tp), url=url, tp_size=tp, **extra)
+    deployment = Deployment(config=parse_adapter_config(extra), model_id="org/model",
+                            dtype="bfloat16", page_size=P, topology=Topology(tp, 1))
+    assert store.namespace == deployment.namespace(ModelShape.mha(L, H, D))
+    store.close()

@@ -1,0 +1,175 @@
+"""The namespace a deployment reads and writes, derived the way the SGLang adapter derives it.
+
+Stored KV is found only under the namespace it was written for (model id, KV shape, dtype, page
+size, grid, replication, hash algorithm, tenant salt). The SGLang adapter derives its namespace
+at start from three sources:
+
+* SGLang's ``model_name``: its ``--served-model-name``, which defaults to the ``--model-path``
+  string exactly as given (``/models/llama``, ``meta-llama/Llama-3.1-8B``); the extra-config's
+  ``"model"`` overrides it;
+* the host pool: KV shape, dtype (``"kv_dtype"`` overrides it) and page size;
+* the extra-config: ``grid`` (else the coarsest grid the deployment's topology and its
+  ``share_with`` topologies can all write: ``AdapterConfig.grid_for``), ``tenant_salt``,
+  ``model_revision``.
+
+``Deployment`` holds what an operator knows of these, any of it possibly unknown, so that
+``prepopulate`` writes under the namespace the engine will look in, and ``doctor`` can name the
+fields in which a deployment differs from what a store holds. Both parse the extra-config with
+the adapter's own parser (``AdapterConfig``), so a typo fails the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from hicache_store.integrations._sglang_config import AdapterConfig
+from hicache_store.layout.namespace import Grid, ModelShape, Namespace
+from hicache_store.layout.topology import Topology
+
+#: the field that holds no secret but the salt: shown as set / not set, never by value.
+_SECRET_FIELDS = frozenset({"tenant_salt"})
+
+
+def load_extra_config(text: str) -> dict[str, Any]:
+    """SGLang's ``--hicache-storage-backend-extra-config`` value: JSON text, or ``@PATH`` to a
+    ``.json``, ``.toml`` or ``.yaml`` file (as SGLang reads it). Raises ``ValueError``."""
+    if text.startswith("@"):
+        path = Path(text[1:])
+        suffix = path.suffix.lower()
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise ValueError(f"extra-config file {path}: {exc.strerror or exc}") from None
+        try:
+            if suffix == ".json":
+                value: Any = json.loads(raw)
+            elif suffix == ".toml":
+                value = tomllib.loads(raw.decode())
+            elif suffix in (".yaml", ".yml"):
+                import yaml  # type: ignore[import-untyped]
+
+                value = yaml.safe_load(raw)
+            else:
+                raise ValueError(f"extra-config file {path}: use .json, .toml or .yaml")
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"extra-config file {path}: {exc}") from None
+    else:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"extra-config is not JSON ({exc.msg}); give JSON or @FILE") from None
+    if not isinstance(value, dict):
+        raise ValueError("extra-config must be a JSON object")
+    return value
+
+
+def parse_adapter_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
+    """The adapter's parse of ``extra`` (its ``url`` is optional here: tools take the URL as an
+    argument). Unknown keys are errors, as in the adapter."""
+    values = dict(extra or {})
+    if "url" not in values and "backend" not in values:
+        values["url"] = "memory://"  # a placeholder: only the namespace fields are used
+    return AdapterConfig.from_extra_config(values)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One namespace field where a deployment and a stored namespace disagree."""
+
+    field: str
+    deployment: Any
+    stored: Any
+
+    def __str__(self) -> str:
+        if self.field in _SECRET_FIELDS:
+            mine = "set" if self.deployment else "not set"
+            theirs = "a different one" if self.deployment and self.stored else (
+                "set" if self.stored else "not set")
+            return f"{self.field}: deployment {mine}, stored {theirs}"
+        return f"{self.field}: deployment {self.deployment!s}, stored {self.stored!s}"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What is known of a deployment's namespace inputs (``None``: unknown).
+
+    ``model_id`` is SGLang's ``model_name``; ``dtype`` the host pool's KV dtype; ``topology``
+    the deployment's TP x PP (used for the default grid); ``config`` the parsed extra-config.
+    """
+
+    config: AdapterConfig = field(default_factory=lambda: parse_adapter_config(None))
+    model_id: str | None = None
+    dtype: str | None = None
+    page_size: int | None = None
+    topology: Topology = field(default_factory=Topology)
+    shape: ModelShape | None = None
+    hash_algo: str = "sha256"
+
+    @property
+    def model(self) -> str | None:
+        """The model identity in the namespace: the extra-config's ``model``, else SGLang's."""
+        return self.config.model or self.model_id
+
+    @property
+    def kv_dtype(self) -> str | None:
+        return self.config.kv_dtype or self.dtype
+
+    def grid_for(self, shape: ModelShape) -> Grid:
+        return self.config.grid_for(shape, self.topology, _replication(shape))
+
+    def namespace(self, shape: ModelShape | None = None) -> Namespace:
+        """The deployment's namespace; every input must be known (``ValueError`` names the
+        first that is not)."""
+        shape = shape or self.shape
+        model, dtype, page_size = self.model, self.kv_dtype, self.page_size
+        if model is None or dtype is None or page_size is None or shape is None:
+            missing = [name for name, value in (("model id", model), ("dtype", dtype),
+                                                ("page size", page_size), ("model shape", shape))
+                       if value is None]
+            raise ValueError(f"the deployment's {', '.join(missing)} must be given")
+        return Namespace.create(
+            model, shape, dtype, page_size, self.grid_for(shape),
+            replication=_replication(shape), model_revision=self.config.model_revision,
+            hash_algo=self.hash_algo, tenant_salt=self.config.tenant_salt,
+        )
+
+    def completed_by(self, stored: Namespace) -> Namespace:
+        """This deployment's namespace with every unknown input taken from ``stored``."""
+        shape = self.shape or stored.shape
+        return Namespace.create(
+            self.model or stored.model, shape, self.kv_dtype or stored.dtype,
+            self.page_size or stored.page_size, self.grid_for(shape),
+            replication=_replication(shape), model_revision=self.config.model_revision,
+            hash_algo=self.hash_algo, tenant_salt=self.config.tenant_salt,
+        )
+
+    def differences(self, stored: Namespace) -> list[Difference]:
+        """The fields in which this deployment's namespace differs from ``stored`` (unknown
+        inputs are taken from ``stored``, so they never differ). Empty: the same namespace."""
+        mine = self.completed_by(stored)
+        out = []
+        for (name, value), (_, other) in zip(mine.canonical_fields(), stored.canonical_fields(),
+                                             strict=True):
+            if value == other:
+                continue
+            if name in ("layers_per_chunk", "heads_per_group"):  # shown once, as the grid
+                if not any(d.field == "grid" for d in out):
+                    out.append(Difference("grid", mine.grid, stored.grid))
+                continue
+            out.append(Difference(name, value, other))
+        return out
+
+
+def _replication(shape: ModelShape) -> str:
+    """MLA KV is one latent per token, the same on every TP rank (only rank 0 writes)."""
+    return "replicated" if shape.kv_kind == "mla" else "head_sharded"
