@@ -133,6 +133,7 @@ class FileBackend(Backend):
         eviction=True,
         persistent=True,
         shared=True,
+        mtime=True,
     )
 
     def __init__(

@@ -11,6 +11,7 @@ never aliased.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -32,13 +33,14 @@ class MemoryBackend(Backend):
 
     name = "memory"
     capabilities = Capabilities(
-        ranged_reads=True, listing=True, atomic_put=True, eviction=True
+        ranged_reads=True, listing=True, atomic_put=True, eviction=True, mtime=True
     )
 
     def __init__(self, capacity_bytes: int | str = DEFAULT_CAPACITY_BYTES) -> None:
         super().__init__()
         self.capacity_bytes = parse_size(capacity_bytes)
         self._data: dict[str, bytes] = {}
+        self._mtimes: dict[str, float] = {}
         self._lru = ChainLRU()
 
     @classmethod
@@ -97,8 +99,10 @@ class MemoryBackend(Backend):
                 )
         latest = dict(copies)  # a key repeated in one batch: the last copy wins
         self._make_room(sum(len(v) for v in latest.values()), keep=latest.keys())
+        now = time.time()
         for key, data in latest.items():
             self._data[key] = data
+            self._mtimes[key] = now
         self._lru.add_batch([(key, len(data)) for key, data in copies if latest[key] is data])
 
     def _make_room(self, incoming: int, keep: Any) -> None:
@@ -108,6 +112,7 @@ class MemoryBackend(Backend):
             if victim in keep:
                 continue  # being rewritten by this very batch: its old size goes away anyway
             del self._data[victim]
+            self._mtimes.pop(victim, None)
             self._lru.discard(victim)
             self.stats.evictions += 1
 
@@ -116,13 +121,16 @@ class MemoryBackend(Backend):
         removed = []
         for key in keys:
             removed.append(self._data.pop(key, None) is not None)
+            self._mtimes.pop(key, None)
             self._lru.discard(key)
         return removed
 
     async def _stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
         # docstring inherited
         return [
-            None if (data := self._data.get(key)) is None else ObjectStat(key, len(data))
+            None
+            if (data := self._data.get(key)) is None
+            else ObjectStat(key, len(data), self._mtimes.get(key))
             for key in keys
         ]
 
@@ -140,6 +148,7 @@ class MemoryBackend(Backend):
 
     async def _close(self) -> None:
         self._data.clear()
+        self._mtimes.clear()
         self._lru = ChainLRU()
 
     # -- oracle access for tests (bypasses the API: no validation, no stats, no LRU) ---------
@@ -150,6 +159,7 @@ class MemoryBackend(Backend):
     def raw_set(self, key: str, data: bytes) -> None:
         old = self._data.get(key)
         self._data[key] = bytes(data)
+        self._mtimes[key] = time.time()
         if old is not None:
             self._lru.discard(key)
         self._lru.add(key, len(data))

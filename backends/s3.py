@@ -109,7 +109,8 @@ class S3Backend(Backend):
 
     name = "s3"
     capabilities = Capabilities(
-        ranged_reads=True, listing=True, atomic_put=True, persistent=True, shared=True
+        ranged_reads=True, listing=True, atomic_put=True, persistent=True, shared=True,
+        mtime=True,
     )
 
     def __init__(

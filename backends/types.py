@@ -76,6 +76,9 @@ class Capabilities:
     - ``eviction``: the backend enforces its capacity bound itself by evicting objects.
     - ``persistent``: objects survive ``close`` and a reopen of the same location.
     - ``shared``: objects written by another process using the same location are visible.
+    - ``mtime``: ``stat`` reports each object's last write time (``ObjectStat.mtime``, seconds
+      since the epoch). Tools that age objects out (``hicache-store gc --max-age``) need it;
+      without the flag ``mtime`` may be None.
     """
 
     ranged_reads: bool = False
@@ -85,6 +88,7 @@ class Capabilities:
     eviction: bool = False
     persistent: bool = False
     shared: bool = False
+    mtime: bool = False
 
     def replace(self, **changes: bool) -> Capabilities:
         return dataclasses.replace(self, **changes)

@@ -157,7 +157,7 @@ class Deployment:
         """The fields in which this deployment's namespace differs from ``stored`` (unknown
         inputs are taken from ``stored``, so they never differ). Empty: the same namespace."""
         mine = self.completed_by(stored)
-        out = []
+        out: list[Difference] = []
         for (name, value), (_, other) in zip(mine.canonical_fields(), stored.canonical_fields(),
                                              strict=True):
             if value == other:

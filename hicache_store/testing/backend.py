@@ -2,19 +2,25 @@
 
 Subclass it in a test module (the subclass's name must start with ``Test``) and provide:
 
-- a pytest fixture ``backend`` that yields an open, empty backend with room for a few MiB and
-  closes it afterwards (an async generator fixture is fine);
+- a pytest fixture ``backend`` that yields an open, empty backend with room for at least
+  64 MiB (one test stores a 16 MiB object) and closes it afterwards (an async generator
+  fixture: ``pytest_asyncio.fixture``, or ``pytest.fixture`` under ``asyncio_mode = "auto"``);
 - ``async def oracle_get(self, backend, key) -> bytes | None``: the bytes stored under ``key``,
   read *around* the backend's API (the file on disk, the dict, the S3 object), or None;
 - ``async def oracle_set(self, backend, key, data) -> None``: store bytes under ``key`` around
-  the API (used to plant corrupt objects).
+  the API (used to plant corrupt objects);
+- ``async def reopen(self, backend) -> Backend | None``: a new backend over the same storage
+  (what a restarted process opens). Required: a backend that declares ``persistent`` must
+  return one, and its objects must be there; others may return None.
 
-Optionally override ``reopen(backend)`` to return a new backend over the same storage (the
-persistence test runs only when the backend declares ``capabilities.persistent`` and
-``reopen`` returns one). Tests switch on the backend's ``capabilities``. Example::
+Tests switch on the backend's ``capabilities`` (``mtime`` included: declared, ``stat`` must
+report when each object was written). Every backend call a test makes is bounded by
+``call_timeout_s`` (a class attribute): a call that does not return in time fails the test
+instead of hanging the suite (a call blocked inside a thread keeps its thread, but the test
+still fails). Example::
 
     class TestMyBackend(BackendTests):
-        @pytest.fixture
+        @pytest_asyncio.fixture
         async def backend(self, tmp_path):
             store = open_backend(f"mine://{tmp_path}")
             yield store
@@ -26,6 +32,9 @@ persistence test runs only when the backend declares ``capabilities.persistent``
         async def oracle_set(self, backend, key, data):
             raw_write(backend, key, data)
 
+        async def reopen(self, backend):
+            return open_backend(f"mine://{backend.root}")
+
 Every test is an ``async def`` marked ``pytest.mark.asyncio`` (pytest-asyncio is required).
 """
 
@@ -33,7 +42,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -68,6 +81,55 @@ INVALID_KEYS: tuple[object, ...] = (
 )
 #: object sizes the round trip covers: tiny, around the 4 KiB alignment, and a whole MiB.
 ROUNDTRIP_SIZES: tuple[int, ...] = (1, 17, 4095, 4096, 4097, 3 * 4096 + 17, 1 << 20)
+#: the largest object the suite stores: real KV objects are 2-16 MiB.
+LARGE_OBJECT_BYTES = 16 << 20
+#: keys in the large-batch tests: engines ask for hundreds at once (SGLang: 128 per I/O call,
+#: a whole prefetch span per exists call).
+LARGE_BATCH = 300
+#: the public methods ``call_timeout_s`` bounds (the helpers go through them).
+BOUNDED_CALLS: tuple[str, ...] = (
+    "exists", "get_into", "get_scatter", "put", "delete", "stat", "put_if_absent", "close",
+)
+
+
+def bound_calls(backend: Backend, limit_s: float) -> Backend:
+    """Make every call of ``backend`` (this instance only) fail after ``limit_s`` seconds.
+
+    Instance attributes shadow the class's methods, so the object keeps its type (oracles may
+    check ``isinstance``) and its state; listings are bounded per key.
+    """
+    def limited(name: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await asyncio.wait_for(call(*args, **kwargs), limit_s)
+            except TimeoutError:
+                raise AssertionError(
+                    f"{type(backend).__name__}.{name} did not return within {limit_s} s: a "
+                    "backend call must finish (or fail) in bounded time, never hang"
+                ) from None
+
+        return wrapper
+
+    for name in BOUNDED_CALLS:
+        setattr(backend, name, limited(name, getattr(backend, name)))
+    listing = backend.list_prefix
+
+    async def list_prefix(prefix: str = "") -> AsyncIterator[str]:
+        keys = listing(prefix).__aiter__()
+        while True:
+            try:
+                key = await asyncio.wait_for(keys.__anext__(), limit_s)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise AssertionError(
+                    f"{type(backend).__name__}.list_prefix did not yield within {limit_s} s"
+                ) from None
+            yield key
+
+    backend.list_prefix = list_prefix  # type: ignore[method-assign]
+    return backend
 
 
 def pattern(size: int, seed: int) -> bytes:
@@ -91,6 +153,14 @@ class BackendTests(abc.ABC):
     #: Hypothesis budget for the model-based test (keep CI fast).
     stateful_max_examples = 15
     stateful_step_count = 12
+    #: seconds any one backend call may take before the test fails (see ``bound_calls``):
+    #: generous, since the 16 MiB object goes through slow servers on 2-core CI machines.
+    call_timeout_s: float = 60.0
+
+    @pytest.fixture(autouse=True)
+    def _bounded_backend_calls(self, request: pytest.FixtureRequest) -> None:
+        if "backend" in request.fixturenames:
+            bound_calls(request.getfixturevalue("backend"), self.call_timeout_s)
 
     @abc.abstractmethod
     async def oracle_get(self, backend: Backend, key: str) -> bytes | None:
@@ -100,9 +170,14 @@ class BackendTests(abc.ABC):
     async def oracle_set(self, backend: Backend, key: str, data: bytes) -> None:
         """Store ``data`` under ``key``, bypassing the backend's API."""
 
+    @abc.abstractmethod
     async def reopen(self, backend: Backend) -> Backend | None:
-        """A new backend over the same storage as ``backend`` (None: not reopenable)."""
-        return None
+        """A new backend over the same storage as ``backend``, as a restarted process would
+        open it. None is allowed only for a backend that does not declare ``persistent``."""
+
+    async def _reopened(self, backend: Backend) -> Backend | None:
+        again = await self.reopen(backend)
+        return None if again is None else bound_calls(again, self.call_timeout_s)
 
     # -- declarations -------------------------------------------------------------------------
 
@@ -611,9 +686,11 @@ class BackendTests(abc.ABC):
         if not backend.capabilities.persistent:
             pytest.skip("backend is not persistent")
         await backend.put(["a0", "a1"], [b"kept", pattern(10_000, 2)])
-        again = await self.reopen(backend)
-        if again is None:
-            pytest.skip("the test module does not implement reopen()")
+        again = await self._reopened(backend)
+        assert again is not None, (
+            "the backend declares persistent: reopen() must return a backend over the same "
+            "storage (a backend that wipes its data when opened would pass otherwise)"
+        )
         try:
             assert await again.exists(["a0", "a1", "d0"]) == [True, True, False]
             assert await again.get_bytes("a1") == pattern(10_000, 2)
@@ -629,6 +706,124 @@ class BackendTests(abc.ABC):
         assert after["bytes_written"] - before["bytes_written"] == 10
         assert after["reads"] - before["reads"] == 2
         assert after["read_hits"] - before["read_hits"] == 1
+
+    # -- scale, key identity, caches, metadata -------------------------------------------------
+    # Each of these once let a broken backend through: batches past 32/64 keys answered for the
+    # wrong key or filled the wrong buffer, objects over 2 MiB were cut short, keys compared
+    # without case, listings treated ``_`` as a wildcard, reads served a stale cache.
+
+    async def test_large_batches_map_every_key_to_its_own_buffer(self, backend: Backend) -> None:
+        keys = [f"c{i:03x}" for i in range(LARGE_BATCH)]
+        values = [pattern(50 + (37 * i) % 700, 1000 + i) for i in range(LARGE_BATCH)]
+        await backend.put(keys, values)
+        # Present keys interleaved with absent ones, in one exists call.
+        probe = [k for i, key in enumerate(keys) for k in ((f"d{i:03x}", key) if i % 3 else (key,))]
+        assert await backend.exists(probe) == [k.startswith("c") for k in probe]
+        buffers = [bytearray(b"\xee" * (len(v) + 8)) for v in values]
+        assert await backend.get_into(keys, buffers) == [len(v) for v in values]
+        for i, (buf, value) in enumerate(zip(buffers, values, strict=True)):
+            assert bytes(buf) == value + b"\xee" * 8, f"batch position {i}: wrong bytes"
+        ranges = [ByteRange(i % 10, len(v) - i % 7) for i, v in enumerate(values)]
+        buffers = [bytearray(r.length) for r in ranges]
+        assert await backend.get_into(keys, buffers, ranges) == [r.length for r in ranges]
+        for i, (buf, value, rng) in enumerate(zip(buffers, values, ranges, strict=True)):
+            assert bytes(buf) == value[rng.start : rng.end], f"batch position {i}: wrong range"
+        sizes = [None if st is None else st.size for st in await backend.stat(keys)]
+        assert sizes == [len(v) for v in values]
+        assert await backend.exists_prefix_length(keys) == LARGE_BATCH
+        assert await backend.delete(keys[::2]) == [True] * len(keys[::2])
+        assert await backend.exists(keys) == [i % 2 == 1 for i in range(LARGE_BATCH)]
+
+    async def test_a_16_mib_object(self, backend: Backend) -> None:
+        size = LARGE_OBJECT_BYTES
+        data = pattern(size, 16)
+        src = aligned_buffer(size)
+        src[:] = data
+        await backend.put(["a16"], [src])
+        del src
+        dst = aligned_buffer(size + 4096)
+        dst[size:] = b"\xee" * 4096
+        assert await backend.get_into(["a16"], [dst]) == [size]
+        assert bytes(dst[:size]) == data, "the object came back different (truncated?)"
+        assert bytes(dst[size:]) == b"\xee" * 4096
+        tail = ByteRange(size - 5000, size)
+        buf = bytearray(tail.length)
+        assert await backend.get_into(["a16"], [buf], [tail]) == [tail.length]
+        assert bytes(buf) == data[tail.start :]
+        (st,) = await backend.stat(["a16"])
+        assert st is not None
+        assert st.size == size
+
+    async def test_keys_differing_only_in_case_are_distinct(self, backend: Backend) -> None:
+        keys = ["aB0", "ab0", "AB0", "Ab0"]
+        values = [pattern(100 + i, 40 + i) for i in range(len(keys))]
+        for key, value in zip(keys, values, strict=True):  # one by one: each could overwrite
+            await backend.put([key], [value])
+        for key, value in zip(keys, values, strict=True):
+            assert await backend.get_bytes(key) == value, f"{key}: another key's bytes"
+        assert await backend.exists(["AB0", "aB0", "ABB", "abb"]) == [True, True, False, False]
+        assert await backend.delete(["AB0"]) == [True]
+        assert await backend.exists(keys) == [True, True, False, True]
+        if backend.capabilities.listing:
+            assert sorted([k async for k in backend.list_prefix("A")]) == ["Ab0"]
+            assert sorted([k async for k in backend.list_prefix("ab")]) == ["ab0"]
+
+    async def test_listing_prefixes_are_literal(self, backend: Backend) -> None:
+        if not backend.capabilities.listing:
+            pytest.skip("backend does not declare listing")
+        keys = ["a_0", "a_1", "a__0", "ab0", "aA0", "a-0", "a0_", "b_0"]
+        await backend.put(keys, [b"x"] * len(keys))
+        assert sorted([k async for k in backend.list_prefix("a_")]) == ["a_0", "a_1", "a__0"]
+        assert sorted([k async for k in backend.list_prefix("a__")]) == ["a__0"]
+        assert sorted([k async for k in backend.list_prefix("a-")]) == ["a-0"]
+        assert sorted([k async for k in backend.list_prefix("a0")]) == ["a0_"]
+        for bad in ("a%", "%", "a*", "a?", "a["):  # outside the key alphabet: refused
+            with pytest.raises(InvalidKeyError):
+                [k async for k in backend.list_prefix(bad)]
+
+    async def test_reads_after_a_rewrite_or_delete_are_never_stale(self, backend: Backend) -> None:
+        first, second, third = pattern(6000, 1), pattern(6000, 2), pattern(9000, 3)
+        rng = ByteRange(100, 5000)
+
+        async def read_all(expected: bytes) -> None:
+            assert await backend.get_bytes("a0") == expected
+            buf = bytearray(rng.length)
+            assert await backend.get_into(["a0"], [buf], [rng]) == [rng.length]
+            assert bytes(buf) == expected[rng.start : rng.end]
+            head, body = bytearray(10), bytearray(len(expected) - 10)
+            assert await backend.get_scatter("a0", [head, body], ByteRange(0, len(expected)))
+            assert bytes(head + body) == expected
+            (st,) = await backend.stat(["a0"])
+            assert st is not None
+            assert st.size == len(expected)
+
+        await backend.put(["a0"], [first])
+        await read_all(first)
+        await read_all(first)  # a second read: served from a cache where there is one
+        await backend.put(["a0"], [second])  # same size: only the bytes change
+        await read_all(second)
+        await backend.put(["a0"], [third])
+        await read_all(third)
+        assert await backend.delete(["a0"]) == [True]
+        assert await backend.get_bytes("a0") is None
+        assert await backend.exists(["a0"]) == [False]
+        assert await backend.stat(["a0"]) == [None]
+        await backend.put(["a0"], [first])
+        await read_all(first)
+
+    async def test_stat_reports_the_write_time_when_declared(self, backend: Backend) -> None:
+        before = time.time()
+        await backend.put(["a0"], [b"x" * 10])
+        (st,) = await backend.stat(["a0"])
+        assert st is not None
+        if not backend.capabilities.mtime:
+            assert st.mtime is None or isinstance(st.mtime, float)
+            return
+        assert isinstance(st.mtime, float), (
+            "capabilities.mtime is declared: stat() must report mtime (tools age objects by it)"
+        )
+        # Stores may keep whole seconds; allow a little clock skew between client and store.
+        assert before - 5 <= st.mtime <= time.time() + 5, f"mtime {st.mtime} is not the write time"
 
     # -- model-based --------------------------------------------------------------------------
 

@@ -40,6 +40,9 @@ class TestFaultyMemoryFaultsOff(BackendTests):
     async def oracle_set(self, backend: Backend, key: str, data: bytes) -> None:
         _inner(backend).raw_set(key, data)
 
+    async def reopen(self, backend: Backend) -> Backend | None:
+        return None  # over a memory backend: not persistent
+
 
 def _faulty(**faults: float) -> FaultyBackend:
     return FaultyBackend(MemoryBackend(), FaultConfig(seed=1, **faults))  # type: ignore[arg-type]

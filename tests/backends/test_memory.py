@@ -26,6 +26,9 @@ class TestMemoryBackend(BackendTests):
         assert isinstance(backend, MemoryBackend)
         backend.raw_set(key, data)
 
+    async def reopen(self, backend: Backend) -> Backend | None:
+        return None  # an in-process dict: not persistent, nothing to reopen
+
 
 class _WithoutRangedReads(MemoryBackend):
     capabilities = MemoryBackend.capabilities.replace(ranged_reads=False)

@@ -24,6 +24,9 @@ def raw_store(backend: Backend) -> Any:
 
 
 class MooncakeOracle:
+    url: str
+    options: dict[str, Any]
+
     async def oracle_get(self, backend: Backend, key: str) -> bytes | None:
         store = raw_store(backend)
 
@@ -47,6 +50,10 @@ class MooncakeOracle:
 
         await asyncio.to_thread(put)
 
+    async def reopen(self, backend: Backend) -> Backend | None:
+        # Not persistent, but shared: a second client of the same master sees the objects.
+        return open_backend(self.url, **self.options)
+
 
 class TestMooncakeBackend(MooncakeOracle, BackendTests):
     stateful_max_examples = 8
@@ -55,7 +62,8 @@ class TestMooncakeBackend(MooncakeOracle, BackendTests):
     @pytest.fixture
     async def backend(self, mooncake_url: Callable[..., str]) -> AsyncIterator[Backend]:
         options: dict[str, Any] = {"bounce": "8MiB", "threads": 2, "timeout": 20}
-        store = open_backend(mooncake_url(**options), **options)
+        self.url, self.options = mooncake_url(**options), options
+        store = open_backend(self.url, **options)
         raw = raw_store(store)
         await asyncio.to_thread(raw.remove_all, True)  # an empty store for every test
         yield store
@@ -72,7 +80,8 @@ class TestMooncakeBackendSmallSlabs(MooncakeOracle, BackendTests):
     @pytest.fixture
     async def backend(self, mooncake_url: Callable[..., str]) -> AsyncIterator[Backend]:
         options: dict[str, Any] = {"bounce": "2MiB", "threads": 2, "timeout": 20}
-        store = open_backend(mooncake_url(**options), **options)
+        self.url, self.options = mooncake_url(**options), options
+        store = open_backend(self.url, **options)
         raw = raw_store(store)
         await asyncio.to_thread(raw.remove_all, True)
         yield store

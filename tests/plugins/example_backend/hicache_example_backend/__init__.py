@@ -6,6 +6,7 @@ This is the template for third-party backends; every method says which contract 
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar
 
@@ -26,15 +27,21 @@ class ExampleBackend(Backend):
     """``example://NAME?capacity_items=N``: a named in-process dict, at most N objects."""
 
     name = "example"
-    capabilities = Capabilities(ranged_reads=True, listing=True)
+    # ``mtime``: stat() reports when each object was written (tools such as ``gc --max-age``
+    # rely on it; leave the flag out if your store cannot tell).
+    capabilities = Capabilities(ranged_reads=True, listing=True, mtime=True)
 
-    #: the "remote storage": one dict per name, shared by instances (so reopen works).
+    #: the "remote storage": one dict per name, shared by instances (so reopen works), and
+    #: when each object was written.
     stores: ClassVar[dict[str, dict[str, bytes]]] = {}
+    written: ClassVar[dict[str, dict[str, float]]] = {}
 
     def __init__(self, store_name: str = "default", capacity_items: int = 10_000) -> None:
         super().__init__()
+        self.store_name = store_name
         self.capacity_items = capacity_items
         self.data = self.stores.setdefault(store_name, {})
+        self.mtimes = self.written.setdefault(store_name, {})
 
     @classmethod
     def from_url(cls, url: BackendURL, options: dict[str, Any]) -> ExampleBackend:
@@ -76,14 +83,20 @@ class ExampleBackend(Backend):
             if self.capacity_items < 1:
                 raise CapacityError("store has no capacity", backend=self.name, key=key)
             if key not in self.data and len(self.data) >= self.capacity_items:
-                self.data.pop(next(iter(self.data)))  # evict the oldest (insertion order)
+                victim = next(iter(self.data))  # evict the oldest (insertion order)
+                del self.data[victim]
+                self.mtimes.pop(victim, None)
             self.data[key] = bytes(buf)  # a private copy, published in one step
+            self.mtimes[key] = time.time()
 
     async def _delete(self, keys: Sequence[str]) -> list[bool]:
+        for key in keys:
+            self.mtimes.pop(key, None)
         return [self.data.pop(key, None) is not None for key in keys]
 
     async def _stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
-        return [ObjectStat(k, len(self.data[k])) if k in self.data else None for k in keys]
+        return [ObjectStat(k, len(self.data[k]), self.mtimes.get(k)) if k in self.data else None
+                for k in keys]
 
     async def _list_prefix(self, prefix: str) -> AsyncIterator[str]:
         for key in [k for k in self.data if k.startswith(prefix)]:
