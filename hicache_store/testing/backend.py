@@ -719,15 +719,19 @@ class BackendTests(abc.ABC):
         # Present keys interleaved with absent ones, in one exists call.
         probe = [k for i, key in enumerate(keys) for k in ((f"d{i:03x}", key) if i % 3 else (key,))]
         assert await backend.exists(probe) == [k.startswith("c") for k in probe]
-        buffers = [bytearray(b"\xee" * (len(v) + 8)) for v in values]
-        assert await backend.get_into(keys, buffers) == [len(v) for v in values]
-        for i, (buf, value) in enumerate(zip(buffers, values, strict=True)):
-            assert bytes(buf) == value + b"\xee" * 8, f"batch position {i}: wrong bytes"
-        ranges = [ByteRange(i % 10, len(v) - i % 7) for i, v in enumerate(values)]
+        # Reads ask in a shuffled order: a backend answering in storage (sorted) order would
+        # fill the wrong buffers and still look right for sorted requests.
+        order = random.Random(5).sample(range(LARGE_BATCH), LARGE_BATCH)
+        asked = [keys[i] for i in order]
+        buffers = [bytearray(b"\xee" * (len(values[i]) + 8)) for i in order]
+        assert await backend.get_into(asked, buffers) == [len(values[i]) for i in order]
+        for pos, (buf, i) in enumerate(zip(buffers, order, strict=True)):
+            assert bytes(buf) == values[i] + b"\xee" * 8, f"batch position {pos}: wrong bytes"
+        ranges = [ByteRange(i % 10, len(values[i]) - i % 7) for i in order]
         buffers = [bytearray(r.length) for r in ranges]
-        assert await backend.get_into(keys, buffers, ranges) == [r.length for r in ranges]
-        for i, (buf, value, rng) in enumerate(zip(buffers, values, ranges, strict=True)):
-            assert bytes(buf) == value[rng.start : rng.end], f"batch position {i}: wrong range"
+        assert await backend.get_into(asked, buffers, ranges) == [r.length for r in ranges]
+        for pos, (buf, i, rng) in enumerate(zip(buffers, order, ranges, strict=True)):
+            assert bytes(buf) == values[i][rng.start : rng.end], f"batch position {pos}: wrong range"
         sizes = [None if st is None else st.size for st in await backend.stat(keys)]
         assert sizes == [len(v) for v in values]
         assert await backend.exists_prefix_length(keys) == LARGE_BATCH
