@@ -22,7 +22,7 @@ The tensors hold this rank's shard: layers ``[kv.layer_start, kv.layer_stop)`` a
 Every byte is verified through the object framing (per-layer checksums, the header matched to
 the key asked for); a missing or corrupt object ends the prefix there, so what comes back is
 always the stored KV of ``tokens[:kv.tokens]``, never bytes of another page. Reads run through
-the same ``L3Link`` as the cache tier: at most ``max_inflight_bytes`` in flight, each page
+the same ``L3Link`` (``hicache_store.objects``) as the cache tier: at most ``max_inflight_bytes`` in flight, each page
 bounded by ``io_timeout_s``.
 """
 
@@ -41,7 +41,7 @@ from hicache_store.backends import Backend, aligned_buffer, open_backend
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology
-from hicache_store.tier.l3 import L3Link, PageIO
+from hicache_store.objects import IOStats, L3Link
 
 if TYPE_CHECKING:
     import torch
@@ -129,7 +129,7 @@ class KVReader:
         layout = link.read_plan.page
         rows = np.frombuffer(aligned_buffer(max(1, len(hashes)) * layout.page_bytes),
                              dtype=np.uint8).reshape(max(1, len(hashes)), layout.page_bytes)
-        io = PageIO()
+        io = IOStats()
         ok = await asyncio.gather(*(link.read_page(h, rows[i], io) for i, h in enumerate(hashes)))
         pages = ok.index(False) if False in ok else len(ok)
         return _tensors(link, rows[:pages], pages, io.corruptions)

@@ -16,10 +16,10 @@ from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.plans import plan_writes
 from hicache_store.layout.topology import Topology
+from hicache_store.objects import IOStats, L3Link
 from hicache_store.ops.prepopulate import namespace_for, prepopulate
 from hicache_store.ops.sources import MiniEngineSource
 from hicache_store.reader import KVReader
-from hicache_store.tier.l3 import L3Link, PageIO
 
 PAGE = 4
 TOKENS = list(range(3, 33))  # 30 tokens: 7 full pages and 2 tokens that are never stored
@@ -110,7 +110,7 @@ def test_mla_latent_round_trip() -> None:
         block = latent[:, page * PAGE : (page + 1) * PAGE].contiguous()
         row = np.frombuffer(block.view(torch.uint8).numpy().tobytes(), dtype=np.uint8)
         assert row.nbytes == layout.page_bytes
-        assert sync.run(writer.write_page(page_hash, row, PageIO()))
+        assert sync.run(writer.write_page(page_hash, row, IOStats()))
     kv = KVReader(backend, namespace, Topology(2, 1), 1).read(tokens)  # TP rank 1 reads too
     assert kv.keys is None and kv.latent is not None
     assert torch.equal(kv.latent.view(torch.int16), latent.view(torch.int16))
