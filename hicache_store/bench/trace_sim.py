@@ -20,8 +20,8 @@ cache, as the literature reports it).
   maximises block hits (checked against exhaustive search in the tests); under the prefix rule
   it is the usual optimistic reference, not a proven optimum.
 * ``simulate``: a prefix-closed cache, as the tier keeps one: only leaves (cached blocks with
-  no cached child) are evicted, lowest priority first, each block's priority set by a
-  ``BlockPolicy`` when a request touches it. ``LRUPolicy`` gives the tier's LRU.
+  no cached child) are evicted, in the order of one of the tier's own eviction policies
+  (``hicache_store.tier.eviction``; ``block_policy`` builds one over block ids).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-from .trace_format import Trace, TraceRequest
+from hicache_store.tier.eviction import EvictionPolicy, make_eviction_policy
+
+from .trace_format import Trace
 
 #: next use of a block that is never used again (orders after every request index).
 NEVER = 1 << 62
@@ -147,76 +148,54 @@ def belady(trace: Trace, capacity: int | None) -> HitCount:
     return count
 
 
-class BlockPolicy(Protocol):
-    """Priorities of a request's blocks in a prefix-closed cache (lowest is evicted first).
+def simulate(trace: Trace, capacity: int, policy: EvictionPolicy[int]) -> HitCount:
+    """A prefix-closed cache of ``capacity`` blocks that evicts leaves as ``policy`` says.
 
-    ``priorities`` is called once per request, after its hit was counted, with the number of
-    leading blocks that hit; it returns one priority per block of the request (the blocks'
-    new priorities). ``forget`` is called when a block is evicted.
-    """
-
-    def priorities(self, request: TraceRequest, cached_blocks: int) -> Sequence[float]: ...
-
-    def forget(self, block: int) -> None: ...
-
-
-class LRUPolicy:
-    """Least recently used; a request's blocks share its time, so a chain loses its tail
-    first. The clock counts requests."""
-
-    def __init__(self) -> None:
-        self._clock = 0
-
-    def priorities(self, request: TraceRequest, cached_blocks: int) -> Sequence[float]:
-        self._clock += 1
-        return [float(self._clock)] * len(request.hash_ids)
-
-    def forget(self, block: int) -> None:
-        pass
-
-
-def simulate(trace: Trace, capacity: int, policy: BlockPolicy) -> HitCount:
-    """A prefix-closed cache of ``capacity`` blocks that evicts leaves by ``policy``.
-
-    Among leaves of equal priority the deeper goes first. Every block of a request is inserted
-    before eviction, so a request's own new blocks may be evicted at once (not kept).
+    This plays the tier's part in the protocol of ``hicache_store.tier.eviction`` with block
+    ids as nodes: per request, ``begin_request``, then every block in chain order is admitted
+    (if new) and touched; then victims are evicted until the cache fits. A request's own new
+    blocks may be evicted at once (not kept). Nothing is locked.
     """
     _check_capacity(capacity)
+    children: dict[int, int] = {}  # cached block -> cached children
     parent: dict[int, int] = {}
-    priority: dict[int, float] = {}
-    cached_children: dict[int, int] = {}
-    heap: list[tuple[float, int, int]] = []  # (priority, -depth, block); stale entries skipped
-    depth_of: dict[int, int] = {}
     count = HitCount(len(trace))
     for index, request in enumerate(trace.requests):
         blocks = request.hash_ids
-        hit = _cached_prefix(blocks, priority)
+        hit = _cached_prefix(blocks, children)
         count.add(index, prefix_hit_tokens(hit, request.input_length, trace.block_tokens),
                   request.input_length)
-        for depth, (block, value) in enumerate(
-            zip(blocks, policy.priorities(request, hit), strict=True)
-        ):
-            if block not in priority:
-                cached_children[block] = 0
-                depth_of[block] = depth
-                if depth:
-                    parent[block] = blocks[depth - 1]
-                    cached_children[blocks[depth - 1]] += 1
-            priority[block] = value
+        policy.begin_request()
         for depth, block in enumerate(blocks):
-            if cached_children[block] == 0:
-                heapq.heappush(heap, (priority[block], -depth, block))
-        while len(priority) > capacity:
-            value, _, block = heapq.heappop(heap)
-            if priority.get(block) != value or cached_children[block]:
-                continue  # stale: touched since, or no longer a leaf
-            del priority[block]
-            del cached_children[block]
-            policy.forget(block)
-            up = parent.pop(block, None)
-            depth_of.pop(block)
-            if up is not None and up in priority:
-                cached_children[up] -= 1
-                if cached_children[up] == 0:
-                    heapq.heappush(heap, (priority[up], -depth_of[up], up))
+            if block not in children:
+                children[block] = 0
+                policy.admit(block)
+                policy.set_evictable(block, True)
+                if depth:
+                    up = parent[block] = blocks[depth - 1]
+                    children[up] += 1
+                    if children[up] == 1:
+                        policy.set_evictable(up, False)
+            policy.touch(block)
+        while len(children) > capacity:
+            victim = policy.victim()
+            if victim is None:  # pragma: no cover - a non-empty cache always has a leaf
+                raise RuntimeError("the eviction policy offered no victim")
+            policy.evict(victim)
+            del children[victim]
+            if victim in parent:
+                up = parent.pop(victim)
+                children[up] -= 1
+                if children[up] == 0:
+                    policy.set_evictable(up, True)
     return count
+
+
+def block_policy(name: str, trace: Trace, capacity: int) -> EvictionPolicy[int]:
+    """The tier's eviction policy ``name`` over ``trace``'s block ids, for ``simulate``."""
+    depth = {block: d for r in trace.requests for d, block in enumerate(r.hash_ids)}
+    return make_eviction_policy(name, capacity, depth.__getitem__, _identity)
+
+
+def _identity(block: int) -> int:
+    return block

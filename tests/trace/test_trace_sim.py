@@ -14,8 +14,8 @@ from _trace_helpers import make_trace, random_tree_trace
 from hicache_store.bench.trace_format import Trace, read_trace
 from hicache_store.bench.trace_sim import (
     NEVER,
-    LRUPolicy,
     belady,
+    block_policy,
     lru_reference,
     next_uses,
     prefix_hit_tokens,
@@ -53,7 +53,7 @@ def test_lru_reference_evicts_a_chain_head_first() -> None:
     # entirely although 2 is cached (the published reference's behaviour, kept on purpose).
     trace = make_trace([[1, 2], [3], [1, 2]])
     assert lru_reference(trace, 2).hit_tokens == 0
-    assert simulate(trace, 2, LRUPolicy()).hit_tokens == 4  # prefix-closed: the tail goes
+    assert simulate(trace, 2, block_policy("lru", trace, 2)).hit_tokens == 4  # prefix-closed: the tail goes
 
 
 def naive_belady(trace: Trace, capacity: int) -> tuple[int, int]:
@@ -147,7 +147,7 @@ def naive_leaf_lru(trace: Trace, capacity: int) -> int:
 def test_simulate_lru_matches_a_direct_implementation(seed: int) -> None:
     trace = random_tree_trace(random.Random(seed), 80, 4)
     for capacity in (2, 5, 12):
-        assert simulate(trace, capacity, LRUPolicy()).hit_tokens == naive_leaf_lru(trace, capacity)
+        assert simulate(trace, capacity, block_policy("lru", trace, capacity)).hit_tokens == naive_leaf_lru(trace, capacity)
 
 
 #: shared/traces/README.md: LRU token hit rates at 1k, 4k, 16k, 64k blocks and unbounded.
@@ -174,6 +174,6 @@ def test_belady_bounds_lru_and_prefix_lru_on_the_real_traces(name: str) -> None:
     for capacity in CAPACITIES[:-1]:
         bound = belady(trace, capacity).hit_rate
         assert bound >= lru_reference(trace, capacity).hit_rate
-        assert bound >= simulate(trace, capacity, LRUPolicy()).hit_rate
+        assert bound >= simulate(trace, capacity, block_policy("lru", trace, capacity)).hit_rate
         assert bound <= unbounded + 1e-12
     assert belady(trace, 64000).hit_rate == pytest.approx(unbounded)
