@@ -36,7 +36,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hicache_store.bench.trace_format import Trace, TraceRequest, read_trace
+from hicache_store.bench.trace_format import Trace, read_trace
 from hicache_store.bench.trace_sim import (
     NEVER,
     HitCount,
@@ -47,7 +47,7 @@ from hicache_store.bench.trace_sim import (
     prefix_hit_tokens,
     simulate,
 )
-from hicache_store.tier.eviction import ARCEviction
+from hicache_store.tier.eviction import ARCEviction, LRUEviction
 
 TRACES = Path(__file__).resolve().parent / "traces"
 
@@ -323,13 +323,17 @@ def request_features(trace: Trace) -> list[tuple[int, int, int]]:
     return out
 
 
-class InSamplePriority:
-    """Priority = arrival time + tau * P(block used again | turns, new-block bucket, offset
-    bucket), the probability measured on the whole trace beforehand."""
+class InSamplePriority(LRUEviction[int]):
+    """LRU order, but a block's time is its request's arrival plus tau * P(block used again |
+    turns, new-block bucket, offset bucket), the probability measured on the whole trace
+    beforehand."""
 
     def __init__(self, trace: Trace, tau_s: float) -> None:
+        depths = _depths(trace)
+        super().__init__(depths.__getitem__)
+        self.depth_of = depths
         self.tau_s, self.features = tau_s, request_features(trace)
-        self.index = 0
+        self.index = -1
         totals: defaultdict[tuple[int, ...], list[int]] = defaultdict(lambda: [0, 0])
         for index, uses in enumerate(next_uses(trace)):
             for depth, use in enumerate(uses):
@@ -343,13 +347,15 @@ class InSamplePriority:
         turns, new, hit = self.features[index]
         return (turns, new, _bucket(max(depth - hit, 0), (0, 1, 2, 4, 8, 16, 32, 64, 128)))
 
-    def priorities(self, request: TraceRequest, cached_blocks: int) -> Sequence[float]:
-        index, self.index = self.index, self.index + 1
-        now = self.times[index]
-        return [now + self.tau_s * self.p[self._key(index, d)] for d in range(len(request.hash_ids))]
+    def begin_request(self) -> None:
+        super().begin_request()
+        self.index += 1
 
-    def forget(self, block: int) -> None:
-        pass
+    def touch(self, node: int) -> None:
+        key = self._key(self.index, self.depth_of[node])
+        state = self._leaves.states[node]
+        state.stamp = self.times[self.index] + self.tau_s * self.p[key]  # type: ignore[assignment]
+        self._leaves.push(node)
 
 
 def hazard_ceiling(trace: Trace, capacity: int, horizon_s: float = 120.0) -> HitCount:

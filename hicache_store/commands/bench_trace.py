@@ -1,0 +1,291 @@
+"""``hicache-store bench trace TRACE``: replay a production block-hash trace through the tier.
+
+Each capacity (the L2 size, in blocks of the trace unless a unit says otherwise) is replayed
+once per eviction policy through a fresh tier: an L1 that holds the request being served
+(or an L1 cache of ``--l1``), L2 of that capacity, and an L3 backend (the file backend in a fresh folder under
+``--workdir`` unless ``--backend``; ``none`` for L1+L2 only). Next to each replay it prints
+what the benchmark computes from the trace alone at the same capacity: the token hit rate of
+plain block LRU (the published reference) and the clairvoyant Belady bound.
+
+``hit_rate`` is the share of prompt tokens served from memory (L1+L2: the cache whose size is
+``capacity_blocks``, comparable to the references); ``hit_rate_with_l3`` adds L3. Figures are
+fractions over all requests, with the second half of the requests beside them. Prints a
+table; ``--json`` and ``--chart`` write the results and a PNG of hit rate against capacity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hicache_store.cli import UsageError
+
+#: the ``--json`` schema version (bump when a field changes meaning).
+SCHEMA = 1
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "trace",
+        help="replay a production trace through the tier; hit rates next to LRU and Belady",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    parser.add_argument("trace", type=Path, help="trace file (e.g. bench/traces/*.jsonl.gz)")
+    parser.add_argument("--format", default="mooncake", help="trace format (mooncake)")
+    parser.add_argument(
+        "--capacities",
+        default="1000,4000,16000,64000",
+        help="L2 sizes to replay, comma-separated: N or Nblocks (blocks of the trace), Npages, "
+        "Ntokens, or bytes of KV like 64MiB (default 1000,4000,16000,64000)",
+    )
+    parser.add_argument(
+        "--policy",
+        default="default",
+        help="eviction policies, comma-separated: lru, arc, default (the tier's default) "
+        "(default: default)",
+    )
+    parser.add_argument("--page-size", type=int, default=64, help="tier page in tokens (64)")
+    parser.add_argument(
+        "--l1",
+        help="keep an L1 cache of this size above L2 (same units; at least the longest prompt); "
+        "default: L1 holds only the request being served, so the cache measured is L2",
+    )
+    parser.add_argument(
+        "--backend", help="L3 backend URL, or none (default: file backend under --workdir)"
+    )
+    parser.add_argument("--workdir", type=Path, default=Path(".run/trace"))
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.0,
+        help="wall seconds per trace second (0.1: ten times faster than recorded; 0: back to "
+        "back, the default)",
+    )
+    parser.add_argument(
+        "--prefetch-policy",
+        default="wait_complete",
+        choices=["best_effort", "wait_complete", "timeout"],
+    )
+    parser.add_argument(
+        "--write-policy",
+        default="write_through",
+        choices=["write_through", "write_through_selective", "write_back"],
+    )
+    parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
+    parser.add_argument("--chart", type=Path, metavar="PNG", help="write a PNG chart")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(func=run)
+
+
+def tier_policies() -> tuple[str, tuple[str, ...]]:
+    """The eviction policy the tier uses by default, and those it can run."""
+    import dataclasses
+
+    from hicache_store.tier.config import TierConfig
+    from hicache_store.tier.eviction import EVICTION_POLICIES
+
+    fields = {f.name: f for f in dataclasses.fields(TierConfig)}
+    if "eviction_policy" not in fields:
+        return "lru", ("lru",)  # a tier that evicts by LRU only
+    return str(fields["eviction_policy"].default), EVICTION_POLICIES
+
+
+def resolve_policies(text: str) -> list[str]:
+    """Policy names from ``--policy`` (``default`` is the tier's default), in order, once each."""
+    from hicache_store.tier.eviction import EVICTION_POLICIES
+
+    default, runnable = tier_policies()
+    names: list[str] = []
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        name = default if item == "default" else item
+        if name not in EVICTION_POLICIES:
+            raise UsageError(
+                f"--policy: {item!r} is not one of {', '.join(EVICTION_POLICIES)}, default"
+            )
+        if name not in runnable:
+            raise UsageError(f"--policy {name}: this tier can run {', '.join(runnable)} only")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise UsageError("--policy: no policy given")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    from hicache_store.bench.multiturn import fresh_directory
+    from hicache_store.bench.trace_format import Trace, check_chains, read_trace
+    from hicache_store.bench.trace_replay import (
+        KVShape,
+        ReplaySetup,
+        longest_request_pages,
+        parse_capacity,
+        replay,
+    )
+    from hicache_store.bench.trace_sim import belady, lru_reference
+
+    policies = resolve_policies(args.policy)
+    try:
+        trace = read_trace(args.trace, args.format)
+        check_chains(trace)
+        if args.max_requests is not None:
+            if args.max_requests < 1:
+                raise ValueError("--max-requests must be at least 1")
+            trace = Trace(trace.name, trace.block_tokens, trace.requests[: args.max_requests])
+        if not trace.requests:
+            raise ValueError(f"{args.trace}: the trace has no requests")
+        page = args.page_size
+        if page < 1 or trace.block_tokens % page:
+            raise ValueError(
+                f"--page-size {page} must divide the trace's {trace.block_tokens}-token blocks"
+            )
+        shape = KVShape()
+        page_bytes = shape.namespace(page).page_bytes
+
+        def pages(text: str) -> int:
+            return parse_capacity(
+                text, block_tokens=trace.block_tokens, page_size=page, page_bytes=page_bytes
+            )
+
+        capacities = [pages(c) for c in args.capacities.split(",") if c.strip()]
+        if not capacities:
+            raise ValueError("--capacities: no capacity given")
+        l1 = pages(args.l1) if args.l1 else longest_request_pages(trace, page)
+    except (OSError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    if l1 < longest_request_pages(trace, page):
+        raise UsageError(
+            f"--l1: {l1} pages cannot hold the longest prompt "
+            f"({longest_request_pages(trace, page)} pages)"
+        )
+    per_block = trace.block_tokens // page
+    print(
+        f"trace {trace.name}: {len(trace)} requests over {trace.duration_s:.0f} s, "
+        f"{trace.block_accesses} blocks of {trace.block_tokens} tokens; page {page} tokens "
+        f"({page_bytes} B of KV), L1 {l1} pages",
+        file=sys.stderr,
+    )
+    references: dict[int, dict[str, float]] = {}
+    results: list[dict[str, Any]] = []
+    for capacity in capacities:
+        blocks = max(1, capacity // per_block)
+        if blocks not in references:
+            lru, bound = lru_reference(trace, blocks), belady(trace, blocks)
+            references[blocks] = {
+                "lru_reference": lru.hit_rate,
+                "lru_reference_second_half": lru.second_half_hit_rate,
+                "belady": bound.hit_rate,
+                "belady_second_half": bound.second_half_hit_rate,
+            }
+        for policy in policies:
+            url = args.backend
+            if url is None:
+                folder = fresh_directory(args.workdir / f"l3-{capacity}-{policy}")
+                url = f"file://{folder.resolve()}"
+            elif url == "none":
+                url = None
+            setup = ReplaySetup(
+                page_size=page,
+                l1_pages=l1,
+                l2_pages=capacity,
+                l1_cache=args.l1 is not None,
+                backend_url=url,
+                eviction_policy=policy,
+                time_scale=args.time_scale,
+                shape=shape,
+                write_policy=args.write_policy,
+                prefetch_policy=args.prefetch_policy,
+            )
+            label = f"{capacity // per_block} blocks, {policy}"
+            result = replay(trace, setup, progress=_progress(label, len(trace), args.no_progress))
+            summary = result.summary()
+            summary.update(references[blocks])
+            results.append(summary)
+    print(render_table(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        document = {"schema": SCHEMA, "trace": str(args.trace), "requests": len(trace),
+                    "results": results}
+        args.json.write_text(json.dumps(document, indent=2))
+    if args.chart:
+        args.chart.parent.mkdir(parents=True, exist_ok=True)
+        write_chart(trace.name, results, args.chart)
+    return 0
+
+
+def _progress(label: str, total: int, quiet: bool) -> Any:
+    if quiet:
+        return None
+
+    def show(done: int) -> None:
+        if done == total or done % 50 == 0:
+            end = "\n" if done == total else ""
+            print(f"\r  {label:<24} {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+def gap_closed(result: dict[str, Any]) -> float | None:
+    """Share of the LRU-to-Belady gap the replay closed (None when there is no gap)."""
+    gap = result["belady"] - result["lru_reference"]
+    if gap <= 1e-9:
+        return None
+    return float((result["hit_rate"] - result["lru_reference"]) / gap)
+
+
+def render_table(results: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'blocks':>7} {'policy':<6} {'hit':>6} {'2nd half':>8} {'L1':>5} {'L2':>5} {'L3':>5} "
+        f"{'with L3':>7} {'LRU ref':>7} {'Belady':>6} {'gap':>5} {'L3 wr':>8} {'L3 rd':>8} "
+        f"{'book ms':>7} {'wall s':>6}"
+    )
+    lines = ["token hit rates in % (hit = L1+L2, the cache of that size)", head]
+    for r in results:
+        closed = gap_closed(r)
+        lines.append(
+            f"{r['capacity_blocks']:>7.0f} {r['policy']:<6} {100 * r['hit_rate']:>6.2f} "
+            f"{100 * r['hit_rate_second_half']:>8.2f} {100 * r['hit_rate_l1']:>5.1f} "
+            f"{100 * r['hit_rate_l2']:>5.1f} {100 * r['hit_rate_l3']:>5.1f} "
+            f"{100 * r['hit_rate_with_l3']:>7.2f} {100 * r['lru_reference']:>7.2f} "
+            f"{100 * r['belady']:>6.2f} "
+            f"{'-' if closed is None else f'{100 * closed:.0f}%':>5} "
+            f"{r['l3_objects_written']:>8} {r['l3_objects_read']:>8} "
+            f"{r['bookkeeping_ms']['mean']:>7.3f} {r['wall_s']:>6.1f}"
+        )
+    return "\n".join(lines)
+
+
+def write_chart(name: str, results: list[dict[str, Any]], path: Path) -> None:
+    """Token hit rate against capacity: each replayed policy, the LRU reference, Belady."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_capacity = sorted({r["capacity_blocks"] for r in results})
+    first = {c: next(r for r in results if r["capacity_blocks"] == c) for c in by_capacity}
+    ax.plot(by_capacity, [100 * first[c]["belady"] for c in by_capacity], "k--", label="Belady")
+    ax.plot(
+        by_capacity, [100 * first[c]["lru_reference"] for c in by_capacity], "k:",
+        label="LRU reference",
+    )
+    for policy in dict.fromkeys(r["policy"] for r in results):
+        rows = sorted((r for r in results if r["policy"] == policy),
+                      key=lambda r: r["capacity_blocks"])
+        ax.plot([r["capacity_blocks"] for r in rows], [100 * r["hit_rate"] for r in rows], "o-",
+                label=f"tier, {policy}")
+    ax.set_xscale("log")
+    ax.set_xlabel("L2 capacity (blocks of 512 tokens)")
+    ax.set_ylabel("token hit rate (%)")
+    ax.set_title(f"{name}: replay through the tier")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
