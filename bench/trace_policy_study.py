@@ -16,12 +16,12 @@ Rows:
   (20% probation), S3-FIFO (10% small queue, ghost), ARC, W-TinyLFU (1% window, SLRU main,
   count-min admission);
 * what no online policy can have: ``oracle admission`` (LRU that never keeps a block with no
-  future use), and two in-sample ceilings for the signals ``chain`` uses, whose statistics are
-  measured on the very trace they are then applied to (signals: how many times the chain was
-  extended before, how many blocks the request adds, how far past its hit a block lies):
-  ``ceiling: P(reuse | features)``
-  (priority = time + tau * in-sample reuse probability of the block's feature bucket) and
-  ``ceiling: hazard | class`` (per-class LRU queues, evict the class head least likely to be
+  future use), and two in-sample ceilings for the request-level signals an online cache does
+  see (how many times the chain was extended before, how many blocks the request adds, how
+  far past its hit a block lies), whose statistics are measured on the very trace they are
+  then applied to: ``ceiling: P(reuse given features)`` (priority = time + tau * in-sample
+  reuse probability of the block's feature bucket) and
+  ``ceiling: hazard per class`` (per-class LRU queues, evict the class head least likely to be
   reused within the next two minutes given its age).
 """
 
@@ -36,7 +36,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hicache_store.bench.trace_format import Trace, read_trace
+from hicache_store.bench.trace_format import Trace, TraceRequest, read_trace
 from hicache_store.bench.trace_sim import (
     NEVER,
     HitCount,
@@ -309,7 +309,7 @@ def _bucket(value: int, bounds: Sequence[int]) -> int:
 
 def request_features(trace: Trace) -> list[tuple[int, int, int]]:
     """Per request, with an unbounded cache: (turns of the chain it extends, capped at 5;
-    bucket of its new blocks; tokens it hits). The signals ``chain`` uses."""
+    bucket of its new blocks; blocks it hits). The signals of the in-sample ceilings."""
     seen: dict[int, int] = {}
     out = []
     for request in trace.requests:
@@ -423,6 +423,59 @@ def hazard_ceiling(trace: Trace, capacity: int, horizon_s: float = 120.0) -> Hit
     return count
 
 
+# -- what the trace offers a cache -------------------------------------------------------------------
+
+
+def characterize(trace: Trace) -> list[str]:
+    """What an online cache could learn from: reuse shares, continuation odds, gaps."""
+    uses: defaultdict[int, int] = defaultdict(int)
+    for request in trace.requests:
+        for block in request.hash_ids:
+            uses[block] += 1
+    once = sum(1 for n in uses.values() if n == 1) / len(uses)
+    # A request continues the request whose chain end it hits deepest (unbounded cache).
+    last_user: dict[int, int] = {}
+    turns = [0] * len(trace)
+    continued = [False] * len(trace)
+    gaps: list[float] = []
+    offset_reuse: defaultdict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for index, request in enumerate(trace.requests):
+        blocks, hit = request.hash_ids, 0
+        while hit < len(blocks) and blocks[hit] in last_user:
+            hit += 1
+        if hit >= 2:  # past a shared first block (a system prompt): a continuation
+            before = last_user[blocks[hit - 1]]
+            turns[index] = turns[before] + 1
+            continued[before] = True
+            gaps.append((request.timestamp_ms - trace.requests[before].timestamp_ms) / 1000)
+        for offset, block in enumerate(blocks[hit:-1]):
+            if block not in last_user:
+                cell = offset_reuse[_bucket(offset, (0, 2, 8, 32))]
+                cell[0] += 1
+                cell[1] += uses[block] > 1
+        for block in blocks:
+            last_user[block] = index
+    by_turn: defaultdict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for turn, went_on in zip(turns, continued, strict=True):
+        by_turn[min(turn, 5)][0] += 1
+        by_turn[min(turn, 5)][1] += went_on
+    gaps.sort()
+
+    def pct(q: float) -> float:
+        return gaps[min(len(gaps) - 1, int(q * len(gaps)))] if gaps else 0.0
+
+    labels = ("0", "1-2", "3-8", "9-32", "33+")
+    return [
+        f"blocks used by one request only: {100 * once:.0f}%",
+        "a request is followed by a continuation, by turns before it: "
+        + ", ".join(f"{t if t < 5 else '5+'}: {100 * c / n:.0f}%"
+                    for t, (n, c) in sorted(by_turn.items())),
+        f"continuation gap (s): p10 {pct(0.1):.0f}, p50 {pct(0.5):.0f}, p90 {pct(0.9):.0f}",
+        "new blocks used again, by blocks past the request's hit: "
+        + ", ".join(f"{labels[b]}: {100 * c / n:.0f}%" for b, (n, c) in sorted(offset_reuse.items())),
+    ]
+
+
 # -- the table ---------------------------------------------------------------------------------------
 
 Runner = Callable[[Trace, int], HitCount]
@@ -438,9 +491,9 @@ def _same(block: int) -> int:
 
 POLICIES: dict[str, Runner] = {
     "LRU (published)": lru_reference,
-    "lru (prefix-closed, tier)": lambda t, c: simulate(t, c, block_policy("lru", t, c)),
-    "arc (prefix-closed, tier default)": lambda t, c: simulate(t, c, block_policy("arc", t, c)),
-    "arc, textbook ghosts (1x)": lambda t, c: simulate(
+    "lru (prefix-closed; tier)": lambda t, c: simulate(t, c, block_policy("lru", t, c)),
+    "arc (prefix-closed; tier default)": lambda t, c: simulate(t, c, block_policy("arc", t, c)),
+    "arc with textbook ghosts (1x)": lambda t, c: simulate(
         t, c, ARCEviction(c, _depths(t).__getitem__, _same, ghost_factor=1.0)
     ),
     "FIFO": lambda t, c: replay_blocks(t, FIFO(c)),
@@ -448,11 +501,27 @@ POLICIES: dict[str, Runner] = {
     "S3-FIFO": lambda t, c: replay_blocks(t, S3FIFO(c)),
     "ARC": lambda t, c: replay_blocks(t, ARC(c)),
     "W-TinyLFU": lambda t, c: replay_blocks(t, WTinyLFU(c)),
-    "ceiling: P(reuse | features)": lambda t, c: simulate(t, c, InSamplePriority(t, 1000.0)),
-    "ceiling: hazard | class": hazard_ceiling,
+    "ceiling: P(reuse given features)": lambda t, c: simulate(t, c, InSamplePriority(t, 1000.0)),
+    "ceiling: hazard per class": hazard_ceiling,
     "oracle admission": oracle_admission,
     "Belady": belady,
 }
+
+
+def split_blocks(trace: Trace, parts: int) -> Trace:
+    """The same trace over pages of ``block_tokens / parts`` tokens (page ids derived from
+    block ids; a partial last block keeps only its pages that hold tokens)."""
+    if parts == 1:
+        return trace
+    if parts < 1 or trace.block_tokens % parts:
+        raise SystemExit(f"--split {parts} must divide the {trace.block_tokens}-token block")
+    page = trace.block_tokens // parts
+    requests = []
+    for r in trace.requests:
+        ids = tuple(b * parts + j for b in r.hash_ids for j in range(parts))
+        requests.append(TraceRequest(r.timestamp_ms, r.input_length, r.output_length,
+                                     ids[: -(-r.input_length // page)]))
+    return Trace(trace.name, page, tuple(requests))
 
 
 def main() -> None:
@@ -460,16 +529,24 @@ def main() -> None:
     parser.add_argument("--traces", default="conversation,synthetic")
     parser.add_argument("--capacities", default="1000,4000,16000,64000")
     parser.add_argument("--only", help="comma-separated policy names (default: all)")
+    parser.add_argument("--split", type=int, default=1,
+                        help="simulate pages of block/N tokens (capacities scale with N)")
+    parser.add_argument("--characterize", action="store_true",
+                        help="print what the trace offers an online cache, not the table")
     args = parser.parse_args()
     capacities = [int(c) for c in args.capacities.split(",")]
     names = args.only.split(",") if args.only else list(POLICIES)
     for trace_name in args.traces.split(","):
-        trace = read_trace(TRACES / f"mooncake_{trace_name}_trace.jsonl.gz")
+        trace = split_blocks(read_trace(TRACES / f"mooncake_{trace_name}_trace.jsonl.gz"),
+                             args.split)
+        if args.characterize:
+            print(f"\n{trace_name}:\n  " + "\n  ".join(characterize(trace)))
+            continue
         print(f"\n{trace_name}: token hit rate %, all requests / second half\n")
         print("| policy | " + " | ".join(f"{c:,} blocks" for c in capacities) + " |")
         print("|---|" + "---|" * len(capacities))
         for name in names:
-            counts = [POLICIES[name](trace, c) for c in capacities]
+            counts = [POLICIES[name](trace, c * args.split) for c in capacities]
             cells = [f"{100 * n.hit_rate:.1f} / {100 * n.second_half_hit_rate:.1f}" for n in counts]
             print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
