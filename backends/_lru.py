@@ -13,13 +13,44 @@ first". A chain whose prefix is read again therefore keeps its head and loses it
 tail first, and an untouched chain is eaten from the tail backwards. No parent pointer, no
 parsing of keys: keys that are not page chains simply get plain LRU.
 
-Not thread-safe: the owner serialises access (the event loop, or a lock).
+The same order as numbers, for stores that keep it on disk instead of in memory (the file
+backend's index): ``chain_ranks`` gives each key of one call a rank, smaller evicted first.
+
+``ChainLRU`` is not thread-safe: the owner serialises access (the event loop, or a lock).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Sequence
+
+#: low bits of a rank that order the keys of one call (their depth in the chain).
+RANK_DEPTH_BITS = 20
+_DEPTH_TOP = (1 << RANK_DEPTH_BITS) - 1
+
+
+def now_ms() -> int:
+    """Wall-clock milliseconds: the time part of a rank (comparable across processes)."""
+    return time.time_ns() // 1_000_000
+
+
+def chain_ranks(count: int, at_ms: int | None = None) -> list[int]:
+    """Eviction ranks for the ``count`` keys of one call, given in chain order.
+
+    ``rank = at_ms << RANK_DEPTH_BITS | (2**RANK_DEPTH_BITS - 1 - depth)``: every key of a call
+    ranks above (is evicted after) every key of a call made at least a millisecond earlier,
+    and inside a call the last key ranks lowest, so a chain loses its tail first: the order
+    ``ChainLRU.add_batch`` / ``touch_batch`` keep. Keys deeper than ``2**20 - 1`` share the
+    lowest rank of their call. Fits a signed 64-bit integer until the year 2248.
+    """
+    base = (now_ms() if at_ms is None else at_ms) << RANK_DEPTH_BITS
+    return [base | (_DEPTH_TOP - min(depth, _DEPTH_TOP)) for depth in range(count)]
+
+
+def rank_at(seconds: float) -> int:
+    """The rank of a key last used at ``seconds`` (a file's mtime), with no chain position."""
+    return int(seconds * 1000) << RANK_DEPTH_BITS
 
 
 class ChainLRU:

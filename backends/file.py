@@ -21,40 +21,52 @@ file is ``fdatasync``-ed before the rename, so after a crash an object is whole 
 ``full`` (also ``fsync`` of the shard directory after the rename, so a returned ``put`` is
 on the device under its name).
 
-**Zero-copy and O_DIRECT.** Reads go straight into the caller's buffer with ``os.preadv``;
-writes come straight from it with ``os.pwrite``. A scatter read (``get_scatter``: a framed
-object's header and payload into separate buffers) is one open and one ``preadv`` with one
-iovec per buffer. When the caller's buffer addresses and the file offset are 4096-aligned
-(``direct_io=auto``, the default) the file is opened with O_DIRECT and the page cache is
-bypassed; an unaligned tail (< 4 KiB) goes through a per-thread aligned block.
+**Zero-copy, O_DIRECT and the page cache.** Reads go straight into the caller's buffer with
+``os.preadv``; writes come straight from it with ``os.pwrite``. A scatter read (``get_scatter``:
+a framed object's header and payload into separate buffers) is one open and one ``preadv`` with
+one iovec per buffer. When the caller's buffer addresses and the file offset are 4096-aligned
+(``direct_io=auto``, the default), writes and cold reads use O_DIRECT and bypass the page
+cache; an unaligned tail (< 4 KiB) goes through a per-thread aligned block.
 Why O_DIRECT by default, measured on this project's VM (BENCHMARKS.md "Backends", 512 x 8 MiB
 in one run): a buffered write or a cold buffered read needs fresh page-cache pages, and on this
 VM allocating them costs more than the device transfer. O_DIRECT gave 2.23 GB/s durable write
 and 2.44 GB/s cold read against 0.34 and 1.47 GB/s buffered (an fdatasync after a buffered
-write has all the data still to flush; after an O_DIRECT write almost nothing). Buffered I/O
-wins only re-reads of data already in the page cache (5.7 against 2.2 GB/s): ``direct_io=never``
-selects it for stores that fit in RAM. Unaligned buffers always go buffered.
+write has all the data still to flush; after an O_DIRECT write almost nothing).
+Buffered I/O wins re-reads of bytes already in the page cache (5.7 against 2.2 GB/s), so a read
+first asks the kernel whether its range is cached (``_pagecache.is_cached``: ``cachestat``, no
+side effects) and reads warm bytes buffered. A key read cold a second time within a window is
+read buffered too, so that its later reads are warm (``page_cache=second``, the default;
+``never`` keeps every cold read O_DIRECT, ``always`` reads cold bytes buffered: see
+``_pagecache``). ``direct_io=never`` makes every read and write buffered. Unaligned buffers
+always go buffered.
 
 **Parallel I/O.** Each object's I/O is one job on a bounded thread pool (``io_threads``);
 the syscalls release the GIL, so a batch keeps that many requests in flight on the device.
 
-**Index.** ``exists`` never scans: an in-memory index (key -> size, in eviction order) is
-rebuilt at open from one walk of ``objects/``. A key in the index is reported present without
-touching the disk (if another process deleted it, the next read is a miss and fixes the index);
-a key not in the index costs one ``stat``, so objects written by another process or after a
-restart are found. Index updates are guarded by a lock: the pool threads and any number of
-event loops may use one backend.
+**Index** (``_file_index``; its docstring has the design and the protocol). A SQLite database
+in ``index/`` lists every object with its size and eviction rank, shared by every process
+that opens the root on one host; ``exists`` reads a memory-mapped set of key fingerprints kept
+up to date from the database's change feed. Open costs the same at any store size, no
+per-object state lives in process memory, and objects other processes wrote a moment ago are
+found at index speed. Reads and stats go to the files themselves (a read that finds no file is
+a miss, and fixes the index). All processes using one root must run on one host (SQLite's
+write-ahead log shares memory between them); a root written before the index existed gets one
+at its first open (one walk of ``objects/``).
 
 **Capacity and eviction.** ``capacity_bytes`` (default: 90% of what the filesystem could hold
-for us at open) bounds the bytes this process accounts for (objects it wrote or has seen).
-Before a batch is written, room is made by deleting objects in chain-aware LRU order
-(``_lru.ChainLRU``: untouched chain tails go first). An object that cannot be deleted is
-counted (``stats.eviction_failures``), moved to the back of the line, and eviction goes on with
-the next one; if no room can be made the write raises ``CapacityError``. Several processes
-sharing a root each account for what they know: bound each one accordingly.
+for the store at open) bounds the bytes of the whole store, counted in the shared index
+(objects plus writes in flight, whichever process makes them). Before a batch is written, room
+is made by deleting objects in rank order: least recently written or read first, and within one
+call's keys (a chain in order) the deepest first (``_lru.chain_ranks``), so a chain loses its
+tail before its head. The order is an on-disk index read a page at a time. An object that
+cannot be deleted is counted (``stats.eviction_failures``), moved to the back of the line, and
+eviction goes on with the next one; if no room can be made the write raises ``CapacityError``.
 
-**Crash safety.** A writer killed mid-batch leaves temp files only. At open, temp files whose
-writer process is gone (or older than an hour) are removed; a live writer's are left alone.
+**Crash safety.** A writer killed mid-batch leaves temp files and pending index rows. At open,
+temp files whose writer process is gone (or older than an hour) are removed, and the keys of a
+dead process's pending changes are reconciled with their files: no object is lost or invented.
+A put that is cancelled finishes its bookkeeping (and its reads of the caller's buffers) before
+the cancellation propagates.
 
 **Keys** are validated before any path is built; a key cannot contain ``/``, ``.`` or NUL, so
 every path stays under ``objects/``.
@@ -65,6 +77,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import itertools
 import json
 import os
@@ -72,7 +85,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -83,12 +96,12 @@ from hicache_store.layout.errors import InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer, is_aligned, scratch_block
-from ._lru import ChainLRU
+from ._file_index import FileIndex, pid_alive
+from ._pagecache import SecondTouch, is_cached
 from .base import Backend, scatter_views
 from .errors import (
     BackendError,
     BackendIOError,
-    CapacityError,
     InvalidRangeError,
     translate_os_error,
 )
@@ -96,16 +109,24 @@ from .types import BackendURL, ByteRange, Capabilities, ObjectStat, parse_bool, 
 
 Durability = Literal["none", "data", "full"]
 DirectIO = Literal["auto", "never"]
+PageCache = Literal["second", "never", "always"]
 DURABILITY_MODES: tuple[str, ...] = ("none", "data", "full")
 DIRECT_IO_MODES: tuple[str, ...] = ("auto", "never")
+PAGE_CACHE_MODES: tuple[str, ...] = ("second", "never", "always")
 LAYOUT_FORMAT = "hicache-store/file"
-LAYOUT_VERSION = 1
+#: 2: objects plus the shared index in ``index/``. A version-1 root (objects only) is upgraded
+#: at its first open by building the index.
+LAYOUT_VERSION = 2
+_LAYOUT = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, "shard_levels": 2,
+           "index": "sqlite"}
+_LAYOUT_V1 = {"format": LAYOUT_FORMAT, "version": 1, "shard_levels": 2}
 #: temp files older than this are stale whoever wrote them (no write lasts an hour).
 STALE_TEMP_SECONDS = 3600.0
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _MAX_IO = 0x7FFFF000  # Linux moves at most this many bytes per read/write call
 _IOV_MAX = 1024  # Linux takes at most this many buffers per vectored call
+_INLINE_EXISTS = 4096  # at most ~1 ms of lookups on the caller's thread
 
 T = TypeVar("T")
 
@@ -121,7 +142,10 @@ class FileBackend(Backend):
 
     Options: ``durability`` (none | data | full, default data), ``capacity_bytes`` (int or
     size string; default 90% of the space available at open), ``io_threads`` (default 16),
-    ``direct_io`` (auto | never), ``create`` (make the root if missing, default True).
+    ``direct_io`` (auto | never), ``page_cache`` (second | never | always: when a cold read
+    fills the page cache), ``create`` (make the root if missing, default True),
+    ``lock_timeout`` (seconds to wait for the shared index or a key busy in another process
+    before ``BackendUnavailableError``, default 30).
     """
 
     name = "file"
@@ -144,37 +168,47 @@ class FileBackend(Backend):
         capacity_bytes: int | str | None = None,
         io_threads: int = 16,
         direct_io: DirectIO = "auto",
+        page_cache: PageCache = "second",
         create: bool = True,
+        lock_timeout: float = 30.0,
     ) -> None:
         super().__init__()
         if durability not in DURABILITY_MODES:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         if direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {DIRECT_IO_MODES}, got {direct_io!r}")
+        if page_cache not in PAGE_CACHE_MODES:
+            raise ValueError(f"page_cache must be one of {PAGE_CACHE_MODES}, got {page_cache!r}")
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        if lock_timeout <= 0:
+            raise ValueError(f"lock_timeout must be > 0, got {lock_timeout}")
         self.root = Path(root).expanduser().resolve()
         self.durability: Durability = durability
         self.io_threads = io_threads
+        self.page_cache: PageCache = page_cache
         self._objects = self.root / "objects"
         self._tmp = self.root / "tmp"
         self._token = secrets.token_hex(4)
         self._seq = itertools.count()
-        self._lock = threading.Lock()  # guards _lru, _reserved, _known_dirs, stats counters
-        self._evict_lock = threading.Lock()  # one eviction pass at a time
-        self._lru = ChainLRU()
-        self._reserved = 0
+        self._lock = threading.Lock()  # guards _known_dirs and the stats counters
         self._known_dirs: set[str] = set()
+        self._second_touch = SecondTouch()
         try:
-            self._prepare_root(create)
+            upgrade = self._prepare_root(create)
             self.direct_io = direct_io == "auto" and self._probe_direct_io()
             self.removed_temp_files = self._remove_stale_temps()
-            self._rebuild_index()
+            self._index = FileIndex(
+                str(self.root), str(self._objects), self._final_path, token=self._token,
+                durable=durability == "full", lock_timeout=lock_timeout, walk=self._walk,
+            )
+            if upgrade:
+                self._write_layout()
         except OSError as exc:
             raise translate_os_error(exc, backend=self.name, operation="open") from exc
         if capacity_bytes is None:
             usage = shutil.disk_usage(self.root)
-            capacity_bytes = int(0.9 * (usage.free + self._lru.total_bytes))
+            capacity_bytes = int(0.9 * (usage.free + self._index.totals()[0]))
         self.capacity_bytes = parse_size(capacity_bytes)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache-file")
 
@@ -191,6 +225,8 @@ class FileBackend(Backend):
             opts["io_threads"] = int(opts["io_threads"])
         if "create" in opts:
             opts["create"] = parse_bool(opts["create"])
+        if "lock_timeout" in opts:
+            opts["lock_timeout"] = float(opts["lock_timeout"])
         if opts.get("capacity_bytes") is not None:
             opts["capacity_bytes"] = parse_size(opts["capacity_bytes"])
         return opts
@@ -200,28 +236,35 @@ class FileBackend(Backend):
 
     # -- open ---------------------------------------------------------------------------------
 
-    def _prepare_root(self, create: bool) -> None:
+    def _prepare_root(self, create: bool) -> bool:
+        """Make (or check) the root; True when its layout marker is to be written once the
+        index is ready (a new root, or a version-1 root being upgraded)."""
         if create:
             self._objects.mkdir(parents=True, exist_ok=True)
             self._tmp.mkdir(exist_ok=True)
         elif not self._objects.is_dir():
             raise FileNotFoundError(errno.ENOENT, "no hicache-store file layout here", str(self.root))
+        self._tmp.mkdir(exist_ok=True)
         marker = self.root / "layout.json"
-        wanted = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, "shard_levels": 2}
         try:
             found = json.loads(marker.read_text())
         except FileNotFoundError:
-            tmp = self._tmp / f"{os.getpid()}-{self._token}-layout.tmp"
-            tmp.write_text(json.dumps(wanted))
-            os.replace(tmp, marker)  # racing openers write the same content
-            return
+            return True
         except ValueError:
             found = None
-        if found != wanted:
-            raise BackendError(
-                f"{marker} describes another layout ({found!r}); refusing to use {self.root}",
-                backend=self.name, operation="open",
-            )
+        if found == _LAYOUT:
+            return False
+        if found == _LAYOUT_V1:
+            return True
+        raise BackendError(
+            f"{marker} describes another layout ({found!r}); refusing to use {self.root}",
+            backend=self.name, operation="open",
+        )
+
+    def _write_layout(self) -> None:
+        tmp = self._tmp / f"{os.getpid()}-{self._token}-layout.tmp"
+        tmp.write_text(json.dumps(_LAYOUT))
+        os.replace(tmp, self.root / "layout.json")  # racing openers write the same content
 
     def _probe_direct_io(self) -> bool:
         if not _O_DIRECT:
@@ -249,7 +292,7 @@ class FileBackend(Backend):
         with os.scandir(self._tmp) as entries:
             for entry in entries:
                 owner = entry.name.split("-", 1)[0]
-                alive = owner.isdigit() and _pid_alive(int(owner))
+                alive = owner.isdigit() and pid_alive(int(owner))
                 try:
                     fresh = now - entry.stat(follow_symlinks=False).st_mtime < STALE_TEMP_SECONDS
                 except FileNotFoundError:
@@ -261,13 +304,11 @@ class FileBackend(Backend):
                     removed += 1
         return removed
 
-    def _rebuild_index(self) -> None:
-        """One walk of ``objects/``: every valid key with its size, oldest mtime first."""
-        found: list[tuple[float, str, int]] = []
+    def _walk(self) -> Iterator[tuple[str, int, float]]:
+        """``(key, size, mtime)`` of every object file: what a new index is built from."""
         for top in _scandir_dirs(self._objects):
             for sub in _scandir_dirs(top.path):
-                self._known_dirs.add(sub.path)
-                with os.scandir(sub.path) as entries:
+                with contextlib.suppress(FileNotFoundError), os.scandir(sub.path) as entries:
                     for entry in entries:
                         if not _is_storage_key(entry.name):
                             continue  # a foreign file: never ours to index or evict
@@ -275,16 +316,16 @@ class FileBackend(Backend):
                             st = entry.stat(follow_symlinks=False)
                         except FileNotFoundError:
                             continue
-                        found.append((st.st_mtime, entry.name, st.st_size))
-        found.sort()
-        for _mtime, key, size in found:
-            self._lru.add(key, size)
+                        yield entry.name, st.st_size, st.st_mtime
 
     # -- paths --------------------------------------------------------------------------------
 
     def path_of(self, key: str) -> Path:
         """The final path of a (validated) key. Public for tests and tools."""
         return Path(self._shard_dir(validate_storage_key(key)), key)
+
+    def _final_path(self, key: str) -> str:
+        return os.path.join(self._shard_dir(key), key)
 
     def _shard_dir(self, key: str) -> str:
         if os.sep in key or key in (".", "..") or "\x00" in key:  # defence in depth
@@ -322,55 +363,38 @@ class FileBackend(Backend):
     # -- core: exists / stat -------------------------------------------------------------------
 
     async def _exists(self, keys: Sequence[str]) -> list[bool]:
-        # docstring inherited
-        with self._lock:
-            hits = [key in self._lru for key in keys]
-        missing = [key for key, hit in zip(keys, hits, strict=True) if not hit]
-        if missing:
-            # One job for all unknown keys: a stat is a few microseconds, so splitting the
-            # batch over threads only adds GIL hand-offs (measured slower on 2 cores).
-            found = await self._run(self._translated, "exists", None, self._probe, missing)
-            hits = [hit or key in found for key, hit in zip(keys, hits, strict=True)]
-        with self._lock:
-            self._lru.touch_batch([key for key, hit in zip(keys, hits, strict=True) if hit])
-        return hits
-
-    def _probe(self, keys: Sequence[str]) -> set[str]:
-        """One ``stat`` per key not in the index (objects another process wrote, or written
-        before a restart and not yet seen); found ones join the index."""
-        found: list[tuple[str, int]] = []
-        stat, join, shard_dir = os.stat, os.path.join, self._shard_dir
-        for key in keys:
-            try:
-                found.append((key, stat(join(shard_dir(key), key)).st_size))
-            except FileNotFoundError:
-                continue
-        with self._lock:
-            for key, size in found:
-                if key not in self._lru:
-                    self._lru.add(key, size)
-        return {key for key, _ in found}
+        # docstring inherited. The index answers (other processes' writes included); exists
+        # does not count as a use for eviction (reads do), so probes stay read-only. A small
+        # batch on an up-to-date fingerprint set is answered inline: a pool hand-off costs
+        # more than the lookup (~0.25 us a key).
+        if len(keys) <= _INLINE_EXISTS:
+            hits = self._index.exists_if_current(keys)
+            if hits is not None:
+                return hits
+        return await self._run(self._translated, "exists", None, self._index.exists, keys)
 
     def _stat_paths(self, keys: Sequence[str]) -> list[ObjectStat | None]:
         out: list[ObjectStat | None] = []
         for key in keys:
             try:
-                st = os.stat(os.path.join(self._shard_dir(key), key))
+                st = os.stat(self._final_path(key))
             except FileNotFoundError:
                 out.append(None)
-                with self._lock:
-                    self._lru.discard(key)
                 continue
             out.append(ObjectStat(key, st.st_size, st.st_mtime))
-            with self._lock:
-                if self._lru.size_of(key) != st.st_size:
-                    # Written by another process (or rewritten): account for it from now on.
-                    self._lru.add(key, st.st_size)
         return out
 
     async def _stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
-        # docstring inherited
+        # docstring inherited. From the files themselves (the truth for sizes and mtimes).
         return await self._run(self._translated, "stat", None, self._stat_paths, keys)
+
+    async def adopt(self, keys: Sequence[str]) -> int:
+        """Index objects placed under ``objects/`` by other means (a restore, a copy, a test
+        oracle): each key's index entry is set from its file (present with its size, or
+        absent). Returns how many of ``keys`` are indexed now."""
+        self._check_open("adopt")
+        checked = self._check_keys(keys, "adopt")
+        return await self._run(self._translated, "adopt", None, self._index.adopt, checked)
 
     # -- core: reads ---------------------------------------------------------------------------
 
@@ -386,8 +410,7 @@ class FileBackend(Backend):
             for key, buf, rng in zip(keys, buffers, ranges, strict=True)
         ]
         results: list[int | None] = list(await asyncio.gather(*jobs))
-        with self._lock:
-            self._lru.touch_batch([k for k, n in zip(keys, results, strict=True) if n is not None])
+        await self._after_reads(keys, results)
         return results
 
     async def _get_scatter(
@@ -399,10 +422,14 @@ class FileBackend(Backend):
         n: int | None = await self._run(
             self._translated, "get_scatter", key, self._read_into, key, list(buffers), byte_range
         )
-        if n is not None:
-            with self._lock:
-                self._lru.touch_batch([key])
+        await self._after_reads([key], [n])
         return n
+
+    async def _after_reads(self, keys: Sequence[str], results: Sequence[int | None]) -> None:
+        """Count the hits as uses (eviction order), writing them to the index now and then."""
+        hits = [key for key, n in zip(keys, results, strict=True) if n is not None]
+        if hits and self._index.touch(hits):
+            await self._run(self._translated, "get_into", None, self._index.flush_touches)
 
     def _read_one(self, key: str, view: memoryview, rng: ByteRange | None) -> int | None:
         return self._read_into(key, [view], rng)
@@ -414,9 +441,10 @@ class FileBackend(Backend):
         path of ``get_into`` and ``get_scatter``: one open, vectored reads from that fd (so a
         rewrite of the key meanwhile is never seen half old, half new).
 
-        O_DIRECT when the offset and every buffer's address are aligned and every buffer but
-        the last is a whole number of blocks (the kernel's rule for each iovec); the last
-        buffer's unaligned tail goes through the scratch block. Otherwise buffered."""
+        O_DIRECT when the offset and every buffer's address are aligned, every buffer but the
+        last is a whole number of blocks (the kernel's rule for each iovec), and the bytes are
+        not in the page cache (nor admitted to it: ``_use_page_cache``); the last buffer's
+        unaligned tail goes through the scratch block. Otherwise buffered."""
         start = 0 if rng is None else rng.start
         direct = (
             self.direct_io
@@ -424,12 +452,11 @@ class FileBackend(Backend):
             and all(is_aligned(v) for v in views)
             and all(len(v) % DIRECT_ALIGNMENT == 0 for v in views[:-1])
         )
-        path = os.path.join(self._shard_dir(key), key)
+        path = self._final_path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT if direct else 0))
+            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
         except FileNotFoundError:
-            with self._lock:
-                self._lru.discard(key)  # evicted or deleted by someone else: a miss
+            self._index.repair_missing(key)  # evicted or deleted by someone else: a miss
             return None
         try:
             size = os.fstat(fd).st_size
@@ -447,7 +474,7 @@ class FileBackend(Backend):
                 rng.check_within(size, backend=self.name, key=key)
                 length = rng.length
             parts = scatter_views(views, length)
-            if direct:
+            if direct and not self._use_page_cache(key, fd, start, length) and _set_direct(fd):
                 _pread_direct(fd, parts, start, length)
             else:
                 _pread_exact(fd, parts, start)
@@ -455,39 +482,55 @@ class FileBackend(Backend):
             os.close(fd)
         return length
 
+    def _use_page_cache(self, key: str, fd: int, start: int, length: int) -> bool:
+        """Whether a read that could go O_DIRECT should be buffered: its bytes are all in the
+        page cache already, or the ``page_cache`` policy admits them (see ``_pagecache``)."""
+        if self.page_cache == "always" or is_cached(fd, start, length):
+            return True
+        if self.page_cache == "never":
+            return False
+        return self._second_touch.admit(xxhash.xxh3_64_intdigest(key.encode()))
+
     # -- core: writes --------------------------------------------------------------------------
 
     async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
         # docstring inherited
+        await _to_completion(self._put_batch(keys, buffers))
+
+    async def _put_batch(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
+        """Reserve (evicting if needed), write, settle: the index stays exact whatever fails."""
         sizes = [len(view) for view in buffers]
-        await self._reserve(keys, sum(sizes))
+        reservation = await self._run(
+            self._translated, "put", None, self._index.reserve, keys, sizes, self.capacity_bytes
+        )
+        outcomes: list[bool | BaseException] = []
         try:
+            await self._make_room()
             outcomes = await self._write_batch(keys, buffers)
-            written = [
-                (key, size)
-                for key, size, outcome in zip(keys, sizes, outcomes, strict=True)
-                if outcome is True
-            ]
-            if self.durability == "full" and written:
-                dirs = sorted({self._shard_dir(key) for key, _ in written})
+            if self.durability == "full" and any(o is True for o in outcomes):
+                dirs = sorted({self._shard_dir(k) for k, o in zip(keys, outcomes, strict=True) if o is True})
                 await self._run(self._translated, "put", None, _fsync_dirs, dirs)
         finally:
-            with self._lock:
-                self._reserved -= sum(sizes)
-        with self._lock:
-            self._lru.add_batch(written)
+            await self._run(self._translated, "put", None, self._index.settle_put, reservation)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
+
+    async def _make_room(self) -> None:
+        counts = await self._run(
+            self._translated, "put", None, self._index.make_room, self.capacity_bytes
+        )
+        with self._lock:
+            self.stats.evictions += counts.evicted
+            self.stats.eviction_failures += counts.failed
 
     async def _write_batch(
         self, keys: Sequence[str], buffers: Sequence[memoryview]
     ) -> list[bool | BaseException]:
         """Write and publish each object; per key True (published) or the error it raised.
 
-        The I/O step of ``_put``, which keeps the capacity reservation, directory fsyncs and
-        the LRU bookkeeping around it; backends with another I/O engine (``hf3fs``) override
-        only this.
+        The I/O step of ``_put``, which keeps the reservation, eviction, directory fsyncs and
+        the index around it; backends with another I/O engine (``hf3fs``) override only this.
         """
         jobs = [
             self._run(self._translated, "put", key, self._write_one, key, view, False)
@@ -497,21 +540,23 @@ class FileBackend(Backend):
 
     async def _put_if_absent(self, key: str, buffer: memoryview) -> bool:
         # Atomic across threads and processes: link() refuses an existing name.
-        await self._reserve([key], len(buffer))
+        return await _to_completion(self._put_one_if_absent(key, buffer))
+
+    async def _put_one_if_absent(self, key: str, buffer: memoryview) -> bool:
+        reservation = await self._run(
+            self._translated, "put_if_absent", key, self._index.reserve, [key], [len(buffer)],
+            self.capacity_bytes,
+        )
         try:
+            await self._make_room()
             wrote = bool(await self._run(
                 self._translated, "put_if_absent", key, self._write_one, key, buffer, True
             ))
             if wrote and self.durability == "full":
                 await self._run(_fsync_dir, self._shard_dir(key))
         finally:
-            with self._lock:
-                self._reserved -= len(buffer)
-        with self._lock:
-            if wrote:
-                self._lru.add(key, len(buffer))
-            else:
-                self._lru.touch_batch([key])
+            await self._run(self._translated, "put_if_absent", None, self._index.settle_put,
+                            reservation)
         return wrote
 
     def _write_one(self, key: str, view: memoryview, exclusive: bool) -> bool:
@@ -552,117 +597,59 @@ class FileBackend(Backend):
             raise
         return True
 
-    # -- capacity ------------------------------------------------------------------------------
-
-    async def _reserve(self, keys: Sequence[str], incoming: int) -> None:
-        """Count ``incoming`` bytes as in flight, evicting first if the bound needs it."""
-        if incoming > self.capacity_bytes:
-            raise CapacityError(
-                f"{incoming} bytes cannot fit a capacity of {self.capacity_bytes} bytes",
-                backend=self.name, operation="put", key=keys[0] if len(keys) == 1 else None,
-            )
-        with self._lock:
-            self._reserved += incoming
-            over = self._lru.total_bytes + self._reserved > self.capacity_bytes
-        if not over:
-            return
-        try:
-            room = await self._run(self._evict, frozenset(keys))
-        except BaseException:
-            with self._lock:
-                self._reserved -= incoming
-            raise
-        if not room:
-            with self._lock:
-                self._reserved -= incoming
-            raise CapacityError(
-                f"no room for {incoming} bytes: capacity {self.capacity_bytes} bytes, "
-                f"{self.stats.eviction_failures} eviction failures so far",
-                backend=self.name, operation="put",
-            )
-
-    def _evict(self, protected: frozenset[str]) -> bool:
-        """Delete objects in eviction order until the reservation fits; True if it does.
-
-        An object that cannot be deleted is counted, moved to the back of the line (it is
-        still stored and readable) and skipped; eviction goes on with the next one.
-        """
-        with self._evict_lock:
-            skip = set(protected)
-            while True:
-                with self._lock:
-                    if self._lru.total_bytes + self._reserved <= self.capacity_bytes:
-                        return True
-                    victim = self._lru.oldest(excluding=skip)
-                    if victim is None:
-                        return False
-                    self._lru.discard(victim[0])
-                key, size = victim
-                try:
-                    os.unlink(os.path.join(self._shard_dir(key), key))
-                except FileNotFoundError:
-                    pass  # someone else removed it: the room is ours anyway
-                except OSError:
-                    # Still stored and readable: account for it again, at the back of the line.
-                    skip.add(key)
-                    with self._lock:
-                        self._lru.add(key, size)
-                        self.stats.eviction_failures += 1
-                    continue
-                with self._lock:
-                    self.stats.evictions += 1
-
     @property
     def used_bytes(self) -> int:
-        """Bytes of the objects this process accounts for."""
-        with self._lock:
-            return self._lru.total_bytes
+        """Bytes of the objects in the store (the shared index's count, all processes')."""
+        return self._index.totals()[0]
 
     # -- core: delete / list / close ---------------------------------------------------------
 
     async def _delete(self, keys: Sequence[str]) -> list[bool]:
         # docstring inherited
-        return await self._run(self._translated, "delete", None, self._delete_paths, keys)
-
-    def _delete_paths(self, keys: Sequence[str]) -> list[bool]:
-        out = []
-        for key in keys:
-            with self._lock:
-                self._lru.discard(key)
-            try:
-                os.unlink(os.path.join(self._shard_dir(key), key))
-            except FileNotFoundError:
-                out.append(False)
-            else:
-                out.append(True)
-        return out
+        return await _to_completion(
+            self._run(self._translated, "delete", None, self._index.delete, keys)
+        )
 
     async def _list_prefix(self, prefix: str) -> AsyncIterator[str]:
-        # docstring inherited. Keys are sharded by hash, so a listing walks every directory.
-        for top in await self._run(lambda: [e.path for e in _scandir_dirs(self._objects)]):
-            names = await self._run(self._translated, "list_prefix", None, _list_tree, top)
-            for name in names:
-                if name.startswith(prefix) and _is_storage_key(name):
-                    yield name
+        # docstring inherited. From the index, in key order, a page at a time (no walk).
+        after: str | None = None
+        while True:
+            page = await self._run(
+                self._translated, "list_prefix", None, self._index.keys_after, prefix, after, 4096
+            )
+            for key in page:
+                yield key
+            if len(page) < 4096:
+                return
+            after = page[-1]
 
     async def _close(self) -> None:
         # Running jobs finish (they own their file descriptors); nothing new starts.
-        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._pool.shutdown, True)
+        await loop.run_in_executor(None, self._index.close)
+
+
+async def _to_completion(work: Awaitable[T]) -> T:
+    """Await ``work`` to its end even when the caller is cancelled, then re-raise the
+    cancellation: a put's threads read the caller's buffers and its index entries must be
+    settled, so neither may be left running behind a returned call."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+            continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return result
 
 
 # -- small blocking helpers (run on pool threads) --------------------------------------------
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 def _is_storage_key(name: str) -> bool:
@@ -682,12 +669,13 @@ def _scandir_dirs(path: str | os.PathLike[str]) -> Iterator[os.DirEntry[str]]:
     return iter(dirs)
 
 
-def _list_tree(top: str) -> list[str]:
-    names: list[str] = []
-    for sub in _scandir_dirs(top):
-        with contextlib.suppress(FileNotFoundError), os.scandir(sub.path) as entries:
-            names.extend(e.name for e in entries if e.is_file(follow_symlinks=False))
-    return names
+def _set_direct(fd: int) -> bool:
+    """Switch an open fd to O_DIRECT; False when the filesystem refuses (read buffered)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+    except OSError:
+        return False
+    return True
 
 
 def _fsync_dir(path: str) -> None:

@@ -16,15 +16,16 @@ a few big preallocated files with an index, as SGLang's hf3fs backend does:
   so each file is already one large I/O that 3FS stripes over its chunks; a slot file would
   save metadata operations but not bytes;
 - the metadata cost per object is small and bounded: a write is create + rename (+ unlink on
-  eviction), a read is one open; ``exists`` never touches 3FS for indexed keys (the in-memory
-  index), and a directory never holds more than a few hundred entries;
+  eviction), a read is one open; ``exists`` never touches 3FS (the index answers), and a
+  directory never holds more than a few hundred entries;
 - atomic visibility, crash safety, sharing between ranks and nodes, and eviction are then the
   file system's own transactions (3FS metadata lives in FoundationDB: rename is atomic), with
   no index of ours that a crash could tear or that several writers would have to agree on.
 
 Everything the file backend guarantees holds unchanged: temp + rename publish (``link`` for
 ``put_if_absent``), ``durability`` modes, capacity bound with chain-aware LRU eviction that goes
-on past an object it cannot delete, stale temp cleanup at open, the index rebuilt at open.
+on past an object it cannot delete, stale temp cleanup at open, the shared on-disk index
+(``_file_index``: its processes must run on one host).
 
 **USRBIO I/O.** A batch is one job: open every file, ``register_fd`` each, prepare one ring
 entry per object (or per staging-sized piece), ``submit`` once, ``wait`` for all of them,
@@ -218,8 +219,7 @@ class HF3FSBackend(FileBackend):
             self._translated, "get_into", None, self._usrbio_read,
             list(keys), list(buffers), list(ranges),
         )
-        with self._lock:
-            self._lru.touch_batch([k for k, n in zip(keys, results, strict=True) if n is not None])
+        await self._after_reads(keys, results)
         return results
 
     async def _get_scatter(
@@ -251,8 +251,7 @@ class HF3FSBackend(FileBackend):
                 try:
                     fd = os.open(os.path.join(self._shard_dir(key), key), os.O_RDONLY | _O_CLOEXEC)
                 except FileNotFoundError:
-                    with self._lock:
-                        self._lru.discard(key)
+                    self._index.repair_missing(key)
                     continue
                 fds.append(fd)
                 size = os.fstat(fd).st_size

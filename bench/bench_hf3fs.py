@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from _markdown import replace_section
+
 from hicache_store.backends.hf3fs import HF3FSBackend
 from hicache_store.commands.bench_backend import (
     BenchConfig,
@@ -117,19 +119,6 @@ def render(results: dict[str, Any], cmd: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) the "## 3FS" section, leaving every other section alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = text.find("\n## 3FS\n")
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + 1)
-        rest = text[end:] if end != -1 else ""
-        text = text[: start + 1] + section + rest
-    path.write_text(text)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--objects", type=int, default=256)
@@ -164,7 +153,7 @@ def main() -> int:
     text = render(results, cmd)
     print(text)
     if args.write_md:
-        write_section(ROOT / "BENCHMARKS.md", text)
+        replace_section(ROOT / "BENCHMARKS.md", text)
     return 0
 
 

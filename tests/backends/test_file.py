@@ -36,6 +36,7 @@ class FileOracle:
         path = backend.path_of(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
+        await backend.adopt([key])  # files placed behind the backend's back join the index
 
     async def reopen(self, backend: Backend) -> Backend | None:
         assert isinstance(backend, FileBackend)

@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from file_audit import audit
 
 from hicache_store.backends import OutOfSpaceError
 from hicache_store.backends.file import FileBackend
@@ -132,3 +134,116 @@ async def test_full_tmpfs_fails_writes_cleanly_while_reads_go_on(tmp_path: Path)
         await asyncio.to_thread(
             subprocess.run, ["umount", "-l", str(mnt)], check=False, capture_output=True
         )
+
+
+# -- the shared index under concurrent writers and SIGKILL ---------------------------------------
+
+CAPACITY = 150_000
+CHURN = textwrap.dedent(
+    """
+    import asyncio, hashlib, random, sys
+    from hicache_store.backends.file import FileBackend
+
+    def blob(key, size):
+        seed = hashlib.sha256(f"{key}-{size}".encode()).digest()
+        return (seed * (size // len(seed) + 1))[:size]
+
+    async def main(root, seed, ops, capacity):
+        rng = random.Random(seed)
+        store = FileBackend(root, durability="none", capacity_bytes=capacity, lock_timeout=60)
+        keys = [f"{i:04x}" for i in range(120)]
+        for n in range(1, ops + 1):
+            op = rng.random()
+            if op < 0.6:
+                batch = rng.sample(keys, rng.randint(1, 8))
+                size = rng.choice([1000, 3000, 9000])
+                await store.put(batch, [blob(k, size) for k in batch])
+            elif op < 0.8:
+                await store.delete(rng.sample(keys, rng.randint(1, 4)))
+            else:
+                batch = rng.sample(keys, 4)
+                bufs = [bytearray(9000) for _ in batch]
+                for k, b, got in zip(batch, bufs, await store.get_into(batch, bufs)):
+                    assert got is None or bytes(b[:got]) == blob(k, got), k
+            if n % 10 == 0:
+                print(n, flush=True)
+        await store.close()
+
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
+    """
+)
+
+
+def _churn(root: Path, seed: int, ops: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", CHURN, str(root), str(seed), str(ops), str(CAPACITY)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _blob(key: str, size: int) -> bytes:
+    import hashlib
+
+    seed = hashlib.sha256(f"{key}-{size}".encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def _check_store(root: Path) -> None:
+    """The index agrees with the files, and every stored object is whole."""
+    report = audit(root)
+    assert report.ok, report.problems
+    assert report.total_bytes <= CAPACITY
+    for key, size in report.files.items():
+        path = next((root / "objects").glob(f"*/*/{key}"))
+        assert path.read_bytes() == _blob(key, size), f"{key} is torn"
+
+
+async def test_two_processes_writing_and_evicting_stay_consistent(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    FileBackend(root)  # create the root once (both children then open an existing one)
+    procs = [_churn(root, seed, ops=150) for seed in (1, 2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    _check_store(root)
+    store = FileBackend(root)
+    try:
+        stored = sorted(audit(root).files)
+        assert sorted([k async for k in store.list_prefix("")]) == stored
+        assert await store.exists(stored) == [True] * len(stored)
+        assert store.used_bytes == audit(root).total_bytes
+    finally:
+        await store.close()
+
+
+@pytest.mark.slow
+async def test_sigkill_during_index_updates_loses_and_invents_nothing(tmp_path: Path) -> None:
+    import random
+
+    root = tmp_path / "s"
+    FileBackend(root)
+    rng = random.Random(7)
+    procs = [_churn(root, seed, ops=1_000_000) for seed in (1, 2)]
+    killed_with_pending = 0
+    try:
+        for round_ in range(8):
+            victim = procs[round_ % 2]
+            assert victim.stdout is not None
+            victim.stdout.readline()  # it has made progress since it started
+            await asyncio.sleep(rng.uniform(0.05, 0.4))
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.wait(10)
+            db = sqlite3.connect(f"file:{root / 'index' / 'index.sqlite3'}?mode=ro", uri=True)
+            left = db.execute("SELECT COUNT(*) FROM pending WHERE pid = ?", (victim.pid,)
+                              ).fetchone()[0]
+            db.close()
+            killed_with_pending += left > 0
+            procs[round_ % 2] = _churn(root, 100 + round_, ops=1_000_000)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+    assert killed_with_pending > 0, "no kill landed between the two halves of a change"
+    store = FileBackend(root)  # recovery: dead writers' temp files and pending changes
+    await store.close()
+    _check_store(root)

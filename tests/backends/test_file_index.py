@@ -1,0 +1,280 @@
+"""The file backend's shared index: opening, visibility across processes, eviction order,
+repairs, snapshots, upgrades and the read policy (see ``backends/_file_index.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from file_audit import audit, snapshot_files
+
+from hicache_store.backends import BackendUnavailableError, aligned_buffer
+from hicache_store.backends import _file_index as index_module
+from hicache_store.backends._pagecache import is_cached
+from hicache_store.backends.file import FileBackend
+from hicache_store.testing import pattern
+
+WRITE_IN_CHILD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from hicache_store.backends.file import FileBackend
+
+    async def main(root, keys):
+        store = FileBackend(root, durability="none")
+        await store.put(keys, [k.encode() * 3 for k in keys])
+        await store.close()
+
+    asyncio.run(main(sys.argv[1], sys.argv[2:]))
+    """
+)
+
+
+def write_in_child(root: Path, keys: list[str]) -> None:
+    subprocess.run([sys.executable, "-c", WRITE_IN_CHILD, str(root), *keys], check=True)
+
+
+async def test_another_process_writes_are_found_without_a_stat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = FileBackend(tmp_path / "s", durability="none")
+    await store.put(["a0"], [b"mine"])
+    assert await store.exists(["a0", "b0", "b1"]) == [True, False, False]
+    write_in_child(tmp_path / "s", ["b0", "b1"])
+
+    def no_stat(*args: object, **kwargs: object) -> object:
+        raise AssertionError("exists must not stat")
+
+    monkeypatch.setattr(os, "stat", no_stat)
+    assert await store.exists(["a0", "b0", "b1", "b2"]) == [True, True, True, False]
+    monkeypatch.undo()
+    assert await store.get_bytes("b1") == b"b1" * 3
+    assert store.used_bytes == len(b"mine") + 2 * len(b"b0b0b0")
+    await store.close()
+    assert audit(tmp_path / "s").ok
+
+
+async def test_open_reads_no_object_and_holds_no_object_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = FileBackend(tmp_path / "s", durability="none")
+    keys = [f"e{i:05d}" for i in range(3000)]
+    for s in range(0, len(keys), 500):
+        await store.put(keys[s : s + 500], [b"x"] * 500)
+    await store.close()
+
+    real_scandir = os.scandir
+
+    def no_scan(path: str, *args: object, **kwargs: object) -> object:
+        if "objects" in str(path):
+            raise AssertionError("open must not list objects/")
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", no_scan)
+    again = FileBackend(tmp_path / "s", durability="none")
+    monkeypatch.undo()
+    assert await again.exists(keys[::100]) == [True] * 30
+    assert again.used_bytes == 3000
+    assert [k async for k in again.list_prefix("e0299")] == [f"e0299{i}" for i in range(10)]
+    await again.close()
+
+
+async def test_a_file_removed_behind_the_index_is_a_miss_that_fixes_it(tmp_path: Path) -> None:
+    store = FileBackend(tmp_path / "s")
+    await store.put(["a0", "a1"], [b"x" * 10, b"y" * 20])
+    store.path_of("a1").unlink()
+    assert await store.exists(["a1"]) == [True]  # the index trusts what it was told
+    assert await store.get_into(["a1"], [bytearray(20)]) == [None]
+    assert await store.exists(["a0", "a1"]) == [True, False]
+    assert store.used_bytes == 10
+    await store.close()
+    assert audit(tmp_path / "s").ok
+
+
+async def test_adopt_indexes_files_placed_by_other_means(tmp_path: Path) -> None:
+    store = FileBackend(tmp_path / "s")
+    path = store.path_of("c0")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"restored")
+    assert await store.exists(["c0"]) == [False]
+    assert await store.adopt(["c0", "c1"]) == 1
+    assert await store.exists(["c0", "c1"]) == [True, False]
+    assert store.used_bytes == len(b"restored")
+    await store.close()
+    assert audit(tmp_path / "s").ok
+
+
+async def test_a_version_1_root_is_indexed_once_at_its_first_open(tmp_path: Path) -> None:
+    # What a root written before the index existed looks like: files and a v1 marker.
+    root = tmp_path / "old"
+    sizes = {f"{i:064x}": 100 + i for i in range(40)}
+    for key, size in sizes.items():
+        probe = FileBackend(tmp_path / "probe")  # only to compute the shard path
+        rel = probe.path_of(key).relative_to(probe.root)
+        await probe.close()
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(pattern(size, 1))
+    (root / "tmp").mkdir()
+    (root / "layout.json").write_text(
+        json.dumps({"format": "hicache-store/file", "version": 1, "shard_levels": 2}))
+    store = FileBackend(root)
+    assert store._index.rebuilt
+    assert json.loads((root / "layout.json").read_text())["version"] == 2
+    assert await store.exists(list(sizes)) == [True] * 40
+    assert store.used_bytes == sum(sizes.values())
+    assert sorted([k async for k in store.list_prefix("")]) == sorted(sizes)
+    await store.close()
+    assert audit(root).ok
+    again = FileBackend(root)
+    assert not again._index.rebuilt
+    await again.close()
+
+
+async def test_a_removed_index_is_rebuilt_from_the_files(tmp_path: Path) -> None:
+    store = FileBackend(tmp_path / "s")
+    await store.put(["a0", "a1"], [b"x", b"yy"])
+    await store.close()
+    for name in os.listdir(tmp_path / "s" / "index"):
+        os.unlink(tmp_path / "s" / "index" / name)
+    again = FileBackend(tmp_path / "s")
+    assert again._index.rebuilt and await again.exists(["a0", "a1"]) == [True, True]
+    assert again.used_bytes == 3
+    await again.close()
+
+
+async def test_snapshots_replace_the_change_feed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(index_module, "MIN_DELTA", 50)
+    store = FileBackend(tmp_path / "s", durability="none")
+    other = FileBackend(tmp_path / "s", durability="none")
+    keys = [f"a{i:04d}" for i in range(400)]
+    for s in range(0, 400, 40):
+        await store.put(keys[s : s + 40], [b"v"] * 40)
+        await asyncio.sleep(0)
+    for _ in range(200):  # compaction runs on a background thread
+        if snapshot_files(tmp_path / "s"):
+            break
+        await asyncio.sleep(0.02)
+    assert snapshot_files(tmp_path / "s"), "no snapshot was written"
+    await store.delete(keys[:10])
+    assert await other.exists(keys) == [False] * 10 + [True] * 390
+    assert await store.exists(["a9999"]) == [False]
+    db = sqlite3.connect(tmp_path / "s" / "index" / "index.sqlite3")
+    feed = db.execute("SELECT COUNT(*) FROM changes").fetchone()[0]
+    db.close()
+    assert feed < 400, "the feed was not pruned"
+    await store.close()
+    await other.close()
+    assert audit(tmp_path / "s").ok
+
+
+async def test_eviction_is_chain_aware_across_processes(tmp_path: Path) -> None:
+    size = 100_000
+    first = FileBackend(tmp_path / "s", capacity_bytes=6 * size)
+    chain = [f"c{i}" for i in range(4)]
+    await first.put(chain, [pattern(size, i) for i in range(4)])
+    await asyncio.sleep(0.01)
+    second = FileBackend(tmp_path / "s", capacity_bytes=6 * size)
+    await second.put(["d0", "d1", "d2"], [pattern(size, 9)] * 3)  # one must go: c3
+    assert [first.path_of(k).exists() for k in chain] == [True, True, True, False]
+    assert second.used_bytes == first.used_bytes == 6 * size
+    assert await first.exists(chain) == [True, True, True, False]
+    await first.close()
+    await second.close()
+    assert audit(tmp_path / "s").ok
+
+
+async def test_a_key_busy_in_a_live_process_waits_then_fails(tmp_path: Path) -> None:
+    store = FileBackend(tmp_path / "s", lock_timeout=0.3)
+    await store.put(["a0"], [b"x"])
+    db = sqlite3.connect(tmp_path / "s" / "index" / "index.sqlite3")
+    # A delete in flight in another live process (pid: ours; another owner token).
+    db.execute("INSERT INTO pending VALUES ('a0', 'del', 0, ?, ?, 'other', 1, ?)",
+               (os.getpid(), index_module._pid_namespace(), time.time()))
+    db.commit()
+    t0 = time.monotonic()
+    with pytest.raises(BackendUnavailableError):
+        await store.put(["a0"], [b"y"])
+    assert time.monotonic() - t0 >= 0.3
+    # The same row from a process that is gone is settled at once.
+    db.execute("UPDATE pending SET pid = 999999999")
+    db.commit()
+    db.close()
+    await store.put(["a0"], [b"y"])
+    assert await store.get_bytes("a0") == b"y"
+    await store.close()
+    assert audit(tmp_path / "s").ok
+
+
+async def test_a_cancelled_put_settles_before_the_cancellation_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = FileBackend(tmp_path / "s", io_threads=2)
+    real = store._write_one
+    started = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow(key: str, view: memoryview, exclusive: bool) -> bool:
+        loop.call_soon_threadsafe(started.set)
+        time.sleep(0.3)
+        return real(key, view, exclusive)
+
+    monkeypatch.setattr(store, "_write_one", slow)
+    data = bytearray(b"z" * 1000)
+    task = asyncio.create_task(store.put(["a0", "a1"], [data, data]))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # Returned: the writes are done, the index agrees with the files, nothing pending.
+    data[:] = b"!" * 1000
+    assert await store.get_bytes("a0") == b"z" * 1000
+    assert audit(tmp_path / "s").ok
+    await store.close()
+
+
+async def test_warm_bytes_come_from_the_page_cache_and_cold_ones_do_not_fill_it(
+    tmp_path: Path,
+) -> None:
+    store = FileBackend(tmp_path / "s", direct_io="auto")
+    if not store.direct_io:
+        pytest.skip("no O_DIRECT on the filesystem under tmp_path")
+    size = 1 << 20
+    src = aligned_buffer(size)
+    src[:] = pattern(size, 5)
+    await store.put(["a0"], [src])
+
+    def cached() -> bool | None:
+        fd = os.open(store.path_of("a0"), os.O_RDONLY)
+        try:
+            return is_cached(fd, 0, size)
+        finally:
+            os.close(fd)
+
+    if cached() is None:
+        pytest.skip("the kernel has no cachestat (Linux < 6.5)")
+    os.posix_fadvise(os.open(store.path_of("a0"), os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+    dst = aligned_buffer(size)
+    assert await store.get_into(["a0"], [dst]) == [size] and bytes(dst) == bytes(src)
+    assert cached() is False, "a first cold read must stay O_DIRECT"
+    dst[:] = bytes(size)
+    assert await store.get_into(["a0"], [dst]) == [size] and bytes(dst) == bytes(src)
+    assert cached() is True, "a second cold read is admitted to the page cache"
+    dst[:] = bytes(size)
+    assert await store.get_into(["a0"], [dst]) == [size] and bytes(dst) == bytes(src)
+    await store.close()
+
+    never = FileBackend(tmp_path / "s", page_cache="never")
+    os.posix_fadvise(os.open(never.path_of("a0"), os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+    for _ in range(3):
+        assert await never.get_into(["a0"], [dst]) == [size] and bytes(dst) == bytes(src)
+    assert cached() is False
+    await never.close()
