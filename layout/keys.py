@@ -9,9 +9,18 @@ non-KV cache component (sliding-window KV, recurrent state, draft model); absent
 full-attention KV. Numbers are canonical decimals (no leading zeros), so ``parse_key`` is the
 exact inverse of ``format_key`` and every valid key has exactly one spelling.
 
+Keys of SGLang's unified keyspace (``Namespace.key_scheme == "sglang-ukv1"``) have the same
+shape with SGLang's digest and an end-*exclusive* layer range, and never a ``_C`` part::
+
+    {page_hash}_ukv1-{16 hex}_L{start}-{stop}[_H{group}]
+
+The digest names the scheme, so one ``ObjectKey`` type, ``format_key`` and ``parse_key`` serve
+both (``key_tail`` is the one place the coordinate is printed).
+
 Every key that reaches a backend, object key or not (manifests, markers), must match the
-storage-key grammar: 1-255 characters of lowercase hex digits, ``_``, ``-`` and the uppercase
-tag letters, starting with a hex digit or tag letter. No ``/``, ``.``, NUL or whitespace can
+storage-key grammar: 1-255 characters of lowercase hex digits, ``_``, ``-``, the uppercase
+tag letters and the lowercase ``u``, ``k``, ``v`` of SGLang's ``ukv1-`` digest tag, starting
+with a hex digit or tag letter. No ``/``, ``.``, NUL or whitespace can
 appear, so a key can never traverse a path or inject into a URL.
 """
 
@@ -22,19 +31,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import InvalidKeyError
-from .namespace import DIGEST_HEX_CHARS
+from .namespace import DIGEST_HEX_CHARS, UKV1_DIGEST_PREFIX
 
 #: the longest storage key (fits one path component of every common filesystem).
 MAX_KEY_LENGTH = 255
 #: hex length of page hashes: xxh3_128 (32) and sha256 (64).
 PAGE_HASH_HEX_LENGTHS: tuple[int, ...] = (32, 64)
 
-_STORAGE_KEY_RE = re.compile(r"[0-9a-fA-Z][0-9a-fA-Z_-]{0,254}")
+_STORAGE_KEY_RE = re.compile(r"[0-9a-fA-Zkuv][0-9a-fA-Zkuv_-]{0,254}")
 _NUM = r"0|[1-9][0-9]{0,5}"
+_DIGEST_RE = rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}"
+_UKV1_RE = re.escape(UKV1_DIGEST_PREFIX) + _DIGEST_RE
 _OBJECT_KEY_RE = re.compile(
-    rf"(?P<hash>[0-9a-f]{{32}}|[0-9a-f]{{64}})_(?P<ns>[0-9a-f]{{{DIGEST_HEX_CHARS}}})"
+    rf"(?P<hash>[0-9a-f]{{32}}|[0-9a-f]{{64}})_(?P<ns>{_DIGEST_RE})"
     rf"_L(?P<start>{_NUM})-(?P<end>{_NUM})"
     rf"(?:_H(?P<group>{_NUM}))?(?:_C(?P<component>[1-9][0-9]{{0,2}}))?"
+)
+_UKV1_KEY_RE = re.compile(
+    rf"(?P<hash>[0-9a-f]{{32}}|[0-9a-f]{{64}})_(?P<ns>{_UKV1_RE})"
+    rf"_L(?P<start>{_NUM})-(?P<stop>{_NUM})(?:_H(?P<group>{_NUM}))?"
 )
 _PAGE_HASH_RE = re.compile(r"[0-9a-f]{32}|[0-9a-f]{64}")
 
@@ -50,12 +65,12 @@ def validate_storage_key(key: object) -> str:
         raise InvalidKeyError(f"storage key is {len(key)} characters long (max {MAX_KEY_LENGTH})")
     if _STORAGE_KEY_RE.fullmatch(key) is None:
         raise InvalidKeyError(
-            f"storage key {key[:80]!r} has characters outside [0-9a-fA-Z_-] or is empty"
+            f"storage key {key[:80]!r} has characters outside [0-9a-fA-Zkuv_-] or is empty"
         )
     return key
 
 
-_KEY_CHARACTERS = b"0123456789abcdefABCDEFGHIJKLMNOPQRSTUVWXYZ_-"
+_KEY_CHARACTERS = b"0123456789abcdefkuvABCDEFGHIJKLMNOPQRSTUVWXYZ_-"
 _KEY_FIRST_EXCLUDED = frozenset("_-")
 
 
@@ -133,19 +148,42 @@ class ObjectKey:
 
     def __post_init__(self) -> None:
         validate_page_hash(self.page_hash)
-        if not re.fullmatch(rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}", self.namespace_digest):
+        if is_ukv1_digest(self.namespace_digest):
+            if self.coords.component:
+                raise InvalidKeyError("SGLang's ukv1 keys have no component part")
+        elif not re.fullmatch(_DIGEST_RE, self.namespace_digest):
             raise InvalidKeyError(
                 f"namespace digest {self.namespace_digest[:80]!r} is not "
-                f"{DIGEST_HEX_CHARS} lowercase hex characters"
+                f"{DIGEST_HEX_CHARS} lowercase hex characters or {UKV1_DIGEST_PREFIX}<"
+                f"{DIGEST_HEX_CHARS} hex>"
             )
 
     def __str__(self) -> str:
         return format_key(self)
 
 
+def is_ukv1_digest(digest: object) -> bool:
+    """Whether ``digest`` is one of SGLang's unified-keyspace digests (``ukv1-<16 hex>``)."""
+    return isinstance(digest, str) and re.fullmatch(_UKV1_RE, digest) is not None
+
+
+def key_tail(namespace_digest: str, coords: ObjectCoords) -> str:
+    """``_{digest}_{coordinates}``: everything of a key after the page hash.
+
+    The one place a coordinate is printed: end-inclusive for this library's digests,
+    end-exclusive for SGLang's ``ukv1-`` digests.
+    """
+    if namespace_digest.startswith(UKV1_DIGEST_PREFIX):
+        text = f"L{coords.layer_start}-{coords.layer_stop}"
+        if coords.head_group is not None:
+            text += f"_H{coords.head_group}"
+        return f"_{namespace_digest}_{text}"
+    return f"_{namespace_digest}_{coords.suffix}"
+
+
 def format_key(key: ObjectKey) -> str:
     """The storage key of an object; ``parse_key`` is its inverse."""
-    return f"{key.page_hash}_{key.namespace_digest}_{key.coords.suffix}"
+    return key.page_hash + key_tail(key.namespace_digest, key.coords)
 
 
 def object_key(page_hash: str, namespace_digest: str, coords: ObjectCoords) -> str:
@@ -159,6 +197,14 @@ def parse_key(text: str) -> ObjectKey:
     ``format_key(parse_key(k)) == k`` for every valid ``k``.
     """
     validate_storage_key(text)
+    ukv1 = _UKV1_KEY_RE.fullmatch(text)
+    if ukv1 is not None:
+        start, stop = int(ukv1["start"]), int(ukv1["stop"])
+        if stop <= start:
+            raise InvalidKeyError(f"{text[:80]!r}: layer range [{start}, {stop}) is empty")
+        group = ukv1["group"]
+        coords = ObjectCoords(start, stop, None if group is None else int(group))
+        return ObjectKey(ukv1["hash"], ukv1["ns"], coords)
     match = _OBJECT_KEY_RE.fullmatch(text)
     if match is None:
         raise InvalidKeyError(f"{text[:80]!r} is not an object key")

@@ -10,6 +10,17 @@ rather than recomputing.
 
 Conventions: layer and head ranges are half-open ``[start, stop)`` in code; object keys print
 the layer range with an inclusive end (``L30-59``) as the key format requires.
+
+**Key schemes.** ``key_scheme="hicache"`` (the default) is this library's keyspace: the digest is
+16 hex characters of a hash of every field, keys print layer ranges end-inclusive.
+``key_scheme="sglang-ukv1"`` is SGLang 0.5.23's own unified keyspace
+(``sglang/srt/mem_cache/hicache_key_scheme.py``): the digest is SGLang's ``ukv1-<16 hex>``,
+a hash of its ``KVCacheNamespace`` (model, dtype, page size, rank replication, total KV heads,
+layer partition, head group, object layout ``page-unified-v1``), keys print layer ranges
+end-exclusive (``L0-30``), and objects are SGLang's bare payloads. That namespace holds no
+layer count, head dim, revision, tenant salt or hash algorithm (SGLang seeds the page-hash chain
+with a request's ``cache_salt`` instead), so a ukv1 namespace must leave ``model_revision`` and
+``tenant_salt`` empty and use sha256; ``ukv1_grid`` resolves SGLang's grid defaults.
 """
 
 from __future__ import annotations
@@ -17,7 +28,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Literal
 
 import msgpack
@@ -28,10 +42,16 @@ from .errors import InvalidNamespaceError
 KVKind = Literal["mha", "mla"]
 Replication = Literal["head_sharded", "replicated"]
 HashAlgo = Literal["sha256", "xxh3_128"]
+KeyScheme = Literal["hicache", "sglang-ukv1"]
 
 KV_KINDS: tuple[str, ...] = ("mha", "mla")
 REPLICATIONS: tuple[str, ...] = ("head_sharded", "replicated")
 HASH_ALGOS: tuple[str, ...] = ("sha256", "xxh3_128")
+KEY_SCHEMES: tuple[str, ...] = ("hicache", "sglang-ukv1")
+#: SGLang's object layout id (``pool_host/page_unified.py``): the bare payload of a ukv1 object.
+UKV1_OBJECT_LAYOUT = "page-unified-v1"
+#: the prefix of SGLang's unified-keyspace digests (schema version 1).
+UKV1_DIGEST_PREFIX = "ukv1-"
 #: object layout versions this library reads and writes.
 LAYOUT_VERSIONS: tuple[int, ...] = (1,)
 #: hex characters of a namespace digest (64 bits: collisions need ~4e9 namespaces).
@@ -66,12 +86,24 @@ class Grid:
 
     The last layer chunk may be shorter when ``layers_per_chunk`` does not divide the layer
     count (a 61-layer model with chunks of 31 has chunks 0-30 and 31-60).
+
+    ``layer_starts`` instead lists each chunk's first layer (``(0, 30)``: chunks 0-29 and
+    30-end); ``layers_per_chunk`` is then 0. SGLang's unified keyspace cuts a page this way
+    when its layer partition is 0 (one chunk per pipeline stage, ``Grid.per_stage``).
     """
 
     layers_per_chunk: int
     heads_per_group: int = 1
+    layer_starts: tuple[int, ...] | None = None
+
+    @classmethod
+    def per_stage(cls, stages: Sequence[tuple[int, int]], heads_per_group: int) -> Grid:
+        """One layer chunk per ``(start, stop)`` stage range (SGLang's layer partition 0)."""
+        return cls(0, heads_per_group, tuple(start for start, _stop in stages))
 
     def __str__(self) -> str:
+        if self.layer_starts is not None:
+            return f"L{','.join(map(str, self.layer_starts))}x{self.heads_per_group}"
         return f"{self.layers_per_chunk}x{self.heads_per_group}"
 
 
@@ -146,6 +178,7 @@ class Namespace:
     layout_version: int = 1
     hash_algo: HashAlgo = "sha256"
     tenant_salt: str = ""
+    key_scheme: KeyScheme = "hicache"
 
     def __post_init__(self) -> None:
         _require_text("model", self.model, allow_empty=False)
@@ -155,6 +188,7 @@ class Namespace:
         _require_choice("replication", self.replication, REPLICATIONS)
         _require_choice("hash_algo", self.hash_algo, HASH_ALGOS)
         _require_choice("layout_version", self.layout_version, LAYOUT_VERSIONS)
+        _require_choice("key_scheme", self.key_scheme, KEY_SCHEMES)
         _require_int("num_layers", self.num_layers, 1, 1 << 16)
         _require_int("num_kv_heads", self.num_kv_heads, 1, 1 << 16)
         _require_int("head_dim", self.head_dim, 1, _MAX_DIM)
@@ -165,14 +199,8 @@ class Namespace:
             raise InvalidNamespaceError(str(exc)) from None
         if not isinstance(self.grid, Grid):
             raise InvalidNamespaceError(f"grid: expected a Grid, got {self.grid!r}")
-        lpc = _require_int(
-            "grid.layers_per_chunk",
-            self.grid.layers_per_chunk,
-            1,
-            min(self.num_layers, MAX_LAYERS_PER_OBJECT),
-        )
+        self._check_layer_chunks()
         hpg = _require_int("grid.heads_per_group", self.grid.heads_per_group, 1, self.num_kv_heads)
-        del lpc
         if self.kv_kind == "mla":
             if self.num_kv_heads != 1:
                 raise InvalidNamespaceError(
@@ -188,6 +216,46 @@ class Namespace:
                 f"grid.heads_per_group: {hpg} does not divide num_kv_heads={self.num_kv_heads}; "
                 f"use one of {divisors}"
             )
+        if self.key_scheme == "sglang-ukv1":
+            self._check_ukv1()
+
+    def _check_layer_chunks(self) -> None:
+        starts = self.grid.layer_starts
+        if starts is None:
+            _require_int(
+                "grid.layers_per_chunk",
+                self.grid.layers_per_chunk,
+                1,
+                min(self.num_layers, MAX_LAYERS_PER_OBJECT),
+            )
+            return
+        bounds = [*starts, self.num_layers]
+        if (
+            self.grid.layers_per_chunk != 0
+            or not starts
+            or starts[0] != 0
+            or any(not isinstance(b, int) or isinstance(b, bool) for b in starts)
+            or any(not 0 < b - a <= MAX_LAYERS_PER_OBJECT for a, b in pairwise(bounds))
+        ):
+            raise InvalidNamespaceError(
+                f"grid.layer_starts: {starts} must start at 0 and rise to below "
+                f"{self.num_layers} in steps of at most {MAX_LAYERS_PER_OBJECT} layers "
+                "(with layers_per_chunk 0)"
+            )
+
+    def _check_ukv1(self) -> None:
+        """What SGLang's unified keyspace cannot express is refused, never silently dropped."""
+        for name, value, why in (
+            ("model_revision", self.model_revision, "fold it into the model id"),
+            ("tenant_salt", self.tenant_salt, "SGLang isolates tenants with a request's "
+             "cache_salt, which seeds the page-hash chain"),
+        ):
+            if value:
+                raise InvalidNamespaceError(
+                    f"{name}: the sglang-ukv1 key scheme has no {name} ({why})"
+                )
+        if self.hash_algo != "sha256":
+            raise InvalidNamespaceError("hash_algo: the sglang-ukv1 key scheme keys sha256 pages")
 
     # -- construction helpers -------------------------------------------------------------
 
@@ -220,12 +288,21 @@ class Namespace:
     # -- identity ---------------------------------------------------------------------------
 
     def canonical_fields(self) -> list[tuple[str, Any]]:
-        """The fields in their canonical order, as plain values (the encoding's input)."""
+        """The fields in their canonical order, as plain values (the encoding's input).
+
+        Fields added after version 1 (``key_scheme``, ``layer_starts``) follow only when they
+        differ from their default, so every namespace that existed before keeps its digest.
+        """
         values = {
             "layers_per_chunk": self.grid.layers_per_chunk,
             "heads_per_group": self.grid.heads_per_group,
         }
-        return [(name, values.get(name, getattr(self, name, None))) for name in CANONICAL_FIELDS]
+        fields = [(name, values.get(name, getattr(self, name, None))) for name in CANONICAL_FIELDS]
+        if self.key_scheme != "hicache":
+            fields.append(("key_scheme", self.key_scheme))
+        if self.grid.layer_starts is not None:
+            fields.append(("layer_starts", list(self.grid.layer_starts)))
+        return fields
 
     def canonical_encoding(self) -> bytes:
         """Deterministic bytes identifying this namespace (msgpack of tagged, ordered fields)."""
@@ -235,12 +312,44 @@ class Namespace:
 
     @property
     def digest(self) -> str:
-        """16 lowercase hex characters: the first 64 bits of sha256(canonical encoding)."""
+        """16 lowercase hex characters: the first 64 bits of sha256(canonical encoding).
+
+        For ``key_scheme="sglang-ukv1"``: SGLang's ``ukv1-`` + 16 hex (``ukv1_encoding``).
+        """
         cached: str | None = self.__dict__.get("_digest")
         if cached is None:
-            cached = hashlib.sha256(self.canonical_encoding()).hexdigest()[:DIGEST_HEX_CHARS]
+            if self.key_scheme == "sglang-ukv1":
+                tail = hashlib.sha256(self.ukv1_encoding()).hexdigest()[:DIGEST_HEX_CHARS]
+                cached = UKV1_DIGEST_PREFIX + tail
+            else:
+                cached = hashlib.sha256(self.canonical_encoding()).hexdigest()[:DIGEST_HEX_CHARS]
             object.__setattr__(self, "_digest", cached)
         return cached
+
+    def ukv1_fields(self) -> dict[str, Any]:
+        """SGLang's ``KVCacheNamespace`` for this namespace, field by field in its order.
+
+        Layer partition 0 means one chunk per pipeline stage (``Grid.layer_starts``); MLA is
+        rank-replicated: no head axis (total KV heads and head group 0).
+        """
+        replicated = self.kv_kind == "mla"
+        return {
+            "schema_version": 1,
+            "model_id": self.model,
+            "dtype": self.dtype,
+            "page_size": self.page_size,
+            "rank_replicated": replicated,
+            "total_kv_heads": 0 if replicated else self.num_kv_heads,
+            "layer_partition": self.grid.layers_per_chunk,
+            "head_group": 0 if replicated else self.grid.heads_per_group,
+            "object_layout": UKV1_OBJECT_LAYOUT,
+        }
+
+    def ukv1_encoding(self) -> bytes:
+        """The msgpack map SGLang hashes (msgspec encodes a struct's fields in order)."""
+        packed = msgpack.packb(self.ukv1_fields(), use_bin_type=True)
+        assert isinstance(packed, bytes)
+        return packed
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict for manifests; ``from_json`` is its inverse (it checks the digest)."""
@@ -256,16 +365,22 @@ class Namespace:
         if not isinstance(data, dict):
             raise InvalidNamespaceError("namespace JSON must be an object")
         expected = set(CANONICAL_FIELDS)
+        optional = {"key_scheme", "layer_starts"}
         body = {k: v for k, v in data.items() if k not in ("format", "version", "digest")}
         missing = expected - body.keys()
-        unknown = body.keys() - expected
+        unknown = body.keys() - expected - optional
         if data.get("format") != _ENCODING_TAG or data.get("version") != 1:
             raise InvalidNamespaceError("namespace JSON: not a hicache-store namespace v1")
         if missing or unknown:
             raise InvalidNamespaceError(
                 f"namespace JSON: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}"
             )
-        grid = Grid(body.pop("layers_per_chunk"), body.pop("heads_per_group"))
+        starts = body.pop("layer_starts", None)
+        grid = Grid(
+            body.pop("layers_per_chunk"),
+            body.pop("heads_per_group"),
+            None if starts is None else tuple(starts),
+        )
         namespace = cls(grid=grid, **body)
         if "digest" in data and data["digest"] != namespace.digest:
             raise InvalidNamespaceError(
@@ -287,6 +402,8 @@ class Namespace:
 
     @property
     def num_layer_chunks(self) -> int:
+        if self.grid.layer_starts is not None:
+            return len(self.grid.layer_starts)
         return -(-self.num_layers // self.grid.layers_per_chunk)
 
     @property
@@ -302,8 +419,25 @@ class Namespace:
         """Half-open layer range ``[start, stop)`` of a layer chunk."""
         if not 0 <= chunk < self.num_layer_chunks:
             raise IndexError(f"layer chunk {chunk} outside [0, {self.num_layer_chunks})")
+        starts = self.grid.layer_starts
+        if starts is not None:
+            stop = starts[chunk + 1] if chunk + 1 < len(starts) else self.num_layers
+            return starts[chunk], stop
         start = chunk * self.grid.layers_per_chunk
         return start, min(start + self.grid.layers_per_chunk, self.num_layers)
+
+    def chunk_of_layer(self, layer: int) -> int:
+        """The layer chunk that holds ``layer``."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} outside [0, {self.num_layers})")
+        starts = self.grid.layer_starts
+        if starts is not None:
+            return bisect_right(starts, layer) - 1
+        return layer // self.grid.layers_per_chunk
+
+    def is_chunk_boundary(self, layer: int) -> bool:
+        """Whether a layer chunk starts at ``layer`` (``num_layers`` counts: the end)."""
+        return layer == self.num_layers or self.chunk_layers(self.chunk_of_layer(layer))[0] == layer
 
     def group_heads(self, group: int) -> tuple[int, int]:
         """Half-open KV-head range ``[start, stop)`` of a head group."""

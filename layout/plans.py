@@ -33,7 +33,7 @@ import numpy.typing as npt
 from .errors import GridMismatchError
 from .framing import payload_offset
 from .host import UnifiedPageLayout
-from .keys import ObjectCoords, validate_page_hash
+from .keys import ObjectCoords, key_tail, validate_page_hash
 from .namespace import MAX_LAYERS_PER_OBJECT, Grid, ModelShape, Namespace
 from .topology import Shard, Topology, head_range, shard_of
 
@@ -103,7 +103,7 @@ class _KeyedPlan:
     @cached_property
     def key_tails(self) -> tuple[str, ...]:
         """``_{namespace digest}_{suffix}`` of each object, in plan order."""
-        return tuple(f"_{self.namespace.digest}_{o.coords.suffix}" for o in self.objects)
+        return tuple(key_tail(self.namespace.digest, o.coords) for o in self.objects)
 
     def object_keys(self, page_hash: str, *, trusted: bool = False) -> list[str]:
         """The storage keys of this plan's objects for one page (same order as ``objects``).
@@ -249,10 +249,9 @@ def compatible_grids(namespace: Namespace, topology: Topology) -> tuple[tuple[in
 
 
 def _check_writer_alignment(namespace: Namespace, topology: Topology, shard: Shard) -> None:
-    lpc = namespace.grid.layers_per_chunk
     hpg = namespace.grid.heads_per_group
-    layers_ok = shard.layer_start % lpc == 0 and (
-        shard.layer_stop % lpc == 0 or shard.layer_stop == namespace.num_layers
+    layers_ok = namespace.is_chunk_boundary(shard.layer_start) and namespace.is_chunk_boundary(
+        shard.layer_stop
     )
     heads_ok = shard.head_start % hpg == 0 and shard.head_stop % hpg == 0
     if layers_ok and heads_ok:
@@ -260,9 +259,13 @@ def _check_writer_alignment(namespace: Namespace, topology: Topology, shard: Sha
     options = compatible_grids(namespace, topology)
     problems = []
     if not layers_ok:
-        problems.append(
-            f"layers [{shard.layer_start}, {shard.layer_stop}) do not fall on chunks of {lpc}"
+        grid = namespace.grid
+        chunks = (
+            f"chunks of {grid.layers_per_chunk}"
+            if grid.layer_starts is None
+            else f"the chunks starting at layers {grid.layer_starts}"
         )
+        problems.append(f"layers [{shard.layer_start}, {shard.layer_stop}) do not fall on {chunks}")
     if not heads_ok:
         problems.append(
             f"KV heads [{shard.head_start}, {shard.head_stop}) do not cover whole groups of {hpg}"
@@ -279,8 +282,7 @@ def _check_writer_alignment(namespace: Namespace, topology: Topology, shard: Sha
 
 
 def _chunks_overlapping(namespace: Namespace, start: int, stop: int) -> range:
-    lpc = namespace.grid.layers_per_chunk
-    return range(start // lpc, (stop - 1) // lpc + 1)
+    return range(namespace.chunk_of_layer(start), namespace.chunk_of_layer(stop - 1) + 1)
 
 
 @lru_cache(maxsize=1024)

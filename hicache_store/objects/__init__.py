@@ -1,7 +1,8 @@
 """Stored objects: the one framed-object I/O path, above ``backends`` and below everything else.
 
-* ``format``: ``ObjectFormat`` (how a payload becomes a stored object: key, header, seal, open)
-  and ``FRAMED``, this library's format (``layout.framing``).
+* ``format``: ``ObjectFormat`` (how a payload becomes a stored object: key, header, seal, open),
+  ``FRAMED``, this library's format (``layout.framing``), ``PAGE_UNIFIED``, SGLang's bare
+  ``page-unified-v1`` objects, and ``format_for`` (which one a namespace uses).
 * ``io``: ``ObjectIO``, framed writes in place in the caller's staging and verified reads
   (whole frame, layer range), under byte budgets and a timeout; ``Frame``, ``IOStats``,
   ``ByteBudget``.
@@ -15,7 +16,7 @@ context-parallel restore, and the operator tools (``read_header`` / ``read_objec
 from __future__ import annotations
 
 from .arena import Arena
-from .format import FRAMED, FramedFormat, ObjectFormat
+from .format import FRAMED, PAGE_UNIFIED, FramedFormat, ObjectFormat, PageUnifiedFormat, format_for
 from .io import ByteBudget, Frame, IOStats, ObjectIO
 from .pages import L3Link
 
@@ -29,4 +30,7 @@ __all__ = [
     "L3Link",
     "ObjectFormat",
     "ObjectIO",
+    "PAGE_UNIFIED",
+    "PageUnifiedFormat",
+    "format_for",
 ]

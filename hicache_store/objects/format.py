@@ -15,7 +15,17 @@ exactly these, so a format is the extension point for:
   header from the key and the expected size, and no block checks.
 
 ``FRAMED`` is this library's format (``layout.framing``: a checksummed header with one xxh3 per
-layer block, the payload at a 4096-byte aligned offset).
+layer block, the payload at a 4096-byte aligned offset). ``PAGE_UNIFIED`` is SGLang's bare
+``page-unified-v1`` object: the payload and nothing else, which is what the ``sglang-ukv1`` key
+scheme stores (SGLang reads those objects raw). ``format_for`` is the one rule that picks.
+
+**What a bare object loses** (against ``FRAMED``): no per-layer checksums, so a flipped or torn
+byte is served as KV (only a wrong *size* is caught: a short object fails its range read, a long
+one its whole read); no recorded key, so an object stored under the wrong key cannot be told
+from a right one; no parent page hash, so ``hicache-store gc`` cannot rebuild chains and
+shortens them by age alone (possibly leaving a hole mid-chain); no format version. What it keeps:
+the namespace digest and coordinates in the key, so dtype, model and grid mismatches still
+miss.
 """
 
 from __future__ import annotations
@@ -29,7 +39,8 @@ from hicache_store.layout.framing import (
     payload_offset,
     verify_blocks,
 )
-from hicache_store.layout.keys import ObjectKey, format_key
+from hicache_store.layout.keys import ObjectKey, format_key, is_ukv1_digest
+from hicache_store.layout.namespace import Namespace
 
 
 class ObjectFormat(Protocol):
@@ -95,3 +106,58 @@ class FramedFormat:
 
 #: this library's object format (the default everywhere).
 FRAMED: ObjectFormat = FramedFormat()
+
+
+class PageUnifiedFormat:
+    """SGLang's bare ``page-unified-v1`` objects: the payload is the object (no header).
+
+    The payload's byte order is this library's unified payload (``(layer, K/V, token,
+    head_in_group, head_dim)`` per head group, ``(layer, token, dim)`` for MLA), which is
+    SGLang's page block cut into chunks. See the module docstring for what is not checked.
+    """
+
+    name = "page-unified-v1"
+
+    def storage_key(self, key: ObjectKey) -> str:
+        return format_key(key)
+
+    def header_bytes(self, num_layers: int) -> int:
+        return 0
+
+    def seal(
+        self, key: ObjectKey, frame: memoryview, *, kv_planes: int, parent_hash: str | None
+    ) -> None:
+        pass  # nothing to add: the payload is the object
+
+    def open_header(self, key: ObjectKey, header: memoryview, *, payload_bytes: int) -> ObjectHeader:
+        """The header a bare object would have had: from the key and the size asked for."""
+        coords = key.coords
+        return ObjectHeader(
+            namespace_digest=key.namespace_digest,
+            page_hash=key.page_hash,
+            coords=coords,
+            kv_planes=1 if coords.head_group is None else 2,
+            payload_offset=0,
+            payload_length=payload_bytes,
+            block_checksums=(0,) * coords.num_layers,  # none stored: never compared
+        )
+
+    def open_blocks(
+        self, header: ObjectHeader, data: memoryview, layer_start: int, layer_stop: int
+    ) -> None:
+        pass  # no checksums to compare (the module docstring says what is lost)
+
+
+#: SGLang's bare object format (the ``sglang-ukv1`` key scheme's).
+PAGE_UNIFIED: ObjectFormat = PageUnifiedFormat()
+
+
+def format_for(namespace_or_key: Namespace | ObjectKey) -> ObjectFormat:
+    """The format objects of a namespace (or under a key) are stored in: SGLang's bare
+    ``page-unified-v1`` for its ukv1 keyspace, ``FRAMED`` for this library's."""
+    digest = (
+        namespace_or_key.digest
+        if isinstance(namespace_or_key, Namespace)
+        else namespace_or_key.namespace_digest
+    )
+    return PAGE_UNIFIED if is_ukv1_digest(digest) else FRAMED

@@ -42,7 +42,7 @@ from hicache_store.layout.keys import ObjectKey, parse_key
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
 
 from .arena import Arena
-from .format import FRAMED, ObjectFormat
+from .format import FRAMED, ObjectFormat, format_for
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,7 +128,7 @@ class ObjectIO:
         backend: Backend,
         namespace: Namespace | None = None,
         *,
-        fmt: ObjectFormat = FRAMED,
+        fmt: ObjectFormat | None = None,
         max_inflight_bytes: int = 256 << 20,
         io_timeout_s: float = 30.0,
     ) -> None:
@@ -136,7 +136,8 @@ class ObjectIO:
             raise ValueError(f"io_timeout_s {io_timeout_s} must be positive")
         self.backend = backend
         self.namespace = namespace
-        self.format = fmt
+        #: the namespace's own format (``format_for``) unless one is given
+        self.format = fmt or (FRAMED if namespace is None else format_for(namespace))
         self.io_timeout_s = io_timeout_s
         self.read_budget = ByteBudget(max_inflight_bytes)
         self.write_budget = ByteBudget(max_inflight_bytes)
@@ -251,8 +252,9 @@ class ObjectIO:
         target = dest[:length]
         header_len = self.header_bytes(coords.num_layers)
         storage_key = self.storage_key(key)
-        arena = self._headers.arena(header_len)
-        slot = arena.take()
+        # A headerless format (SGLang's bare objects) takes no header slot.
+        arena = self._headers.arena(header_len) if header_len else None
+        slot = arena.take() if arena is not None else memoryview(b"")
         head = slot[:header_len]
         taken = await self.read_budget.acquire(header_len + length)
         try:
@@ -275,7 +277,8 @@ class ObjectIO:
             return header
         finally:
             await self.read_budget.release(taken)
-            arena.give(slot)  # the read has ended: the backend writes no more into it
+            if arena is not None:
+                arena.give(slot)  # the read has ended: the backend writes no more into it
 
     async def _scatter(self, storage_key: str, buffers: list[memoryview], length: int) -> bool:
         try:

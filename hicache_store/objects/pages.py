@@ -37,7 +37,7 @@ from hicache_store.layout.plans import (
 from hicache_store.layout.topology import Topology
 
 from .arena import Arena
-from .format import FRAMED, ObjectFormat
+from .format import ObjectFormat
 from .io import Frame, IOStats, ObjectIO
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class L3Link:
         *,
         max_inflight_bytes: int,
         io_timeout_s: float,
-        fmt: ObjectFormat = FRAMED,
+        fmt: ObjectFormat | None = None,
     ) -> None:
         self.backend = backend
         self.namespace = namespace

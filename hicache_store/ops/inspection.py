@@ -30,7 +30,7 @@ from hicache_store.backends.errors import BackendError
 from hicache_store.commands.gc import Entry, scan
 from hicache_store.layout.errors import CorruptObjectError, InvalidKeyError
 from hicache_store.layout.framing import decode_object
-from hicache_store.layout.keys import ObjectKey, parse_key
+from hicache_store.layout.keys import ObjectKey, is_ukv1_digest, parse_key
 from hicache_store.layout.namespace import Namespace
 
 from .manifest import ManifestError, decode_manifest, manifest_digest, manifest_key
@@ -153,6 +153,12 @@ async def inspect_store(backend: Backend, *, namespace: str | None = None) -> St
 
 def _check_object(key: str, data: bytes, namespace: Namespace | None) -> None:
     expected = parse_key(key)
+    if is_ukv1_digest(expected.namespace_digest):
+        # SGLang's bare page-unified-v1 objects: no header, no checksums; all there is to
+        # check is the size the namespace gives (when its manifest is known).
+        if namespace is not None:
+            _check_geometry(expected, len(data), namespace.kv_planes, namespace)
+        return
     header, _payload = decode_object(data, expected=expected)
     if namespace is None:
         return
@@ -161,7 +167,10 @@ def _check_object(key: str, data: bytes, namespace: Namespace | None) -> None:
 
 def _check_geometry(key: ObjectKey, payload: int, planes: int, ns: Namespace) -> None:
     coords = key.coords
-    chunk = coords.layer_start // ns.grid.layers_per_chunk
+    try:
+        chunk = ns.chunk_of_layer(coords.layer_start)
+    except IndexError:
+        chunk = -1
     try:
         start, stop = ns.chunk_layers(chunk)
     except IndexError:

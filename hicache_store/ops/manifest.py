@@ -27,13 +27,16 @@ import re
 
 from hicache_store.backends.base import Backend
 from hicache_store.layout.errors import InvalidNamespaceError
-from hicache_store.layout.namespace import DIGEST_HEX_CHARS, Namespace
+from hicache_store.layout.namespace import DIGEST_HEX_CHARS, UKV1_DIGEST_PREFIX, Namespace
 
 #: the tag and separator every manifest key starts with (a listing prefix).
 MANIFEST_PREFIX = "M_"
 #: the largest manifest read (a namespace is well under 1 KiB; this bounds a bogus object).
 MAX_MANIFEST_BYTES = 64 * 1024
-_MANIFEST_KEY_RE = re.compile(rf"M_(?P<digest>[0-9a-f]{{{DIGEST_HEX_CHARS}}})")
+#: digests of this library's keyspace, or of SGLang's (``ukv1-`` + 16 hex).
+_MANIFEST_KEY_RE = re.compile(
+    rf"M_(?P<digest>(?:{re.escape(UKV1_DIGEST_PREFIX)})?[0-9a-f]{{{DIGEST_HEX_CHARS}}})"
+)
 
 
 class ManifestError(InvalidNamespaceError):

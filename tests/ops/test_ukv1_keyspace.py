@@ -1,0 +1,59 @@
+"""The operator tools on SGLang's unified keyspace (``sglang-ukv1``, bare objects).
+
+``prepopulate`` writes it, ``inspect`` lists and verifies it (sizes only: bare objects carry no
+checksums), ``gc`` bounds it by pages (no parent links: by age alone), and the namespace's
+manifest is readable under its ``ukv1-`` digest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hicache_store.backends import open_backend
+from hicache_store.commands.gc import collect_garbage
+from hicache_store.layout.keys import parse_key
+from hicache_store.layout.topology import Topology
+from hicache_store.layout.ukv1 import ukv1_grid
+from hicache_store.ops.inspection import inspect_store, verify_store
+from hicache_store.ops.manifest import manifest_key
+from hicache_store.ops.prepopulate import namespace_for, prepopulate
+from hicache_store.ops.sources import MiniEngineSource
+
+PROMPTS = [[(7 * i + j) % 97 + 3 for j in range(48)] for i in range(3)]
+
+
+async def test_prepopulate_inspect_verify_gc_on_the_ukv1_keyspace(tmp_path: Path) -> None:
+    source = MiniEngineSource("tiny", seed=3)
+    topology = Topology(2, 1)
+    namespace = namespace_for(source, page_size=16,
+                              grid=ukv1_grid(source.shape, topology),
+                              key_scheme="sglang-ukv1")
+    backend = open_backend(f"file://{tmp_path}/kv")
+    try:
+        report = await prepopulate(backend, source, PROMPTS, namespace, topology)
+        assert report.pages_written == report.pages == 9
+        assert report.namespace == namespace.digest and namespace.digest.startswith("ukv1-")
+        keys = [k async for k in backend.list_prefix("")]
+        objects = [k for k in keys if k != manifest_key(namespace)]
+        assert manifest_key(namespace) in keys
+        assert len(objects) == 9 * report.objects_per_page
+        assert all(parse_key(k).namespace_digest == namespace.digest for k in objects)
+        assert all("_L0-" in k for k in objects)  # end-exclusive, one object per stage
+
+        store = await inspect_store(backend)
+        (summary,) = store.namespaces
+        assert summary.namespace == namespace and summary.pages == 9
+        checked = await verify_store(backend, store)
+        assert checked.ok == len(objects) and not checked.corrupt
+        victim = objects[0]
+        data = await backend.get_bytes(victim)
+        assert data is not None
+        await backend.put([victim], [memoryview(data[:-16])])  # a torn object: wrong size
+        checked = await verify_store(backend, await inspect_store(backend))
+        assert [c["key"] for c in checked.corrupt] == [victim]
+
+        gc = await collect_garbage(backend, max_bytes=1, max_age=None)
+        assert gc.over_budget == len(objects) and gc.failures == 0
+        assert [k async for k in backend.list_prefix("")] == [manifest_key(namespace)]
+    finally:
+        await backend.close()
