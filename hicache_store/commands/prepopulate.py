@@ -16,6 +16,7 @@ Library: ``hicache_store.ops.prepopulate``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -187,13 +188,19 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens is not None:
         tokens = [t[: args.max_tokens] for t in tokens]
     try:
-        default = deployment.grid_for(source.shape)
-        grid = Grid(args.layer_partition or default.layers_per_chunk,
-                    args.head_partition or default.heads_per_group)
+        if topology.pp_layers is None:  # PP stages as SGLang splits them
+            topology = deployment.config.topology(topology.tp_size, topology.pp_size,
+                                                  source.shape.num_layers)
+            deployment = dataclasses.replace(deployment, topology=topology)
+        grid = deployment.grid_for(source.shape)
+        if args.layer_partition or args.head_partition:
+            grid = Grid(args.layer_partition or grid.layers_per_chunk,
+                        args.head_partition or grid.heads_per_group)
         namespace = namespace_for(source, page_size=args.page_size, grid=grid,
                                   model_revision=deployment.config.model_revision,
                                   hash_algo=args.hash_algo,
-                                  tenant_salt=deployment.config.tenant_salt)
+                                  tenant_salt=deployment.config.tenant_salt,
+                                  key_scheme=deployment.config.key_scheme)
         check_writer_topology(namespace, topology)
     except (InvalidNamespaceError, ValueError) as exc:  # GridMismatchError included
         raise UsageError(str(exc)) from None

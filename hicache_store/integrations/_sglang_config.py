@@ -24,6 +24,19 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
 ``staging_mib``      staging memory per SGLang thread and direction (default 256 MiB; a read
                      window takes at most 16 pages of it).
 ``max_inflight_mib`` bytes of reads in flight per rank (default 1024 MiB).
+``key_scheme``       ``"hicache"`` (default: this library's keyspace, framed objects) or
+                     ``"sglang-ukv1"``: SGLang 0.5.23's own unified keyspace
+                     (``hicache_key_scheme.plan_unified_kv``), bare ``page-unified-v1``
+                     objects, shared with SGLang deployments that use its native scheme.
+                     There ``grid`` is SGLang's ``"{layer_partition}x{head_group}"``
+                     (``"0x4"``: one object per PP stage and 4 heads); unset, SGLang's
+                     defaults (one object per stage, this rank's heads). ``tenant_salt``,
+                     ``model_revision`` and ``share_with`` have no place in it (SGLang salts
+                     tenants through the request's ``cache_salt`` in the page hashes).
+``object_format``    ``"framed"`` or ``"page-unified-v1"``: stated for clarity, it must be
+                     the key scheme's (``framed`` for ``hicache``, ``page-unified-v1`` for
+                     ``sglang-ukv1``; see ``hicache_store.objects.format`` for what bare
+                     objects do not check).
 ``allow_clear``      ``true`` lets SGLang's ``clear()`` (``POST /hicache/storage-backend/clear``,
                      a P/D role switch) delete this namespace's objects; default ``false``:
                      a shared store is never wiped by one server.
@@ -39,6 +52,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,6 +61,7 @@ from typing import Any
 from hicache_store.layout.namespace import Grid, ModelShape
 from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology
+from hicache_store.layout.ukv1 import ukv1_grid
 
 #: keys SGLang itself reads from the same JSON (ignored here, never an error). Any other key
 #: that is not in ``ADAPTER_KEYS`` is refused: a typo must not silently change the namespace.
@@ -82,6 +97,8 @@ ADAPTER_KEYS = frozenset(
         "staging_mib",
         "max_inflight_mib",
         "allow_clear",
+        "key_scheme",
+        "object_format",
     }
 )
 
@@ -121,14 +138,34 @@ class AdapterConfig:
     staging_bytes: int = 256 << 20
     max_inflight_bytes: int = 1 << 30
     allow_clear: bool = False
+    key_scheme: str = "hicache"
 
     def grid_for(self, shape: ModelShape, topology: Topology, replication: str) -> Grid:
         """The deployment's grid: ``grid`` if set, else the coarsest grid ``topology`` and every
         ``share_with`` topology can write (``suggest_grid``). The one rule the adapter and the
-        operator tools (``prepopulate``, ``doctor``) share, so they agree on the namespace."""
+        operator tools (``prepopulate``, ``doctor``) share, so they agree on the namespace.
+
+        In SGLang's ukv1 keyspace ``grid`` is its layer partition x head group, and unset means
+        SGLang's defaults for ``topology`` (``ukv1_grid``)."""
+        if self.key_scheme == "sglang-ukv1":
+            given = self.grid
+            return ukv1_grid(
+                shape,
+                topology,
+                layer_partition=None if given is None else given.layers_per_chunk,
+                head_group=None if given is None else given.heads_per_group,
+            )
         if self.grid is not None:
             return self.grid
         return suggest_grid(shape, [topology, *self.share_with], replication)
+
+    def topology(self, tp_size: int, pp_size: int, num_layers: int) -> Topology:
+        """The deployment's topology, its PP stages as SGLang splits them (``pp_layers``, else
+        ``sglang_stage_sizes``)."""
+        stages = self.pp_layers or (
+            sglang_stage_sizes(num_layers, pp_size) if pp_size > 1 else None
+        )
+        return Topology(tp_size, pp_size, stages)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | str | None) -> AdapterConfig:
@@ -170,6 +207,7 @@ class AdapterConfig:
             staging_bytes=int(float(extra.get("staging_mib", 256)) * (1 << 20)),
             max_inflight_bytes=int(float(extra.get("max_inflight_mib", 1024)) * (1 << 20)),
             allow_clear=_optional_bool(extra, "allow_clear"),
+            key_scheme=_key_scheme(extra),
         )
 
 
@@ -191,6 +229,52 @@ def _refuse_unknown_keys(extra: Mapping[str, Any]) -> None:
         f"extra-config: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; the "
         f"hicache-store keys are {', '.join(known)} (backend options go in backend_options)"
     )
+
+
+#: the object format each key scheme stores.
+OBJECT_FORMATS = {"hicache": "framed", "sglang-ukv1": "page-unified-v1"}
+
+
+def _key_scheme(extra: Mapping[str, Any]) -> str:
+    scheme = str(extra.get("key_scheme", "hicache"))
+    if scheme not in OBJECT_FORMATS:
+        raise ValueError(
+            f"extra-config: key_scheme {scheme!r} is not one of {', '.join(OBJECT_FORMATS)}"
+        )
+    fmt = extra.get("object_format", OBJECT_FORMATS[scheme])
+    if fmt != OBJECT_FORMATS[scheme]:
+        raise ValueError(
+            f"extra-config: object_format {fmt!r} does not go with key_scheme {scheme!r}, "
+            f"which stores {OBJECT_FORMATS[scheme]!r} objects (SGLang reads ukv1 objects raw: "
+            "framed objects under its keys would be wrong KV to it)"
+        )
+    if scheme == "sglang-ukv1" and extra.get("share_with"):
+        raise ValueError(
+            'extra-config: share_with does not apply to key_scheme "sglang-ukv1": its grid is '
+            'SGLang\'s; set "grid": "{layer_partition}x{head_group}" on every deployment'
+        )
+    return scheme
+
+
+def sglang_stage_sizes(num_layers: int, pp_size: int) -> tuple[int, ...]:
+    """Layers per PP stage as SGLang 0.5.23 splits them (``distributed.utils.get_pp_indices``).
+
+    ``SGLANG_PP_LAYER_PARTITION`` (comma-separated stage sizes) when set and ``pp_size > 1``;
+    otherwise ``num_layers // pp_size`` each, with one more layer for each of the *last*
+    ``num_layers % pp_size`` stages (vLLM, and ``Topology``'s default, give them to the stages
+    before the last instead).
+    """
+    explicit = os.environ.get("SGLANG_PP_LAYER_PARTITION")
+    if explicit is not None and pp_size > 1:
+        sizes = tuple(int(n) for n in explicit.split(","))
+        if len(sizes) != pp_size or sum(sizes) != num_layers:
+            raise ValueError(
+                f"SGLANG_PP_LAYER_PARTITION={explicit!r} does not split {num_layers} layers "
+                f"into {pp_size} stages"
+            )
+        return sizes
+    base, extra = divmod(num_layers, pp_size)
+    return tuple(base + (1 if stage >= pp_size - extra else 0) for stage in range(pp_size))
 
 
 def _optional_int(extra: Mapping[str, Any], key: str) -> int | None:

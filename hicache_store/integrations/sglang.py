@@ -210,8 +210,6 @@ class HiCacheStoreStorage(_HiCacheStorage):
         self.mem_pool_host = mem_pool_host
         geometry, host = describe_host_pool(mem_pool_host)
         cfg = self.config
-        topology = Topology(self.tp_size, self.pp_size, cfg.pp_layers)
-        rank = topology.rank_of(self.tp_rank, self.pp_rank)
         mla = geometry.kv_kind == "mla"
         num_layers = cfg.num_layers
         if num_layers is None:
@@ -221,6 +219,9 @@ class HiCacheStoreStorage(_HiCacheStorage):
                     '"pp_layers" in the extra-config: a stage\'s pool holds only its layers'
                 )
             num_layers = sum(cfg.pp_layers) if cfg.pp_layers else geometry.num_layers
+        # PP stages as SGLang splits them (its rule differs from vLLM's for uneven splits)
+        topology = cfg.topology(self.tp_size, self.pp_size, num_layers)
+        rank = topology.rank_of(self.tp_rank, self.pp_rank)
         if mla:
             shape = ModelShape.mla(num_layers, geometry.head_dim)
         else:
@@ -242,6 +243,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             replication=replication,
             model_revision=cfg.model_revision,
             tenant_salt=cfg.tenant_salt,
+            key_scheme=cfg.key_scheme,
         )
         link = L3Link(
             self.backend,

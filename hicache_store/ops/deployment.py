@@ -141,6 +141,7 @@ class Deployment:
             model, shape, dtype, page_size, self.grid_for(shape),
             replication=_replication(shape), model_revision=self.config.model_revision,
             hash_algo=self.hash_algo, tenant_salt=self.config.tenant_salt,
+            key_scheme=self.config.key_scheme,
         )
 
     def completed_by(self, stored: Namespace) -> Namespace:
@@ -151,6 +152,7 @@ class Deployment:
             self.page_size or stored.page_size, self.grid_for(shape),
             replication=_replication(shape), model_revision=self.config.model_revision,
             hash_algo=self.hash_algo, tenant_salt=self.config.tenant_salt,
+            key_scheme=self.config.key_scheme,
         )
 
     def differences(self, stored: Namespace) -> list[Difference]:
@@ -158,11 +160,15 @@ class Deployment:
         inputs are taken from ``stored``, so they never differ). Empty: the same namespace."""
         mine = self.completed_by(stored)
         out: list[Difference] = []
-        for (name, value), (_, other) in zip(mine.canonical_fields(), stored.canonical_fields(),
-                                             strict=True):
+        # Fields past version 1 (key_scheme, layer_starts) appear only when set: compare the
+        # union, a missing one at its default.
+        defaults: dict[str, Any] = {"key_scheme": "hicache", "layer_starts": None}
+        ours, theirs = dict(mine.canonical_fields()), dict(stored.canonical_fields())
+        for name in [*ours, *(n for n in theirs if n not in ours)]:
+            value, other = ours.get(name, defaults.get(name)), theirs.get(name, defaults.get(name))
             if value == other:
                 continue
-            if name in ("layers_per_chunk", "heads_per_group"):  # shown once, as the grid
+            if name in ("layers_per_chunk", "heads_per_group", "layer_starts"):  # as the grid
                 if not any(d.field == "grid" for d in out):
                     out.append(Difference("grid", mine.grid, stored.grid))
                 continue

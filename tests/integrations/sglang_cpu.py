@@ -138,6 +138,13 @@ def module(name: str) -> Any:
     return _Loaded.modules[name]
 
 
+def module_any(name: str) -> Any:
+    """Any other SGLang module (imported with the stubs in place; ``load()`` first)."""
+    if name not in _Loaded.modules:
+        _Loaded.modules[name] = importlib.import_module(name)
+    return _Loaded.modules[name]
+
+
 def stub_uses_since_import() -> list[tuple[str, str]]:
     """Stub attributes used after SGLang was imported (must stay empty)."""
     return STUB_USES[_Loaded.uses_at_import :]

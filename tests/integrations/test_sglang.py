@@ -340,6 +340,23 @@ def test_pp2_stages_pp1_reader(url: str) -> None:
         assert same(dst.take(2 + i), d)
 
 
+def test_uneven_pp_follows_sglangs_stage_split(url: str) -> None:
+    """5 layers on 2 stages: SGLang gives the extra layer to the last stage ([2, 3])."""
+    data = random_pages(2, layers=5)
+    keys = keys_for(2, "uneven")
+    for pp_rank, (start, count) in enumerate(((0, 2), (2, 3))):
+        pool = StandInPool("page_first", layers=count, start_layer=start)
+        for i, d in enumerate(data):
+            pool.put(i, d[:, start : start + count])
+        w = adapter(pool, url=url, pp_rank=pp_rank, pp_size=2, num_layers=5, grid="1x4")
+        assert w.batch_set_v1(keys, slots([0, 1])) == [True, True]
+    dst = StandInPool("page_head", layers=5)
+    r = adapter(dst, url=url, grid="1x4")
+    assert r.batch_get_v1(keys, slots([3, 4])) == [True, True]
+    for i, d in enumerate(data):
+        assert same(dst.take(3 + i), d)
+
+
 def test_pp_without_num_layers_is_refused_at_registration(url: str) -> None:
     store = HiCacheStoreStorage(make_config(pp_size=2, url=url), {})
     with pytest.raises(ValueError, match="num_layers"):
