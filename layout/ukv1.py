@@ -28,7 +28,8 @@ def ukv1_grid(
     PP split is another keyspace, as in SGLang). ``head_group`` None: the heads of one TP rank
     (so another TP size is another keyspace; set it to share across TP sizes). MLA has no head
     axis. KV-head replication (TP size above the KV-head count) has no keys in SGLang's scheme
-    and is refused.
+    and is refused. At one KV head per rank SGLang asks for an explicit head group (it cannot
+    tell sharding from replication); the only one there is, 1, is the default here.
     """
     if shape.kv_kind == "mla":
         heads = 1

@@ -20,7 +20,6 @@ import torch
 
 from hicache_store._sync import run_sync
 from hicache_store.backends import aligned_buffer, open_backend
-
 from hicache_store.integrations._sglang_config import sglang_stage_sizes
 from hicache_store.layout.keys import format_key, parse_key
 from hicache_store.layout.namespace import ModelShape, Namespace

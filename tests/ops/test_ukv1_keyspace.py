@@ -7,9 +7,13 @@ manifest is readable under its ``ukv1-`` digest.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
+
 from hicache_store.backends import open_backend
+from hicache_store.cli import main
 from hicache_store.commands.gc import collect_garbage
 from hicache_store.layout.keys import parse_key
 from hicache_store.layout.topology import Topology
@@ -57,3 +61,25 @@ async def test_prepopulate_inspect_verify_gc_on_the_ukv1_keyspace(tmp_path: Path
         assert [k async for k in backend.list_prefix("")] == [manifest_key(namespace)]
     finally:
         await backend.close()
+
+
+def test_prepopulate_cli_writes_sglangs_keyspace_from_the_extra_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The deployment's extra-config names the key scheme; prepopulate writes the keys SGLang's
+    TP2 x PP2 servers of that deployment read (mini engine: 4 layers, 2 KV heads, float32)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input_ids": list(range(1, 41))}) + "\n")
+    extra = json.dumps({"url": "ignored", "key_scheme": "sglang-ukv1", "model": "org/m"})
+    store = tmp_path / "store"
+    code = main(["prepopulate", f"file://{store}", "--mini-engine", "tiny", "--prompts",
+                 str(prompts), "--page-size", "8", "--topology", "tp=2,pp=2",
+                 "--extra-config", extra, "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    names = sorted(p.name for p in store.rglob("*")
+                   if p.is_file() and "_ukv1-" in p.name and not p.name.startswith("M_"))
+    assert len(names) == 5 * 4  # 5 pages, one object per rank (per-stage chunk, one head)
+    tails = {n.split("_", 1)[1] for n in names}
+    digest = next(iter(tails)).split("_")[0]
+    assert tails == {f"{digest}_L{a}-{b}_H{h}" for a, b in ((0, 2), (2, 4)) for h in (0, 1)}
