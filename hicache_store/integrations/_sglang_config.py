@@ -15,7 +15,9 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
 ``model``            the model identity in the namespace (default: SGLang's ``model_name``,
                      the served model path; set it when deployments load one model from
                      different paths). ``model_revision``: an optional weights fingerprint.
-``kv_dtype``         the logical KV dtype; needed for float8 KV (SGLang stores it as uint8).
+``kv_dtype``         the logical KV dtype; needed for float8 KV (SGLang stores it as uint8):
+                     SGLang's ``--kv-cache-dtype`` value (``fp8_e4m3``, ``fp8_e5m2``) or the
+                     torch name (``float8_e4m3fn``, ``float8_e5m2``).
 ``num_layers``       the model's layer count; needed with PP (a stage's pool holds only its
                      own layers). ``pp_layers``: explicit per-stage layer counts.
 ``num_kv_heads``     the model's KV heads; default local heads x TP size (right whenever TP
@@ -199,7 +201,7 @@ class AdapterConfig:
             tenant_salt=str(extra.get("tenant_salt", "")),
             model=str(extra["model"]) if extra.get("model") else None,
             model_revision=str(extra.get("model_revision", "")),
-            kv_dtype=str(extra["kv_dtype"]) if extra.get("kv_dtype") else None,
+            kv_dtype=_kv_dtype(extra.get("kv_dtype")),
             num_layers=_optional_int(extra, "num_layers"),
             pp_layers=tuple(int(n) for n in pp_layers) if pp_layers else None,
             num_kv_heads=_optional_int(extra, "num_kv_heads"),
@@ -229,6 +231,17 @@ def _refuse_unknown_keys(extra: Mapping[str, Any]) -> None:
         f"extra-config: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; the "
         f"hicache-store keys are {', '.join(known)} (backend options go in backend_options)"
     )
+
+
+#: SGLang's ``--kv-cache-dtype`` spellings, as the logical dtype names of the namespace.
+KV_DTYPE_ALIASES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "bf16": "bfloat16"}
+
+
+def _kv_dtype(value: Any) -> str | None:
+    """``kv_dtype``: a torch name (``float8_e4m3fn``) or SGLang's flag value (``fp8_e4m3``)."""
+    if not value:
+        return None
+    return KV_DTYPE_ALIASES.get(str(value), str(value))
 
 
 #: the object format each key scheme stores.

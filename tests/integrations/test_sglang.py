@@ -578,9 +578,10 @@ def test_config_errors_raise_at_startup(url: str) -> None:
     pool = StandInPool("page_first", dtype=torch.uint8)
     with pytest.raises(ValueError, match="kv_dtype"):
         store.register_mem_pool_host(pool)
-    store = HiCacheStoreStorage(make_config(url=url, kv_dtype="float8_e4m3fn"), {})
-    store.register_mem_pool_host(pool)
-    assert store.namespace is not None and store.namespace.dtype == "float8_e4m3fn"
+    for spelling in ("float8_e4m3fn", "fp8_e4m3"):  # torch's name, SGLang's --kv-cache-dtype
+        store = HiCacheStoreStorage(make_config(url=url, kv_dtype=spelling), {})
+        store.register_mem_pool_host(pool)
+        assert store.namespace is not None and store.namespace.dtype == "float8_e4m3fn"
     assert importlib.util.find_spec("hicache_store.integrations.sglang") is not None
 
 
