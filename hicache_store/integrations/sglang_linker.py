@@ -93,8 +93,10 @@ class HiCacheStoreLinker(_Linker):
         extra_config: dict[str, Any] | None = None,
         forward_stream: Any = None,
     ) -> None:
-        from sglang.srt.mem_cache.hicache_storage import PoolName
-        from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
+        from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-untyped]
+            PoolName,
+        )
+        from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (  # type: ignore[import-untyped]
             LayerWiseLoadCounter,
         )
 
@@ -319,7 +321,7 @@ class HiCacheStoreLinker(_Linker):
 
     def _store(self, job: _Job) -> bool:
         if self.forward_stream is not None:  # the forward may still write these pages
-            for event in self.record_offload_ready():
+            for event in self.record_offload_ready():  # type: ignore[attr-defined]  # SGLang's
                 event.synchronize()
         rows = self._rows(len(job.keys))
         views = self._views(rows)
@@ -427,7 +429,7 @@ def _tp(params: Any) -> tuple[int, int]:
     group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
     if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
-    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.runtime_context import get_parallel  # type: ignore[import-untyped]
 
     parallel = get_parallel()
     return int(parallel.attn_tp_rank), int(parallel.attn_tp_size)
