@@ -221,3 +221,25 @@ def test_hybrid_components_are_refused_at_startup(sglang: ModuleType, url: str) 
     ct = sglang.module_any("sglang.srt.mem_cache.unified_cache.component_type").ComponentType
     with pytest.raises(ValueError, match="SWA"):
         make_linker(sglang, url, components={ct.FULL, ct.SWA})
+
+
+def test_the_linker_and_the_storage_adapter_share_pages(sglang: ModuleType, url: str) -> None:
+    """Pages the linker offloads from a device pool, SGLang's controller prefetches through the
+    storage adapter into its host pool (same extra-config keys, same namespace)."""
+    linker = make_linker(sglang, url)
+    tokens = list(range(900, 900 + 2 * P))
+    keys = keys_for(sglang, tokens)
+    slots = torch.arange(16, 16 + 2 * P)
+    data = fill(linker, slots, seed=7)  # [layer] -> [K/V, tokens, heads, dim]
+    assert linker.offload([kv(sglang, keys, slots)])
+    linker.reset()
+    linker.close()
+    rank = sglang.Rank(url, geometry=sglang.Geometry(layers=3, heads=4))
+    assert rank.hashes(tokens) == keys
+    hit, loaded, host_indices = rank.prefetch(tokens)
+    assert (hit, loaded) == (2 * P, 2 * P) and host_indices is not None
+    for page in range(2):
+        expected = torch.stack([d[:, page * P : (page + 1) * P] for d in data], dim=1)
+        assert torch.equal(rank.host_page_of(host_indices, page).contiguous().view(torch.int16),
+                           expected.view(torch.int16))
+    rank.close()
