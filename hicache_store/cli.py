@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from hicache_store import __version__
 
@@ -22,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "hicache_store.commands.gc",
     "hicache_store.commands.prepopulate",
     "hicache_store.commands.inspect",
+    "hicache_store.commands.doctor",
 )
 
 EXIT_OK = 0
@@ -33,7 +35,20 @@ class UsageError(Exception):
     """Bad flags or arguments detected after parsing: reported on one line, exit code 2."""
 
 
+def doc_summary(doc: str | None) -> str | None:
+    """The first paragraph of a module docstring as help text: reST's ````literal```` marks
+    removed (help is read as plain text)."""
+    return None if not doc else doc.split("\n\n")[0].replace("``", "")
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Every parser's description and epilog are plain text (commands pass docstrings).
+        for key in ("description", "epilog"):
+            if isinstance(kwargs.get(key), str):
+                kwargs[key] = kwargs[key].replace("``", "")
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         # One line, exit 2, like argparse, but without the usage block.
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")

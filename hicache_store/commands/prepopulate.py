@@ -102,35 +102,21 @@ def _positive(value: int | None, flag: str) -> None:
 def _deployment(args: argparse.Namespace, topology: Topology) -> Deployment:
     """The target deployment from ``--extra-config`` and the namespace flags; a flag that
     contradicts the extra-config is a usage error (one of them is not what the engine runs)."""
-    from hicache_store.ops.deployment import Deployment, load_extra_config, parse_adapter_config
+    from hicache_store.ops.deployment import Deployment, merge_extra_config
 
     try:
-        extra = load_extra_config(args.extra_config) if args.extra_config else {}
-        for key, flag, value in (("tenant_salt", "--tenant-salt", args.tenant_salt),
-                                 ("model_revision", "--model-revision", args.model_revision),
-                                 ("model", "--model-id", args.model_id)):
-            if value is None:
-                continue
-            if extra.get(key) not in (None, value):
-                raise ValueError(f"{flag} {value!r} differs from the extra-config's {key}")
-            extra[key] = value
-        if args.share_with:
-            extra["share_with"] = [*_as_list(extra.get("share_with")), *args.share_with]
-        if extra.get("grid") is not None and (args.layer_partition or args.head_partition):
+        config = merge_extra_config(args.extra_config, {
+            "tenant_salt": ("--tenant-salt", args.tenant_salt),
+            "model_revision": ("--model-revision", args.model_revision),
+            "model": ("--model-id", args.model_id),
+        }, args.share_with)
+        if config.grid is not None and (args.layer_partition or args.head_partition):
             raise ValueError("give the grid either in the extra-config or as "
                              "--layer-partition/--head-partition, not both")
-        config = parse_adapter_config(extra)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    default_id = args.model if args.model is not None else None
-    return Deployment(config=config, model_id=default_id, topology=topology,
+    return Deployment(config=config, model_id=args.model, topology=topology,
                       hash_algo=args.hash_algo)
-
-
-def _as_list(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,31 @@ def parse_adapter_config(extra: Mapping[str, Any] | None) -> AdapterConfig:
     if "url" not in values and "backend" not in values:
         values["url"] = "memory://"  # a placeholder: only the namespace fields are used
     return AdapterConfig.from_extra_config(values)
+
+
+def merge_extra_config(
+    extra_text: str | None,
+    flags: Mapping[str, tuple[str, Any]],
+    share_with: Sequence[str] = (),
+) -> AdapterConfig:
+    """The extra-config (``load_extra_config`` text, or None) with command-line values merged.
+
+    ``flags`` maps extra-config keys to ``(flag name, value)``; a value of None was not given.
+    A given value that contradicts the extra-config is a ``ValueError`` naming both (one of them
+    is not what the engine runs); ``share_with`` topologies are added to the extra-config's.
+    """
+    extra = load_extra_config(extra_text) if extra_text else {}
+    for key, (flag, value) in flags.items():
+        if value is None:
+            continue
+        if extra.get(key) not in (None, value):
+            raise ValueError(f"{flag} {value!r} differs from the extra-config's {key}")
+        extra[key] = value
+    if share_with:
+        listed = extra.get("share_with")
+        listed = [] if listed is None else [listed] if isinstance(listed, str) else list(listed)
+        extra["share_with"] = [*listed, *share_with]
+    return parse_adapter_config(extra)
 
 
 @dataclass(frozen=True)

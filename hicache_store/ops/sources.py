@@ -122,21 +122,57 @@ class KVSource(Protocol):
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _transformers() -> Any:
+    """The ``transformers`` module, or ``MissingDependencyError`` naming the extra."""
+    try:
+        # Typed as Any: transformers' own annotations are partial and vary by release.
+        return importlib.import_module("transformers")
+    except ImportError as exc:
+        from hicache_store.backends.errors import MissingDependencyError
+
+        raise MissingDependencyError(
+            f"a Hugging Face model or tokenizer needs transformers ({exc})",
+            install_hint="pip install 'hicache-store[hf]'",
+        ) from exc
+
+
+def tokenize_with(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """Token ids of ``prompt`` with a Hugging Face tokenizer (see the module docstring)."""
+    if prompt.input_ids is not None:
+        return list(prompt.input_ids)
+    if prompt.messages is not None:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(
+                list(prompt.messages), tokenize=True, add_generation_prompt=False,
+                return_dict=False,
+            )
+            return [int(t) for t in ids]
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in prompt.messages)
+        return [int(t) for t in tokenizer(text)["input_ids"]]
+    assert prompt.text is not None
+    return [int(t) for t in tokenizer(prompt.text)["input_ids"]]
+
+
+class HFTokenizer:
+    """Only the tokenizer of a local Hugging Face model directory (no weights loaded)."""
+
+    def __init__(self, path: str | Path) -> None:
+        folder = Path(path)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"tokenizer directory {folder} does not exist")
+        self.tokenizer = _transformers().AutoTokenizer.from_pretrained(folder,
+                                                                       local_files_only=True)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        return tokenize_with(self.tokenizer, prompt)
+
+
 class HFSource:
     """A local Hugging Face causal LM and its tokenizer (see the module docstring)."""
 
     def __init__(self, path: str | Path, *, dtype: str = "auto", device: str = "cpu",
                  model_name: str | None = None, progress: bool = True) -> None:
-        try:
-            # Typed as Any: transformers' own annotations are partial and vary by release.
-            transformers: Any = importlib.import_module("transformers")
-        except ImportError as exc:
-            from hicache_store.backends.errors import MissingDependencyError
-
-            raise MissingDependencyError(
-                f"a Hugging Face model needs transformers ({exc})",
-                install_hint="pip install 'hicache-store[hf]'",
-            ) from exc
+        transformers = _transformers()
         if not progress:
             transformers.utils.logging.disable_progress_bar()
         folder = Path(path)
@@ -168,19 +204,7 @@ class HFSource:
         self.model_name = model_name or str(path)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if prompt.input_ids is not None:
-            return list(prompt.input_ids)
-        if prompt.messages is not None:
-            if getattr(self.tokenizer, "chat_template", None):
-                ids = self.tokenizer.apply_chat_template(
-                    list(prompt.messages), tokenize=True, add_generation_prompt=False,
-                    return_dict=False,
-                )
-                return [int(t) for t in ids]
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in prompt.messages)
-            return [int(t) for t in self.tokenizer(text)["input_ids"]]
-        assert prompt.text is not None
-        return [int(t) for t in self.tokenizer(prompt.text)["input_ids"]]
+        return tokenize_with(self.tokenizer, prompt)
 
     def kv(self, tokens: Sequence[int]) -> LayerKV:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)

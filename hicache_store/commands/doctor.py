@@ -1,0 +1,180 @@
+"""``hicache-store doctor URL``: why a deployment does (not) hit what a store holds.
+
+Lists the namespaces the store holds; given a deployment (its SGLang extra-config and/or the
+flags below), says which namespace it uses, whether the store holds it, and otherwise the
+nearest stored namespace and the fields that differ; given prompts, how much of them would
+hit::
+
+    hicache-store doctor file:///var/cache/kv --extra-config @extra.json \\
+        --model-id /models/llama --page-size 64 --topology tp=4,pp=1 --prompts prompts.jsonl
+
+Inputs not given are taken from the stored namespaces (so they never count as differences).
+Exit code 0 when no deployment is given or the store holds its namespace, 1 when it does not.
+Library: ``hicache_store.ops.doctor``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from hicache_store._sync import run_sync
+from hicache_store.cli import UsageError, doc_summary
+from hicache_store.layout.namespace import HASH_ALGOS, ModelShape, Namespace
+from hicache_store.layout.topology import Topology
+from hicache_store.ops.config import layered, require, resolve
+from hicache_store.ops.store import open_store
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "doctor", help="why a deployment does (not) hit: stored namespaces vs the deployment's",
+        description=doc_summary(__doc__),
+    )
+    parser.add_argument("url", nargs="?", default=None,
+                        help="backend URL, e.g. file:///var/cache/kv (or HICACHE_STORE_URL)")
+    dep = parser.add_argument_group(
+        "the deployment (any subset; what is not given is taken from the stored namespaces)")
+    dep.add_argument("--extra-config", metavar="JSON|@FILE",
+                     help="the deployment's SGLang --hicache-storage-backend-extra-config")
+    dep.add_argument("--model-id", metavar="ID",
+                     help="SGLang's served model name (default there: its --model-path as given)")
+    dep.add_argument("--dtype", help="KV dtype (bfloat16, float16, float8_e4m3fn, ...)")
+    dep.add_argument("--page-size", type=int, help="tokens per page (SGLang's --page-size)")
+    dep.add_argument("--grid", metavar="LxH", help="partition grid, e.g. 1x1 or 30x2")
+    dep.add_argument("--tenant-salt", help="tenant salt")
+    dep.add_argument("--topology", default="tp=1,pp=1",
+                     help="the deployment's TP x PP (default: tp=1,pp=1); decides the default "
+                     "grid and which ranks the prompt check asks")
+    dep.add_argument("--layers", type=int, help="model layers (with --kv-heads, --head-dim)")
+    dep.add_argument("--kv-heads", type=int, help="KV heads of the model")
+    dep.add_argument("--head-dim", type=int, help="head dimension")
+    dep.add_argument("--hash-algo", default="sha256", choices=list(HASH_ALGOS),
+                     help="page-hash algorithm (default: sha256, as SGLang)")
+    src = parser.add_argument_group("prompts")
+    src.add_argument("--prompts", action="append", default=[], metavar="FILE",
+                     help="JSONL (text / messages / input_ids per line) or text file; repeatable")
+    src.add_argument("--tokenizer", metavar="DIR",
+                     help="local Hugging Face tokenizer for text prompts (input_ids need none)")
+    parser.add_argument("--json", action="store_true", help="print the findings as JSON")
+    layered(parser, section="doctor")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    resolve(args)
+    url = require(args, "url", "a backend URL")
+    from hicache_store.ops.deployment import Deployment, merge_extra_config
+    from hicache_store.ops.doctor import diagnose
+
+    try:
+        topology = Topology.parse(args.topology)
+        config = merge_extra_config(args.extra_config, {
+            "tenant_salt": ("--tenant-salt", args.tenant_salt),
+            "model": ("--model-id", args.model_id),
+            "grid": ("--grid", args.grid),
+            "kv_dtype": ("--dtype", args.dtype),
+        })
+        shape_flags = (args.layers, args.kv_heads, args.head_dim)
+        if any(v is not None for v in shape_flags) and None in shape_flags:
+            raise ValueError("give all of --layers, --kv-heads and --head-dim, or none")
+        shape = None if args.layers is None else ModelShape.mha(
+            args.layers, args.kv_heads, args.head_dim)
+        if args.page_size is not None and args.page_size < 1:
+            raise ValueError(f"--page-size must be positive, got {args.page_size}")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    given = args.extra_config or any(v is not None for v in (
+        args.model_id, args.dtype, args.page_size, args.grid, args.tenant_salt, shape))
+    deployment = Deployment(config=config, page_size=args.page_size, topology=topology,
+                            shape=shape, hash_algo=args.hash_algo) if given else None
+    if args.prompts and deployment is None:
+        raise UsageError("--prompts needs a deployment (--extra-config or the flags)")
+    prompts = _prompts(args) if args.prompts else []
+
+    async def go() -> Any:
+        backend = open_store(url)
+        try:
+            return await diagnose(backend, deployment, prompts)
+        finally:
+            await backend.close()
+
+    found = run_sync(go())
+    if args.json:
+        print(json.dumps(_as_json(found), indent=2))
+    else:
+        print("\n".join(_report(url, found, deployment is not None)))
+    return 0 if deployment is None or found.found else 1
+
+
+def _prompts(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
+    from hicache_store.ops.sources import HFTokenizer, PromptError, load_prompts
+
+    tokenizer = HFTokenizer(args.tokenizer) if args.tokenizer else None
+    out = []
+    try:
+        for prompt in load_prompts(args.prompts):
+            if prompt.input_ids is not None:
+                out.append((prompt.origin, list(prompt.input_ids)))
+            elif tokenizer is None:
+                raise UsageError(f"{prompt.origin}: a text prompt needs --tokenizer DIR")
+            else:
+                out.append((prompt.origin, tokenizer.tokenize(prompt)))
+    except PromptError as exc:
+        raise UsageError(str(exc)) from None
+    return out
+
+
+def _describe(ns: Namespace) -> str:
+    dims = (f"{ns.num_layers} layers x {ns.num_kv_heads} KV heads x {ns.head_dim}"
+            if ns.kv_kind == "mha" else f"{ns.num_layers} layers, MLA dim {ns.head_dim}")
+    salt = "salted" if ns.tenant_salt else "no salt"
+    return (f"{ns.digest}  {ns.model}  {ns.dtype}  page {ns.page_size}  grid {ns.grid}  "
+            f"{dims}  {salt}")
+
+
+def _report(url: str, found: Any, has_deployment: bool) -> list[str]:
+    lines = []
+    if not found.listing:
+        lines.append(f"{url}: this backend cannot list keys; only the deployment's own "
+                     "manifest was looked up")
+    else:
+        lines.append(f"{url}: {len(found.namespaces)} namespace(s)")
+        lines += [f"  {_describe(ns)}" for ns in found.namespaces]
+        lines += [f"  {key}: unreadable manifest" for key in found.unreadable]
+    if not has_deployment:
+        return lines
+    if found.deployment is None:
+        lines.append("deployment: its namespace cannot be derived (no stored namespace to "
+                     "complete it from; give --layers/--kv-heads/--head-dim, --dtype, "
+                     "--page-size and --model-id)")
+    elif found.found:
+        lines.append(f"deployment: namespace {found.deployment.digest}, stored")
+    else:
+        lines.append(f"deployment: namespace {found.deployment.digest}, NOT in the store")
+        if found.nearest is not None:
+            lines.append(f"  nearest stored: {found.nearest.digest}; differs in:")
+            lines += [f"    {d}" for d in found.differences]
+    if found.prompts:
+        total, hit = found.prompt_tokens, found.hit_tokens
+        share = 100.0 * hit / total if total else 0.0
+        lines.append(f"prompts: {len(found.prompts)}, {total} tokens; {hit} would hit "
+                     f"({share:.1f}%) with {found.deployment.digest if found.deployment else '?'}")
+        lines += [f"  {p.origin}: {p.hit_tokens}/{p.tokens} tokens" for p in found.prompts]
+    return lines
+
+
+def _as_json(found: Any) -> dict[str, Any]:
+    return {
+        "listing": found.listing,
+        "namespaces": [ns.to_json() for ns in found.namespaces],
+        "unreadable_manifests": found.unreadable,
+        "deployment": None if found.deployment is None else found.deployment.to_json(),
+        "found": found.found,
+        "nearest": None if found.nearest is None else found.nearest.digest,
+        "differences": [{"field": d.field, "description": str(d)} for d in found.differences],
+        "prompts": [vars(p) for p in found.prompts],
+        "prompt_tokens": found.prompt_tokens,
+        "hit_tokens": found.hit_tokens,
+    }

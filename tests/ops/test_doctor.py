@@ -1,0 +1,111 @@
+"""``hicache-store doctor``: stored namespaces, the deployment's, what differs, what would hit."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from hicache_store.cli import main
+
+from .conftest import write_jsonl
+
+PROMPT = list(range(1, 31))  # 7 full pages of 4, and 2 tokens never stored
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    for name in [n for n in os.environ if n.startswith("HICACHE_STORE_")]:
+        monkeypatch.delenv(name)
+
+
+def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    url = f"file://{tmp_path / 'kv'}"
+    prompts = write_jsonl(tmp_path / "stored.jsonl", [{"input_ids": PROMPT}])
+    code, _, err = cli(["prepopulate", url, "--mini-engine", "tiny", "--model-id", "org/model",
+                        "--prompts", str(prompts), "--page-size", "4", "--no-progress"], capsys)
+    assert code == 0, err
+    return url
+
+
+def test_lists_the_stored_namespaces(store: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(["doctor", store, "--json"], capsys)
+    assert code == 0
+    found = json.loads(out)
+    (ns,) = found["namespaces"]
+    assert (ns["model"], ns["dtype"], ns["page_size"]) == ("org/model", "float32", 4)
+    assert found["deployment"] is None
+
+
+def test_the_same_deployment_is_found_and_prompts_hit(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = write_jsonl(tmp_path / "ask.jsonl", [
+        {"input_ids": [*PROMPT[:17], 500, 501]},  # shares 4 pages with the stored prompt
+        {"input_ids": [9, 9, 9, 9, 9, 9, 9, 9]},  # never stored
+    ])
+    code, out, err = cli(["doctor", store, "--model-id", "org/model", "--page-size", "4",
+                          "--dtype", "float32", "--prompts", str(prompts), "--json"], capsys)
+    assert code == 0, err
+    found = json.loads(out)
+    assert found["found"] and found["differences"] == []
+    assert [(p["tokens"], p["hit_tokens"]) for p in found["prompts"]] == [(19, 16), (8, 0)]
+    assert (found["prompt_tokens"], found["hit_tokens"]) == (27, 16)
+
+
+def test_a_deployment_that_would_miss_names_the_fields_that_differ(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # SGLang serving the model by its path, with the README's grid and a tenant salt: the
+    # three reasons a populated store gives zero hits.
+    extra = tmp_path / "extra.json"
+    extra.write_text(json.dumps({"url": store, "grid": "1x1", "tenant_salt": "acme"}))
+    prompts = write_jsonl(tmp_path / "ask.jsonl", [{"input_ids": PROMPT}])
+    code, out, err = cli(["doctor", store, "--extra-config", f"@{extra}", "--model-id",
+                          "/models/tiny", "--page-size", "4", "--prompts", str(prompts)], capsys)
+    assert code == 1, err
+    assert "NOT in the store" in out
+    assert "model: deployment /models/tiny, stored org/model" in out
+    assert "grid: deployment 1x1, stored 4x2" in out
+    assert "tenant_salt: deployment set, stored not set" in out
+    assert "dtype" not in out.split("differs in:")[1]  # not given: taken from the store
+    assert "0 would hit (0.0%)" in out
+
+
+def test_another_topology_gets_another_default_grid(
+    store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The adapter's default grid is the coarsest the deployment's own topology can write:
+    # TP 2 over 2 KV heads gives 4x1, not the 4x2 a TP 1 writer stored.
+    code, out, _ = cli(["doctor", store, "--model-id", "org/model", "--topology", "tp=2,pp=1",
+                        "--json"], capsys)
+    assert code == 1
+    (diff,) = json.loads(out)["differences"]
+    assert diff["description"] == "grid: deployment 4x1, stored 4x2"
+
+
+def test_usage_errors(store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}])
+    for argv, message in (
+        (["doctor", store, "--layers", "4"], "give all of --layers"),
+        (["doctor", store, "--prompts", str(text)], "--prompts needs a deployment"),
+        (["doctor", store, "--model-id", "m", "--prompts", str(text)], "needs --tokenizer"),
+        (["doctor", store, "--extra-config", '{"tenant-salt": 1}'], "did you mean"),
+    ):
+        code, _, err = cli(argv, capsys)
+        assert code == 2, argv
+        (line,) = err.strip().splitlines()
+        assert message in line
