@@ -77,6 +77,7 @@ from hicache_store.objects import Frame, IOStats, L3Link
 
 from ._sglang_config import AdapterConfig
 from ._sglang_metrics import AdapterMetrics
+from ._sglang_namespace import NamespaceWatch
 from ._sglang_pool import PoolGeometry, describe_host_pool, page_view
 from ._sglang_v2 import KV_POOL, check_pool, pool_name, transfer_result
 
@@ -265,6 +266,9 @@ class HiCacheStoreStorage(_HiCacheStorage):
             )
         host.check_against(layout)
         plan = link.write_plan
+        # Before _registered is set: data calls (other threads) use the watch once it is.
+        self._watch = NamespaceWatch(self.backend, namespace, self._run_startup)
+        manifest = self._watch.at_start(writes=link.can_write)
         self._registered = _Registered(
             geometry=geometry,
             host=host,
@@ -278,7 +282,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         self._spares.make(self._read_staging(self._registered)[2])
         log.info(
             "hicache-store: %s on %s, namespace %s (%s %s, %d layers, %d KV heads x %d, "
-            "page %d, grid %s, salt %s), %s rank %d, %s",
+            "page %d, grid %s, salt %s; manifest %s in the store), %s rank %d, %s",
             type(self).__name__,
             self.config.backend.get("url", self.config.backend.get("backend")),
             namespace.digest,
@@ -290,6 +294,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             namespace.page_size,
             grid,
             "set" if namespace.tenant_salt else "none",
+            manifest,
             topology,
             rank,
             "writes" if link.can_write else "reads only",
@@ -304,9 +309,12 @@ class HiCacheStoreStorage(_HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many pages from the start are stored whole for this rank (0 on any error)."""
-        return self._guard(
-            "exists", 0, lambda reg: self._run(reg.link.exists_prefix(list(keys)), reg)
-        )
+        def go(reg: _Registered) -> int:
+            hits = self._run(reg.link.exists_prefix(list(keys)), reg)
+            self._watch.observe(hits, len(keys))
+            return hits
+
+        return self._guard("exists", 0, go)
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
@@ -534,6 +542,9 @@ class HiCacheStoreStorage(_HiCacheStorage):
             self._count(f"{op}_errors")
             log.warning("hicache-store: %s failed: %r", op, exc)
             return failed
+
+    def _run_startup(self, coro: Coroutine[Any, Any, T]) -> T:
+        return _sync.run_sync(coro, timeout=self.config.io_timeout_s)
 
     def _run(self, coro: Coroutine[Any, Any, T], reg: _Registered) -> T:
         return _sync.run_sync(coro, timeout=reg.link.io_timeout_s * 2 + 5)

@@ -183,22 +183,26 @@ class Deployment:
     def differences(self, stored: Namespace) -> list[Difference]:
         """The fields in which this deployment's namespace differs from ``stored`` (unknown
         inputs are taken from ``stored``, so they never differ). Empty: the same namespace."""
-        mine = self.completed_by(stored)
-        out: list[Difference] = []
-        # Fields past version 1 (key_scheme, layer_starts) appear only when set: compare the
-        # union, a missing one at its default.
-        defaults: dict[str, Any] = {"key_scheme": "hicache", "layer_starts": None}
-        ours, theirs = dict(mine.canonical_fields()), dict(stored.canonical_fields())
-        for name in [*ours, *(n for n in theirs if n not in ours)]:
-            value, other = ours.get(name, defaults.get(name)), theirs.get(name, defaults.get(name))
-            if value == other:
-                continue
-            if name in ("layers_per_chunk", "heads_per_group", "layer_starts"):  # as the grid
-                if not any(d.field == "grid" for d in out):
-                    out.append(Difference("grid", mine.grid, stored.grid))
-                continue
-            out.append(Difference(name, value, other))
-        return out
+        return namespace_differences(self.completed_by(stored), stored)
+
+
+def namespace_differences(mine: Namespace, stored: Namespace) -> list[Difference]:
+    """The fields in which two namespaces differ, in canonical order (the grid as one field)."""
+    out: list[Difference] = []
+    # Fields past version 1 (key_scheme, layer_starts) appear only when set: compare the
+    # union, a missing one at its default.
+    defaults: dict[str, Any] = {"key_scheme": "hicache", "layer_starts": None}
+    ours, theirs = dict(mine.canonical_fields()), dict(stored.canonical_fields())
+    for name in [*ours, *(n for n in theirs if n not in ours)]:
+        value, other = ours.get(name, defaults.get(name)), theirs.get(name, defaults.get(name))
+        if value == other:
+            continue
+        if name in ("layers_per_chunk", "heads_per_group", "layer_starts"):  # as the grid
+            if not any(d.field == "grid" for d in out):
+                out.append(Difference("grid", mine.grid, stored.grid))
+            continue
+        out.append(Difference(name, value, other))
+    return out
 
 
 def _replication(shape: ModelShape) -> str:

@@ -375,7 +375,8 @@ def test_mla_rank0_writes_every_rank_reads(url: str, tmp_path: Path) -> None:
     assert stores[1].batch_set_v1(keys, slots([0, 1, 2])) == [True] * 3  # not its to write
     assert stores[1].batch_exists(keys) == 0
     assert stores[0].batch_set_v1(keys, slots([0, 1, 2])) == [True] * 3
-    objects = [p for p in (tmp_path / "kv" / "objects").rglob("*") if p.is_file()]
+    objects = [p for p in (tmp_path / "kv" / "objects").rglob("*")
+               if p.is_file() and not p.name.startswith("M_")]  # M_: the namespace manifest
     assert len(objects) == 3
     for tp_rank, lay in ((0, "layer_first"), (1, "page_first_direct"), (1, "layer_first")):
         dst = StandInPool(lay, mla=True)
@@ -636,3 +637,50 @@ def test_adapter_and_operator_tools_derive_the_same_namespace(
                             dtype="bfloat16", page_size=P, topology=Topology(tp, 1))
     assert store.namespace == deployment.namespace(ModelShape.mha(L, H, D))
     store.close()
+
+
+def test_namespace_reported_at_start_and_manifest_written(
+    url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from hicache_store import sync
+    from hicache_store.ops.manifest import list_manifests
+
+    pool = StandInPool("page_first")
+    with caplog.at_level("INFO", logger="hicache_store.integrations.sglang"):
+        first = adapter(pool, url=url)
+        second = adapter(pool, url=url)
+    infos = [r.getMessage() for r in caplog.records if "namespace" in r.getMessage()]
+    assert "manifest stored now in the store" in infos[0]
+    assert "manifest stored in the store" in infos[1]
+    assert first.namespace is not None
+    assert sync.run(list_manifests(first.backend)) == [f"M_{first.namespace.digest}"]
+    first.close()
+    second.close()
+
+
+def test_keeps_missing_while_the_store_holds_the_model_warns_once(
+    url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from hicache_store.integrations._sglang_namespace import MISSES_BEFORE_CHECK
+
+    pool = StandInPool("page_first")
+    pool.put(0, random_pages(1)[0])
+    writer = adapter(pool, url=url, model="org/model")
+    assert writer.batch_set_v1(keys_for(1), slots([0])) == [True]
+    # The same model served by its path, as SGLang names it by default: another namespace.
+    reader = adapter(pool, url=url, model="/models/org-model")
+    with caplog.at_level("WARNING", logger="hicache_store.integrations.sglang"):
+        for _ in range(MISSES_BEFORE_CHECK + 5):
+            assert reader.batch_exists(keys_for(1)) == 0
+    (warning,) = [r.getMessage() for r in caplog.records if "found nothing" in r.getMessage()]
+    assert f"{MISSES_BEFORE_CHECK} lookups" in warning
+    assert "model: deployment /models/org-model, stored org/model" in warning
+    assert "hicache-store doctor" in warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hicache_store.integrations.sglang"):
+        for _ in range(MISSES_BEFORE_CHECK + 1):  # a deployment that hits never warns
+            assert writer.batch_exists(keys_for(1)) == 1
+            assert writer.batch_exists(keys_for(3, salt="new")) == 0
+    assert not [r for r in caplog.records if "found nothing" in r.getMessage()]
+    writer.close()
+    reader.close()
