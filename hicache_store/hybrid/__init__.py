@@ -18,7 +18,14 @@
 
 from __future__ import annotations
 
-from .cache import RECURRENT, HybridCache, HybridMetrics, HybridPrepared, HybridRequest
+from .cache import (
+    RECURRENT,
+    HybridCache,
+    HybridMetrics,
+    HybridPrepared,
+    HybridRequest,
+    run_request,
+)
 from .components import (
     ComponentSpec,
     HitRule,
@@ -72,5 +79,6 @@ __all__ = [
     "StoreFullError",
     "StoreMetrics",
     "match_components",
+    "run_request",
     "validate_components",
 ]
