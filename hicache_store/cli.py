@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,27 @@ EXIT_USAGE = 2
 
 class UsageError(Exception):
     """Bad flags or arguments detected after parsing: reported on one line, exit code 2."""
+
+
+#: optional packages commands import, and how to install each (one line instead of a traceback).
+INSTALL_HINTS = {
+    "torch": "pip install torch==2.13.0 (the CPU wheel; install it before hicache-store's extras)",
+    "matplotlib": "pip install 'hicache-store[bench]'",
+    "transformers": "pip install 'hicache-store[hf]'",
+    "tokenizers": "pip install 'hicache-store[hf]'",
+}
+
+
+def require_module(name: str, what: str) -> None:
+    """Raise ``UsageError`` now, before any work, if ``name`` cannot be imported."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise UsageError(f"{what} needs {name}: {INSTALL_HINTS.get(name, f'pip install {name}')}")
 
 
 def doc_summary(doc: str | None) -> str | None:
@@ -75,6 +97,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("hicache-store: interrupted", file=sys.stderr)
+        return EXIT_FAILED
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly; point stdout at /dev/null so that
+        # the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED
+    except ModuleNotFoundError as exc:
+        if args.debug or exc.name not in INSTALL_HINTS:
+            raise
+        print(f"hicache-store {args.command}: needs {exc.name}: {INSTALL_HINTS[exc.name]}",
+              file=sys.stderr)
         return EXIT_FAILED
     except Exception as exc:
         if args.debug:

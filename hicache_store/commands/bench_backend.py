@@ -1,9 +1,12 @@
 """``hicache-store bench backend URL``: throughput of a storage backend, next to the raw disk.
 
 Writes ``--objects`` objects of ``--size`` bytes in batches of ``--batch``, then measures, in
-order: write (durable as the URL's ``durability`` says), cold read (page cache dropped first,
-when permitted), warm read (the same again), range read (one ``--range-fraction`` slice from
-the middle of every object) and exists (``--exists-keys`` probes). For local paths it also
+order: write (durable as the URL's ``durability`` says), cold read, warm read (the same again),
+range read (one ``--range-fraction`` slice from the middle of every object) and exists
+(``--exists-keys`` probes). Cold reads: by default only the benchmark's own files leave the page
+cache (``--drop-caches files``: fsync and ``POSIX_FADV_DONTNEED`` per file of a ``file://``
+store, no root needed, nothing else on the machine is touched); ``--drop-caches all`` drops the
+whole machine's page cache (root only, and said on stderr); other backends have nothing to drop. For local paths it also
 measures a raw baseline in the same run on the same filesystem: the same bytes written and read
 by ``--threads`` threads with O_DIRECT (plus ``fdatasync`` per file on write, so both sides are
 durable), and prints the backend/raw ratio.
@@ -23,7 +26,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +40,7 @@ from hicache_store.backends.types import parse_size
 from hicache_store.cli import UsageError
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_BLOCK = 4096  # O_DIRECT's unit of transfer here
 _STAMP = 16  # bytes at the start of each object that identify it
 
 
@@ -59,8 +63,10 @@ def register(subparsers: Any) -> None:
                         help="raw baseline threads (16, the file backend's default pool)")
     parser.add_argument("--baseline", choices=("auto", "no"), default="auto",
                         help="raw O_DIRECT baseline: auto = for file:// URLs (auto)")
-    parser.add_argument("--drop-caches", choices=("auto", "no"), default="auto",
-                        help="drop the page cache before cold reads when permitted (auto)")
+    parser.add_argument("--drop-caches", choices=("files", "all", "no"), default="files",
+                        help="before cold reads: evict only the benchmark's files from the page "
+                        "cache (files, the default), drop the whole machine's page cache (all: "
+                        "root only), or nothing (no)")
     parser.add_argument("--keep", action="store_true", help="keep the objects written")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
@@ -75,7 +81,7 @@ class BenchConfig:
     range_fraction: float = 0.25
     exists_keys: int = 10_000
     threads: int = 16
-    drop_caches: bool = True
+    drop_caches: str = "files"
     keep: bool = False
 
 
@@ -133,13 +139,34 @@ class Progress:
 
 
 def drop_page_cache() -> bool:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False when not permitted."""
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``: the WHOLE machine's page cache, every
+    process's (``--drop-caches all`` only). False when not permitted (not root)."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
     except OSError:
         return False
+    return True
+
+
+def evict_files(paths: Iterable[Path]) -> bool:
+    """Take these files out of the page cache (fsync, then ``POSIX_FADV_DONTNEED``): cold reads
+    of the benchmark's own files, nothing else evicted, no root needed. False when the platform
+    cannot (no ``posix_fadvise``)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return False
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # removed meanwhile, or not ours to read
+        try:
+            os.fsync(fd)  # DONTNEED drops clean pages only
+            advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
     return True
 
 
@@ -243,8 +270,10 @@ class RawBaseline:
     def __init__(self, directory: Path, cfg: BenchConfig) -> None:
         self.dir = directory
         self.cfg = cfg
-        self.srcs = make_buffers(min(cfg.batch, cfg.objects), cfg.size, seed=1)
-        self.dsts = make_buffers(cfg.threads, cfg.size, seed=2)
+        # O_DIRECT moves whole 4 KiB blocks: buffers are rounded up, files cut to size after.
+        self.span = -(-cfg.size // _BLOCK) * _BLOCK
+        self.srcs = make_buffers(min(cfg.batch, cfg.objects), self.span, seed=1)
+        self.dsts = make_buffers(cfg.threads, self.span, seed=2)
 
     def _path(self, i: int) -> str:
         return os.path.join(self.dir, f"{i:08d}")
@@ -257,6 +286,8 @@ class RawBaseline:
             done = 0
             while done < len(view):
                 done += os.pwrite(fd, view[done:], done)
+            if self.span != self.cfg.size:
+                os.ftruncate(fd, self.cfg.size)
             os.fdatasync(fd)
         finally:
             os.close(fd)
@@ -266,7 +297,7 @@ class RawBaseline:
         try:
             view = self.dsts[slot]
             done = 0
-            while done < len(view):
+            while done < self.cfg.size:
                 got = os.preadv(fd, [view[done:]], done)
                 if got == 0:
                     raise RuntimeError("short raw read")
@@ -314,8 +345,27 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         objects=args.objects, size=size, batch=args.batch, range_fraction=args.range_fraction,
         exists_keys=args.exists_keys, threads=args.threads,
-        drop_caches=args.drop_caches == "auto", keep=args.keep,
+        drop_caches=args.drop_caches, keep=args.keep,
     )
+
+
+def _cold_read_preparation(
+    mode: str, files: Callable[[], list[Path]] | None
+) -> Callable[[], bool] | None:
+    """What runs before each cold read (see ``--drop-caches``); ``files`` lists the benchmark's
+    own files (None: the backend has no files)."""
+    if mode == "all":
+        def drop_all() -> bool:
+            dropped = drop_page_cache()
+            print("bench backend: " + ("dropped the whole machine's page cache (--drop-caches "
+                  "all)" if dropped else "could not drop the page cache (--drop-caches all "
+                  "needs root)"), file=sys.stderr)
+            return dropped
+
+        return drop_all
+    if mode == "files" and files is not None:
+        return lambda: evict_files(files())
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -326,8 +376,14 @@ def run(args: argparse.Namespace) -> int:
         baseline = RawBaseline(root / f"bench-raw-{os.getpid()}", cfg)
     store = open_backend(args.url)
     progress = Progress(enabled=not args.quiet and sys.stderr.isatty())
-    drop = drop_page_cache if cfg.drop_caches else None
     run_id = os.urandom(4).hex()
+    path_of = getattr(store, "path_of", None)  # file-based backends: where each object lives
+
+    def own_files() -> list[Path]:
+        paths = [Path(path_of(object_key(run_id, i))) for i in range(cfg.objects)] if path_of else []
+        return paths + (sorted(baseline.dir.iterdir()) if baseline is not None else [])
+
+    drop = _cold_read_preparation(cfg.drop_caches, own_files if path_of or baseline else None)
     try:
         raw_write = raw_read = None
         if baseline is not None:
@@ -351,6 +407,7 @@ def run(args: argparse.Namespace) -> int:
         "objects": cfg.objects,
         "object_bytes": cfg.size,
         "batch": cfg.batch,
+        "drop_caches": cfg.drop_caches,
         "baseline": None if baseline is None else f"O_DIRECT, {cfg.threads} threads, fdatasync",
         "measures": [m.as_dict() for m in measures],
     }

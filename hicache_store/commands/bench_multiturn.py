@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hicache_store.cli import UsageError
+from hicache_store.cli import UsageError, require_module
+from hicache_store.ops.progress import ProgressBar
 
 
 def register(subparsers: Any) -> None:
@@ -75,7 +76,9 @@ def register(subparsers: Any) -> None:
     )
     policy.add_argument("--host-mode", default="cache", choices=["cache", "buffer_only"])
     out = parser.add_argument_group("output")
-    out.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
+    out.add_argument("--json", type=Path, metavar="PATH",
+                     help="write results as JSON to PATH (- for stdout; the table then goes to "
+                     "stderr)")
     out.add_argument("--chart", type=Path, metavar="PATH", help="write a PNG chart")
     out.add_argument("--no-progress", action="store_true")
     parser.add_argument(
@@ -89,6 +92,10 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Up front, not after the whole benchmark has run.
+    require_module("torch", "bench multiturn")
+    if args.chart:
+        require_module("matplotlib", "--chart")
     from hicache_store.bench.hybrid import hybrid_config, run_hybrid_setup
     from hicache_store.bench.multiturn import default_setups, fresh_directory, run_setup
     from hicache_store.bench.multiturn import write_chart as draw
@@ -154,11 +161,12 @@ def run(args: argparse.Namespace) -> int:
     )
     summaries = []
     for setup in setups:
+        # Redraws one line on a terminal; plain lines every few seconds into logs and pipes.
+        bar = ProgressBar(total, "requests", label=f"  {setup.name:<9}",
+                          enabled=not args.no_progress)
 
-        def progress(done: int, name: str = setup.name) -> None:
-            if not args.no_progress:
-                bar = "#" * (30 * done // total)
-                print(f"\r  {name:<9} [{bar:<30}] {done}/{total}", end="", file=sys.stderr)
+        def progress(done: int, bar: ProgressBar = bar) -> None:
+            bar.update(done, final=done >= total)
 
         if hybrid is not None:
             result = run_hybrid_setup(
@@ -172,16 +180,21 @@ def run(args: argparse.Namespace) -> int:
             )
         else:
             result = run_setup(model, spec, setup, args.page_size, options, progress)
-        if not args.no_progress:
-            print(file=sys.stderr)
+        bar.close()
         summaries.append(result.summary())
-    print(render_table(summaries))
+    to_stdout = args.json is not None and str(args.json) == "-"
+    table = sys.stderr if to_stdout else sys.stdout  # stdout carries the JSON alone then
+    print(render_table(summaries), file=table)
     if hybrid is not None:
-        print()
-        print(render_components(summaries))
+        print(file=table)
+        print(render_components(summaries), file=table)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"workload": vars(spec), "results": summaries}, indent=2))
+        data = json.dumps({"workload": vars(spec), "results": summaries}, indent=2)
+        if to_stdout:
+            print(data)
+        else:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(data)
     if args.chart:
         args.chart.parent.mkdir(parents=True, exist_ok=True)
         draw(summaries, args.chart)
