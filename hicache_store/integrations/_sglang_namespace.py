@@ -3,8 +3,8 @@
 A populated store that never hits is the failure operators cannot see from SGLang: the adapter
 derives a namespace (model id, dtype, page size, grid, salt, ...) and a store prepopulated or
 written under another one simply has no objects for it. So, at registration, the adapter logs
-its namespace and whether the store holds its manifest (a writing rank stores it then, so that
-``hicache-store inspect`` / ``doctor`` see what SGLang writes); and if lookups keep finding
+its namespace and whether the store holds its manifest (a writing rank stores it then, in this
+library's keyspace, so that ``hicache-store inspect`` / ``doctor`` see what SGLang writes); and if lookups keep finding
 nothing (``MISSES_BEFORE_CHECK`` exists calls without a single hit) while the store holds the
 same model (same model id, or same KV shape) under another namespace, it warns once, naming
 the fields that differ and the ``doctor`` command to run.
@@ -47,7 +47,9 @@ class NamespaceWatch:
         try:
             if self._run(read_manifest(self.backend, manifest_key(self.namespace))) is not None:
                 return "stored"
-            if writes:
+            # In SGLang's own keyspace (key_scheme sglang-ukv1) the store holds exactly what
+            # SGLang would write: the manifest is only looked up there, never added.
+            if writes and self.namespace.key_scheme == "hicache":
                 self._run(ensure_manifest(self.backend, self.namespace))
                 return "stored now"
             return "not stored"
