@@ -84,8 +84,9 @@ ROUNDTRIP_SIZES: tuple[int, ...] = (1, 17, 4095, 4096, 4097, 3 * 4096 + 17, 1 <<
 #: the largest object the suite stores: real KV objects are 2-16 MiB.
 LARGE_OBJECT_BYTES = 16 << 20
 #: keys in the large-batch tests: engines ask for hundreds at once (SGLang: 128 per I/O call,
-#: a whole prefetch span per exists call).
-LARGE_BATCH = 300
+#: a whole prefetch span per exists call). 200 keeps the test at a few seconds on a loopback
+#: S3 server, where every key is a request.
+LARGE_BATCH = 200
 #: the public methods ``call_timeout_s`` bounds (the helpers go through them).
 BOUNDED_CALLS: tuple[str, ...] = (
     "exists", "get_into", "get_scatter", "put", "delete", "stat", "put_if_absent", "close",
@@ -727,10 +728,12 @@ class BackendTests(abc.ABC):
         assert await backend.get_into(asked, buffers) == [len(values[i]) for i in order]
         for pos, (buf, i) in enumerate(zip(buffers, order, strict=True)):
             assert bytes(buf) == values[i] + b"\xee" * 8, f"batch position {pos}: wrong bytes"
-        ranges = [ByteRange(i % 10, len(values[i]) - i % 7) for i in order]
+        some = order[:64]  # ranged reads: a batch past 32 keys, in shuffled order too
+        ranges = [ByteRange(i % 10, len(values[i]) - i % 7) for i in some]
         buffers = [bytearray(r.length) for r in ranges]
-        assert await backend.get_into(asked, buffers, ranges) == [r.length for r in ranges]
-        for pos, (buf, i, rng) in enumerate(zip(buffers, order, ranges, strict=True)):
+        assert await backend.get_into([keys[i] for i in some], buffers, ranges) == [
+            r.length for r in ranges]
+        for pos, (buf, i, rng) in enumerate(zip(buffers, some, ranges, strict=True)):
             assert bytes(buf) == values[i][rng.start : rng.end], f"batch position {pos}: wrong range"
         sizes = [None if st is None else st.size for st in await backend.stat(keys)]
         assert sizes == [len(v) for v in values]
