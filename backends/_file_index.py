@@ -70,6 +70,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -141,12 +142,36 @@ class Reservation:
     keys: list[str]
     batch: int
     incoming: int
+    started: float = 0.0  # wall-clock seconds when it was made
 
 
 @dataclass
 class EvictionCount:
     evicted: int = 0
     failed: int = 0
+
+
+class ObjectIndex(Protocol):
+    """What the file backend asks of its index: ``FileIndex`` (shared, on disk) or
+    ``_file_noindex.NoIndex`` (the file system answers). Every method may block on I/O."""
+
+    rebuilt: bool
+    recovered: int
+
+    def exists(self, keys: Sequence[str]) -> list[bool]: ...
+    def exists_if_current(self, keys: Sequence[str]) -> list[bool] | None: ...
+    def key_pages(self, prefix: str) -> Iterator[list[str]]: ...
+    def reserve(self, keys: Sequence[str], sizes: Sequence[int], capacity: int) -> Reservation: ...
+    def make_room(self, capacity: int) -> EvictionCount: ...
+    def settle_put(self, reservation: Reservation) -> None: ...
+    def delete(self, keys: Sequence[str]) -> list[bool]: ...
+    def touch(self, keys: Sequence[str]) -> bool: ...
+    def flush_touches(self) -> None: ...
+    def repair_missing(self, key: str) -> None: ...
+    def adopt(self, keys: Sequence[str]) -> int: ...
+    def totals(self) -> tuple[int, int]: ...
+    def reserved_bytes(self) -> int: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -528,7 +553,7 @@ class FileIndex:
                  owner.token, batch, since)
                 for key, size in zip(keys, sizes, strict=True)
             ])
-        return Reservation(list(keys), batch, incoming)
+        return Reservation(list(keys), batch, incoming, since)
 
     def make_room(self, capacity: int) -> EvictionCount:
         """Evict, in rank order, until the indexed and in-flight bytes fit ``capacity``.
@@ -858,6 +883,18 @@ class FileIndex:
 
     # -- listing and totals --------------------------------------------------------------------------
 
+    def key_pages(self, prefix: str, page: int = 4096) -> Iterator[list[str]]:
+        """The indexed keys starting with ``prefix`` in key order, ``page`` at a time (each page
+        its own short read, so a slow consumer holds nothing open)."""
+        after: str | None = None
+        while True:
+            keys = self.keys_after(prefix, after, page)
+            if keys:
+                yield keys
+            if len(keys) < page:
+                return
+            after = keys[-1]
+
     def keys_after(self, prefix: str, after: str | None, limit: int) -> list[str]:
         """Up to ``limit`` indexed keys starting with ``prefix``, in key order, after ``after``."""
         low = prefix if after is None or after < prefix else after
@@ -932,5 +969,6 @@ def pid_alive(pid: int) -> bool:
 
 
 __all__ = [
-    "EvictionCount", "FileIndex", "Reservation", "fingerprint", "pid_alive", "snapshot_name",
+    "EvictionCount", "FileIndex", "ObjectIndex", "Reservation", "fingerprint", "pid_alive",
+    "snapshot_name",
 ]

@@ -88,7 +88,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import xxhash
 
@@ -96,7 +96,8 @@ from hicache_store.layout.errors import InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer, is_aligned, scratch_block
-from ._file_index import FileIndex, pid_alive
+from ._file_index import FileIndex, ObjectIndex, pid_alive
+from ._file_noindex import NoIndex
 from ._pagecache import SecondTouch, is_cached
 from .base import Backend, scatter_views
 from .errors import (
@@ -110,16 +111,21 @@ from .types import BackendURL, ByteRange, Capabilities, ObjectStat, parse_bool, 
 Durability = Literal["none", "data", "full"]
 DirectIO = Literal["auto", "never"]
 PageCache = Literal["second", "never", "always"]
+IndexKind = Literal["sqlite", "none"]
 DURABILITY_MODES: tuple[str, ...] = ("none", "data", "full")
 DIRECT_IO_MODES: tuple[str, ...] = ("auto", "never")
 PAGE_CACHE_MODES: tuple[str, ...] = ("second", "never", "always")
+INDEX_KINDS: tuple[str, ...] = ("sqlite", "none")
 LAYOUT_FORMAT = "hicache-store/file"
 #: 2: objects plus the shared index in ``index/``. A version-1 root (objects only) is upgraded
 #: at its first open by building the index.
 LAYOUT_VERSION = 2
-_LAYOUT = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, "shard_levels": 2,
-           "index": "sqlite"}
 _LAYOUT_V1 = {"format": LAYOUT_FORMAT, "version": 1, "shard_levels": 2}
+
+
+def _layout(index: str) -> dict[str, object]:
+    """The marker of a version-2 root: every process of a root must use the same index."""
+    return {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, "shard_levels": 2, "index": index}
 #: temp files older than this are stale whoever wrote them (no write lasts an hour).
 STALE_TEMP_SECONDS = 3600.0
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -145,8 +151,13 @@ class FileBackend(Backend):
     ``direct_io`` (auto | never), ``page_cache`` (second | never | always: when a cold read
     fills the page cache), ``create`` (make the root if missing, default True),
     ``lock_timeout`` (seconds to wait for the shared index or a key busy in another process
-    before ``BackendUnavailableError``, default 30).
+    before ``BackendUnavailableError``, default 30), ``index`` (``sqlite``: the shared index,
+    processes on one host; ``none``: no index, for a root several hosts write, see
+    ``_file_noindex``).
     """
+
+    #: the index a root gets when ``index`` is not given.
+    default_index: ClassVar[IndexKind] = "sqlite"
 
     name = "file"
     capabilities = Capabilities(
@@ -171,8 +182,12 @@ class FileBackend(Backend):
         page_cache: PageCache = "second",
         create: bool = True,
         lock_timeout: float = 30.0,
+        index: IndexKind | None = None,
     ) -> None:
         super().__init__()
+        index = self.default_index if index is None else index
+        if index not in INDEX_KINDS:
+            raise ValueError(f"index must be one of {INDEX_KINDS}, got {index!r}")
         if durability not in DURABILITY_MODES:
             raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         if direct_io not in DIRECT_IO_MODES:
@@ -195,13 +210,18 @@ class FileBackend(Backend):
         self._known_dirs: set[str] = set()
         self._second_touch = SecondTouch()
         try:
-            upgrade = self._prepare_root(create)
+            upgrade = self._prepare_root(create, index)
             self.direct_io = direct_io == "auto" and self._probe_direct_io()
             self.removed_temp_files = self._remove_stale_temps()
-            self._index = FileIndex(
-                str(self.root), str(self._objects), self._final_path, token=self._token,
-                durable=durability == "full", lock_timeout=lock_timeout, walk=self._walk,
-            )
+            self.index_kind: IndexKind = index
+            self._index: ObjectIndex
+            if index == "none":
+                self._index = NoIndex(str(self._objects), self._final_path, _list_dir)
+            else:
+                self._index = FileIndex(
+                    str(self.root), str(self._objects), self._final_path, token=self._token,
+                    durable=durability == "full", lock_timeout=lock_timeout, walk=self._walk,
+                )
             if upgrade:
                 self._write_layout()
         except OSError as exc:
@@ -236,9 +256,10 @@ class FileBackend(Backend):
 
     # -- open ---------------------------------------------------------------------------------
 
-    def _prepare_root(self, create: bool) -> bool:
+    def _prepare_root(self, create: bool, index: str) -> bool:
         """Make (or check) the root; True when its layout marker is to be written once the
-        index is ready (a new root, or a version-1 root being upgraded)."""
+        index is ready (a new root, or a version-1 root being upgraded). A root marked for the
+        other index is refused: processes that disagree would each miss the other's objects."""
         if create:
             self._objects.mkdir(parents=True, exist_ok=True)
             self._tmp.mkdir(exist_ok=True)
@@ -252,10 +273,16 @@ class FileBackend(Backend):
             return True
         except ValueError:
             found = None
-        if found == _LAYOUT:
+        if found == _layout(index):
             return False
         if found == _LAYOUT_V1:
             return True
+        if isinstance(found, dict) and found == {**_layout(index), "index": found.get("index")}:
+            raise BackendError(
+                f"{self.root} is used with index={found['index']}; open it with that index "
+                f"(every process of a root must use the same one), not index={index}",
+                backend=self.name, operation="open",
+            )
         raise BackendError(
             f"{marker} describes another layout ({found!r}); refusing to use {self.root}",
             backend=self.name, operation="open",
@@ -263,7 +290,7 @@ class FileBackend(Backend):
 
     def _write_layout(self) -> None:
         tmp = self._tmp / f"{os.getpid()}-{self._token}-layout.tmp"
-        tmp.write_text(json.dumps(_LAYOUT))
+        tmp.write_text(json.dumps(_layout(self.index_kind)))
         os.replace(tmp, self.root / "layout.json")  # racing openers write the same content
 
     def _probe_direct_io(self) -> bool:
@@ -308,15 +335,7 @@ class FileBackend(Backend):
         """``(key, size, mtime)`` of every object file: what a new index is built from."""
         for top in _scandir_dirs(self._objects):
             for sub in _scandir_dirs(top.path):
-                with contextlib.suppress(FileNotFoundError), os.scandir(sub.path) as entries:
-                    for entry in entries:
-                        if not _is_storage_key(entry.name):
-                            continue  # a foreign file: never ours to index or evict
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                        except FileNotFoundError:
-                            continue
-                        yield entry.name, st.st_size, st.st_mtime
+                yield from _list_dir(sub.path)
 
     # -- paths --------------------------------------------------------------------------------
 
@@ -611,17 +630,15 @@ class FileBackend(Backend):
         )
 
     async def _list_prefix(self, prefix: str) -> AsyncIterator[str]:
-        # docstring inherited. From the index, in key order, a page at a time (no walk).
-        after: str | None = None
+        # docstring inherited. From the index in key order, a page at a time (no walk); with
+        # index=none, one shard directory at a time.
+        pages = self._index.key_pages(prefix)
         while True:
-            page = await self._run(
-                self._translated, "list_prefix", None, self._index.keys_after, prefix, after, 4096
-            )
+            page = await self._run(self._translated, "list_prefix", None, next, pages, None)
+            if page is None:
+                return
             for key in page:
                 yield key
-            if len(page) < 4096:
-                return
-            after = page[-1]
 
     async def _close(self) -> None:
         # Running jobs finish (they own their file descriptors); nothing new starts.
@@ -658,6 +675,20 @@ def _is_storage_key(name: str) -> bool:
     except InvalidKeyError:
         return False
     return True
+
+
+def _list_dir(directory: str) -> Iterator[tuple[str, int, float]]:
+    """``(key, size, mtime)`` of the object files in one shard directory (foreign files, never
+    ours to index or evict, are skipped)."""
+    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
+        for entry in entries:
+            if not _is_storage_key(entry.name):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            yield entry.name, st.st_size, st.st_mtime
 
 
 def _scandir_dirs(path: str | os.PathLike[str]) -> Iterator[os.DirEntry[str]]:

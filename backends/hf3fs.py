@@ -16,16 +16,21 @@ a few big preallocated files with an index, as SGLang's hf3fs backend does:
   so each file is already one large I/O that 3FS stripes over its chunks; a slot file would
   save metadata operations but not bytes;
 - the metadata cost per object is small and bounded: a write is create + rename (+ unlink on
-  eviction), a read is one open; ``exists`` never touches 3FS (the index answers), and a
-  directory never holds more than a few hundred entries;
+  eviction), a read is one open, ``exists`` one ``stat``, and a directory never holds more than
+  a few hundred entries;
 - atomic visibility, crash safety, sharing between ranks and nodes, and eviction are then the
   file system's own transactions (3FS metadata lives in FoundationDB: rename is atomic), with
   no index of ours that a crash could tear or that several writers would have to agree on.
 
-Everything the file backend guarantees holds unchanged: temp + rename publish (``link`` for
-``put_if_absent``), ``durability`` modes, capacity bound with chain-aware LRU eviction that goes
-on past an object it cannot delete, stale temp cleanup at open, the shared on-disk index
-(``_file_index``: its processes must run on one host).
+**No index by default** (``index=none``, ``_file_noindex``): a 3FS root is written by several
+hosts, and the file backend's shared index keeps its lock state in memory shared by the
+processes of one host. So ``exists`` is one ``stat`` per key, and the capacity bound and the
+eviction order are sampled (approximate). A root only one host uses may take ``index=sqlite``
+(constant-time open, ``exists`` without metadata lookups, exact chain-aware eviction).
+
+Everything else the file backend guarantees holds unchanged: temp + rename publish (``link`` for
+``put_if_absent``), ``durability`` modes, eviction that goes on past an object it cannot
+delete, stale temp cleanup at open.
 
 **USRBIO I/O.** A batch is one job: open every file, ``register_fd`` each, prepare one ring
 entry per object (or per staging-sized piece), ``submit`` once, ``wait`` for all of them,
@@ -35,7 +40,7 @@ written from directly; any other buffer is copied through a registered staging r
 Writes still go to a temp file, flushed per ``durability``, then renamed.
 
 Options (besides the file backend's ``durability``, ``capacity_bytes``, ``io_threads``,
-``direct_io``, ``create``): ``engine`` (auto | usrbio | posix), ``ring_entries`` (default 1024),
+``direct_io``, ``page_cache``, ``create``, ``index``, ``lock_timeout``): ``engine`` (auto | usrbio | posix), ``ring_entries`` (default 1024),
 ``staging_bytes`` (per direction, default 256 MiB), ``usrbio_timeout`` (seconds, default 60).
 """
 
@@ -113,6 +118,7 @@ class HF3FSBackend(FileBackend):
     """
 
     name = "hf3fs"
+    default_index = "none"
 
     def __init__(
         self,

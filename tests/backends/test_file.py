@@ -40,7 +40,7 @@ class FileOracle:
 
     async def reopen(self, backend: Backend) -> Backend | None:
         assert isinstance(backend, FileBackend)
-        return FileBackend(backend.root, durability=backend.durability)
+        return FileBackend(backend.root, durability=backend.durability, index=backend.index_kind)
 
 
 class TestFileBackend(FileOracle, BackendTests):
