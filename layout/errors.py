@@ -97,3 +97,22 @@ class PayloadChecksumError(CorruptObjectError):
 
 class KeyMismatchError(CorruptObjectError):
     """The header describes another object than the key that was asked for."""
+
+
+class TamperedObjectError(CorruptObjectError):
+    """A sealed object failed authentication: forged, swapped between keys, altered, sealed
+    with a key this reader never had, or a plain object where a sealed one belongs.
+
+    Readers count it as ``tamper`` and treat it as a miss; the bytes are never used.
+    """
+
+
+class MissingKeyError(HiCacheStoreError, ValueError):
+    """A sealed namespace was used without a tenant key ring, or a key ring is malformed.
+
+    Messages name the source (file, line, environment variable), never a secret.
+    """
+
+
+class SealingUnavailableError(HiCacheStoreError, ImportError):
+    """Sealing needs the optional ``cryptography`` package; the message says how to install it."""

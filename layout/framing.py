@@ -23,6 +23,19 @@ Binary format, version 1 (all integers little-endian)::
     120+8n  8     xxh3_64 of bytes [0, 120+8n): the header's own checksum
     ...           zero padding up to the payload offset
 
+Sealed objects (a ``Namespace.sealed`` namespace, ``layout.sealing``) are format version 2:
+the same fixed part, then the key id and salt, and a GCM tag per layer block in place of the
+checksums; the payload is the ciphertext, block for block at the same offsets::
+
+    120     8     key id of the tenant key that sealed it
+    128     16    salt (derives the object's AES key)
+    144     16*n  AES-256-GCM tag of each layer block, in layer order
+    144+16n 8     xxh3_64 of bytes [0, 144+16n): the header's own checksum
+
+Bytes ``[0, 144)`` are part of every block's associated data, so nothing in them can change
+without every block failing authentication; the header checksum still tells accidental
+corruption (``HeaderChecksumError``) from forgery (``TamperedObjectError``).
+
 The parent link lets tools that see only stored objects (``hicache-store gc``) rebuild the
 chains and shorten them from the tail, never leaving a hole in the middle of a cached prefix.
 
@@ -37,26 +50,32 @@ value is checked against explicit bounds before use), and raises one specific
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
 
+from . import sealing
 from .errors import (
     BadMagicError,
     HeaderChecksumError,
     HeaderFieldError,
     KeyMismatchError,
+    MissingKeyError,
     PayloadChecksumError,
+    TamperedObjectError,
     TruncatedObjectError,
     UnsupportedVersionError,
 )
-from .keys import ObjectCoords, ObjectKey, validate_page_hash
+from .keys import ObjectCoords, ObjectKey, format_key, validate_page_hash
 from .namespace import MAX_LAYERS_PER_OBJECT
 
 MAGIC = b"HCSTORE\x00"
 FORMAT_VERSION = 1
+#: the format version of sealed objects.
+SEALED_FORMAT_VERSION = 2
 #: payloads start at a multiple of this (O_DIRECT and page alignment).
 PAYLOAD_ALIGNMENT = 4096
 #: an object's payload can be at most this large (1 TiB: far above any page, catches garbage).
@@ -64,19 +83,26 @@ MAX_PAYLOAD_BYTES = 1 << 40
 _NO_GROUP = 0xFFFFFFFF
 _FIXED = struct.Struct("<8sHHIQ8sBBHIIIII32s32s")
 _FIXED_SIZE = _FIXED.size  # 120
+_SEAL = struct.Struct(f"<{sealing.KEY_ID_BYTES}s{sealing.SALT_BYTES}s")
+_SEALED_FIXED_SIZE = _FIXED_SIZE + _SEAL.size  # 144
 _U64 = struct.Struct("<Q")
 #: anything exposing contiguous bytes through the buffer protocol (numpy arrays work too).
 BytesLike = bytes | bytearray | memoryview
 
 
-def header_bytes_used(num_layers: int) -> int:
-    """Bytes of header content (fixed part, checksum table, header checksum)."""
+def header_bytes_used(num_layers: int, *, sealed: bool = False) -> int:
+    """Bytes of header content (fixed part, checksum or tag table, header checksum)."""
+    if sealed:
+        return _SEALED_FIXED_SIZE + sealing.TAG_BYTES * num_layers + 8
     return _FIXED_SIZE + 8 * num_layers + 8
 
 
-def payload_offset(num_layers: int) -> int:
-    """Where the payload starts for an object of ``num_layers`` layer blocks (4096-aligned)."""
-    used = header_bytes_used(num_layers)
+def payload_offset(num_layers: int, *, sealed: bool = False) -> int:
+    """Where the payload starts for an object of ``num_layers`` layer blocks (4096-aligned).
+
+    Plain and sealed objects of up to 246 layers both start their payload at 4096.
+    """
+    used = header_bytes_used(num_layers, sealed=sealed)
     return -(-used // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
 
 
@@ -90,7 +116,9 @@ class ObjectHeader:
     """A decoded header. ``block_checksums[i]`` covers layer ``coords.layer_start + i``.
 
     ``parent_hash`` is the previous page of the chain, or None when the writer did not know it
-    (or this is a chain's first page).
+    (or this is a chain's first page). A sealed header has ``key_id``, ``salt``,
+    ``block_tags`` (one GCM tag per layer block) and ``sealed_fixed`` (its bytes ``[0, 144)``,
+    the blocks' associated data) instead of ``block_checksums`` (empty).
     """
 
     namespace_digest: str
@@ -101,10 +129,18 @@ class ObjectHeader:
     payload_length: int
     block_checksums: tuple[int, ...]
     parent_hash: str | None = None
+    key_id: str | None = None
+    salt: bytes | None = None
+    block_tags: tuple[bytes, ...] = ()
+    sealed_fixed: bytes = b""
+
+    @property
+    def sealed(self) -> bool:
+        return self.key_id is not None
 
     @property
     def num_blocks(self) -> int:
-        return len(self.block_checksums)
+        return self.coords.num_layers
 
     @property
     def block_length(self) -> int:
@@ -148,12 +184,19 @@ def encode_header(
     *,
     block_checksums: Sequence[int] | None = None,
     parent_hash: str | None = None,
+    seal: sealing.TenantKey | None = None,
+    salt: bytes | None = None,
 ) -> bytes:
     """The header (padded to the payload offset) for ``payload`` stored under ``key``.
 
     The payload is split into one block per layer of ``key.coords``. Pass precomputed
     ``block_checksums`` to avoid hashing twice, and the chain's previous page hash as
     ``parent_hash`` when known. ``decode_header`` is the inverse.
+
+    With ``seal`` (a tenant key) the object is sealed (format version 2): ``payload`` is
+    **encrypted in place** (it must be writable; it then holds the ciphertext to store after
+    the header) and the header carries the key id, a random salt (or ``salt``, for tests) and
+    the blocks' tags. ``block_checksums`` does not apply.
     """
     coords = key.coords
     num_blocks = coords.num_layers
@@ -162,19 +205,13 @@ def encode_header(
     length = memoryview(payload).nbytes
     if length == 0 or length % num_blocks or length > MAX_PAYLOAD_BYTES:
         raise ValueError(f"payload of {length} bytes does not split into {num_blocks} layer blocks")
-    sums = (
-        tuple(block_checksums)
-        if block_checksums is not None
-        else checksum_blocks(payload, num_blocks)
-    )
-    if len(sums) != num_blocks:
-        raise ValueError(f"{len(sums)} checksums for {num_blocks} layer blocks")
     raw_hash = bytes.fromhex(key.page_hash)
     raw_parent = b"" if parent_hash is None else bytes.fromhex(validate_page_hash(parent_hash))
-    offset = payload_offset(num_blocks)
+    sealed = seal is not None
+    offset = payload_offset(num_blocks, sealed=sealed)
     fixed = _FIXED.pack(
         MAGIC,
-        FORMAT_VERSION,
+        SEALED_FORMAT_VERSION if sealed else FORMAT_VERSION,
         kv_planes,
         offset,
         length,
@@ -190,16 +227,45 @@ def encode_header(
         raw_hash.ljust(32, b"\x00"),
         raw_parent.ljust(32, b"\x00"),
     )
-    body = fixed + b"".join(_U64.pack(s) for s in sums)
+    if seal is not None:
+        if block_checksums is not None:
+            raise ValueError("a sealed object has tags, not checksums")
+        salt = os.urandom(sealing.SALT_BYTES) if salt is None else salt
+        fixed += _SEAL.pack(bytes.fromhex(seal.key_id), salt)
+        tags = sealing.seal_blocks(
+            seal.object_cipher_key(salt),
+            sealing.associated_data(format_key(key), fixed),
+            memoryview(payload),
+            num_blocks,
+        )
+        body = fixed + b"".join(tags)
+    else:
+        sums = (
+            tuple(block_checksums)
+            if block_checksums is not None
+            else checksum_blocks(payload, num_blocks)
+        )
+        if len(sums) != num_blocks:
+            raise ValueError(f"{len(sums)} checksums for {num_blocks} layer blocks")
+        body = fixed + b"".join(_U64.pack(s) for s in sums)
     body += _U64.pack(xxhash.xxh3_64_intdigest(body))
     return body.ljust(offset, b"\x00")
 
 
 def encode_object(
-    key: ObjectKey, payload: BytesLike, kv_planes: int, *, parent_hash: str | None = None
+    key: ObjectKey,
+    payload: BytesLike,
+    kv_planes: int,
+    *,
+    parent_hash: str | None = None,
+    seal: sealing.TenantKey | None = None,
 ) -> bytes:
-    """Header and payload as one bytes object (convenient for small objects and tests)."""
-    return encode_header(key, payload, kv_planes, parent_hash=parent_hash) + bytes(payload)
+    """Header and payload as one bytes object (convenient for small objects and tests).
+
+    ``payload`` is left as it is (sealing works on a copy).
+    """
+    body = bytearray(payload) if seal is not None else payload
+    return encode_header(key, body, kv_planes, parent_hash=parent_hash, seal=seal) + bytes(body)
 
 
 def decode_header(
@@ -207,13 +273,20 @@ def decode_header(
     *,
     expected: ObjectKey | None = None,
     object_length: int | None = None,
+    sealed: bool | None = None,
 ) -> ObjectHeader:
     """Decode and check the header at the start of ``data``.
 
     ``data`` must hold at least the whole header, padding included (``payload_offset`` bytes;
-    fewer raise ``TruncatedObjectError``), and the padding must be zero. With ``expected``, the header must describe exactly that key
-    (``KeyMismatchError`` otherwise). With ``object_length`` (the stored object's size), the
-    payload must end exactly there (``TruncatedObjectError`` / ``HeaderFieldError``).
+    fewer raise ``TruncatedObjectError``), and the padding must be zero. With ``expected``, the
+    header must describe exactly that key (``KeyMismatchError`` otherwise). With
+    ``object_length`` (the stored object's size), the payload must end exactly there
+    (``TruncatedObjectError`` / ``HeaderFieldError``).
+
+    ``sealed`` is what the reader's namespace says: True refuses a plain object
+    (``TamperedObjectError``: anyone can write one under a sealed namespace's key), False
+    refuses a sealed one (``UnsupportedVersionError``); None (tools) accepts both. Decoding
+    checks a sealed header's structure only: ``verify_blocks`` authenticates.
     """
     view = memoryview(data).cast("B")
     if len(view) < 8 or bytes(view[:8]) != MAGIC:
@@ -240,15 +313,21 @@ def decode_header(
         raw_hash,
         raw_parent,
     ) = _FIXED.unpack_from(view)
-    if version != FORMAT_VERSION:
+    if version not in (FORMAT_VERSION, SEALED_FORMAT_VERSION):
         raise UnsupportedVersionError(
-            f"object format version {version} (this reads {FORMAT_VERSION})"
+            f"object format version {version} (this reads {FORMAT_VERSION} and "
+            f"{SEALED_FORMAT_VERSION})"
         )
+    is_sealed = version == SEALED_FORMAT_VERSION
+    if sealed is True and not is_sealed:
+        raise TamperedObjectError("a plain object where the namespace stores sealed ones")
+    if sealed is False and is_sealed:
+        raise UnsupportedVersionError("a sealed object where the namespace stores plain ones")
     if not 1 <= num_blocks <= MAX_LAYERS_PER_OBJECT:
         raise HeaderFieldError(
             f"layer block count {num_blocks} outside [1, {MAX_LAYERS_PER_OBJECT}]"
         )
-    used = header_bytes_used(num_blocks)
+    used = header_bytes_used(num_blocks, sealed=is_sealed)
     if len(view) < used:
         raise TruncatedObjectError(f"header truncated at {len(view)} of {used} bytes")
     stored_sum = _U64.unpack_from(view, used - 8)[0]
@@ -263,9 +342,10 @@ def decode_header(
         raise HeaderFieldError(f"parent hash length {parent_len} is not 0, 16 or 32")
     if hash_len not in (16, 32) or any(raw_hash[hash_len:]):
         raise HeaderFieldError(f"page hash length {hash_len} is neither 16 nor 32")
-    if offset != payload_offset(num_blocks):
+    want_offset = payload_offset(num_blocks, sealed=is_sealed)
+    if offset != want_offset:
         raise HeaderFieldError(
-            f"payload offset {offset} is not {payload_offset(num_blocks)} for {num_blocks} blocks"
+            f"payload offset {offset} is not {want_offset} for {num_blocks} blocks"
         )
     if len(view) < offset:
         raise TruncatedObjectError(f"header truncated at {len(view)} of {offset} bytes")
@@ -281,7 +361,22 @@ def decode_header(
             raise TruncatedObjectError(f"object is {object_length} bytes, header says {end}")
         if object_length > end:
             raise HeaderFieldError(f"object is {object_length} bytes, header says {end}")
-    sums = tuple(_U64.unpack_from(view, _FIXED_SIZE + 8 * i)[0] for i in range(num_blocks))
+    sums: tuple[int, ...] = ()
+    tags: tuple[bytes, ...] = ()
+    key_id: str | None = None
+    salt: bytes | None = None
+    sealed_fixed = b""
+    if is_sealed:
+        raw_key_id, salt = _SEAL.unpack_from(view, _FIXED_SIZE)
+        key_id = raw_key_id.hex()
+        tag = sealing.TAG_BYTES
+        tags = tuple(
+            bytes(view[_SEALED_FIXED_SIZE + tag * i : _SEALED_FIXED_SIZE + tag * (i + 1)])
+            for i in range(num_blocks)
+        )
+        sealed_fixed = bytes(view[:_SEALED_FIXED_SIZE])
+    else:
+        sums = tuple(_U64.unpack_from(view, _FIXED_SIZE + 8 * i)[0] for i in range(num_blocks))
     try:
         coords = ObjectCoords(first, last + 1, None if group == _NO_GROUP else group, component)
     except ValueError as exc:
@@ -295,6 +390,10 @@ def decode_header(
         payload_length=length,
         block_checksums=sums,
         parent_hash=raw_parent[:parent_len].hex() if parent_len else None,
+        key_id=key_id,
+        salt=salt,
+        block_tags=tags,
+        sealed_fixed=sealed_fixed,
     )
     if expected is not None and header.key() != expected:
         raise KeyMismatchError(
@@ -303,12 +402,23 @@ def decode_header(
     return header
 
 
-def verify_blocks(header: ObjectHeader, data: BytesLike, layer_start: int, layer_stop: int) -> None:
-    """Check the checksums of layers ``[layer_start, layer_stop)`` held contiguously in ``data``.
+def verify_blocks(
+    header: ObjectHeader,
+    data: BytesLike,
+    layer_start: int,
+    layer_stop: int,
+    *,
+    key: sealing.TenantKey | None = None,
+) -> None:
+    """Check layers ``[layer_start, layer_stop)`` held contiguously in ``data``.
 
     ``data`` is exactly those layer blocks (as returned by a range read of
-    ``header.block_range(layer_start, layer_stop)``). Raises ``PayloadChecksumError`` naming the
-    first bad layer, or ``TruncatedObjectError`` if ``data`` has the wrong length.
+    ``header.block_range(layer_start, layer_stop)``). Plain objects: the checksums; raises
+    ``PayloadChecksumError`` naming the first bad layer. Sealed objects: authenticates and
+    **decrypts ``data`` in place** with ``key`` (the tenant key whose id the header names;
+    ``MissingKeyError`` without one); raises ``TamperedObjectError`` naming the first layer
+    that fails, and ``data`` is then garbage. A read-only ``data`` is authenticated only.
+    Either way ``TruncatedObjectError`` if ``data`` has the wrong length.
     """
     start, stop = header.block_range(layer_start, layer_stop)
     view = memoryview(data).cast("B")
@@ -317,9 +427,24 @@ def verify_blocks(header: ObjectHeader, data: BytesLike, layer_start: int, layer
             f"layer blocks {layer_start}-{layer_stop - 1}: got {len(view)} bytes, "
             f"expected {stop - start}"
         )
-    step = header.block_length
     first = layer_start - header.coords.layer_start
-    for i in range(layer_stop - layer_start):
+    count = layer_stop - layer_start
+    if header.sealed:
+        if key is None:
+            raise MissingKeyError(f"object {header.key()} is sealed: its tenant key is needed")
+        if key.key_id != header.key_id or header.salt is None:
+            raise ValueError(f"key {key.key_id} is not the object's key {header.key_id}")
+        sealing.open_blocks(
+            key.object_cipher_key(header.salt),
+            sealing.associated_data(format_key(header.key()), header.sealed_fixed),
+            view,
+            header.block_tags[first : first + count],
+            first_block=first,
+            first_layer=layer_start,
+        )
+        return
+    step = header.block_length
+    for i in range(count):
         if block_checksum(view[i * step : (i + 1) * step]) != header.block_checksums[first + i]:
             raise PayloadChecksumError(
                 f"checksum mismatch in layer {layer_start + i}", layer=layer_start + i
@@ -327,11 +452,19 @@ def verify_blocks(header: ObjectHeader, data: BytesLike, layer_start: int, layer
 
 
 def decode_object(
-    data: BytesLike, *, expected: ObjectKey | None = None
+    data: BytesLike,
+    *,
+    expected: ObjectKey | None = None,
+    sealed: bool | None = None,
+    key: sealing.TenantKey | None = None,
 ) -> tuple[ObjectHeader, memoryview]:
-    """Decode a whole object, verify every block, and return the header and payload view."""
+    """Decode a whole object, verify every block, and return the header and payload view.
+
+    ``sealed`` as for ``decode_header``; a sealed object needs ``key`` and is decrypted in
+    place when ``data`` is writable (``verify_blocks``).
+    """
     view = memoryview(data).cast("B")
-    header = decode_header(view, expected=expected, object_length=len(view))
+    header = decode_header(view, expected=expected, object_length=len(view), sealed=sealed)
     payload = view[header.payload_offset :]
-    verify_blocks(header, payload, header.coords.layer_start, header.coords.layer_stop)
+    verify_blocks(header, payload, header.coords.layer_start, header.coords.layer_stop, key=key)
     return header, payload

@@ -179,6 +179,10 @@ class Namespace:
     hash_algo: HashAlgo = "sha256"
     tenant_salt: str = ""
     key_scheme: KeyScheme = "hicache"
+    #: objects are sealed with a tenant key ring (``layout.sealing``): page keys keyed by HMAC,
+    #: payloads encrypted and authenticated (AES-256-GCM) per layer block. Readers without the
+    #: ring find nothing. Part of the digest, so sealed and plain KV never meet.
+    sealed: bool = False
 
     def __post_init__(self) -> None:
         _require_text("model", self.model, allow_empty=False)
@@ -189,6 +193,13 @@ class Namespace:
         _require_choice("hash_algo", self.hash_algo, HASH_ALGOS)
         _require_choice("layout_version", self.layout_version, LAYOUT_VERSIONS)
         _require_choice("key_scheme", self.key_scheme, KEY_SCHEMES)
+        if not isinstance(self.sealed, bool):
+            raise InvalidNamespaceError(f"sealed: expected true or false, got {self.sealed!r}")
+        if self.sealed and self.key_scheme != "hicache":
+            raise InvalidNamespaceError(
+                f"sealed: key scheme {self.key_scheme!r} stores bare objects, which have no "
+                "header to carry a seal; sealed namespaces use the 'hicache' scheme"
+            )
         _require_int("num_layers", self.num_layers, 1, 1 << 16)
         _require_int("num_kv_heads", self.num_kv_heads, 1, 1 << 16)
         _require_int("head_dim", self.head_dim, 1, _MAX_DIM)
@@ -290,8 +301,9 @@ class Namespace:
     def canonical_fields(self) -> list[tuple[str, Any]]:
         """The fields in their canonical order, as plain values (the encoding's input).
 
-        Fields added after version 1 (``key_scheme``, ``layer_starts``) follow only when they
-        differ from their default, so every namespace that existed before keeps its digest.
+        Fields added after version 1 (``key_scheme``, ``layer_starts``, ``sealed``) follow only
+        when they differ from their default, so every namespace that existed before keeps its
+        digest.
         """
         values = {
             "layers_per_chunk": self.grid.layers_per_chunk,
@@ -302,6 +314,8 @@ class Namespace:
             fields.append(("key_scheme", self.key_scheme))
         if self.grid.layer_starts is not None:
             fields.append(("layer_starts", list(self.grid.layer_starts)))
+        if self.sealed:
+            fields.append(("sealed", True))
         return fields
 
     def canonical_encoding(self) -> bytes:
@@ -365,7 +379,7 @@ class Namespace:
         if not isinstance(data, dict):
             raise InvalidNamespaceError("namespace JSON must be an object")
         expected = set(CANONICAL_FIELDS)
-        optional = {"key_scheme", "layer_starts"}
+        optional = {"key_scheme", "layer_starts", "sealed"}
         body = {k: v for k, v in data.items() if k not in ("format", "version", "digest")}
         missing = expected - body.keys()
         unknown = body.keys() - expected - optional

@@ -147,6 +147,8 @@ class ObjectRead:
     layer_start: int
     layer_stop: int
     segments: tuple[Segment, ...]
+    #: the namespace seals its objects (their headers are longer past 246 layers).
+    sealed: bool = False
 
     @property
     def fetch_bytes(self) -> int:
@@ -154,7 +156,7 @@ class ObjectRead:
 
     @property
     def header_bytes(self) -> int:
-        return payload_offset(self.coords.num_layers)
+        return payload_offset(self.coords.num_layers, sealed=self.sealed)
 
     @property
     def is_whole(self) -> bool:
@@ -350,6 +352,7 @@ def plan_reads(namespace: Namespace, topology: Topology, rank: int) -> ReadPlan:
                     layer_start=first,
                     layer_stop=last,
                     segments=(segment,),
+                    sealed=ns.sealed,
                 )
             )
     return ReadPlan(namespace, topology, shard, page, tuple(reads))

@@ -49,6 +49,7 @@ from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology, shard_of
 from hicache_store.objects import IOStats, L3Link
+from hicache_store.tenant import KeyRing
 
 from .config import TierConfig, prefetch_timeout
 from .group import LocalGroup, RankGroup
@@ -219,7 +220,9 @@ class HiCache:
         rank: int = 0,
         group: RankGroup | None = None,
         kernel_backend: KernelBackend = "auto",
+        keys: KeyRing | None = None,
     ) -> None:
+        """``keys``: the tenant key ring of a sealed namespace (``hicache_store.tenant``)."""
         self.namespace = namespace
         self.config = config
         self.pool = device_pool
@@ -252,6 +255,7 @@ class HiCache:
                 rank,
                 max_inflight_bytes=config.max_inflight_bytes,
                 io_timeout_s=config.io_timeout_s,
+                keys=keys,
             )
             self.l3.trusted_hashes = True  # the tier hashes tokens itself
             if self.l3.can_write:
@@ -813,6 +817,7 @@ class HiCache:
             m.prefetch_partial += 1
         m.prefetch_failed_pages += sum(1 for ok in op.done if ok is False)
         m.corruptions += op.io.corruptions
+        m.tampered += op.io.tampered
         m.bytes_l3_to_l2 += op.io.bytes_moved
         m.l3_fetched_bytes += op.io.bytes_fetched
         m.l3_needed_bytes += op.io.bytes_needed

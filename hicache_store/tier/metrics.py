@@ -17,6 +17,7 @@ class TierMetrics:
     ``prefetch_partial``, ``prefetch_timed_out``, ``prefetch_failed_pages``.
     ``backups_dropped``: L3 backups not attempted because the queue was full.
     ``corruptions``: objects that failed verification (served as misses).
+    ``tampered``: objects of a sealed namespace that failed authentication (served as misses).
     """
 
     requests: int = 0
@@ -41,6 +42,7 @@ class TierMetrics:
     backups_l3_failed: int = 0
     backups_dropped: int = 0
     corruptions: int = 0
+    tampered: int = 0
     evictions_l1: int = 0
     evictions_l2: int = 0
     extra: dict[str, float] = field(default_factory=dict)

@@ -83,8 +83,8 @@ def test_bad_magic() -> None:
 
 
 def test_unknown_version() -> None:
-    with pytest.raises(UnsupportedVersionError, match="version 2"):
-        decode_header(edited(8, "<H", 2))
+    with pytest.raises(UnsupportedVersionError, match="version 3"):
+        decode_header(edited(8, "<H", 3))
 
 
 def test_truncated_before_magic_end() -> None:

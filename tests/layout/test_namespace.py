@@ -144,3 +144,17 @@ def test_json_round_trip_property(
         "m", ModelShape.mha(layers, heads, dim), dtype, page, Grid(layers, heads), tenant_salt=salt
     )
     assert Namespace.from_json(json.loads(ns.to_json_text())) == ns
+
+
+def test_sealed_namespaces_have_their_own_digest_and_plain_ones_keep_theirs() -> None:
+    # The digest BASE had before ``sealed`` existed: stored objects keep their keys.
+    assert BASE.digest == "38874e9b2c1b1d58"
+    sealed = dataclasses.replace(BASE, sealed=True)
+    assert sealed.digest != BASE.digest
+    assert "sealed" not in dict(BASE.canonical_fields())
+    data = json.loads(sealed.to_json_text())
+    assert data["sealed"] is True
+    assert Namespace.from_json(data) == sealed
+    assert "sealed" not in BASE.to_json()
+    with pytest.raises(InvalidNamespaceError, match="sealed"):
+        dataclasses.replace(BASE, sealed="yes")  # type: ignore[arg-type]
