@@ -12,6 +12,10 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
                      ``["tp=1,pp=1", "tp=4,pp=2"]``; the grid is the coarsest every one of
                      them and this deployment can write (``suggest_grid``).
 ``tenant_salt``      isolates tenants: different salts never hit each other's KV.
+``tenant_key_file``  a tenant key ring (``hicache_store.tenant``): seals this deployment's KV
+                     (keyed page keys, AES-256-GCM at rest) against other users of the store.
+                     Without it, ``$HICACHE_STORE_TENANT_KEY_FILE`` or
+                     ``$HICACHE_STORE_TENANT_KEY`` are used when set.
 ``model``            the model identity in the namespace (default: SGLang's ``model_name``,
                      the served model path; set it when deployments load one model from
                      different paths). ``model_revision``: an optional weights fingerprint.
@@ -89,6 +93,7 @@ ADAPTER_KEYS = frozenset(
         "grid",
         "share_with",
         "tenant_salt",
+        "tenant_key_file",
         "model",
         "model_revision",
         "kv_dtype",
@@ -130,6 +135,7 @@ class AdapterConfig:
     grid: Grid | None = None
     share_with: tuple[Topology, ...] = ()
     tenant_salt: str = ""
+    tenant_key_file: str | None = None
     model: str | None = None
     model_revision: str = ""
     kv_dtype: str | None = None
@@ -199,6 +205,7 @@ class AdapterConfig:
             grid=grid,
             share_with=tuple(Topology.parse(str(t)) for t in share),
             tenant_salt=str(extra.get("tenant_salt", "")),
+            tenant_key_file=str(extra["tenant_key_file"]) if extra.get("tenant_key_file") else None,
             model=str(extra["model"]) if extra.get("model") else None,
             model_revision=str(extra.get("model_revision", "")),
             kv_dtype=_kv_dtype(extra.get("kv_dtype")),

@@ -14,12 +14,19 @@ builds it as ``cls(storage_config, kwargs)`` and calls ``register_mem_pool_host(
 
 **What a page becomes.** SGLang's page keys are the sha256 page-hash chain of SPEC §2, used as
 they are. At registration the adapter derives the namespace (model, KV kind, dtype, layers, KV
-heads, head or latent dim, page size, grid, tenant salt) and this rank's shard (TP/PP rank and
-size; MLA and DP-attention pools are replicated across TP, so only TP rank 0 writes). A page
+heads, head or latent dim, page size, grid, tenant salt, sealed or not) and this rank's shard
+(TP/PP rank and size; MLA and DP-attention pools are replicated across TP, so only TP rank 0
+writes). A page
 moves between SGLang's host pool (``layer_first``, ``page_first``, ``page_first_direct``,
 ``page_head``; MHA and MLA) and unified objects through the kernels' host relayouts; object
 keys carry the namespace digest, never a rank, so a deployment with another TP/PP size reads
 the same objects, and another dtype, model, grid or salt never hits.
+
+**Tenants.** With a tenant key ring (``tenant_key_file``) the namespace is sealed: SGLang's
+page hashes are keyed with the tenant's secret before they name objects, and every object is
+encrypted and authenticated per layer block (``hicache_store.objects.sealed``), in place in
+the staging buffer. Without a ring, keys and bytes are exactly as above (SGLang's hashes as
+they are). Objects that fail authentication are misses counted as ``tamper``.
 
 **Data path.** Writes: the pages of a batch are relayouted straight into page-aligned framed
 buffers (header space, then the unified payload, when the rank writes one object per page, the
@@ -74,6 +81,7 @@ from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import WritePlan
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import Frame, IOStats, L3Link
+from hicache_store.tenant import KeyRing, load_key_ring
 
 from ._sglang_config import AdapterConfig
 from ._sglang_metrics import AdapterMetrics
@@ -194,6 +202,8 @@ class HiCacheStoreStorage(_HiCacheStorage):
         for name in ("attn_cp_size", "dcp_size"):
             if int(getattr(storage_config, name, 1) or 1) > 1:
                 raise ValueError(f"hicache-store SGLang backend: {name} > 1 is not supported")
+        # Loaded (and checked) at construction: a bad key file fails the server at startup.
+        self.keys: KeyRing | None = load_key_ring(self.config.tenant_key_file)
         self.backend: Backend = open_backend(self.config.backend)
         self._registered: _Registered | None = None
         self._spares = _Spares()
@@ -245,6 +255,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             model_revision=cfg.model_revision,
             tenant_salt=cfg.tenant_salt,
             key_scheme=cfg.key_scheme,
+            sealed=self.keys is not None,
         )
         link = L3Link(
             self.backend,
@@ -253,6 +264,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             rank,
             max_inflight_bytes=cfg.max_inflight_bytes,
             io_timeout_s=cfg.io_timeout_s,
+            keys=self.keys,
         )
         layout = link.read_plan.page
         shard = link.read_plan.shard
@@ -282,7 +294,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         self._spares.make(self._read_staging(self._registered)[2])
         log.info(
             "hicache-store: %s on %s, namespace %s (%s %s, %d layers, %d KV heads x %d, "
-            "page %d, grid %s, salt %s; manifest %s in the store), %s rank %d, %s",
+            "page %d, grid %s, salt %s, %s; manifest %s in the store), %s rank %d, %s",
             type(self).__name__,
             self.config.backend.get("url", self.config.backend.get("backend")),
             namespace.digest,
@@ -294,6 +306,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             namespace.page_size,
             grid,
             "set" if namespace.tenant_salt else "none",
+            f"sealed with key {self.keys.active.key_id}" if self.keys else "not sealed",
             manifest,
             topology,
             rank,
@@ -746,6 +759,8 @@ class HiCacheStoreStorage(_HiCacheStorage):
                 fut.cancel()
             if io.corruptions:
                 self._count("corrupt_objects", io.corruptions)
+            if io.tampered:
+                self._count("tamper", io.tampered)
         return results
 
     def _account(self, op: str, results: list[bool], page_bytes: int, started: float) -> None:
