@@ -8,6 +8,7 @@
   ``ByteBudget``.
 * ``pages``: ``L3Link``, a rank's host pages to and from the objects its plans name.
 * ``arena``: ``Arena``, reused page-aligned staging slots.
+* ``sealed``: ``SealedFormat``, the format of a sealed namespace (keyed names, AES-GCM blocks).
 
 Users: the cache tier (pages and component state), the SGLang adapter, ``prepopulate``,
 context-parallel restore, and the operator tools (``read_header`` / ``read_object``).
@@ -19,6 +20,7 @@ from .arena import Arena
 from .format import FRAMED, PAGE_UNIFIED, FramedFormat, ObjectFormat, PageUnifiedFormat, format_for
 from .io import ByteBudget, Frame, IOStats, ObjectIO
 from .pages import L3Link
+from .sealed import SealedFormat
 
 __all__ = [
     "FRAMED",
@@ -33,4 +35,5 @@ __all__ = [
     "PAGE_UNIFIED",
     "PageUnifiedFormat",
     "format_for",
+    "SealedFormat",
 ]

@@ -1,15 +1,17 @@
 """Object formats: how a payload becomes a stored object and back, in one place each way.
 
-A format owns four things and nothing else: the storage key of an object, the bytes reserved
+A format owns four things and nothing else: the storage key of an object (and the page hash it
+is stored under, ``stored_hash``: the page hash itself, or a keyed form), the bytes reserved
 before its payload (``header_bytes``), ``seal`` (called once per object on the write path, after
 the payload is in place: fills the header, and may transform the payload in place) and
 ``open_header`` / ``open_blocks`` (called on the read path: check the header read for a key,
 then check, and may transform in place, the layer blocks that were read). ``ObjectIO`` calls
 exactly these, so a format is the extension point for:
 
-* **encryption at rest** (issue 24): an authenticated format seals each layer block in place
-  with the object's key and header as associated data in ``seal`` and opens it in
-  ``open_blocks``; nothing else on the data path changes.
+* **encryption at rest** (issue 24, ``objects.sealed.SealedFormat``): keyed page hashes in
+  ``storage_key``, each layer block sealed in place with the object's key and header as
+  associated data in ``seal`` and opened in ``open_blocks``; nothing else on the data path
+  changes.
 * **another engine's object layout** (issue 21, SGLang's bare ``page-unified-v1``): a format
   with ``header_bytes == 0``, its own ``storage_key``, an ``open_header`` that synthesises the
   header from the key and the expected size, and no block checks.
@@ -49,6 +51,18 @@ class ObjectFormat(Protocol):
     @property
     def name(self) -> str: ...
 
+    @property
+    def sealed(self) -> bool:
+        """Whether this format writes ``Namespace.sealed`` objects (``ObjectIO`` refuses a
+        format that does not match its namespace)."""
+        ...
+
+    def stored_hash(self, page_hash: str) -> str:
+        """The page hash that names ``page_hash``'s objects in the store (and their headers):
+        ``page_hash`` itself, or a keyed form. ``storage_key`` of a key with ``page_hash`` is
+        ``stored_hash(page_hash)`` followed by the key's other parts."""
+        ...
+
     def storage_key(self, key: ObjectKey) -> str:
         """The backend key of ``key`` (validated again by the backend)."""
         ...
@@ -80,6 +94,10 @@ class FramedFormat:
     """Format version 1 of ``layout.framing``: header, per-layer xxh3 checksums, aligned payload."""
 
     name = "framed-v1"
+    sealed = False
+
+    def stored_hash(self, page_hash: str) -> str:
+        return page_hash
 
     def storage_key(self, key: ObjectKey) -> str:
         return format_key(key)
@@ -117,6 +135,10 @@ class PageUnifiedFormat:
     """
 
     name = "page-unified-v1"
+    sealed = False
+
+    def stored_hash(self, page_hash: str) -> str:
+        return page_hash
 
     def storage_key(self, key: ObjectKey) -> str:
         return format_key(key)

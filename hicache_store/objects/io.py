@@ -36,7 +36,12 @@ from typing import TypeVar
 from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import InvalidRangeError
 from hicache_store.backends.types import ByteRange
-from hicache_store.layout.errors import CorruptObjectError, InvalidKeyError, TruncatedObjectError
+from hicache_store.layout.errors import (
+    CorruptObjectError,
+    InvalidKeyError,
+    MissingKeyError,
+    TruncatedObjectError,
+)
 from hicache_store.layout.framing import ObjectHeader, decode_header, payload_offset
 from hicache_store.layout.keys import ObjectKey, parse_key
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
@@ -93,6 +98,9 @@ class IOStats:
     bytes_fetched: int = 0
     bytes_needed: int = 0
     corruptions: int = 0
+    #: objects of a sealed namespace that failed a check: forged, swapped, replayed, another
+    #: tenant's (counted apart from ``corruptions``).
+    tampered: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,10 +142,19 @@ class ObjectIO:
     ) -> None:
         if io_timeout_s <= 0:
             raise ValueError(f"io_timeout_s {io_timeout_s} must be positive")
-        self.backend = backend
-        self.namespace = namespace
         #: the namespace's own format (``format_for``) unless one is given
         self.format = fmt or (FRAMED if namespace is None else format_for(namespace))
+        if namespace is not None and namespace.sealed != self.format.sealed:
+            # Never plain objects into a sealed namespace (nor the reverse): every path that
+            # stores or reads objects comes through here.
+            raise MissingKeyError(
+                f"namespace {namespace.digest} is {'' if namespace.sealed else 'not '}sealed "
+                f"but the object format {self.format.name} is "
+                f"{'' if self.format.sealed else 'not '}: a sealed namespace needs its tenant "
+                "key ring (tenant_key_file)"
+            )
+        self.backend = backend
+        self.namespace = namespace
         self.io_timeout_s = io_timeout_s
         self.read_budget = ByteBudget(max_inflight_bytes)
         self.write_budget = ByteBudget(max_inflight_bytes)

@@ -11,6 +11,14 @@ names, every byte verified by ``ObjectIO.read_blocks`` before it counts: whole h
 straight in the host row, head subsets in reused scratch and are sliced after verification. A
 miss, a corrupt object or an error fails the page (never wrong bytes); outcomes are counted in
 the ``IOStats`` the caller passes, nothing raises, so the tier degrades to recomputation.
+
+Sealed namespaces (``keys``: a tenant key ring, ``hicache_store.tenant``): callers still pass
+public page hashes; the active key's ``SealedFormat`` names, seals and opens the objects. A
+page is looked for under the active key's names first, then under each older readable key's
+(key rotation): ``exists_prefix`` asks older keys only about the objects newer ones lacked,
+and each object read falls back key by key on a miss. In a sealed namespace every object that
+fails a check counts as ``IOStats.tampered``: nobody without the key can make a valid one, and
+bit rot fails the tags too.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hicache_store.backends.base import Backend
-from hicache_store.layout.errors import CorruptObjectError, GridMismatchError
+from hicache_store.layout.errors import CorruptObjectError, GridMismatchError, MissingKeyError
 from hicache_store.layout.keys import ObjectKey
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.plans import (
@@ -35,10 +43,12 @@ from hicache_store.layout.plans import (
     plan_writes,
 )
 from hicache_store.layout.topology import Topology
+from hicache_store.tenant import KeyRing
 
 from .arena import Arena
 from .format import ObjectFormat
 from .io import Frame, IOStats, ObjectIO
+from .sealed import SealedFormat
 
 log = logging.getLogger(__name__)
 Row = npt.NDArray[np.uint8]
@@ -57,16 +67,39 @@ class L3Link:
         max_inflight_bytes: int,
         io_timeout_s: float,
         fmt: ObjectFormat | None = None,
+        keys: KeyRing | None = None,
     ) -> None:
+        """``fmt``: the object format (default: the namespace's, ``format_for``); ``keys``: the
+        tenant key ring of a sealed namespace, which picks the formats (give one or neither)."""
+        if keys is not None and fmt is not None:
+            raise ValueError("give a key ring or an object format, not both")
+        if namespace.sealed and keys is None and (fmt is None or not fmt.sealed):
+            raise MissingKeyError(
+                f"namespace {namespace.digest} is sealed: a tenant key ring is needed "
+                "(tenant_key_file / --tenant-key-file)"
+            )
+        if keys is not None and not namespace.sealed:
+            raise ValueError("a tenant key ring was given for a namespace that is not sealed")
         self.backend = backend
         self.namespace = namespace
-        self.io = ObjectIO(
-            backend,
-            namespace,
-            fmt=fmt,
-            max_inflight_bytes=max_inflight_bytes,
-            io_timeout_s=io_timeout_s,
-        )
+        self.keys = keys
+        formats = [fmt] if keys is None else [SealedFormat(k) for k in keys.readable]
+        ios = [
+            ObjectIO(
+                backend,
+                namespace,
+                fmt=f,
+                max_inflight_bytes=max_inflight_bytes,
+                io_timeout_s=io_timeout_s,
+            )
+            for f in formats
+        ]
+        #: the active format's ObjectIO: every write, and the first read of every object.
+        self.io = ios[0]
+        for older in ios[1:]:  # one byte budget per direction for the whole link
+            older.read_budget, older.write_budget = self.io.read_budget, self.io.write_budget
+        #: where a page is looked for, in order (more than one only for a rotated key ring).
+        self.readers: tuple[ObjectIO, ...] = tuple(ios)
         self.read_plan: ReadPlan = plan_reads(namespace, topology, rank)
         self.write_plan: WritePlan | None
         try:
@@ -90,23 +123,45 @@ class L3Link:
     def can_write(self) -> bool:
         return self.write_plan is not None and bool(self.write_plan.objects)
 
+    def stored_hash(self, page_hash: str) -> str:
+        """The page hash new objects of ``page_hash`` are stored under (keyed when sealed)."""
+        return self.io.format.stored_hash(page_hash)
+
+    def write_names(self, page_hash: str) -> list[str]:
+        """The storage keys this rank writes for one page (``write_plan`` order)."""
+        if self.write_plan is None:
+            return []
+        return self.write_plan.object_keys(self.stored_hash(page_hash), trusted=True)
+
     # -- existence ------------------------------------------------------------------------
 
     async def exists_prefix(self, page_hashes: Sequence[str]) -> int:
-        """How many leading pages have every object this rank reads."""
+        """How many leading pages have every object this rank reads (under any readable key)."""
         per_page = len(self.read_plan.objects)
         if not page_hashes or per_page == 0:
             return 0
-        keys = [
-            key
-            for h in page_hashes
-            for key in self.read_plan.object_keys(h, trusted=self.trusted_hashes)
-        ]
-        found = await asyncio.wait_for(self.backend.exists(keys), self.io_timeout_s)
-        for page in range(len(page_hashes)):
-            if not all(found[page * per_page : (page + 1) * per_page]):
-                return page
-        return len(page_hashes)
+        # Objects not found yet, as (page, object) flat indexes; each older key is asked only
+        # about what the newer ones lacked, so an unrotated link costs one probe as before.
+        missing: Sequence[int] = range(len(page_hashes) * per_page)
+        for reader in self.readers:
+            fmt = reader.format
+            names: dict[int, list[str]] = {}
+            keys = []
+            for index in missing:
+                page = index // per_page
+                if page not in names:
+                    h = page_hashes[page]
+                    # A keyed hash is computed here (from a validated input): trusted.
+                    names[page] = self.read_plan.object_keys(
+                        fmt.stored_hash(h) if fmt.sealed else h,
+                        trusted=self.trusted_hashes or fmt.sealed,
+                    )
+                keys.append(names[page][index % per_page])
+            found = await asyncio.wait_for(self.backend.exists(keys), self.io_timeout_s)
+            missing = [index for index, hit in zip(missing, found, strict=True) if not hit]
+            if not missing:
+                return len(page_hashes)
+        return min(index // per_page for index in missing)
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -162,8 +217,12 @@ class L3Link:
                 )
             )
         except CorruptObjectError as exc:
-            io.corruptions += 1
-            log.warning("corrupt L3 object treated as a miss: %s", exc)
+            if self.namespace.sealed:
+                io.tampered += 1
+                log.warning("L3 object failed authentication, treated as a miss: %s", exc)
+            else:
+                io.corruptions += 1
+                log.warning("corrupt L3 object treated as a miss: %s", exc)
             return False
         except Exception as exc:
             log.warning("L3 read of page %s failed: %r", page_hash[:16], exc)
@@ -176,13 +235,20 @@ class L3Link:
         return True
 
     async def _read_object(self, key: ObjectKey, obj: ObjectRead, row: Row) -> bool:
+        """One object into ``row``, from the first reader (key) that has it."""
+        for reader in self.readers:
+            if await self._read_from(reader, key, obj, row):
+                return True
+        return False
+
+    async def _read_from(self, reader: ObjectIO, key: ObjectKey, obj: ObjectRead, row: Row) -> bool:
         (segment,) = obj.segments
         direct = segment.count == 1 and segment.src_offset == 0
         layers = (obj.layer_start, obj.layer_stop)
         if direct:
             # Whole head groups land straight in the host row (zero-copy where the backend can).
             target = row[segment.dst_offset : segment.dst_offset + obj.fetch_bytes]
-            header = await self.io.read_blocks(
+            header = await reader.read_blocks(
                 key, target.data, payload_bytes=obj.payload_bytes, layers=layers
             )
             return header is not None
@@ -190,7 +256,7 @@ class L3Link:
         arena = _arena(self._scratch, obj.fetch_bytes)
         slot = arena.take()
         try:
-            header = await self.io.read_blocks(
+            header = await reader.read_blocks(
                 key, slot, payload_bytes=obj.payload_bytes, layers=layers
             )
             if header is not None:

@@ -23,8 +23,8 @@ from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.keys import parse_key
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.topology import Topology
+from hicache_store.objects import IOStats, L3Link
 from hicache_store.tenant import KeyRing, parse_key_ring, retire_text, rotate_text
-from hicache_store.tier.l3 import L3Link, PageIO
 
 PLAIN = Namespace.create("m", ModelShape.mha(4, 4, 8), "float16", 4, Grid(4, 2), tenant_salt="t")
 SEALED = dataclasses.replace(PLAIN, sealed=True)
@@ -52,11 +52,11 @@ def page(seed: int) -> np.ndarray:
 async def write_prompt(target: L3Link, seed: int = 0) -> list[np.ndarray]:
     rows = [page(seed + i) for i in range(len(PUBLIC))]
     for i, (h, row) in enumerate(zip(PUBLIC, rows, strict=True)):
-        assert await target.write_page(h, row, PageIO(), PUBLIC[i - 1] if i else None)
+        assert await target.write_page(h, row, IOStats(), PUBLIC[i - 1] if i else None)
     return rows
 
 
-async def read(target: L3Link, h: str, io: PageIO) -> np.ndarray | None:
+async def read(target: L3Link, h: str, io: IOStats) -> np.ndarray | None:
     row = np.frombuffer(aligned_buffer(target.read_plan.page.page_bytes), dtype=np.uint8)
     return row if await target.read_page(h, row, io) else None
 
@@ -85,7 +85,7 @@ async def test_sealed_round_trip_stores_ciphertext_under_keyed_names(store: File
         for row in rows:
             assert row[:256].tobytes() not in data  # no plaintext at rest
     assert await tenant.exists_prefix(PUBLIC) == len(PUBLIC)
-    io = PageIO()
+    io = IOStats()
     for h, row in zip(PUBLIC, rows, strict=True):
         got = await read(tenant, h, io)
         assert got is not None and np.array_equal(got, row)
@@ -108,7 +108,7 @@ async def test_poison_plain_objects_with_valid_checksums_are_never_served(
         obj = parse_key(key)
         size = SEALED.object_payload_bytes(0)
         await store.put([key], [encode_object(obj, b"\x5a" * size, SEALED.kv_planes)])
-    io = PageIO()
+    io = IOStats()
     assert [await read(tenant, h, io) for h in PUBLIC] == [None] * len(PUBLIC)
     assert io.tampered == len(PUBLIC) and io.corruptions == 0
 
@@ -125,7 +125,7 @@ async def test_poison_objects_sealed_with_the_attackers_key_are_never_served(
                                          SEALED.kv_planes, seal=attacker_key))
         forged[120:128] = bytes.fromhex(VICTIM.active.key_id)  # even claiming the victim's id
         await store.put([key], [bytes(forged)])
-    io = PageIO()
+    io = IOStats()
     assert [await read(tenant, h, io) for h in PUBLIC] == [None] * len(PUBLIC)
     assert io.tampered == len(PUBLIC)
 
@@ -142,11 +142,11 @@ async def test_tamper_swapped_and_replayed_objects_are_misses(store: FileBackend
     # Replay across tenants: the same prompt sealed by another tenant in the same namespace,
     # copied over the victim's object of page 3.
     other = link(store, ATTACKER)
-    await other.write_page(PUBLIC[3], page(99), PageIO())
+    await other.write_page(PUBLIC[3], page(99), IOStats())
     victim_name = tenant.read_plan.object_keys(tenant.stored_hash(PUBLIC[3]))[0]
     other_name = other.read_plan.object_keys(other.stored_hash(PUBLIC[3]))[0]
     await store.put([victim_name], [(await store.get_bytes(other_name)) or b""])
-    io = PageIO()
+    io = IOStats()
     by_key = {tenant.stored_hash(h): h for h in PUBLIC}
     swapped = by_key[parse_key(b).page_hash]
     assert await read(tenant, swapped, io) is None
@@ -172,7 +172,7 @@ async def test_poison_membership_probing_without_the_secret_finds_nothing(
     # Another tenant's key (the "wrong key") finds nothing and reads nothing either.
     wrong = link(store, ATTACKER)
     assert await wrong.exists_prefix(PUBLIC) == 0
-    io = PageIO()
+    io = IOStats()
     assert await read(wrong, PUBLIC[0], io) is None
     assert io.tampered == 0  # a plain miss: nothing is stored under its names
 
@@ -195,7 +195,7 @@ async def test_poison_rotation_reads_old_and_new_and_retired_keys_miss(
     after = link(store, rotated)
     # Everything written under the old key still hits, and reads back byte for byte.
     assert await after.exists_prefix(PUBLIC) == len(PUBLIC)
-    io = PageIO()
+    io = IOStats()
     got = await read(after, PUBLIC[1], io)
     assert got is not None and np.array_equal(got, old_rows[1])
     # New pages go under the new key; a prefix that crosses the rotation still hits whole.
@@ -203,7 +203,7 @@ async def test_poison_rotation_reads_old_and_new_and_retired_keys_miss(
     more_hashes = page_hashes(more, PLAIN.page_size)
     new_rows = [page(50), page(51)]
     for h, row in zip(more_hashes[4:], new_rows, strict=True):
-        assert await after.write_page(h, row, PageIO())
+        assert await after.write_page(h, row, IOStats())
     assert await after.exists_prefix(more_hashes) == 6
     got = await read(after, more_hashes[5], io)
     assert got is not None and np.array_equal(got, new_rows[1])
@@ -231,7 +231,7 @@ async def test_layer_range_reads_of_sealed_objects(store: FileBackend) -> None:
     tenant = link(store, VICTIM)
     rows = await write_prompt(tenant)
     reader = link(store, VICTIM, topology=Topology(1, 2), rank=1)  # layers 2-3 of each object
-    io = PageIO()
+    io = IOStats()
     got = await read(reader, PUBLIC[2], io)
     assert got is not None
     block = PLAIN.layer_block_bytes()
