@@ -134,10 +134,13 @@ def page_hashes_raw(
     algo: str = "sha256",
     prior_hash: str | None = None,
     accelerate: bool = True,
+    key: bytes | None = None,
 ) -> list[bytes]:
     """Raw digests of every full page (see the module docstring for the chain).
 
-    ``accelerate=False`` forces the pure-Python loop (the tests compare both paths).
+    ``accelerate=False`` forces the pure-Python loop (the tests compare both paths). ``key``
+    (a tenant's page key, ``layout.sealing``) returns the keyed hashes
+    ``sealing.key_digest(key, h_i)`` instead; ``prior_hash`` is still the unkeyed ``h_{k-1}``.
     """
     if page_size < 1:
         raise ValueError(f"page_size: must be positive, got {page_size}")
@@ -147,6 +150,8 @@ def page_hashes_raw(
         raise ValueError(f"algo: {algo!r} is not one of {', '.join(_DIGESTS)}") from None
     prior = _prior_digest(prior_hash, algo)
     accelerator = _accelerated if algo == "sha256" and accelerate else None
+    if key is not None and not hasattr(accelerator, "key_digests"):
+        accelerator = None  # a build without keyed chains: the Python loop, then HMAC
     # The C loop takes a list as it is (converting and checking each id itself, the fastest
     # way from Python ints). Otherwise narrow ids (the common case) become one uint32 buffer
     # and a prompt with an id of 2**32 or more a list of ints, encoded page by page.
@@ -157,8 +162,18 @@ def page_hashes_raw(
         packed = _as_uint32_bytes(tokens)
         data = _checked_ids(tokens) if packed is None else packed
     if accelerator is not None:
-        joined: bytes = accelerator.chain_sha256(data, page_size, prior)
+        joined: bytes = (
+            accelerator.chain_sha256(data, page_size, prior)
+            if key is None
+            else accelerator.chain_sha256(data, page_size, prior, key)
+        )
         return [joined[i : i + 32] for i in range(0, len(joined), 32)]
+    if key is not None:
+        from .sealing import key_digests
+
+        unkeyed = page_hashes_raw(data, page_size, algo=algo, prior_hash=prior_hash,
+                                  accelerate=False)
+        return key_digests(key, unkeyed, accelerate=accelerate)
     prev = prior or b""
     out: list[bytes] = []
     append = out.append
@@ -184,6 +199,7 @@ def page_hashes(
     algo: str = "sha256",
     prior_hash: str | None = None,
     accelerate: bool = True,
+    key: bytes | None = None,
 ) -> list[str]:
     """Hex page hashes of every full page of ``tokens`` (a partial last page gets none).
 
@@ -192,7 +208,7 @@ def page_hashes(
     and a ``prior_hash`` that is not a digest of ``algo`` raise ``ValueError``.
     """
     raw = page_hashes_raw(
-        tokens, page_size, algo=algo, prior_hash=prior_hash, accelerate=accelerate
+        tokens, page_size, algo=algo, prior_hash=prior_hash, accelerate=accelerate, key=key
     )
     if not raw:
         return []

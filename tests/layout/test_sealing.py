@@ -233,3 +233,26 @@ def test_read_only_data_is_authenticated_without_decrypting() -> None:
     broken[-1] ^= 1
     with pytest.raises(TamperedObjectError, match="layer 33"):
         verify_blocks(header, bytes(broken[PAYLOAD_ALIGNMENT:]), 30, 34, key=KEY)
+
+
+# -- keyed chains: one definition, C and Python agree -------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxh3_128"])
+@pytest.mark.parametrize("prior", [None, "ab" * 32])
+def test_keyed_chain_is_hmac_of_the_chain_in_c_and_python(algo: str, prior: str | None) -> None:
+    if prior is not None and algo == "xxh3_128":
+        prior = prior[:32]
+    tokens = [*range(4096, 4096 + 48), 2**40, *range(15)]  # one wide page among narrow ones
+    chain = page_hashes(tokens, 16, algo=algo, prior_hash=prior)
+    expected = [sealing.key_digest(KEY.page_key, bytes.fromhex(h)).hex() for h in chain]
+    for accelerate in (True, False):
+        assert page_hashes(tokens, 16, algo=algo, prior_hash=prior, key=KEY.page_key,
+                           accelerate=accelerate) == expected
+    assert key_page_hashes(KEY.page_key, chain) == expected
+    raws = [bytes.fromhex(h) for h in chain]
+    assert sealing.key_digests(KEY.page_key, raws, accelerate=False) == sealing.key_digests(
+        KEY.page_key, raws
+    )
+    # Engine-given hashes (SGLang's chain) key to the same names as tokens hashed here.
+    assert [key_page_hash(KEY.page_key, h) for h in chain] == expected
