@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "hicache_store.commands.prepopulate",
     "hicache_store.commands.inspect",
     "hicache_store.commands.doctor",
+    "hicache_store.commands.tenant_key",
 )
 
 EXIT_OK = 0

@@ -16,6 +16,11 @@ shortened from its end and never holed in the middle:
 2. then, while the rest exceeds ``--max-bytes``, the oldest tails.
 
 Pages whose header cannot be read (another format, corrupt) count as chains of their own.
+
+Sealed tenants (``--tenant-key-file F --remove-retired``): every page whose header names a key
+that the ring F lists as ``retired`` is deleted first, whatever its age (readers holding F no
+longer read it: it only takes space). Headers carry key ids, so this needs no secret and never
+touches another tenant's objects (their key ids are not in F) or plain ones.
 Namespace manifests (``M_...``) are never deleted. Backends with a cheap
 ``list_entries(prefix)`` (``s3``: size and mtime come with the listing) use it; any other
 listing backend is listed then ``stat``-ed. ``--dry-run`` prints what would go and deletes
@@ -66,6 +71,7 @@ class GcReport:
     over_budget: int = 0
     deleted_bytes: int = 0
     failures: int = 0
+    retired: int = 0
 
 
 def parse_duration(text: str) -> float:
@@ -142,8 +148,13 @@ def plan_gc(
     return expired, over
 
 
-async def read_parents(backend: Backend, entries: Sequence[Entry]) -> dict[str, str | None]:
-    """Each page's parent, from the header of one of its objects (None where unreadable)."""
+async def read_parents(
+    backend: Backend, entries: Sequence[Entry], key_ids: dict[str, str | None] | None = None
+) -> dict[str, str | None]:
+    """Each page's parent, from the header of one of its objects (None where unreadable).
+
+    ``key_ids``, when given, receives each page's sealing key id (None: plain or unreadable).
+    """
     first: dict[str, Entry] = {}
     for entry in entries:
         if not is_manifest(entry.key):
@@ -159,13 +170,16 @@ async def read_parents(backend: Backend, entries: Sequence[Entry]) -> dict[str, 
         except BackendError:
             got = [None] * len(chunk)
         for (page, _entry), buf, n in zip(chunk, buffers, got, strict=True):
-            parent = None
+            parent = key_id = None
             if n:
                 try:
-                    parent = decode_header(memoryview(buf)[:n]).parent_hash
+                    header = decode_header(memoryview(buf)[:n])
+                    parent, key_id = header.parent_hash, header.key_id
                 except CorruptObjectError:
-                    parent = None
+                    pass
             parents[page] = parent
+            if key_ids is not None:
+                key_ids[page] = key_id
     return parents
 
 
@@ -191,11 +205,22 @@ async def collect_garbage(
     prefix: str = "",
     dry_run: bool = False,
     now: float | None = None,
+    retired: frozenset[str] = frozenset(),
 ) -> GcReport:
-    """Scan, plan and (unless ``dry_run``) delete. Failed deletions are counted, not raised."""
+    """Scan, plan and (unless ``dry_run``) delete. Failed deletions are counted, not raised.
+
+    ``retired``: key ids whose pages go first (see the module docstring).
+    """
     entries = await scan(backend, prefix)
     report = GcReport(scanned=len(entries), scanned_bytes=sum(e.size for e in entries))
-    parents = await read_parents(backend, entries)
+    key_ids: dict[str, str | None] = {}
+    parents = await read_parents(backend, entries, key_ids)
+    gone = [e for e in entries
+            if not is_manifest(e.key) and key_ids.get(page_of(e.key)) in retired]
+    if gone:
+        entries = [e for e in entries if is_manifest(e.key) or key_ids.get(page_of(e.key))
+                   not in retired]
+    report.retired = len(gone)
     expired, over = plan_gc(
         entries,
         now=time.time() if now is None else now,
@@ -204,7 +229,7 @@ async def collect_garbage(
         parents=parents,
     )
     report.expired, report.over_budget = len(expired), len(over)
-    doomed = expired + over
+    doomed = gone + expired + over
     report.deleted_bytes = sum(e.size for e in doomed)
     if dry_run:
         return report
@@ -231,12 +256,34 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="print what would go, delete nothing"
     )
+    parser.add_argument("--tenant-key-file", metavar="PATH",
+                        help="a tenant key ring (default: $HICACHE_STORE_TENANT_KEY_FILE or "
+                             "$HICACHE_STORE_TENANT_KEY), for --remove-retired")
+    parser.add_argument("--remove-retired", action="store_true",
+                        help="delete the objects sealed with keys the ring lists as retired")
     parser.set_defaults(func=run)
 
 
+def _retired_ids(args: argparse.Namespace) -> frozenset[str]:
+    if not getattr(args, "remove_retired", False):  # callers may build args without it
+        return frozenset()
+    from hicache_store.tenant import load_key_ring
+
+    try:
+        ring = load_key_ring(getattr(args, "tenant_key_file", None))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if ring is None:
+        raise UsageError("--remove-retired needs a tenant key ring (--tenant-key-file)")
+    if not ring.retired:
+        raise UsageError(f"{ring.source} retires no key")
+    return ring.retired
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.max_bytes is None and args.max_age is None:
-        raise UsageError("give --max-bytes, --max-age or both")
+    retired = _retired_ids(args)
+    if args.max_bytes is None and args.max_age is None and not retired:
+        raise UsageError("give --max-bytes, --max-age, --remove-retired or a combination")
     try:
         max_bytes = None if args.max_bytes is None else parse_size(args.max_bytes)
         max_age = None if args.max_age is None else parse_duration(args.max_age)
@@ -252,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
                 max_age=max_age,
                 prefix=args.prefix,
                 dry_run=args.dry_run,
+                retired=retired,
             )
         finally:
             await backend.close()
@@ -262,5 +310,6 @@ def run(args: argparse.Namespace) -> int:
         f"scanned {report.scanned} objects ({report.scanned_bytes} bytes); {verb} "
         f"{report.expired} expired and {report.over_budget} over budget "
         f"({report.deleted_bytes} bytes); {report.failures} failures"
+        + (f"; {verb} {report.retired} under retired keys" if retired else "")
     )
     return 1 if report.failures else 0

@@ -10,7 +10,10 @@ objects, pages and bytes; objects of a namespace without a manifest are listed a
 ``--verify`` re-reads every object and checks its header and every per-layer checksum (and
 its size against the namespace), with a progress bar on stderr, and lists corrupt ones.
 ``--delete-corrupt`` removes them (``--dry-run``: only say so). Exit code 1 when corrupt
-objects remain (found and not deleted). Library: ``hicache_store.ops.inspection``.
+objects remain (found and not deleted). Sealed (tenant) objects are counted per key id, each
+marked active, read, retired or unknown against ``--tenant-key-file``; those under a key the
+ring holds are authenticated, the others have their header checked only.
+Library: ``hicache_store.ops.inspection``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from hicache_store.ops.config import layered, require, resolve
 from hicache_store.ops.inspection import StoreReport, VerifyReport, inspect_store, verify_store
 from hicache_store.ops.progress import ProgressBar, human_bytes
 from hicache_store.ops.store import open_store
+from hicache_store.tenant import KeyRing
 
 
 def register(subparsers: Any) -> None:
@@ -41,6 +45,9 @@ def register(subparsers: Any) -> None:
                         help="with --verify: delete the corrupt objects found")
     parser.add_argument("--dry-run", action="store_true",
                         help="with --delete-corrupt: list what would be deleted, delete nothing")
+    parser.add_argument("--tenant-key-file", metavar="PATH",
+                        help="a tenant key ring: authenticate its sealed objects and name the "
+                             "state of each key id (default: $HICACHE_STORE_TENANT_KEY_FILE)")
     parser.add_argument("--concurrency", type=int, default=16,
                         help="objects read at once by --verify (default: 16)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -58,6 +65,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--dry-run only applies to --delete-corrupt")
     if args.concurrency < 1:
         raise UsageError(f"--concurrency must be positive, got {args.concurrency}")
+    from hicache_store.tenant import load_key_ring
+
+    try:
+        keys = load_key_ring(args.tenant_key_file)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
     async def go() -> tuple[StoreReport, VerifyReport | None]:
         backend = open_store(url)
@@ -70,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 checked = await verify_store(
                     backend, report, concurrency=args.concurrency,
-                    delete_corrupt=args.delete_corrupt, dry_run=args.dry_run,
+                    delete_corrupt=args.delete_corrupt, dry_run=args.dry_run, keys=keys,
                     progress=lambda done, nbytes: bar.update(done, nbytes=nbytes),
                 )
                 bar.update(checked.checked, nbytes=checked.bytes_read, final=True)
@@ -87,14 +100,14 @@ def run(args: argparse.Namespace) -> int:
             data["verify"] = verified.as_dict()
         print(json.dumps(data, indent=2))
     else:
-        _print_text(report, verified)
+        _print_text(report, verified, keys)
     if verified is None:
         return 0
     remaining = {c["key"] for c in verified.corrupt} - set(verified.deleted)
     return 1 if remaining else 0
 
 
-def _print_text(report: StoreReport, verified: VerifyReport | None) -> None:
+def _print_text(report: StoreReport, verified: VerifyReport | None, keys: KeyRing | None) -> None:
     print(f"{len(report.namespaces)} namespaces, {report.objects} objects, "
           f"{human_bytes(report.bytes)}; {report.manifests} manifests, "
           f"{report.other_keys} other keys")
@@ -107,6 +120,7 @@ def _print_text(report: StoreReport, verified: VerifyReport | None) -> None:
             shape = (f"{ns.kv_kind} {ns.num_layers} layers x {ns.num_kv_heads} KV heads x "
                      f"{ns.head_dim}")
             tenant = f", tenant salt {ns.tenant_salt!r}" if ns.tenant_salt else ""
+            tenant += ", sealed" if ns.sealed else ""
             print(f"  {item.digest}  {ns.model}{'@' + ns.model_revision if ns.model_revision else ''}"
                   f"  {shape}, {ns.dtype}, page {ns.page_size}, grid {ns.grid} "
                   f"({ns.objects_per_page} objects/page){tenant}")
@@ -115,6 +129,11 @@ def _print_text(report: StoreReport, verified: VerifyReport | None) -> None:
         return
     print(f"verified {verified.checked} objects ({human_bytes(verified.bytes_read)}): "
           f"{verified.ok} ok, {len(verified.corrupt)} corrupt, {len(verified.vanished)} vanished")
+    for key_id, count in sorted(verified.key_ids.items()):
+        state = (keys.state(key_id) if keys is not None else None) or "unknown"
+        print(f"  sealed with key {key_id} ({state}): {count} objects")
+    if verified.unverified:
+        print(f"  {verified.unverified} sealed objects under keys not held: header checked only")
     for item_ in verified.corrupt:
         print(f"  corrupt {item_['key']}: {item_['error']}")
     verb = "would delete" if verified.dry_run else "deleted"

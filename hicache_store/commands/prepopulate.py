@@ -81,6 +81,10 @@ def register(subparsers: Any) -> None:
     ns.add_argument("--hash-algo", default="sha256", choices=list(HASH_ALGOS),
                     help="page-hash algorithm (default: sha256, as SGLang)")
     ns.add_argument("--tenant-salt", help="tenant salt of the namespace (default: none)")
+    ns.add_argument("--tenant-key-file", metavar="PATH",
+                    help="tenant key ring: seal the KV for a deployment configured with it "
+                         "(default: the extra-config's tenant_key_file, else "
+                         "$HICACHE_STORE_TENANT_KEY_FILE or $HICACHE_STORE_TENANT_KEY)")
     run_ = parser.add_argument_group("run")
     run_.add_argument("--batch-size", type=int, default=8,
                       help="prompts per batch (one exists probe and concurrent writes; default 8)")
@@ -173,6 +177,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if args.max_tokens is not None:
         tokens = [t[: args.max_tokens] for t in tokens]
+    from hicache_store.tenant import load_key_ring
+
+    try:
+        keys = load_key_ring(args.tenant_key_file or deployment.config.tenant_key_file)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     try:
         if topology.pp_layers is None:  # PP stages as SGLang splits them
             topology = deployment.config.topology(topology.tp_size, topology.pp_size,
@@ -186,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
                                   model_revision=deployment.config.model_revision,
                                   hash_algo=args.hash_algo,
                                   tenant_salt=deployment.config.tenant_salt,
-                                  key_scheme=deployment.config.key_scheme)
+                                  key_scheme=deployment.config.key_scheme,
+                                  sealed=keys is not None)
         check_writer_topology(namespace, topology)
     except (InvalidNamespaceError, ValueError) as exc:  # GridMismatchError included
         raise UsageError(str(exc)) from None
@@ -202,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             return await prepopulate(backend, source, tokens, namespace, topology,
                                      batch_size=args.batch_size, dry_run=args.dry_run,
-                                     max_inflight_bytes=max_inflight, progress=show)
+                                     max_inflight_bytes=max_inflight, progress=show, keys=keys)
         finally:
             await backend.close()
 
@@ -217,8 +228,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         verb = "would write" if args.dry_run else "wrote"
         rate = report.tokens_computed / report.seconds if report.seconds else 0.0
+        sealed = f", sealed with key {keys.active.key_id}" if keys is not None else ""
         print(f"namespace {namespace.digest} ({namespace.model}, {namespace.dtype}, page "
-              f"{namespace.page_size}, grid {namespace.grid}) for {topology} "
+              f"{namespace.page_size}, grid {namespace.grid}{sealed}) for {topology} "
               f"({report.ranks_writing} writing ranks, {report.objects_per_page} objects/page)")
         print(f"{report.prompts} prompts, {report.pages} pages: {report.pages_present} present, "
               f"{verb} {report.pages_written} ({report.objects_written} objects, "

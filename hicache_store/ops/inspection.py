@@ -16,6 +16,12 @@ that layer chunk; manifests are checked too (JSON, fields, digest against fields
 object that vanished between listing and reading is counted apart (not corrupt). Reads run
 ``concurrency`` at a time. ``delete_corrupt`` removes what failed (unless ``dry_run``): a
 removed object is a miss for every engine, which recomputes it, never wrong KV.
+
+Sealed objects (``Namespace.sealed``) name their key id in the header. ``verify_store`` counts
+objects per key id (``key_ids``) and, given the tenant's key ring, authenticates every block of
+those sealed with a key it holds; sealed objects under a key it does not hold (retired,
+another tenant's, or no ring given) have their header checked only and are counted in
+``unverified``, never reported corrupt for that.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import BackendError
 from hicache_store.commands.gc import Entry, scan
 from hicache_store.layout.errors import CorruptObjectError, InvalidKeyError
-from hicache_store.layout.framing import decode_object
+from hicache_store.layout.framing import decode_header, verify_blocks
 from hicache_store.layout.keys import ObjectKey, is_ukv1_digest, parse_key
 from hicache_store.layout.namespace import Namespace
+from hicache_store.tenant import KeyRing
 
 from .manifest import ManifestError, decode_manifest, manifest_digest, manifest_key
 
@@ -98,6 +105,9 @@ class VerifyReport:
     deleted: list[str] = field(default_factory=list)
     delete_failures: list[str] = field(default_factory=list)
     dry_run: bool = False
+    #: sealed objects per key id, and those whose key was not held (header checked only).
+    key_ids: dict[str, int] = field(default_factory=dict)
+    unverified: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,18 +161,34 @@ async def inspect_store(backend: Backend, *, namespace: str | None = None) -> St
     return report
 
 
-def _check_object(key: str, data: bytes, namespace: Namespace | None) -> None:
+def _check_object(
+    key: str, data: bytes, namespace: Namespace | None, keys: KeyRing | None = None
+) -> tuple[str | None, bool]:
+    """Check one whole object; ``(key id or None, verified)``. Raises ``CorruptObjectError``."""
     expected = parse_key(key)
     if is_ukv1_digest(expected.namespace_digest):
         # SGLang's bare page-unified-v1 objects: no header, no checksums; all there is to
         # check is the size the namespace gives (when its manifest is known).
         if namespace is not None:
             _check_geometry(expected, len(data), namespace.kv_planes, namespace)
-        return
-    header, _payload = decode_object(data, expected=expected)
-    if namespace is None:
-        return
-    _check_geometry(expected, header.payload_length, header.kv_planes, namespace)
+        return None, True
+    sealed = None if namespace is None else namespace.sealed
+    header = decode_header(data, expected=expected, object_length=len(data), sealed=sealed)
+    tenant_key = None
+    if header.key_id is not None:
+        tenant_key = None if keys is None else keys.key(header.key_id)
+    if tenant_key is not None or not header.sealed:
+        # Read-only bytes: a sealed object's blocks are authenticated, not decrypted.
+        verify_blocks(
+            header,
+            memoryview(data)[header.payload_offset :],
+            header.coords.layer_start,
+            header.coords.layer_stop,
+            key=tenant_key,
+        )
+    if namespace is not None:
+        _check_geometry(expected, header.payload_length, header.kv_planes, namespace)
+    return header.key_id, tenant_key is not None or not header.sealed
 
 
 def _check_geometry(key: ObjectKey, payload: int, planes: int, ns: Namespace) -> None:
@@ -192,10 +218,12 @@ async def verify_store(
     delete_corrupt: bool = False,
     dry_run: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    keys: KeyRing | None = None,
 ) -> VerifyReport:
     """Re-read and check every object (and manifest) that ``report`` lists; see the docstring.
 
-    ``progress(done, bytes_read)`` is called after each object.
+    ``progress(done, bytes_read)`` is called after each object. ``keys``: a tenant key ring,
+    to authenticate the sealed objects under its readable keys.
     """
     result = VerifyReport(dry_run=dry_run)
     known = {s.digest: s.namespace for s in report.namespaces}
@@ -217,8 +245,11 @@ async def verify_store(
         else:
             result.bytes_read += len(data)
             try:
-                _check_object(key, data, namespace)
+                key_id, verified = _check_object(key, data, namespace, keys)
                 result.ok += 1
+                if key_id is not None:
+                    result.key_ids[key_id] = result.key_ids.get(key_id, 0) + 1
+                result.unverified += not verified
             except CorruptObjectError as exc:
                 result.corrupt.append({"key": key, "error": f"{type(exc).__name__}: {exc}"})
         if progress is not None:

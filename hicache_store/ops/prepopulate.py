@@ -21,6 +21,11 @@ Procedure, per batch of ``batch_size`` prompts:
    with ``L3Link.write_page``, parent-first within each chain (see ``_write_waves``); the
    writes of one wave run concurrently, bounded by ``max_inflight_bytes``.
 
+With a tenant key ring (``keys``) the namespace is sealed and every object is sealed with the
+ring's active key; a page counts as present only under the active key, so rerunning after a
+rotation re-seals the prepopulated KV under the new key (the old copies stay readable until
+their key is retired and ``hicache-store gc --remove-retired`` removes them).
+
 The namespace's manifest (``ops.manifest``) is written before the first object. ``dry_run``
 does steps 1-2 only and reports what would be written. A failed write is counted (the summary
 reports it and the CLI exits 1); the run goes on, and a rerun retries it.
@@ -46,6 +51,7 @@ from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.plans import plan_writes
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import IOStats, L3Link
+from hicache_store.tenant import KeyRing
 
 from .manifest import ensure_manifest
 from .sources import KVSource, LayerKV
@@ -135,19 +141,21 @@ async def prepopulate(
     dry_run: bool = False,
     max_inflight_bytes: int = 256 << 20,
     io_timeout_s: float = 120.0,
+    keys: KeyRing | None = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> PrepopulateReport:
     """Store the KV of every full page of ``token_lists`` for ``namespace`` as ``topology``'s
     ranks would (see the module docstring). Returns the report; raises only for what is broken
     before writing starts: a topology whose ranks cannot write every object of a page
-    (``GridMismatchError``, see ``check_writer_topology``), a backend that cannot answer."""
+    (``GridMismatchError``, see ``check_writer_topology``), a backend that cannot answer.
+    ``keys``: the tenant key ring of a sealed namespace (objects sealed with its active key)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     check_writer_topology(namespace, topology)
     started = time.monotonic()
     links = [
         L3Link(backend, namespace, topology, rank, max_inflight_bytes=max_inflight_bytes,
-               io_timeout_s=io_timeout_s)
+               io_timeout_s=io_timeout_s, keys=keys)
         for rank in range(topology.world_size)
     ]
     writers = [link for link in links if link.can_write]
@@ -247,7 +255,7 @@ async def _missing_ranks(writers: Sequence[L3Link], page_hashes_: Sequence[str]
     for h in page_hashes_:
         for link in writers:
             assert link.write_plan is not None
-            own = link.write_plan.object_keys(h)
+            own = link.write_names(h)
             spans.append((len(keys), len(keys) + len(own)))
             keys.extend(own)
     found = await writers[0].backend.exists(keys)
