@@ -116,3 +116,17 @@ def test_ring_from_the_environment_and_bad_rings_fail_at_startup(
         adapter(StandInPool("page_first"), url=url, tenant_key_file=str(bad))
     with pytest.raises(MissingKeyError, match="does not exist"):
         adapter(StandInPool("page_first"), url=url, tenant_key_file=str(tmp_path / "none"))
+
+
+def test_poison_secret_never_reaches_the_logs(
+    url: str, ring: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("DEBUG"):
+        keys = keys_for(2)
+        write(url, keys, tenant_key_file=ring)
+        r = adapter(StandInPool("page_first"), url=url, tenant_key_file=ring)
+        assert r.batch_get_v1(keys, slots([0, 1])) == [True, True]
+        assert r.batch_get_v1(keys_for(1, "absent"), slots([2])) == [False]
+        text = caplog.text + repr(r.keys) + repr(r.config)
+    assert "sealed with key" in caplog.text
+    assert (b"\x07" * 32).hex() not in text
