@@ -35,7 +35,8 @@ def ring(tmp_path: Path) -> str:
 
 
 def objects(tmp_path: Path) -> list[Path]:
-    return sorted(p for p in (tmp_path / "kv" / "objects").rglob("*") if p.is_file())
+    """The stored KV objects (not the namespace manifest ``M_...``)."""
+    return sorted(p for p in (tmp_path / "kv" / "objects").rglob("*_L*") if p.is_file())
 
 
 def write(url: str, keys: list[str], **extra: object) -> list[torch.Tensor]:
