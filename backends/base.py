@@ -31,6 +31,21 @@ Contracts every backend keeps (the conformance suite in ``hicache_store.testing`
 - **Buffers belong to the caller.** ``put`` only reads its buffers during the call and never
   keeps them; ``get_into`` writes only bytes ``[0, n)`` of each buffer, where ``n`` is the
   returned count, and never keeps a reference after returning.
+- **Buffer lifetime.** Once ``get_into`` / ``get_scatter`` returns, raises, times out or is
+  cancelled, no byte is written into the caller's buffers any more; once ``put`` /
+  ``put_if_absent`` ends the same way, they are not read any more. Callers (the cache tier)
+  hand that memory to the next page the moment a call ends, so a late read landing there would
+  serve another page's KV. Enforced here once for cancellation (``_guarded``): the public
+  methods run the core in a task of its own and, when the caller is cancelled (an
+  ``asyncio.wait_for`` deadline included), flag the call abandoned and return only once the
+  core has ended, so I/O already running in a thread or a request finishes first (I/O not
+  yet started is skipped: ``abandonable``). A cancelled call may therefore outlast the
+  caller's deadline by the time the I/O in flight takes; each backend bounds that time (see
+  its docstring). A backend whose core gives up early on a deadline of its own (a request
+  timeout) must not leave I/O aimed at the caller's memory behind: it lands such I/O in
+  memory of its own and copies out only while the caller still waits (``Handoff``), or waits
+  for the I/O to end. The conformance suite checks every backend
+  (``hicache_store.testing.lifetime``).
 - **Ranges** are ``ByteRange`` (end exclusive). A range reaching past the object's end, or a
   buffer too small for the object or range, raises ``InvalidRangeError``; nothing is clamped.
 - **Scatter reads** (``get_scatter``) fill several buffers, in order, from one contiguous range
@@ -48,11 +63,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextvars
 import logging
-from collections.abc import AsyncIterator, Sequence
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from hicache_store.layout.errors import CorruptObjectError, InvalidKeyError
 from hicache_store.layout.framing import ObjectHeader, decode_header, payload_offset, verify_blocks
@@ -72,9 +89,155 @@ if TYPE_CHECKING:
     BufferLike: TypeAlias = Buffer | np.ndarray[Any, Any]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: header bytes fetched first by ``get_object`` (holds the header of objects up to 500 layers).
 _HEADER_PROBE = 4096
+
+class _Call:
+    """One buffer-touching call whose caller may give up (see ``Backend._guarded``).
+
+    ``flag`` is read by worker threads (``abandonable``); ``waiters`` are the event-loop waits
+    that give way at once when the caller gives up (``until_abandoned``).
+    """
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+        self.waiters: set[asyncio.Future[None]] = set()
+
+    def abandon(self) -> None:
+        self.flag.set()
+        for waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+#: the call whose core runs in this context (``Backend._guarded``), if any.
+_CURRENT_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
+    "hicache_store_current_call", default=None
+)
+
+
+class CallAbandoned(Exception):
+    """Raised instead of starting I/O for a call whose caller already gave up.
+
+    Only the core of an abandoned call sees it; the public method drops the core's outcome and
+    raises ``CancelledError`` to its caller.
+    """
+
+
+def abandonable(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` wrapped for a worker thread: it raises ``CallAbandoned`` instead of running when
+    the caller of the current call has given up by the time a thread picks it up.
+
+    Call it on the event loop, in the core of a public read or write (it captures that call's
+    flag from the context); outside one it returns ``fn`` itself. This is how a cancelled
+    batch skips the I/O it has not started, while the public method waits for the I/O that
+    has: a thread's ``preadv`` cannot be interrupted, only not started.
+    """
+    call = _CURRENT_CALL.get()
+    if call is None:
+        return fn
+    flag = call.flag
+
+    def job(*args: Any, **kwargs: Any) -> T:
+        if flag.is_set():
+            raise CallAbandoned
+        return fn(*args, **kwargs)
+
+    return job
+
+
+async def until_abandoned(aw: Awaitable[T]) -> T:
+    """Await ``aw``, unless the caller of the current call gives up first: then ``aw`` is
+    cancelled and ``CallAbandoned`` raised at once.
+
+    The public methods wait for a core to end after its caller gave up (``_guarded``); this is
+    how a core says that a wait may end early because nothing aimed at the caller's buffers is
+    in flight during it: injected latency, queueing, a request whose answer lands in memory of
+    the backend's own and reaches the caller only through a ``Handoff``. Never around I/O into
+    (or out of) caller memory. Outside a guarded call it is a plain ``await``.
+    """
+    call = _CURRENT_CALL.get()
+    if call is None:
+        return await aw
+    task = asyncio.ensure_future(aw)
+    if call.flag.is_set():
+        task.cancel()
+        await _outlast(task)
+        raise CallAbandoned
+    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    call.waiters.add(gone)
+    try:
+        either: list[asyncio.Future[Any]] = [task, gone]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        await _outlast(task)
+        raise
+    finally:
+        call.waiters.discard(gone)
+    if not task.done():
+        task.cancel()
+        await _outlast(task)
+        raise CallAbandoned
+    return task.result()
+
+
+async def gather_settled(*aws: Awaitable[T]) -> list[T]:
+    """``asyncio.gather`` that ends only when every awaitable has: results in order, or the
+    first exception (by position) once all are done.
+
+    Plain ``gather`` raises the first failure at once and leaves the others running: for reads
+    into caller memory that would end a call while sibling I/O still writes (the buffer
+    lifetime contract). Use it wherever a call fans out I/O that touches caller buffers.
+    """
+    outcomes = await asyncio.gather(*aws, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return outcomes  # type: ignore[return-value]  # no exception left: every item is a T
+
+
+class Handoff:
+    """Caller memory touched from a worker thread only while the caller still waits.
+
+    For backends whose core gives up on a deadline of its own while a thread is still busy
+    (a request that cannot be interrupted): the thread lands its I/O in memory of its own and
+    copies between that memory and the caller's buffers only inside ``deliver``; the event
+    loop calls ``close`` before raising. ``close`` waits for a copy already running (one
+    ``memcpy``, never I/O), and every later ``deliver`` is refused, so nothing touches the
+    caller's buffers after the call ended.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = True
+
+    def deliver(self, copy: Callable[[], None]) -> bool:
+        """Run ``copy`` (a worker thread's copy to or from caller memory) unless the caller
+        has gone; True when it ran."""
+        with self._lock:
+            if not self._open:
+                return False
+            copy()
+            return True
+
+    def close(self) -> None:
+        """The caller stops waiting: wait for a copy in progress, refuse every later one."""
+        with self._lock:
+            self._open = False
+
+
+async def _outlast(task: asyncio.Future[Any]) -> None:
+    """Wait until ``task`` is done, through any number of cancellations of the waiter."""
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            continue  # cancelled again: the I/O is still running, keep waiting for it
+    if not task.cancelled():
+        task.exception()  # the caller gave up: its outcome is dropped (and marked retrieved)
 
 
 @dataclass(frozen=True)
@@ -248,6 +411,31 @@ class Backend(abc.ABC):
             exc.backend, exc.operation = self.name, operation
             raise
 
+    async def _guarded(self, core: Coroutine[Any, Any, T]) -> T:
+        """Run the core of a call that touches caller buffers; the call ends when the core has.
+
+        The core runs as a task of its own, shielded from the caller's cancellation. When the
+        caller is cancelled (or its ``wait_for`` deadline passes), the call is flagged
+        abandoned, then this waits for the core to end before re-raising ``CancelledError``:
+        no I/O of the call is left running against the caller's buffers. An abandoned core
+        skips what it has not started (``abandonable`` thread jobs) and its waits that touch
+        no caller memory end at once (``until_abandoned``), so the wait is only for I/O
+        already in flight. Nested calls (a wrapper backend forwarding to another) share the
+        outermost call.
+        """
+        call = _CURRENT_CALL.get() or _Call()
+        token = _CURRENT_CALL.set(call)
+        try:
+            task = asyncio.ensure_future(core)  # the task copies the context: it sees ``call``
+        finally:
+            _CURRENT_CALL.reset(token)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            call.abandon()
+            await _outlast(task)
+            raise
+
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is stored (a miss is False)."""
         self._check_open("exists")
@@ -265,7 +453,10 @@ class Backend(abc.ABC):
         Returns, per key, the number of bytes written at the start of its buffer (the object
         size, or the range length), or None for a miss. Raises ``InvalidRangeError`` when a
         range reaches past its object or a buffer is too small. The buffers stay the caller's:
-        nothing is kept after the call. Zero-copy when ``capabilities.zero_copy_reads``.
+        nothing is kept after the call, and nothing is written into them once it has returned,
+        raised or been cancelled (a cancelled call ends when its I/O in flight has ended; see
+        "Buffer lifetime" in the module docstring). Zero-copy when
+        ``capabilities.zero_copy_reads``.
         """
         self._check_open("get_into")
         checked = self._check_keys(keys, "get_into")
@@ -288,7 +479,7 @@ class Backend(abc.ABC):
                 )
         if not checked:
             return []
-        results = await self._fetch_into(checked, views, list(ranges))
+        results = await self._guarded(self._fetch_into(checked, views, list(ranges)))
         self.stats.reads += len(checked)
         for n in results:
             if n is not None:
@@ -328,7 +519,9 @@ class Backend(abc.ABC):
                 operation="get_scatter",
                 key=checked,
             )
-        n = await self._get_scatter(checked, scatter_views(views, byte_range.length), byte_range)
+        n = await self._guarded(
+            self._get_scatter(checked, scatter_views(views, byte_range.length), byte_range)
+        )
         self.stats.reads += 1
         if n is not None:
             self.stats.read_hits += 1
@@ -372,7 +565,8 @@ class Backend(abc.ABC):
         """Store each buffer under its key; each object becomes visible all at once.
 
         Rewriting a key replaces it atomically. On failure the error is raised and each object
-        of the batch is either fully written or absent. Buffers are read during the call only.
+        of the batch is either fully written or absent. Buffers are read during the call only
+        (a cancelled call ends when its I/O in flight has ended).
         """
         self._check_open("put")
         checked = self._check_keys(keys, "put")
@@ -381,7 +575,7 @@ class Backend(abc.ABC):
         views = [as_byte_view(b, writable=False) for b in buffers]
         if not checked:
             return
-        await self._put(checked, views)
+        await self._guarded(self._put(checked, views))
         self.stats.writes += len(checked)
         self.stats.bytes_written += sum(len(v) for v in views)
 
@@ -503,7 +697,7 @@ class Backend(abc.ABC):
         self._check_open("put_if_absent")
         (checked,) = self._check_keys([key], "put_if_absent")
         view = as_byte_view(buffer, writable=False)
-        wrote = await self._put_if_absent(checked, view)
+        wrote = await self._guarded(self._put_if_absent(checked, view))
         if wrote:
             self.stats.writes += 1
             self.stats.bytes_written += len(view)

@@ -11,6 +11,17 @@ is reproducible for a given sequence of calls):
   ``BackendUnavailableError`` before reaching the wrapped backend (per call).
 - ``timeout_rate``: the call sleeps ``timeout_s`` and raises ``BackendTimeoutError``.
 - ``latency_s`` (+ uniform ``latency_jitter_s``): added before every call.
+- ``inflight_latency_s``: reads whose I/O keeps running after the caller gives up. Each read
+  (a ``get_into`` batch or a ``get_scatter``) fetches the bytes from the wrapped backend into
+  memory of its own at once, and they land in the caller's buffers ``inflight_latency_s``
+  later, from an event-loop timer that neither cancelling the call nor a ``wait_for``
+  deadline stops: a slow device or a remote store still transferring into memory the caller
+  has stopped waiting for. Under the ``Backend`` contract the public call still ends only
+  after the bytes landed (its cancellation waits for them); code that bypasses the contract
+  (calling the core directly) sees them land after it gave up. That is issue 17's bug (an L3
+  slower than the tier's ``io_timeout_s``) reproduced without root or a slow disk.
+  ``inflight_jitter_s`` adds a uniform random part per read, so that against a deadline in
+  between some reads make it and others are abandoned in flight.
 - ``out_of_space_rate``: a ``put`` raises ``OutOfSpaceError`` (1.0 = a full disk); reads go on.
 - ``torn_write_rate``: per object, only a random prefix is stored and the put reports success:
   a store that breaks the all-or-nothing contract, for testing the framing layer's defence.
@@ -32,7 +43,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .base import Backend
+from .base import Backend, until_abandoned
 from .errors import BackendTimeoutError, BackendUnavailableError, OutOfSpaceError
 from .types import BackendURL, ByteRange, Capabilities, ObjectStat
 
@@ -49,6 +60,8 @@ class FaultConfig:
     timeout_s: float = 0.05
     latency_s: float = 0.0
     latency_jitter_s: float = 0.0
+    inflight_latency_s: float = 0.0
+    inflight_jitter_s: float = 0.0
     out_of_space_rate: float = 0.0
     torn_write_rate: float = 0.0
     bit_flip_rate: float = 0.0
@@ -60,6 +73,11 @@ class FaultConfig:
                 raise ValueError(f"{f.name} must be in [0, 1], got {value}")
             if f.name.endswith("_s") and value < 0:
                 raise ValueError(f"{f.name} must be >= 0, got {value}")
+
+    @property
+    def reads_in_flight(self) -> bool:
+        """Whether reads land late (``inflight_latency_s`` / ``inflight_jitter_s``)."""
+        return self.inflight_latency_s > 0 or self.inflight_jitter_s > 0
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> FaultConfig:
@@ -110,8 +128,9 @@ class FaultyBackend(Backend):
             inner = url.location if "://" in url.location else None
         if inner is None:
             raise ValueError("faulty:// needs an inner backend: faulty://?inner=memory://")
+        faults = FaultConfig.from_options(opts)  # validated before the inner store is opened
         backend = inner if isinstance(inner, Backend) else open_backend(inner)
-        return cls(backend, FaultConfig.from_options(opts))
+        return cls(backend, faults)
 
     def _chance(self, rate: float) -> bool:
         return rate > 0.0 and self._rng.random() < rate
@@ -119,11 +138,12 @@ class FaultyBackend(Backend):
     async def _before(self, operation: str, *, writing: bool) -> None:
         f = self._faults
         delay = f.latency_s + (self._rng.uniform(0.0, f.latency_jitter_s) if f.latency_jitter_s else 0.0)
+        # Injected waits touch no caller memory: a caller that gives up ends them at once.
         if delay:
-            await asyncio.sleep(delay)
+            await until_abandoned(asyncio.sleep(delay))
         if self._chance(f.timeout_rate):
             self.injected["timeout"] += 1
-            await asyncio.sleep(f.timeout_s)
+            await until_abandoned(asyncio.sleep(f.timeout_s))
             raise BackendTimeoutError(
                 f"injected timeout after {f.timeout_s}s", backend=self.name, operation=operation
             )
@@ -150,7 +170,14 @@ class FaultyBackend(Backend):
         ranges: Sequence[ByteRange | None],
     ) -> list[int | None]:
         await self._before("get_into", writing=False)
-        results = await self.inner.get_into(keys, buffers, ranges)
+        if self._faults.reads_in_flight:
+            staged = [bytearray(len(buf)) for buf in buffers]
+            results = await self.inner.get_into(keys, staged, ranges)
+            await self._land_late(
+                [(buf, memoryview(st), n) for buf, st, n in zip(buffers, staged, results, strict=True)]
+            )
+        else:
+            results = await self.inner.get_into(keys, buffers, ranges)
         for buf, n in zip(buffers, results, strict=True):
             if n and self._chance(self._faults.bit_flip_rate):
                 self.injected["bit_flip"] += 1
@@ -164,7 +191,15 @@ class FaultyBackend(Backend):
         # Forwarded to the inner backend's own scatter read (its one-request path, if it has
         # one), with the same faults as a read: errors, timeouts, latency, one flipped bit.
         await self._before("get_scatter", writing=False)
-        n = await self.inner.get_scatter(key, buffers, byte_range)
+        if self._faults.reads_in_flight:
+            staged = [bytearray(len(buf)) for buf in buffers]
+            n = await self.inner.get_scatter(key, staged, byte_range)
+            await self._land_late([
+                (buf, memoryview(st), None if n is None else len(buf))
+                for buf, st in zip(buffers, staged, strict=True)
+            ])
+        else:
+            n = await self.inner.get_scatter(key, buffers, byte_range)
         if n and self._chance(self._faults.bit_flip_rate):
             self.injected["bit_flip"] += 1
             bit = self._rng.randrange(n * 8)
@@ -174,6 +209,26 @@ class FaultyBackend(Backend):
                     break
                 bit -= len(buf) * 8
         return n
+
+    async def _land_late(self, copies: Sequence[tuple[memoryview, memoryview, int | None]]) -> None:
+        """Copy each ``(dest, staged, n)`` (the first ``n`` bytes; ``None``: nothing) into the
+        caller's memory ``inflight_latency_s`` from now, whatever happens to this call."""
+        loop = asyncio.get_running_loop()
+        landed = loop.create_future()
+
+        def land() -> None:
+            # An armed timer is not cancelled with the call: the "device" finishes regardless.
+            for dest, staged, n in copies:
+                if n:
+                    dest[:n] = staged[:n]
+            self.injected["inflight_read"] += 1
+            if not landed.done():
+                landed.set_result(None)
+
+        f = self._faults
+        jitter = self._rng.uniform(0.0, f.inflight_jitter_s) if f.inflight_jitter_s else 0.0
+        loop.call_later(f.inflight_latency_s + jitter, land)
+        await landed
 
     async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
         await self._before("put", writing=True)

@@ -99,7 +99,7 @@ from ._aligned import DIRECT_ALIGNMENT, aligned_buffer, is_aligned, scratch_bloc
 from ._file_index import FileIndex, ObjectIndex, pid_alive
 from ._file_noindex import NoIndex
 from ._pagecache import SecondTouch, is_cached
-from .base import Backend, scatter_views
+from .base import Backend, abandonable, gather_settled, scatter_views
 from .errors import (
     BackendError,
     BackendIOError,
@@ -371,6 +371,20 @@ class FileBackend(Backend):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, fn, *args)
 
+    async def _run_io(self, fn: Callable[..., T], *args: Any) -> T:
+        """``_run`` for a job that reads into or writes from the caller's buffers.
+
+        Buffer lifetime (base module docstring): such a job whose caller gave up before a
+        thread picked it up does not start (``abandonable``); one already in its ``preadv`` /
+        ``pwrite`` runs to the end, and the public method waits for it (one object's syscalls
+        on a local or mounted filesystem), so the caller's memory is never touched after the
+        call ended. Waiting, not staging: reads keep landing straight in the caller's buffer
+        with O_DIRECT (BENCHMARKS.md "Buffer lifetime"). Bookkeeping jobs (the index) use
+        ``_run``: they must run even for an abandoned call.
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, abandonable(fn), *args)
+
     def _translated(self, operation: str, key: str | None, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
@@ -425,10 +439,11 @@ class FileBackend(Backend):
     ) -> list[int | None]:
         # docstring inherited
         jobs = [
-            self._run(self._translated, "get_into", key, self._read_one, key, buf, rng)
+            self._run_io(self._translated, "get_into", key, self._read_one, key, buf, rng)
             for key, buf, rng in zip(keys, buffers, ranges, strict=True)
         ]
-        results: list[int | None] = list(await asyncio.gather(*jobs))
+        # All jobs end before the call does, even when one fails (buffer lifetime).
+        results: list[int | None] = await gather_settled(*jobs)
         await self._after_reads(keys, results)
         return results
 
@@ -438,7 +453,7 @@ class FileBackend(Backend):
         # docstring inherited. One open and one preadv for all the buffers: a framed object's
         # header and payload cost one request, not two opens and two reads (measured figure
         # at the cache tier's call, ``L3Link._read_object``).
-        n: int | None = await self._run(
+        n: int | None = await self._run_io(
             self._translated, "get_scatter", key, self._read_into, key, list(buffers), byte_range
         )
         await self._after_reads([key], [n])
@@ -552,7 +567,7 @@ class FileBackend(Backend):
         the index around it; backends with another I/O engine (``hf3fs``) override only this.
         """
         jobs = [
-            self._run(self._translated, "put", key, self._write_one, key, view, False)
+            self._run_io(self._translated, "put", key, self._write_one, key, view, False)
             for key, view in zip(keys, buffers, strict=True)
         ]
         return list(await asyncio.gather(*jobs, return_exceptions=True))
@@ -568,7 +583,7 @@ class FileBackend(Backend):
         )
         try:
             await self._make_room()
-            wrote = bool(await self._run(
+            wrote = bool(await self._run_io(
                 self._translated, "put_if_absent", key, self._write_one, key, buffer, True
             ))
             if wrote and self.durability == "full":

@@ -221,7 +221,7 @@ class HF3FSBackend(FileBackend):
         # docstring inherited
         if self._usrbio is None:
             return await super()._get_into(keys, buffers, ranges)
-        results: list[int | None] = await self._run(
+        results: list[int | None] = await self._run_io(
             self._translated, "get_into", None, self._usrbio_read,
             list(keys), list(buffers), list(ranges),
         )
@@ -293,7 +293,7 @@ class HF3FSBackend(FileBackend):
         # docstring inherited: one ring batch for the whole put under USRBIO
         if self._usrbio is None:
             return await super()._write_batch(keys, buffers)
-        outcomes: list[bool | BaseException] = await self._run(
+        outcomes: list[bool | BaseException] = await self._run_io(
             self._usrbio_write, list(keys), list(buffers), False
         )
         return outcomes

@@ -36,8 +36,13 @@ per page goes through ``L3Link.write_page``. Reads: ``L3Link.read_page`` assembl
 into an aligned staging row from verified objects (ranges of objects for layer sub-ranges,
 sliced head groups), then the rows are relayouted into the pool. Reads never land in the pool
 directly, even where a host page is byte for byte the unified page (MLA ``page_first_direct``):
-a read that times out cannot be cancelled in its I/O thread and could write into slots SGLang
-has already given to another request; staging rows are dropped instead.
+a read that outlives the call's deadline cannot always be stopped in its I/O thread and could
+write into slots SGLang has already given to another request; staging rows are dropped instead.
+A staging row is reused for the next page only once ``read_page`` has returned, which the
+``Backend`` buffer-lifetime contract makes the moment no read into the row is in flight (also
+after a page's ``io_timeout_s`` passed: the row stays out of use until its I/O ended). When a
+whole call overruns its deadline, this thread's staging is dropped, never reused, so a read
+still in flight lands in memory nobody uses (issue 17).
 Writes cut batches into chunks of ``staging_mib`` with two buffers per thread, so the relayout
 of one chunk overlaps the puts of the previous one. Reads keep a window of up to 16 pages in
 flight (within ``staging_mib``), one staging row each; the calling thread relays each page

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from hicache_store.backends.base import Backend
+from hicache_store.backends.base import Backend, gather_settled
 from hicache_store.layout.errors import CorruptObjectError, GridMismatchError, MissingKeyError
 from hicache_store.layout.keys import ObjectKey
 from hicache_store.layout.namespace import Namespace
@@ -205,12 +205,18 @@ class L3Link:
     async def read_page(self, page_hash: str, row: Row, io: IOStats) -> bool:
         """Assemble one page into ``row`` from verified objects; False on any miss or error.
 
-        On False, ``row`` may hold partial data: the caller must not use it.
+        On False, ``row`` may hold partial data: the caller must not use it. Returns (either
+        way) only once no read into ``row`` is in flight: when one object fails the others'
+        reads still end first (``gather_settled``), and a read past ``io_timeout_s`` is
+        cancelled, which under the ``Backend`` buffer-lifetime contract ends when its I/O has.
+        So this may return later than ``io_timeout_s`` by the time that I/O takes, and until it
+        returns the row is not the caller's to reuse: callers that cannot wait (the tier's
+        engine thread, the SGLang adapter) quarantine the row instead.
         """
         plan = self.read_plan
         digest = self.namespace.digest
         try:
-            hits = await asyncio.gather(
+            hits = await gather_settled(
                 *(
                     self._read_object(ObjectKey(page_hash, digest, obj.coords), obj, row)
                     for obj in plan.objects

@@ -62,6 +62,7 @@ from hicache_store.layout.errors import InvalidKeyError
 from hicache_store.layout.framing import decode_header, encode_object, verify_blocks
 from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
 
+from .lifetime import BufferLifetimeTests
 from .stateful import run_backend_state_machine
 
 #: keys every backend must refuse, before touching storage.
@@ -148,7 +149,7 @@ def framed_object(page: int = 1, layers: int = 4, block: int = 1024) -> tuple[Ob
 
 
 @pytest.mark.asyncio
-class BackendTests(abc.ABC):
+class BackendTests(BufferLifetimeTests, abc.ABC):
     """The conformance suite. See the module docstring for what a subclass provides."""
 
     #: Hypothesis budget for the model-based test (keep CI fast).

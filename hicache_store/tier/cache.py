@@ -21,6 +21,16 @@ Failure model: an L3 error, timeout, miss or corrupt object shortens the prefix 
 is counted; the request then recomputes more. Nothing in the engine's path raises because of
 L3, nothing waits longer than the prefetch policy allows, and every host page taken for a
 transfer is returned when the transfer ends.
+
+Abandoned reads (issue 17): when the engine stops waiting for a prefetch (its policy's
+deadline, or ranks agreeing on a shorter prefix), the host rows of pages still being read are
+*quarantined*, not freed: they return to the pool only when their ``L3Link.read_page`` has
+returned, which the ``Backend`` buffer-lifetime contract makes the moment no I/O into the row
+is in flight any more, even when that is later than ``io_timeout_s`` (a backend's I/O cannot
+always be stopped). A late read therefore never lands in a row that holds another page, and an
+L3 backup never reads a row that a read can still change (backups read rows locked by their
+node, and a quarantined row belongs to no node). ``quarantined_host_pages()`` counts the rows
+held so now; ``metrics.host_pages_quarantined`` counts every row ever held so.
 """
 
 from __future__ import annotations
@@ -470,6 +480,20 @@ class HiCache:
         if used != referenced:
             raise AssertionError(f"{used} host pages in use, {referenced} referenced")
 
+    def quarantined_host_pages(self) -> int:
+        """Host rows held by abandoned prefetch reads that have not ended yet (see the module
+        docstring); they return to the pool as each read ends."""
+        held = 0
+        for op in self._prefetches:
+            if op.abandoned_from is None:
+                continue
+            held += sum(
+                1
+                for i in range(op.abandoned_from, len(op.hashes))
+                if op.done[i] is None and op.host_pages[i] >= 0
+            )
+        return held
+
     def host_pages_referenced(self) -> int:
         """Host pages the tree or a prefetch holds (must always equal ``host.used``)."""
         in_tree = sum(1 for n in self.tree.nodes() if n.host_page is not None)
@@ -828,6 +852,10 @@ class HiCache:
         for i in range(agreed, len(op.hashes)):
             if op.done[i] is not None:
                 self._apply_abandoned_page(op, i)
+            else:
+                # Quarantined: its read may still be writing into the row. ``finish`` queues
+                # the row's release once ``read_page`` has returned (the I/O has ended).
+                m.host_pages_quarantined += 1
         nodes = self.tree.insert(req.hashes[: len(req.nodes) + agreed])[len(req.nodes) :]
         for node, host_page in zip(nodes, op.host_pages[:agreed], strict=True):
             if node.host_page is None:
@@ -841,6 +869,8 @@ class HiCache:
         return waited
 
     def _apply_abandoned_page(self, op: _Prefetch, index: int) -> None:
+        """Free the row of abandoned page ``index`` (its read has ended: ``done`` is set)."""
+        assert op.done[index] is not None, "a row freed while its read may still write into it"
         if op.host_pages[index] >= 0:
             self.host.free([op.host_pages[index]])
             op.host_pages[index] = -1

@@ -18,6 +18,8 @@ class TierMetrics:
     ``backups_dropped``: L3 backups not attempted because the queue was full.
     ``corruptions``: objects that failed verification (served as misses).
     ``tampered``: objects of a sealed namespace that failed authentication (served as misses).
+    ``host_pages_quarantined``: host rows whose prefetch was abandoned while their read was
+    still in flight, held back from reuse until it ended (``HiCache.quarantined_host_pages``).
     """
 
     requests: int = 0
@@ -45,6 +47,7 @@ class TierMetrics:
     tampered: int = 0
     evictions_l1: int = 0
     evictions_l2: int = 0
+    host_pages_quarantined: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +164,71 @@ async def test_scatter_bit_flips_land_in_one_buffer_and_storage_stays_intact(see
     assert _inner(store).raw_get(name) == blob
     with pytest.raises(CorruptObjectError):  # what the cache tier's verification sees
         verify_blocks(decode_header(header, expected=key, object_length=len(blob)), payload, 0, 4)
+
+
+#: how late the in-flight reads land (long against any scheduling hiccup of the test).
+LANDING = 0.25
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+async def test_inflight_reads_land_late_unless_the_contract_waits_for_them(scatter: bool) -> None:
+    store = _faulty()
+    data = bytes(range(1, 256)) * 64
+    await store.put(["a0"], [data])
+    store.faults = FaultConfig(inflight_latency_s=LANDING)
+
+    def buffers() -> list[bytearray]:
+        return [bytearray(100), bytearray(len(data) - 100)] if scatter else [bytearray(len(data))]
+
+    async def read(bufs: list[bytearray], *, core: bool) -> object:
+        if scatter:
+            views = [memoryview(b) for b in bufs]
+            if core:  # bypasses the public method, and with it the contract
+                return await store._get_scatter("a0", views, ByteRange(0, len(data)))
+            return await store.get_scatter("a0", bufs, ByteRange(0, len(data)))
+        if core:
+            return await store._get_into(["a0"], [memoryview(bufs[0])], [None])
+        return await store.get_into(["a0"], bufs)
+
+    # The core alone reproduces the bug: cancelled once its transfer is under way (the inner
+    # read done, the landing armed in the same step), it ends at once; the bytes land later.
+    bufs = buffers()
+    reads = _inner(store).stats.reads
+    task = asyncio.ensure_future(read(bufs, core=True))
+    for _step in range(1000):  # a few loop steps: the guarded inner read, then the arming
+        if _inner(store).stats.reads != reads:
+            break
+        await asyncio.sleep(0)
+    assert _inner(store).stats.reads == reads + 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert b"".join(bufs) == bytes(len(data)), "landed before the cancellation?"
+    await asyncio.sleep(3 * LANDING)
+    assert b"".join(bufs) == data, "the in-flight read never landed"
+    # Through the public method the timeout is raised only once the bytes are in: after it,
+    # the caller's buffer is its own (the contract of backends/base.py).
+    bufs = buffers()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(read(bufs, core=False), 0.001)
+    assert b"".join(bufs) == data
+    for buf in bufs:
+        buf[:] = b"\xa5" * len(buf)
+    await asyncio.sleep(3 * LANDING)
+    assert all(buf == b"\xa5" * len(buf) for buf in bufs)
+    # Not given up on: an ordinary (slow) read.
+    bufs = buffers()
+    assert await read(bufs, core=False) in ([len(data)], len(data))
+    assert b"".join(bufs) == data
+    assert store.injected["inflight_read"] == 3
+
+
+async def test_faulty_url_validates_fault_options_before_opening_the_inner_store(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "inner"
+    with pytest.raises(ValueError, match="error_rate"):
+        open_backend(f"faulty://?inner=file://{root}&error_rate=2")
+    with pytest.raises(ValueError, match="unknown fault options"):
+        open_backend(f"faulty://?inner=file://{root}&eror_rate=0.1")
+    assert not root.exists(), "the inner store was created before the options were refused"

@@ -684,3 +684,39 @@ def test_keeps_missing_while_the_store_holds_the_model_warns_once(
     assert not [r for r in caplog.records if "found nothing" in r.getMessage()]
     writer.close()
     reader.close()
+
+
+@pytest.mark.slow
+def test_reads_abandoned_in_flight_never_reach_the_pool() -> None:
+    # Issue 17 through the adapter: L3 reads land 0-40 ms after they start, from I/O the
+    # caller cannot stop, against a 15 ms deadline; a two-row read window is reused page
+    # after page. A page reported True must hold exactly its data, a page reported False
+    # must keep the slot's old bytes: never another page's late bytes.
+    from hicache_store.backends.faulty import FaultConfig, FaultyBackend
+
+    # The in-process store keeps every step on the event loop, so what makes a read late or
+    # in time is only the injected landing time against the deadline (both loop timers).
+    pool = StandInPool("page_first", pages=64)
+    data = random_pages(24)
+    for i, d in enumerate(data):
+        pool.put(i, d)
+    keys = keys_for(24, "late")
+    store = adapter(
+        pool, url="faulty://?inner=memory://", io_timeout_s=0.015,
+        staging_mib=2 * 4096 / 2**20,
+    )
+    assert isinstance(store.backend, FaultyBackend)
+    assert store.batch_set_v1(keys, slots(list(range(24)))) == [True] * 24
+    store.backend.faults = FaultConfig(seed=4, inflight_latency_s=0.0, inflight_jitter_s=0.04)
+    (before,) = random_pages(1, heads=H, layers=L)
+    outcomes: list[bool] = []
+    for _round in range(12):
+        for i in range(24):
+            pool.put(32 + i, before)
+        got = store.batch_get_v1(keys, slots(list(range(32, 56))))
+        for i in range(24):
+            assert same(pool.take(32 + i), data[i] if got[i] else before), (i, got[i])
+        outcomes.extend(got)
+    assert any(outcomes) and not all(outcomes), "the deadline never split the reads"
+    assert store.backend.injected["inflight_read"] > 0
+    store.close()

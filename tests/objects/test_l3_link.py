@@ -3,6 +3,7 @@ corrupt, short or absent object is a failed page, never wrong bytes."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import numpy as np
 import pytest
 
 from hicache_store.backends import Backend, aligned_buffer, open_backend
+from hicache_store.backends.faulty import FaultConfig, FaultyBackend
 from hicache_store.backends.file import FileBackend
+from hicache_store.backends.memory import MemoryBackend
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.topology import Topology
@@ -154,3 +157,28 @@ async def test_any_backend_takes_the_scatter_read() -> None:
     assert await writer.read_page(PAGE, row, IOStats())
     assert np.array_equal(row, page)
     await store.close()
+
+
+@pytest.mark.parametrize("deadline", [None, 0.005])
+async def test_failed_page_returns_only_once_no_read_into_the_row_is_in_flight(
+    deadline: float | None,
+) -> None:
+    # Two objects per page; one is missing (its answer comes back first or second, at random)
+    # and every read lands 0-20 ms late from I/O nobody can stop. Whether the page fails on
+    # the miss or on its deadline, ``read_page`` returns only when the other object's bytes
+    # are in: afterwards the row is the caller's (issue 17; plain ``gather`` broke this).
+    store = FaultyBackend(MemoryBackend())
+    writer = L3Link(store, NS, WRITER, 0, max_inflight_bytes=1 << 20,
+                    io_timeout_s=deadline if deadline is not None else 10.0)
+    assert await writer.write_page(PAGE, full_page(6), IOStats())
+    await store.delete([writer.write_plan.object_keys(PAGE)[1]])  # type: ignore[union-attr]
+    rows = []
+    for seed in range(8):
+        store.faults = FaultConfig(seed=seed, inflight_jitter_s=0.02)
+        row = new_row(writer)
+        assert not await writer.read_page(PAGE, row, IOStats())
+        row[:] = 0xA5
+        rows.append(row)
+    await asyncio.sleep(0.06)
+    for row in rows:
+        assert (row == 0xA5).all(), "a read landed in the row after read_page returned"
