@@ -62,6 +62,7 @@ from hicache_store.objects import IOStats, L3Link
 from hicache_store.tenant import KeyRing
 
 from .config import TierConfig, prefetch_timeout
+from .eviction import EvictionPolicy, make_eviction_policy
 from .group import LocalGroup, RankGroup
 from .host_pool import HostPagePool
 from .metrics import TierMetrics
@@ -73,6 +74,13 @@ log = logging.getLogger(__name__)
 _BACKUP_BATCH_PAGES = 16
 #: an L2 -> L1 load over more runs of consecutive host rows than this gathers them first.
 _MAX_ROW_RUNS = 8
+
+
+def _policy(config: TierConfig, capacity: int) -> EvictionPolicy[PageNode]:
+    """The eviction policy of one pool of ``capacity`` pages (``config.eviction_policy``)."""
+    return make_eviction_policy(
+        config.eviction_policy, capacity, lambda n: n.depth, lambda n: n.page_hash
+    )
 
 
 def _consecutive_runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -247,7 +255,11 @@ class HiCache:
         self.shard = shard_of(namespace, self.topology, rank)
         self.layout = UnifiedPageLayout.for_shard(namespace, self.shard)
         self.device = DevicePool.mha(device_pool.k_buffers, device_pool.v_buffers)
-        self.tree = PageTree()
+        self.tree = PageTree(
+            _policy(config, config.l1_pages),
+            _policy(config, max(config.l2_pages, 1)),
+            l3_record_limit=config.l3_record_limit,
+        )
         self.metrics = TierMetrics()
         self.host = HostPagePool(config.l2_pages, self.layout.page_bytes)
         self.l3: L3Link | None = None
@@ -323,6 +335,7 @@ class HiCache:
             self.namespace.page_size,
             algo=self.namespace.hash_algo,
         )
+        self.tree.begin_request()
         nodes = self.tree.match(hashes)
         l1 = PageTree.resident_prefix(nodes, Tier.L1)
         in_memory = 0
@@ -364,7 +377,7 @@ class HiCache:
         self._make_room_l1(len(req.loading) + new_pages)
         load_pages = self.pool.alloc(len(req.loading))
         for node, device_page in zip(req.loading, load_pages, strict=True):
-            node.device_page = device_page
+            self.tree.set_device(node, device_page)
         req.new_device_pages = self.pool.alloc(new_pages)
         wait_layer = self._start_load(req) if req.loading else None
         device_pages = [n.device_page for n in req.nodes] + req.new_device_pages
@@ -386,22 +399,21 @@ class HiCache:
                 req.load.wait_all()
             self.metrics.bytes_l2_to_l1 += len(req.loading) * self.layout.page_bytes
         for node in req.host_locked:
-            node.host_lock -= 1
+            self.tree.release_host(node)
         req.host_locked.clear()
         if self.config.host_mode == "buffer_only":
             for node in req.loading:
                 self._drop_host_copy(node)
         full = len(req.tokens) // page
         new_nodes = self.tree.insert(req.hashes[:full])[req.prefix_pages :]
-        spare = list(req.new_device_pages)
-        for node in new_nodes:
-            device_page = spare.pop(0)
+        spare = req.new_device_pages[len(new_nodes) :]  # the partial last page
+        for node, device_page in zip(new_nodes, req.new_device_pages, strict=False):
             if node.device_page is None:
-                node.device_page = device_page
+                self.tree.set_device(node, device_page)
                 node.hits = max(node.hits, 1)
             else:  # cached meanwhile by another request: keep that copy
                 spare.append(device_page)
-        self.pool.free(spare)  # the partial last page and duplicates
+        self.pool.free(spare)
         path = req.nodes + new_nodes
         self.tree.touch(path)
         self._release(req, req.nodes)
@@ -432,6 +444,7 @@ class HiCache:
             elif kind == "prefetch_page":
                 self._apply_abandoned_page(*payload)
         self._prefetches = [op for op in self._prefetches if not self._prefetch_retired(op)]
+        self.tree.trim_l3_record()
 
     @staticmethod
     def _prefetch_retired(op: _Prefetch) -> bool:
@@ -476,6 +489,7 @@ class HiCache:
         """
         tiers = (Tier.L1,) if self.config.host_mode == "buffer_only" else (Tier.L1, Tier.L2)
         self.tree.check_prefix_closed(tiers)
+        self.tree.check_queues()
         used, referenced = self.host.used, self.host_pages_referenced()
         if used != referenced:
             raise AssertionError(f"{used} host pages in use, {referenced} referenced")
@@ -508,19 +522,19 @@ class HiCache:
     def _hold(self, req: Request, nodes: Sequence[PageNode]) -> None:
         """Lock ``nodes`` for ``req``: their L1 copy, and their L2 copy when it must be loaded."""
         for node in nodes:
-            node.lock += 1
+            self.tree.lock(node)
             node.hits += 1
             if node.device_page is None:
-                node.host_lock += 1
+                self.tree.hold_host(node)
                 req.host_locked.append(node)
         req.nodes.extend(nodes)
 
     def _release(self, req: Request, nodes: Sequence[PageNode]) -> None:
         released = set(map(id, nodes))
         for node in nodes:
-            node.lock -= 1
+            self.tree.unlock(node)
         for node in [n for n in req.host_locked if id(n) in released]:
-            node.host_lock -= 1
+            self.tree.release_host(node)
         req.host_locked = [n for n in req.host_locked if id(n) not in released]
 
     def _count_hits(self, req: Request) -> None:
@@ -541,13 +555,13 @@ class HiCache:
     def _make_room_l1(self, needed: int) -> None:
         if self.pool.num_free_pages >= needed:
             return
-        for node in self.tree.eviction_order(Tier.L1):
-            write_back = self.config.write_policy == "write_back" and self.config.l2_pages
+        write_back = self.config.write_policy == "write_back" and self.config.l2_pages
+        while (node := self.tree.pop_victim(Tier.L1)) is not None:
             if write_back and node.host_page is None:
                 self._backup_to_host(node)
             assert node.device_page is not None
             self.pool.free([node.device_page])
-            node.device_page = None
+            self.tree.set_device(node, None)
             self.metrics.evictions_l1 += 1
             self.tree.prune(node)
             if self.pool.num_free_pages >= needed:
@@ -597,18 +611,16 @@ class HiCache:
         pages = self.host.alloc(count)
         if pages is not None or self.config.host_mode == "buffer_only":
             return pages
-        for node in self.tree.eviction_order(Tier.L2):
+        while self.host.free_pages < count and (node := self.tree.pop_victim(Tier.L2)):
             self._drop_host_copy(node)
             self.metrics.evictions_l2 += 1
-            if self.host.free_pages >= count:
-                break
         return self.host.alloc(count)
 
     def _drop_host_copy(self, node: PageNode) -> None:
         if node.host_page is None or node.host_lock > 0:
             return
         self.host.free([node.host_page])
-        node.host_page = None
+        self.tree.set_host(node, None)
         self.tree.prune(node)
 
     def _backup_to_host(self, node: PageNode) -> None:
@@ -631,12 +643,12 @@ class HiCache:
             # Pin the chain's existing L2 copies: evicting one to make room would leave a hole.
             pinned = [n for n in node.path() if n.host_page is not None]
             for n in pinned:
-                n.host_lock += 1
+                self.tree.hold_host(n)
             try:
                 pages = self._alloc_host(len(missing))
             finally:
                 for n in pinned:
-                    n.host_lock -= 1
+                    self.tree.release_host(n)
             if pages is None:  # L2 cannot take the whole chain: keep as long a prefix as fits
                 fit = self.host.free_pages
                 pages = self.host.alloc(fit) if fit else None
@@ -658,7 +670,7 @@ class HiCache:
                     backend=self.kernel_backend,
                 )
             for n, host_page in zip(missing, pages, strict=True):
-                n.host_page = host_page
+                self.tree.set_host(n, host_page)
             self.metrics.backups_l2 += len(missing)
             self.metrics.bytes_l1_to_l2 += len(missing) * self.layout.page_bytes
         self._queue_l3_backup(node.path())
@@ -683,14 +695,15 @@ class HiCache:
                 break
             todo.append(node)
         if self.config.host_mode == "buffer_only":
+            queued = {id(n) for n in todo}
             for node in path:
-                if node not in todo:
+                if id(node) not in queued:
                     self._drop_host_copy(node)
         if not todo:
             return
         for node in todo:
-            node.l3_pending = True
-            node.host_lock += 1
+            self.tree.set_l3_pending(node, True)
+            self.tree.hold_host(node)
         self._backups_in_flight += len(todo)
         rows = [self.host.row(n.host_page) for n in todo]  # type: ignore[arg-type]
         self._backup_queue.extend(
@@ -752,14 +765,14 @@ class HiCache:
         for listener in self.backup_listeners:
             listener(node.page_hash, ok)
         self._backups_in_flight -= 1
-        node.l3_pending = False
-        node.host_lock -= 1
+        self.tree.release_host(node)
         if ok:
-            node.in_l3 = True
+            self.tree.set_in_l3(node, True)
             self.metrics.backups_l3 += 1
             self.metrics.bytes_l2_to_l3 += io.bytes_moved
         else:
             self.metrics.backups_l3_failed += 1
+        self.tree.set_l3_pending(node, False)
         if self.config.host_mode == "buffer_only":
             self._drop_host_copy(node)
         else:
@@ -859,10 +872,10 @@ class HiCache:
         nodes = self.tree.insert(req.hashes[: len(req.nodes) + agreed])[len(req.nodes) :]
         for node, host_page in zip(nodes, op.host_pages[:agreed], strict=True):
             if node.host_page is None:
-                node.host_page = host_page
+                self.tree.set_host(node, host_page)
             else:
                 self.host.free([host_page])
-            node.in_l3 = True
+            self.tree.set_in_l3(node, True)
         self._hold(req, nodes)
         self.tree.touch(nodes)
         req.l3_pages = agreed

@@ -37,6 +37,12 @@ class TierConfig:
     ``max_queued_backup_pages``: L3 backups waiting beyond this are dropped and counted, so a
     slow backend never blocks compute.
     ``io_timeout_s``: an L3 operation slower than this counts as failed (degrade to recompute).
+    ``eviction_policy``: the order of eviction in each pool (``tier.eviction``:
+    ``EVICTION_POLICIES``; ``lru`` by default, as SGLang).
+    ``l3_record_pages``: pages the tree remembers beyond what L1 and L2 hold (pages only L3
+    holds); older ones are forgotten and probed again when needed. None: ``l1_pages +
+    l2_pages``, so the tree never holds more than twice the pages of the memory tiers plus
+    those in transit.
     """
 
     l1_pages: int
@@ -53,6 +59,8 @@ class TierConfig:
     max_queued_backup_pages: int = 4096
     io_timeout_s: float = 30.0
     layerwise_load: bool = True
+    eviction_policy: str = "lru"
+    l3_record_pages: int | None = None
 
     def __post_init__(self) -> None:
         if self.l1_pages < 1:
@@ -74,6 +82,22 @@ class TierConfig:
             raise ValueError("prefetch timeouts must not be negative")
         if self.max_inflight_bytes < 1 or self.max_queued_backup_pages < 0:
             raise ValueError("max_inflight_bytes / max_queued_backup_pages out of range")
+        if self.l3_record_pages is not None and self.l3_record_pages < 0:
+            raise ValueError("l3_record_pages: must not be negative")
+        from .eviction import EVICTION_POLICIES
+
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy: {self.eviction_policy!r} is not one of "
+                f"{', '.join(EVICTION_POLICIES)}"
+            )
+
+    @property
+    def l3_record_limit(self) -> int:
+        """The tree's bound on pages without an L1/L2 copy (see ``l3_record_pages``)."""
+        if self.l3_record_pages is not None:
+            return self.l3_record_pages
+        return self.l1_pages + self.l2_pages
 
     @property
     def backup_threshold(self) -> int:

@@ -63,6 +63,10 @@ DEFAULT_GHOST_FACTOR = 4.0
 class EvictionPolicy(Protocol[N]):
     """The calls a pool makes to its policy (module docstring)."""
 
+    def __len__(self) -> int:
+        """Resident nodes the policy tracks (the tree's consistency checks compare)."""
+        ...
+
     def begin_request(self) -> None: ...
 
     def admit(self, node: N) -> None: ...

@@ -290,3 +290,21 @@ def test_timeout_prefetch_gives_up_on_a_slow_l3_and_recomputes(model: MiniLlama)
     assert torch.equal(logits, model.forward_full(torch.tensor([*doc, 1]))[prep.start :])
     reader.close()
     reader.check_invariants()
+
+
+def test_the_tree_stays_bounded_and_l3_is_probed_again(model: MiniLlama) -> None:
+    backend = open_backend("memory://")
+    tier = make_tier(l1_pages=12, l2_pages=12, backend=backend, prefetch_policy="wait_complete")
+    docs = list(prompts(9, 20, 17))  # 4 full pages each: 80 pages in all, 24 in memory
+    for doc in docs:
+        check(tier, model, doc)
+        tier.flush()
+    limit = tier.config.l3_record_limit
+    assert limit == 24
+    assert len(tier.tree) <= 12 + 12 + limit
+    assert tier.tree.match(page_hashes(torch.tensor(docs[0]).numpy().astype("<u4"), PAGE)) == []
+    # Forgotten by the tree, still in L3: found by a probe and served from there.
+    before = tier.metrics.hit_tokens_l3
+    assert check(tier, model, [*docs[0][:16], 3]) == 16
+    assert tier.metrics.hit_tokens_l3 - before == 16
+    tier.close()
