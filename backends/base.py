@@ -9,13 +9,15 @@ Public API (what callers use; implemented here, once, for every backend)::
     delete(keys)                      -> list[bool]         False = was absent
     stat(keys)                        -> list[ObjectStat | None]
     list_prefix(prefix)               -> async iterator of keys
+    list_entries(prefix)              -> async iterator of ObjectStat (key, size, mtime)
     close()
 
-    helpers: exists_prefix_length, get_ranges, put_if_absent, get_bytes, put_bytes, get_object
+    helpers: exists_prefix_length, exists_prefix_pages, get_ranges, put_if_absent, get_bytes,
+             put_bytes, get_object
 
 Core (what a backend implements; the public method has already validated everything):
 ``_exists``, ``_get_into``, ``_put``, ``_delete``, ``_stat``; optionally ``_list_prefix``,
-``_put_if_absent``, ``_get_scatter``, ``_close``.
+``_list_entries``, ``_put_if_absent``, ``_get_scatter``, ``_close``.
 
 Contracts every backend keeps (the conformance suite in ``hicache_store.testing`` checks them):
 
@@ -64,6 +66,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextvars
+import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
@@ -77,6 +80,7 @@ from hicache_store.layout.keys import ObjectKey, validate_storage_keys
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT
 
 from .errors import BackendClosedError, InvalidRangeError, NotSupportedError
+from .prefix import DEFAULT_FANOUT, search_prefix
 from .types import BackendStats, BackendURL, ByteRange, Capabilities, ObjectStat, validate_prefix
 
 if TYPE_CHECKING:
@@ -93,6 +97,8 @@ T = TypeVar("T")
 
 #: header bytes fetched first by ``get_object`` (holds the header of objects up to 500 layers).
 _HEADER_PROBE = 4096
+#: keys ``stat``-ed per call by the default ``_list_entries``.
+LIST_STAT_BATCH = 1000
 
 class _Call:
     """One buffer-touching call whose caller may give up (see ``Backend._guarded``).
@@ -304,6 +310,10 @@ class Backend(abc.ABC):
 
     name: ClassVar[str] = "backend"
     capabilities: Capabilities = Capabilities()
+    #: True when opening may create the store's location (a directory). Such a backend takes
+    #: the option ``create`` (default True); with ``create=False`` it creates nothing and
+    #: raises ``NotFoundError`` when no store is there (what read-only tools open with).
+    creates_location: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.stats = BackendStats()
@@ -362,6 +372,26 @@ class Backend(abc.ABC):
         raise NotSupportedError(
             "this backend cannot list keys", backend=self.name, operation="list_prefix"
         )
+
+    async def _list_entries(self, prefix: str) -> AsyncIterator[ObjectStat]:
+        """Yield the ``ObjectStat`` of every stored key starting with ``prefix``, each once.
+
+        This default lists keys and ``stat``-s them in batches of ``LIST_STAT_BATCH`` (memory
+        bounded by one batch); a key removed between the two is skipped. Backends whose
+        listing already carries sizes and times (S3, a directory walk) override it.
+        """
+        batch: list[str] = []
+        async for key in self._list_prefix(prefix):
+            batch.append(key)
+            if len(batch) >= LIST_STAT_BATCH:
+                for st in await self._stat(batch):
+                    if st is not None:
+                        yield st
+                batch = []
+        if batch:
+            for st in await self._stat(batch):
+                if st is not None:
+                    yield st
 
     async def _put_if_absent(self, key: str, buffer: memoryview) -> bool:
         """Store unless present. This default checks, then writes: two racing callers may both
@@ -606,6 +636,19 @@ class Backend(abc.ABC):
         async for key in self._list_prefix(prefix):
             yield key
 
+    async def list_entries(self, prefix: str = "") -> AsyncIterator[ObjectStat]:
+        """Yield ``ObjectStat(key, size, mtime)`` for every stored key starting with ``prefix``.
+
+        What operator tools stream (``hicache-store inspect`` / ``gc``): memory stays bounded
+        whatever the store's size. ``mtime`` is None where the backend does not know it. Any
+        order, each key once; keys written or deleted meanwhile may or may not appear. Raises
+        ``NotSupportedError`` unless ``capabilities.listing``.
+        """
+        self._check_open("list_entries")
+        validate_prefix(prefix)
+        async for st in self._list_entries(prefix):
+            yield st
+
     async def close(self) -> None:
         """Release resources. Idempotent; every other call afterwards raises
         ``BackendClosedError``."""
@@ -644,6 +687,34 @@ class Backend(abc.ABC):
                     return count
                 count += 1
         return count
+
+    async def exists_prefix_pages(
+        self,
+        count: int,
+        keys_of: Callable[[int], Sequence[str]],
+        *,
+        ordered: bool = True,
+        fanout: int = DEFAULT_FANOUT,
+    ) -> int:
+        """How many leading pages of ``count`` have every one of their keys stored.
+
+        ``keys_of(i)`` gives the keys page ``i`` needs; it is called only for the pages
+        probed. With ``ordered`` (the store is written parent-first and evicted tails-first,
+        as this library does), the boundary is searched for in O(log count) round trips of
+        at most ``fanout`` pages each, then verified; otherwise pages are probed in order
+        and the probe stops at the first missing one. The search, its cost and its exact
+        guarantee are in ``hicache_store.backends.prefix``. One ``exists`` call per round trip.
+        """
+        self._check_open("exists")
+
+        async def probe(pages: Sequence[int]) -> list[bool]:
+            groups = [self._check_keys(keys_of(page), "exists") for page in pages]
+            flat = [key for group in groups for key in group]
+            hits = await self._exists(flat) if flat else []
+            ends = list(itertools.accumulate(len(group) for group in groups))
+            return [all(hits[end - len(group) : end]) for group, end in zip(groups, ends, strict=True)]
+
+        return await search_prefix(count, probe, ordered=ordered, fanout=fanout)
 
     async def get_ranges(
         self,

@@ -83,6 +83,7 @@ import json
 import os
 import secrets
 import shutil
+import stat as stat_module
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -160,6 +161,7 @@ class FileBackend(Backend):
     default_index: ClassVar[IndexKind] = "sqlite"
 
     name = "file"
+    creates_location = True
     capabilities = Capabilities(
         ranged_reads=True,
         zero_copy_reads=True,
@@ -655,6 +657,27 @@ class FileBackend(Backend):
             for key in page:
                 yield key
 
+    async def _list_entries(self, prefix: str) -> AsyncIterator[ObjectStat]:
+        # docstring inherited. The walk's own ``stat`` gives size and mtime: one pass, no
+        # second lookup, and the index is neither read nor changed. One job per top-level
+        # shard directory (1/256 of the store), the next one running while this one is
+        # consumed; memory is one directory's entries.
+        tops = await self._run(lambda: sorted(e.path for e in _scandir_dirs(self._objects)))
+        if not tops:
+            return
+        pending = asyncio.ensure_future(self._run(self._translated, "list_entries", None,
+                                                  _stat_tree, tops[0], prefix))
+        try:
+            for i in range(len(tops)):
+                entries = await pending
+                if i + 1 < len(tops):
+                    pending = asyncio.ensure_future(self._run(
+                        self._translated, "list_entries", None, _stat_tree, tops[i + 1], prefix))
+                for entry in entries:
+                    yield entry
+        finally:
+            pending.cancel()
+
     async def _close(self) -> None:
         # Running jobs finish (they own their file descriptors); nothing new starts.
         loop = asyncio.get_running_loop()
@@ -722,6 +745,24 @@ def _set_direct(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def _stat_tree(top: str, prefix: str) -> list[ObjectStat]:
+    """Size and mtime of every object file under one top-level shard directory."""
+    found: list[ObjectStat] = []
+    for sub in _scandir_dirs(top):
+        with contextlib.suppress(FileNotFoundError), os.scandir(sub.path) as entries:
+            for entry in entries:
+                name = entry.name
+                if not name.startswith(prefix) or not _is_storage_key(name):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # deleted meanwhile
+                if stat_module.S_ISREG(st.st_mode):
+                    found.append(ObjectStat(name, st.st_size, st.st_mtime))
+    return found
 
 
 def _fsync_dir(path: str) -> None:

@@ -532,7 +532,7 @@ class S3Backend(Backend):
             seen.add(key)
         return removed
 
-    def _list_page(self, prefix: str, token: str | None) -> tuple[list[tuple[str, int, float]], str | None]:
+    def _list_page(self, prefix: str, token: str | None) -> tuple[list[ObjectStat], str | None]:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._base + prefix}
         if token:
             kwargs["ContinuationToken"] = token
@@ -545,14 +545,14 @@ class S3Backend(Backend):
             except InvalidKeyError:
                 continue  # a foreign object (or one in a sub-"directory"): not ours
             modified = item.get("LastModified")
-            entries.append((key, int(item.get("Size", 0)), modified.timestamp() if modified else 0.0))
+            mtime = modified.timestamp() if modified is not None else None
+            entries.append(ObjectStat(key, int(item.get("Size", 0)), mtime))
         next_token = response.get("NextContinuationToken") if response.get("IsTruncated") else None
         return entries, next_token
 
-    async def list_entries(self, prefix: str = "") -> AsyncIterator[tuple[str, int, float]]:
-        """Yield ``(key, size, mtime)`` for every object under ``prefix``: one listing request
-        per 1000 objects, no HEADs (what ``hicache-store gc`` uses)."""
-        self._check_open("list_entries")
+    async def _list_entries(self, prefix: str) -> AsyncIterator[ObjectStat]:
+        # docstring inherited. One listing request per 1000 objects, no HEADs: the listing
+        # carries size and mtime. Pages are fetched one at a time: memory stays one page.
         token: str | None = None
         while True:
             entries, token = await self._run("list_prefix", None, self._list_page, prefix, token)
@@ -563,23 +563,23 @@ class S3Backend(Backend):
 
     async def _list_prefix(self, prefix: str) -> AsyncIterator[str]:
         # docstring inherited. S3 listings are consistent and each key appears once.
-        async for key, _size, _mtime in self.list_entries(prefix):
-            yield key
+        async for entry in self._list_entries(prefix):
+            yield entry.key
 
     # -- capacity -------------------------------------------------------------------------------
 
     def _scan_prefix(self) -> None:
         """At open (capacity_bytes set): learn every object under the prefix, oldest first."""
         token: str | None = None
-        found: list[tuple[str, int, float]] = []
+        found: list[ObjectStat] = []
         while True:
             entries, token = self._list_page("", token)
             found.extend(entries)
             if token is None:
                 break
         # add_oldest puts each key first in line: add the newest first so the oldest leads.
-        for key, size, _mtime in sorted(found, key=lambda e: e[2], reverse=True):
-            self._lru.add_oldest(key, size)
+        for st in sorted(found, key=lambda e: e.mtime or 0.0, reverse=True):
+            self._lru.add_oldest(st.key, st.size)
 
     @property
     def used_bytes(self) -> int:

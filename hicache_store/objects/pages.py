@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from hicache_store.backends.base import Backend, gather_settled
+from hicache_store.backends.prefix import search_prefix
 from hicache_store.layout.errors import CorruptObjectError, GridMismatchError, MissingKeyError
 from hicache_store.layout.keys import ObjectKey
 from hicache_store.layout.namespace import Namespace
@@ -136,32 +137,42 @@ class L3Link:
     # -- existence ------------------------------------------------------------------------
 
     async def exists_prefix(self, page_hashes: Sequence[str]) -> int:
-        """How many leading pages have every object this rank reads (under any readable key)."""
+        """How many leading pages have every object this rank reads (under any readable key).
+
+        The boundary is searched for (``backends.prefix.search_prefix``: O(log n) round trips,
+        names built only for the pages probed). Each probe asks about its pages under the
+        active key, then each older key only about what the newer ones lacked, so an
+        unrotated link costs one ``exists`` per round trip. The whole search is bounded by
+        ``io_timeout_s``.
+        """
         per_page = len(self.read_plan.objects)
         if not page_hashes or per_page == 0:
             return 0
-        # Objects not found yet, as (page, object) flat indexes; each older key is asked only
-        # about what the newer ones lacked, so an unrotated link costs one probe as before.
-        missing: Sequence[int] = range(len(page_hashes) * per_page)
-        for reader in self.readers:
-            fmt = reader.format
-            names: dict[int, list[str]] = {}
-            keys = []
-            for index in missing:
-                page = index // per_page
-                if page not in names:
-                    h = page_hashes[page]
-                    # A keyed hash is computed here (from a validated input): trusted.
-                    names[page] = self.read_plan.object_keys(
-                        fmt.stored_hash(h) if fmt.sealed else h,
-                        trusted=self.trusted_hashes or fmt.sealed,
-                    )
-                keys.append(names[page][index % per_page])
-            found = await asyncio.wait_for(self.backend.exists(keys), self.io_timeout_s)
-            missing = [index for index, hit in zip(missing, found, strict=True) if not hit]
-            if not missing:
-                return len(page_hashes)
-        return min(index // per_page for index in missing)
+
+        async def probe(pages: Sequence[int]) -> list[bool]:
+            # Objects not found yet, as (page, object index) pairs.
+            missing = [(page, i) for page in pages for i in range(per_page)]
+            for reader in self.readers:
+                fmt = reader.format
+                names: dict[int, list[str]] = {}
+                keys = []
+                for page, i in missing:
+                    if page not in names:
+                        h = page_hashes[page]
+                        # A keyed hash is computed here (from a validated input): trusted.
+                        names[page] = self.read_plan.object_keys(
+                            fmt.stored_hash(h) if fmt.sealed else h,
+                            trusted=self.trusted_hashes or fmt.sealed,
+                        )
+                    keys.append(names[page][i])
+                found = await self.backend.exists(keys)
+                missing = [m for m, hit in zip(missing, found, strict=True) if not hit]
+                if not missing:
+                    break
+            lacking = {page for page, _ in missing}
+            return [page not in lacking for page in pages]
+
+        return await asyncio.wait_for(search_prefix(len(page_hashes), probe), self.io_timeout_s)
 
     # -- writes -----------------------------------------------------------------------------
 

@@ -509,6 +509,24 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
         with pytest.raises(InvalidKeyError):
             [k async for k in backend.list_prefix("../")]
 
+    async def test_list_entries(self, backend: Backend) -> None:
+        if not backend.capabilities.listing:
+            with pytest.raises(NotSupportedError):
+                [st async for st in backend.list_entries("")]
+            return
+        before = time.time()
+        keys = ["a0", "a01", "a1", "b0"]
+        await backend.put(keys, [b"x" * (10 + i) for i in range(len(keys))])
+        got = {st.key: st async for st in backend.list_entries("a")}
+        assert sorted(got) == ["a0", "a01", "a1"]
+        assert [got[k].size for k in ("a0", "a01", "a1")] == [10, 11, 12]
+        for st in got.values():  # None where unknown; never a time before the write
+            assert st.mtime is None or st.mtime >= before - 5.0, st
+        assert len([st async for st in backend.list_entries()]) == 4
+        assert [st async for st in backend.list_entries("c")] == []
+        with pytest.raises(InvalidKeyError):
+            [st async for st in backend.list_entries("../")]
+
     async def test_exists_prefix_length(self, backend: Backend) -> None:
         keys = [f"e{i:x}" for i in range(10)]
         await backend.put(keys[:5] + keys[6:], [b"x"] * 9)
@@ -517,6 +535,21 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
         assert await backend.exists_prefix_length(keys[6:]) == 4
         assert await backend.exists_prefix_length([]) == 0
         assert await backend.exists_prefix_length(["d0", *keys]) == 0
+
+    async def test_exists_prefix_pages(self, backend: Backend) -> None:
+        # 40 pages of two objects; 30 stored, and page 12 lost one object.
+        def keys_of(page: int) -> list[str]:
+            return [f"f{page:02x}_L0-0", f"f{page:02x}_L1-1"]
+
+        stored = [k for page in range(30) for k in keys_of(page)]
+        await backend.put(stored, [b"x"] * len(stored))
+        assert await backend.exists_prefix_pages(40, keys_of) == 30
+        assert await backend.exists_prefix_pages(40, keys_of, ordered=False) == 30
+        await backend.delete([keys_of(12)[1]])
+        assert await backend.exists_prefix_pages(40, keys_of, ordered=False) == 12
+        assert await backend.exists_prefix_pages(40, keys_of) in (12, 30)  # see ``prefix``
+        assert await backend.exists_prefix_pages(13, keys_of) == 12  # the last page: probed
+        assert await backend.exists_prefix_pages(0, keys_of) == 0
 
     # -- keys ---------------------------------------------------------------------------------
 

@@ -182,3 +182,32 @@ async def test_failed_page_returns_only_once_no_read_into_the_row_is_in_flight(
     await asyncio.sleep(0.06)
     for row in rows:
         assert (row == 0xA5).all(), "a read landed in the row after read_page returned"
+
+
+async def test_exists_prefix_of_a_long_prompt_probes_tens_of_pages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 4,000 pages of which the first 2,500 are stored (two objects each): the link finds the
+    # boundary without asking for the 8,000 keys one by one (the SGLang adapter's
+    # ``batch_exists`` and the tier's prefetch both go through ``exists_prefix``).
+    backend = open_backend("memory://")
+    reader = link(backend)
+    hashes = [f"{i:064x}" for i in range(4000)]
+    stored = [k for h in hashes[:2500] for k in reader.read_plan.object_keys(h)]
+    await backend.put(stored, [b"x"] * len(stored))
+    asked: list[int] = []
+    real = backend._exists
+
+    async def counting(keys: list[str]) -> list[bool]:
+        asked.append(len(keys))
+        return await real(keys)
+
+    monkeypatch.setattr(backend, "_exists", counting)
+    assert await reader.exists_prefix(hashes) == 2500
+    assert sum(asked) <= 2 * 60 and len(asked) <= 8, asked
+    assert await reader.exists_prefix(hashes[2500:]) == 0
+    assert await reader.exists_prefix([]) == 0
+    # A page with one of its two objects missing ends the prefix.
+    await backend.delete([reader.read_plan.object_keys(hashes[2499])[1]])
+    assert await reader.exists_prefix(hashes) == 2499
+    await backend.close()
