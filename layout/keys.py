@@ -219,6 +219,19 @@ def parse_key(text: str) -> ObjectKey:
     return ObjectKey(match["hash"], match["ns"], coords)
 
 
+def object_key_parts(text: str) -> tuple[str, str] | None:
+    """``(page_hash, namespace_digest)`` of an object key; None for any other string.
+
+    The same grammar as ``parse_key`` (``parse_key(k)`` succeeds exactly when this is not
+    None, for a ``k`` inside the storage-key grammar), for tools that classify millions of
+    listed keys: it builds no ``ObjectKey``.
+    """
+    match = _OBJECT_KEY_RE.fullmatch(text)
+    if match is None or int(match["end"]) < int(match["start"]):
+        return None
+    return match["hash"], match["ns"]
+
+
 def namespace_prefix(page_hash: str, namespace_digest: str) -> str:
     """The common prefix of every object of one page in one namespace (for listing)."""
     return f"{validate_page_hash(page_hash)}_{namespace_digest}_"

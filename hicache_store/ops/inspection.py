@@ -1,46 +1,62 @@
 """What a store holds, and whether it is intact: the library behind ``hicache-store inspect``.
 
-``inspect_store`` lists every key once (needs a listing backend) with its size, and groups
-them:
+``inspect_store`` streams the listing once (``Backend.list_entries``; needs a listing backend)
+and groups what it sees:
 
-* **namespaces**: object keys (``parse_key``) grouped by namespace digest, with objects, bytes
-  and distinct pages; the namespace itself (model, KV shape, dtype, page size, grid) comes
-  from its manifest (``ops.manifest``) when one is stored, else it is reported as unknown;
+* **namespaces**: object keys grouped by namespace digest, with objects, bytes and distinct
+  pages; the namespace itself (model, KV shape, dtype, page size, grid) comes from its
+  manifest (``ops.manifest``) when one is stored, else it is reported as unknown;
 * **manifests** whose namespace has no objects are listed too (an emptied namespace);
 * **other** keys (neither object nor manifest) are counted, never touched.
 
-``verify_store`` re-reads every object whole and checks it with the layout's own decoder
-(``framing.decode_object``: strict header, key match, per-layer xxh3 checksums, exact
-length) and, where the manifest is known, that the payload has the size the namespace gives
-that layer chunk; manifests are checked too (JSON, fields, digest against fields and key). An
-object that vanished between listing and reading is counted apart (not corrupt). Reads run
-``concurrency`` at a time. ``delete_corrupt`` removes what failed (unless ``dry_run``): a
-removed object is a miss for every engine, which recomputes it, never wrong KV.
+With ``verify``, every object is re-read as it is listed and checked with the layout's own
+rules: the header strictly against the key (``framing.decode_header``: key match, exact
+length against the listed size), every layer block's checksum (``framing.BlockVerifier``) and,
+where the manifest is known, that the payload has the size the namespace gives that layer
+chunk; manifests are checked too (JSON, fields, digest against fields and key). An object
+that vanished between listing and reading is counted apart (not corrupt). ``delete_corrupt``
+removes what failed as it is found (unless ``dry_run``): a removed object is a miss for every
+engine, which recomputes it, never wrong KV.
 
-Sealed objects (``Namespace.sealed``) name their key id in the header. ``verify_store`` counts
-objects per key id (``key_ids``) and, given the tenant's key ring, authenticates every block of
-those sealed with a key it holds; sealed objects under a key it does not hold (retired,
-another tenant's, or no ring given) have their header checked only and are counted in
-``unverified``, never reported corrupt for that.
+**Bounded memory at any store size.** Nothing per object is kept: counts per namespace, the
+distinct pages through ``ops.distinct`` (spilled to temporary files past a million), and at
+most ``EXAMPLES`` keys of each kind of problem (the counts stay exact). Verification reads
+each object through one ``window``-byte buffer per reader (``concurrency`` readers): a
+512 MiB object costs one window, never a copy of itself.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hicache_store.backends import aligned_buffer
 from hicache_store.backends.base import Backend
-from hicache_store.backends.errors import BackendError
-from hicache_store.commands.gc import Entry, scan
-from hicache_store.layout.errors import CorruptObjectError, InvalidKeyError
-from hicache_store.layout.framing import decode_header, verify_blocks
-from hicache_store.layout.keys import ObjectKey, is_ukv1_digest, parse_key
-from hicache_store.layout.namespace import Namespace
-from hicache_store.tenant import KeyRing
+from hicache_store.backends.errors import BackendError, InvalidRangeError
+from hicache_store.backends.types import ByteRange, ObjectStat
+from hicache_store.layout.errors import CorruptObjectError
+from hicache_store.layout.framing import (
+    BlockVerifier,
+    decode_header,
+    payload_offset,
+)
+from hicache_store.layout.keys import ObjectKey, object_key_parts, parse_key
+from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
 
+from .distinct import DistinctCounter
 from .manifest import ManifestError, decode_manifest, manifest_digest, manifest_key
+
+#: keys kept per kind of problem in a report (the counts are exact).
+EXAMPLES = 100
+#: bytes each verifying reader reads at a time (one buffer per reader).
+VERIFY_WINDOW = 8 << 20
+#: header bytes read first (holds the header of objects up to 494 layers).
+_HEADER_PROBE = 4096
+
+#: ``progress(listed, verified, bytes_read)``, called every few hundred objects.
+ProgressFn = Callable[[int, int, int], None]
 
 
 @dataclass
@@ -68,13 +84,38 @@ class NamespaceSummary:
 
 
 @dataclass
+class VerifyReport:
+    """Counts are exact; the lists hold at most ``EXAMPLES`` entries each."""
+
+    checked: int = 0
+    ok: int = 0
+    bytes_read: int = 0
+    corrupt: int = 0
+    vanished: int = 0
+    deleted: int = 0
+    delete_failures: int = 0
+    dry_run: bool = False
+    corrupt_examples: list[dict[str, str]] = field(default_factory=list)
+    vanished_examples: list[str] = field(default_factory=list)
+    deleted_examples: list[str] = field(default_factory=list)
+    delete_failure_examples: list[str] = field(default_factory=list)
+
+    @property
+    def remaining_corrupt(self) -> int:
+        """Corrupt objects still stored (found and not deleted)."""
+        return self.corrupt - self.deleted
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "remaining_corrupt": self.remaining_corrupt}
+
+
+@dataclass
 class StoreReport:
     namespaces: list[NamespaceSummary] = field(default_factory=list)
     manifests: int = 0
     other_keys: int = 0
     other_bytes: int = 0
-    #: object keys per namespace digest (for ``verify_store``); not in ``as_dict``.
-    keys: dict[str, list[Entry]] = field(default_factory=dict)
+    verify: VerifyReport | None = None
 
     @property
     def objects(self) -> int:
@@ -85,7 +126,7 @@ class StoreReport:
         return sum(n.bytes for n in self.namespaces)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "namespaces": [n.as_dict() for n in self.namespaces],
             "objects": self.objects,
             "bytes": self.bytes,
@@ -93,110 +134,286 @@ class StoreReport:
             "other_keys": self.other_keys,
             "other_bytes": self.other_bytes,
         }
+        if self.verify is not None:
+            data["verify"] = self.verify.as_dict()
+        return data
 
 
-@dataclass
-class VerifyReport:
-    checked: int = 0
-    ok: int = 0
-    bytes_read: int = 0
-    corrupt: list[dict[str, str]] = field(default_factory=list)
-    vanished: list[str] = field(default_factory=list)
-    deleted: list[str] = field(default_factory=list)
-    delete_failures: list[str] = field(default_factory=list)
-    dry_run: bool = False
-    #: sealed objects per key id, and those whose key was not held (header checked only).
-    key_ids: dict[str, int] = field(default_factory=dict)
-    unverified: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+def _note(examples: list[Any], item: Any) -> None:
+    if len(examples) < EXAMPLES:
+        examples.append(item)
 
 
-async def inspect_store(backend: Backend, *, namespace: str | None = None) -> StoreReport:
-    """List the store and summarise it per namespace (optionally only digest ``namespace``)."""
-    entries = await scan(backend, "")
-    report = StoreReport()
-    by_digest: dict[str, NamespaceSummary] = {}
-    pages: dict[str, set[str]] = {}
-    manifests: dict[str, Entry] = {}
+async def inspect_store(
+    backend: Backend,
+    *,
+    namespace: str | None = None,
+    verify: bool = False,
+    concurrency: int = 16,
+    window: int = VERIFY_WINDOW,
+    delete_corrupt: bool = False,
+    dry_run: bool = False,
+    progress: ProgressFn | None = None,
+) -> StoreReport:
+    """List the store once and summarise it per namespace (only digest ``namespace`` if
+    given); with ``verify``, check every object as it is listed. See the module docstring."""
+    if concurrency < 1 or window < 1:
+        raise ValueError(f"concurrency and window must be positive, got {concurrency}, {window}")
+    scan = _Scan(backend, namespace)
+    checker = _Verifier(backend, concurrency, window, delete_corrupt, dry_run) if verify else None
+    listed = 0
+    try:
+        if checker is not None:
+            checker.start()
+        async for st in backend.list_entries(""):
+            listed += 1
+            parts = scan.add(st)
+            if checker is not None and parts is not None:
+                await checker.submit(st, await scan.namespace_of(parts[1]))
+            if progress is not None and listed % 256 == 0:
+                progress(listed, *(checker.done() if checker else (0, 0)))
+        report = await scan.finish()
+        if checker is not None:
+            report.verify = await checker.finish(report)
+        if progress is not None:
+            progress(listed, *(checker.done() if checker else (0, 0)))
+        return report
+    finally:
+        scan.close()
+        if checker is not None:
+            checker.cancel()
 
-    def summary(digest: str) -> NamespaceSummary:
-        if digest not in by_digest:
-            by_digest[digest] = NamespaceSummary(digest)
-            pages[digest] = set()
-            report.keys[digest] = []
-        return by_digest[digest]
 
-    for entry in entries:
-        digest = manifest_digest(entry.key)
+class _Scan:
+    """The per-namespace counts of one listing, and the manifests read along the way."""
+
+    def __init__(self, backend: Backend, namespace: str | None) -> None:
+        self.backend = backend
+        self.only = namespace
+        self.report = StoreReport()
+        self.summaries: dict[str, NamespaceSummary] = {}
+        self.pages: dict[str, DistinctCounter] = {}
+        self.listed_manifests: set[str] = set()
+        self.manifests: dict[str, Namespace | ManifestError | None] = {}
+
+    def add(self, st: ObjectStat) -> tuple[str, str] | None:
+        """Count one listed object; its ``(page_hash, digest)`` when it is a KV object of a
+        namespace being inspected."""
+        digest = manifest_digest(st.key)
         if digest is not None:
-            manifests[digest] = entry
-            report.manifests += 1
-            continue
-        try:
-            key = parse_key(entry.key)
-        except InvalidKeyError:
-            report.other_keys += 1
-            report.other_bytes += entry.size
-            continue
-        item = summary(key.namespace_digest)
+            self.report.manifests += 1
+            self.listed_manifests.add(digest)
+            return None
+        parts = object_key_parts(st.key)
+        if parts is None:
+            self.report.other_keys += 1
+            self.report.other_bytes += st.size
+            return None
+        page, digest = parts
+        if self.only is not None and digest != self.only:
+            return None
+        item = self.summary(digest)
         item.objects += 1
-        item.bytes += entry.size
-        pages[key.namespace_digest].add(key.page_hash)
-        report.keys[key.namespace_digest].append(entry)
-    for digest, entry in manifests.items():
-        item = summary(digest)
+        item.bytes += st.size
+        self.pages[digest].add(page)
+        return parts
+
+    def summary(self, digest: str) -> NamespaceSummary:
+        if digest not in self.summaries:
+            self.summaries[digest] = NamespaceSummary(digest)
+            self.pages[digest] = DistinctCounter()
+        return self.summaries[digest]
+
+    async def namespace_of(self, digest: str) -> Namespace | None:
+        """The namespace a digest's manifest describes (read once); None if absent or bad."""
+        if digest not in self.manifests:
+            key = manifest_key(digest)
+            try:
+                data = await self.backend.get_bytes(key)
+                self.manifests[digest] = None if data is None else decode_manifest(data, key=key)
+            except ManifestError as exc:
+                self.manifests[digest] = exc
+            except BackendError as exc:
+                self.manifests[digest] = ManifestError(f"unreadable: {exc}")
+        found = self.manifests[digest]
+        return found if isinstance(found, Namespace) else None
+
+    async def finish(self) -> StoreReport:
+        for digest in self.listed_manifests:
+            if self.only is None or digest == self.only:
+                self.summary(digest)
+        for digest, item in self.summaries.items():
+            await self.namespace_of(digest)
+            found = self.manifests[digest]
+            if isinstance(found, Namespace):
+                item.namespace = found
+            elif isinstance(found, ManifestError):
+                item.manifest_error = str(found)
+            item.pages = self.pages[digest].count()
+        self.report.namespaces = sorted(self.summaries.values(), key=lambda s: (-s.bytes, s.digest))
+        return self.report
+
+    def close(self) -> None:
+        for counter in self.pages.values():
+            counter.close()
+
+
+class _Verifier:
+    """``concurrency`` readers, each with one ``window``-byte buffer, fed by a short queue (the
+    listing waits when they fall behind: memory stays bounded)."""
+
+    def __init__(self, backend: Backend, concurrency: int, window: int, delete_corrupt: bool,
+                 dry_run: bool) -> None:
+        self.backend = backend
+        self.concurrency = concurrency
+        self.window = -(-window // 4096) * 4096  # whole 4 KiB blocks: O_DIRECT-friendly
+        self.delete_corrupt = delete_corrupt
+        self.result = VerifyReport(dry_run=dry_run)
+        self.queue: asyncio.Queue[tuple[ObjectStat, Namespace | None] | None] = asyncio.Queue(
+            maxsize=2 * concurrency)
+        self.workers: list[asyncio.Task[None]] = []
+        #: the first read that failed for another reason than corruption (the store is
+        #: down): readers then drain the queue without reading, and the run raises it.
+        self.failure: BackendError | None = None
+
+    def start(self) -> None:
+        self.workers = [asyncio.ensure_future(self._work()) for _ in range(self.concurrency)]
+
+    async def submit(self, st: ObjectStat, namespace: Namespace | None) -> None:
+        if self.failure is not None:
+            raise self.failure
+        await self.queue.put((st, namespace))
+
+    def done(self) -> tuple[int, int]:
+        return self.result.checked, self.result.bytes_read
+
+    async def finish(self, report: StoreReport) -> VerifyReport:
+        for _ in self.workers:
+            await self.queue.put(None)
+        await asyncio.gather(*self.workers)
+        if self.failure is not None:
+            raise self.failure
+        for item in report.namespaces:  # a bad manifest is a corrupt object too
+            if item.manifest_error is not None:
+                await self._corrupt(manifest_key(item.digest), item.manifest_error)
+        self.result.corrupt_examples.sort(key=lambda c: c["key"])
+        return self.result
+
+    def cancel(self) -> None:
+        for task in self.workers:
+            task.cancel()
+
+    async def _work(self) -> None:
+        buffer = aligned_buffer(max(self.window, HEADER_MAX))  # room for any header
+        while (job := await self.queue.get()) is not None:
+            st, namespace = job
+            if self.failure is not None:
+                continue
+            try:
+                error = await verify_object(self.backend, st.key, st.size, namespace, buffer,
+                                            window=self.window, on_read=self._count_bytes)
+            except BackendError as exc:
+                self.failure = exc
+                continue
+            except _Vanished:
+                self.result.checked += 1
+                self.result.vanished += 1
+                _note(self.result.vanished_examples, st.key)
+                continue
+            self.result.checked += 1
+            if error is None:
+                self.result.ok += 1
+            else:
+                await self._corrupt(st.key, error)
+
+    def _count_bytes(self, n: int) -> None:
+        self.result.bytes_read += n
+
+    async def _corrupt(self, key: str, error: str) -> None:
+        result = self.result
+        result.corrupt += 1
+        _note(result.corrupt_examples, {"key": key, "error": error})
+        if not self.delete_corrupt or result.dry_run:
+            return
         try:
-            data = await backend.get_bytes(entry.key)
-            item.namespace = None if data is None else decode_manifest(data, key=entry.key)
-        except (ManifestError, BackendError) as exc:
-            item.manifest_error = str(exc)
-    for digest, item in by_digest.items():
-        item.pages = len(pages[digest])
-    chosen = [s for d, s in sorted(by_digest.items()) if namespace is None or d == namespace]
-    report.namespaces = sorted(chosen, key=lambda s: (-s.bytes, s.digest))
-    if namespace is not None:
-        report.keys = {d: k for d, k in report.keys.items() if d == namespace}
-    return report
+            await self.backend.delete([key])
+        except BackendError:
+            result.delete_failures += 1
+            _note(result.delete_failure_examples, key)
+        else:
+            result.deleted += 1
+            _note(result.deleted_examples, key)
 
 
-def _check_object(
-    key: str, data: bytes, namespace: Namespace | None, keys: KeyRing | None = None
-) -> tuple[str | None, bool]:
-    """Check one whole object; ``(key id or None, verified)``. Raises ``CorruptObjectError``."""
-    expected = parse_key(key)
-    if is_ukv1_digest(expected.namespace_digest):
-        # SGLang's bare page-unified-v1 objects: no header, no checksums; all there is to
-        # check is the size the namespace gives (when its manifest is known).
+class _Vanished(Exception):
+    """The object was deleted between the listing and the read."""
+
+
+#: the longest header an object can have (``MAX_LAYERS_PER_OBJECT`` layer blocks).
+HEADER_MAX = payload_offset(MAX_LAYERS_PER_OBJECT)
+
+
+async def verify_object(
+    backend: Backend,
+    key: str,
+    size: int,
+    namespace: Namespace | None,
+    buffer: memoryview,
+    *,
+    window: int | None = None,
+    on_read: Callable[[int], None] | None = None,
+) -> str | None:
+    """Check one stored object of listed ``size`` through ``buffer`` (at least ``HEADER_MAX``
+    bytes; its size bounds the memory); the error as ``"Kind: message"``, or None when intact.
+    Raises ``_Vanished`` when the object is gone. Reads the header (4 KiB, more only for a
+    header that needs it), then the payload ``window`` bytes at a time (default: the
+    buffer's size), one ranged read each."""
+    if len(buffer) < HEADER_MAX:
+        raise ValueError(f"buffer of {len(buffer)} bytes; verification needs {HEADER_MAX}")
+    step = min(len(buffer), window or len(buffer))
+
+    async def read(start: int, length: int) -> memoryview:
+        view = buffer[:length]
+        try:
+            (n,) = await backend.get_into([key], [view], [ByteRange(start, start + length)])
+        except InvalidRangeError as exc:  # shorter than listed: truncated, or rewritten
+            raise CorruptObjectError(f"object shorter than {start + length} bytes: {exc}") from exc
+        if n is None:
+            raise _Vanished(key)
+        if on_read is not None:
+            on_read(n)
+        return view
+
+    try:
+        expected = parse_key(key)
+        if size == 0:
+            raise CorruptObjectError("object is empty")
+        try:
+            header = decode_header(await read(0, min(size, _HEADER_PROBE)), expected=expected,
+                                   object_length=size)
+        except CorruptObjectError:
+            if min(size, HEADER_MAX) <= _HEADER_PROBE:
+                raise
+            # Perhaps a header longer than the first read: read the longest there can be.
+            header = decode_header(await read(0, min(size, HEADER_MAX)), expected=expected,
+                                   object_length=size)
         if namespace is not None:
-            _check_geometry(expected, len(data), namespace.kv_planes, namespace)
-        return None, True
-    sealed = None if namespace is None else namespace.sealed
-    header = decode_header(data, expected=expected, object_length=len(data), sealed=sealed)
-    tenant_key = None
-    if header.key_id is not None:
-        tenant_key = None if keys is None else keys.key(header.key_id)
-    if tenant_key is not None or not header.sealed:
-        # Read-only bytes: a sealed object's blocks are authenticated, not decrypted.
-        verify_blocks(
-            header,
-            memoryview(data)[header.payload_offset :],
-            header.coords.layer_start,
-            header.coords.layer_stop,
-            key=tenant_key,
-        )
-    if namespace is not None:
-        _check_geometry(expected, header.payload_length, header.kv_planes, namespace)
-    return header.key_id, tenant_key is not None or not header.sealed
+            _check_geometry(expected, header.payload_length, header.kv_planes, namespace)
+        blocks = BlockVerifier(header)
+        position = header.payload_offset
+        while position < size:
+            length = min(step, size - position)
+            blocks.update(await read(position, length))
+            position += length
+        blocks.finish()
+    except CorruptObjectError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _check_geometry(key: ObjectKey, payload: int, planes: int, ns: Namespace) -> None:
     coords = key.coords
-    try:
-        chunk = ns.chunk_of_layer(coords.layer_start)
-    except IndexError:
-        chunk = -1
+    chunk = coords.layer_start // ns.grid.layers_per_chunk
     try:
         start, stop = ns.chunk_layers(chunk)
     except IndexError:
@@ -208,64 +425,3 @@ def _check_geometry(key: ObjectKey, payload: int, planes: int, ns: Namespace) ->
             f"payload of {payload} bytes, namespace {ns.digest} says "
             f"{ns.object_payload_bytes(chunk)}"
         )
-
-
-async def verify_store(
-    backend: Backend,
-    report: StoreReport,
-    *,
-    concurrency: int = 16,
-    delete_corrupt: bool = False,
-    dry_run: bool = False,
-    progress: Callable[[int, int], None] | None = None,
-    keys: KeyRing | None = None,
-) -> VerifyReport:
-    """Re-read and check every object (and manifest) that ``report`` lists; see the docstring.
-
-    ``progress(done, bytes_read)`` is called after each object. ``keys``: a tenant key ring,
-    to authenticate the sealed objects under its readable keys.
-    """
-    result = VerifyReport(dry_run=dry_run)
-    known = {s.digest: s.namespace for s in report.namespaces}
-    jobs: list[tuple[str, Namespace | None]] = [
-        (entry.key, known.get(digest)) for digest, entries in report.keys.items()
-        for entry in entries
-    ]
-    for item in report.namespaces:
-        if item.manifest_error is not None:
-            result.corrupt.append({"key": manifest_key(item.digest), "error": item.manifest_error})
-    limit = asyncio.Semaphore(max(1, concurrency))
-
-    async def check(key: str, namespace: Namespace | None) -> None:
-        async with limit:
-            data = await backend.get_bytes(key)
-        result.checked += 1
-        if data is None:
-            result.vanished.append(key)
-        else:
-            result.bytes_read += len(data)
-            try:
-                key_id, verified = _check_object(key, data, namespace, keys)
-                result.ok += 1
-                if key_id is not None:
-                    result.key_ids[key_id] = result.key_ids.get(key_id, 0) + 1
-                result.unverified += not verified
-            except CorruptObjectError as exc:
-                result.corrupt.append({"key": key, "error": f"{type(exc).__name__}: {exc}"})
-        if progress is not None:
-            progress(result.checked, result.bytes_read)
-
-    await asyncio.gather(*(check(k, ns) for k, ns in jobs))
-    result.corrupt.sort(key=lambda c: c["key"])
-    if delete_corrupt and result.corrupt and not dry_run:
-        await _delete(backend, [c["key"] for c in result.corrupt], result)
-    return result
-
-
-async def _delete(backend: Backend, keys: Iterable[str], result: VerifyReport) -> None:
-    for key in keys:
-        try:
-            await backend.delete([key])
-            result.deleted.append(key)
-        except BackendError:
-            result.delete_failures.append(key)

@@ -1,22 +1,56 @@
-"""Opening a backend for a command: ``open_backend`` plus an install hint on any ImportError.
+"""Opening a backend for a command: ``open_backend`` plus an install hint on any ImportError,
+and, for commands that only read or clean a store, a refusal to create one.
 
 The registry turns an import failure of a backend's *module* into ``MissingDependencyError``
 with its install hint, but a backend that imports its SDK lazily (``s3`` imports boto3 in its
 constructor) raises a plain ``ImportError`` from ``from_url``. Commands open stores through
 ``open_store`` so both cases read the same: one line naming what to install.
+
+``existing=True`` is for ``inspect`` and ``gc``: a typo'd path must not become an empty store
+that is then reported empty, and an unrelated folder must not receive store files. Backends
+that may create their location at open (``Backend.creates_location``: file, hf3fs) are opened
+with ``create=False``; when no store is there, ``StoreNotFoundError`` names the location and
+nothing has been created.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hicache_store.backends import Backend, MissingDependencyError, available_backends, open_backend
+from hicache_store.backends import (
+    Backend,
+    MissingDependencyError,
+    available_backends,
+    get_backend_class,
+    open_backend,
+)
+from hicache_store.backends.errors import NotFoundError
 from hicache_store.backends.types import BackendURL
 
 
-def open_store(url: str, **options: Any) -> Backend:
-    """``open_backend(url, **options)``; an ``ImportError`` becomes ``MissingDependencyError``."""
+class StoreNotFoundError(NotFoundError):
+    """A command that never creates a store was pointed at a location that holds none."""
+
+
+def open_store(url: str, *, existing: bool = False, **options: Any) -> Backend:
+    """``open_backend(url, **options)``; an ``ImportError`` becomes ``MissingDependencyError``.
+
+    ``existing``: the store must already exist (see the module docstring); raises
+    ``StoreNotFoundError`` naming the location otherwise.
+    """
     try:
+        if existing and "://" in url:
+            parsed = BackendURL.parse(url)
+            if get_backend_class(parsed.scheme).creates_location:
+                options = {**options, "create": False}
+                try:
+                    return open_backend(url, **options)
+                except NotFoundError as exc:
+                    raise StoreNotFoundError(
+                        f"no hicache-store store at {parsed.location!r} ({url}); nothing was "
+                        "created. Check the path, or write to it first (prepopulate, an engine)",
+                        backend=parsed.scheme, operation="open",
+                    ) from exc
         return open_backend(url, **options)
     except MissingDependencyError:
         raise

@@ -1,16 +1,31 @@
-"""``hicache-store gc``: the pure planner, then a real run against SeaweedFS."""
+"""``gc`` and ``inspect`` streaming over real S3 listings (SeaweedFS): several listing pages
+(1,000 keys each), chains kept prefixes, the commands as an operator runs them."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 
 from hicache_store.backends import open_backend
-from hicache_store.commands.gc import Entry, collect_garbage, parse_duration, plan_gc, run
+from hicache_store.backends.s3 import S3Backend
+from hicache_store.commands.gc import parse_duration, run
+from hicache_store.layout.keys import format_key, parse_key
+from hicache_store.ops.gc import collect_garbage
+from hicache_store.ops.inspection import inspect_store
+from hicache_store.testing.chains import (
+    CHAIN_OBJECT_BYTES,
+    chain_objects,
+    chains_are_prefixes,
+    write_chains,
+)
 
 from .seaweed import SeaweedServer
+
+pytestmark = pytest.mark.s3
 
 
 def test_parse_duration() -> None:
@@ -21,78 +36,70 @@ def test_parse_duration() -> None:
         parse_duration("soon")
 
 
-def test_plan_expires_then_drops_whole_pages_tails_first() -> None:
-    # Page "aa" written first (t=100), chain b0 -> b1 -> b2 at t=200, page "cc" at t=300;
-    # one object older than the max age.
-    entries = [
-        Entry("aa_ns_L0-1", 10, 100.0),
-        Entry("aa_ns_L2-3", 10, 100.1),
-        Entry("b0_ns", 10, 200.1),
-        Entry("b1_ns", 10, 200.2),
-        Entry("b2_ns", 10, 200.3),
-        Entry("cc_ns", 10, 300.0),
-        Entry("dd_ns", 10, 1.0),
-    ]
-    parents = {"b1": "b0", "b2": "b1"}
-    expired, over = plan_gc(entries, now=1000.0, max_bytes=40, max_age=950, parents=parents)
-    assert [e.key for e in expired] == ["dd_ns"]
-    # 60 bytes left, budget 40: page aa (both objects) goes first, whole.
-    assert [e.key for e in over] == ["aa_ns_L0-1", "aa_ns_L2-3"]
-    _, over = plan_gc(entries, now=1000.0, max_bytes=30, max_age=950, parents=parents)
-    assert [e.key for e in over][2:] == ["b2_ns"], "the chain's tail goes before its head"
-    assert plan_gc(entries, now=1000.0, max_bytes=None, max_age=None) == ([], [])
-
-
-def test_plan_never_holes_a_chain_whatever_the_write_times() -> None:
-    # b1 is the oldest object, but it sits in the middle of b0 -> b1 -> b2: by age alone it
-    # would go first and hole the chain. With the parent links, b2 goes, then b1, then b0.
-    entries = [
-        Entry("b0_ns", 10, 500.0),
-        Entry("b1_ns", 10, 100.0),
-        Entry("b2_ns", 10, 600.0),
-        Entry("M_0123456789abcdef", 10, 1.0),
-    ]
-    parents = {"b1": "b0", "b2": "b1", "b0": None}
-    _, over = plan_gc(entries, now=1000.0, max_bytes=20, max_age=None, parents=parents)
-    assert [e.key for e in over] == ["b2_ns"]
-    _, over = plan_gc(entries, now=1000.0, max_bytes=0, max_age=None, parents=parents)
-    assert [e.key for e in over] == ["b2_ns", "b1_ns", "b0_ns"], "manifests are never deleted"
-    # Age: b1 is expired but its child b2 is fresh, so b1 stays (no hole).
-    expired, _ = plan_gc(entries, now=1000.0, max_bytes=None, max_age=450, parents=parents)
-    assert expired == []
-
-
-async def test_gc_on_a_memory_backend_uses_list_and_stat() -> None:
-    store = open_backend("memory://")
-    await store.put(["a0", "a1", "a2"], [b"x" * 100] * 3)
-    report = await collect_garbage(store, max_bytes=150, max_age=None, now=0.0)
-    assert report.over_budget == 2
-    assert report.scanned == 3
-    assert sum(await store.exists(["a0", "a1", "a2"])) == 1
+@pytest.mark.slow
+async def test_gc_streams_the_listing_and_keeps_chains_prefixes(
+    seaweed: SeaweedServer, s3_prefix: str, tmp_path: Path,
+) -> None:
+    store = open_backend(f"s3://{seaweed.bucket}/{s3_prefix}", **seaweed.options)
+    assert isinstance(store, S3Backend)
+    chains = await write_chains(store, 11, 50)  # 550 pages, 1,100 objects: 2 listing pages
+    page_bytes = 2 * CHAIN_OBJECT_BYTES
+    budget = 400 * page_bytes
+    before = store.s3_stats.requests
+    dry = await collect_garbage(store, max_bytes=budget, max_age=None, dry_run=True,
+                                state_dir=tmp_path / "state")
+    assert (dry.scanned, dry.pages, dry.over_budget_pages) == (1100, 550, 150)
+    assert dry.undated == 0, "S3 listings carry LastModified"
+    # 2 listing requests, one ranged GET per page header, nothing else (no HEAD per object).
+    assert store.s3_stats.requests - before == 2 + 550
+    done = await collect_garbage(store, max_bytes=budget, max_age=None,
+                                 state_dir=tmp_path / "state")
+    assert done.deleted == 300 and done.failures == 0 and done.headers_read == 0
+    left = {st.key.split("_")[0] async for st in store.list_entries()}
+    assert len(left) == 400 and chains_are_prefixes(left, chains)
+    # An age no page reaches deletes nothing, and reads no header.
+    fresh = await collect_garbage(store, max_bytes=None, max_age=3600.0)
+    assert (fresh.doomed, fresh.headers_read) == (0, 0)
     await store.close()
 
 
-@pytest.mark.s3
-async def test_gc_against_seaweedfs(
-    seaweed: SeaweedServer,
-    s3_prefix: str,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.slow
+async def test_inspect_and_verify_over_s3(seaweed: SeaweedServer, s3_prefix: str) -> None:
+    store = open_backend(f"s3://{seaweed.bucket}/{s3_prefix}", **seaweed.options)
+    chains = await write_chains(store, 2, 260)  # 1,040 objects: 2 listing pages
+    report = await inspect_store(store, verify=True, concurrency=8)
+    (ns,) = report.namespaces
+    assert (ns.objects, ns.pages, ns.bytes) == (1040, 520, 1040 * CHAIN_OBJECT_BYTES)
+    assert report.verify is not None and report.verify.ok == 1040
+    assert report.verify.bytes_read == 1040 * CHAIN_OBJECT_BYTES
+    # One flipped bit in one stored object: found, named, and deleted on request.
+    victim = next(iter(chain_objects(chains[1])))
+    data = bytearray((await store.get_bytes(victim)) or b"")
+    data[-1] ^= 1
+    await store.put_bytes(victim, bytes(data))
+    found = await inspect_store(store, verify=True, delete_corrupt=True)
+    assert found.verify is not None and found.verify.corrupt == 1
+    assert found.verify.corrupt_examples[0]["key"] == victim
+    assert found.verify.deleted == 1 and (await store.exists([victim])) == [False]
+    assert format_key(parse_key(victim)) == victim
+    await store.close()
+
+
+async def test_the_gc_command_against_seaweedfs(
+    seaweed: SeaweedServer, s3_prefix: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], tmp_path: Path,
 ) -> None:
     store = open_backend(f"s3://{seaweed.bucket}/{s3_prefix}", **seaweed.options)
-    keys = [f"{i:02x}_0a" for i in range(10)]
-    await store.put(keys, [b"y" * 1000] * 10)
-    dry = await collect_garbage(store, max_bytes=4000, max_age=None, dry_run=True)
-    assert (dry.scanned, dry.over_budget, dry.deleted_bytes) == (10, 6, 6000)
-    assert await store.exists(keys) == [True] * 10
-    done = await collect_garbage(store, max_bytes=4000, max_age=None)
-    assert done.failures == 0
-    assert sum(await store.exists(keys)) == 4
+    await write_chains(store, 2, 5)
     await store.close()
     # The CLI entry point, with credentials from the environment (boto3's chain).
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweed.access_key)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed.secret_key)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     url = f"s3://{seaweed.bucket}/{s3_prefix}?endpoint_url={seaweed.endpoint_url}&region=us-east-1"
-    args = argparse.Namespace(url=url, max_bytes="0", max_age=None, prefix="", dry_run=False)
+    args = argparse.Namespace(url=url, max_bytes="0", max_age=None, prefix="", dry_run=False,
+                              state_dir=None, json=True, no_progress=True)
     assert await asyncio.to_thread(run, args) == 0
-    assert "deleted 0 expired and 4 over budget" in capsys.readouterr().out
+    report = json.loads(capsys.readouterr().out)
+    assert (report["deleted"], report["over_budget_pages"], report["failures"]) == (20, 10, 0)
+    assert list((tmp_path / "cache" / "hicache-store" / "gc").iterdir()), "the state's home"

@@ -1,0 +1,793 @@
+"""Garbage collection of a shared store at any size: the library behind ``hicache-store gc``.
+
+Object stores have no capacity of their own and several engines share one prefix, so one
+process (cron, a sidecar) bounds the store by age and size. gc works on whole *pages* (every
+object sharing a page hash) and on chains: each object header names its page's parent
+(``layout.framing``), so gc rebuilds the chains and only ever deletes a chain's current tail
+(a page none of whose children is stored), so a cached prefix is shortened from its end and
+never holed in the middle:
+
+1. tails whose newest object is older than ``max_age``, repeatedly (an expired page whose
+   descendants are still fresh stays until they go);
+2. then, while the rest exceeds ``max_bytes``, the oldest tails (ties: page hash order).
+
+**Objects without a modification time** (backends that do not record one: ``memory``,
+``mooncake``, some plugins) are never aged out: an unknown age is not an old one. For the
+byte budget their pages go after every dated page. The report counts them.
+
+**Bounded memory, any store size.** Nothing per object or per page is held in memory: the
+listing streams (``Backend.list_entries``) into an on-disk working set (SQLite), the chains are
+rebuilt and planned with SQL over indexes, and deletions stream back out in plan order. Memory
+is a few batches plus SQLite's page cache (``CACHE_MIB``); disk is about 100 bytes per object
+while a run lasts.
+
+**Resumable.** The working set lives in ``state_dir`` with the run's options and phase
+(scan -> parents -> plan -> delete). A run that is interrupted (Ctrl-C, SIGKILL, a failed
+store) and started again with the same options resumes: a finished scan is not repeated,
+headers already read are not read again, and a deletion continues with the pages it had not
+reached. A run with other options starts over. The listing itself restarts if it was cut.
+``parents.sqlite`` outlives runs: a page's parent never changes (the page hash covers the
+parent's), so each header is read once in the store's life, and a dry run pays the reads of
+the real run that follows it. Two gc runs never share a state directory (a lock file).
+
+**Deleting in order.** Pages are deleted in plan order (children before parents), up to
+``DELETE_CHUNK`` objects per call; a backend that deletes a batch in order (file) is left with
+every chain a prefix wherever a run stops. When a call fails, the store is asked which of its
+objects are still there: those pages failed, and their ancestors not yet deleted stay
+(counted as ``kept``) so the failed page stays reachable. A store that deletes a batch in
+another order (S3) may, on a failure or a crash, keep a page whose parent went: it is
+unreachable for readers, exactly as if it had gone too, and the next run deletes it.
+
+Namespace manifests (``M_...``) are never deleted. Pages whose header cannot be decoded
+(another format, corrupt) are chains of their own; an object that vanished meanwhile is
+skipped. A header read that fails for another reason (the store is down) stops the run with
+the error, resumable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import heapq
+import json
+import os
+import shutil
+import sqlite3
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hicache_store.backends import Backend, BackendError
+from hicache_store.backends.errors import InvalidRangeError
+from hicache_store.backends.types import ByteRange, ObjectStat
+from hicache_store.layout.errors import CorruptObjectError, HiCacheStoreError
+from hicache_store.layout.framing import decode_header, payload_offset
+from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT
+
+#: keys per ``delete`` call.
+DELETE_CHUNK = 1000
+#: headers per ``get_into`` call, and calls in flight at once.
+HEADER_CHUNK = 256
+HEADER_CALLS_IN_FLIGHT = 4
+#: bytes read first of each header (objects of up to 494 layers; longer ones are re-read).
+HEADER_PROBE = 4096
+#: listed objects per SQLite transaction, and tails taken per planning query.
+SCAN_BATCH = 20_000
+PLAN_BATCH = 4096
+#: SQLite page cache per database file (the working set and the parent cache).
+CACHE_MIB = 48
+#: the working set's schema; a state from another version is discarded.
+STATE_VERSION = 1
+
+#: ``progress(phase, done, total)``; ``total`` is None while unknown (the listing).
+ProgressFn = Callable[[str, int, "int | None"], None]
+
+_EXPIRED, _OVER_BUDGET = 1, 2
+_DELETED, _FAILED, _KEPT = 1, 2, 3
+
+
+class GcError(HiCacheStoreError):
+    """gc cannot run: its state directory is busy or unusable, or the store failed."""
+
+
+def is_manifest(key: str) -> bool:
+    """Namespace manifests (``M_{digest}``, see ``hicache_store.ops.manifest``) are not KV:
+    gc never deletes them."""
+    return key.startswith("M_")
+
+
+def page_of(key: str) -> str:
+    """The page a key belongs to: its page hash (the part before the first ``_``)."""
+    return key.split("_", 1)[0]
+
+
+@dataclass(frozen=True)
+class GcPolicy:
+    """What to delete. ``max_bytes`` / ``max_age`` (seconds) None: that rule is off."""
+
+    max_bytes: int | None = None
+    max_age: float | None = None
+    prefix: str = ""
+    dry_run: bool = False
+
+
+@dataclass
+class GcReport:
+    """What a run saw and did (a resumed run reports the whole run, not only its last part).
+
+    Object counts are objects; ``*_pages`` count pages. ``undated`` objects have no mtime and
+    were never aged out. ``failures`` counts the objects of pages whose deletion failed;
+    ``kept_pages`` were planned but stayed because a child's deletion failed. ``seconds``
+    holds each phase's wall time in this process.
+    """
+
+    scanned: int = 0
+    scanned_bytes: int = 0
+    pages: int = 0
+    manifests: int = 0
+    undated: int = 0
+    expired: int = 0
+    expired_pages: int = 0
+    over_budget: int = 0
+    over_budget_pages: int = 0
+    deleted: int = 0
+    deleted_bytes: int = 0
+    failures: int = 0
+    kept_pages: int = 0
+    headers_read: int = 0
+    headers_cached: int = 0
+    headers_unreadable: int = 0
+    dry_run: bool = False
+    resumed_from: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def doomed(self) -> int:
+        """Objects the plan deletes (or would delete, in a dry run)."""
+        return self.expired + self.over_budget
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "doomed": self.doomed}
+
+
+class GcState:
+    """The on-disk working set of one gc run, and the parent cache that outlives runs.
+
+    ``run.sqlite``: the run's options and phase (table ``meta``), the objects listed
+    (``objects``), one row per page with its size, newest mtime, parent, number of stored
+    children and place in the plan (``pages``). Removed when a run completes.
+    ``parents.sqlite``: page -> parent ('' for a first page) for every header ever decoded.
+    """
+
+    def __init__(self, directory: Path | None) -> None:
+        """Open (or create) the state in ``directory``; None keeps it in memory (for inputs
+        that are in memory already: ``plan_gc``)."""
+        self.directory = directory
+        self._lock_fd: int | None = None
+        if directory is None:
+            self.db = sqlite3.connect(":memory:", isolation_level=None)
+            self.db.execute("ATTACH DATABASE ':memory:' AS cache")
+        else:
+            self._lock(directory)
+            self.db = sqlite3.connect(directory / "run.sqlite", isolation_level=None)
+            self.db.execute("ATTACH DATABASE ? AS cache", (str(directory / "parents.sqlite"),))
+            for schema in ("main", "cache"):
+                self.db.execute(f"PRAGMA {schema}.journal_mode=WAL")
+                self.db.execute(f"PRAGMA {schema}.synchronous=NORMAL")
+                self.db.execute(f"PRAGMA {schema}.cache_size={-CACHE_MIB * 1024}")
+            self.db.execute("PRAGMA temp_store=FILE")  # sorts spill to disk, not to memory
+        self.db.executescript(
+            """
+            CREATE TABLE IF NOT EXISTS cache.parents (
+                page TEXT PRIMARY KEY, parent TEXT NOT NULL) WITHOUT ROWID;
+            CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+            """
+        )
+
+    def _lock(self, directory: Path) -> None:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise GcError(f"cannot use gc state directory {directory}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise GcError(f"another gc is running with state directory {directory}") from None
+        self._lock_fd = fd
+
+    # -- meta -----------------------------------------------------------------------------------
+
+    def get(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set(self, key: str, value: object) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, str(value)))
+
+    def add(self, key: str, amount: int) -> None:
+        self.set(key, int(self.get(key) or 0) + amount)
+
+    def reset(self, options: str, started: float) -> None:
+        """Forget any previous run (the parent cache stays) and start one."""
+        self.db.executescript(
+            """
+            DROP TABLE IF EXISTS objects; DROP TABLE IF EXISTS pages; DELETE FROM meta;
+            CREATE TABLE objects (page TEXT NOT NULL, tail TEXT NOT NULL,
+                                  size INTEGER NOT NULL, mtime REAL);
+            """
+        )
+        self.set("version", STATE_VERSION)
+        self.set("options", options)
+        self.set("started", repr(started))
+        self.set("phase", "scan")
+
+    def close(self, *, finished: bool) -> None:
+        """Close; ``finished`` removes the run (the parent cache stays)."""
+        self.db.close()
+        if finished and self.directory is not None:
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.directory / f"run.sqlite{suffix}")
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        self.db.execute("BEGIN")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def scalar(self, sql: str, *args: Any) -> int:
+        row = self.db.execute(sql, args).fetchone()
+        return int(row[0] or 0) if row is not None else 0
+
+
+def default_state_dir(url: str, prefix: str = "") -> Path:
+    """Where the CLI keeps a store's gc state: under ``$XDG_CACHE_HOME`` (``~/.cache``), one
+    folder per store URL and prefix (a digest: credentials in a URL never reach a path)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    digest = hashlib.sha256(f"{url}\0{prefix}".encode()).hexdigest()[:20]
+    return base / "hicache-store" / "gc" / digest
+
+
+async def collect_garbage(
+    backend: Backend,
+    *,
+    max_bytes: int | None,
+    max_age: float | None,
+    prefix: str = "",
+    dry_run: bool = False,
+    now: float | None = None,
+    state_dir: str | os.PathLike[str] | None = None,
+    progress: ProgressFn | None = None,
+) -> GcReport:
+    """Scan, plan and (unless ``dry_run``) delete; see the module docstring.
+
+    ``now`` (default: the time the run started) is what ages are measured from.
+    ``state_dir`` holds the working set and makes the run resumable; None uses a temporary
+    directory removed afterwards (no resume, no parent cache). Failed deletions are counted,
+    not raised. Raises ``GcError`` (state directory busy or unusable; a header read failed)
+    and the backend's errors from listing.
+    """
+    policy = GcPolicy(max_bytes, max_age, prefix, dry_run)
+    if state_dir is None:
+        scratch = tempfile.mkdtemp(prefix="hicache-gc-")
+        try:
+            return await _collect(backend, policy, Path(scratch), now, progress)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return await _collect(backend, policy, Path(state_dir), now, progress)
+
+
+async def _collect(
+    backend: Backend, policy: GcPolicy, directory: Path, now: float | None,
+    progress: ProgressFn | None,
+) -> GcReport:
+    state = GcState(directory)
+    finished = False
+    try:
+        report = GcReport(dry_run=policy.dry_run)
+        options = json.dumps({**asdict(policy), "now": now}, sort_keys=True)
+        phase = state.get("phase")
+        if (phase is None or state.get("options") != options
+                or state.get("version") != str(STATE_VERSION) or phase == "scan"):
+            state.reset(options, time.time() if now is None else now)
+        else:
+            report.resumed_from = phase
+        started = float(state.get("started") or 0.0)
+        step = _Steps(state, report, progress)
+        if state.get("phase") == "scan":
+            await step.timed("scan", _scan(backend, state, policy.prefix, step.tick("scan")))
+            state.set("phase", "pages")
+        if state.get("phase") == "pages":
+            step.timed_sync("pages", lambda: _group_pages(state))
+            state.set("headers_cached",
+                      state.scalar("SELECT count(*) FROM pages WHERE parent_known = 1"))
+            state.set("phase", "parents")
+        if state.get("phase") == "parents":
+            if _could_delete(state, policy, started):
+                await step.timed("parents", _read_parents(backend, state, step.tick("parents")))
+            state.set("phase", "plan")
+        if state.get("phase") == "plan":
+            step.timed_sync("plan", lambda: _plan(state, policy, started))
+            state.set("phase", "delete")
+        if state.get("phase") == "delete":
+            if not policy.dry_run:
+                await step.timed("delete", _delete(backend, state, step.tick("delete")))
+            _prune_parent_cache(state)
+            state.set("phase", "done")
+        _fill_report(state, report)
+        finished = True
+        return report
+    finally:
+        state.close(finished=finished)
+
+
+class _Steps:
+    """Times the phases and forwards progress."""
+
+    def __init__(self, state: GcState, report: GcReport, progress: ProgressFn | None) -> None:
+        self.state, self.report, self.progress = state, report, progress
+
+    def tick(self, phase: str) -> Callable[[int, int | None], None]:
+        def tick(done: int, total: int | None) -> None:
+            if self.progress is not None:
+                self.progress(phase, done, total)
+        return tick
+
+    async def timed(self, phase: str, work: Any) -> None:
+        start = time.perf_counter()
+        await work
+        self.report.seconds[phase] = round(time.perf_counter() - start, 3)
+
+    def timed_sync(self, phase: str, work: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        work()
+        self.report.seconds[phase] = round(time.perf_counter() - start, 3)
+
+
+def plan_gc(
+    entries: Iterable[ObjectStat],
+    *,
+    now: float,
+    max_bytes: int | None,
+    max_age: float | None,
+    parents: Mapping[str, str | None] | None = None,
+) -> tuple[list[str], list[str]]:
+    """The keys gc would delete for these listed objects: ``(expired, over_budget)``, each in
+    deletion order. ``parents`` maps a page to its parent (a page it lacks is a chain of its
+    own). The same planner as ``collect_garbage``, without a backend (state in memory)."""
+    parents = parents or {}
+    policy = GcPolicy(max_bytes, max_age)
+    state = GcState(None)
+    try:
+        state.reset("plan", now)
+        with state.transaction() as db:
+            db.executemany("INSERT INTO objects VALUES (?, ?, ?, ?)", [
+                (page_of(e.key), e.key[len(page_of(e.key)):], e.size, e.mtime)
+                for e in entries if not is_manifest(e.key)])
+        _group_pages(state)
+        with state.transaction() as db:
+            db.executemany("UPDATE pages SET parent = ?, parent_known = 1 WHERE page = ?",
+                           [(parent, page) for page, parent in parents.items()])
+        _plan(state, policy, now)
+        planned: dict[int, list[str]] = {_EXPIRED: [], _OVER_BUDGET: []}
+        for rule, page, tail in state.db.execute(
+                "SELECT p.rule, p.page, o.tail FROM pages p JOIN objects o USING (page)"
+                " WHERE p.step IS NOT NULL ORDER BY p.step, o.tail"):
+            planned[rule].append(page + tail)
+        return planned[_EXPIRED], planned[_OVER_BUDGET]
+    finally:
+        state.close(finished=True)
+
+
+# -- 1. scan --------------------------------------------------------------------------------------
+
+
+async def _scan(backend: Backend, state: GcState, prefix: str,
+                tick: Callable[[int, int | None], None]) -> None:
+    """Stream the listing into ``objects``, one transaction per ``SCAN_BATCH`` objects."""
+    rows: list[tuple[str, str, int, float | None]] = []
+    seen = manifests = 0
+
+    def flush() -> None:
+        with state.transaction() as db:
+            db.executemany("INSERT INTO objects VALUES (?, ?, ?, ?)", rows)
+        rows.clear()
+
+    async for st in backend.list_entries(prefix):
+        seen += 1
+        if is_manifest(st.key):
+            manifests += 1
+            continue
+        page = page_of(st.key)
+        rows.append((page, st.key[len(page):], st.size, st.mtime))
+        if len(rows) >= SCAN_BATCH:
+            flush()
+            tick(seen, None)
+    flush()
+    tick(seen, None)
+    state.set("manifests", manifests)
+
+
+# -- 2. pages -------------------------------------------------------------------------------------
+
+
+def _group_pages(state: GcState) -> None:
+    """One row per page (from the index over ``objects``: no second sort), with its parent
+    where the cache already knows it."""
+    state.db.executescript(
+        """
+        CREATE INDEX IF NOT EXISTS objects_page ON objects(page);
+        DROP TABLE IF EXISTS pages;
+        CREATE TABLE pages (
+            page TEXT PRIMARY KEY, size INTEGER NOT NULL, objects INTEGER NOT NULL,
+            undated INTEGER NOT NULL, newest REAL NOT NULL,
+            parent TEXT, parent_known INTEGER NOT NULL DEFAULT 0,
+            children INTEGER NOT NULL DEFAULT 0, step INTEGER, rule INTEGER,
+            outcome INTEGER, blocked INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;
+        BEGIN;
+        INSERT INTO pages (page, size, objects, undated, newest)
+            SELECT page, sum(size), count(*), max(mtime IS NULL), coalesce(max(mtime), 0.0)
+            FROM objects GROUP BY page;
+        UPDATE pages SET parent = nullif(c.parent, ''), parent_known = 1
+            FROM cache.parents AS c WHERE c.page = pages.page;
+        COMMIT;
+        CREATE INDEX pages_unknown ON pages(page) WHERE parent_known = 0;
+        """
+    )
+
+
+def _could_delete(state: GcState, policy: GcPolicy, now: float) -> bool:
+    """Whether either rule can delete anything at all (if not, no header is worth reading)."""
+    if policy.max_bytes is not None and (
+            state.scalar("SELECT sum(size) FROM pages") > policy.max_bytes):
+        return True
+    if policy.max_age is not None:
+        cutoff = now - policy.max_age
+        return bool(state.scalar(
+            "SELECT count(*) FROM (SELECT 1 FROM pages WHERE undated = 0 AND newest < ? LIMIT 1)",
+            cutoff))
+    return False
+
+
+# -- 3. parents -----------------------------------------------------------------------------------
+
+
+async def _read_parents(backend: Backend, state: GcState,
+                        tick: Callable[[int, int | None], None]) -> None:
+    """Read one header per page whose parent is not known yet; remember every one decoded."""
+    total = state.scalar("SELECT count(*) FROM pages WHERE parent_known = 0")
+    done = 0
+    tick(0, total)
+    last = ""
+    while True:
+        rows = state.db.execute(
+            "SELECT p.page, (SELECT tail || char(0) || size FROM objects o WHERE o.page = p.page"
+            " ORDER BY tail LIMIT 1) FROM pages p WHERE p.parent_known = 0 AND p.page > ?"
+            " ORDER BY p.page LIMIT ?", (last, HEADER_CHUNK * HEADER_CALLS_IN_FLIGHT)).fetchall()
+        if not rows:
+            break
+        last = rows[-1][0]
+        probes = []
+        for page, probe in rows:
+            tail, size = str(probe).split("\0")
+            probes.append((page, page + tail, int(size)))
+        chunks = [probes[i : i + HEADER_CHUNK] for i in range(0, len(probes), HEADER_CHUNK)]
+        results = await asyncio.gather(*(_parents_of(backend, chunk) for chunk in chunks))
+        counts = {"ok": 0, "corrupt": 0, "vanished": 0}
+        with state.transaction() as db:
+            for chunk, parents in zip(chunks, results, strict=True):
+                for (page, _key, _size), (status, parent) in zip(chunk, parents, strict=True):
+                    counts[status] += 1
+                    if status == "ok":
+                        db.execute("INSERT OR REPLACE INTO cache.parents VALUES (?, ?)",
+                                   (page, parent or ""))
+                    db.execute("UPDATE pages SET parent = ?, parent_known = 1 WHERE page = ?",
+                               (parent if parent != page else None, page))
+            state.add("headers_read", counts["ok"])
+            state.add("headers_unreadable", counts["corrupt"])
+        done += len(rows)
+        tick(done, total)
+
+
+async def _parents_of(
+    backend: Backend, chunk: Sequence[tuple[str, str, int]]
+) -> list[tuple[str, str | None]]:
+    """``(status, parent)`` per ``(page, key, size)``: status ok / corrupt / vanished."""
+    keys = [key for _, key, _ in chunk]
+    sizes = [min(size, HEADER_PROBE) for _, _, size in chunk]
+    out: list[tuple[str, str | None]] = []
+    got = await _read_heads(backend, keys, sizes)
+    for (_page, key, size), (buf, n) in zip(chunk, got, strict=True):
+        if n is None:
+            out.append(("vanished", None))
+            continue
+        try:
+            header = decode_header(memoryview(buf)[:n])
+        except CorruptObjectError:
+            longest = min(size, payload_offset(MAX_LAYERS_PER_OBJECT))
+            if longest <= n:
+                out.append(("corrupt", None))
+                continue
+            ((buf, n),) = await _read_heads(backend, [key], [longest])
+            try:
+                header = decode_header(memoryview(buf)[: n or 0])
+            except CorruptObjectError:
+                out.append(("corrupt", None) if n is not None else ("vanished", None))
+                continue
+        out.append(("ok", header.parent_hash))
+    return out
+
+
+async def _read_heads(
+    backend: Backend, keys: Sequence[str], sizes: Sequence[int]
+) -> list[tuple[bytearray, int | None]]:
+    """The first ``size`` bytes of each key (None: vanished); a failed call is retried once,
+    then raised as ``GcError`` (the run stops, resumable). An object that shrank below its
+    listed size reads as vanished."""
+    buffers = [bytearray(max(1, size)) for size in sizes]
+    ranges = [ByteRange(0, len(b)) for b in buffers]
+    for attempt in range(2):
+        try:
+            got = await backend.get_into(keys, buffers, ranges)
+            return list(zip(buffers, got, strict=True))
+        except InvalidRangeError:
+            if len(keys) == 1:
+                return [(buffers[0], None)]
+            # One object shrank (rewritten, or corrupt): read them one by one.
+            return [pair for key, size in zip(keys, sizes, strict=True)
+                    for pair in await _read_heads(backend, [key], [size])]
+        except BackendError as exc:
+            if attempt:
+                raise GcError(f"reading object headers failed ({exc}); nothing was deleted by "
+                              "this step, run gc again to resume") from exc
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+# -- 4. plan --------------------------------------------------------------------------------------
+
+
+def _plan(state: GcState, policy: GcPolicy, now: float) -> None:
+    """Number the pages to delete (``step``), children before parents; see the docstring."""
+    db = state.db
+    db.executescript(
+        """
+        BEGIN;
+        UPDATE pages SET children = 0, step = NULL, rule = NULL, outcome = NULL, blocked = 0;
+        UPDATE pages SET children = k.n FROM (
+            SELECT parent, count(*) AS n FROM pages
+            WHERE parent IS NOT NULL AND parent != page GROUP BY parent) AS k
+            WHERE pages.page = k.parent;
+        COMMIT;
+        CREATE INDEX IF NOT EXISTS pages_tails ON pages(undated, newest, page)
+            WHERE children = 0 AND step IS NULL;
+        CREATE INDEX IF NOT EXISTS pages_step ON pages(step) WHERE step IS NOT NULL;
+        """
+    )
+    planner = _Planner(state)
+    if policy.max_age is not None:
+        planner.expire(now - policy.max_age)
+    if policy.max_bytes is not None:
+        planner.fit(policy.max_bytes)
+
+
+_TailKey = tuple[int, float, str]
+
+
+class _Planner:
+    """Drops chain tails in the order of the module docstring, tracking the uncovered parents.
+
+    The tails wait in an index (``pages_tails``); dropping one decrements its parent's
+    ``children`` and, at zero, the parent joins the index. ``fit`` pops tails oldest first
+    across index batches: parents uncovered during a batch wait in a small heap and are
+    merged in key order, so the order is exactly a global heap's.
+    """
+
+    def __init__(self, state: GcState) -> None:
+        self.state = state
+        self.db = db = state.db
+        self.step = 0
+        self.total = int(db.execute("SELECT coalesce(sum(size), 0) FROM pages").fetchone()[0])
+
+    def drop(self, page: str, size: int, parent: str | None, rule: int
+             ) -> tuple[_TailKey, int, str | None] | None:
+        """Plan ``page``; return its parent as a new tail ``(key, size, parent)`` if it is one."""
+        self.step += 1
+        self.total -= size
+        self.db.execute("UPDATE pages SET step = ?, rule = ? WHERE page = ?",
+                        (self.step, rule, page))
+        if parent is None:
+            return None
+        row = self.db.execute(
+            "UPDATE pages SET children = children - 1 WHERE page = ? AND step IS NULL "
+            "RETURNING children, undated, newest, size, parent", (parent,)).fetchone()
+        if row is None or row[0] != 0:
+            return None
+        return (int(row[1]), float(row[2]), parent), int(row[3]), row[4]
+
+    def expire(self, cutoff: float) -> None:
+        """Phase 1: every dated tail older than ``cutoff``, until none is left."""
+        while True:
+            rows = self.db.execute(
+                "SELECT page, size, parent FROM pages WHERE children = 0 AND step IS NULL "
+                "AND undated = 0 AND newest < ? ORDER BY undated, newest, page LIMIT ?",
+                (cutoff, PLAN_BATCH)).fetchall()
+            if not rows:
+                return
+            with self.state.transaction():
+                for page, size, parent in rows:
+                    self.drop(page, size, parent, _EXPIRED)
+
+    def fit(self, max_bytes: int) -> None:
+        """Phase 2: the oldest tails while the pages left exceed ``max_bytes``."""
+        while self.total > max_bytes:
+            rows = self.db.execute(
+                "SELECT undated, newest, page, size, parent FROM pages "
+                "WHERE children = 0 AND step IS NULL ORDER BY undated, newest, page LIMIT ?",
+                (PLAN_BATCH,)).fetchall()
+            if not rows:
+                return
+            # Tails up to ``horizon`` are all in ``rows``; uncovered parents past it wait for
+            # the next query (they are in the index by then).
+            horizon: _TailKey | None = None if len(rows) < PLAN_BATCH else tuple(rows[-1][:3])
+            waiting: list[tuple[_TailKey, int, str | None]] = []
+            with self.state.transaction():
+                self._merge(rows, horizon, waiting, max_bytes)
+
+    def _merge(self, rows: list[Any], horizon: _TailKey | None,
+               waiting: list[tuple[_TailKey, int, str | None]], max_bytes: int) -> None:
+        """Drop tails from ``rows`` and ``waiting`` in key order while over ``max_bytes``."""
+        i = 0
+        while self.total > max_bytes:
+            heap_first = waiting and (i >= len(rows) or waiting[0][0] < tuple(rows[i][:3]))
+            if heap_first and (horizon is None or waiting[0][0] <= horizon):
+                key, size, parent = heapq.heappop(waiting)
+                page = key[2]
+            elif i < len(rows):
+                _undated, _newest, page, size, parent = rows[i]
+                i += 1
+            else:
+                return  # the next tails are past this query's horizon: query again
+            uncovered = self.drop(page, size, parent, _OVER_BUDGET)
+            if uncovered is not None:
+                heapq.heappush(waiting, uncovered)
+
+
+# -- 5. delete ------------------------------------------------------------------------------------
+
+
+async def _delete(backend: Backend, state: GcState,
+                  tick: Callable[[int, int | None], None]) -> None:
+    """Delete the planned pages in plan order; see "Deleting in order" in the docstring."""
+    db = state.db
+    total = state.scalar("SELECT count(*) FROM pages WHERE step IS NOT NULL")
+    done = state.scalar("SELECT count(*) FROM pages WHERE outcome IS NOT NULL")
+    tick(done, total)
+    # Resume at the first page without an outcome (a crash may leave a batch unsettled
+    # below pages already settled as kept).
+    last = state.scalar("SELECT min(step) FROM pages WHERE step IS NOT NULL AND outcome IS NULL")
+    last = last - 1 if last else 0
+    batch = _DeleteBatch()
+    while True:
+        rows = db.execute(
+            "SELECT step, page, parent, blocked FROM pages WHERE step > ? AND outcome IS NULL"
+            " ORDER BY step LIMIT ?", (last, PLAN_BATCH)).fetchall()
+        if not rows:
+            break
+        for step, page, parent, blocked in rows:
+            last = step
+            keys = [page + str(tail) for (tail,) in db.execute(
+                "SELECT tail FROM objects WHERE page = ?", (page,))]
+            if batch.keys and len(batch.keys) + len(keys) > DELETE_CHUNK:
+                done += await batch.flush(backend, state)
+                tick(done, total)
+            # After the flush: a child that failed in it blocks this page.
+            if blocked or page in batch.blocked:
+                with state.transaction():
+                    _settle(db, [(page, parent)], _KEPT, batch.blocked)
+                done += 1
+                continue
+            batch.add(page, parent, keys)
+        batch.blocked.clear()  # settled in the database: later queries see ``blocked``
+    done += await batch.flush(backend, state)
+    tick(done, total)
+
+
+class _DeleteBatch:
+    """Pages deleted by one ``delete`` call, in plan order (children first)."""
+
+    def __init__(self) -> None:
+        self.pages: list[tuple[str, str | None, list[str]]] = []
+        self.keys: list[str] = []
+        #: pages blocked since the current query ran (its rows do not show it yet).
+        self.blocked: set[str] = set()
+
+    def add(self, page: str, parent: str | None, keys: list[str]) -> None:
+        self.pages.append((page, parent, keys))
+        self.keys.extend(keys)
+
+    async def flush(self, backend: Backend, state: GcState) -> int:
+        """Delete the batch; on a failure, ask the store which pages are still there: those
+        failed, and block their ancestors. Returns the number of pages settled."""
+        if not self.pages:
+            return 0
+        failed: set[str] = set()
+        try:
+            await backend.delete(self.keys)
+        except BackendError:
+            try:
+                present = await backend.exists(self.keys)
+            except BackendError:
+                present = [True] * len(self.keys)  # cannot tell: count them all as failed
+            left = {key for key, there in zip(self.keys, present, strict=True) if there}
+            failed = {page for page, _, keys in self.pages if left.intersection(keys)}
+        with state.transaction() as db:
+            _settle(db, [(p, q) for p, q, _ in self.pages if p not in failed], _DELETED,
+                    self.blocked)
+            _settle(db, [(p, q) for p, q, _ in self.pages if p in failed], _FAILED,
+                    self.blocked)
+        count = len(self.pages)
+        self.pages, self.keys = [], []
+        return count
+
+
+def _settle(db: sqlite3.Connection, pages: Sequence[tuple[str, str | None]], outcome: int,
+            blocked: set[str]) -> None:
+    """Record pages' outcome; a page that stays blocks its parent (the rest of its chain
+    stays reachable)."""
+    db.executemany("UPDATE pages SET outcome = ? WHERE page = ?",
+                   [(outcome, page) for page, _ in pages])
+    if outcome != _DELETED:
+        parents = [parent for _, parent in pages if parent is not None]
+        db.executemany("UPDATE pages SET blocked = 1 WHERE page = ?", [(p,) for p in parents])
+        blocked.update(parents)
+
+
+# -- 6. report ------------------------------------------------------------------------------------
+
+
+def _prune_parent_cache(state: GcState) -> None:
+    """Forget the parents of pages this run did not see, or deleted (the cache stays the size
+    of the store)."""
+    with state.transaction() as db:
+        db.execute("DELETE FROM cache.parents WHERE page NOT IN (SELECT page FROM pages)")
+        db.execute("DELETE FROM cache.parents WHERE page IN "
+                   "(SELECT page FROM pages WHERE outcome = ?)", (_DELETED,))
+
+
+def _fill_report(state: GcState, report: GcReport) -> None:
+    one = state.db.execute
+    report.scanned, report.scanned_bytes, report.undated = (int(v or 0) for v in one(
+        "SELECT count(*), sum(size), sum(mtime IS NULL) FROM objects").fetchone())
+    report.manifests = int(state.get("manifests") or 0)
+    report.scanned += report.manifests
+    report.pages = state.scalar("SELECT count(*) FROM pages")
+    report.headers_cached = int(state.get("headers_cached") or 0)
+    report.headers_read = int(state.get("headers_read") or 0)
+    report.headers_unreadable = int(state.get("headers_unreadable") or 0)
+    for rule, attr in ((_EXPIRED, "expired"), (_OVER_BUDGET, "over_budget")):
+        pages, objects = one("SELECT count(*), sum(objects) FROM pages WHERE rule = ?",
+                             (rule,)).fetchone()
+        setattr(report, attr, int(objects or 0))
+        setattr(report, f"{attr}_pages", int(pages or 0))
+    if report.dry_run:
+        report.deleted_bytes = state.scalar("SELECT sum(size) FROM pages WHERE step IS NOT NULL")
+        return
+    deleted, nbytes = one("SELECT sum(objects), sum(size) FROM pages WHERE outcome = ?",
+                          (_DELETED,)).fetchone()
+    report.deleted, report.deleted_bytes = int(deleted or 0), int(nbytes or 0)
+    report.failures = state.scalar("SELECT sum(objects) FROM pages WHERE outcome = ?", _FAILED)
+    report.kept_pages = state.scalar("SELECT count(*) FROM pages WHERE outcome = ?", _KEPT)
