@@ -451,54 +451,6 @@ def verify_blocks(
             )
 
 
-class BlockVerifier:
-    """``verify_blocks`` for a payload that arrives in consecutive pieces of any size.
-
-    ``update(piece)`` feeds the next bytes of layers ``[layer_start, layer_stop)`` (all of
-    the object's by default) and raises ``PayloadChecksumError`` naming the first bad layer as
-    soon as its block is complete; ``finish()`` raises ``TruncatedObjectError`` unless exactly
-    the blocks' bytes were fed. Memory: one running hash, whatever the object's size, so a
-    tool can verify a 512 MiB object through a small window. Same checksums as
-    ``block_checksum`` (xxh3_64 computed incrementally).
-    """
-
-    def __init__(self, header: ObjectHeader, layer_start: int | None = None,
-                 layer_stop: int | None = None) -> None:
-        start = header.coords.layer_start if layer_start is None else layer_start
-        stop = header.coords.layer_stop if layer_stop is None else layer_stop
-        header.block_range(start, stop)  # validates the layers
-        self._header = header
-        self._layer = start
-        self._stop = stop
-        self._left = header.block_length  # bytes still missing from the current block
-        self._hash = xxhash.xxh3_64()
-
-    def update(self, piece: BytesLike) -> None:
-        view = memoryview(piece).cast("B")
-        while len(view):
-            if self._layer >= self._stop:
-                raise TruncatedObjectError(
-                    f"more bytes than layers {self._header.coords.layer_start}-"
-                    f"{self._stop - 1} hold")
-            take = min(self._left, len(view))
-            self._hash.update(view[:take])
-            view = view[take:]
-            self._left -= take
-            if self._left == 0:
-                index = self._layer - self._header.coords.layer_start
-                if self._hash.intdigest() != self._header.block_checksums[index]:
-                    raise PayloadChecksumError(
-                        f"checksum mismatch in layer {self._layer}", layer=self._layer)
-                self._layer += 1
-                self._left = self._header.block_length
-                self._hash.reset()
-
-    def finish(self) -> None:
-        if self._layer != self._stop:
-            raise TruncatedObjectError(
-                f"layer blocks end at layer {self._layer}, expected {self._stop - 1}")
-
-
 def decode_object(
     data: BytesLike,
     *,

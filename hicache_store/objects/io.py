@@ -364,6 +364,45 @@ class ObjectIO:
         return header, frame[header_len:]
 
 
+    async def verify_stored(
+        self, storage_key: str, size: int, buffer: memoryview, *, window: int | None = None
+    ) -> ObjectHeader | None:
+        """Verify a whole stored object of listed ``size`` through ``buffer`` (operator tools:
+        ``inspect --verify``): the header against the key and ``size``, then every layer
+        block, whole blocks at a time, at most ``window`` bytes (default ``len(buffer)``) per
+        ranged read. Memory is ``buffer``, or one block when a block is larger (a format
+        checks whole blocks): a 512 MiB object never costs a copy of itself.
+
+        ``None`` on a miss; ``CorruptObjectError`` when the object is corrupt (including a
+        size other than its frame's, or a key that is no object key).
+        """
+        key = _parsed(storage_key)
+        if key is None:
+            raise CorruptObjectError(f"{storage_key[:80]!r} is not an object key")
+        coords = key.coords
+        header_len = self.header_bytes(coords.num_layers)
+        payload_len = size - header_len
+        if payload_len <= 0:
+            raise TruncatedObjectError(f"{storage_key}: {size} bytes hold no payload")
+        if len(buffer) < header_len:
+            raise ValueError(f"a buffer of {len(buffer)} bytes cannot hold a {header_len}-byte header")
+        head = buffer[:header_len]
+        if not await self._ranged(storage_key, [head], [ByteRange(0, header_len)]):
+            return None
+        header = self.format.open_header(key, head, payload_bytes=payload_len)
+        block = payload_len // coords.num_layers
+        per_read = max(1, min(window or len(buffer), len(buffer)) // block)
+        scratch = buffer if block <= len(buffer) else memoryview(bytearray(block))
+        for first in range(coords.layer_start, coords.layer_stop, per_read):
+            stop = min(first + per_read, coords.layer_stop)
+            data = scratch[: (stop - first) * block]
+            start = header_len + (first - coords.layer_start) * block
+            if not await self._ranged(storage_key, [data], [ByteRange.of(start, len(data))]):
+                return None
+            self.format.open_blocks(header, data, first, stop)
+        return header
+
+
 def _parsed(storage_key: str) -> ObjectKey | None:
     try:
         return parse_key(storage_key)

@@ -8,9 +8,9 @@ files in a temporary folder; ``count()`` deduplicates each bucket on its own and
 Memory is one buffer (16 bytes a value, plus the sort's scratch) or one bucket; a store that
 fits in one buffer never touches the disk.
 
-Values are the first 128 bits of a page hash (hex): all of an ``xxh3_128`` hash, half of a
-``sha256`` one. Two distinct pages sharing them is a 128-bit hash collision, far beyond any
-store's size (one chance in 10^22 at 100 M pages).
+Values are the ``xxh3_128`` digest of each page hash (whatever its length or entropy: tests
+and tools use small synthetic hashes). Two distinct pages sharing one is a 128-bit hash
+collision, far beyond any store's size (about one chance in 10^22 at 100 M pages).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 #: values kept in memory before a spill (16 MiB).
 BUFFER_VALUES = 1 << 20
@@ -28,7 +29,7 @@ _BUCKETS = 256
 
 
 class DistinctCounter:
-    """``add(hex_hash)`` any number of times, then ``count()`` once; ``close()`` frees the
+    """``add(page_hash)`` any number of times, then ``count()`` once; ``close()`` frees the
     spill files (also done by ``count``)."""
 
     def __init__(self, *, buffer_values: int = BUFFER_VALUES) -> None:
@@ -37,11 +38,11 @@ class DistinctCounter:
         self._last = ""
         self._dir: Path | None = None
 
-    def add(self, hex_hash: str) -> None:
-        if hex_hash == self._last:
+    def add(self, value: str) -> None:
+        if value == self._last:
             return  # objects of one page often come together (S3 lists in key order)
-        self._last = hex_hash
-        self._buf += bytes.fromhex(hex_hash[:32].ljust(32, "0"))
+        self._last = value
+        self._buf += xxhash.xxh3_128_digest(value.encode())
         if len(self._buf) >= 16 * self.buffer_values:
             self._spill()
 

@@ -63,19 +63,14 @@ from pathlib import Path
 from typing import Any
 
 from hicache_store.backends import Backend, BackendError
-from hicache_store.backends.errors import InvalidRangeError
-from hicache_store.backends.types import ByteRange, ObjectStat
+from hicache_store.backends.types import ObjectStat
 from hicache_store.layout.errors import CorruptObjectError, HiCacheStoreError
-from hicache_store.layout.framing import decode_header, payload_offset
-from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT
+from hicache_store.objects import ObjectIO
 
 #: keys per ``delete`` call.
 DELETE_CHUNK = 1000
-#: headers per ``get_into`` call, and calls in flight at once.
-HEADER_CHUNK = 256
-HEADER_CALLS_IN_FLIGHT = 4
-#: bytes read first of each header (objects of up to 494 layers; longer ones are re-read).
-HEADER_PROBE = 4096
+#: header reads in flight at once (also the pages recorded per transaction).
+HEADER_READS_IN_FLIGHT = 512
 #: listed objects per SQLite transaction, and tails taken per planning query.
 SCAN_BATCH = 20_000
 PLAN_BATCH = 4096
@@ -469,91 +464,50 @@ def _could_delete(state: GcState, policy: GcPolicy, now: float) -> bool:
 async def _read_parents(backend: Backend, state: GcState,
                         tick: Callable[[int, int | None], None]) -> None:
     """Read one header per page whose parent is not known yet; remember every one decoded."""
+    io = ObjectIO(backend)
     total = state.scalar("SELECT count(*) FROM pages WHERE parent_known = 0")
     done = 0
     tick(0, total)
     last = ""
     while True:
         rows = state.db.execute(
-            "SELECT p.page, (SELECT tail || char(0) || size FROM objects o WHERE o.page = p.page"
-            " ORDER BY tail LIMIT 1) FROM pages p WHERE p.parent_known = 0 AND p.page > ?"
-            " ORDER BY p.page LIMIT ?", (last, HEADER_CHUNK * HEADER_CALLS_IN_FLIGHT)).fetchall()
+            "SELECT p.page, (SELECT tail FROM objects o WHERE o.page = p.page ORDER BY tail"
+            " LIMIT 1) FROM pages p WHERE p.parent_known = 0 AND p.page > ? ORDER BY p.page"
+            " LIMIT ?", (last, HEADER_READS_IN_FLIGHT)).fetchall()
         if not rows:
             break
         last = rows[-1][0]
-        probes = []
-        for page, probe in rows:
-            tail, size = str(probe).split("\0")
-            probes.append((page, page + tail, int(size)))
-        chunks = [probes[i : i + HEADER_CHUNK] for i in range(0, len(probes), HEADER_CHUNK)]
-        results = await asyncio.gather(*(_parents_of(backend, chunk) for chunk in chunks))
+        found = await asyncio.gather(*(_parent_of(io, page + tail) for page, tail in rows))
         counts = {"ok": 0, "corrupt": 0, "vanished": 0}
         with state.transaction() as db:
-            for chunk, parents in zip(chunks, results, strict=True):
-                for (page, _key, _size), (status, parent) in zip(chunk, parents, strict=True):
-                    counts[status] += 1
-                    if status == "ok":
-                        db.execute("INSERT OR REPLACE INTO cache.parents VALUES (?, ?)",
-                                   (page, parent or ""))
-                    db.execute("UPDATE pages SET parent = ?, parent_known = 1 WHERE page = ?",
-                               (parent if parent != page else None, page))
+            for (page, _tail), (status, parent) in zip(rows, found, strict=True):
+                counts[status] += 1
+                if status == "ok":
+                    db.execute("INSERT OR REPLACE INTO cache.parents VALUES (?, ?)",
+                               (page, parent or ""))
+                db.execute("UPDATE pages SET parent = ?, parent_known = 1 WHERE page = ?",
+                           (parent if parent != page else None, page))
             state.add("headers_read", counts["ok"])
             state.add("headers_unreadable", counts["corrupt"])
         done += len(rows)
         tick(done, total)
 
 
-async def _parents_of(
-    backend: Backend, chunk: Sequence[tuple[str, str, int]]
-) -> list[tuple[str, str | None]]:
-    """``(status, parent)`` per ``(page, key, size)``: status ok / corrupt / vanished."""
-    keys = [key for _, key, _ in chunk]
-    sizes = [min(size, HEADER_PROBE) for _, _, size in chunk]
-    out: list[tuple[str, str | None]] = []
-    got = await _read_heads(backend, keys, sizes)
-    for (_page, key, size), (buf, n) in zip(chunk, got, strict=True):
-        if n is None:
-            out.append(("vanished", None))
-            continue
-        try:
-            header = decode_header(memoryview(buf)[:n])
-        except CorruptObjectError:
-            longest = min(size, payload_offset(MAX_LAYERS_PER_OBJECT))
-            if longest <= n:
-                out.append(("corrupt", None))
-                continue
-            ((buf, n),) = await _read_heads(backend, [key], [longest])
-            try:
-                header = decode_header(memoryview(buf)[: n or 0])
-            except CorruptObjectError:
-                out.append(("corrupt", None) if n is not None else ("vanished", None))
-                continue
-        out.append(("ok", header.parent_hash))
-    return out
-
-
-async def _read_heads(
-    backend: Backend, keys: Sequence[str], sizes: Sequence[int]
-) -> list[tuple[bytearray, int | None]]:
-    """The first ``size`` bytes of each key (None: vanished); a failed call is retried once,
-    then raised as ``GcError`` (the run stops, resumable). An object that shrank below its
-    listed size reads as vanished."""
-    buffers = [bytearray(max(1, size)) for size in sizes]
-    ranges = [ByteRange(0, len(b)) for b in buffers]
+async def _parent_of(io: ObjectIO, key: str) -> tuple[str, str | None]:
+    """``(status, parent)`` of the page ``key`` belongs to, from its header (checked against
+    the key: ``ObjectIO.read_header``): status ok / corrupt / vanished. A failed read is
+    tried once more, then stops the run (``GcError``, resumable)."""
     for attempt in range(2):
         try:
-            got = await backend.get_into(keys, buffers, ranges)
-            return list(zip(buffers, got, strict=True))
-        except InvalidRangeError:
-            if len(keys) == 1:
-                return [(buffers[0], None)]
-            # One object shrank (rewritten, or corrupt): read them one by one.
-            return [pair for key, size in zip(keys, sizes, strict=True)
-                    for pair in await _read_heads(backend, [key], [size])]
-        except BackendError as exc:
+            header = await io.read_header(key)
+        except CorruptObjectError:
+            return "corrupt", None
+        except (BackendError, TimeoutError) as exc:
             if attempt:
-                raise GcError(f"reading object headers failed ({exc}); nothing was deleted by "
-                              "this step, run gc again to resume") from exc
+                raise GcError(f"reading the header of {key} failed ({exc!r}); nothing was "
+                              "deleted by this step: run gc again to resume") from exc
+            continue
+        return ("vanished", None) if header is None else ("ok", header.parent_hash)
     raise AssertionError("unreachable")  # pragma: no cover
 
 

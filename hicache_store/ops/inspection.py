@@ -9,20 +9,21 @@ and groups what it sees:
 * **manifests** whose namespace has no objects are listed too (an emptied namespace);
 * **other** keys (neither object nor manifest) are counted, never touched.
 
-With ``verify``, every object is re-read as it is listed and checked with the layout's own
-rules: the header strictly against the key (``framing.decode_header``: key match, exact
-length against the listed size), every layer block's checksum (``framing.BlockVerifier``) and,
-where the manifest is known, that the payload has the size the namespace gives that layer
-chunk; manifests are checked too (JSON, fields, digest against fields and key). An object
-that vanished between listing and reading is counted apart (not corrupt). ``delete_corrupt``
-removes what failed as it is found (unless ``dry_run``): a removed object is a miss for every
-engine, which recomputes it, never wrong KV.
+With ``verify``, every object is re-read as it is listed and checked by the one verified read
+path (``objects.ObjectIO.verify_stored``: the header against the key and the listed size,
+every layer block through the object format) and, where the manifest is known, that the
+payload has the size the namespace gives that layer chunk; manifests are checked too (JSON,
+fields, digest against fields and key). An object that vanished between listing and reading
+is counted apart (not corrupt). ``delete_corrupt`` removes what failed as it is found (unless
+``dry_run``): a removed object is a miss for every engine, which recomputes it, never wrong
+KV.
 
 **Bounded memory at any store size.** Nothing per object is kept: counts per namespace, the
 distinct pages through ``ops.distinct`` (spilled to temporary files past a million), and at
 most ``EXAMPLES`` keys of each kind of problem (the counts stay exact). Verification reads
-each object through one ``window``-byte buffer per reader (``concurrency`` readers): a
-512 MiB object costs one window, never a copy of itself.
+each object through one ``window``-byte buffer per reader (``concurrency`` readers; a layer
+block larger than the window is read whole): a 512 MiB object costs a window, never a copy
+of itself.
 """
 
 from __future__ import annotations
@@ -34,16 +35,13 @@ from typing import Any
 
 from hicache_store.backends import aligned_buffer
 from hicache_store.backends.base import Backend
-from hicache_store.backends.errors import BackendError, InvalidRangeError
-from hicache_store.backends.types import ByteRange, ObjectStat
+from hicache_store.backends.errors import BackendError
+from hicache_store.backends.types import ObjectStat
 from hicache_store.layout.errors import CorruptObjectError
-from hicache_store.layout.framing import (
-    BlockVerifier,
-    decode_header,
-    payload_offset,
-)
+from hicache_store.layout.framing import payload_offset
 from hicache_store.layout.keys import ObjectKey, object_key_parts, parse_key
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
+from hicache_store.objects import ObjectIO
 
 from .distinct import DistinctCounter
 from .manifest import ManifestError, decode_manifest, manifest_digest, manifest_key
@@ -52,8 +50,8 @@ from .manifest import ManifestError, decode_manifest, manifest_digest, manifest_
 EXAMPLES = 100
 #: bytes each verifying reader reads at a time (one buffer per reader).
 VERIFY_WINDOW = 8 << 20
-#: header bytes read first (holds the header of objects up to 494 layers).
-_HEADER_PROBE = 4096
+#: the longest header an object can have (``MAX_LAYERS_PER_OBJECT`` layer blocks).
+HEADER_MAX = payload_offset(MAX_LAYERS_PER_OBJECT)
 
 #: ``progress(listed, verified, bytes_read)``, called every few hundred objects.
 ProgressFn = Callable[[int, int, int], None]
@@ -265,6 +263,7 @@ class _Verifier:
     def __init__(self, backend: Backend, concurrency: int, window: int, delete_corrupt: bool,
                  dry_run: bool) -> None:
         self.backend = backend
+        self.io = ObjectIO(backend)
         self.concurrency = concurrency
         self.window = -(-window // 4096) * 4096  # whole 4 KiB blocks: O_DIRECT-friendly
         self.delete_corrupt = delete_corrupt
@@ -274,7 +273,7 @@ class _Verifier:
         self.workers: list[asyncio.Task[None]] = []
         #: the first read that failed for another reason than corruption (the store is
         #: down): readers then drain the queue without reading, and the run raises it.
-        self.failure: BackendError | None = None
+        self.failure: BackendError | TimeoutError | None = None
 
     def start(self) -> None:
         self.workers = [asyncio.ensure_future(self._work()) for _ in range(self.concurrency)]
@@ -310,9 +309,9 @@ class _Verifier:
             if self.failure is not None:
                 continue
             try:
-                error = await verify_object(self.backend, st.key, st.size, namespace, buffer,
-                                            window=self.window, on_read=self._count_bytes)
-            except BackendError as exc:
+                error = await verify_object(self.io, st.key, st.size, namespace, buffer,
+                                            window=self.window)
+            except (BackendError, TimeoutError) as exc:
                 self.failure = exc
                 continue
             except _Vanished:
@@ -321,13 +320,11 @@ class _Verifier:
                 _note(self.result.vanished_examples, st.key)
                 continue
             self.result.checked += 1
+            self.result.bytes_read += st.size
             if error is None:
                 self.result.ok += 1
             else:
                 await self._corrupt(st.key, error)
-
-    def _count_bytes(self, n: int) -> None:
-        self.result.bytes_read += n
 
     async def _corrupt(self, key: str, error: str) -> None:
         result = self.result
@@ -349,63 +346,20 @@ class _Vanished(Exception):
     """The object was deleted between the listing and the read."""
 
 
-#: the longest header an object can have (``MAX_LAYERS_PER_OBJECT`` layer blocks).
-HEADER_MAX = payload_offset(MAX_LAYERS_PER_OBJECT)
-
-
 async def verify_object(
-    backend: Backend,
-    key: str,
-    size: int,
-    namespace: Namespace | None,
-    buffer: memoryview,
-    *,
-    window: int | None = None,
-    on_read: Callable[[int], None] | None = None,
+    io: ObjectIO, key: str, size: int, namespace: Namespace | None, buffer: memoryview,
+    *, window: int | None = None,
 ) -> str | None:
-    """Check one stored object of listed ``size`` through ``buffer`` (at least ``HEADER_MAX``
-    bytes; its size bounds the memory); the error as ``"Kind: message"``, or None when intact.
-    Raises ``_Vanished`` when the object is gone. Reads the header (4 KiB, more only for a
-    header that needs it), then the payload ``window`` bytes at a time (default: the
-    buffer's size), one ranged read each."""
-    if len(buffer) < HEADER_MAX:
-        raise ValueError(f"buffer of {len(buffer)} bytes; verification needs {HEADER_MAX}")
-    step = min(len(buffer), window or len(buffer))
-
-    async def read(start: int, length: int) -> memoryview:
-        view = buffer[:length]
-        try:
-            (n,) = await backend.get_into([key], [view], [ByteRange(start, start + length)])
-        except InvalidRangeError as exc:  # shorter than listed: truncated, or rewritten
-            raise CorruptObjectError(f"object shorter than {start + length} bytes: {exc}") from exc
-        if n is None:
-            raise _Vanished(key)
-        if on_read is not None:
-            on_read(n)
-        return view
-
+    """Check one stored object of listed ``size`` (``ObjectIO.verify_stored``: header, size,
+    every layer block, through ``buffer`` at most ``window`` bytes at a time) and, when the
+    namespace is known, its geometry; the error as ``"Kind: message"``, None when intact.
+    Raises ``_Vanished`` when the object is gone."""
     try:
-        expected = parse_key(key)
-        if size == 0:
-            raise CorruptObjectError("object is empty")
-        try:
-            header = decode_header(await read(0, min(size, _HEADER_PROBE)), expected=expected,
-                                   object_length=size)
-        except CorruptObjectError:
-            if min(size, HEADER_MAX) <= _HEADER_PROBE:
-                raise
-            # Perhaps a header longer than the first read: read the longest there can be.
-            header = decode_header(await read(0, min(size, HEADER_MAX)), expected=expected,
-                                   object_length=size)
+        header = await io.verify_stored(key, size, buffer, window=window)
+        if header is None:
+            raise _Vanished(key)
         if namespace is not None:
-            _check_geometry(expected, header.payload_length, header.kv_planes, namespace)
-        blocks = BlockVerifier(header)
-        position = header.payload_offset
-        while position < size:
-            length = min(step, size - position)
-            blocks.update(await read(position, length))
-            position += length
-        blocks.finish()
+            _check_geometry(parse_key(key), header.payload_length, header.kv_planes, namespace)
     except CorruptObjectError as exc:
         return f"{type(exc).__name__}: {exc}"
     return None

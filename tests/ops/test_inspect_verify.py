@@ -11,6 +11,7 @@ from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.keys import object_key_parts, parse_key
 from hicache_store.layout.namespace import Grid, Namespace
 from hicache_store.layout.topology import Topology
+from hicache_store.objects import ObjectIO
 from hicache_store.ops.gc import collect_garbage
 from hicache_store.ops.inspection import HEADER_MAX, inspect_store, verify_object
 from hicache_store.ops.manifest import manifest_key
@@ -87,24 +88,27 @@ async def test_verify_finds_an_object_corrupted_on_disk(tmp_path: Path) -> None:
 
 
 async def test_verify_reads_through_a_small_window(tmp_path: Path) -> None:
-    # Each object is a 4 KiB header and two 1 KiB layer blocks; a 256-byte window reads the
-    # payload in eight pieces, and a bit flipped in any piece is found, in the right layer.
+    # Each object is a 4 KiB header and two 1 KiB layer blocks; a 1 KiB window reads them one
+    # block at a time, and a bit flipped in either is found, in the right layer.
     backend, ns = await filled(tmp_path, Topology(1, 1))
     keys = await object_keys(backend, ns.digest)
     sizes = {st.key: st.size for st in await backend.stat(keys) if st is not None}
     assert set(sizes.values()) == {4096 + 2048}
     buffer = aligned_buffer(HEADER_MAX)
+    io = ObjectIO(backend)
     victim = keys[3]
-    reads, seen = backend.stats.reads, []
-    assert await verify_object(backend, victim, sizes[victim], ns, buffer, window=256,
-                               on_read=seen.append) is None
-    assert backend.stats.reads - reads == 1 + 8 and seen == [4096] + [256] * 8
+    reads = backend.stats.reads
+    assert await verify_object(io, victim, sizes[victim], ns, buffer, window=1024) is None
+    assert backend.stats.reads - reads == 1 + 2, "the header, then one read per 1 KiB block"
+    reads = backend.stats.reads
+    assert await verify_object(io, victim, sizes[victim], ns, buffer) is None
+    assert backend.stats.reads - reads == 1 + 1, "a window that holds both blocks: one read"
     path = backend.path_of(victim)
     raw = bytearray(path.read_bytes())
     for offset, layer in ((4096 + 5, 0), (4096 + 1024 + 700, 1)):
         raw[offset] ^= 0x10
         path.write_bytes(bytes(raw))
-        error = await verify_object(backend, victim, sizes[victim], ns, buffer, window=256)
+        error = await verify_object(io, victim, sizes[victim], ns, buffer, window=1024)
         first = parse_key(victim).coords.layer_start
         assert error == f"PayloadChecksumError: checksum mismatch in layer {first + layer}"
         raw[offset] ^= 0x10

@@ -1,0 +1,180 @@
+"""``hicache-store inspect`` and ``gc`` on file stores of growing size: time and peak memory.
+
+Run from the repository root::
+
+    .venv/bin/python bench/bench_ops_scale.py --objects 10000 100000 1000000 \\
+        --baseline 6a78708 --workdir /tmp/hicache-ops-scale
+
+For each size, one store of 8 KiB framed objects (a 4 KiB header and a 4 KiB payload, one
+object per page) in chains of 16 pages, each header naming its parent, written through the
+file backend (``durability=none``). Then, each command in a fresh process as an operator runs
+it (``--json --no-progress``), measuring wall time and peak RSS (``wait4``):
+
+* ``inspect URL``;
+* ``gc URL --max-bytes <half> --dry-run`` with an empty state directory (every header read);
+* the same again (the parent cache: no header read);
+* ``gc URL --max-bytes <90%>`` (deletes 10%, in plan order).
+
+``--baseline COMMIT`` runs ``inspect`` and ``gc --dry-run`` of that commit too, side by side on
+the same store (its tree is extracted with ``git archive`` and put first on ``PYTHONPATH``).
+Figures are printed as a table with a linear projection to 100 M objects from the largest
+size (time per object x 100 M; memory as measured: it does not grow with the store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hicache_store.backends import open_backend
+from hicache_store.layout.framing import encode_header
+from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
+
+ROOT = Path(__file__).resolve().parent.parent
+NS = "0123456789abcdef"
+CHAIN = 16
+PAYLOAD = bytes(range(256)) * 16  # 4 KiB
+OBJECT_BYTES = 4096 + len(PAYLOAD)
+
+
+async def build(root: Path, objects: int) -> None:
+    """``objects`` framed objects in chains of ``CHAIN`` pages, written parent first."""
+    store = open_backend(f"file://{root}", durability="none", capacity_bytes=1 << 50)
+    batch_keys: list[str] = []
+    batch_data: list[bytes] = []
+    parent: str | None = None
+    start = time.perf_counter()
+    for i in range(objects):
+        page = f"{i:064x}"
+        if i % CHAIN == 0:
+            parent = None
+        key = ObjectKey(page, NS, ObjectCoords(0, 1, 0))
+        batch_keys.append(format_key(key))
+        batch_data.append(encode_header(key, PAYLOAD, 2, parent_hash=parent) + PAYLOAD)
+        parent = page
+        if len(batch_keys) == 4096 or i == objects - 1:
+            await store.put(batch_keys, batch_data)
+            batch_keys, batch_data = [], []
+    await store.close()
+    print(f"  built {objects:,} objects in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def run(argv: list[str], env: dict[str, str], workdir: Path) -> dict[str, Any]:
+    """Run a command to its end; its wall time, peak RSS (``wait4``) and output (JSON when
+    it printed JSON, else its text)."""
+    out_path, err_path = workdir / "stdout", workdir / "stderr"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        _pid, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - start
+    code = os.waitstatus_to_exitcode(status)
+    if code not in (0, 1):
+        raise RuntimeError(f"{argv} failed ({code}): {err_path.read_text()[-2000:]}")
+    text = out_path.read_text()
+    try:
+        report: Any = json.loads(text)
+    except ValueError:
+        report = {"text": text.strip()}
+    return {"seconds": seconds, "rss_mib": usage.ru_maxrss / 1024, "report": report}
+
+
+def baseline_tree(commit: str, workdir: Path) -> Path:
+    """The package of ``commit`` laid out as an importable ``hicache_store`` (as the
+    Makefile's type-check tree maps layout/, kernels/, backends/ into it)."""
+    tree = workdir / f"baseline-{commit}"
+    if tree.exists():
+        shutil.rmtree(tree)
+    source = tree / "src"
+    source.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    package = tree / "path" / "hicache_store"
+    package.mkdir(parents=True)
+    for item in (source / "hicache_store").iterdir():
+        (package / item.name).symlink_to(item)
+    for sub in ("layout", "kernels", "backends"):
+        (package / sub).symlink_to(source / sub)
+    return tree / "path"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--objects", type=int, nargs="+", default=[10_000, 100_000])
+    parser.add_argument("--baseline", help="a commit to run side by side (e.g. 6a78708)")
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-ops-scale-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    cli = str(Path(sys.executable).with_name("hicache-store"))
+    env = {**os.environ, "XDG_CACHE_HOME": str(workdir / "cache")}
+    old_env = None
+    if args.baseline:
+        old_env = {**env, "PYTHONPATH": str(baseline_tree(args.baseline, workdir))}
+    rows: list[tuple[int, str, dict[str, Any]]] = []
+    for objects in args.objects:
+        store = workdir / f"store-{objects}"
+        if store.exists():
+            shutil.rmtree(store)
+        print(f"{objects:,} objects", flush=True)
+        asyncio.run(build(store, objects))
+        url = f"file://{store}"
+        total = objects * OBJECT_BYTES
+        state = workdir / f"state-{objects}"
+        shutil.rmtree(state, ignore_errors=True)
+        steps: list[tuple[str, list[str], dict[str, str]]] = []
+        if old_env is not None:
+            steps += [
+                (f"inspect ({args.baseline})", [sys.executable, "-m", "hicache_store.cli",
+                                                "inspect", url, "--json", "--no-progress"],
+                 old_env),
+                (f"gc --dry-run ({args.baseline})", [sys.executable, "-m", "hicache_store.cli",
+                                                     "gc", url, "--max-bytes", str(total // 2),
+                                                     "--dry-run"], old_env),
+            ]
+        steps += [
+            ("inspect", [cli, "inspect", url, "--json", "--no-progress"], env),
+            ("gc --dry-run", [cli, "gc", url, "--max-bytes", str(total // 2), "--dry-run",
+                              "--json", "--no-progress", "--state-dir", str(state)], env),
+            ("gc --dry-run, parents cached", [cli, "gc", url, "--max-bytes", str(total // 2),
+                                              "--dry-run", "--json", "--no-progress",
+                                              "--state-dir", str(state)], env),
+            ("gc (deletes 10%)", [cli, "gc", url, "--max-bytes", str(total * 9 // 10),
+                                  "--json", "--no-progress", "--state-dir", str(state)], env),
+        ]
+        for name, argv, step_env in steps:
+            result = run(argv, step_env, workdir)
+            rows.append((objects, name, result))
+            print(f"  {name}: {result['seconds']:.1f} s, {result['rss_mib']:.0f} MiB peak RSS",
+                  flush=True)
+        shutil.rmtree(store, ignore_errors=True)
+    _table(rows)
+
+
+def _table(rows: list[tuple[int, str, dict[str, Any]]]) -> None:
+    largest = max(objects for objects, _, _ in rows)
+    print("\n| objects | command | seconds | peak RSS (MiB) | us/object |")
+    print("|---|---|---|---|---|")
+    for objects, name, result in rows:
+        per = result["seconds"] / objects * 1e6
+        print(f"| {objects:,} | {name} | {result['seconds']:.1f} | {result['rss_mib']:.0f} | "
+              f"{per:.1f} |")
+    print(f"\nProjected to 100 M objects (time per object at {largest:,} x 100 M):")
+    for objects, name, result in rows:
+        if objects == largest:
+            hours = result["seconds"] / objects * 1e8 / 3600
+            print(f"  {name}: {hours:.1f} h")
+
+
+if __name__ == "__main__":
+    main()
