@@ -345,6 +345,37 @@ class ObjectIO:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def read_headers(
+        self, storage_keys: Sequence[str]
+    ) -> list[ObjectHeader | CorruptObjectError | None]:
+        """``read_header`` of many objects in one backend call (operator tools that read a
+        header per page of a whole store: ``gc``): per key the checked header, ``None`` on a
+        miss, or the ``CorruptObjectError`` (returned, not raised). Objects shorter than the
+        first probe, or with a longer header, are read again one by one."""
+        probe = payload_offset(1)
+        buffers = [bytearray(probe) for _ in storage_keys]
+        try:
+            got: Sequence[int | None] = await self._bounded(self.backend.get_into(
+                storage_keys, buffers, [ByteRange(0, probe)] * len(storage_keys)))
+        except InvalidRangeError:
+            got = [-1] * len(storage_keys)  # one is shorter than the probe: key by key
+        out: list[ObjectHeader | CorruptObjectError | None] = []
+        for storage_key, buf, n in zip(storage_keys, buffers, got, strict=True):
+            expected = _parsed(storage_key)
+            try:
+                if n is None:
+                    out.append(None)
+                elif n < 0 or expected is None:
+                    out.append(await self.read_header(storage_key))
+                else:
+                    try:
+                        out.append(decode_header(buf, expected=expected))
+                    except TruncatedObjectError:
+                        out.append(await self.read_header(storage_key))  # a longer header
+            except CorruptObjectError as exc:
+                out.append(exc)
+        return out
+
     async def read_object(self, storage_key: str) -> tuple[ObjectHeader, memoryview] | None:
         """A whole stored object, verified (its stored size included): header and payload
         (operator tools; the cache's data path uses ``read_frame`` / ``read_blocks``)."""

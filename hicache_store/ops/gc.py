@@ -65,12 +65,14 @@ from typing import Any
 from hicache_store.backends import Backend, BackendError
 from hicache_store.backends.types import ObjectStat
 from hicache_store.layout.errors import CorruptObjectError, HiCacheStoreError
+from hicache_store.layout.framing import ObjectHeader
 from hicache_store.objects import ObjectIO
 
 #: keys per ``delete`` call.
 DELETE_CHUNK = 1000
-#: header reads in flight at once (also the pages recorded per transaction).
-HEADER_READS_IN_FLIGHT = 512
+#: headers per backend call, and headers in flight at once (also recorded per transaction).
+HEADER_BATCH = 128
+HEADER_READS_IN_FLIGHT = 1024
 #: listed objects per SQLite transaction, and tails taken per planning query.
 SCAN_BATCH = 20_000
 PLAN_BATCH = 4096
@@ -477,37 +479,37 @@ async def _read_parents(backend: Backend, state: GcState,
         if not rows:
             break
         last = rows[-1][0]
-        found = await asyncio.gather(*(_parent_of(io, page + tail) for page, tail in rows))
-        counts = {"ok": 0, "corrupt": 0, "vanished": 0}
+        keys = [page + tail for page, tail in rows]
+        chunks = [keys[i : i + HEADER_BATCH] for i in range(0, len(keys), HEADER_BATCH)]
+        found = [h for part in await asyncio.gather(*(_headers(io, c) for c in chunks))
+                 for h in part]
+        known, cached = [], []
+        for (page, _tail), header in zip(rows, found, strict=True):
+            parent = header.parent_hash if isinstance(header, ObjectHeader) else None
+            known.append((parent if parent != page else None, page))
+            if isinstance(header, ObjectHeader):
+                cached.append((page, parent or ""))
         with state.transaction() as db:
-            for (page, _tail), (status, parent) in zip(rows, found, strict=True):
-                counts[status] += 1
-                if status == "ok":
-                    db.execute("INSERT OR REPLACE INTO cache.parents VALUES (?, ?)",
-                               (page, parent or ""))
-                db.execute("UPDATE pages SET parent = ?, parent_known = 1 WHERE page = ?",
-                           (parent if parent != page else None, page))
-            state.add("headers_read", counts["ok"])
-            state.add("headers_unreadable", counts["corrupt"])
+            db.executemany("INSERT OR REPLACE INTO cache.parents VALUES (?, ?)", cached)
+            db.executemany("UPDATE pages SET parent = ?, parent_known = 1 WHERE page = ?", known)
+            state.add("headers_read", len(cached))
+            state.add("headers_unreadable",
+                      sum(isinstance(h, CorruptObjectError) for h in found))
         done += len(rows)
         tick(done, total)
 
 
-async def _parent_of(io: ObjectIO, key: str) -> tuple[str, str | None]:
-    """``(status, parent)`` of the page ``key`` belongs to, from its header (checked against
-    the key: ``ObjectIO.read_header``): status ok / corrupt / vanished. A failed read is
-    tried once more, then stops the run (``GcError``, resumable)."""
+async def _headers(io: ObjectIO, keys: Sequence[str]) -> list[ObjectHeader | CorruptObjectError | None]:
+    """The headers of ``keys`` (``ObjectIO.read_headers``: checked against each key; None
+    for an object that vanished). A failed call is tried once more, then stops the run
+    (``GcError``, resumable)."""
     for attempt in range(2):
         try:
-            header = await io.read_header(key)
-        except CorruptObjectError:
-            return "corrupt", None
+            return await io.read_headers(keys)
         except (BackendError, TimeoutError) as exc:
             if attempt:
-                raise GcError(f"reading the header of {key} failed ({exc!r}); nothing was "
-                              "deleted by this step: run gc again to resume") from exc
-            continue
-        return ("vanished", None) if header is None else ("ok", header.parent_hash)
+                raise GcError(f"reading object headers failed ({exc!r}); nothing was deleted "
+                              "by this step: run gc again to resume") from exc
     raise AssertionError("unreachable")  # pragma: no cover
 
 

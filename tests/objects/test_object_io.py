@@ -172,6 +172,38 @@ async def test_header_and_object_reads_for_tools(store: FileBackend) -> None:
         await io.read_header(format_key(key(H2)))
 
 
+async def test_many_headers_in_one_call_for_tools(store: FileBackend) -> None:
+    # gc reads one header per page of a whole store: one backend call for a batch, each
+    # header checked against its key; misses, short and swapped objects answered per key.
+    io = ObjectIO(store, NS)
+    hashes = [f"{i:064x}" for i in range(1, 7)]
+    assert await io.put([frame_of(io, payload(i), h, parent=hashes[i - 1] if i else None)
+                         for i, h in enumerate(hashes[:4])]) == [True] * 4
+    keys = [format_key(key(h)) for h in hashes]
+    calls = []
+    real = store.get_into
+
+    async def counting(*args: object, **kwargs: object) -> object:
+        calls.append(args[0])
+        return await real(*args, **kwargs)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(store, "get_into", counting)
+        clean = await io.read_headers(keys)
+    assert len(calls) == 1 and len(calls[0]) == 6, "one backend call for the batch"
+    assert [h.parent_hash if isinstance(h, ObjectHeader) else h for h in clean] == [
+        None, hashes[0], hashes[1], hashes[2], None, None]
+    store.path_of(keys[1]).write_bytes(store.path_of(keys[0]).read_bytes())  # swapped
+    await store.put([keys[2]], [b"short"])  # shorter than any header: key by key
+    got = await io.read_headers(keys)
+    assert isinstance(got[0], ObjectHeader) and got[0].parent_hash is None
+    assert isinstance(got[1], KeyMismatchError)
+    assert isinstance(got[2], CorruptObjectError)
+    assert isinstance(got[3], ObjectHeader) and got[3].parent_hash == hashes[2]
+    assert got[4:] == [None, None]
+    assert await io.read_headers([]) == []
+
+
 async def test_a_stalled_backend_ends_within_the_timeout(store: FileBackend) -> None:
     slow = FaultyBackend(store, FaultConfig(latency_s=5.0))
     io = ObjectIO(slow, NS, io_timeout_s=0.2)

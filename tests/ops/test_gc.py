@@ -266,7 +266,8 @@ class Interrupt(BaseException):
 
 
 class Crashing(MemoryWithTimes):
-    """Raises ``Interrupt`` at the ``crash_at``-th delete (or header read) call."""
+    """Raises ``Interrupt`` at the ``crash_deletes_at``-th delete call, or in the read that
+    reaches the ``crash_reads_at``-th object read."""
 
     crash_deletes_at = 0
     crash_reads_at = 0
@@ -280,8 +281,9 @@ class Crashing(MemoryWithTimes):
         return await super()._delete(keys)
 
     async def _get_into(self, keys, buffers, ranges):  # type: ignore[no-untyped-def]
-        self.reads += 1
-        if self.reads == self.crash_reads_at:
+        # ``reads`` counts objects read; the call that reaches ``crash_reads_at`` crashes.
+        self.reads += len(keys)
+        if self.reads - len(keys) < self.crash_reads_at <= self.reads:
             raise Interrupt
         return await super()._get_into(keys, buffers, ranges)
 
@@ -300,7 +302,8 @@ async def test_an_interrupted_gc_resumes_where_it_stopped(tmp_path: Path, where:
     else:
         store.crash_deletes_at = 3
     with mock.patch.object(gc_ops, "DELETE_CHUNK", 100), \
-            mock.patch.object(gc_ops, "HEADER_READS_IN_FLIGHT", 100), pytest.raises(Interrupt):
+            mock.patch.object(gc_ops, "HEADER_READS_IN_FLIGHT", 100), \
+            mock.patch.object(gc_ops, "HEADER_BATCH", 10), pytest.raises(Interrupt):
         await collect_garbage(store, max_bytes=budget, max_age=None, state_dir=state)
     assert (state / "run.sqlite").exists(), "the working set survives the interruption"
     if where == "delete":
