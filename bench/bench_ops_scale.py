@@ -19,6 +19,9 @@ it (``--json --no-progress``), measuring wall time and peak RSS (``wait4``):
 the same store (its tree is extracted with ``git archive`` and put first on ``PYTHONPATH``).
 Figures are printed as a table with a linear projection to 100 M objects from the largest
 size (time per object x 100 M; memory as measured: it does not grow with the store).
+``--verify-big 512MiB`` also measures ``inspect --verify`` of a store holding one object of
+that size (the memory one large object costs), for both trees. ``--objects`` with no value
+skips the scale runs.
 """
 
 from __future__ import annotations
@@ -108,11 +111,49 @@ def baseline_tree(commit: str, workdir: Path) -> Path:
     return tree / "path"
 
 
+async def build_big(root: Path, nbytes: int, layers: int = 64) -> None:
+    """One framed object of about ``nbytes`` (``layers`` layer blocks)."""
+    store = open_backend(f"file://{root}", durability="none", capacity_bytes=1 << 50)
+    block = nbytes // layers // 4096 * 4096
+    payload = bytearray(block * layers)
+    for i in range(layers):
+        payload[i * block : (i + 1) * block] = bytes([i]) * block
+    key = ObjectKey(f"{1:064x}", NS, ObjectCoords(0, layers, 0))
+    await store.put([format_key(key)], [encode_header(key, payload, 2) + payload])
+    await store.close()
+
+
+def big_object(args: argparse.Namespace, workdir: Path, cli: str, env: dict[str, str],
+               old_env: dict[str, str] | None) -> None:
+    """``inspect --verify`` of a store holding one large object: peak memory."""
+    from hicache_store.backends.types import parse_size
+
+    nbytes = parse_size(args.verify_big)
+    store = workdir / "store-big"
+    shutil.rmtree(store, ignore_errors=True)
+    asyncio.run(build_big(store, nbytes))
+    url = f"file://{store}"
+    print(f"\none object of {nbytes >> 20} MiB (64 layer blocks), inspect --verify "
+          "(concurrency 16)\n")
+    print("| code | seconds | peak RSS (MiB) |")
+    print("|---|---|---|")
+    runs = [("this tree", [cli, "inspect", url, "--verify", "--json", "--no-progress"], env)]
+    if old_env is not None:
+        runs.insert(0, (args.baseline, [sys.executable, "-m", "hicache_store.cli", "inspect", url,
+                                        "--verify", "--json", "--no-progress"], old_env))
+    for name, argv, step_env in runs:
+        result = run(argv, step_env, workdir)
+        print(f"| {name} | {result['seconds']:.1f} | {result['rss_mib']:.0f} |", flush=True)
+    shutil.rmtree(store, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--objects", type=int, nargs="+", default=[10_000, 100_000])
+    parser.add_argument("--objects", type=int, nargs="*", default=[10_000, 100_000])
     parser.add_argument("--baseline", help="a commit to run side by side (e.g. 6a78708)")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--verify-big", metavar="SIZE",
+                        help="also: inspect --verify of one object of SIZE (e.g. 512MiB)")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-ops-scale-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -158,7 +199,10 @@ def main() -> None:
             print(f"  {name}: {result['seconds']:.1f} s, {result['rss_mib']:.0f} MiB peak RSS",
                   flush=True)
         shutil.rmtree(store, ignore_errors=True)
-    _table(rows)
+    if rows:
+        _table(rows)
+    if args.verify_big:
+        big_object(args, workdir, cli, env, old_env)
 
 
 def _table(rows: list[tuple[int, str, dict[str, Any]]]) -> None:

@@ -6,7 +6,8 @@ holed), expired pages first, then the oldest while over the budget::
     hicache-store gc 's3://bucket/kv?endpoint_url=...' --max-bytes 2TiB --max-age 7d --dry-run
 
 Memory stays bounded at any store size (the working set is on disk, in ``--state-dir``); an
-interrupted run started again with the same options resumes where it stopped. Objects without
+interrupted run started again with the same options resumes where it stopped (``--fresh``:
+start over). Objects without
 a modification time are never aged out. Progress goes to stderr (a redrawn line on a
 terminal, a plain line every few seconds otherwise); ``--json`` prints the report as JSON.
 Exit code 1 when some deletions failed. Library: ``hicache_store.ops.gc``.
@@ -54,6 +55,8 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--state-dir", help="where the working set is kept (default: one "
                         "folder per store under ~/.cache/hicache-store/gc)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start over instead of resuming an interrupted run")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     parser.set_defaults(func=run)
@@ -86,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
             return await collect_garbage(
                 backend, max_bytes=max_bytes, max_age=max_age, prefix=args.prefix,
                 dry_run=args.dry_run, state_dir=state_dir, progress=progress,
+                fresh=getattr(args, "fresh", False),
             )
         finally:
             await backend.close()

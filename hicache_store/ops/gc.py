@@ -38,6 +38,11 @@ objects are still there: those pages failed, and their ancestors not yet deleted
 another order (S3) may, on a failure or a crash, keep a page whose parent went: it is
 unreachable for readers, exactly as if it had gone too, and the next run deletes it.
 
+**What a run sees** is the store at its scan. A page written later under a page the run
+deletes loses its parent (readers stop before it, as for any miss) and is deleted by the next
+run; a resumed run carries its plan over the interruption, so resume soon or start over
+(``fresh=True``, ``gc --fresh``: the parent cache stays).
+
 Namespace manifests (``M_...``) are never deleted. Pages whose header cannot be decoded
 (another format, corrupt) are chains of their own; an object that vanished meanwhile is
 skipped. A header read that fails for another reason (the store is down) stops the run with
@@ -269,12 +274,14 @@ async def collect_garbage(
     now: float | None = None,
     state_dir: str | os.PathLike[str] | None = None,
     progress: ProgressFn | None = None,
+    fresh: bool = False,
 ) -> GcReport:
     """Scan, plan and (unless ``dry_run``) delete; see the module docstring.
 
     ``now`` (default: the time the run started) is what ages are measured from.
     ``state_dir`` holds the working set and makes the run resumable; None uses a temporary
-    directory removed afterwards (no resume, no parent cache). Failed deletions are counted,
+    directory removed afterwards (no resume, no parent cache); ``fresh`` discards an
+    interrupted run instead of resuming it. Failed deletions are counted,
     not raised. Raises ``GcError`` (state directory busy or unusable; a header read failed)
     and the backend's errors from listing.
     """
@@ -282,15 +289,15 @@ async def collect_garbage(
     if state_dir is None:
         scratch = tempfile.mkdtemp(prefix="hicache-gc-")
         try:
-            return await _collect(backend, policy, Path(scratch), now, progress)
+            return await _collect(backend, policy, Path(scratch), now, progress, fresh)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-    return await _collect(backend, policy, Path(state_dir), now, progress)
+    return await _collect(backend, policy, Path(state_dir), now, progress, fresh)
 
 
 async def _collect(
     backend: Backend, policy: GcPolicy, directory: Path, now: float | None,
-    progress: ProgressFn | None,
+    progress: ProgressFn | None, fresh: bool,
 ) -> GcReport:
     state = GcState(directory)
     finished = False
@@ -298,7 +305,7 @@ async def _collect(
         report = GcReport(dry_run=policy.dry_run)
         options = json.dumps({**asdict(policy), "now": now}, sort_keys=True)
         phase = state.get("phase")
-        if (phase is None or state.get("options") != options
+        if (fresh or phase is None or state.get("options") != options
                 or state.get("version") != str(STATE_VERSION) or phase == "scan"):
             state.reset(options, time.time() if now is None else now)
         else:
@@ -557,14 +564,24 @@ class _Planner:
         self.db = db = state.db
         self.step = 0
         self.total = int(db.execute("SELECT coalesce(sum(size), 0) FROM pages").fetchone()[0])
+        #: ``(step, rule, page)`` planned in this batch, written at its end (``_batch``): no
+        #: query within a batch needs them (a page is planned only once it has no children
+        #: left, so none of its children is planned after it).
+        self.planned: list[tuple[int, int, str]] = []
+
+    @contextlib.contextmanager
+    def _batch(self) -> Iterator[None]:
+        with self.state.transaction() as db:
+            yield
+            db.executemany("UPDATE pages SET step = ?, rule = ? WHERE page = ?", self.planned)
+        self.planned = []
 
     def drop(self, page: str, size: int, parent: str | None, rule: int
              ) -> tuple[_TailKey, int, str | None] | None:
         """Plan ``page``; return its parent as a new tail ``(key, size, parent)`` if it is one."""
         self.step += 1
         self.total -= size
-        self.db.execute("UPDATE pages SET step = ?, rule = ? WHERE page = ?",
-                        (self.step, rule, page))
+        self.planned.append((self.step, rule, page))
         if parent is None:
             return None
         row = self.db.execute(
@@ -583,7 +600,7 @@ class _Planner:
                 (cutoff, PLAN_BATCH)).fetchall()
             if not rows:
                 return
-            with self.state.transaction():
+            with self._batch():
                 for page, size, parent in rows:
                     self.drop(page, size, parent, _EXPIRED)
 
@@ -600,7 +617,7 @@ class _Planner:
             # the next query (they are in the index by then).
             horizon: _TailKey | None = None if len(rows) < PLAN_BATCH else tuple(rows[-1][:3])
             waiting: list[tuple[_TailKey, int, str | None]] = []
-            with self.state.transaction():
+            with self._batch():
                 self._merge(rows, horizon, waiting, max_bytes)
 
     def _merge(self, rows: list[Any], horizon: _TailKey | None,

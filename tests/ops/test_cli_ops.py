@@ -70,8 +70,11 @@ def test_prepopulate_inspect_verify_gc(tiny_llama: Path, tmp_path: Path) -> None
     verify = run(["inspect", url, "--verify", "--json"], tmp_path)
     assert verify.returncode == 1, verify.stderr
     report = json.loads(verify.stdout)["verify"]
-    assert [c["key"] for c in report["corrupt"]] == [victim.name]
-    assert "verify [" in verify.stderr
+    assert [c["key"] for c in report["corrupt_examples"]] == [victim.name]
+    assert (report["corrupt"], report["remaining_corrupt"]) == (1, 1)
+    # Progress in a log (stderr is a pipe here): plain lines, never a carriage return.
+    assert "verify " in verify.stderr and "objects/s" in verify.stderr
+    assert "\r" not in verify.stderr
     kept = run(["inspect", url, "--verify", "--delete-corrupt", "--dry-run"], tmp_path)
     assert kept.returncode == 1 and victim.exists()
     assert f"corrupt {victim.name}" in kept.stdout and "would delete 1" in kept.stdout
@@ -80,7 +83,8 @@ def test_prepopulate_inspect_verify_gc(tiny_llama: Path, tmp_path: Path) -> None
 
     # gc --dry-run deletes nothing.
     before = sorted(p.name for p in (tmp_path / "store" / "objects").rglob("*_*"))
-    gc = run(["gc", url, "--max-bytes", "1", "--dry-run"], tmp_path)
+    gc = run(["gc", url, "--max-bytes", "1", "--dry-run"], tmp_path,
+             XDG_CACHE_HOME=str(tmp_path / "cache"))
     assert gc.returncode == 0 and "would delete" in gc.stdout
     assert sorted(p.name for p in (tmp_path / "store" / "objects").rglob("*_*")) == before
 

@@ -337,6 +337,13 @@ async def test_other_options_start_over_and_two_runs_never_share_state(tmp_path:
     store.crash_deletes_at = 0
     other = await collect_garbage(store, max_bytes=10**9, max_age=None, state_dir=state)
     assert other.resumed_from is None and other.doomed == 0
+    # The same options resume; ``fresh`` starts over (and rescans what is left).
+    store.crash_deletes_at = store.delete_calls + 1
+    with pytest.raises(Interrupt):
+        await collect_garbage(store, max_bytes=0, max_age=None, state_dir=state)
+    again = await collect_garbage(store, max_bytes=0, max_age=None, state_dir=state, fresh=True)
+    assert again.resumed_from is None and again.scanned < 40
+    assert await stored_pages(store) == set()
 
 
 # -- the command ------------------------------------------------------------------------------------
