@@ -8,7 +8,7 @@ Run from the repository root::
 For each size, one store of 8 KiB framed objects (a 4 KiB header and a 4 KiB payload, one
 object per page) in chains of 16 pages, each header naming its parent, written through the
 file backend (``durability=none``). Then, each command in a fresh process as an operator runs
-it (``--json --no-progress``), measuring wall time and peak RSS (``wait4``):
+it (``--json --no-progress``), measuring wall time and peak RSS (GNU ``time``'s ``%M``):
 
 * ``inspect URL``;
 * ``gc URL --max-bytes <half> --dry-run`` with an empty state directory (every header read);
@@ -47,6 +47,7 @@ NS = "0123456789abcdef"
 CHAIN = 16
 PAYLOAD = bytes(range(256)) * 16  # 4 KiB
 OBJECT_BYTES = 4096 + len(PAYLOAD)
+TIME = shutil.which("time") or "/usr/bin/time"  # GNU time, for the peak RSS of a command
 
 
 async def build(root: Path, objects: int) -> None:
@@ -72,15 +73,16 @@ async def build(root: Path, objects: int) -> None:
 
 
 def run(argv: list[str], env: dict[str, str], workdir: Path) -> dict[str, Any]:
-    """Run a command to its end; its wall time, peak RSS (``wait4``) and output (JSON when
-    it printed JSON, else its text)."""
-    out_path, err_path = workdir / "stdout", workdir / "stderr"
+    """Run a command to its end; its wall time, peak RSS and output (JSON when it printed
+    JSON, else its text). The peak RSS comes from GNU ``time`` (``%M``): a child forked from
+    this process would inherit this process's own high-water mark in ``wait4``."""
+    out_path, err_path, rss_path = workdir / "stdout", workdir / "stderr", workdir / "rss"
     with open(out_path, "w") as out, open(err_path, "w") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
-        _pid, status, usage = os.wait4(proc.pid, 0)
+        # cwd: not the repository (``python -m`` would import this tree's package first).
+        code = subprocess.call([TIME, "-f", "%M", "-o", str(rss_path), *argv], stdout=out,
+                               stderr=err, env=env, cwd=workdir)
         seconds = time.perf_counter() - start
-    code = os.waitstatus_to_exitcode(status)
     if code not in (0, 1):
         raise RuntimeError(f"{argv} failed ({code}): {err_path.read_text()[-2000:]}")
     text = out_path.read_text()
@@ -88,7 +90,8 @@ def run(argv: list[str], env: dict[str, str], workdir: Path) -> dict[str, Any]:
         report: Any = json.loads(text)
     except ValueError:
         report = {"text": text.strip()}
-    return {"seconds": seconds, "rss_mib": usage.ru_maxrss / 1024, "report": report}
+    rss_kib = int(rss_path.read_text().split()[-1])
+    return {"seconds": seconds, "rss_mib": rss_kib / 1024, "report": report}
 
 
 def baseline_tree(commit: str, workdir: Path) -> Path:

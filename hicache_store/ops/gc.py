@@ -11,8 +11,8 @@ never holed in the middle:
    descendants are still fresh stays until they go);
 2. then, while the rest exceeds ``max_bytes``, the oldest tails (ties: page hash order).
 
-**Objects without a modification time** (backends that do not record one: ``memory``,
-``mooncake``, some plugins) are never aged out: an unknown age is not an old one. For the
+**Objects without a modification time** (the backend contract allows leaving it out; plugins
+and stores such as Mooncake do) are never aged out: an unknown age is not an old one. For the
 byte budget their pages go after every dated page. The report counts them.
 
 **Bounded memory, any store size.** Nothing per object or per page is held in memory: the
