@@ -75,7 +75,7 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
-from ._lru import chain_ranks, now_ms, rank_at
+from ._lru import chain_ranks, now_ms, rank_at, rank_seconds
 from .errors import BackendError, BackendIOError, BackendUnavailableError, CapacityError
 
 DB_NAME = "index.sqlite3"
@@ -161,6 +161,7 @@ class ObjectIndex(Protocol):
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
     def exists_if_current(self, keys: Sequence[str]) -> list[bool] | None: ...
     def key_pages(self, prefix: str) -> Iterator[list[str]]: ...
+    def entry_pages(self, prefix: str) -> Iterator[list[tuple[str, int, float]]]: ...
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], capacity: int) -> Reservation: ...
     def make_room(self, capacity: int) -> EvictionCount: ...
     def settle_put(self, reservation: Reservation) -> None: ...
@@ -906,6 +907,32 @@ class FileIndex:
             params.append(prefix[:-1] + chr(ord(prefix[-1]) + 1))
         with self._read() as con:
             return [k for (k,) in con.execute(f"{sql} ORDER BY key LIMIT ?", (*params, limit))]
+
+    def entry_pages(self, prefix: str, page: int = 4096
+                    ) -> Iterator[list[tuple[str, int, float]]]:
+        """``key_pages`` with each key's size and last-use time: ``(key, size, seconds)``
+        (the time of its rank: its last write or read, ms resolution)."""
+        after: str | None = None
+        while True:
+            rows = self.entries_after(prefix, after, page)
+            if rows:
+                yield [(key, size, rank_seconds(rank)) for key, size, rank in rows]
+            if len(rows) < page:
+                return
+            after = rows[-1][0]
+
+    def entries_after(self, prefix: str, after: str | None, limit: int
+                      ) -> list[tuple[str, int, int]]:
+        """``keys_after`` with each key's size and rank: ``(key, size, rank)``."""
+        low = prefix if after is None or after < prefix else after
+        op = ">=" if after is None or after < prefix else ">"
+        sql = f"SELECT key, size, rank FROM objects WHERE key {op} ?"  # noqa: S608 - op fixed
+        params: list[object] = [low]
+        if prefix:
+            sql += " AND key < ?"
+            params.append(prefix[:-1] + chr(ord(prefix[-1]) + 1))
+        with self._read() as con:
+            return list(con.execute(f"{sql} ORDER BY key LIMIT ?", (*params, limit)))
 
     def totals(self) -> tuple[int, int]:
         """``(bytes, objects)`` indexed."""

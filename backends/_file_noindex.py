@@ -88,6 +88,14 @@ class NoIndex:
             if page:
                 yield page
 
+    def entry_pages(self, prefix: str) -> Iterator[list[tuple[str, int, float]]]:
+        """``(key, size, mtime)`` of the keys starting with ``prefix``, one shard directory at
+        a time (the files' own sizes and modification times)."""
+        for directory in self._list_shard_dirs():
+            page = [entry for entry in self._list_dir(directory) if entry[0].startswith(prefix)]
+            if page:
+                yield page
+
     # -- writes and eviction -----------------------------------------------------------------------
 
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], capacity: int) -> Reservation:

@@ -53,6 +53,12 @@ def rank_at(seconds: float) -> int:
     return int(seconds * 1000) << RANK_DEPTH_BITS
 
 
+def rank_seconds(rank: int) -> float:
+    """The time (seconds since the epoch, ms resolution) a rank records: ``rank_at``'s
+    inverse, and the last-use time of a key ranked by ``chain_ranks``."""
+    return (rank >> RANK_DEPTH_BITS) / 1000.0
+
+
 class ChainLRU:
     """Sizes of tracked keys in eviction order (front = evicted first)."""
 

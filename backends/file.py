@@ -83,7 +83,6 @@ import json
 import os
 import secrets
 import shutil
-import stat as stat_module
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -658,25 +657,17 @@ class FileBackend(Backend):
                 yield key
 
     async def _list_entries(self, prefix: str) -> AsyncIterator[ObjectStat]:
-        # docstring inherited. The walk's own ``stat`` gives size and mtime: one pass, no
-        # second lookup, and the index is neither read nor changed. One job per top-level
-        # shard directory (1/256 of the store), the next one running while this one is
-        # consumed; memory is one directory's entries.
-        tops = await self._run(lambda: sorted(e.path for e in _scandir_dirs(self._objects)))
-        if not tops:
-            return
-        pending = asyncio.ensure_future(self._run(self._translated, "list_entries", None,
-                                                  _stat_tree, tops[0], prefix))
-        try:
-            for i in range(len(tops)):
-                entries = await pending
-                if i + 1 < len(tops):
-                    pending = asyncio.ensure_future(self._run(
-                        self._translated, "list_entries", None, _stat_tree, tops[i + 1], prefix))
-                for entry in entries:
-                    yield entry
-        finally:
-            pending.cancel()
+        # docstring inherited. From the index in key order, a page at a time (no walk, no
+        # stat): ``mtime`` is the object's last write or read (its eviction rank's time, ms
+        # resolution), what an age-based gc of a cache wants. With index=none, one shard
+        # directory at a time, the files' own times.
+        pages = self._index.entry_pages(prefix)
+        while True:
+            page = await self._run(self._translated, "list_entries", None, next, pages, None)
+            if page is None:
+                return
+            for key, size, mtime in page:
+                yield ObjectStat(key, size, mtime)
 
     async def _close(self) -> None:
         # Running jobs finish (they own their file descriptors); nothing new starts.
@@ -745,24 +736,6 @@ def _set_direct(fd: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def _stat_tree(top: str, prefix: str) -> list[ObjectStat]:
-    """Size and mtime of every object file under one top-level shard directory."""
-    found: list[ObjectStat] = []
-    for sub in _scandir_dirs(top):
-        with contextlib.suppress(FileNotFoundError), os.scandir(sub.path) as entries:
-            for entry in entries:
-                name = entry.name
-                if not name.startswith(prefix) or not _is_storage_key(name):
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # deleted meanwhile
-                if stat_module.S_ISREG(st.st_mode):
-                    found.append(ObjectStat(name, st.st_size, st.st_mtime))
-    return found
 
 
 def _fsync_dir(path: str) -> None:

@@ -396,13 +396,14 @@ class ObjectIO:
 
 
     async def verify_stored(
-        self, storage_key: str, size: int, buffer: memoryview, *, window: int | None = None
+        self, storage_key: str, buffer: memoryview, *, window: int | None = None
     ) -> ObjectHeader | None:
-        """Verify a whole stored object of listed ``size`` through ``buffer`` (operator tools:
-        ``inspect --verify``): the header against the key and ``size``, then every layer
-        block, whole blocks at a time, at most ``window`` bytes (default ``len(buffer)``) per
-        ranged read. Memory is ``buffer``, or one block when a block is larger (a format
-        checks whole blocks): a 512 MiB object never costs a copy of itself.
+        """Verify a whole stored object through ``buffer`` (operator tools: ``inspect
+        --verify``): its stored size (``stat``: the object's own, not a listing's, which can
+        be stale) and header against the key, then every layer block, whole blocks at a time,
+        at most ``window`` bytes (default ``len(buffer)``) per ranged read. Memory is
+        ``buffer``, or one block when a block is larger (a format checks whole blocks): a
+        512 MiB object never costs a copy of itself.
 
         ``None`` on a miss; ``CorruptObjectError`` when the object is corrupt (including a
         size other than its frame's, or a key that is no object key).
@@ -410,6 +411,10 @@ class ObjectIO:
         key = _parsed(storage_key)
         if key is None:
             raise CorruptObjectError(f"{storage_key[:80]!r} is not an object key")
+        (stat,) = await self._bounded(self.backend.stat([storage_key]))
+        if stat is None:
+            return None
+        size = stat.size
         coords = key.coords
         header_len = self.header_bytes(coords.num_layers)
         payload_len = size - header_len

@@ -10,7 +10,7 @@ and groups what it sees:
 * **other** keys (neither object nor manifest) are counted, never touched.
 
 With ``verify``, every object is re-read as it is listed and checked by the one verified read
-path (``objects.ObjectIO.verify_stored``: the header against the key and the listed size,
+path (``objects.ObjectIO.verify_stored``: the stored size and the header against the key,
 every layer block through the object format) and, where the manifest is known, that the
 payload has the size the namespace gives that layer chunk; manifests are checked too (JSON,
 fields, digest against fields and key). An object that vanished between listing and reading
@@ -309,7 +309,7 @@ class _Verifier:
             if self.failure is not None:
                 continue
             try:
-                error = await verify_object(self.io, st.key, st.size, namespace, buffer,
+                error = await verify_object(self.io, st.key, namespace, buffer,
                                             window=self.window)
             except (BackendError, TimeoutError) as exc:
                 self.failure = exc
@@ -347,15 +347,15 @@ class _Vanished(Exception):
 
 
 async def verify_object(
-    io: ObjectIO, key: str, size: int, namespace: Namespace | None, buffer: memoryview,
+    io: ObjectIO, key: str, namespace: Namespace | None, buffer: memoryview,
     *, window: int | None = None,
 ) -> str | None:
-    """Check one stored object of listed ``size`` (``ObjectIO.verify_stored``: header, size,
-    every layer block, through ``buffer`` at most ``window`` bytes at a time) and, when the
-    namespace is known, its geometry; the error as ``"Kind: message"``, None when intact.
-    Raises ``_Vanished`` when the object is gone."""
+    """Check one stored object (``ObjectIO.verify_stored``: stored size, header, every layer
+    block, through ``buffer`` at most ``window`` bytes at a time) and, when the namespace is
+    known, its geometry; the error as ``"Kind: message"``, None when intact. Raises
+    ``_Vanished`` when the object is gone."""
     try:
-        header = await io.verify_stored(key, size, buffer, window=window)
+        header = await io.verify_stored(key, buffer, window=window)
         if header is None:
             raise _Vanished(key)
         if namespace is not None:
