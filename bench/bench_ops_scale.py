@@ -16,7 +16,8 @@ it (``--json --no-progress``), measuring wall time and peak RSS (GNU ``time``'s 
 * ``gc URL --max-bytes <90%>`` (deletes 10%, in plan order).
 
 ``--baseline COMMIT`` runs ``inspect`` and ``gc --dry-run`` of that commit too, side by side on
-the same store (its tree is extracted with ``git archive`` and put first on ``PYTHONPATH``).
+the same store (its tree is extracted with ``git archive`` and put first on ``PYTHONPATH``; it
+builds the store, in its own file layout, which this tree then upgrades once, timed apart).
 Figures are printed as a table with a linear projection to 100 M objects from the largest
 size (time per object x 100 M; memory as measured: it does not grow with the store).
 ``--verify-big 512MiB`` also measures ``inspect --verify`` of a store holding one object of
@@ -134,7 +135,8 @@ def big_object(args: argparse.Namespace, workdir: Path, cli: str, env: dict[str,
     nbytes = parse_size(args.verify_big)
     store = workdir / "store-big"
     shutil.rmtree(store, ignore_errors=True)
-    asyncio.run(build_big(store, nbytes))
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--build-big", str(store),
+                    str(nbytes)], env=old_env or env, cwd=workdir, check=True)
     url = f"file://{store}"
     print(f"\none object of {nbytes >> 20} MiB (64 layer blocks), inspect --verify "
           "(concurrency 16)\n")
@@ -142,8 +144,12 @@ def big_object(args: argparse.Namespace, workdir: Path, cli: str, env: dict[str,
     print("|---|---|---|")
     runs = [("this tree", [cli, "inspect", url, "--verify", "--json", "--no-progress"], env)]
     if old_env is not None:
-        runs.insert(0, (args.baseline, [sys.executable, "-m", "hicache_store.cli", "inspect", url,
-                                        "--verify", "--json", "--no-progress"], old_env))
+        runs[:0] = [
+            (args.baseline, [sys.executable, "-m", "hicache_store.cli", "inspect", url,
+                             "--verify", "--json", "--no-progress"], old_env),
+            ("(this tree: layout upgrade)", [sys.executable, "-c", "import sys; from "
+             "hicache_store.backends import open_backend; open_backend(sys.argv[1])", url], env),
+        ]
     for name, argv, step_env in runs:
         result = run(argv, step_env, workdir)
         print(f"| {name} | {result['seconds']:.1f} | {result['rss_mib']:.0f} |", flush=True)
@@ -157,7 +163,16 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--verify-big", metavar="SIZE",
                         help="also: inspect --verify of one object of SIZE (e.g. 512MiB)")
+    parser.add_argument("--build", nargs=2, metavar=("ROOT", "OBJECTS"), help=argparse.SUPPRESS)
+    parser.add_argument("--build-big", nargs=2, metavar=("ROOT", "BYTES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # Internal: build a store with whichever tree is first on sys.path.
+    if args.build:
+        asyncio.run(build(Path(args.build[0]), int(args.build[1])))
+        return
+    if args.build_big:
+        asyncio.run(build_big(Path(args.build_big[0]), int(args.build_big[1])))
+        return
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-ops-scale-"))
     workdir.mkdir(parents=True, exist_ok=True)
     cli = str(Path(sys.executable).with_name("hicache-store"))
@@ -171,20 +186,25 @@ def main() -> None:
         if store.exists():
             shutil.rmtree(store)
         print(f"{objects:,} objects", flush=True)
-        asyncio.run(build(store, objects))
+        # The baseline's file layout is older: the store is built by the baseline and opened
+        # once by this tree (its one-time upgrade, timed apart) before this tree's runs.
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--build", str(store),
+                        str(objects)], env=old_env or env, cwd=workdir, check=True)
         url = f"file://{store}"
         total = objects * OBJECT_BYTES
         state = workdir / f"state-{objects}"
         shutil.rmtree(state, ignore_errors=True)
         steps: list[tuple[str, list[str], dict[str, str]]] = []
         if old_env is not None:
+            old = [sys.executable, "-m", "hicache_store.cli"]
             steps += [
-                (f"inspect ({args.baseline})", [sys.executable, "-m", "hicache_store.cli",
-                                                "inspect", url, "--json", "--no-progress"],
+                (f"inspect ({args.baseline})", [*old, "inspect", url, "--json", "--no-progress"],
                  old_env),
-                (f"gc --dry-run ({args.baseline})", [sys.executable, "-m", "hicache_store.cli",
-                                                     "gc", url, "--max-bytes", str(total // 2),
-                                                     "--dry-run"], old_env),
+                (f"gc --dry-run ({args.baseline})",
+                 [*old, "gc", url, "--max-bytes", str(total // 2), "--dry-run"], old_env),
+                ("open once (this tree: layout upgrade, one walk)", [
+                    sys.executable, "-c", "import sys; from hicache_store.backends import "
+                    "open_backend; open_backend(sys.argv[1])", url], env),
             ]
         steps += [
             ("inspect", [cli, "inspect", url, "--json", "--no-progress"], env),

@@ -226,6 +226,9 @@ def object_key_parts(text: str) -> tuple[str, str] | None:
     None, for a ``k`` inside the storage-key grammar), for tools that classify millions of
     listed keys: it builds no ``ObjectKey``.
     """
+    ukv1 = _UKV1_KEY_RE.fullmatch(text)
+    if ukv1 is not None:
+        return (ukv1["hash"], ukv1["ns"]) if int(ukv1["stop"]) > int(ukv1["start"]) else None
     match = _OBJECT_KEY_RE.fullmatch(text)
     if match is None or int(match["end"]) < int(match["start"]):
         return None

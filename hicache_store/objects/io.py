@@ -351,17 +351,30 @@ class ObjectIO:
         """``read_header`` of many objects in one backend call (operator tools that read a
         header per page of a whole store: ``gc``): per key the checked header, ``None`` on a
         miss, or the ``CorruptObjectError`` (returned, not raised). Objects shorter than the
-        first probe, or with a longer header, are read again one by one."""
+        first probe, or with a longer header, are read again one by one. Objects of a format
+        with no header (SGLang's bare objects) are not read: their header is the format's,
+        synthesised from the key (``payload_offset`` 0, no parent, ``payload_length`` 0:
+        not known)."""
+        keys = [_parsed(k) for k in storage_keys]
+        bare = [k is not None and self._tool_format(k).header_bytes(k.coords.num_layers) == 0
+                for k in keys]
+        wanted = [k for k, skip in zip(storage_keys, bare, strict=True) if not skip]
         probe = payload_offset(1)
-        buffers = [bytearray(probe) for _ in storage_keys]
+        buffers = [bytearray(probe) for _ in wanted]
         try:
-            got: Sequence[int | None] = await self._bounded(self.backend.get_into(
-                storage_keys, buffers, [ByteRange(0, probe)] * len(storage_keys)))
+            read: Sequence[int | None] = await self._bounded(self.backend.get_into(
+                wanted, buffers, [ByteRange(0, probe)] * len(wanted))) if wanted else []
         except InvalidRangeError:
-            got = [-1] * len(storage_keys)  # one is shorter than the probe: key by key
+            read = [-1] * len(wanted)  # one is shorter than the probe: key by key
+        found = iter(zip(buffers, read, strict=True))
         out: list[ObjectHeader | CorruptObjectError | None] = []
-        for storage_key, buf, n in zip(storage_keys, buffers, got, strict=True):
-            expected = _parsed(storage_key)
+        for storage_key, expected, skip in zip(storage_keys, keys, bare, strict=True):
+            if skip:
+                assert expected is not None
+                out.append(self._tool_format(expected).open_header(
+                    expected, memoryview(b""), payload_bytes=0))
+                continue
+            buf, n = next(found)
             try:
                 if n is None:
                     out.append(None)
@@ -394,7 +407,6 @@ class ObjectIO:
             return None
         return header, frame[header_len:]
 
-
     async def verify_stored(
         self, storage_key: str, buffer: memoryview, *, window: int | None = None
     ) -> ObjectHeader | None:
@@ -416,17 +428,22 @@ class ObjectIO:
             return None
         size = stat.size
         coords = key.coords
-        header_len = self.header_bytes(coords.num_layers)
+        fmt = self._tool_format(key)
+        header_len = fmt.header_bytes(coords.num_layers)
         payload_len = size - header_len
         if payload_len <= 0:
             raise TruncatedObjectError(f"{storage_key}: {size} bytes hold no payload")
         if len(buffer) < header_len:
             raise ValueError(f"a buffer of {len(buffer)} bytes cannot hold a {header_len}-byte header")
         head = buffer[:header_len]
-        if not await self._ranged(storage_key, [head], [ByteRange(0, header_len)]):
+        if header_len and not await self._ranged(storage_key, [head], [ByteRange(0, header_len)]):
             return None
-        header = self.format.open_header(key, head, payload_bytes=payload_len)
+        header = fmt.open_header(key, head, payload_bytes=payload_len)
         block = payload_len // coords.num_layers
+        if block * coords.num_layers != payload_len:
+            raise CorruptObjectError(
+                f"{storage_key}: {payload_len} payload bytes do not split into "
+                f"{coords.num_layers} layer blocks")
         per_read = max(1, min(window or len(buffer), len(buffer)) // block)
         scratch = buffer if block <= len(buffer) else memoryview(bytearray(block))
         for first in range(coords.layer_start, coords.layer_stop, per_read):
@@ -435,8 +452,13 @@ class ObjectIO:
             start = header_len + (first - coords.layer_start) * block
             if not await self._ranged(storage_key, [data], [ByteRange.of(start, len(data))]):
                 return None
-            self.format.open_blocks(header, data, first, stop)
+            fmt.open_blocks(header, data, first, stop)
         return header
+
+    def _tool_format(self, key: ObjectKey) -> ObjectFormat:
+        """The format tools read ``key`` in: this ``ObjectIO``'s when it serves a namespace,
+        else the one the key's namespace digest says (``format_for``)."""
+        return self.format if self.namespace is not None else format_for(key)
 
 
 def _parsed(storage_key: str) -> ObjectKey | None:

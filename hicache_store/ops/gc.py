@@ -44,7 +44,8 @@ run; a resumed run carries its plan over the interruption, so resume soon or sta
 (``fresh=True``, ``gc --fresh``: the parent cache stays).
 
 Namespace manifests (``M_...``) are never deleted. Pages whose header cannot be decoded
-(another format, corrupt) are chains of their own; an object that vanished meanwhile is
+(corrupt) and pages of a format without headers (SGLang's bare objects: their age alone
+orders them) are chains of their own; an object that vanished meanwhile is
 skipped. A header read that fails for another reason (the store is down) stops the run with
 the error, resumable.
 """
@@ -494,7 +495,8 @@ async def _read_parents(backend: Backend, state: GcState,
         for (page, _tail), header in zip(rows, found, strict=True):
             parent = header.parent_hash if isinstance(header, ObjectHeader) else None
             known.append((parent if parent != page else None, page))
-            if isinstance(header, ObjectHeader):
+            # A stored header (not one a bare format synthesised: no parent link there).
+            if isinstance(header, ObjectHeader) and header.payload_offset > 0:
                 cached.append((page, parent or ""))
         with state.transaction() as db:
             db.executemany("INSERT OR REPLACE INTO cache.parents VALUES (?, ?)", cached)

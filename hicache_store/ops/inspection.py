@@ -367,7 +367,10 @@ async def verify_object(
 
 def _check_geometry(key: ObjectKey, payload: int, planes: int, ns: Namespace) -> None:
     coords = key.coords
-    chunk = coords.layer_start // ns.grid.layers_per_chunk
+    try:
+        chunk = ns.chunk_of_layer(coords.layer_start)
+    except IndexError:
+        chunk = -1
     try:
         start, stop = ns.chunk_layers(chunk)
     except IndexError:

@@ -114,3 +114,29 @@ def test_batch_validation_accepts_valid_keys_and_refuses_non_strings() -> None:
     assert validate_storage_keys(keys) == keys
     with pytest.raises(InvalidKeyError, match="must be a str"):
         validate_storage_keys(["ab", b"cd"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    start=st.integers(0, 70),
+    length=st.integers(-2, 70),
+    group=st.one_of(st.none(), st.integers(0, 20)),
+    digest=st.sampled_from([NS, "ukv1-" + NS, "ukv1-" + NS[:-1], "M", NS.upper()]),
+    tail=st.sampled_from(["", "_", "_C2", "x"]),
+)
+def test_object_key_parts_agrees_with_parse_key(
+    start: int, length: int, group: int | None, digest: str, tail: str
+) -> None:
+    # The cheap classifier the operator tools stream millions of keys through: it says
+    # "object key" exactly when ``parse_key`` does, with the same page hash and digest.
+    from hicache_store.layout.keys import object_key_parts
+
+    text = f"{HASH}_{digest}_L{start}-{start + length}" + (
+        "" if group is None else f"_H{group}") + tail
+    try:
+        parsed = parse_key(text)
+    except InvalidKeyError:
+        assert object_key_parts(text) is None
+    else:
+        assert object_key_parts(text) == (parsed.page_hash, parsed.namespace_digest)
+    assert object_key_parts("M_" + NS) is None

@@ -14,11 +14,11 @@ import pytest
 
 from hicache_store.backends import open_backend
 from hicache_store.cli import main
-from hicache_store.commands.gc import collect_garbage
 from hicache_store.layout.keys import parse_key
 from hicache_store.layout.topology import Topology
 from hicache_store.layout.ukv1 import ukv1_grid
-from hicache_store.ops.inspection import inspect_store, verify_store
+from hicache_store.ops.gc import collect_garbage
+from hicache_store.ops.inspection import inspect_store
 from hicache_store.ops.manifest import manifest_key
 from hicache_store.ops.prepopulate import namespace_for, prepopulate
 from hicache_store.ops.sources import MiniEngineSource
@@ -44,20 +44,22 @@ async def test_prepopulate_inspect_verify_gc_on_the_ukv1_keyspace(tmp_path: Path
         assert all(parse_key(k).namespace_digest == namespace.digest for k in objects)
         assert all("_L0-" in k for k in objects)  # end-exclusive, one object per stage
 
-        store = await inspect_store(backend)
+        store = await inspect_store(backend, verify=True)
         (summary,) = store.namespaces
         assert summary.namespace == namespace and summary.pages == 9
-        checked = await verify_store(backend, store)
-        assert checked.ok == len(objects) and not checked.corrupt
+        checked = store.verify
+        assert checked is not None and checked.ok == len(objects) and not checked.corrupt
         victim = objects[0]
         data = await backend.get_bytes(victim)
         assert data is not None
         await backend.put([victim], [memoryview(data[:-16])])  # a torn object: wrong size
-        checked = await verify_store(backend, await inspect_store(backend))
-        assert [c["key"] for c in checked.corrupt] == [victim]
+        checked = (await inspect_store(backend, verify=True)).verify
+        assert checked is not None
+        assert [c["key"] for c in checked.corrupt_examples] == [victim]
 
         gc = await collect_garbage(backend, max_bytes=1, max_age=None)
         assert gc.over_budget == len(objects) and gc.failures == 0
+        assert gc.headers_read == 0 and gc.headers_unreadable == 0, "bare objects: no header"
         assert [k async for k in backend.list_prefix("")] == [manifest_key(namespace)]
     finally:
         await backend.close()
