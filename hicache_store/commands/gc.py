@@ -7,8 +7,8 @@ holed), expired pages first, then the oldest while over the budget::
 
 Memory stays bounded at any store size (the working set is on disk, in ``--state-dir``); an
 interrupted run started again with the same options resumes where it stopped (``--fresh``:
-start over). Objects without
-a modification time are never aged out. Progress goes to stderr (a redrawn line on a
+start over). Objects without a modification time are never aged out (``--max-age`` on a
+backend that records none is refused). Progress goes to stderr (a redrawn line on a
 terminal, a plain line every few seconds otherwise); ``--json`` prints the report as JSON.
 Exit code 1 when some deletions failed. Library: ``hicache_store.ops.gc``.
 """
@@ -86,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
     async def go() -> GcReport:
         backend = open_store(args.url, existing=True)
         try:
+            if max_age is not None and not backend.capabilities.mtime:
+                raise UsageError(
+                    f"--max-age: the {backend.name} backend records no modification times, so "
+                    "nothing could be aged out; use --max-bytes")
             return await collect_garbage(
                 backend, max_bytes=max_bytes, max_age=max_age, prefix=args.prefix,
                 dry_run=args.dry_run, state_dir=state_dir, progress=progress,

@@ -18,7 +18,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_store.backends import Backend, ObjectStat, open_backend
+from hicache_store.backends import (
+    Backend,
+    ObjectStat,
+    open_backend,
+    register_backend,
+    unregister_backend,
+)
 from hicache_store.backends.errors import BackendIOError
 from hicache_store.backends.memory import MemoryBackend
 from hicache_store.cli import main
@@ -179,6 +185,30 @@ async def test_objects_without_mtime_are_never_aged_out(tmp_path: Path) -> None:
     assert await dated.exists(keys[:6]) == [False, False, False, False, True, True]
     await store.close()
     await dated.close()
+
+
+class NoMtimeBackend(MemoryBackend):
+    """A backend that does not declare ``mtime`` (and records none)."""
+
+    capabilities = MemoryBackend.capabilities.replace(mtime=False)
+
+    async def _stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
+        return [None if st is None else ObjectStat(st.key, st.size)
+                for st in await super()._stat(keys)]
+
+
+def test_max_age_on_a_backend_without_mtime_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    register_backend("nomtime", NoMtimeBackend)
+    try:
+        assert main(["gc", "nomtime://", "--max-age", "7d"]) == 2
+        line = capsys.readouterr().err.strip()
+        assert "records no modification times" in line and "--max-bytes" in line
+        assert main(["gc", "nomtime://", "--max-bytes", "1GiB", "--no-progress"]) == 0
+    finally:
+        unregister_backend("nomtime")
 
 
 class MemoryWithTimes(MemoryBackend):
