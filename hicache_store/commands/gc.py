@@ -10,7 +10,9 @@ interrupted run started again with the same options resumes where it stopped (``
 start over). Objects without a modification time are never aged out (``--max-age`` on a
 backend that records none is refused). Progress goes to stderr (a redrawn line on a
 terminal, a plain line every few seconds otherwise); ``--json`` prints the report as JSON.
-Exit code 1 when some deletions failed. Library: ``hicache_store.ops.gc``.
+``--tenant-key-file F --remove-retired`` first deletes the objects sealed with keys the ring
+retires, whatever their age. Exit code 1 when some deletions failed. Library:
+``hicache_store.ops.gc``.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--state-dir", help="where the working set is kept (default: one "
                         "folder per store under ~/.cache/hicache-store/gc)")
+    parser.add_argument("--tenant-key-file", metavar="PATH",
+                        help="a tenant key ring (default: $HICACHE_STORE_TENANT_KEY_FILE or "
+                             "$HICACHE_STORE_TENANT_KEY), for --remove-retired")
+    parser.add_argument("--remove-retired", action="store_true",
+                        help="delete the objects sealed with keys the ring lists as retired")
     parser.add_argument("--fresh", action="store_true",
                         help="start over instead of resuming an interrupted run")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -62,9 +69,26 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+def _retired_ids(args: argparse.Namespace) -> frozenset[str]:
+    if not getattr(args, "remove_retired", False):  # callers may build args without it
+        return frozenset()
+    from hicache_store.tenant import load_key_ring
+
+    try:
+        ring = load_key_ring(getattr(args, "tenant_key_file", None))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if ring is None:
+        raise UsageError("--remove-retired needs a tenant key ring (--tenant-key-file)")
+    if not ring.retired:
+        raise UsageError(f"{ring.source} retires no key")
+    return ring.retired
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.max_bytes is None and args.max_age is None:
-        raise UsageError("give --max-bytes, --max-age or both")
+    retired = _retired_ids(args)
+    if args.max_bytes is None and args.max_age is None and not retired:
+        raise UsageError("give --max-bytes, --max-age, --remove-retired or a combination")
     try:
         max_bytes = None if args.max_bytes is None else parse_size(args.max_bytes)
         max_age = None if args.max_age is None else parse_duration(args.max_age)
@@ -93,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             return await collect_garbage(
                 backend, max_bytes=max_bytes, max_age=max_age, prefix=args.prefix,
                 dry_run=args.dry_run, state_dir=state_dir, progress=progress,
-                fresh=getattr(args, "fresh", False),
+                fresh=getattr(args, "fresh", False), retired=retired,
             )
         finally:
             await backend.close()
@@ -106,11 +130,11 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps(report.as_dict(), indent=2))
     else:
-        _print_text(report)
+        _print_text(report, bool(retired))
     return 1 if report.failures else 0
 
 
-def _print_text(report: GcReport) -> None:
+def _print_text(report: GcReport, retired: bool) -> None:
     if report.resumed_from is not None:
         print(f"resumed an interrupted gc (at its {report.resumed_from} phase)")
     verb = "would delete" if report.dry_run else "deleted"
@@ -119,6 +143,7 @@ def _print_text(report: GcReport) -> None:
         f"{human_bytes(report.scanned_bytes)}) in {report.pages} pages; {verb} "
         f"{report.expired} expired and {report.over_budget} over budget "
         f"({report.deleted_bytes} bytes); {report.failures} failures"
+        + (f"; {verb} {report.retired} under retired keys" if retired else "")
     )
     if report.undated:
         print(f"{report.undated} objects have no modification time: never aged out by "

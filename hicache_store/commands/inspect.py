@@ -13,7 +13,9 @@ checksum (and its size against the namespace); corrupt ones are counted and the 
 listed. ``--delete-corrupt`` removes them (``--dry-run``: only say so). Progress on stderr (a
 redrawn line on a terminal, a plain line every few seconds otherwise). A path that holds no
 store is an error: nothing is created. Exit code 1 when corrupt objects remain (found and not
-deleted). Library: ``hicache_store.ops.inspection``.
+deleted). Sealed (tenant) objects are counted per key id, each marked active, read, retired
+or unknown against ``--tenant-key-file``; those under a key the ring holds are authenticated,
+the others have their header checked only. Library: ``hicache_store.ops.inspection``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from hicache_store.ops.config import layered, require, resolve
 from hicache_store.ops.inspection import StoreReport, inspect_store
 from hicache_store.ops.progress import ProgressBar, human_bytes
 from hicache_store.ops.store import open_store
+from hicache_store.tenant import KeyRing
 
 
 def register(subparsers: Any) -> None:
@@ -45,6 +48,9 @@ def register(subparsers: Any) -> None:
                         help="with --verify: delete the corrupt objects found")
     parser.add_argument("--dry-run", action="store_true",
                         help="with --delete-corrupt: list what would be deleted, delete nothing")
+    parser.add_argument("--tenant-key-file", metavar="PATH",
+                        help="a tenant key ring: authenticate its sealed objects and name the "
+                             "state of each key id (default: $HICACHE_STORE_TENANT_KEY_FILE)")
     parser.add_argument("--concurrency", type=int, default=16,
                         help="objects read at once by --verify (default: 16)")
     parser.add_argument("--window", default="8MiB",
@@ -70,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--window: {exc}") from None
     if window < 4096:
         raise UsageError(f"--window must be at least 4KiB, got {window} bytes")
+    from hicache_store.tenant import load_key_ring
+
+    try:
+        keys = load_key_ring(getattr(args, "tenant_key_file", None))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     bar = ProgressBar(None, "objects", label="verify" if args.verify else "inspect",
                       enabled=not args.no_progress)
 
@@ -85,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
             return await inspect_store(
                 backend, namespace=args.namespace, verify=args.verify,
                 concurrency=args.concurrency, window=window,
-                delete_corrupt=args.delete_corrupt, dry_run=args.dry_run, progress=progress,
+                delete_corrupt=args.delete_corrupt, dry_run=args.dry_run, keys=keys,
+                progress=progress,
             )
         finally:
             await backend.close()
@@ -97,12 +110,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
-        _print_text(report)
+        _print_text(report, keys)
     verified = report.verify
     return 1 if verified is not None and verified.remaining_corrupt else 0
 
 
-def _print_text(report: StoreReport) -> None:
+def _print_text(report: StoreReport, keys: KeyRing | None) -> None:
     print(f"{len(report.namespaces)} namespaces, {report.objects} objects, "
           f"{human_bytes(report.bytes)}; {report.manifests} manifests, "
           f"{report.other_keys} other keys")
@@ -115,6 +128,7 @@ def _print_text(report: StoreReport) -> None:
             shape = (f"{ns.kv_kind} {ns.num_layers} layers x {ns.num_kv_heads} KV heads x "
                      f"{ns.head_dim}")
             tenant = f", tenant salt {ns.tenant_salt!r}" if ns.tenant_salt else ""
+            tenant += ", sealed" if ns.sealed else ""
             print(f"  {item.digest}  {ns.model}{'@' + ns.model_revision if ns.model_revision else ''}"
                   f"  {shape}, {ns.dtype}, page {ns.page_size}, grid {ns.grid} "
                   f"({ns.objects_per_page} objects/page){tenant}")
@@ -124,6 +138,11 @@ def _print_text(report: StoreReport) -> None:
         return
     print(f"verified {verified.checked} objects ({human_bytes(verified.bytes_read)}): "
           f"{verified.ok} ok, {verified.corrupt} corrupt, {verified.vanished} vanished")
+    for key_id, count in sorted(verified.key_ids.items()):
+        state = (keys.state(key_id) if keys is not None else None) or "unknown"
+        print(f"  sealed with key {key_id} ({state}): {count} objects")
+    if verified.unverified:
+        print(f"  {verified.unverified} sealed objects under keys not held: header checked only")
     for item_ in verified.corrupt_examples:
         print(f"  corrupt {item_['key']}: {item_['error']}")
     if verified.corrupt > len(verified.corrupt_examples):

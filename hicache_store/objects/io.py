@@ -42,9 +42,15 @@ from hicache_store.layout.errors import (
     MissingKeyError,
     TruncatedObjectError,
 )
-from hicache_store.layout.framing import ObjectHeader, decode_header, payload_offset
+from hicache_store.layout.framing import (
+    ObjectHeader,
+    decode_header,
+    payload_offset,
+    verify_blocks,
+)
 from hicache_store.layout.keys import ObjectKey, parse_key
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
+from hicache_store.tenant import KeyRing
 
 from .arena import Arena
 from .format import FRAMED, ObjectFormat, format_for
@@ -408,7 +414,12 @@ class ObjectIO:
         return header, frame[header_len:]
 
     async def verify_stored(
-        self, storage_key: str, buffer: memoryview, *, window: int | None = None
+        self,
+        storage_key: str,
+        buffer: memoryview,
+        *,
+        window: int | None = None,
+        keys: KeyRing | None = None,
     ) -> ObjectHeader | None:
         """Verify a whole stored object through ``buffer`` (operator tools: ``inspect
         --verify``): its stored size (``stat``: the object's own, not a listing's, which can
@@ -417,8 +428,11 @@ class ObjectIO:
         ``buffer``, or one block when a block is larger (a format checks whole blocks): a
         512 MiB object never costs a copy of itself.
 
-        ``None`` on a miss; ``CorruptObjectError`` when the object is corrupt (including a
-        size other than its frame's, or a key that is no object key).
+        Sealed objects (a tenant's) are authenticated with the key of ``keys`` their header
+        names; when ``keys`` does not hold it, only the header is checked (the caller sees
+        ``header.sealed`` and ``header.key_id``). ``None`` on a miss; ``CorruptObjectError``
+        when the object is corrupt (including a size other than its frame's, or a key that
+        is no object key).
         """
         key = _parsed(storage_key)
         if key is None:
@@ -430,17 +444,37 @@ class ObjectIO:
         coords = key.coords
         fmt = self._tool_format(key)
         header_len = fmt.header_bytes(coords.num_layers)
-        payload_len = size - header_len
-        if payload_len <= 0:
-            raise TruncatedObjectError(f"{storage_key}: {size} bytes hold no payload")
-        if len(buffer) < header_len:
-            raise ValueError(f"a buffer of {len(buffer)} bytes cannot hold a {header_len}-byte header")
-        head = buffer[:header_len]
-        if header_len and not await self._ranged(storage_key, [head], [ByteRange(0, header_len)]):
-            return None
-        header = fmt.open_header(key, head, payload_bytes=payload_len)
+        if len(buffer) < max(header_len, payload_offset(coords.num_layers, sealed=True)):
+            raise ValueError(f"a buffer of {len(buffer)} bytes cannot hold the header")
+        header: ObjectHeader
+        if header_len == 0:
+            header = fmt.open_header(key, buffer[:0], payload_bytes=size)
+        else:
+            if size <= header_len:
+                raise TruncatedObjectError(f"{storage_key}: {size} bytes hold no payload")
+            if not await self._ranged(storage_key, [buffer[:header_len]],
+                                      [ByteRange(0, header_len)]):
+                return None
+            try:
+                header = fmt.open_header(key, buffer[:header_len],
+                                         payload_bytes=size - header_len)
+            except TruncatedObjectError:
+                # A sealed header can be longer than a plain one (over 246 layers).
+                longer = payload_offset(coords.num_layers, sealed=True)
+                if longer <= header_len or size <= longer:
+                    raise
+                if not await self._ranged(storage_key, [buffer[:longer]], [ByteRange(0, longer)]):
+                    return None
+                header = decode_header(buffer[:longer], expected=key, object_length=size)
+        tenant_key = None
+        if header.sealed:
+            tenant_key = None if keys is None or header.key_id is None else keys.key(header.key_id)
+            if tenant_key is None:
+                return header  # not ours to authenticate: the header alone was checked
+        offset = header.payload_offset
+        payload_len = size - offset
         block = payload_len // coords.num_layers
-        if block * coords.num_layers != payload_len:
+        if payload_len <= 0 or block * coords.num_layers != payload_len:
             raise CorruptObjectError(
                 f"{storage_key}: {payload_len} payload bytes do not split into "
                 f"{coords.num_layers} layer blocks")
@@ -449,10 +483,13 @@ class ObjectIO:
         for first in range(coords.layer_start, coords.layer_stop, per_read):
             stop = min(first + per_read, coords.layer_stop)
             data = scratch[: (stop - first) * block]
-            start = header_len + (first - coords.layer_start) * block
+            start = offset + (first - coords.layer_start) * block
             if not await self._ranged(storage_key, [data], [ByteRange.of(start, len(data))]):
                 return None
-            fmt.open_blocks(header, data, first, stop)
+            if tenant_key is not None:
+                verify_blocks(header, data, first, stop, key=tenant_key)  # authenticates
+            else:
+                fmt.open_blocks(header, data, first, stop)
         return header
 
     def _tool_format(self, key: ObjectKey) -> ObjectFormat:

@@ -7,6 +7,11 @@ object sharing a page hash) and on chains: each object header names its page's p
 (a page none of whose children is stored), so a cached prefix is shortened from its end and
 never holed in the middle:
 
+0. with ``retired`` tenant key ids (``--tenant-key-file F --remove-retired``), first every
+   tail whose header names one of them, repeatedly, whatever its age: readers holding the
+   ring no longer read it, it only takes space. Headers carry key ids, so this needs no secret
+   and never touches another tenant's objects (their key ids are not in the ring) or plain
+   ones;
 1. tails whose newest object is older than ``max_age``, repeatedly (an expired page whose
    descendants are still fresh stays until they go);
 2. then, while the rest exceeds ``max_bytes``, the oldest tails (ties: page hash order).
@@ -90,7 +95,7 @@ STATE_VERSION = 1
 #: ``progress(phase, done, total)``; ``total`` is None while unknown (the listing).
 ProgressFn = Callable[[str, int, "int | None"], None]
 
-_EXPIRED, _OVER_BUDGET = 1, 2
+_EXPIRED, _OVER_BUDGET, _RETIRED = 1, 2, 3
 _DELETED, _FAILED, _KEPT = 1, 2, 3
 
 
@@ -111,12 +116,15 @@ def page_of(key: str) -> str:
 
 @dataclass(frozen=True)
 class GcPolicy:
-    """What to delete. ``max_bytes`` / ``max_age`` (seconds) None: that rule is off."""
+    """What to delete. ``max_bytes`` / ``max_age`` (seconds) None: that rule is off;
+    ``retired`` empty: no page goes for its sealing key."""
 
     max_bytes: int | None = None
     max_age: float | None = None
     prefix: str = ""
     dry_run: bool = False
+    #: tenant key ids whose objects go first, whatever their age (``--remove-retired``).
+    retired: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -134,6 +142,8 @@ class GcReport:
     pages: int = 0
     manifests: int = 0
     undated: int = 0
+    retired: int = 0
+    retired_pages: int = 0
     expired: int = 0
     expired_pages: int = 0
     over_budget: int = 0
@@ -152,7 +162,7 @@ class GcReport:
     @property
     def doomed(self) -> int:
         """Objects the plan deletes (or would delete, in a dry run)."""
-        return self.expired + self.over_budget
+        return self.retired + self.expired + self.over_budget
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "doomed": self.doomed}
@@ -187,7 +197,7 @@ class GcState:
         self.db.executescript(
             """
             CREATE TABLE IF NOT EXISTS cache.parents (
-                page TEXT PRIMARY KEY, parent TEXT NOT NULL) WITHOUT ROWID;
+                page TEXT PRIMARY KEY, parent TEXT NOT NULL, key_id TEXT) WITHOUT ROWID;
             CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
             """
         )
@@ -276,17 +286,19 @@ async def collect_garbage(
     state_dir: str | os.PathLike[str] | None = None,
     progress: ProgressFn | None = None,
     fresh: bool = False,
+    retired: frozenset[str] = frozenset(),
 ) -> GcReport:
     """Scan, plan and (unless ``dry_run``) delete; see the module docstring.
 
     ``now`` (default: the time the run started) is what ages are measured from.
     ``state_dir`` holds the working set and makes the run resumable; None uses a temporary
     directory removed afterwards (no resume, no parent cache); ``fresh`` discards an
-    interrupted run instead of resuming it. Failed deletions are counted,
+    interrupted run instead of resuming it; ``retired``: tenant key ids whose pages go
+    first (module docstring). Failed deletions are counted,
     not raised. Raises ``GcError`` (state directory busy or unusable; a header read failed)
     and the backend's errors from listing.
     """
-    policy = GcPolicy(max_bytes, max_age, prefix, dry_run)
+    policy = GcPolicy(max_bytes, max_age, prefix, dry_run, frozenset(retired))
     if state_dir is None:
         scratch = tempfile.mkdtemp(prefix="hicache-gc-")
         try:
@@ -304,7 +316,8 @@ async def _collect(
     finished = False
     try:
         report = GcReport(dry_run=policy.dry_run)
-        options = json.dumps({**asdict(policy), "now": now}, sort_keys=True)
+        options = json.dumps({**asdict(policy), "retired": sorted(policy.retired), "now": now},
+                             sort_keys=True)
         phase = state.get("phase")
         if (fresh or phase is None or state.get("options") != options
                 or state.get("version") != str(STATE_VERSION) or phase == "scan"):
@@ -440,14 +453,14 @@ def _group_pages(state: GcState) -> None:
         CREATE TABLE pages (
             page TEXT PRIMARY KEY, size INTEGER NOT NULL, objects INTEGER NOT NULL,
             undated INTEGER NOT NULL, newest REAL NOT NULL,
-            parent TEXT, parent_known INTEGER NOT NULL DEFAULT 0,
+            parent TEXT, key_id TEXT, parent_known INTEGER NOT NULL DEFAULT 0,
             children INTEGER NOT NULL DEFAULT 0, step INTEGER, rule INTEGER,
             outcome INTEGER, blocked INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;
         BEGIN;
         INSERT INTO pages (page, size, objects, undated, newest)
             SELECT page, sum(size), count(*), max(mtime IS NULL), coalesce(max(mtime), 0.0)
             FROM objects GROUP BY page;
-        UPDATE pages SET parent = nullif(c.parent, ''), parent_known = 1
+        UPDATE pages SET parent = nullif(c.parent, ''), key_id = c.key_id, parent_known = 1
             FROM cache.parents AS c WHERE c.page = pages.page;
         COMMIT;
         CREATE INDEX pages_unknown ON pages(page) WHERE parent_known = 0;
@@ -456,7 +469,10 @@ def _group_pages(state: GcState) -> None:
 
 
 def _could_delete(state: GcState, policy: GcPolicy, now: float) -> bool:
-    """Whether either rule can delete anything at all (if not, no header is worth reading)."""
+    """Whether any rule can delete anything at all (if not, no header is worth reading).
+    Retired keys are named only by headers: with any, they are read."""
+    if policy.retired:
+        return True
     if policy.max_bytes is not None and (
             state.scalar("SELECT sum(size) FROM pages") > policy.max_bytes):
         return True
@@ -493,14 +509,17 @@ async def _read_parents(backend: Backend, state: GcState,
                  for h in part]
         known, cached = [], []
         for (page, _tail), header in zip(rows, found, strict=True):
-            parent = header.parent_hash if isinstance(header, ObjectHeader) else None
-            known.append((parent if parent != page else None, page))
+            parent = key_id = None
+            if isinstance(header, ObjectHeader):
+                parent, key_id = header.parent_hash, header.key_id
+            known.append((parent if parent != page else None, key_id, page))
             # A stored header (not one a bare format synthesised: no parent link there).
             if isinstance(header, ObjectHeader) and header.payload_offset > 0:
-                cached.append((page, parent or ""))
+                cached.append((page, parent or "", key_id))
         with state.transaction() as db:
-            db.executemany("INSERT OR REPLACE INTO cache.parents VALUES (?, ?)", cached)
-            db.executemany("UPDATE pages SET parent = ?, parent_known = 1 WHERE page = ?", known)
+            db.executemany("INSERT OR REPLACE INTO cache.parents VALUES (?, ?, ?)", cached)
+            db.executemany("UPDATE pages SET parent = ?, key_id = ?, parent_known = 1 "
+                           "WHERE page = ?", known)
             state.add("headers_read", len(cached))
             state.add("headers_unreadable",
                       sum(isinstance(h, CorruptObjectError) for h in found))
@@ -543,8 +562,12 @@ def _plan(state: GcState, policy: GcPolicy, now: float) -> None:
         """
     )
     planner = _Planner(state)
+    if policy.retired:
+        ids = sorted(policy.retired)
+        marks = ", ".join("?" * len(ids))
+        planner.remove(f"key_id IN ({marks})", ids, _RETIRED)
     if policy.max_age is not None:
-        planner.expire(now - policy.max_age)
+        planner.remove("undated = 0 AND newest < ?", [now - policy.max_age], _EXPIRED)
     if policy.max_bytes is not None:
         planner.fit(policy.max_bytes)
 
@@ -593,18 +616,19 @@ class _Planner:
             return None
         return (int(row[1]), float(row[2]), parent), int(row[3]), row[4]
 
-    def expire(self, cutoff: float) -> None:
-        """Phase 1: every dated tail older than ``cutoff``, until none is left."""
+    def remove(self, where: str, params: Sequence[object], rule: int) -> None:
+        """Phases 0 and 1: every tail matching ``where`` (a retired key, an expired age),
+        until none is left (a matching page whose descendants do not match stays)."""
         while True:
             rows = self.db.execute(
-                "SELECT page, size, parent FROM pages WHERE children = 0 AND step IS NULL "
-                "AND undated = 0 AND newest < ? ORDER BY undated, newest, page LIMIT ?",
-                (cutoff, PLAN_BATCH)).fetchall()
+                "SELECT page, size, parent FROM pages WHERE children = 0 AND step IS NULL "  # noqa: S608
+                f"AND {where} ORDER BY undated, newest, page LIMIT ?",
+                (*params, PLAN_BATCH)).fetchall()
             if not rows:
                 return
             with self._batch():
                 for page, size, parent in rows:
-                    self.drop(page, size, parent, _EXPIRED)
+                    self.drop(page, size, parent, rule)
 
     def fit(self, max_bytes: int) -> None:
         """Phase 2: the oldest tails while the pages left exceed ``max_bytes``."""
@@ -753,7 +777,8 @@ def _fill_report(state: GcState, report: GcReport) -> None:
     report.headers_cached = int(state.get("headers_cached") or 0)
     report.headers_read = int(state.get("headers_read") or 0)
     report.headers_unreadable = int(state.get("headers_unreadable") or 0)
-    for rule, attr in ((_EXPIRED, "expired"), (_OVER_BUDGET, "over_budget")):
+    for rule, attr in ((_RETIRED, "retired"), (_EXPIRED, "expired"),
+                       (_OVER_BUDGET, "over_budget")):
         pages, objects = one("SELECT count(*), sum(objects) FROM pages WHERE rule = ?",
                              (rule,)).fetchone()
         setattr(report, attr, int(objects or 0))

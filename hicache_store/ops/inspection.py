@@ -18,6 +18,12 @@ is counted apart (not corrupt). ``delete_corrupt`` removes what failed as it is 
 ``dry_run``): a removed object is a miss for every engine, which recomputes it, never wrong
 KV.
 
+Sealed objects (``Namespace.sealed``, a tenant's) name their key id in the header: verify
+counts objects per key id (``key_ids``) and, given the tenant's key ring, authenticates every
+block of those sealed with a key it holds; sealed objects under a key it does not hold
+(retired, another tenant's, or no ring given) have their header checked only and are counted
+in ``unverified``, never reported corrupt for that.
+
 **Bounded memory at any store size.** Nothing per object is kept: counts per namespace, the
 distinct pages through ``ops.distinct`` (spilled to temporary files past a million), and at
 most ``EXAMPLES`` keys of each kind of problem (the counts stay exact). Verification reads
@@ -38,10 +44,11 @@ from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import BackendError
 from hicache_store.backends.types import ObjectStat
 from hicache_store.layout.errors import CorruptObjectError
-from hicache_store.layout.framing import payload_offset
+from hicache_store.layout.framing import ObjectHeader, payload_offset
 from hicache_store.layout.keys import ObjectKey, object_key_parts, parse_key
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
 from hicache_store.objects import ObjectIO
+from hicache_store.tenant import KeyRing
 
 from .distinct import DistinctCounter
 from .manifest import ManifestError, decode_manifest, manifest_digest, manifest_key
@@ -93,6 +100,9 @@ class VerifyReport:
     deleted: int = 0
     delete_failures: int = 0
     dry_run: bool = False
+    #: sealed objects per key id, and those whose key was not held (header checked only).
+    key_ids: dict[str, int] = field(default_factory=dict)
+    unverified: int = 0
     corrupt_examples: list[dict[str, str]] = field(default_factory=list)
     vanished_examples: list[str] = field(default_factory=list)
     deleted_examples: list[str] = field(default_factory=list)
@@ -151,14 +161,17 @@ async def inspect_store(
     window: int = VERIFY_WINDOW,
     delete_corrupt: bool = False,
     dry_run: bool = False,
+    keys: KeyRing | None = None,
     progress: ProgressFn | None = None,
 ) -> StoreReport:
     """List the store once and summarise it per namespace (only digest ``namespace`` if
-    given); with ``verify``, check every object as it is listed. See the module docstring."""
+    given); with ``verify``, check every object as it is listed (a tenant's sealed objects
+    authenticated with ``keys``, a key ring). See the module docstring."""
     if concurrency < 1 or window < 1:
         raise ValueError(f"concurrency and window must be positive, got {concurrency}, {window}")
     scan = _Scan(backend, namespace)
-    checker = _Verifier(backend, concurrency, window, delete_corrupt, dry_run) if verify else None
+    checker = (_Verifier(backend, concurrency, window, delete_corrupt, dry_run, keys)
+               if verify else None)
     listed = 0
     try:
         if checker is not None:
@@ -261,8 +274,9 @@ class _Verifier:
     listing waits when they fall behind: memory stays bounded)."""
 
     def __init__(self, backend: Backend, concurrency: int, window: int, delete_corrupt: bool,
-                 dry_run: bool) -> None:
+                 dry_run: bool, keys: KeyRing | None) -> None:
         self.backend = backend
+        self.keys = keys
         self.io = ObjectIO(backend)
         self.concurrency = concurrency
         self.window = -(-window // 4096) * 4096  # whole 4 KiB blocks: O_DIRECT-friendly
@@ -309,8 +323,8 @@ class _Verifier:
             if self.failure is not None:
                 continue
             try:
-                error = await verify_object(self.io, st.key, namespace, buffer,
-                                            window=self.window)
+                found = await verify_object(self.io, st.key, namespace, buffer,
+                                            window=self.window, keys=self.keys)
             except (BackendError, TimeoutError) as exc:
                 self.failure = exc
                 continue
@@ -321,10 +335,14 @@ class _Verifier:
                 continue
             self.result.checked += 1
             self.result.bytes_read += st.size
-            if error is None:
-                self.result.ok += 1
-            else:
-                await self._corrupt(st.key, error)
+            if isinstance(found, str):
+                await self._corrupt(st.key, found)
+                continue
+            self.result.ok += 1
+            if found.key_id is not None:
+                self.result.key_ids[found.key_id] = self.result.key_ids.get(found.key_id, 0) + 1
+            if found.sealed and (self.keys is None or self.keys.key(found.key_id or "") is None):
+                self.result.unverified += 1
 
     async def _corrupt(self, key: str, error: str) -> None:
         result = self.result
@@ -348,21 +366,22 @@ class _Vanished(Exception):
 
 async def verify_object(
     io: ObjectIO, key: str, namespace: Namespace | None, buffer: memoryview,
-    *, window: int | None = None,
-) -> str | None:
+    *, window: int | None = None, keys: KeyRing | None = None,
+) -> ObjectHeader | str:
     """Check one stored object (``ObjectIO.verify_stored``: stored size, header, every layer
-    block, through ``buffer`` at most ``window`` bytes at a time) and, when the namespace is
-    known, its geometry; the error as ``"Kind: message"``, None when intact. Raises
+    block, through ``buffer`` at most ``window`` bytes at a time; a tenant's sealed object
+    authenticated with ``keys`` when they hold its key) and, when the namespace is known, its
+    geometry: its header when intact, else the error as ``"Kind: message"``. Raises
     ``_Vanished`` when the object is gone."""
     try:
-        header = await io.verify_stored(key, buffer, window=window)
+        header = await io.verify_stored(key, buffer, window=window, keys=keys)
         if header is None:
             raise _Vanished(key)
         if namespace is not None:
             _check_geometry(parse_key(key), header.payload_length, header.kv_planes, namespace)
     except CorruptObjectError as exc:
         return f"{type(exc).__name__}: {exc}"
-    return None
+    return header
 
 
 def _check_geometry(key: ObjectKey, payload: int, planes: int, ns: Namespace) -> None:

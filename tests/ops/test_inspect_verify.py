@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hicache_store.backends import aligned_buffer, open_backend
 from hicache_store.backends.file import FileBackend
+from hicache_store.layout.framing import ObjectHeader
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.keys import object_key_parts, parse_key
 from hicache_store.layout.namespace import Grid, Namespace
@@ -98,10 +99,10 @@ async def test_verify_reads_through_a_small_window(tmp_path: Path) -> None:
     io = ObjectIO(backend)
     victim = keys[3]
     reads = backend.stats.reads
-    assert await verify_object(io, victim, ns, buffer, window=1024) is None
+    assert isinstance(await verify_object(io, victim, ns, buffer, window=1024), ObjectHeader)
     assert backend.stats.reads - reads == 1 + 2, "the header, then one read per 1 KiB block"
     reads = backend.stats.reads
-    assert await verify_object(io, victim, ns, buffer) is None
+    assert isinstance(await verify_object(io, victim, ns, buffer), ObjectHeader)
     assert backend.stats.reads - reads == 1 + 1, "a window that holds both blocks: one read"
     path = backend.path_of(victim)
     raw = bytearray(path.read_bytes())

@@ -94,7 +94,7 @@ def test_poison_proof_tools_seal_rotate_inspect_and_remove_retired(
     assert report["namespaces"][0]["namespace"]["sealed"] is True
     verify = report["verify"]
     assert verify["key_ids"] == {old_key: len(stored), new_key: len(new_objects)}
-    assert verify["unverified"] == 0 and verify["corrupt"] == []
+    assert verify["unverified"] == 0 and verify["corrupt"] == 0
 
     # Retire the old key: inspect shows it retired (headers only), gc removes exactly those.
     retired = ring_file(tmp_path, "r3", retire_text(rotated_text, old_key))
