@@ -166,7 +166,7 @@ class RankedHiCache(HiCache):
 
     # -- the request path ----------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int] | torch.Tensor) -> Request:
+    def match(self, tokens: Sequence[int] | torch.Tensor, *, reuse: bool = True) -> Request:
         token_tensor = torch.as_tensor(tokens, dtype=torch.int64)
         self.requests_seen += 1
         self._set_context(
@@ -174,7 +174,7 @@ class RankedHiCache(HiCache):
             tokens=int(token_tensor.numel()),
             digest=tokens_digest(token_tensor),
         )
-        req = super().match(token_tensor)
+        req = super().match(token_tensor, reuse=reuse)
         self._note((req.l1_pages, req.l2_pages), "match_l1_l2_pages")
         return req
 

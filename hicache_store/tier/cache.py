@@ -11,6 +11,13 @@ Primitives, in the order an engine calls them for each request (all on the engin
     tier.poll()                   # apply finished background work (called by the above too)
     tier.flush()                  # wait until queued L3 backups are done (tools, tests)
 
+Two more for a worker that does not compute the whole request itself (a P/D decode worker,
+``hicache_store.pd``): ``tier.extend(req, tokens)`` between ``prepare`` and ``complete`` grows
+the request by tokens it decodes (their pages join the tree at ``complete``), and
+``tier.abort(req)`` instead of ``complete`` gives back everything ``match`` and ``prepare`` took
+without inserting anything (its promised KV could not be supplied). ``match(tokens,
+reuse=False)`` ignores every cached page (a retry that must not trust the cache).
+
 Every state change is prepare-then-complete: pages are locked (``PageNode.lock`` for their L1
 copy, ``host_lock`` for their L2 copy) from ``match`` until ``complete``, and L2 copies that an
 L3 transfer reads or fills are locked until the transfer's completion is applied in ``poll``,
@@ -93,6 +100,15 @@ def _consecutive_runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((i, page, 1))
     return runs
+
+
+def page_slots(pages: Sequence[int], page_size: int) -> torch.Tensor:
+    """Token slots of device ``pages`` in order: page ``p`` holds slots
+    ``p * page_size .. p * page_size + page_size - 1``."""
+    return (
+        torch.tensor(list(pages), dtype=torch.int64).repeat_interleave(page_size) * page_size
+        + torch.arange(page_size, dtype=torch.int64).repeat(len(pages))
+    )
 
 
 @contextlib.contextmanager
@@ -325,8 +341,11 @@ class HiCache:
 
     # == the request path ===================================================================
 
-    def match(self, tokens: Sequence[int] | torch.Tensor) -> Request:
-        """Find the cached prefix of ``tokens`` in every tier and start an L3 prefetch."""
+    def match(self, tokens: Sequence[int] | torch.Tensor, *, reuse: bool = True) -> Request:
+        """Find the cached prefix of ``tokens`` in every tier and start an L3 prefetch.
+
+        ``reuse=False``: use no cached page and start no prefetch (the request computes, or
+        receives, everything; ``complete`` still inserts its pages)."""
         started = time.perf_counter()
         self.poll()
         token_tensor = torch.as_tensor(tokens, dtype=torch.int64)
@@ -336,7 +355,7 @@ class HiCache:
             algo=self.namespace.hash_algo,
         )
         self.tree.begin_request()
-        nodes = self.tree.match(hashes)
+        nodes = self.tree.match(hashes) if reuse else []
         l1 = PageTree.resident_prefix(nodes, Tier.L1)
         in_memory = 0
         for node in nodes:
@@ -347,7 +366,7 @@ class HiCache:
         req = Request(token_tensor, hashes, [], l1, in_memory - l1)
         self._hold(req, held)
         self.tree.touch(held)
-        if self.l3 is not None and in_memory < len(hashes):
+        if reuse and self.l3 is not None and in_memory < len(hashes):
             self._start_prefetch(req)
         req.bookkeeping_s += time.perf_counter() - started - req.io_s
         return req
@@ -380,14 +399,85 @@ class HiCache:
             self.tree.set_device(node, device_page)
         req.new_device_pages = self.pool.alloc(new_pages)
         wait_layer = self._start_load(req) if req.loading else None
-        device_pages = [n.device_page for n in req.nodes] + req.new_device_pages
-        slots = (
-            torch.tensor(device_pages, dtype=torch.int64).repeat_interleave(page) * page
-            + torch.arange(page, dtype=torch.int64).repeat(len(device_pages))
-        )[: len(req.tokens)]
+        slots = self._slots(req)
         self._count_hits(req)
         req.bookkeeping_s += time.perf_counter() - started - waited - (req.io_s - io_before)
         return Prepared(usable * page, slots, wait_layer)
+
+    def extend(self, req: Request, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Grow a prepared request by ``tokens`` that follow its sequence (tokens a decode
+        worker generates after the prompt); return the slots of the whole sequence.
+
+        Call between ``prepare`` and ``complete`` (or ``abort``), any number of times. The
+        device pages the new tokens need are allocated now (evicting like ``prepare``;
+        ``TierCapacityError`` if L1 cannot hold them), the slots of earlier tokens do not
+        change, and ``complete`` inserts every full page of the extended sequence.
+        """
+        if not req.new_device_pages:
+            raise ValueError("extend: the request is not prepared (or already completed)")
+        page = self.namespace.page_size
+        new = torch.as_tensor(tokens, dtype=torch.int64)
+        if new.dim() != 1:
+            raise ValueError(f"extend: tokens must be 1-D, got shape {tuple(new.shape)}")
+        if not new.numel():
+            return self._slots(req)
+        full = len(req.tokens) // page
+        req.tokens = torch.cat((req.tokens, new))
+        req.hashes = req.hashes[:full] + page_hashes(
+            req.tokens[full * page :].numpy().astype("<u4", copy=False),
+            page,
+            algo=self.namespace.hash_algo,
+            prior_hash=req.hashes[full - 1] if full else None,
+        )
+        needed = math.ceil(len(req.tokens) / page) - req.prefix_pages - len(req.new_device_pages)
+        if needed > 0:
+            self._make_room_l1(needed)
+            req.new_device_pages.extend(self.pool.alloc(needed))
+        return self._slots(req)
+
+    def abort(self, req: Request) -> None:
+        """Give back everything ``match`` (and ``prepare``) took for ``req``, inserting nothing.
+
+        For a request that will not be completed: its promised KV could not be supplied (a
+        P/D decode worker's local restore or remote reception failed). Waits for its L2 -> L1
+        load to end (bounded by the copy; a failed load is the usual reason to abort and is
+        not re-raised); the L1 copies that load was filling are dropped, never trusted, since
+        it may have stopped half way; the request's new device pages are freed; every lock is
+        released. Prefetched L2 pages stay cached (their reads were verified). Afterwards the
+        request is dead: neither ``complete`` nor ``extend`` it.
+        """
+        op = req.prefetch
+        if op is not None and op.abandoned_from is None:  # matched, never prepared
+            # As in _settle_prefetch: mark first, then free what has ended (the rest is freed
+            # when its read's completion is polled), so each page is freed exactly once.
+            op.abandoned_from = 0
+            for i in range(len(op.hashes)):
+                if op.done[i] is not None:
+                    self._apply_abandoned_page(op, i)
+        if req.load is not None:
+            with contextlib.suppress(Exception):
+                req.load.wait_all()
+            req.load = None
+        for node in req.host_locked:
+            self.tree.release_host(node)
+        req.host_locked.clear()
+        for node in reversed(req.loading):  # deepest first: L1 stays prefix-closed
+            if node.device_page is not None:
+                self.pool.free([node.device_page])
+                self.tree.set_device(node, None)
+        self.pool.free(req.new_device_pages)
+        req.new_device_pages = []
+        held, req.loading = list(req.nodes), []
+        self._release(req, held)
+        req.nodes = []
+        for node in reversed(held):
+            self.tree.prune(node)
+        self.poll()
+
+    def _slots(self, req: Request) -> torch.Tensor:
+        """Token slots of ``req``'s whole sequence: its prefix pages, then its new pages."""
+        device_pages = [n.device_page for n in req.nodes] + req.new_device_pages
+        return page_slots(device_pages, self.namespace.page_size)[: len(req.tokens)]  # type: ignore[arg-type]
 
     def complete(self, req: Request) -> None:
         """Insert the request's new pages, apply the write policy, release everything."""

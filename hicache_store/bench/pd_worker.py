@@ -1,0 +1,293 @@
+"""P/D workers on the mini engine, as real processes (``bench pd`` and the P/D tests).
+
+``WorkerSetup`` says everything a worker process needs (model config, page size, its tier's
+sizes, the transport); it travels as JSON on the command line. A prefill worker process::
+
+    python -m hicache_store.bench.pd_worker prefill SETUP_JSON
+
+reads the control channel's key from ``HICACHE_PD_AUTHKEY`` (hex), listens on 127.0.0.1,
+prints ``READY <host> <port>`` and serves decode connections one after the other
+(``pd.PrefillWorker``), printing ``STATS <json>`` after each, until its stdin is closed. ``start_prefill`` launches one and waits for it to be ready;
+``decode_side`` builds the matching decode worker in the calling process (the tests, and the
+decode process of ``bench pd``).
+
+Both sides compute with one torch thread: the mini engine is bit-exact across processes only
+at equal thread counts (``engine.model``), and the tests compare decode-side logits with a
+single-process recompute bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hicache_store.backends.base import Backend
+from hicache_store.engine.config import MiniLlamaConfig
+from hicache_store.engine.kv_pool import DeviceKVPool
+from hicache_store.engine.model import MiniLlama
+from hicache_store.pd import (
+    Channel,
+    ChannelListener,
+    DecodeWorker,
+    PrefillWorker,
+    open_transport,
+)
+from hicache_store.pd.state import StateCodec
+from hicache_store.tier.cache import HiCache
+from hicache_store.tier.config import TierConfig
+
+from .multiturn import namespace_for
+
+AUTHKEY_ENV = "HICACHE_PD_AUTHKEY"
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """One worker's configuration. ``l2_pages = 0``: no host tier; for the decode side,
+    ``reuse=False`` means no decode-side cache at all (every prompt's KV comes from prefill)."""
+
+    model: dict[str, Any]
+    page_size: int
+    l1_pages: int
+    l2_pages: int = 0
+    reuse: bool = True
+    transport: str = "tcp"
+    timeout_s: float = 60.0
+    send_rows: int = 64
+    landing_rows: int = 256
+    threads: int = 1
+    tier_options: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSetup:
+        return cls(**json.loads(text))
+
+    @property
+    def config(self) -> MiniLlamaConfig:
+        return MiniLlamaConfig(**self.model)
+
+
+def build_tier(setup: WorkerSetup, model: MiniLlama, backend: Backend | None = None) -> HiCache:
+    """A tier over a fresh device pool of ``setup``'s sizes for ``model`` (L3: ``backend``)."""
+    pool = model.make_pool(setup.l1_pages, setup.page_size)
+    config = TierConfig(l1_pages=setup.l1_pages, l2_pages=setup.l2_pages, **setup.tier_options)
+    return HiCache(namespace_for(model.config, setup.page_size), config, pool, backend=backend)
+
+
+def state_codec(setup: WorkerSetup) -> StateCodec | None:
+    """The model's extra-state codec (None: a full-attention model needs none)."""
+    return None
+
+
+def prefill_main(setup_json: str) -> int:
+    """The prefill worker process (see the module docstring): serves decode connections one
+    after the other, printing ``STATS`` after each, until its stdin is closed."""
+    setup = WorkerSetup.from_json(setup_json)
+    torch.set_num_threads(setup.threads)
+    authkey = bytes.fromhex(os.environ[AUTHKEY_ENV])
+    model = MiniLlama(setup.config)
+    tier = build_tier(setup, model)
+    pool = tier.pool
+    assert isinstance(pool, DeviceKVPool)
+
+    def compute(
+        tokens: torch.Tensor, start: int, slots: torch.Tensor, wait_layer: Any, _state: Any
+    ) -> torch.Tensor:
+        return model.prefill(tokens, start, slots, pool, wait_layer, last_only=True)
+
+    transport = open_transport(setup.transport, timeout_s=setup.timeout_s)
+    worker = PrefillWorker(
+        tier, compute, transport, send_rows=setup.send_rows, state=state_codec(setup)
+    )
+    listener = ChannelListener(authkey)
+
+    def exit_when_parent_is_done() -> None:
+        sys.stdin.read()  # EOF: the parent closed our stdin (or died)
+        os._exit(0)  # the accept loop cannot be interrupted portably; nothing to flush
+
+    threading.Thread(target=exit_when_parent_is_done, daemon=True).start()
+    host, port = listener.address
+    print(f"READY {host} {port}", flush=True)
+    while True:
+        channel = listener.accept()
+        try:
+            with torch.inference_mode():
+                worker.serve(channel)
+        finally:
+            channel.close()
+        stats = {
+            "requests": worker.requests,
+            "bytes_sent": worker.bytes_sent,
+            "tier": tier.metrics.to_dict(),
+        }
+        print(f"STATS {json.dumps(stats)}", flush=True)
+
+
+class PrefillProcess:
+    """A running prefill worker process (``start_prefill``); use as a context manager."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen[str],
+        setup: WorkerSetup,
+        address: tuple[str, int],
+        authkey: bytes,
+        log: Path,
+    ) -> None:
+        self.proc = proc
+        self.setup = setup
+        self.address = address
+        self.authkey = authkey
+        self.log = log
+        self.stats: dict[str, Any] = {}
+
+    def connect(self) -> Channel:
+        return Channel.connect(self.address, self.authkey)
+
+    def connection_stats(self, timeout: float = 30.0) -> dict[str, Any]:
+        """The ``STATS`` the process prints once a decode connection has ended (cumulative
+        over the process's connections)."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            line = self.proc.stdout.readline() if ready else ""
+            if line.startswith("STATS "):
+                self.stats = json.loads(line[len("STATS ") :])
+                return self.stats
+            if ready and not line:
+                break  # EOF: the process is gone
+        raise RuntimeError(f"the prefill worker printed no STATS:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """End the process: close its stdin (it exits), kill it if it does not."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def __enter__(self) -> PrefillProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_prefill(
+    setup: WorkerSetup,
+    *,
+    env: dict[str, str] | None = None,
+    log_dir: Path | None = None,
+    timeout: float = 120.0,
+) -> PrefillProcess:
+    """Launch a prefill worker process and wait until it listens (``RuntimeError`` with its
+    log's tail if it exits or stays silent for ``timeout`` seconds)."""
+    authkey = secrets.token_bytes(32)
+    folder = log_dir or Path(tempfile.mkdtemp(prefix="hicache-pd-"))
+    log = folder / "prefill.log"
+    child_env = dict(os.environ, **(env or {}))
+    child_env[AUTHKEY_ENV] = authkey.hex()
+    child_env.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(  # noqa: S603 - our own module, fixed arguments, no shell
+            [sys.executable, "-m", "hicache_store.bench.pd_worker", "prefill", setup.to_json()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=child_env,
+        )
+    process = PrefillProcess(proc, setup, ("", 0), authkey, log)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, left))
+        line = proc.stdout.readline() if ready else ""
+        if line.startswith("READY "):
+            _, host, port = line.split()
+            process.address = (host, int(port))
+            return process
+        if proc.poll() is not None or left <= 0:
+            process.stop()
+            raise RuntimeError(
+                f"the prefill worker did not start (exit {proc.returncode}):\n"
+                f"{process.log_tail()}"
+            )
+
+
+def decode_side(
+    setup: WorkerSetup,
+    prefill: PrefillProcess,
+    model: MiniLlama | None = None,
+    *,
+    backend: Backend | None = None,
+) -> tuple[DecodeWorker, MiniLlama]:
+    """A decode worker in this process, connected and handshaken with ``prefill`` (its cache's
+    L3: ``backend``). ``close_decode_side`` releases everything it built."""
+    model = model or MiniLlama(setup.config)
+    namespace = namespace_for(model.config, setup.page_size)
+    tier = build_tier(setup, model, backend) if setup.reuse else None
+    pool = tier.pool if tier is not None else model.make_pool(setup.l1_pages, setup.page_size)
+    transport = open_transport(setup.transport, timeout_s=setup.timeout_s)
+    worker = DecodeWorker(
+        pool,
+        namespace,
+        transport,
+        prefill.connect(),
+        tier=tier,
+        landing_rows=setup.landing_rows,
+        timeout_s=setup.timeout_s,
+        state=state_codec(setup),
+    )
+    worker.handshake()
+    return worker, model
+
+
+def close_decode_side(worker: DecodeWorker) -> None:
+    """Close a ``decode_side`` worker, its cache and its transport."""
+    try:
+        worker.close()
+        if worker.tier is not None:
+            worker.tier.close()
+    finally:
+        worker.transport.close()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "prefill":
+        return prefill_main(argv[1])
+    print("usage: python -m hicache_store.bench.pd_worker prefill SETUP_JSON", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,43 @@
+"""Shared helpers of the P/D tests (the fixtures are in ``conftest``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hicache_store.bench.pd_worker import WorkerSetup
+from hicache_store.engine.config import MiniLlamaConfig
+from hicache_store.engine.model import MiniLlama
+from hicache_store.pd import DecodeWorker, Served
+
+PAGE = 4
+CONFIG = MiniLlamaConfig()  # the tiny preset: 4 layers, 2 KV heads of 16, float32
+
+TRANSPORTS = ["tcp", pytest.param("mooncake", marks=pytest.mark.mooncake)]
+
+
+def setup_for(transport: str, **options: object) -> WorkerSetup:
+    return WorkerSetup(
+        model=CONFIG.to_dict(), page_size=PAGE, transport=transport, **options  # type: ignore[arg-type]
+    )
+
+
+ROW = 4 * 2 * PAGE * 2 * 16 * 4  # bytes of one page: layers x K/V x tokens x heads x dim x 4
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(CONFIG.vocab_size) for _ in range(n)]
+
+
+def decode_step(model: MiniLlama, worker: DecodeWorker, served: Served, answer: list[int]) -> None:
+    """Decode ``answer`` after the served prompt; its logits must equal a full recompute."""
+    slots = served.extend(answer)
+    n = len(served.prompt)
+    logits = model.prefill(torch.tensor(answer), n, slots, worker.pool)  # type: ignore[arg-type]
+    full = model.forward_full(torch.tensor(served.prompt + answer))
+    assert torch.equal(logits, full[n:]), "decode logits differ from a single-process recompute"
+    served.finish()
+
+

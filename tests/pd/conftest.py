@@ -1,0 +1,43 @@
+"""Fixtures of the P/D tests: a real prefill worker process per transport, on the tiny model.
+
+The prefill process (``bench.pd_worker``) keeps its cache across the decode connections of a
+module; each test builds its own decode worker in this process (``decode_side``) and closes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from _pd_support import CONFIG, TRANSPORTS, setup_for
+
+from hicache_store.bench.pd_worker import PrefillProcess, start_prefill
+from hicache_store.engine.model import MiniLlama
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread() -> None:
+    # Bit-exact logits across processes need equal intra-op thread counts (engine.model).
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model() -> MiniLlama:
+    return MiniLlama(CONFIG)
+
+
+def start(transport: str, **options: object) -> PrefillProcess:
+    if transport == "mooncake":
+        pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine is not installed")
+    return start_prefill(setup_for(transport, **{"l1_pages": 256, **options}))
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def prefill(request: pytest.FixtureRequest) -> Iterator[PrefillProcess]:
+    """A prefill worker process for the module, one per transport."""
+    process = start(request.param)
+    try:
+        yield process
+    finally:
+        process.stop()
