@@ -246,13 +246,13 @@ def start_prefill(
 
 def decode_side(
     setup: WorkerSetup,
-    prefill: PrefillProcess,
+    channel: Channel,
     model: MiniLlama | None = None,
     *,
     backend: Backend | None = None,
 ) -> tuple[DecodeWorker, MiniLlama]:
-    """A decode worker in this process, connected and handshaken with ``prefill`` (its cache's
-    L3: ``backend``). ``close_decode_side`` releases everything it built."""
+    """A decode worker in this process, handshaken with the prefill worker at the other end of
+    ``channel`` (its cache's L3: ``backend``). ``close_decode_side`` releases all it built."""
     model = model or MiniLlama(setup.config)
     namespace = namespace_for(model.config, setup.page_size)
     tier = build_tier(setup, model, backend) if setup.reuse else None
@@ -262,7 +262,7 @@ def decode_side(
         pool,
         namespace,
         transport,
-        prefill.connect(),
+        channel,
         tier=tier,
         landing_rows=setup.landing_rows,
         timeout_s=setup.timeout_s,

@@ -37,7 +37,8 @@ def small_prefill() -> Iterator[PrefillProcess]:
 def test_a_promised_prefix_that_fails_to_restore_is_retried_without_reuse(
     prefill: PrefillProcess, model: MiniLlama, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    worker, _ = decode_side(setup_for(prefill.setup.transport, l1_pages=64, l2_pages=64), prefill, model)
+    setup = setup_for(prefill.setup.transport, l1_pages=64, l2_pages=64)
+    worker, _ = decode_side(setup, prefill.connect(), model)
     tier = worker.tier
     assert tier is not None
     rng = random.Random(11)
@@ -72,7 +73,8 @@ def test_a_promised_prefix_that_fails_to_restore_is_retried_without_reuse(
 def test_a_request_prefill_cannot_serve_fails_cleanly(
     small_prefill: PrefillProcess, model: MiniLlama
 ) -> None:
-    worker, _ = decode_side(setup_for("tcp", l1_pages=64, l2_pages=32), small_prefill, model)
+    setup = setup_for("tcp", l1_pages=64, l2_pages=32)
+    worker, _ = decode_side(setup, small_prefill.connect(), model)
     tier = worker.tier
     assert tier is not None
     rng = random.Random(12)
@@ -98,7 +100,7 @@ def test_a_stalled_prefill_times_out_and_its_landing_rows_stay_quarantined(
 
     process = start("tcp")
     setup = setup_for("tcp", l1_pages=64, l2_pages=32, timeout_s=2.0, landing_rows=32)
-    worker, _ = decode_side(setup, process, model)
+    worker, _ = decode_side(setup, process.connect(), model)
     rng = random.Random(13)
     try:
         os.kill(process.proc.pid, signal.SIGSTOP)
@@ -127,7 +129,7 @@ def test_a_dead_prefill_fails_requests_in_bounded_time(model: MiniLlama) -> None
 
     process = start("tcp")
     setup = setup_for("tcp", l1_pages=64, l2_pages=32, timeout_s=5.0)
-    worker, _ = decode_side(setup, process, model)
+    worker, _ = decode_side(setup, process.connect(), model)
     rng = random.Random(14)
     try:
         process.proc.kill()

@@ -27,7 +27,7 @@ def test_turns_reuse_l1_and_l2_and_receive_only_the_suffix(
     prefill: PrefillProcess, model: MiniLlama
 ) -> None:
     setup = setup_for(prefill.setup.transport, l1_pages=64, l2_pages=128)
-    worker, _ = decode_side(setup, prefill, model)
+    worker, _ = decode_side(setup, prefill.connect(), model)
     assert worker.layout.page_bytes == ROW
     rng = random.Random(1)
     history = tokens(rng, 41)
@@ -63,7 +63,7 @@ def test_baseline_without_decode_reuse_receives_every_token(
     prefill: PrefillProcess, model: MiniLlama
 ) -> None:
     setup = setup_for(prefill.setup.transport, l1_pages=64, reuse=False)
-    worker, _ = decode_side(setup, prefill, model)
+    worker, _ = decode_side(setup, prefill.connect(), model)
     rng = random.Random(2)
     history = tokens(rng, 30)
     try:
@@ -84,7 +84,7 @@ def test_baseline_without_decode_reuse_receives_every_token(
 def test_both_workers_must_mean_the_same_boundary(prefill: PrefillProcess, model: MiniLlama) -> None:
     """Requests whose boundary prefill cannot honour are refused before a byte is written."""
     setup = setup_for(prefill.setup.transport, l1_pages=64, l2_pages=64)
-    worker, _ = decode_side(setup, prefill, model)
+    worker, _ = decode_side(setup, prefill.connect(), model)
     rng = random.Random(3)
     prompt = tokens(rng, 22)
     good = worker.tier.match(prompt).hashes  # type: ignore[union-attr]
@@ -125,7 +125,7 @@ def test_an_l3_span_extends_the_boundary_only_once_its_prefetch_is_accepted(
     prompt = tokens(rng, 33)
     # A first decode worker serves the prompt; its cache writes the pages through to L3.
     setup = setup_for(transport, l1_pages=64, l2_pages=64)
-    first, _ = decode_side(setup, prefill, model, backend=open_backend(url))
+    first, _ = decode_side(setup, prefill.connect(), model, backend=open_backend(url))
     try:
         with torch.inference_mode():
             decode_step(model, first, first.serve(prompt), tokens(rng, 3))
@@ -138,7 +138,7 @@ def test_an_l3_span_extends_the_boundary_only_once_its_prefetch_is_accepted(
     broken = FaultyBackend(open_backend(url), FaultConfig(bit_flip_rate=1.0))
     second, _ = decode_side(
         setup_for(transport, l1_pages=64, l2_pages=64, tier_options={"write_policy": "write_back"}),
-        prefill,
+        prefill.connect(),
         model,
         backend=broken,
     )
@@ -151,7 +151,7 @@ def test_an_l3_span_extends_the_boundary_only_once_its_prefetch_is_accepted(
     finally:
         close_decode_side(second)
     # A fresh decode worker with a working L3: the accepted prefetch extends the boundary.
-    third, _ = decode_side(setup, prefill, model, backend=open_backend(url))
+    third, _ = decode_side(setup, prefill.connect(), model, backend=open_backend(url))
     try:
         with torch.inference_mode():
             served = third.serve(follow)
@@ -167,4 +167,4 @@ def test_a_mismatched_model_is_refused_at_the_handshake(prefill: PrefillProcess)
     setup = setup_for(prefill.setup.transport, l1_pages=16)
     setup = type(setup)(**{**setup.__dict__, "model": other.to_dict()})
     with pytest.raises(Exception, match="namespace"):
-        decode_side(setup, prefill)
+        decode_side(setup, prefill.connect())
