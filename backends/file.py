@@ -648,11 +648,7 @@ class FileBackend(Backend):
     async def _list_prefix(self, prefix: str) -> AsyncIterator[str]:
         # docstring inherited. From the index in key order, a page at a time (no walk); with
         # index=none, one shard directory at a time.
-        pages = self._index.key_pages(prefix)
-        while True:
-            page = await self._run(self._translated, "list_prefix", None, next, pages, None)
-            if page is None:
-                return
+        async for page in self._pages("list_prefix", self._index.key_pages(prefix)):
             for key in page:
                 yield key
 
@@ -661,13 +657,17 @@ class FileBackend(Backend):
         # stat): ``mtime`` is the object's last write or read (its eviction rank's time, ms
         # resolution), what an age-based gc of a cache wants. With index=none, one shard
         # directory at a time, the files' own times.
-        pages = self._index.entry_pages(prefix)
-        while True:
-            page = await self._run(self._translated, "list_entries", None, next, pages, None)
-            if page is None:
-                return
+        async for page in self._pages("list_entries", self._index.entry_pages(prefix)):
             for key, size, mtime in page:
                 yield ObjectStat(key, size, mtime)
+
+    async def _pages(self, operation: str, pages: Iterator[list[T]]) -> AsyncIterator[list[T]]:
+        """Each page of a blocking page iterator, fetched on the pool (one job per page)."""
+        while True:
+            page = await self._run(self._translated, operation, None, next, pages, None)
+            if page is None:
+                return
+            yield page
 
     async def _close(self) -> None:
         # Running jobs finish (they own their file descriptors); nothing new starts.

@@ -398,16 +398,14 @@ class ObjectIO:
     async def read_object(self, storage_key: str) -> tuple[ObjectHeader, memoryview] | None:
         """A whole stored object, verified (its stored size included): header and payload
         (operator tools; the cache's data path uses ``read_frame`` / ``read_blocks``)."""
-        key = _parsed(storage_key)
-        if key is None:
-            raise CorruptObjectError(f"{storage_key[:80]!r} is not an object key")
-        (stat,) = await self._bounded(self.backend.stat([storage_key]))
-        if stat is None:
+        found = await self._stored(storage_key)
+        if found is None:
             return None
-        frame = memoryview(bytearray(stat.size))
+        key, size = found
+        frame = memoryview(bytearray(size))
         header_len = self.header_bytes(key.coords.num_layers)
-        if stat.size <= header_len:
-            raise TruncatedObjectError(f"{storage_key}: {stat.size} bytes hold no payload")
+        if size <= header_len:
+            raise TruncatedObjectError(f"{storage_key}: {size} bytes hold no payload")
         header = await self.read_frame(key, frame)
         if header is None:
             return None
@@ -434,13 +432,10 @@ class ObjectIO:
         when the object is corrupt (including a size other than its frame's, or a key that
         is no object key).
         """
-        key = _parsed(storage_key)
-        if key is None:
-            raise CorruptObjectError(f"{storage_key[:80]!r} is not an object key")
-        (stat,) = await self._bounded(self.backend.stat([storage_key]))
-        if stat is None:
+        found = await self._stored(storage_key)
+        if found is None:
             return None
-        size = stat.size
+        key, size = found
         coords = key.coords
         fmt = self._tool_format(key)
         header_len = fmt.header_bytes(coords.num_layers)
@@ -491,6 +486,14 @@ class ObjectIO:
             else:
                 fmt.open_blocks(header, data, first, stop)
         return header
+
+    async def _stored(self, storage_key: str) -> tuple[ObjectKey, int] | None:
+        """The parsed key and stored size of an object (tools); None on a miss."""
+        key = _parsed(storage_key)
+        if key is None:
+            raise CorruptObjectError(f"{storage_key[:80]!r} is not an object key")
+        (stat,) = await self._bounded(self.backend.stat([storage_key]))
+        return None if stat is None else (key, stat.size)
 
     def _tool_format(self, key: ObjectKey) -> ObjectFormat:
         """The format tools read ``key`` in: this ``ObjectIO``'s when it serves a namespace,
