@@ -337,7 +337,10 @@ class UsrbioEngine:
             return
         try:
             channel.ring.submit()
-            done = self._wait_all(channel, len(prepared))
+            # Pieces aimed straight at caller memory (a registered region) cannot be left
+            # running: their wait outlasts ``timeout`` (buffer lifetime, ``_wait_all``).
+            zero_copy = any(region is not None for _, _, _, region, _ in prepared)
+            done = self._wait_all(channel, len(prepared), until_done=zero_copy)
         except OSError as exc:
             self._broken = f"submit/wait failed: {exc}"
             raise BackendUnavailableError(
@@ -362,12 +365,24 @@ class UsrbioEngine:
             else:
                 self.zero_copy_bytes += length
 
-    def _wait_all(self, channel: _Channel, count: int) -> list[Any]:
+    def _wait_all(self, channel: _Channel, count: int, *, until_done: bool = False) -> list[Any]:
+        """Wait for ``count`` completions, ``timeout`` at a time.
+
+        Past ``timeout``: with ``until_done`` (some I/O reads into or writes from caller
+        memory, which nothing can stop) keep waiting, warning each period, so that the call
+        never returns while the ring still moves the caller's bytes; otherwise give up, and
+        never use this ring (or its staging region, which late I/O may still reach) again.
+        """
         done: list[Any] = []
+        periods = 0
         while len(done) < count:
             got = channel.ring.wait(min_results=count - len(done), timeout=self.timeout)
             if not got:
-                # I/O may still land in registered memory: never reuse this ring.
+                periods += 1
+                if until_done:
+                    log.warning("USRBIO: %d I/Os into caller memory still in flight after %s; "
+                                "waiting for them", count - len(done), self.timeout * periods)
+                    continue
                 self._broken = f"{count - len(done)} I/Os not completed within {self.timeout}"
                 raise BackendUnavailableError(
                     f"USRBIO wait timed out: {self._broken}", retryable=True

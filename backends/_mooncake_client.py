@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import queue
 import socket
 import threading
@@ -67,6 +68,19 @@ RETRYABLE_CODES = frozenset(
 MISS_CODES = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, REPLICA_IS_GONE})
 
 INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda (and apt-get install libibverbs1)"
+
+#: Mooncake's own deadlines (environment variables it reads at setup) and the values we give
+#: them unless the process already set them. Its defaults are 30 s for a master RPC and for a
+#: TCP transfer without progress: a stopped master or segment holder held every call that
+#: long, and a zero-copy call (which cannot be abandoned, see ``MooncakeBackend``) with it.
+#: At 10 s they end below our default call deadline (15 s). Measured on a local deployment
+#: with the master, then the holder, stopped by SIGSTOP: 30.0 s per call with Mooncake's
+#: defaults, 5.0 s with these set to 5 s.
+MOONCAKE_TIMEOUT_ENV: dict[str, str] = {
+    "MC_RPC_TIMEOUT_MS": "10000",
+    "MC_TCP_PROGRESS_TIMEOUT_SEC": "10",
+    "MC_TCP_STATUS_TIMEOUT_SEC": "10",
+}
 
 
 def code_error(
@@ -145,6 +159,8 @@ class SharedClient:
                 f"mooncake master {self.config.master} is unreachable: {exc}",
                 backend="mooncake", operation="setup",
             ) from exc
+        for name, value in MOONCAKE_TIMEOUT_ENV.items():
+            os.environ.setdefault(name, value)  # read by Mooncake's C++ client at setup
         store = cls()
         cfg = self.config
         rc = store.setup(cfg.hostname, cfg.metadata, cfg.segment, cfg.buffer, cfg.protocol,

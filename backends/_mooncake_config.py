@@ -77,6 +77,11 @@ def parse_mooncake_size(value: Any) -> int:
     return parse_size(value)
 
 
+#: seconds a Mooncake call may take by default before ``BackendTimeoutError`` (README
+#: "Deadlines" has every backend's bounds in one table).
+DEFAULT_TIMEOUT = 15.0
+
+
 @dataclass(frozen=True)
 class MooncakeConfig:
     """Everything needed to set up one ``MooncakeDistributedStore`` client, plus our tuning.
@@ -92,7 +97,10 @@ class MooncakeConfig:
     - ``bounce``: bytes of registered staging memory for callers' buffers that are not
       registered (see ``MooncakeBackend``).
     - ``threads``: worker threads running blocking Mooncake calls (the per-process bound).
-    - ``timeout``: seconds a call may take before ``BackendTimeoutError`` (0: no deadline).
+    - ``timeout``: seconds a call may take before ``BackendTimeoutError`` (0: no deadline;
+      default 15). Mooncake's own RPC and transfer timeouts are set below it at setup (see
+      ``_mooncake_client.MOONCAKE_TIMEOUT_ENV``), so that a call which cannot be given up
+      (zero-copy into registered memory) still ends within about ``timeout``.
     """
 
     master: str
@@ -105,7 +113,7 @@ class MooncakeConfig:
     tenant: str = "default"
     bounce: int = 64 << 20
     threads: int = 4
-    timeout: float = 30.0
+    timeout: float = DEFAULT_TIMEOUT
 
     def __post_init__(self) -> None:
         host, sep, port = self.master.rpartition(":")

@@ -4,9 +4,17 @@ URLs name the filesystem after the ``+``: ``fsspec+memory://scratch/kv``,
 ``fsspec+file:///var/cache/kv``, ``fsspec+s3://bucket/kv``, ``fsspec+gcs://bucket/kv``
 (``fsspec://path?protocol=gcs`` works too). The location is the root directory; each object is
 the file ``<root>/<key>``. Options: ``max_concurrency`` (threads, default 8),
-``atomic_write`` (auto | direct | rename), ``storage_options`` (a dict handed to
+``atomic_write`` (auto | direct | rename), ``request_timeout`` (seconds one filesystem call
+may take from the caller's side, default 15), ``storage_options`` (a dict handed to
 ``fsspec.filesystem``); every other option is handed to the filesystem as a keyword
 (``endpoint_url``, ``key``, ``secret``, ``anon``, ... for s3fs; URL values arrive as strings).
+
+**Deadlines and buffer lifetime.** Every filesystem call runs on the pool and is awaited at
+most ``request_timeout``: a stopped or unreachable store fails a call with a retryable
+``BackendTimeoutError``; the thread finishes under the filesystem's own timeouts. That is safe
+for the caller's buffers by construction: reads return new ``bytes`` that the call copies into
+the caller's buffer on the event loop (never once it has ended), and writes hand the
+filesystem a copy made during the call.
 
 **Calls.** Reads use ``cat_ranges`` (one call for all the ranges of a batch: async filesystems
 such as s3fs, gcsfs and adlfs issue them concurrently) and ``cat_file``; writes use
@@ -53,8 +61,14 @@ from typing import Any, TypeVar
 from hicache_store.layout.errors import InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
-from .base import Backend
-from .errors import BackendError, BackendIOError, InvalidRangeError, translate_os_error
+from .base import Backend, abandonable, until_abandoned
+from .errors import (
+    BackendError,
+    BackendIOError,
+    BackendTimeoutError,
+    InvalidRangeError,
+    translate_os_error,
+)
 from .types import BackendURL, ByteRange, Capabilities, ObjectStat
 
 T = TypeVar("T")
@@ -66,6 +80,8 @@ DIRECT_WRITE_PROTOCOLS = frozenset({
 #: protocols whose objects live only in this process.
 PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
 ATOMIC_WRITE_MODES = ("auto", "direct", "rename")
+#: seconds one filesystem call may take by default (README "Deadlines").
+DEFAULT_REQUEST_TIMEOUT = 15.0
 
 
 class FsspecBackend(Backend):
@@ -81,6 +97,7 @@ class FsspecBackend(Backend):
         *,
         max_concurrency: int = 8,
         atomic_write: str = "auto",
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
         **filesystem_options: Any,
     ) -> None:
@@ -91,6 +108,9 @@ class FsspecBackend(Backend):
             raise ValueError(f"atomic_write must be one of {ATOMIC_WRITE_MODES}, got {atomic_write!r}")
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
+        if not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
+        self.request_timeout = float(request_timeout)
         self.protocol = protocol
         options = {**(storage_options or {}), **filesystem_options}
         self.fs: Any = fsspec.filesystem(protocol, **options)
@@ -123,6 +143,8 @@ class FsspecBackend(Backend):
             raise ValueError("name the filesystem: fsspec+<protocol>://root (e.g. fsspec+gcs://b/kv)")
         if "max_concurrency" in opts:
             opts["max_concurrency"] = int(opts["max_concurrency"])
+        if "request_timeout" in opts:
+            opts["request_timeout"] = float(opts["request_timeout"])
         return cls(protocol, url.location, **opts)
 
     def __repr__(self) -> str:
@@ -149,10 +171,19 @@ class FsspecBackend(Backend):
             ) from exc
 
     async def _run(self, operation: str, key: str | None, fn: Callable[..., T], *args: Any) -> T:
+        # The thread never touches caller memory (see "Deadlines and buffer lifetime"), so
+        # the caller may stop waiting for it: at the deadline, or when it gives up.
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._pool, lambda: self._translated(operation, key, fn, *args)
+        job = loop.run_in_executor(
+            self._pool, abandonable(lambda: self._translated(operation, key, fn, *args))
         )
+        try:
+            return await until_abandoned(asyncio.wait_for(job, self.request_timeout))
+        except TimeoutError as exc:
+            raise BackendTimeoutError(
+                f"{operation} took longer than {self.request_timeout}s",
+                backend=self.name, operation=operation, key=key,
+            ) from exc
 
     # -- exists / stat ------------------------------------------------------------------------
 

@@ -41,7 +41,10 @@ Writes still go to a temp file, flushed per ``durability``, then renamed.
 
 Options (besides the file backend's ``durability``, ``capacity_bytes``, ``io_threads``,
 ``direct_io``, ``page_cache``, ``create``, ``index``, ``lock_timeout``): ``engine`` (auto | usrbio | posix), ``ring_entries`` (default 1024),
-``staging_bytes`` (per direction, default 256 MiB), ``usrbio_timeout`` (seconds, default 60).
+``staging_bytes`` (per direction, default 256 MiB), ``usrbio_timeout`` (seconds, default 60: a
+ring wait longer than this fails the call, retryably, and the ring is not used again; I/O that
+reads into or writes from registered caller memory is waited for past it instead, since it
+would otherwise land after the call ended: the ``Backend`` buffer-lifetime contract).
 """
 
 from __future__ import annotations

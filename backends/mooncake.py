@@ -35,18 +35,25 @@ register anything for correctness. A registered buffer must stay alive and unmod
 its owner while a call on it is in flight; ``unregister_host_buffer`` waits for in-flight
 calls that use it.
 
-Deadlines: the blocking call cannot be interrupted. When one exceeds ``timeout`` the caller
-gets ``BackendTimeoutError`` at once, and the late call is cleaned up when it returns: staged
-data is not copied into the caller's buffer once the deadline has passed; a late *put* has
-its keys force-removed (its source bytes may have changed under it). A late zero-copy *read* into a
-registered buffer may still land after the deadline: the cache tier must not reuse those
-host slots before ``await backend.drain()``.
+Deadlines and buffer lifetime: the blocking call cannot be interrupted. A call that touches
+only staged memory gives up at ``timeout`` (default 15 s): the caller gets a retryable
+``BackendTimeoutError`` at once, and the worker thread copies between the caller's buffers and
+the slabs only through a ``Handoff``, so once the call has ended a late read's bytes are
+dropped and a late put no longer reads the caller's buffer (its keys are force-removed when it
+returns, since the caller was told it failed). A call that reads into or writes from
+*registered* caller memory (zero-copy: the cache tier's host pool) cannot be given up: the
+transfer engine moves those bytes itself, so the call is awaited to its end, past ``timeout``
+if need be, and its result returned. Mooncake's own RPC and transfer timeouts are lowered to
+10 s at setup (``MOONCAKE_TIMEOUT_ENV``) so that such a call still ends within about
+``timeout`` when the master or a segment holder stops answering (with Mooncake's defaults:
+30 s).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -64,10 +71,11 @@ from ._mooncake_client import (
     release,
 )
 from ._mooncake_config import MooncakeConfig
-from .base import Backend, as_byte_view
+from .base import Backend, CallAbandoned, Handoff, as_byte_view, until_abandoned
 from .errors import BackendTimeoutError, InvalidRangeError
 from .types import BackendURL, ByteRange, Capabilities, ObjectStat
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: suffix of the marker key that stands for an empty object (never part of a storage key).
@@ -115,25 +123,42 @@ class MooncakeBackend(Backend):
 
     async def _run(
         self, fn: Callable[[SharedClient], T], *, operation: str,
-        on_late: Callable[[T], None] | None = None, late: threading.Event | None = None,
+        caller_memory: Sequence[memoryview] = (), handoff: Handoff | None = None,
+        on_late: Callable[[T], None] | None = None,
     ) -> T:
         """Run ``fn(client)`` on the client's worker pool with the configured deadline.
 
-        On a timeout the call keeps running on its thread: ``late`` is set (so it stops
-        copying into caller memory), ``on_late(result)`` runs when it finishes (cleanup), and
-        ``BackendTimeoutError`` (retryable) is raised now.
+        ``caller_memory``: the caller's buffers the call reads or writes. When one lies in
+        registered memory the transfer engine touches it directly and nothing can stop it: the
+        call is awaited to its end, past the deadline if need be (Mooncake's own timeouts end
+        it, see the module docstring). Otherwise ``fn`` touches caller memory only through
+        ``handoff``, and on a timeout (or when the caller gives up) the handoff is closed (a
+        copy in progress finishes first), ``on_late(result)`` runs when the call finishes
+        (cleanup), and ``BackendTimeoutError`` (retryable) is raised now.
         """
         client = self._client if self._client is not None else await asyncio.to_thread(
             self._client_sync)
+        zero_copy = any(len(b) and client.is_registered(address_of(b), len(b))
+                        for b in caller_memory)
         future = client.executor.submit(client.call, fn, client)
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
+        running = asyncio.wrap_future(future)
         timeout = self.config.timeout or None
+        if zero_copy:
+            try:
+                return await asyncio.wait_for(asyncio.shield(running), timeout)
+            except TimeoutError:
+                log.warning("mooncake %s past its %ss deadline, into registered memory: "
+                            "waiting for it to end", operation, self.config.timeout)
+                return await running
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
-        except TimeoutError:
-            if late is not None:
-                late.set()
+            # Nothing here touches the caller's memory outside ``handoff``: the caller may
+            # stop waiting at the deadline or whenever it gives up (``until_abandoned``).
+            return await until_abandoned(asyncio.wait_for(asyncio.shield(running), timeout))
+        except (TimeoutError, CallAbandoned) as exc:
+            if handoff is not None:
+                handoff.close()
             if not future.cancel() and on_late is not None:
                 cleanup = on_late
 
@@ -141,6 +166,8 @@ class MooncakeBackend(Backend):
                     if not done.cancelled() and done.exception() is None:
                         cleanup(done.result())
                 future.add_done_callback(finished_late)
+            if isinstance(exc, CallAbandoned):
+                raise
             raise BackendTimeoutError(
                 f"{operation} took longer than {self.config.timeout}s",
                 backend=self.name, operation=operation,
@@ -205,9 +232,12 @@ class MooncakeBackend(Backend):
         empty = [k for k, b in zip(keys, buffers, strict=True) if len(b) == 0]
         items = [(k, b) for k, b in zip(keys, buffers, strict=True) if len(b) > 0]
 
+        handoff = Handoff()
+
         def work(c: SharedClient) -> list[int]:
-            # Runs on a worker thread. Staged buffers are copied into a slab here and the
-            # slab is returned only after Mooncake has read it.
+            # Runs on a worker thread. Staged buffers are copied into a slab here (through the
+            # handoff: never once the call has ended) and the slab is returned only after
+            # Mooncake has read it.
             put = c.store.batch_upsert_from if upsert else c.store.batch_put_from
             codes: dict[str, int] = {}
             direct = [(k, b, address_of(b)) for k, b in items]
@@ -221,9 +251,16 @@ class MooncakeBackend(Backend):
                 with c.staging(sum(len(b) for _, b in chunk)) as (slab, base):
                     arr, offsets, off = as_uint8(slab), [], 0
                     for _, b in chunk:
-                        arr[off : off + len(b)] = as_uint8(b)
                         offsets.append(base + off)
                         off += len(b)
+
+                    def fill(chunk: list[tuple[Any, memoryview]] = chunk,
+                             arr: Any = arr, base: int = base, offsets: list[int] = offsets) -> None:
+                        for (_, b), at in zip(chunk, offsets, strict=True):
+                            arr[at - base : at - base + len(b)] = as_uint8(b)
+
+                    if not handoff.deliver(fill):
+                        raise CallAbandoned  # the call ended: its buffers are not ours to read
                     got = put([k for k, _ in chunk], offsets, [len(b) for _, b in chunk])
                 codes.update(zip([k for k, _ in chunk], got, strict=True))
             if empty:
@@ -243,7 +280,11 @@ class MooncakeBackend(Backend):
                 self._client.store.batch_remove(
                     [*keys, *(k + EMPTY_SUFFIX for k in empty)], True)
 
-        codes = await self._run(work, operation="put", on_late=undo)
+        try:
+            codes = await self._run(work, operation="put", caller_memory=buffers,
+                                    handoff=handoff, on_late=undo)
+        finally:
+            handoff.close()
         for key, code in zip(keys, codes, strict=True):
             check_capacity(code, key)
 
@@ -272,7 +313,7 @@ class MooncakeBackend(Backend):
     async def _read_whole(
         self, keys: Sequence[str], buffers: Sequence[memoryview]
     ) -> list[int | None]:
-        late = threading.Event()
+        handoff = Handoff()
 
         def work(c: SharedClient) -> list[int]:
             codes = [0] * len(keys)
@@ -288,7 +329,7 @@ class MooncakeBackend(Backend):
             staged = [(i, buffers[i]) for i in range(len(keys)) if i not in chosen]
             for chunk in _chunks(staged, c.slab_bytes):
                 # One slab at a time (no call holds two: no deadlock between callers). The
-                # copy out to the caller is skipped once the caller has given up (``late``).
+                # copy out to the caller goes through the handoff: none once the call ended.
                 with c.staging(sum(len(b) for _, b in chunk)) as (slab, base):
                     offsets, off = [], 0
                     for _, b in chunk:
@@ -297,13 +338,24 @@ class MooncakeBackend(Backend):
                     got = c.store.batch_get_into([keys[i] for i, _ in chunk],
                                                  [base + o for o in offsets],
                                                  [len(b) for _, b in chunk])
-                    for (i, b), o, code in zip(chunk, offsets, got, strict=True):
+                    for (i, _b), code in zip(chunk, got, strict=True):
                         codes[i] = code
-                        if code > 0 and not late.is_set():
-                            as_uint8(b)[:code] = as_uint8(slab[o : o + code])
+
+                    def out(chunk: list[tuple[int, memoryview]] = chunk, slab: memoryview = slab,
+                            offsets: list[int] = offsets, got: list[int] = got) -> None:
+                        for (_, b), o, code in zip(chunk, offsets, got, strict=True):
+                            if code > 0:
+                                as_uint8(b)[:code] = as_uint8(slab[o : o + code])
+
+                    if not handoff.deliver(out):
+                        raise CallAbandoned
             return codes
 
-        codes = await self._run(work, operation="get_into", late=late)
+        try:
+            codes = await self._run(work, operation="get_into", caller_memory=buffers,
+                                    handoff=handoff)
+        finally:
+            handoff.close()
         return await self._finish_reads(keys, buffers, codes)
 
     async def _finish_reads(
@@ -341,7 +393,7 @@ class MooncakeBackend(Backend):
     ) -> list[int | None]:
         # ``get_into_ranges`` needs registered destinations even over TCP: registered buffers
         # are used directly, the others go through a slab (one at a time, as above).
-        late = threading.Event()
+        handoff = Handoff()
 
         def work(c: SharedClient) -> list[int]:
             codes = [0] * len(keys)
@@ -356,11 +408,20 @@ class MooncakeBackend(Backend):
                     out = c.store.get_into_ranges(
                         [base], [[key]], [[[0]]], [[[rng.start]]], [[[rng.length]]])
                     codes[i] = out[0][0][0]
-                    if codes[i] > 0 and not late.is_set():
-                        as_uint8(buf)[: rng.length] = as_uint8(slab[: rng.length])
+
+                    def copy(buf: memoryview = buf, slab: memoryview = slab,
+                             n: int = rng.length) -> None:
+                        as_uint8(buf)[:n] = as_uint8(slab[:n])
+
+                    if codes[i] > 0 and not handoff.deliver(copy):
+                        raise CallAbandoned
             return codes
 
-        codes = await self._run(work, operation="get_into", late=late)
+        try:
+            codes = await self._run(work, operation="get_into", caller_memory=buffers,
+                                    handoff=handoff)
+        finally:
+            handoff.close()
         results: list[int | None] = []
         missing: list[int] = []
         for i, (key, rng, code) in enumerate(zip(keys, ranges, codes, strict=True)):

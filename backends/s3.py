@@ -7,9 +7,10 @@ URL and options (URL query values are strings; keyword options override them)::
 ``endpoint_url`` (default: AWS), ``region``, ``profile``, ``max_concurrency`` (threads and
 pooled connections, default 16), ``multipart_threshold`` (default 64MiB) and
 ``multipart_chunksize`` (default 16MiB), ``connect_timeout`` / ``read_timeout`` (seconds,
-default 5 / 30), ``max_attempts`` (botocore *standard* retry mode, default 3),
-``request_timeout`` (seconds one request may take from the caller's side, retries included;
-default ``max_attempts * (connect_timeout + read_timeout) + 5``), ``conditional_put``
+default 2 / 5; the read timeout is the longest silence on a connection, not a transfer's
+length), ``max_attempts`` (botocore *standard* retry mode, default 3), ``request_timeout``
+(seconds one request of a call may take from the caller's side, retries and queueing behind
+the other requests of the batch included; default 15), ``conditional_put``
 (default true: ``put_if_absent`` is one ``PUT`` with ``If-None-Match: *``), ``check_bucket``
 (default true: ``HEAD bucket`` at open, so bad credentials fail there), ``range_coalesce_gap``
 (default 0), ``capacity_bytes`` (default none), ``addressing_style`` (auto | path | virtual),
@@ -28,17 +29,27 @@ flight and the loop never blocks. The boto3 client is thread-safe; the backend b
 **Deadlines and retries.** botocore retries throttling, 5xx and connection errors itself
 (standard mode: exponential backoff with jitter, ``max_attempts`` in all) within
 ``connect_timeout`` / ``read_timeout``; on top, each request awaits at most
-``request_timeout``, so a dead or wedged server surfaces as a retryable
-``BackendUnavailableError`` / ``BackendTimeoutError``, never as a hang. A thread whose request
-overran its deadline finishes (or fails) in the background under botocore's own timeouts.
+``request_timeout``, so a dead, stopped or wedged server surfaces as a retryable
+``BackendTimeoutError`` (or ``BackendUnavailableError``) within ``request_timeout`` (15 s by
+default; before, the default was 110 s), never as a hang. A thread whose request overran its
+deadline finishes (or fails) in the background under botocore's own timeouts (at most about
+``max_attempts * (connect_timeout + read_timeout)`` plus backoff, about 25 s by default).
+
+**Buffer lifetime** (the ``Backend`` contract): because a call can give up on its deadline
+while its thread is still inside botocore, the threads never touch caller memory outside a
+``Handoff``: a GET lands in memory of the thread's own and is copied into the caller's buffer
+only while the call still waits; a PUT copies the caller's bytes first (inside the handoff)
+and uploads the copy. Once the call has ended, a late answer is dropped and a late upload
+sends the bytes the caller had when it was still waiting. The copy costs one ``memcpy`` per
+object, small against this backend's network transfer.
 
 **Visibility.** A single ``PUT`` and a completed multipart upload are atomic in S3: readers see
 the old object, the new one, or nothing. A failed multipart upload is aborted (best effort; a
 bucket lifecycle rule ``AbortIncompleteMultipartUpload`` cleans up what an abort missed).
 
-**Reads.** Whole objects are streamed with ``readinto`` straight into the caller's buffer
-(one copy from the socket, none after); a size that does not fit is refused from the
-``Content-Length`` header before any body byte is read. Ranges are ``Range: bytes=a-b``
+**Reads.** Whole objects are streamed with ``readinto`` into the request's own memory, then
+copied into the caller's buffer (see "Buffer lifetime"); a size that does not fit is refused
+from the ``Content-Length`` header before any body byte is read. Ranges are ``Range: bytes=a-b``
 GETs; S3 clamps an over-long range, so the returned ``Content-Range`` is checked and a
 clamped answer is an ``InvalidRangeError`` (416 too). Ranges of one key in one batch that touch
 or lie within ``range_coalesce_gap`` bytes become one GET. ``s3_stats`` counts requests and the
@@ -60,6 +71,7 @@ their own view, so give each a share, or use ``gc`` from one place.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -73,7 +85,7 @@ from hicache_store.layout.keys import validate_storage_key
 from . import _s3_errors
 from ._lru import ChainLRU
 from ._s3_io import Fetch, ViewReader, parse_content_range, plan_fetches, read_exact
-from .base import Backend
+from .base import Backend, CallAbandoned, Handoff, abandonable, until_abandoned
 from .errors import BackendError, BackendIOError, CapacityError, InvalidRangeError
 from .types import BackendURL, ByteRange, Capabilities, ObjectStat, parse_bool, parse_size
 
@@ -83,12 +95,31 @@ T = TypeVar("T")
 DELETE_BATCH = 1000
 #: S3's multipart floor (every part but the last must be at least this big).
 MIN_PART_SIZE = 5 << 20
+#: default deadlines (seconds): connecting, the longest silence on a connection, and one
+#: request from the caller's side (retries included). A stopped server fails a call in
+#: ``DEFAULT_REQUEST_TIMEOUT``; README "Deadlines" has every backend's bounds in one table.
+DEFAULT_CONNECT_TIMEOUT = 2.0
+DEFAULT_READ_TIMEOUT = 5.0
+DEFAULT_REQUEST_TIMEOUT = 15.0
 
 _INT_OPTIONS = ("max_concurrency", "max_attempts")
 _FLOAT_OPTIONS = ("connect_timeout", "read_timeout", "request_timeout")
 _SIZE_OPTIONS = ("multipart_threshold", "multipart_chunksize", "capacity_bytes",
                  "range_coalesce_gap")
 _BOOL_OPTIONS = ("conditional_put", "check_bucket", "verify_ssl")
+
+
+def _snapshot(view: memoryview, handoff: Handoff) -> memoryview:
+    """A copy of the caller's bytes, taken while its call still waits (on a pool thread).
+
+    The upload then reads only the copy, so a request that outlives its call never reads the
+    caller's buffer (which the caller may already reuse). ``CallAbandoned`` when the call
+    ended before this thread got to it.
+    """
+    box: list[bytes] = []
+    if not handoff.deliver(lambda: box.append(bytes(view))):
+        raise CallAbandoned
+    return memoryview(box[0])
 
 
 @dataclass
@@ -127,8 +158,8 @@ class S3Backend(Backend):
         max_concurrency: int = 16,
         multipart_threshold: int | str = 64 << 20,
         multipart_chunksize: int | str = 16 << 20,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 30.0,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
         max_attempts: int = 3,
         request_timeout: float | None = None,
         conditional_put: bool = True,
@@ -159,8 +190,7 @@ class S3Backend(Backend):
         self.multipart_chunksize = max(parse_size(multipart_chunksize), MIN_PART_SIZE)
         self.range_coalesce_gap = parse_size(range_coalesce_gap)
         self.request_timeout = (
-            request_timeout if request_timeout is not None
-            else max_attempts * (connect_timeout + read_timeout) + 5.0
+            DEFAULT_REQUEST_TIMEOUT if request_timeout is None else request_timeout
         )
         self.conditional_put = conditional_put
         self.s3_stats = S3Stats()
@@ -195,7 +225,18 @@ class S3Backend(Backend):
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="hicache-s3")
         try:
             if check_bucket:
-                self._sync_call("open", None, self._client.head_bucket, Bucket=bucket)
+                # On a pool thread, bounded like every request: a stopped server fails the
+                # open in ``request_timeout``, not in botocore's retries of its timeouts.
+                job = self._pool.submit(
+                    self._sync_call, "open", None, self._client.head_bucket, Bucket=bucket
+                )
+                try:
+                    job.result(self.request_timeout)
+                except concurrent.futures.TimeoutError as exc:
+                    raise _s3_errors.translate(
+                        TimeoutError(), backend=self.name, operation="open",
+                        bucket=self.bucket, key=None,
+                    ) from exc
             if self.capacity_bytes is not None:
                 self._scan_prefix()
         except BaseException:
@@ -259,10 +300,12 @@ class S3Backend(Backend):
 
     async def _run(self, operation: str, key: str | None, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking function on the pool, bounded by ``request_timeout``."""
+        # The pool threads touch caller memory only through a ``Handoff`` (see "Buffer
+        # lifetime"): the caller may stop waiting at the deadline or when it gives up.
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, fn, *args)
+        future = loop.run_in_executor(self._pool, abandonable(fn), *args)
         try:
-            return await asyncio.wait_for(future, self.request_timeout)
+            return await until_abandoned(asyncio.wait_for(future, self.request_timeout))
         except asyncio.TimeoutError as exc:
             # The pool thread carries on under botocore's own timeouts; the caller moves on.
             raise _s3_errors.translate(
@@ -306,9 +349,12 @@ class S3Backend(Backend):
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def _fetch(self, fetch: Fetch, target: memoryview | None) -> memoryview | int | None:
-        """One GET. With ``target`` (a single-member fetch) the bytes land in the caller's
-        buffer and the count is returned; otherwise a new scratch view is returned."""
+    def _fetch(
+        self, fetch: Fetch, target: memoryview | None, handoff: Handoff
+    ) -> memoryview | int | None:
+        """One GET, into memory of its own. With ``target`` (a single-member fetch) the bytes
+        are then copied into the caller's buffer through ``handoff`` and the count returned
+        (``CallAbandoned`` when the call has ended meanwhile); otherwise the view is returned."""
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._object_name(fetch.key)}
         if fetch.rng is not None:
             kwargs["Range"] = f"bytes={fetch.rng.start}-{fetch.rng.end - 1}"
@@ -331,7 +377,7 @@ class S3Backend(Backend):
                     f"object of {length} bytes does not fit a {len(target)}-byte buffer",
                     backend=self.name, operation="get_into", key=fetch.key,
                 )
-            dest = target[:length] if target is not None else memoryview(bytearray(length))
+            dest = memoryview(bytearray(length))
             try:
                 read_exact(body, dest)
             except Exception as exc:
@@ -342,7 +388,15 @@ class S3Backend(Backend):
         finally:
             body.close()  # an unread body drops its connection instead of reusing it
         self._count(response, received=length)
-        return length if target is not None else dest
+        if target is None:
+            return dest
+
+        def copy() -> None:
+            target[:length] = dest
+
+        if not handoff.deliver(copy):
+            raise CallAbandoned  # the call ended while this request ran: drop the answer
+        return length
 
     def _check_range_answer(self, fetch: Fetch, response: Any, length: int) -> None:
         assert fetch.rng is not None
@@ -369,21 +423,27 @@ class S3Backend(Backend):
     ) -> list[int | None]:
         # docstring inherited
         fetches = plan_fetches(keys, ranges, self.range_coalesce_gap)
+        handoff = Handoff()
 
         async def one(fetch: Fetch) -> None:
             if len(fetch.members) == 1:
                 index = fetch.members[0][0]
-                got = await self._run("get_into", fetch.key, self._fetch, fetch, buffers[index])
+                got = await self._run(
+                    "get_into", fetch.key, self._fetch, fetch, buffers[index], handoff
+                )
                 results[index] = got if isinstance(got, int) else None
                 return
-            data = await self._run("get_into", fetch.key, self._fetch, fetch, None)
+            data = await self._run("get_into", fetch.key, self._fetch, fetch, None, handoff)
             for index, offset, length in fetch.members:
                 if isinstance(data, memoryview):
-                    buffers[index][:length] = data[offset : offset + length]
+                    buffers[index][:length] = data[offset : offset + length]  # on the loop
                     results[index] = length
 
         results: list[int | None] = [None] * len(keys)
-        await asyncio.gather(*(one(f) for f in fetches))
+        try:
+            await asyncio.gather(*(one(f) for f in fetches))
+        finally:
+            handoff.close()  # requests still running (past a deadline) deliver nothing now
         if self.capacity_bytes is not None:
             with self._lock:
                 self._lru.touch_batch([k for k, n in zip(keys, results, strict=True) if n is not None])
@@ -391,10 +451,11 @@ class S3Backend(Backend):
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def _put_single(self, key: str, view: memoryview, if_absent: bool) -> bool:
+    def _put_single(self, key: str, view: memoryview, if_absent: bool, handoff: Handoff) -> bool:
+        body = _snapshot(view, handoff)
         kwargs: dict[str, Any] = {
             "Bucket": self.bucket, "Key": self._object_name(key),
-            "Body": ViewReader(view), "ContentLength": len(view),
+            "Body": ViewReader(body), "ContentLength": len(body),
         }
         if if_absent:
             kwargs["IfNoneMatch"] = "*"
@@ -410,7 +471,7 @@ class S3Backend(Backend):
         self._count(response, sent=len(view))
         return True
 
-    async def _put_multipart(self, key: str, view: memoryview) -> None:
+    async def _put_multipart(self, key: str, view: memoryview, handoff: Handoff) -> None:
         # Parts go through the same pool as everything else; the orchestration stays on the
         # loop, so a full pool can never deadlock on parts waiting behind their parent.
         name = self._object_name(key)
@@ -423,7 +484,7 @@ class S3Backend(Backend):
         size = self.multipart_chunksize
 
         def part(number: int, start: int) -> dict[str, Any]:
-            chunk = view[start : start + size]
+            chunk = _snapshot(view[start : start + size], handoff)
             answer = self._sync_call(
                 "put", key, self._client.upload_part, Bucket=self.bucket, Key=name,
                 UploadId=upload_id, PartNumber=number, Body=ViewReader(chunk),
@@ -456,11 +517,11 @@ class S3Backend(Backend):
         with contextlib.suppress(Exception):
             self._client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id)
 
-    async def _put_one(self, key: str, view: memoryview) -> None:
+    async def _put_one(self, key: str, view: memoryview, handoff: Handoff) -> None:
         if len(view) >= self.multipart_threshold:
-            await self._put_multipart(key, view)
+            await self._put_multipart(key, view, handoff)
         else:
-            await self._run("put", key, self._put_single, key, view, False)
+            await self._run("put", key, self._put_single, key, view, False, handoff)
 
     async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
         # docstring inherited. Each object is one atomic PUT (or completed multipart upload),
@@ -468,9 +529,14 @@ class S3Backend(Backend):
         latest = dict(zip(keys, buffers, strict=True))  # a key repeated: the last one wins
         if self.capacity_bytes is not None:
             await self._reserve(latest)
-        results = await asyncio.gather(
-            *(self._put_one(k, v) for k, v in latest.items()), return_exceptions=True
-        )
+        handoff = Handoff()
+        try:
+            results = await asyncio.gather(
+                *(self._put_one(k, v, handoff) for k, v in latest.items()),
+                return_exceptions=True,
+            )
+        finally:
+            handoff.close()  # a request past its deadline reads the caller's bytes no more
         if self.capacity_bytes is not None:
             with self._lock:
                 self._lru.add_batch([
@@ -487,7 +553,13 @@ class S3Backend(Backend):
             return await super()._put_if_absent(key, buffer)
         if self.capacity_bytes is not None:
             await self._reserve({key: buffer})
-        wrote = await self._run("put_if_absent", key, self._put_single, key, buffer, True)
+        handoff = Handoff()
+        try:
+            wrote = await self._run(
+                "put_if_absent", key, self._put_single, key, buffer, True, handoff
+            )
+        finally:
+            handoff.close()
         if wrote and self.capacity_bytes is not None:
             with self._lock:
                 self._lru.add(key, len(buffer))

@@ -35,7 +35,7 @@ from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology, shard_of
-from hicache_store.objects import IOStats, L3Link
+from hicache_store.objects import DEFAULT_IO_TIMEOUT_S, IOStats, L3Link
 
 from .group import TorchGroup
 
@@ -50,7 +50,7 @@ class CPShardStore:
         group: TorchGroup,
         backend: Backend,
         *,
-        io_timeout_s: float = 30.0,
+        io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
     ) -> None:
         if pool.page_size != namespace.page_size:
             raise ValueError("pool and namespace page sizes differ")

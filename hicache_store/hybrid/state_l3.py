@@ -23,7 +23,7 @@ from hicache_store.backends.base import Backend
 from hicache_store.layout.errors import CorruptObjectError
 from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
 from hicache_store.layout.namespace import Namespace
-from hicache_store.objects import Arena, Frame, ObjectIO
+from hicache_store.objects import DEFAULT_IO_TIMEOUT_S, Arena, Frame, ObjectIO
 
 from .components import ComponentSpec
 
@@ -59,7 +59,7 @@ class StateL3:
         spec: ComponentSpec,
         *,
         payload_bytes: int | None = None,
-        io_timeout_s: float = 30.0,
+        io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
         shard: int | None = None,
     ) -> None:
         """``shard``: the rank's shard of a component sharded across ranks (a TP rank's slice

@@ -26,7 +26,8 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
                      own layers). ``pp_layers``: explicit per-stage layer counts.
 ``num_kv_heads``     the model's KV heads; default local heads x TP size (right whenever TP
                      size <= KV heads).
-``io_timeout_s``     per-page I/O deadline (default 30 s); a late page is a failure.
+``io_timeout_s``     per backend call deadline (default 20 s, above every built-in backend's
+                     own bound: README "Deadlines"); a late page is a failure.
 ``staging_mib``      staging memory per SGLang thread and direction (default 256 MiB; a read
                      window takes at most 16 pages of it).
 ``max_inflight_mib`` bytes of reads in flight per rank (default 1024 MiB).
@@ -68,6 +69,7 @@ from hicache_store.layout.namespace import Grid, ModelShape
 from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology
 from hicache_store.layout.ukv1 import ukv1_grid
+from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
 
 #: keys SGLang itself reads from the same JSON (ignored here, never an error). Any other key
 #: that is not in ``ADAPTER_KEYS`` is refused: a typo must not silently change the namespace.
@@ -142,7 +144,7 @@ class AdapterConfig:
     num_layers: int | None = None
     pp_layers: tuple[int, ...] | None = None
     num_kv_heads: int | None = None
-    io_timeout_s: float = 30.0
+    io_timeout_s: float = DEFAULT_IO_TIMEOUT_S
     staging_bytes: int = 256 << 20
     max_inflight_bytes: int = 1 << 30
     allow_clear: bool = False
@@ -212,7 +214,7 @@ class AdapterConfig:
             num_layers=_optional_int(extra, "num_layers"),
             pp_layers=tuple(int(n) for n in pp_layers) if pp_layers else None,
             num_kv_heads=_optional_int(extra, "num_kv_heads"),
-            io_timeout_s=float(extra.get("io_timeout_s", 30.0)),
+            io_timeout_s=float(extra.get("io_timeout_s", DEFAULT_IO_TIMEOUT_S)),
             staging_bytes=int(float(extra.get("staging_mib", 256)) * (1 << 20)),
             max_inflight_bytes=int(float(extra.get("max_inflight_mib", 1024)) * (1 << 20)),
             allow_clear=_optional_bool(extra, "allow_clear"),

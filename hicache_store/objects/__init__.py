@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from .arena import Arena
 from .format import FRAMED, PAGE_UNIFIED, FramedFormat, ObjectFormat, PageUnifiedFormat, format_for
-from .io import ByteBudget, Frame, IOStats, ObjectIO
+from .io import DEFAULT_IO_TIMEOUT_S, ByteBudget, Frame, IOStats, ObjectIO
 from .pages import L3Link
 from .sealed import SealedFormat
 
 __all__ = [
+    "DEFAULT_IO_TIMEOUT_S",
     "FRAMED",
     "Arena",
     "ByteBudget",

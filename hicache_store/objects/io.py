@@ -58,6 +58,12 @@ from .format import FRAMED, ObjectFormat, format_for
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: seconds one backend call of the object path may take (``ObjectIO``, the tier, the SGLang
+#: adapter). Above every built-in backend's own bound for a stopped server (15 s: S3 request,
+#: Mooncake call, fsspec call; README "Deadlines"), so such a server shows up as the backend's
+#: own retryable error; this deadline catches backends without one of their own.
+DEFAULT_IO_TIMEOUT_S = 20.0
+
 
 class ByteBudget:
     """An async limit on bytes in flight (a request larger than the limit waits for all)."""
@@ -144,7 +150,7 @@ class ObjectIO:
         *,
         fmt: ObjectFormat | None = None,
         max_inflight_bytes: int = 256 << 20,
-        io_timeout_s: float = 30.0,
+        io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
     ) -> None:
         if io_timeout_s <= 0:
             raise ValueError(f"io_timeout_s {io_timeout_s} must be positive")

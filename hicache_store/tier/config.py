@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
+
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
 HostMode = Literal["cache", "buffer_only"]
@@ -37,6 +39,9 @@ class TierConfig:
     ``max_queued_backup_pages``: L3 backups waiting beyond this are dropped and counted, so a
     slow backend never blocks compute.
     ``io_timeout_s``: an L3 operation slower than this counts as failed (degrade to recompute).
+    Default 20 s, above every built-in backend's own bound for a stopped server (15 s), so that
+    such a server shows up as the backend's retryable error first (README "Deadlines"). A read
+    past it is abandoned, and its host page quarantined until the I/O has ended.
     ``eviction_policy``: the order of eviction in each pool (``tier.eviction``:
     ``EVICTION_POLICIES``; ``lru`` by default, as SGLang).
     ``l3_record_pages``: pages the tree remembers beyond what L1 and L2 hold (pages only L3
@@ -57,7 +62,7 @@ class TierConfig:
     host_mode: HostMode = "cache"
     max_inflight_bytes: int = 256 << 20
     max_queued_backup_pages: int = 4096
-    io_timeout_s: float = 30.0
+    io_timeout_s: float = DEFAULT_IO_TIMEOUT_S
     layerwise_load: bool = True
     eviction_policy: str = "lru"
     l3_record_pages: int | None = None

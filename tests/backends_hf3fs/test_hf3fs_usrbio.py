@@ -4,16 +4,22 @@ regions, release of every USRBIO resource at close. USRBIO runs against the FAKE
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import pytest
 
 from hicache_store.backends import aligned_buffer, open_backend
-from hicache_store.backends._hf3fs_usrbio import is_hf3fs_fstype, mount_of, shm_mapping_of
-from hicache_store.backends.errors import BackendError
+from hicache_store.backends._hf3fs_usrbio import (
+    UsrbioEngine,
+    is_hf3fs_fstype,
+    mount_of,
+    shm_mapping_of,
+)
+from hicache_store.backends.errors import BackendError, BackendUnavailableError
 from hicache_store.backends.hf3fs import HF3FSBackend, HF3FSStats
 from hicache_store.testing import pattern
 
@@ -220,3 +226,33 @@ async def test_failed_io_is_an_error_and_leaves_no_temp(usrbio_store: HF3FSBacke
     assert not list((store.root / "tmp").iterdir())
     await store.close()
     assert fake_usrbio.STATE.check_clean() == []
+
+
+class _SlowRing:
+    """A ring whose I/Os complete only after ``late`` empty waits (each a timed-out period)."""
+
+    def __init__(self, late: int, count: int) -> None:
+        self.late, self.count, self.waits = late, count, 0
+
+    def wait(self, *, min_results: int, timeout: object) -> list[object]:
+        self.waits += 1
+        if self.waits <= self.late:
+            return []
+        return [SimpleNamespace(result=1, userdata=i) for i in range(self.count)]
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_io_into_caller_memory_is_waited_for_past_the_timeout(zero_copy: bool) -> None:
+    # Buffer lifetime: a ring that still moves bytes into registered caller memory cannot be
+    # given up on (the call would return while the bytes land); staged I/O can (the staging
+    # region is then never reused: the ring is marked broken).
+    engine = SimpleNamespace(timeout=timedelta(seconds=0.01), _broken=None)
+    channel = SimpleNamespace(ring=_SlowRing(late=3, count=2))
+    if zero_copy:
+        done = UsrbioEngine._wait_all(engine, channel, 2, until_done=True)  # type: ignore[arg-type]
+        assert len(done) == 2 and channel.ring.waits == 4
+        assert engine._broken is None
+    else:
+        with pytest.raises(BackendUnavailableError, match="timed out"):
+            UsrbioEngine._wait_all(engine, channel, 2)  # type: ignore[arg-type]
+        assert engine._broken is not None

