@@ -9,9 +9,10 @@ the model, so the KV bytes moved are whatever the small pool holds.
 
 * Tokens come from ``trace_tokens`` (same block id, same tokens), so the tier's page-hash chain
   reproduces the trace's sharing at any page size that divides the trace's block.
-* KV pages carry a small model shape (``KVShape``: one layer, one KV head, head_dim 4, bf16 by
-  default: 16 bytes per token), so a whole trace fits this machine's disk and memory while
-  every byte still goes through the real tier, kernels, object framing and backend.
+* KV pages carry a small model shape (``KVShape``: one layer, one KV head, head_dim 2, bf16 by
+  default: 8 bytes per token, so L2 at 64,000 blocks is 250 MiB), so a whole trace fits this
+  machine's disk and memory while every byte still goes through the real tier, kernels, object
+  framing and backend.
 * Arrival times are honoured on a scaled clock: with ``time_scale`` s > 0, request i is not
   served before ``(timestamp_i - timestamp_0) * s`` seconds into the replay, so background
   L3 writes and prefetches get the time they would have (a slower replay just runs late, and
@@ -52,7 +53,7 @@ class KVShape:
 
     layers: int = 1
     kv_heads: int = 1
-    head_dim: int = 4
+    head_dim: int = 2
     dtype: str = "bfloat16"
 
     def namespace(self, page_size: int) -> Namespace:

@@ -2,8 +2,9 @@
 
 Each capacity (the L2 size, in blocks of the trace unless a unit says otherwise) is replayed
 once per eviction policy through a fresh tier: an L1 that holds the request being served
-(or an L1 cache of ``--l1``), L2 of that capacity, and an L3 backend (the file backend in a fresh folder under
-``--workdir`` unless ``--backend``; ``none`` for L1+L2 only). Next to each replay it prints
+(or an L1 cache of ``--l1``), L2 of that capacity, and an L3 backend (unless ``--backend``, the
+file backend in a fresh folder under ``--workdir``, without flushes (``durability=none``): the
+replay measures the cache, not the disk; ``none`` for L1+L2 only). Next to each replay it prints
 what the benchmark computes from the trace alone at the same capacity: the token hit rate of
 plain block LRU (the published reference) and the clairvoyant Belady bound.
 
@@ -186,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             url = args.backend
             if url is None:
                 folder = fresh_directory(args.workdir / f"l3-{capacity}-{policy}")
-                url = f"file://{folder.resolve()}"
+                url = f"file://{folder.resolve()}?durability=none"
             elif url == "none":
                 url = None
             setup = ReplaySetup(
