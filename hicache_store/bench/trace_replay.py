@@ -41,7 +41,7 @@ from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 
 from .trace_format import Trace
 from .trace_sim import HitCount
-from .trace_tokens import request_tokens
+from .trace_tokens import blocks_tokens, request_tokens
 
 #: model name of the replay's namespace (its objects never mix with a real model's).
 REPLAY_MODEL = "hicache-store/trace-replay"
@@ -107,6 +107,11 @@ class ReplaySetup:
     and the cache measured is exactly L2's ``l2_pages``; on, L1 is a cache of its own above L2.
     ``settle``: wait for the tier's background L3 work after each request (an engine idle
     between requests): deterministic L3 contents, for tests and exact comparisons.
+    ``whole_blocks``: serve each prompt padded to whole blocks (the last, partial block gets the
+    rest of its id's tokens), so that every block of the trace takes the cache space of a whole
+    block, as in the published reference; hit tokens are still counted up to the prompt's
+    length only (``prefix_hit_tokens``). Off, a partial last block takes only its full pages,
+    as in an engine, and the cache holds a few percent more than the reference's capacity.
     """
 
     page_size: int
@@ -120,6 +125,7 @@ class ReplaySetup:
     write_policy: str = "write_through"
     prefetch_policy: str = "wait_complete"
     settle: bool = False
+    whole_blocks: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -286,7 +292,10 @@ def replay(
                         time.sleep(due - now)
                     else:
                         result.behind_s = max(result.behind_s, now - due)
-                tokens = request_tokens(request, trace.block_tokens, seed=setup.seed)
+                if setup.whole_blocks:
+                    tokens = blocks_tokens(request.hash_ids, trace.block_tokens, seed=setup.seed)
+                else:
+                    tokens = request_tokens(request, trace.block_tokens, seed=setup.seed)
                 before = (metrics.hit_tokens_l1, metrics.hit_tokens_l2, metrics.hit_tokens_l3)
                 req = tier.match(torch.from_numpy(tokens.astype(np.int64)))
                 tier.prepare(req)
@@ -297,8 +306,17 @@ def replay(
                     tier.flush(timeout=600.0)
                 counts = (result.counts.l1, result.counts.l2, result.counts.l3)
                 after = (metrics.hit_tokens_l1, metrics.hit_tokens_l2, metrics.hit_tokens_l3)
-                for count, old, new in zip(counts, before, after, strict=True):
-                    count.add(index, new - old, request.input_length)
+                # Hits past the prompt (its padding) are not tokens of the trace: cap the
+                # total at the prompt, as ``prefix_hit_tokens`` does, taking the excess from
+                # the slowest tier that served it.
+                hits = [new - old for old, new in zip(before, after, strict=True)]
+                excess = max(0, sum(hits) - request.input_length)
+                for tier_index in (2, 1, 0):
+                    cut = min(excess, hits[tier_index])
+                    hits[tier_index] -= cut
+                    excess -= cut
+                for count, hit in zip(counts, hits, strict=True):
+                    count.add(index, hit, request.input_length)
                 result.bookkeeping_s.append(req.bookkeeping_s)
                 if progress is not None:
                     progress(index + 1)

@@ -232,9 +232,10 @@ def _progress(label: str, total: int, quiet: bool) -> Any:
 
 
 def gap_closed(result: dict[str, Any]) -> float | None:
-    """Share of the LRU-to-Belady gap the replay closed (None when there is no gap)."""
+    """Share of the LRU-to-Belady gap the replay closed (None when the gap is under a point:
+    a share of nothing says nothing)."""
     gap = result["belady"] - result["lru_reference"]
-    if gap <= 1e-9:
+    if gap < 0.01:
         return None
     return float((result["hit_rate"] - result["lru_reference"]) / gap)
 
