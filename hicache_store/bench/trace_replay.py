@@ -233,8 +233,12 @@ def _sum_counts(a: HitCount, b: HitCount) -> HitCount:
     )
 
 
-def longest_request_pages(trace: Trace, page_size: int) -> int:
-    """Pages of the longest prompt: the smallest L1 that can serve every request."""
+def longest_request_pages(trace: Trace, page_size: int, *, whole_blocks: bool = True) -> int:
+    """Pages of the longest prompt (padded to whole blocks when ``whole_blocks``, as the
+    replay serves it): the smallest L1 that can serve every request."""
+    if whole_blocks:
+        blocks = max((len(r.hash_ids) for r in trace.requests), default=1)
+        return blocks * (trace.block_tokens // page_size)
     return max((-(-r.input_length // page_size) for r in trace.requests), default=1)
 
 

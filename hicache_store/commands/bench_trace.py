@@ -75,6 +75,12 @@ def register(subparsers: Any) -> None:
         default="write_through",
         choices=["write_through", "write_through_selective", "write_back"],
     )
+    parser.add_argument(
+        "--partial-blocks",
+        action="store_true",
+        help="store a prompt's partial last block as an engine does (its full pages only) "
+        "instead of padding it to a whole block as the published reference counts it",
+    )
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
     parser.add_argument("--chart", type=Path, metavar="PNG", help="write a PNG chart")
@@ -156,14 +162,13 @@ def run(args: argparse.Namespace) -> int:
         capacities = [pages(c) for c in args.capacities.split(",") if c.strip()]
         if not capacities:
             raise ValueError("--capacities: no capacity given")
-        l1 = pages(args.l1) if args.l1 else longest_request_pages(trace, page)
+        whole = not args.partial_blocks
+        longest = longest_request_pages(trace, page, whole_blocks=whole)
+        l1 = pages(args.l1) if args.l1 else longest
     except (OSError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    if l1 < longest_request_pages(trace, page):
-        raise UsageError(
-            f"--l1: {l1} pages cannot hold the longest prompt "
-            f"({longest_request_pages(trace, page)} pages)"
-        )
+    if l1 < longest:
+        raise UsageError(f"--l1: {l1} pages cannot hold the longest prompt ({longest} pages)")
     per_block = trace.block_tokens // page
     print(
         f"trace {trace.name}: {len(trace)} requests over {trace.duration_s:.0f} s, "
@@ -195,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
                 l1_pages=l1,
                 l2_pages=capacity,
                 l1_cache=args.l1 is not None,
+                whole_blocks=whole,
                 backend_url=url,
                 eviction_policy=policy,
                 time_scale=args.time_scale,

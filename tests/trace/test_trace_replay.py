@@ -12,7 +12,7 @@ from _trace_helpers import make_trace
 
 from hicache_store.bench.trace_format import Trace
 from hicache_store.bench.trace_replay import ReplaySetup, parse_capacity, replay
-from hicache_store.bench.trace_sim import block_policy, simulate
+from hicache_store.bench.trace_sim import block_policy, lru_reference, simulate
 from hicache_store.cli import main
 
 BLOCK = 512
@@ -84,6 +84,26 @@ def test_l3_serves_what_l2_evicted(tmp_path: Path) -> None:
     assert summary["prefetch"]["complete"] == 2
     assert summary["hit_rate"] == 0.0
     assert summary["hit_rate_with_l3"] == pytest.approx(2 * BLOCK / trace.input_tokens)
+
+
+def test_whole_blocks_give_a_partial_block_a_whole_blocks_space() -> None:
+    # L2 of 2 blocks (8 pages). r1's last block holds 100 tokens: as a whole block (the
+    # reference's accounting) it takes 4 pages and pushes block 1 out, so r2 misses, as in the
+    # published LRU; as an engine stores it (full pages only: none here) block 1 stays.
+    trace = make_trace([[1], [2, 3], [1]], block=BLOCK, lengths=[512, 612, 512])
+    whole = replay(trace, setup(2))
+    assert whole.counts.l2.hit_tokens == lru_reference(trace, 2).hit_tokens == 0
+    partial = replay(trace, setup(2, whole_blocks=False))
+    assert partial.counts.l2.hit_tokens == 3 * PAGE  # block 1 but its last page (computed)
+    assert whole.counts.l2.input_tokens == partial.counts.l2.input_tokens == 1636
+
+
+def test_hits_on_padding_are_not_counted() -> None:
+    # r1 repeats r0, whose second block holds 10 tokens: padded, the tier hits 7 pages, but
+    # the trace's prompt has 522 tokens, so 522 count (and nothing from the padding).
+    trace = make_trace([[1, 2], [1, 2]], block=BLOCK, lengths=[522, 522])
+    result = replay(trace, setup(4))
+    assert result.counts.l2.hit_tokens == 522
 
 
 def test_page_size_must_divide_the_block() -> None:
