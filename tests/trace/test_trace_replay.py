@@ -86,6 +86,27 @@ def test_l3_serves_what_l2_evicted(tmp_path: Path) -> None:
     assert summary["hit_rate_with_l3"] == pytest.approx(2 * BLOCK / trace.input_tokens)
 
 
+def test_arc_keeps_a_returning_chain_that_lru_loses() -> None:
+    # One chain occurs every 4th request (10 times); one-off chains in between fill L2 (4
+    # blocks) before it comes back, so LRU never has it. ARC: the 1st occurrence goes to T1
+    # and out to ghost list B1; at the 2nd the B1 ghost admits it to T2 and raises T1's
+    # target p; the next one-offs still push it out of T2 (T1 is not above p: the tier makes
+    # room before it admits a request's pages) into B2; at the 3rd the B2 ghost lowers p and
+    # from the 4th on it stays: each hits all its pages but the last (a prompt computes at
+    # least its last page).
+    chains: list[list[int]] = []
+    fresh = 100
+    for i in range(40):
+        chains.append([0, 1] if i % 4 == 0 else [fresh, fresh + 1])
+        fresh += 0 if i % 4 == 0 else 2
+    trace = make_trace(chains, block=BLOCK)
+    lru = replay(trace, setup(4, eviction_policy="lru"))
+    arc = replay(trace, setup(4, eviction_policy="arc"))
+    assert lru.counts.l2.hit_tokens == 0
+    returns_kept = 10 - 3
+    assert arc.counts.l2.hit_tokens == returns_kept * (2 * BLOCK - PAGE)
+
+
 def test_whole_blocks_give_a_partial_block_a_whole_blocks_space() -> None:
     # L2 of 2 blocks (8 pages). r1's last block holds 100 tokens: as a whole block (the
     # reference's accounting) it takes 4 pages and pushes block 1 out, so r2 misses, as in the
