@@ -276,9 +276,8 @@ def replay(
         "l2_pages": setup.l2_pages,
         "write_policy": setup.write_policy,
         "prefetch_policy": setup.prefetch_policy,
+        "eviction_policy": setup.eviction_policy,
     }
-    if setup.eviction_policy != "lru":
-        config_options["eviction_policy"] = setup.eviction_policy
     tier = HiCache(namespace, TierConfig(**config_options), pool, backend=backend)
     result = ReplayResult(
         setup, trace.block_tokens, namespace.page_bytes, TierCounts.empty(len(trace))

@@ -88,35 +88,19 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def tier_policies() -> tuple[str, tuple[str, ...]]:
-    """The eviction policy the tier uses by default, and those it can run."""
-    import dataclasses
-
-    from hicache_store.tier.config import TierConfig
-    from hicache_store.tier.eviction import EVICTION_POLICIES
-
-    fields = {f.name: f for f in dataclasses.fields(TierConfig)}
-    if "eviction_policy" not in fields:
-        return "lru", ("lru",)  # a tier that evicts by LRU only
-    return str(fields["eviction_policy"].default), EVICTION_POLICIES
-
-
 def resolve_policies(text: str) -> list[str]:
     """Policy names from ``--policy`` (``default`` is the tier's default), in order, once each."""
-    from hicache_store.tier.eviction import EVICTION_POLICIES
+    from hicache_store.tier.eviction import DEFAULT_EVICTION_POLICY, EVICTION_POLICIES
 
-    default, runnable = tier_policies()
     names: list[str] = []
     for item in (p.strip() for p in text.split(",")):
         if not item:
             continue
-        name = default if item == "default" else item
+        name = DEFAULT_EVICTION_POLICY if item == "default" else item
         if name not in EVICTION_POLICIES:
             raise UsageError(
                 f"--policy: {item!r} is not one of {', '.join(EVICTION_POLICIES)}, default"
             )
-        if name not in runnable:
-            raise UsageError(f"--policy {name}: this tier can run {', '.join(runnable)} only")
         if name not in names:
             names.append(name)
     if not names:

@@ -14,6 +14,9 @@ from hicache_store.bench.trace_format import Trace
 from hicache_store.bench.trace_replay import ReplaySetup, parse_capacity, replay
 from hicache_store.bench.trace_sim import block_policy, lru_reference, simulate
 from hicache_store.cli import main
+from hicache_store.commands.bench_trace import resolve_policies
+from hicache_store.tier.config import TierConfig
+from hicache_store.tier.eviction import DEFAULT_EVICTION_POLICY
 
 BLOCK = 512
 PAGE = 128  # four pages per block
@@ -205,3 +208,11 @@ def test_bench_trace_refuses_bad_flags(
     code = main(["bench", "trace", str(trace), "--backend", "none", "--no-progress", *flags])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+
+def test_policy_default_names_the_tiers_default() -> None:
+    # "default" is the tier's own default; each name once, in order. (That "lru" really runs
+    # LRU under a tier whose default is ARC: test_arc_keeps_a_returning_chain_that_lru_loses.)
+    assert TierConfig(l1_pages=1, l2_pages=1).eviction_policy == DEFAULT_EVICTION_POLICY
+    assert resolve_policies("default, lru,default") == [DEFAULT_EVICTION_POLICY, "lru"]
