@@ -2,11 +2,11 @@
 
 Same workload, tier configurations and records as ``bench.multiturn``; the model is
 ``HybridMiniLlama`` (the preset's layers, every other one a sliding-window layer, plus a recurrent
-layer) served through ``HybridCache``. Besides the token hit rates by tier, each configuration
-reports per-component hit rates: for the full-attention KV, the sliding-window pages and the
-recurrent snapshots, the share of prompt tokens that component alone could have resumed after,
-next to the share actually reused (every component at once), and how often each component was
-the binding one (``HybridMetrics``).
+layer) served through one ``HiCache`` with its window and recurrent components
+(``demo.hybrid``). Besides the token hit rates by tier, each configuration reports per-component
+hit rates: for the full-attention KV, the sliding-window pages and the recurrent snapshots, the
+share of prompt tokens that component alone could have resumed after, next to the share actually
+reused (every component at once), and how often each component was the binding one.
 
 Sizing (memory-fair): the window-page pools have as many pages as the KV pools (with every other
 layer a window layer, the same bytes); only the window pages before checkpoints are kept, so the
@@ -16,29 +16,21 @@ window), at least ``MIN_SNAPSHOT_SLOTS``.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from hicache_store.backends import open_backend
+from hicache_store.demo.hybrid import HybridMiniLlama, RecurrentPool, WindowPool, serve
 from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.hybrid.cache import HybridCache, HybridMetrics, run_request
-from hicache_store.hybrid.model import HybridMiniLlama
+from hicache_store.tier.cache import HiCache
 from hicache_store.tier.config import TierConfig
 
-from .multiturn import (
-    RequestRecord,
-    SetupResult,
-    TierSetup,
-    namespace_for,
-    record_of,
-    serve_workload,
-)
+from .multiturn import SetupResult, TierSetup, namespace_for, record_of, serve_workload
 from .workload import TurnRequest, WorkloadSpec
 
 MIN_SNAPSHOT_SLOTS = 4
+COMPONENTS = ("kv", "window", "recurrent")
 
 
 def hybrid_config(base: MiniLlamaConfig, sliding_window: int) -> MiniLlamaConfig:
@@ -58,71 +50,65 @@ def run_hybrid_setup(
     *,
     checkpoint_interval_pages: int = 0,
 ) -> SetupResult:
-    """Serve the whole workload under one configuration through a ``HybridCache``."""
-    window = model.window_component(page_size)
-    per_window = 1 if window is None else len(window.spec.pages_needed(1 << 20, page_size))
+    """Serve the whole workload under one configuration through the tier and its components."""
+    namespace = namespace_for(model.config, page_size)
+    window = None
+    per_window = 1
+    if model.config.window_layers:
+        window = WindowPool(model.config, namespace, setup.l1_pages, l2_slots=setup.l2_pages)
+        per_window = len(window.component.spec.pages_needed(1 << 20, page_size))
 
     def snapshot_slots(pages: int) -> int:
         return max(MIN_SNAPSHOT_SLOTS, pages // per_window)
 
+    recurrent = RecurrentPool(
+        model.state_dim,
+        namespace,
+        snapshot_slots(setup.l1_pages),
+        l2_slots=snapshot_slots(setup.l2_pages),
+        every=checkpoint_interval_pages,
+    )
+    components = [p.component for p in (window, recurrent) if p is not None]
     backend = open_backend(setup.backend_url) if setup.backend_url else None
-    cache = HybridCache(
-        namespace_for(model.config, page_size),
+    tier = HiCache(
+        namespace,
         TierConfig(l1_pages=setup.l1_pages, l2_pages=setup.l2_pages, **tier_options),
         model.make_pool(setup.l1_pages, page_size),
-        model.state_shape,
-        snapshot_l1_slots=snapshot_slots(setup.l1_pages),
-        snapshot_l2_slots=snapshot_slots(setup.l2_pages),
         backend=backend,
-        window=window,
-        window_l1_slots=setup.l1_pages,
-        window_l2_slots=setup.l2_pages,
-        checkpoint_interval_pages=checkpoint_interval_pages,
+        components=components,
     )
     result = SetupResult(setup)
-    prompts = HybridMetrics(
-        component_tokens=dict.fromkeys(cache.metrics.component_tokens, 0),
-        limited_by=dict.fromkeys(cache.metrics.limited_by, 0),
-    )
+    counted: dict[str, float] = {}  # per-component counters over the prompts
 
     def step(request: TurnRequest) -> None:
-        before = copy.deepcopy(cache.metrics)
-        result.records.append(_serve(model, cache, request))
-        _add_delta(prompts, before, cache.metrics)
+        before = dict(tier.metrics.extra)
+        started = time.perf_counter()
+        served = serve(tier, model, request.prompt, window=window, recurrent=recurrent)
+        # TTFT here includes ``complete``: keeping the snapshots and window pages in L1 and
+        # queuing their backups (the plain model's TTFT ends before ``complete``).
+        ttft = time.perf_counter() - started
+        result.records.append(record_of(request, served.request, page_size, ttft))
+        for name, value in tier.metrics.extra.items():
+            counted[name] = counted.get(name, 0) + value - before.get(name, 0)
         if request.answer:  # decode's KV joins the cache; not a prompt, not counted
-            run_request(cache, model, request.prompt + request.answer)
+            serve(tier, model, request.prompt + request.answer, window=window, recurrent=recurrent)
 
-    result.wall_s = serve_workload(spec, step, cache, backend, progress)
-    counters = asdict(cache.metrics)
+    result.wall_s = serve_workload(spec, step, tier, backend, progress)
+    prompt_tokens = max(1, sum(r.prompt_tokens for r in result.records))
+    hit_rates = {
+        name: counted.get(f"component_hit_tokens_{name}", 0) / prompt_tokens
+        for name in COMPONENTS
+    }
+    hit_rates["all"] = sum(r.hit_tokens for r in result.records) / prompt_tokens
     result.tier_metrics = {
-        **cache.tier.metrics.to_dict(),
+        **tier.metrics.to_dict(),
         "components": {
             # over the prompts (the records' requests), not the answers' decode prefills
-            "hit_rates": prompts.hit_rates(),
-            "limited_by": dict(prompts.limited_by),
-            # every request through the cache, answers included
-            "counters": {
-                k: v for k, v in counters.items() if k not in ("component_tokens", "limited_by")
-            },
+            "hit_rates": hit_rates,
+            "limited_by": {n: int(counted.get(f"limited_by_{n}", 0)) for n in COMPONENTS},
+            # every request through the tier, answers included
+            "counters": dict(tier.metrics.extra),
         },
     }
     return result
 
-
-def _add_delta(total: HybridMetrics, before: HybridMetrics, after: HybridMetrics) -> None:
-    """Add what one request changed in the hit counters (``after - before``) to ``total``."""
-    total.prompt_tokens += after.prompt_tokens - before.prompt_tokens
-    total.hit_tokens += after.hit_tokens - before.hit_tokens
-    for name, tokens in after.component_tokens.items():
-        total.component_tokens[name] += tokens - before.component_tokens[name]
-    for name, count in after.limited_by.items():
-        total.limited_by[name] += count - before.limited_by[name]
-
-
-def _serve(model: HybridMiniLlama, cache: HybridCache, request: TurnRequest) -> RequestRecord:
-    started = time.perf_counter()
-    _, hreq, _ = run_request(cache, model, request.prompt)
-    # TTFT here includes ``complete``: saving the snapshots and window pages into L1/L2 and
-    # queuing their L3 puts (the plain model's TTFT ends before ``complete``).
-    ttft = time.perf_counter() - started
-    return record_of(request, hreq.kv, cache.page_size, ttft)

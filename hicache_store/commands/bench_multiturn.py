@@ -100,9 +100,9 @@ def run(args: argparse.Namespace) -> int:
     from hicache_store.bench.multiturn import default_setups, fresh_directory, run_setup
     from hicache_store.bench.multiturn import write_chart as draw
     from hicache_store.bench.workload import WorkloadSpec, generate
+    from hicache_store.demo.hybrid import HybridMiniLlama
     from hicache_store.engine.config import MiniLlamaConfig
     from hicache_store.engine.model import MiniLlama
-    from hicache_store.hybrid.model import HybridMiniLlama
 
     try:
         config = MiniLlamaConfig.preset(args.preset)

@@ -27,7 +27,6 @@ import torch
 
 from hicache_store._sync import run_sync
 from hicache_store.backends.base import Backend
-from hicache_store.engine.kv_pool import DeviceKVPool
 from hicache_store.kernels.ops import unpack_pages
 from hicache_store.kernels.pools import DevicePool
 from hicache_store.layout.cp import page_owner, slot_owner
@@ -36,6 +35,7 @@ from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology, shard_of
 from hicache_store.objects import DEFAULT_IO_TIMEOUT_S, IOStats, L3Link
+from hicache_store.tier.cache import DevicePagePool
 
 from .group import TorchGroup
 
@@ -46,7 +46,7 @@ class CPShardStore:
     def __init__(
         self,
         namespace: Namespace,
-        pool: DeviceKVPool,
+        pool: DevicePagePool,
         group: TorchGroup,
         backend: Backend,
         *,
@@ -107,7 +107,7 @@ class CPShardStore:
         self.pages = restored
         return mine
 
-    def check_placement(self, reference: DeviceKVPool, tokens: int) -> bool:
+    def check_placement(self, reference: DevicePagePool, tokens: int) -> bool:
         """Whether every slot ``x < tokens`` this rank owns holds ``reference``'s slot ``x`` at
         the row ``layout.cp.slot_owner`` gives (``reference``: the full KV, slot = position)."""
         page = self.namespace.page_size
@@ -126,7 +126,7 @@ class CPShardStore:
                 return False
         return True
 
-    def gather_prefix(self, tokens: int, scratch: DeviceKVPool) -> None:
+    def gather_prefix(self, tokens: int, scratch: DevicePagePool) -> None:
         """Place the first ``tokens`` logical slots in ``scratch`` (slot = position), each from
         its owner's local row, after one all-gather of every rank's local pages."""
         page = self.namespace.page_size

@@ -4,7 +4,7 @@ Every number that changes what the engine computes passes through ``agree_min`` 
 logical point on every rank (``hicache_store.tier.group``). Here that is one ``all_reduce(MIN)``
 of an int64 over the group (gloo on CPU, NCCL-free: the tensor stays on the CPU even where GPUs
 exist, the value is a few bytes). Collectives on one process group run in call order, so the
-agreements are deterministic; what the tier must guarantee (and ``RankedHiCache`` does) is that
+agreements are deterministic; what the tier must guarantee (and ``HiCache`` does) is that
 every rank reaches the same agreements in the same order, for every request.
 
 With the consensus check on (``HICACHE_STORE_CONSENSUS_CHECK=1``, see ``consensus``), every

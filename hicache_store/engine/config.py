@@ -14,8 +14,8 @@ Layer kinds: every layer is a full-attention layer unless listed in ``window_lay
 sliding-window layers (a query at position ``t`` sees keys ``(t - sliding_window, t]``, as
 Mistral/Gemma). ``layer_kinds`` is the one place the code asks. The device KV pool holds the
 full-attention layers only (``full_layers``); a sliding-window layer's KV is a separate cache
-component with its own pools (``hicache_store.hybrid``), because resuming needs only its last
-``sliding_window`` tokens.
+component of the tier with its own pools (``hicache_store.demo.hybrid.WindowPool``), because
+resuming needs only its last ``sliding_window`` tokens.
 """
 
 from __future__ import annotations

@@ -24,8 +24,10 @@ bit rot fails the tags too.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -56,7 +58,12 @@ Row = npt.NDArray[np.uint8]
 
 
 class L3Link:
-    """Moves pages between host rows and one backend for one rank of one namespace."""
+    """Moves pages between host rows and one backend for one rank of one namespace.
+
+    ``component``: the tag of the objects (``_C{tag}`` in keys and headers; 0 = full-attention
+    KV) when the namespace is a cache component's (``tier.components``). ``read_only``: this
+    rank writes nothing (a replica that is not its component's writer).
+    """
 
     def __init__(
         self,
@@ -69,6 +76,8 @@ class L3Link:
         io_timeout_s: float,
         fmt: ObjectFormat | None = None,
         keys: KeyRing | None = None,
+        component: int = 0,
+        read_only: bool = False,
     ) -> None:
         """``fmt``: the object format (default: the namespace's, ``format_for``); ``keys``: the
         tenant key ring of a sealed namespace, which picks the formats (give one or neither)."""
@@ -101,14 +110,15 @@ class L3Link:
             older.read_budget, older.write_budget = self.io.read_budget, self.io.write_budget
         #: where a page is looked for, in order (more than one only for a rotated key ring).
         self.readers: tuple[ObjectIO, ...] = tuple(ios)
-        self.read_plan: ReadPlan = plan_reads(namespace, topology, rank)
-        self.write_plan: WritePlan | None
-        try:
-            self.write_plan = plan_writes(namespace, topology, rank)
-        except GridMismatchError as exc:
-            # A rank whose shard does not align with the grid can still read everything.
-            log.warning("L3 backups disabled for this rank: %s", exc)
-            self.write_plan = None
+        self.component = component
+        self.read_plan: ReadPlan = _tagged(plan_reads(namespace, topology, rank), component)
+        self.write_plan: WritePlan | None = None
+        if not read_only:
+            try:
+                self.write_plan = _tagged(plan_writes(namespace, topology, rank), component)
+            except GridMismatchError as exc:
+                # A rank whose shard does not align with the grid can still read everything.
+                log.warning("L3 backups disabled for this rank: %s", exc)
         #: page hashes come from ``hashing.page_hashes`` (the tier), not from outside: skip
         #: re-validating them in ``exists_prefix``'s batch. Leave False for hashes an engine
         #: passes in. (Reads and writes always validate: ``ObjectKey`` checks its parts.)
@@ -150,29 +160,42 @@ class L3Link:
             return 0
 
         async def probe(pages: Sequence[int]) -> list[bool]:
-            # Objects not found yet, as (page, object index) pairs.
-            missing = [(page, i) for page in pages for i in range(per_page)]
-            for reader in self.readers:
-                fmt = reader.format
-                names: dict[int, list[str]] = {}
-                keys = []
-                for page, i in missing:
-                    if page not in names:
-                        h = page_hashes[page]
-                        # A keyed hash is computed here (from a validated input): trusted.
-                        names[page] = self.read_plan.object_keys(
-                            fmt.stored_hash(h) if fmt.sealed else h,
-                            trusted=self.trusted_hashes or fmt.sealed,
-                        )
-                    keys.append(names[page][i])
-                found = await self.backend.exists(keys)
-                missing = [m for m, hit in zip(missing, found, strict=True) if not hit]
-                if not missing:
-                    break
-            lacking = {page for page, _ in missing}
-            return [page not in lacking for page in pages]
+            return await self._probe(page_hashes, pages)
 
         return await asyncio.wait_for(search_prefix(len(page_hashes), probe), self.io_timeout_s)
+
+    async def exists_pages(self, page_hashes: Sequence[str]) -> list[bool]:
+        """Per page: whether every object this rank reads of it is stored (under any readable
+        key); one probe per readable key."""
+        if not page_hashes or not self.read_plan.objects:
+            return [False] * len(page_hashes)
+        pages = range(len(page_hashes))
+        return await asyncio.wait_for(self._probe(page_hashes, pages), self.io_timeout_s)
+
+    async def _probe(self, page_hashes: Sequence[str], pages: Sequence[int]) -> list[bool]:
+        """Per page of ``pages``: whether every object this rank reads of it is stored."""
+        per_page = len(self.read_plan.objects)
+        # Objects not found yet, as (page, object index) pairs.
+        missing = [(page, i) for page in pages for i in range(per_page)]
+        for reader in self.readers:
+            fmt = reader.format
+            names: dict[int, list[str]] = {}
+            keys = []
+            for page, i in missing:
+                if page not in names:
+                    h = page_hashes[page]
+                    # A keyed hash is computed here (from a validated input): trusted.
+                    names[page] = self.read_plan.object_keys(
+                        fmt.stored_hash(h) if fmt.sealed else h,
+                        trusted=self.trusted_hashes or fmt.sealed,
+                    )
+                keys.append(names[page][i])
+            found = await self.backend.exists(keys)
+            missing = [m for m, hit in zip(missing, found, strict=True) if not hit]
+            if not missing:
+                break
+        lacking = {page for page, _ in missing}
+        return [page not in lacking for page in pages]
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -282,6 +305,20 @@ class L3Link:
         finally:
             arena.give(slot)
         return header is not None
+
+
+P = TypeVar("P", ReadPlan, WritePlan)
+
+
+def _tagged(plan: P, component: int) -> P:
+    """``plan`` with its objects' coordinates tagged with ``component`` (keys ``_C{tag}``)."""
+    if not component:
+        return plan
+    objects = tuple(
+        dataclasses.replace(o, coords=dataclasses.replace(o.coords, component=component))
+        for o in plan.objects
+    )
+    return dataclasses.replace(plan, objects=objects)
 
 
 def _arena(arenas: dict[int, Arena], nbytes: int) -> Arena:

@@ -20,6 +20,10 @@ class TierMetrics:
     ``tampered``: objects of a sealed namespace that failed authentication (served as misses).
     ``host_pages_quarantined``: host rows whose prefetch was abandoned while their read was
     still in flight, held back from reuse until it ended (``HiCache.quarantined_host_pages``).
+    ``extra``: per-component counters (``component_hit_tokens_<name>``: prompt tokens that
+    component alone could have resumed after; ``limited_by_<name>``: requests it shortened;
+    ``restored_l2_<name>``, ``restored_l3_<name>``, ``produced_<name>``, ``backups_l2_<name>``,
+    ``backups_l3_<name>``, ``fetch_failed_<name>``, ``evictions_l1_<name>`` ...).
     """
 
     requests: int = 0

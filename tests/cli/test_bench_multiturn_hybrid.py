@@ -43,8 +43,8 @@ def test_hybrid_run_reports_per_component_hit_rates(
         # So the components cost hits the KV alone would have had.
         assert rates["all"] < rates["kv"]
         counters = components["counters"]
-        assert counters["window_pages_saved"] > 0 and counters["snapshot_backups"] >= 0
-    assert results[2]["tier"]["components"]["counters"]["window_backups"] > 0
+        assert counters["produced_window"] > 0 and counters["produced_recurrent"] > 0
+    assert results[2]["tier"]["components"]["counters"]["backups_l3_window"] > 0
 
 
 def test_hybrid_models_have_their_own_namespace() -> None:

@@ -14,7 +14,8 @@ from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.base import Backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
-from hicache_store.distributed import RankContext, RankedHiCache, ShardedEngine
+from hicache_store.demo.launch import RankContext
+from hicache_store.demo.sharded import ShardedEngine
 from hicache_store.distributed.cp import CPShardStore
 from hicache_store.engine.config import MiniLlamaConfig
 from hicache_store.engine.kv_pool import DeviceKVPool
@@ -23,7 +24,7 @@ from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.plans import plan_reads
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import IOStats, L3Link
-from hicache_store.tier.cache import HiCache, Prepared, Request
+from hicache_store.tier.cache import HiCache
 from hicache_store.tier.config import TierConfig
 
 
@@ -103,24 +104,18 @@ def _backend(setup: Setup, faults: FaultConfig | None) -> Backend:
     return FaultyBackend(backend, faults) if faults is not None else backend
 
 
-class LegacyPrepare(RankedHiCache):
-    """A rank that agrees on ``prefetch_pages`` only when it has a prefetch (what ``HiCache``
-    once did, a real bug): what the consensus check must catch."""
+class SkipsPrefetchAgreement:
+    """A rank's group that skips the ``prefetch_pages`` agreement (what the tier once did when
+    it had no prefetch, a real bug): what the consensus check must catch."""
 
-    def prepare(self, req: Request) -> Prepared:
-        if req.prefetch is not None:
-            return super().prepare(req)
-        group: Any = self.group
-        real = group.agree_min
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
 
-        def skip_prefetch_agreement(value: int, what: str) -> int:
-            return value if what == "prefetch_pages" else int(real(value, what))
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
-        group.agree_min = skip_prefetch_agreement
-        try:
-            return super().prepare(req)
-        finally:
-            del group.agree_min
+    def agree_min(self, value: int, what: str) -> int:
+        return value if what == "prefetch_pages" else int(self.inner.agree_min(value, what))
 
 
 def serve_group(
@@ -134,19 +129,18 @@ def serve_group(
     """This rank of a ``topology`` group serves ``prompts`` (fresh L1/L2, shared L3)."""
     model = _model(ctx, setup.model_config)
     fault = (faults or {}).get(ctx.rank)
-    tier_class: type[RankedHiCache] = RankedHiCache
+    group: Any = ctx.group
     if rogue is not None and rogue.rank == ctx.rank and rogue.kind == "skip_prefetch_agreement":
-        tier_class = LegacyPrepare
+        group = SkipsPrefetchAgreement(ctx.group)
         fault = FaultConfig(read_error_rate=1.0)
     backend = _backend(setup, fault)
     engine = ShardedEngine(
         model,
         setup.namespace,
         topology,
-        ctx.group,
+        group,
         setup.tier_config,
         backend=backend,
-        tier_class=tier_class,
     )
     out = Outcome()
     try:
@@ -297,3 +291,89 @@ def fail_on_rank(ctx: RankContext, failing: int) -> int:
     if ctx.rank == failing:
         raise RuntimeError(f"rank {failing} failed on purpose")
     return ctx.group.agree_min(ctx.rank, "never_reached_by_all")
+
+
+# -- hybrid models -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HybridSetup:
+    """The hybrid mini engine (layers 1 and 3 sliding-window, a recurrent layer), 4 KV heads;
+    KV and window objects of one layer and one head each, so every topology here can write."""
+
+    l3_dir: str | None
+    page: int = 4
+    l1_pages: int = 24
+    l2_pages: int = 32
+
+    @property
+    def model_config(self) -> MiniLlamaConfig:
+        return MiniLlamaConfig(
+            num_heads=4, num_kv_heads=4, dtype="float32", window_layers=(1, 3), sliding_window=6
+        )
+
+    @property
+    def namespace(self) -> Namespace:
+        cfg = self.model_config
+        shape = ModelShape.mha(len(cfg.full_layers), cfg.num_kv_heads, cfg.head_dim)
+        return Namespace.create("hybrid-ranks", shape, "float32", self.page, Grid(1, 1))
+
+    @property
+    def tier_config(self) -> TierConfig:
+        return TierConfig(
+            l1_pages=self.l1_pages,
+            l2_pages=self.l2_pages,
+            prefetch_threshold_tokens=self.page,
+            prefetch_policy="wait_complete",
+            io_timeout_s=5.0,
+        )
+
+
+@dataclass
+class HybridOutcome:
+    starts: list[int] = field(default_factory=list)
+    exact: list[bool] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)
+    extra: dict[str, float] = field(default_factory=dict)
+    calls: int = 0
+
+
+def serve_hybrid(
+    ctx: RankContext,
+    setup: HybridSetup,
+    topology: Topology,
+    prompts: list[list[int]],
+    drops: dict[int, dict[int, list[str]]] | None = None,
+) -> HybridOutcome:
+    """This rank of a ``topology`` group serves ``prompts`` with the hybrid model (fresh L1/L2;
+    the shared L3 when ``setup.l3_dir``). ``drops[i][rank]``: page hashes whose recurrent
+    snapshot this rank loses before request ``i`` (its L1 and L2 copies)."""
+    from hicache_store.demo.hybrid import HybridMiniLlama
+
+    key = "hybrid-model"
+    if key not in ctx.scratch:
+        ctx.scratch[key] = HybridMiniLlama(setup.model_config, state_dim=8)
+    model: HybridMiniLlama = ctx.scratch[key]
+    backend = open_backend(f"file://{setup.l3_dir}") if setup.l3_dir else None
+    engine = ShardedEngine(
+        model, setup.namespace, topology, ctx.group, setup.tier_config, backend=backend
+    )
+    out = HybridOutcome()
+    try:
+        for i, prompt in enumerate(prompts):
+            for page_hash in (drops or {}).get(i, {}).get(ctx.rank, []):
+                assert engine.tier.drop(page_hash, "recurrent"), "nothing to drop"
+            served = engine.serve(prompt)
+            expected = model.forward_full(torch.tensor(prompt))[served.start :]
+            out.starts.append(served.start)
+            out.exact.append(bool(torch.equal(served.logits, expected)))
+            out.rounds.append(engine.tier.agreement_rounds)
+            engine.tier.flush()
+            engine.tier.check_invariants()
+        out.extra = dict(engine.tier.metrics.extra)
+        out.calls = ctx.group.agreements
+    finally:
+        engine.close()
+        if backend is not None:
+            run_sync(backend.close())
+    return out

@@ -7,7 +7,7 @@ import time
 import pytest
 from _dist_tasks import fail_on_rank
 
-from hicache_store.distributed import RankPool, RankTaskError
+from hicache_store.demo.launch import RankPool, RankTaskError
 
 
 def test_failure_kills_stuck_peers_instead_of_hanging() -> None:

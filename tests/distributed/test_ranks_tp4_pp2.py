@@ -9,7 +9,7 @@ import pytest
 from _dist_tasks import Setup, serve_group
 from test_ranks import TIMEOUT_S, check_group, docs
 
-from hicache_store.distributed import RankPool
+from hicache_store.demo.launch import RankPool
 from hicache_store.layout.plans import plan_reads, plan_writes
 from hicache_store.layout.topology import Topology
 

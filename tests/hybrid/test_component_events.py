@@ -1,116 +1,154 @@
-"""Component objects go to L3 in the background: queued puts, their completion events, failures
-and a bounded queue; the hybrid cache's and the sidecar draft's events (one per page, covering
-the target and the draft)."""
+"""Component objects through the tier's one transfer path: namespaced, framed, keyed without a
+rank; backed up in the background with typed completion events (one per object, every
+component, KV included); failures as events, not L3 copies, retried on the next use; a bounded
+queue; slots a request holds are never evicted under it."""
 
 from __future__ import annotations
 
 import random
 
-# the request helpers of the sibling modules (pytest puts this folder on sys.path)
-import test_draft as draft_tests
-import test_window_cache as window_tests
+import pytest
 import torch
+from _hybrid_helpers import Hybrid, hashes, make_hybrid
 
+from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
+from hicache_store.backends.base import Backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
-from hicache_store.engine.model import MiniLlama
-from hicache_store.hybrid.components import ComponentSpec, HitRule
-from hicache_store.hybrid.model import HybridMiniLlama
-from hicache_store.hybrid.state_l3 import StateL3
-from hicache_store.hybrid.store import BackupEvent, ComponentStore
-from hicache_store.layout.namespace import Grid, ModelShape, Namespace
+from hicache_store.demo.hybrid import RECURRENT_TAG, HybridMiniLlama
+from hicache_store.engine.config import MiniLlamaConfig
+from hicache_store.layout.framing import decode_header
+from hicache_store.layout.keys import ObjectCoords, object_key, parse_key
+from hicache_store.tier.transfers import BackupEvent
 
-SNAP = ComponentSpec("snap", 2, HitRule.CHECKPOINT)
-HASHES = [f"{i:064x}" for i in range(1, 9)]
-
-
-def namespace() -> Namespace:
-    return Namespace.create("events", ModelShape.mha(1, 1, 8), "float32", 4, Grid(1, 1))
+PAGE = 4
+CONFIG = MiniLlamaConfig(window_layers=(1, 3), sliding_window=8)
 
 
-def store(backend: object, **kw: int) -> ComponentStore:
-    l3 = StateL3(backend, namespace(), SNAP)  # type: ignore[arg-type]
-    return ComponentStore(
-        SNAP, (4,), torch.float32, l1_slots=8, l2_slots=8, l3=l3, async_l3=True, **kw
-    )
+@pytest.fixture(scope="module")
+def model() -> HybridMiniLlama:
+    return HybridMiniLlama(CONFIG, state_dim=8)
 
 
-def test_puts_are_queued_then_applied_with_events() -> None:
-    backend = FaultyBackend(open_backend("memory://"))
-    backend.faults = FaultConfig(latency_s=0.05)  # every put takes a while
-    s = store(backend)
-    s.save(HASHES[0], torch.arange(4.0))
-    assert s.backup(HASHES[0])
-    assert s.l3_pending(HASHES[0]) and not s.in_l3(HASHES[0])
-    assert s.metrics.backups_l3_queued == 1 and s.metrics.backups_l3 == 0
-    s.backup(HASHES[0])  # already on its way: not queued twice
-    assert s.metrics.backups_l3_queued == 1
-    assert s.flush(timeout=10) == [BackupEvent("snap", HASHES[0], True)]
-    assert s.in_l3(HASHES[0]) and s.pending_l3 == 0 and s.metrics.backups_l3 == 1
-    # a fresh store finds and loads it: the bytes are what was saved
-    reader = store(backend)
-    loaded = reader.load(HASHES[0])
-    assert loaded is not None and torch.equal(loaded, torch.arange(4.0))
+def make(model: HybridMiniLlama, backend: Backend | None = None, **kw: object) -> Hybrid:
+    return make_hybrid(model, "events", PAGE, backend=backend, **kw)  # type: ignore[arg-type]
 
 
-def test_failed_put_is_an_event_not_an_l3_copy() -> None:
-    backend = FaultyBackend(open_backend("memory://"))
-    backend.faults = FaultConfig(write_error_rate=1.0)
-    s = store(backend)
-    s.save(HASHES[1], torch.ones(4))
-    s.backup(HASHES[1])
-    assert s.flush(timeout=10) == [BackupEvent("snap", HASHES[1], False)]
-    assert not s.in_l3(HASHES[1]) and s.metrics.backups_l3_failed == 1
-    backend.faults = FaultConfig()
-    s.backup(HASHES[1])  # a later backup retries
-    assert s.flush(timeout=10) == [BackupEvent("snap", HASHES[1], True)]
+def rand(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(CONFIG.vocab_size) for _ in range(n)]
 
 
-def test_queue_is_bounded() -> None:
-    backend = FaultyBackend(open_backend("memory://"))
-    backend.faults = FaultConfig(latency_s=0.05)
-    s = store(backend, max_pending_l3=2)
-    for h in HASHES[:4]:
-        s.save(h, torch.zeros(4))
-        s.backup(h)
-    assert s.pending_l3 == 2 and s.metrics.backups_l3_dropped == 2
-    assert len(s.flush(timeout=10)) == 2
+def snapshot_key(cache: Hybrid, page_hash: str) -> str:
+    ns = cache.recurrent.namespace
+    return object_key(page_hash, ns.digest, ObjectCoords(0, 1, None, RECURRENT_TAG))
 
 
-def test_hybrid_cache_events_cover_snapshots_and_window_pages() -> None:
-    model = HybridMiniLlama(window_tests.CONFIG, state_dim=8)
+def test_objects_are_namespaced_framed_and_rankless(model: HybridMiniLlama) -> None:
     backend = open_backend("memory://")
-    cache = window_tests.make_cache(model, backend)
-    tokens = [random.Random(4).randrange(512) for _ in range(17)]
-    window_tests.serve(cache, model, tokens)  # 4 full pages, snapshot at 16
-    cache.flush()
-    events = cache.drain_events()
-    assert all(e.ok for e in events)
-    hashes = window_tests.hashes(tokens)
+    cache = make(model, backend)
+    tokens = rand(1, 13)  # 3 full pages, a checkpoint after the third
+    cache.serve(tokens)
+    cache.tier.flush()
+    page_hashes = hashes(tokens, PAGE)
+    key = snapshot_key(cache, page_hashes[2])
+    parsed = parse_key(key)
+    assert key.endswith("_L0-0_C2") and "_H" not in key  # no rank, no head group
+    assert parsed.namespace_digest == cache.recurrent.namespace.digest
+    raw = run_sync(backend.get_bytes(key))
+    assert raw is not None
+    header = decode_header(raw, object_length=len(raw))
+    assert header.coords.component == RECURRENT_TAG and header.parent_hash == page_hashes[1]
+    # another model's tier never sees it: its components are in its own namespaces
+    other = make_hybrid(model, "another-model", PAGE, backend=backend)
+    assert other.serve(tokens) == 0
+    cache.close()
+    other.close()
+
+
+def test_backups_end_in_typed_events(model: HybridMiniLlama) -> None:
+    backend = open_backend("memory://")
+    cache = make(model, backend)
+    tokens = rand(4, 17)  # 4 full pages, snapshot at 16
+    cache.serve(tokens)
+    cache.tier.flush()
+    events = cache.tier.drain_events()
+    assert all(isinstance(e, BackupEvent) and e.ok for e in events)
+    page_hashes = hashes(tokens, PAGE)
     by_component = {(e.component, e.page_hash) for e in events}
-    # the snapshot at 16 tokens and the window pages before it (tokens 9..15: pages 2, 3)
-    assert by_component == {("recurrent", hashes[3])} | {("window", h) for h in hashes[2:]}
-    assert cache.drain_events() == []
+    # every KV page; the snapshot at 16 tokens and the window pages before it (pages 2, 3)
+    assert by_component == (
+        {("kv", h) for h in page_hashes}
+        | {("recurrent", page_hashes[3])}
+        | {("window", h) for h in page_hashes[2:]}
+    )
+    assert cache.tier.drain_events() == []
     cache.close()
 
 
-def test_sidecar_page_event_waits_for_target_and_draft() -> None:
-    target, draft = MiniLlama(draft_tests.TARGET_CFG), MiniLlama(draft_tests.DRAFT_CFG)
-    backend = FaultyBackend(open_backend("memory://"))
-    cache = draft_tests.sidecar((target, draft), backend)
-    tokens = draft_tests.rand(random.Random(5), 13)  # 3 full pages
-    draft_tests.serve(cache, (target, draft), tokens)
-    cache.flush()
-    events = cache.drain_events()
-    hashes = draft_tests.hashes(tokens)
-    assert [(e.component, e.page_hash, e.ok) for e in events] == [
-        ("target+draft", h, True) for h in hashes[:3]
-    ]
-    # draft puts failing: the page event says so, even though the target's object is stored
-    backend.faults = FaultConfig(write_error_rate=1.0)
-    more = tokens[:12] + draft_tests.rand(random.Random(6), 5)
-    draft_tests.serve(cache, (target, draft), more)
-    cache.flush()
-    new = [e for e in cache.drain_events() if e.page_hash == draft_tests.hashes(more)[3]]
-    assert [e.ok for e in new] == [False]
+def test_failed_put_is_an_event_not_an_l3_copy_and_is_retried(model: HybridMiniLlama) -> None:
+    backend = FaultyBackend(open_backend("memory://"), FaultConfig(write_error_rate=1.0))
+    cache = make(model, backend)
+    tokens = rand(5, 9)  # 2 full pages: a snapshot after page 1
+    cache.serve(tokens)
+    cache.tier.flush()
+    events = [e for e in cache.tier.drain_events() if e.component == "recurrent"]
+    assert events == [BackupEvent(hashes(tokens, PAGE)[1], "recurrent", False)]
+    node = cache.tier.tree.get(hashes(tokens, PAGE)[1])
+    held = None if node is None else node.held(RECURRENT_TAG)
+    assert held is not None and not held.in_l3 and held.l2 is not None
+    backend.faults = FaultConfig()
+    assert cache.serve([*tokens[:8], 3, 3]) == 8  # uses the snapshot: its backup is retried
+    cache.tier.flush()
+    retried = [e for e in cache.tier.drain_events() if e.component == "recurrent"]
+    assert retried == [BackupEvent(hashes(tokens, PAGE)[1], "recurrent", True)]
+    assert run_sync(backend.exists([snapshot_key(cache, hashes(tokens, PAGE)[1])])) == [True]
     cache.close()
+
+
+def test_backup_queue_is_bounded(model: HybridMiniLlama) -> None:
+    backend = FaultyBackend(open_backend("memory://"), FaultConfig(latency_s=0.05))
+    cache = make(model, backend, max_queued_backup_pages=3)
+    cache.serve(rand(6, 33))  # 8 KV pages, a snapshot and its window pages: more than 3
+    dropped = cache.tier.metrics.backups_dropped + sum(
+        v for k, v in cache.tier.metrics.extra.items() if k.startswith("backups_dropped_")
+    )
+    assert dropped > 0
+    assert cache.tier._transfers.in_flight <= 3
+    cache.tier.flush()
+    cache.close()
+
+
+def test_backup_copies_only_what_is_missing(model: HybridMiniLlama) -> None:
+    backend = open_backend("memory://")
+    cache = make(model, backend)
+    doc = rand(7, 16)
+    cache.serve([*doc, 1])  # a snapshot at 16: to L2 and L3
+    cache.tier.flush()
+    puts = backend.stats.writes
+    assert cache.extra("backups_l2_recurrent") == 1
+    assert cache.serve([*doc, 2]) == 16  # restored from L1; nothing is missing below
+    cache.tier.flush()
+    assert cache.extra("backups_l2_recurrent") == 1
+    kv_and_new = backend.stats.writes - puts
+    assert kv_and_new == 0, "an object already in L2 and L3 was written again"
+    cache.close()
+
+
+def test_slots_a_request_holds_are_never_evicted_under_it(model: HybridMiniLlama) -> None:
+    cache = make(model, snapshot_slots=1, l2=0)
+    doc = rand(8, 8)
+    cache.serve([*doc, 1])  # a snapshot after page 1 in the only slot
+    first = cache.tier.match([*doc, 2])
+    prep = cache.tier.prepare(first)  # restores it: the slot is locked by this request
+    assert prep.start == 8
+    # A second request in flight cannot take the slot: its new snapshot is dropped (counted),
+    # and a restore needing a slot is refused rather than evicting the first request's state.
+    second = cache.tier.match(rand(9, 9))
+    assert cache.tier.prepare(second).components["recurrent"].produce == ()
+    assert cache.extra("produce_dropped_recurrent") == 1
+    state = cache.recurrent.state(prep.components["recurrent"].restored[0][1])
+    cache.tier.complete(second)
+    cache.tier.complete(first)
+    cache.tier.check_invariants()
+    assert torch.equal(cache.recurrent.state(prep.components["recurrent"].restored[0][1]), state)

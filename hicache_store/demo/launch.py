@@ -87,7 +87,7 @@ def _worker(
     import torch
     import torch.distributed as dist
 
-    from .group import TorchGroup
+    from hicache_store.distributed.group import TorchGroup
 
     torch.set_num_threads(1)
     dist.init_process_group(

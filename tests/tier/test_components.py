@@ -6,18 +6,14 @@ import random
 
 import pytest
 
-from hicache_store.hybrid.components import (
-    ComponentSpec,
-    HitRule,
-    Location,
-    match_components,
-)
+from hicache_store.tier.components import ComponentSpec, HitRule, match_components
+from hicache_store.tier.radix import Tier
 
 PAGE = 4
 FULL = ComponentSpec("full", 0, HitRule.FULL)
 SWA = ComponentSpec("swa", 1, HitRule.WINDOW, window_tokens=6)
 SNAP = ComponentSpec("mamba", 2, HitRule.CHECKPOINT)
-L1, L2, L3 = Location.L1, Location.L2, Location.L3
+L1, L2, L3 = Tier.L1, Tier.L2, Tier.L3
 
 
 def test_pages_needed_per_rule() -> None:
@@ -43,7 +39,7 @@ def test_spec_validation() -> None:
 
 def test_full_only_is_the_resident_prefix() -> None:
     m = match_components([FULL], {"full": [L1, L2, L3, None, L1]}, PAGE)
-    assert m.prefix_pages == 3 and m.resume_token == 12
+    assert m.prefix_pages == 3
     assert m.restore["full"] == ((0, L1), (1, L2), (2, L3))
     assert m.limited_by == ("full",)
     m = match_components([FULL], {"full": [L1, L2]}, PAGE)
@@ -66,7 +62,7 @@ def test_window_needs_only_the_last_pages() -> None:
 def test_missing_snapshot_shortens_to_last_checkpoint() -> None:
     avail = {"full": [L1] * 8, "mamba": [None, L3, None, L2, None, None, None, None]}
     m = match_components([FULL, SNAP], avail, PAGE)
-    assert m.prefix_pages == 4 and m.resume_token == 16
+    assert m.prefix_pages == 4
     assert m.restore["mamba"] == ((3, L2),)
     assert m.alone == {"full": 8, "mamba": 4}
     assert m.limited_by == ("mamba",)
@@ -100,7 +96,7 @@ def test_max_pages_cap() -> None:
     assert match_components([FULL, SNAP], avail, PAGE, max_pages=-1).prefix_pages == 0
 
 
-def _brute(specs: list[ComponentSpec], avail: dict[str, list[Location | None]], n: int) -> int:
+def _brute(specs: list[ComponentSpec], avail: dict[str, list[Tier | None]], n: int) -> int:
     for p in range(n, -1, -1):
         if all(avail[s.name][i] is not None for s in specs for i in s.pages_needed(p, PAGE)):
             return p
@@ -110,7 +106,7 @@ def _brute(specs: list[ComponentSpec], avail: dict[str, list[Location | None]], 
 def test_matches_brute_force() -> None:
     rng = random.Random(7)
     specs = [FULL, SWA, SNAP]
-    choices: list[Location | None] = [None, L1, L2, L3]
+    choices: list[Tier | None] = [None, L1, L2, L3]
     for _ in range(300):
         n = rng.randrange(0, 12)
         avail = {
