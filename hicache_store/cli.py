@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hicache_store import __version__
+from hicache_store.errors import UsageError
 
 #: subcommand modules, in the order ``--help`` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -32,9 +33,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
-
-class UsageError(Exception):
-    """Bad flags or arguments detected after parsing: reported on one line, exit code 2."""
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "UsageError", "main"]
 
 
 #: optional packages commands import, and how to install each (one line instead of a traceback).

@@ -41,6 +41,7 @@ from hicache_store.layout.errors import (
 )
 
 __all__ = [
+    "UsageError",
     "BackendClosedError",
     "BackendError",
     "BackendIOError",
@@ -70,3 +71,9 @@ __all__ = [
     "UnknownBackendError",
     "UnsupportedVersionError",
 ]
+
+
+class UsageError(Exception):
+    """Bad flags or arguments detected after parsing: the CLI reports it on one line and exits
+    with code 2. Defined here, below the commands, so library code that validates settings
+    (``ops.config``) raises it without importing the CLI."""

@@ -96,7 +96,8 @@ class KVReader:
         if self._link is None:
             namespace = self._namespace
             if isinstance(namespace, str):
-                from hicache_store.ops.manifest import manifest_key, read_manifest
+                from hicache_store.layout.manifest import manifest_key
+                from hicache_store.objects.manifest import read_manifest
 
                 found = await read_manifest(self.backend, manifest_key(namespace))
                 if found is None:

@@ -1,6 +1,6 @@
 """The unified KV layout: pure arithmetic, no I/O, no torch.
 
-Namespaces, page hashes, object keys, the object header format, topologies and shards,
+Namespaces, page hashes, object keys, namespace manifests, the object header format, topologies and shards,
 read/write plans, host-page layouts and CP page ownership. Everything above (kernels, backends,
 the cache tier, engine adapters) takes its byte arithmetic from here.
 """

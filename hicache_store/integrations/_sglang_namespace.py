@@ -42,7 +42,8 @@ class NamespaceWatch:
     def at_start(self, *, writes: bool) -> str:
         """Whether the store holds this namespace's manifest (``stored``, ``stored now``,
         ``not stored``, or ``unknown`` when the store could not answer); written if ``writes``."""
-        from hicache_store.ops.manifest import ensure_manifest, manifest_key, read_manifest
+        from hicache_store.layout.manifest import manifest_key
+        from hicache_store.objects.manifest import ensure_manifest, read_manifest
 
         try:
             if self._run(read_manifest(self.backend, manifest_key(self.namespace))) is not None:
@@ -72,8 +73,8 @@ class NamespaceWatch:
         self._check()
 
     def _check(self) -> None:
+        from hicache_store.objects.manifest import list_manifests, read_manifest
         from hicache_store.ops.deployment import namespace_differences
-        from hicache_store.ops.manifest import list_manifests, read_manifest
 
         if not self.backend.capabilities.listing:
             return

@@ -51,7 +51,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from hicache_store.cli import UsageError
+from hicache_store.errors import UsageError
 
 ENV_PREFIX = "HICACHE_STORE_"
 CONFIG_ENV = "HICACHE_STORE_CONFIG"

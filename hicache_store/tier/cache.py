@@ -81,6 +81,7 @@ from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology, shard_of
 from hicache_store.objects import IOStats, L3Link
+from hicache_store.objects.manifest import ensure_manifest
 from hicache_store.tenant import KeyRing
 
 from .components import KV, Component, ComponentMatch, HitRule, Placement, match_components
@@ -379,8 +380,6 @@ class HiCache:
         """Record ``namespace`` in L3 (``M_{digest}``) so operators' tools can describe it.
         Best effort: a store that cannot take it still serves KV; tools then show it unknown."""
         assert self._backend is not None
-        from hicache_store.ops.manifest import ensure_manifest
-
         try:
             run_sync(ensure_manifest(self._backend, namespace), timeout=self.config.io_timeout_s)
         except Exception as exc:
