@@ -1340,9 +1340,12 @@ class HiCache:
                 for i in range(pages)
                 if i >= len(nodes) or (h := nodes[i].held(tag)) is None or not h.in_memory
             ]
-            hits = run_sync(
-                link.exists_pages([req.hashes[i] for i in todo]), timeout=self.config.io_timeout_s
-            )
+            hits: list[bool] = []
+            if todo:  # everything in memory: no round trip
+                hits = run_sync(
+                    link.exists_pages([req.hashes[i] for i in todo]),
+                    timeout=self.config.io_timeout_s,
+                )
             flags = [False] * pages
             for i, hit in zip(todo, hits, strict=True):
                 flags[i] = hit
