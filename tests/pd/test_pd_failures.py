@@ -16,7 +16,7 @@ import pytest
 import torch
 from _pd_support import PAGE, ROW, decode_step, setup_for, tokens
 
-import hicache_store.tier.cache as tier_cache
+import hicache_store.tier.pools as tier_pools
 from hicache_store.bench.pd_worker import PrefillProcess, close_decode_side, decode_side
 from hicache_store.engine.model import MiniLlama
 from hicache_store.pd import DecodeFailed
@@ -48,13 +48,13 @@ def test_a_promised_prefix_that_fails_to_restore_is_retried_without_reuse(
             answer = tokens(rng, 4)
             decode_step(model, worker, worker.serve(first), answer)
             tier.evict_device()  # the conversation's pages are in L2 only now
-            real_unpack = tier_cache.unpack_pages
+            real_unpack = tier_pools.unpack_pages
 
             def failing_unpack(*args: object, **kwargs: object) -> None:
-                monkeypatch.setattr(tier_cache, "unpack_pages", real_unpack)  # fail once
+                monkeypatch.setattr(tier_pools, "unpack_pages", real_unpack)  # fail once
                 raise RuntimeError("injected: the host copy could not be restored")
 
-            monkeypatch.setattr(tier_cache, "unpack_pages", failing_unpack)
+            monkeypatch.setattr(tier_pools, "unpack_pages", failing_unpack)
             prompt = first + answer + tokens(rng, 5)
             served = worker.serve(prompt)
             # The promise (28 tokens from L2) failed; the retry took everything from prefill.

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-import hicache_store.tier.cache as tier_cache
+import hicache_store.tier.pools as tier_pools
 from hicache_store.backends import open_backend
 from hicache_store.engine.config import MiniLlamaConfig
 from hicache_store.engine.kv_pool import DeviceKVPool
@@ -127,7 +127,7 @@ def test_abort_after_a_failed_load_never_trusts_its_l1_copies(
     doc = tokens(13, 16)
     serve(tier, model, doc)
     tier.evict_device()
-    real_unpack = tier_cache.unpack_pages
+    real_unpack = tier_pools.unpack_pages
     calls = 0
 
     def failing_unpack(*args: object, **kwargs: object) -> None:
@@ -137,7 +137,7 @@ def test_abort_after_a_failed_load_never_trusts_its_l1_copies(
             raise RuntimeError("injected: host-to-device copy failed")
         real_unpack(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tier_cache, "unpack_pages", failing_unpack)
+    monkeypatch.setattr(tier_pools, "unpack_pages", failing_unpack)
     req = tier.match([*doc, 1])
     prep = tier.prepare(req)
     assert prep.wait_layer is not None
@@ -150,7 +150,7 @@ def test_abort_after_a_failed_load_never_trusts_its_l1_copies(
     with pytest.raises(RuntimeError, match="loading cached KV"):
         wait_all()
     tier.abort(req)
-    monkeypatch.setattr(tier_cache, "unpack_pages", real_unpack)
+    monkeypatch.setattr(tier_pools, "unpack_pages", real_unpack)
     assert all(n.device_page is None and n.lock == 0 for n in tier.tree.nodes())
     tier.check_invariants()
     assert serve(tier, model, [*doc, 2, 3]) == 16
