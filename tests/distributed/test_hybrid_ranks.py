@@ -59,18 +59,18 @@ def test_ranks_descend_to_a_checkpoint_every_rank_holds() -> None:
     rng = random.Random(1)
     doc = rand(rng, 24)
     tails = [rand(rng, 3) for _ in range(4)]
-    prompts = [doc + tails[0], doc[:16] + tails[1], doc[:8] + tails[2], doc + tails[3]]
+    prompts = [doc + tails[0], doc[:16] + tails[1], doc[:8] + tails[2], doc + tails[3], doc + tails[0]]
     ends = page_hashes(torch.tensor(doc).numpy().astype("<u4"), 4)
     # before the last request rank 0 loses its checkpoint at 16 tokens and rank 1 its one at
     # 24: rank 0 could resume at 24, rank 1 at 16; 16 is not usable on rank 0, so the agreed
-    # prefix descends to 8 (two agreed values: 16, then 8)
+    # prefix descends to 8 (two agreed values: 16, then 8). That request checkpoints 24 again
+    # on rank 1, so the last one resumes there, agreed at once.
     drops = {3: {0: [ends[3]], 1: [ends[5]]}}
     with RankPool(2) as pool:
         out = pool.run(
             serve_hybrid, HybridSetup(None), Topology(2, 1), prompts, drops, timeout_s=TIMEOUT_S
         )
     check(out)
-    assert out[0].starts == [0, 0, 0, 8]
-    assert out[0].rounds[:3] == [1, 1, 1]  # agreed at once while the ranks held the same
-    assert out[0].rounds[-1] == 2
+    assert out[0].starts == [0, 0, 0, 8, 24]
+    assert out[0].rounds == [1, 1, 1, 2, 1]  # at once whenever the ranks hold the same
     assert out[0].calls == out[1].calls  # the same agreements on both ranks

@@ -17,6 +17,7 @@ import torch
 from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.base import Backend
+from hicache_store.backends.faulty import FaultConfig, FaultyBackend
 from hicache_store.demo.draft import (
     DRAFT_TAG,
     DraftPool,
@@ -37,6 +38,7 @@ from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.tier.cache import HiCache
 from hicache_store.tier.config import TierConfig
 from hicache_store.tier.radix import Tier
+from hicache_store.tier.transfers import BackupEvent
 
 PAGE = 4
 TARGET_CFG = MiniLlamaConfig(dtype="float32")
@@ -309,3 +311,33 @@ def test_window_recurrent_and_draft_in_one_cache(tmp_path: Path) -> None:
     assert extra["restored_l3_window"] == 2 and extra["restored_l3_recurrent"] == 1
     assert extra["restored_l3_draft"] == len(doc) // PAGE
     fresh.tier.close()
+
+
+def test_sidecar_draft_backups_end_in_typed_events(models: tuple[MiniLlama, MiniLlama]) -> None:
+    """Each page's KV and draft objects report their own ``BackupEvent`` (an engine that needs
+    both before announcing a page waits for both); a failed draft put is an event saying so,
+    not an L3 copy."""
+    rng = random.Random(5)
+    backend = FaultyBackend(open_backend("memory://"))
+    cache = make("sidecar", models, backend)
+    tokens = rand(rng, 13)  # 3 full pages
+    run(cache, models, tokens)
+    cache.tier.flush()
+    page = hashes(tokens)
+    assert sorted((e.component, e.page_hash, e.ok) for e in cache.tier.drain_events()) == sorted(
+        (c, h, True) for h in page[:3] for c in ("kv", "draft")
+    )
+    backend.faults = FaultConfig(write_error_rate=1.0)
+    more = tokens[:12] + rand(rng, 5)
+    run(cache, models, more)
+    cache.tier.flush()
+    new = hashes(more)[3]
+    events = [e for e in cache.tier.drain_events() if e.page_hash == new]
+    assert sorted(events, key=lambda e: e.component) == [
+        BackupEvent(new, "draft", False), BackupEvent(new, "kv", False)
+    ]
+    assert draft_where(cache, new) is Tier.L1  # kept in memory, not marked as in L3
+    node = cache.tier.tree.get(new)
+    held = None if node is None else node.held(DRAFT_TAG)
+    assert held is not None and not held.in_l3
+    cache.tier.close()
