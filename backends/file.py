@@ -438,15 +438,25 @@ class FileBackend(Backend):
         buffers: Sequence[memoryview],
         ranges: Sequence[ByteRange | None],
     ) -> list[int | None]:
-        # docstring inherited
-        jobs = [
-            self._run_io(self._translated, "get_into", key, self._read_one, key, buf, rng)
-            for key, buf, rng in zip(keys, buffers, ranges, strict=True)
-        ]
-        # All jobs end before the call does, even when one fails (buffer lifetime).
-        results: list[int | None] = await gather_settled(*jobs)
+        # docstring inherited. At most ``io_threads`` jobs, each reading a run of the batch in
+        # turn: as many reads in flight as one job per key would keep, without a pool hand-off
+        # per key (100-300 us each on a loaded 2-core machine: most of the time of a batch of
+        # small reads, such as gc's 4 KiB headers). All jobs end before the call does, even
+        # when one fails (buffer lifetime).
+        items = list(zip(keys, buffers, ranges, strict=True))
+        per_job = max(1, -(-len(items) // self.io_threads))
+        jobs = [self._run_io(self._read_run, items[i : i + per_job])
+                for i in range(0, len(items), per_job)]
+        results: list[int | None] = [
+            n for run in await gather_settled(*jobs) for n in run]
         await self._after_reads(keys, results)
         return results
+
+    def _read_run(
+        self, items: Sequence[tuple[str, memoryview, ByteRange | None]]
+    ) -> list[int | None]:
+        return [self._translated("get_into", key, self._read_one, key, view, rng)
+                for key, view, rng in items]
 
     async def _get_scatter(
         self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange

@@ -1,7 +1,9 @@
 """``hicache-store bench backend URL``: throughput of a storage backend, next to the raw disk.
 
 Writes ``--objects`` objects of ``--size`` bytes in batches of ``--batch``, then measures, in
-order: write (durable as the URL's ``durability`` says), cold read, warm read (the same again),
+order: write (durable as the URL's ``durability`` says), cold read, second read (the same
+again), warm read (a third time: the file backend reads cold bytes with O_DIRECT and admits a
+key to the page cache on its second cold read, so its third read is the first from the cache),
 range read (one ``--range-fraction`` slice from the middle of every object) and exists
 (``--exists-keys`` probes). Cold reads: by default only the benchmark's own files leave the page
 cache (``--drop-caches files``: fsync and ``POSIX_FADV_DONTNEED`` per file of a ``file://``
@@ -205,7 +207,8 @@ async def bench_store(
     progress: Progress,
     before_cold_read: Callable[[], bool] | None = None,
 ) -> list[Measure]:
-    """Write, cold read, warm read, range read and exists on ``store``; returns the measures."""
+    """Write, cold read, second read, warm read, range read and exists on ``store``; returns the
+    measures."""
     size, n = cfg.size, cfg.objects
     srcs = make_buffers(min(cfg.batch, n), size, seed=1)
     dsts = make_buffers(min(cfg.batch, n), size, seed=2)
@@ -242,6 +245,7 @@ async def bench_store(
     measures.append(await read_all("cold read"))
     if not cold:
         measures[-1].note = "page cache not dropped"
+    measures.append(await read_all("second read"))
     measures.append(await read_all("warm read"))
     length = max(4096, int(size * cfg.range_fraction)) // 4096 * 4096
     start = (size - length) // 2 // 4096 * 4096

@@ -19,7 +19,7 @@ def test_bench_backend_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     phases = {m["phase"]: m for m in report["measures"]}
-    assert set(phases) == {"write", "cold read", "warm read", "range read", "exists"}
+    assert set(phases) == {"write", "cold read", "second read", "warm read", "range read", "exists"}
     assert phases["write"]["nbytes"] == 6 * 64 * 1024
     assert phases["exists"]["items"] == 50
     assert phases["write"]["raw_gbps"] is not None and phases["write"]["ratio"] is not None

@@ -334,3 +334,27 @@ async def test_scatter_read_resumes_after_short_reads(
     assert b"".join(buffers) == data
     monkeypatch.undo()
     await store.close()
+
+
+async def test_a_batch_of_small_reads_is_a_few_pool_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One pool hand-off per key costs more than a 4 KiB read: a batch is split into at most
+    # io_threads runs, and every run has finished when the call returns.
+    store = FileBackend(tmp_path / "s", io_threads=4)
+    keys = [f"{i:04x}" for i in range(100)]
+    await store.put(keys, [pattern(5000, i) for i in range(100)])
+    jobs: list[str] = []
+    real_run = store._run_io
+
+    async def counting(fn: object, *args: object) -> object:
+        jobs.append(getattr(fn, "__name__", "?"))
+        return await real_run(fn, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store, "_run_io", counting)
+    bufs = [bytearray(4096) for _ in keys]
+    got = await store.get_into(keys, bufs, [ByteRange(500, 4596)] * 100)
+    assert got == [4096] * 100
+    assert all(bytes(b) == pattern(5000, i)[500:4596] for i, b in enumerate(bufs))
+    assert jobs.count("_read_run") == 4
+    await store.close()
