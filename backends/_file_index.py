@@ -116,7 +116,7 @@ CREATE TABLE IF NOT EXISTS changes (
     present INTEGER NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
-INSERT OR IGNORE INTO meta VALUES ('total_bytes', 0), ('count', 0), ('snapshot_seq', 0),
+INSERT OR IGNORE INTO meta VALUES ('total_bytes', 0), ('count', 0), ('snapshot_seq', -1),
     ('compact_lease', 0);
 """
 
@@ -186,7 +186,7 @@ class _Owner:
 class _Membership:
     """The fingerprint set one process answers ``exists`` from (see the module docstring)."""
 
-    snapshot_seq: int = -1
+    snapshot_seq: int = -2  # none mapped yet (-1: the store has no snapshot)
     seen_seq: int = 0
     snapshot: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     delta: dict[int, bool] = field(default_factory=dict)
@@ -268,10 +268,11 @@ class FileIndex:
             con.execute("BEGIN IMMEDIATE")
             try:
                 yield con
+                con.execute("COMMIT")
             except BaseException:
-                con.execute("ROLLBACK")
+                if con.in_transaction:  # SQLite may have rolled back already (e.g. disk full)
+                    con.execute("ROLLBACK")
                 raise
-            con.execute("COMMIT")
 
     @contextlib.contextmanager
     def _read(self, con: sqlite3.Connection | None = None) -> Iterator[sqlite3.Connection]:
@@ -381,21 +382,8 @@ class FileIndex:
             self._view_lock.release()
 
     def _lookup(self, fps: list[int]) -> list[bool]:
-        """Membership of fingerprints in the snapshot, overridden by the changes after it
-        (caller holds ``_view_lock``)."""
-        view = self._view
-        snap = view.snapshot
-        if len(snap):
-            wanted = np.array(fps, dtype=np.uint64)
-            pos = np.searchsorted(snap, wanted)
-            np.minimum(pos, len(snap) - 1, out=pos)
-            hits: list[bool] = (snap[pos] == wanted).tolist()
-        else:
-            hits = [False] * len(fps)
-        if view.delta:
-            get = view.delta.get
-            hits = [h if (d := get(fp)) is None else d for fp, h in zip(fps, hits, strict=True)]
-        return hits
+        """(caller holds ``_view_lock``)"""
+        return lookup(self._view.snapshot, self._view.delta, fps)
 
     def _data_version(self) -> int:
         """The feed connection's ``data_version`` (caller holds ``_view_lock``)."""
@@ -442,14 +430,18 @@ class FileIndex:
             self._compact_soon()
 
     def _map_snapshot(self, seq: int) -> np.ndarray:
-        if seq == 0:
-            return np.zeros(0, dtype=np.uint64)
-        path = os.path.join(self.dir, snapshot_name(seq))
+        """The snapshot after change ``seq`` (-1: none yet, the empty set), mapped read-only."""
+        path = self._snapshot_path(seq)
+        if seq < 0 or (seq == 0 and not os.path.exists(path)):
+            return np.zeros(0, dtype=np.uint64)  # (0 without a file: an index's first layout)
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size == 0:
                 return np.zeros(0, dtype=np.uint64)
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         return np.frombuffer(mapped, dtype="<u8")
+
+    def _snapshot_path(self, seq: int) -> str:
+        return os.path.join(self.dir, snapshot_name(seq))
 
     def _delta_bound(self) -> int:
         """How many changes may pile up after a snapshot before the next one is written."""
@@ -505,30 +497,33 @@ class FileIndex:
                               dtype=np.int64)
         snap = fps.view(np.uint64)
         snap.sort()
-        # A snapshot name is its change number, unique: racing builders of one number write
-        # the same content. seq 0 (no change ever) is the empty snapshot, kept as a file so
-        # that a rebuilt index is read from it.
-        seq = max(seq, 1)
-        path = os.path.join(self.dir, snapshot_name(seq))
+        # A snapshot is named by the last change it holds (0: none, e.g. right after a build):
+        # racing builders of one number write the same content.
+        path = self._snapshot_path(seq)
         tmp = f"{path}.{self._owner.pid}-{self._owner.token}.tmp"
-        snap.astype("<u8", copy=False).tofile(tmp)
-        os.replace(tmp, path)
+        try:
+            snap.astype("<u8", copy=False).tofile(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         with self._write() as con:
             current = con.execute("SELECT value FROM meta WHERE name = 'snapshot_seq'").fetchone()[0]
             if seq > current:
                 con.execute("UPDATE meta SET value = ? WHERE name = 'snapshot_seq'", (seq,))
                 con.execute("DELETE FROM changes WHERE seq <= ?", (seq,))
-                if not con.execute("SELECT 1 FROM sqlite_sequence WHERE name = 'changes'").fetchone():
-                    con.execute("INSERT INTO sqlite_sequence VALUES ('changes', ?)", (seq,))
                 current = seq
         self._remove_old_snapshots(keep=current)
 
     def _remove_old_snapshots(self, keep: int) -> None:
         """Delete snapshots older than the one before ``keep`` (a process that read the
         previous number a moment ago may still be about to map it)."""
-        names = sorted(n for n in os.listdir(self.dir) if n.startswith("fp-") and n.endswith(".u64"))
-        older = [n for n in names if n < snapshot_name(keep)]
-        for name in older[:-1]:
+        names = sorted(n for n in os.listdir(self.dir) if n.startswith("fp-"))
+        older = [n for n in names if n.endswith(".u64") and n < snapshot_name(keep)]
+        stale = [n for n in names if n.endswith(".tmp") and _older_than(
+            os.path.join(self.dir, n), STALE_PENDING_SECONDS)]  # a killed compactor's
+        for name in older[:-1] + stale:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.dir, name))
 
@@ -969,6 +964,29 @@ class FileIndex:
         con.close()
 
 
+def lookup(snapshot: np.ndarray, delta: dict[int, bool], fps: list[int]) -> list[bool]:
+    """Membership of fingerprints in a sorted ``snapshot``, overridden by ``delta`` (the
+    changes after it: fingerprint -> present). The whole of ``exists`` once keys are hashed."""
+    if len(snapshot):
+        wanted = np.array(fps, dtype=np.uint64)
+        pos = np.searchsorted(snapshot, wanted)
+        np.minimum(pos, len(snapshot) - 1, out=pos)
+        hits: list[bool] = (snapshot[pos] == wanted).tolist()
+    else:
+        hits = [False] * len(fps)
+    if delta:
+        get = delta.get
+        hits = [h if (d := get(fp)) is None else d for fp, h in zip(fps, hits, strict=True)]
+    return hits
+
+
+def _older_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(path).st_mtime > seconds
+    except FileNotFoundError:
+        return False
+
+
 def _marks(n: int) -> str:
     return ",".join("?" * n)
 
@@ -996,6 +1014,6 @@ def pid_alive(pid: int) -> bool:
 
 
 __all__ = [
-    "EvictionCount", "FileIndex", "ObjectIndex", "Reservation", "fingerprint", "pid_alive",
-    "snapshot_name",
+    "EvictionCount", "FileIndex", "ObjectIndex", "Reservation", "fingerprint", "lookup",
+    "pid_alive", "snapshot_name",
 ]

@@ -149,6 +149,27 @@ async def test_a_removed_index_is_rebuilt_from_the_files(tmp_path: Path) -> None
     await again.close()
 
 
+async def test_a_rebuilt_index_sees_what_another_process_writes_next(tmp_path: Path) -> None:
+    store = FileBackend(tmp_path / "s", durability="none")
+    await store.put(["a0"], [b"x"])
+    await store.close()
+    for name in os.listdir(tmp_path / "s" / "index"):
+        os.unlink(tmp_path / "s" / "index" / name)
+    (tmp_path / "s" / "index" / "fp-0000000000000001.u64.1-dead.tmp").write_bytes(b"")
+    os.utime(tmp_path / "s" / "index" / "fp-0000000000000001.u64.1-dead.tmp", (0, 0))
+    rebuilt = FileBackend(tmp_path / "s", durability="none")
+    assert rebuilt._index.rebuilt
+    write_in_child(tmp_path / "s", ["b0"])
+    assert await rebuilt.exists(["a0", "b0", "c0"]) == [True, True, False]
+    fresh = FileBackend(tmp_path / "s", durability="none")
+    assert await fresh.exists(["a0", "b0", "c0"]) == [True, True, False]
+    assert [n for n in snapshot_files(tmp_path / "s") if n.endswith(".tmp")] == [], \
+        "a killed compactor's temp file was left"
+    await rebuilt.close()
+    await fresh.close()
+    assert audit(tmp_path / "s").ok
+
+
 async def test_snapshots_replace_the_change_feed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
