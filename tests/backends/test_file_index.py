@@ -299,3 +299,23 @@ async def test_warm_bytes_come_from_the_page_cache_and_cold_ones_do_not_fill_it(
         assert await never.get_into(["a0"], [dst]) == [size] and bytes(dst) == bytes(src)
     assert cached() is False
     await never.close()
+
+
+def test_lookup_agrees_with_a_set_of_fingerprints() -> None:
+    import random
+
+    import numpy as np
+
+    rng = random.Random(7)
+    stored = {rng.getrandbits(64) for _ in range(5000)}
+    snapshot = np.array(sorted(stored), dtype=np.uint64)
+    changed = rng.sample(sorted(stored), 300) + [rng.getrandbits(64) for _ in range(300)]
+    delta = {fp: rng.random() < 0.5 for fp in changed}
+    now = (stored | {fp for fp, present in delta.items() if present}) - {
+        fp for fp, present in delta.items() if not present}
+    probes = rng.sample(sorted(stored), 1000) + changed + [rng.getrandbits(64) for _ in range(1000)]
+    rng.shuffle(probes)
+    assert index_module.lookup(snapshot, delta, probes) == [fp in now for fp in probes]
+    assert index_module.lookup(snapshot, {}, probes) == [fp in stored for fp in probes]
+    empty = np.zeros(0, dtype=np.uint64)
+    assert index_module.lookup(empty, delta, probes) == [delta.get(fp, False) for fp in probes]
