@@ -219,25 +219,30 @@ class UsrbioEngine:
             self._regions.append(region)
         return view
 
-    def register_region(self, buffer: SharedMemory | memoryview) -> bool:
+    def register_region(self, buffer: SharedMemory | tuple[int, int]) -> bool:
         """Register caller memory as an iovec; False when it is not ``/dev/shm`` memory.
 
-        A ``SharedMemory`` is registered whole. Any other buffer is looked up in
-        ``/proc/self/maps``: if it is mapped from a ``/dev/shm`` file, that file is attached
-        again and registered, and I/O for the buffer uses the matching slice of it (same pages,
-        so still no copy)."""
+        A ``SharedMemory`` is registered whole. Other memory is given as ``(address,
+        length)``, never as a view: this runs on a worker thread, and a thread pool drops a
+        job's arguments only some time after the caller has resumed, so a view passed here
+        would keep the caller's mapping exported past the call (its ``SharedMemory.close()``
+        then fails with ``BufferError``). The address is looked up in ``/proc/self/maps``: if
+        it is mapped from a ``/dev/shm`` file, that file is attached again and registered,
+        and I/O for the buffer uses the matching slice of it (same pages, so still no copy)."""
         if isinstance(buffer, SharedMemory):
             view = shm_buf(buffer)
             region = HostRegion(address_of(view), len(view), None, 0, buffer, False, False)
+            del view  # the region holds the SharedMemory, never a view of it
         else:
-            found = shm_mapping_of(address_of(buffer)) if len(buffer) else None
+            address, length = buffer
+            found = shm_mapping_of(address) if length else None
             if found is None:
                 return False
             shm = _open_shm(found[0])
-            if found[1] + len(buffer) > shm.size:
+            if found[1] + length > shm.size:
                 shm.close()
                 return False
-            region = HostRegion(address_of(buffer), len(buffer), None, found[1], shm, True, False)
+            region = HostRegion(address, length, None, found[1], shm, True, False)
         try:
             region.iov = self.io.make_iovec(region.shm, self.mount)
         except BaseException:

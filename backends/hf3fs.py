@@ -198,8 +198,7 @@ class HF3FSBackend(FileBackend):
         self._check_open("register_host_buffer")
         if self._usrbio is None:
             return True
-        target = buffer if isinstance(buffer, SharedMemory) else as_byte_view(
-            buffer, writable=True, what="host buffer")
+        target = buffer if isinstance(buffer, SharedMemory) else _extent(buffer)
         ok = await asyncio.to_thread(self._usrbio.register_region, target)
         if not ok:
             log.info("hf3fs: host buffer is not /dev/shm memory; its I/O uses the staging copy")
@@ -439,3 +438,10 @@ class HF3FSBackend(FileBackend):
 
 
 __all__ = ["ENGINES", "HF3FSBackend", "HF3FSStats", "choose_engine"]
+
+
+def _extent(buffer: Any) -> tuple[int, int]:
+    """``(address, length)`` of a writable host buffer: what a registration thread gets in
+    place of a view (``UsrbioEngine.register_region``)."""
+    with as_byte_view(buffer, writable=True, what="host buffer") as view:
+        return address_of(view), len(view)
