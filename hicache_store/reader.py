@@ -23,7 +23,8 @@ Every byte is verified through the object framing (per-layer checksums, the head
 the key asked for); a missing or corrupt object ends the prefix there, so what comes back is
 always the stored KV of ``tokens[:kv.tokens]``, never bytes of another page. Reads run through
 the same ``L3Link`` (``hicache_store.objects``) as the cache tier: at most ``max_inflight_bytes`` in flight, each page
-bounded by ``io_timeout_s``.
+bounded by ``io_timeout_s``. A sealed namespace (a tenant's) needs its key ring: ``keys=``
+(``hicache_store.tenant.load_key_ring``); without it the reader raises ``MissingKeyError``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import IOStats, L3Link
+from hicache_store.tenant import KeyRing
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +83,9 @@ class KVReader:
         *,
         max_inflight_bytes: int = 256 << 20,
         io_timeout_s: float = 30.0,
+        keys: KeyRing | None = None,
     ) -> None:
+        self._keys = keys
         self._owns_backend = not isinstance(store, Backend)
         self.backend: Backend = store if isinstance(store, Backend) else open_backend(store)
         self.topology = topology or Topology()
@@ -105,7 +109,8 @@ class KVReader:
                 namespace = found
             max_inflight, timeout = self._limits
             self._link = L3Link(self.backend, namespace, self.topology, self.rank,
-                                max_inflight_bytes=max_inflight, io_timeout_s=timeout)
+                                max_inflight_bytes=max_inflight, io_timeout_s=timeout,
+                                keys=self._keys)
         return self._link
 
     async def anamespace(self) -> Namespace:

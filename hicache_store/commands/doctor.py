@@ -44,6 +44,10 @@ def register(subparsers: Any) -> None:
     dep.add_argument("--page-size", type=int, help="tokens per page (SGLang's --page-size)")
     dep.add_argument("--grid", metavar="LxH", help="partition grid, e.g. 1x1 or 30x2")
     dep.add_argument("--tenant-salt", help="tenant salt")
+    dep.add_argument("--tenant-key-file", metavar="PATH",
+                     help="the deployment's tenant key ring: its namespace is sealed (default: "
+                     "the extra-config's tenant_key_file, else $HICACHE_STORE_TENANT_KEY_FILE "
+                     "or $HICACHE_STORE_TENANT_KEY)")
     dep.add_argument("--topology", default="tp=1,pp=1",
                      help="the deployment's TP x PP (default: tp=1,pp=1); decides the default "
                      "grid and which ranks the prompt check asks")
@@ -65,7 +69,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     resolve(args)
     url = require(args, "url", "a backend URL")
-    from hicache_store.ops.deployment import Deployment, merge_extra_config
+    from hicache_store.ops.deployment import Deployment, deployment_keys, merge_extra_config
     from hicache_store.ops.doctor import diagnose
 
     try:
@@ -83,12 +87,14 @@ def run(args: argparse.Namespace) -> int:
             args.layers, args.kv_heads, args.head_dim)
         if args.page_size is not None and args.page_size < 1:
             raise ValueError(f"--page-size must be positive, got {args.page_size}")
+        keys = deployment_keys(config, args.tenant_key_file)  # as the adapter finds them
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     given = args.extra_config or any(v is not None for v in (
-        args.model_id, args.dtype, args.page_size, args.grid, args.tenant_salt, shape))
+        args.model_id, args.dtype, args.page_size, args.grid, args.tenant_salt,
+        args.tenant_key_file, shape))
     deployment = Deployment(config=config, page_size=args.page_size, topology=topology,
-                            shape=shape, hash_algo=args.hash_algo) if given else None
+                            shape=shape, hash_algo=args.hash_algo, keys=keys) if given else None
     if args.prompts and deployment is None:
         raise UsageError("--prompts needs a deployment (--extra-config or the flags)")
     prompts = _prompts(args) if args.prompts else []
@@ -130,8 +136,9 @@ def _describe(ns: Namespace) -> str:
     dims = (f"{ns.num_layers} layers x {ns.num_kv_heads} KV heads x {ns.head_dim}"
             if ns.kv_kind == "mha" else f"{ns.num_layers} layers, MLA dim {ns.head_dim}")
     salt = "salted" if ns.tenant_salt else "no salt"
+    sealed = "  sealed" if ns.sealed else ""
     return (f"{ns.digest}  {ns.model}  {ns.dtype}  page {ns.page_size}  grid {ns.grid}  "
-            f"{dims}  {salt}")
+            f"{dims}  {salt}{sealed}")
 
 
 def _report(url: str, found: Any, has_deployment: bool) -> list[str]:

@@ -177,10 +177,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if args.max_tokens is not None:
         tokens = [t[: args.max_tokens] for t in tokens]
-    from hicache_store.tenant import load_key_ring
+    from hicache_store.ops.deployment import deployment_keys
 
     try:
-        keys = load_key_ring(args.tenant_key_file or deployment.config.tenant_key_file)
+        keys = deployment_keys(deployment.config, args.tenant_key_file)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:

@@ -1,8 +1,8 @@
 """The namespace a deployment reads and writes, derived the way the SGLang adapter derives it.
 
 Stored KV is found only under the namespace it was written for (model id, KV shape, dtype, page
-size, grid, replication, hash algorithm, tenant salt). The SGLang adapter derives its namespace
-at start from three sources:
+size, grid, replication, hash algorithm, tenant salt, sealed or not). The SGLang adapter derives
+its namespace at start from four sources:
 
 * SGLang's ``model_name``: its ``--served-model-name``, which defaults to the ``--model-path``
   string exactly as given (``/models/llama``, ``meta-llama/Llama-3.1-8B``); the extra-config's
@@ -10,7 +10,9 @@ at start from three sources:
 * the host pool: KV shape, dtype (``"kv_dtype"`` overrides it) and page size;
 * the extra-config: ``grid`` (else the coarsest grid the deployment's topology and its
   ``share_with`` topologies can all write: ``AdapterConfig.grid_for``), ``tenant_salt``,
-  ``model_revision``.
+  ``model_revision``;
+* the tenant key ring (``tenant_key_file``, else ``$HICACHE_STORE_TENANT_KEY_FILE`` /
+  ``$HICACHE_STORE_TENANT_KEY``: ``deployment_keys``): with one, the namespace is sealed.
 
 ``Deployment`` holds what an operator knows of these, any of it possibly unknown, so that
 ``prepopulate`` writes under the namespace the engine will look in, and ``doctor`` can name the
@@ -35,6 +37,7 @@ else:  # pragma: no cover - Python 3.10
 from hicache_store.integrations._sglang_config import AdapterConfig
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.topology import Topology
+from hicache_store.tenant import KeyRing, load_key_ring
 
 #: the field that holds no secret but the salt: shown as set / not set, never by value.
 _SECRET_FIELDS = frozenset({"tenant_salt"})
@@ -107,6 +110,15 @@ def merge_extra_config(
     return parse_adapter_config(extra)
 
 
+def deployment_keys(
+    config: AdapterConfig, path: str | None = None, environ: Mapping[str, str] | None = None
+) -> KeyRing | None:
+    """The tenant key ring a deployment runs with, found the adapter's way: ``path`` (a
+    tool's ``--tenant-key-file``), else the extra-config's ``tenant_key_file``, else the
+    environment. None: not sealed. Raises ``ValueError`` for an unreadable ring."""
+    return load_key_ring(path or config.tenant_key_file, environ)
+
+
 @dataclass(frozen=True)
 class Difference:
     """One namespace field where a deployment and a stored namespace disagree."""
@@ -129,7 +141,9 @@ class Deployment:
     """What is known of a deployment's namespace inputs (``None``: unknown).
 
     ``model_id`` is SGLang's ``model_name``; ``dtype`` the host pool's KV dtype; ``topology``
-    the deployment's TP x PP (used for the default grid); ``config`` the parsed extra-config.
+    the deployment's TP x PP (used for the default grid); ``config`` the parsed extra-config;
+    ``keys`` the tenant key ring (``deployment_keys``): with one, the namespace is sealed, as
+    the adapter's is.
     """
 
     config: AdapterConfig = field(default_factory=lambda: parse_adapter_config(None))
@@ -139,6 +153,7 @@ class Deployment:
     topology: Topology = field(default_factory=Topology)
     shape: ModelShape | None = None
     hash_algo: str = "sha256"
+    keys: KeyRing | None = None
 
     @property
     def model(self) -> str | None:
@@ -166,7 +181,7 @@ class Deployment:
             model, shape, dtype, page_size, self.grid_for(shape),
             replication=_replication(shape), model_revision=self.config.model_revision,
             hash_algo=self.hash_algo, tenant_salt=self.config.tenant_salt,
-            key_scheme=self.config.key_scheme,
+            key_scheme=self.config.key_scheme, sealed=self.keys is not None,
         )
 
     def completed_by(self, stored: Namespace) -> Namespace:
@@ -177,7 +192,7 @@ class Deployment:
             self.page_size or stored.page_size, self.grid_for(shape),
             replication=_replication(shape), model_revision=self.config.model_revision,
             hash_algo=self.hash_algo, tenant_salt=self.config.tenant_salt,
-            key_scheme=self.config.key_scheme,
+            key_scheme=self.config.key_scheme, sealed=self.keys is not None,
         )
 
     def differences(self, stored: Namespace) -> list[Difference]:
@@ -189,9 +204,9 @@ class Deployment:
 def namespace_differences(mine: Namespace, stored: Namespace) -> list[Difference]:
     """The fields in which two namespaces differ, in canonical order (the grid as one field)."""
     out: list[Difference] = []
-    # Fields past version 1 (key_scheme, layer_starts) appear only when set: compare the
+    # Fields past version 1 (key_scheme, layer_starts, sealed) appear only when set: compare the
     # union, a missing one at its default.
-    defaults: dict[str, Any] = {"key_scheme": "hicache", "layer_starts": None}
+    defaults: dict[str, Any] = {"key_scheme": "hicache", "layer_starts": None, "sealed": False}
     ours, theirs = dict(mine.canonical_fields()), dict(stored.canonical_fields())
     for name in [*ours, *(n for n in theirs if n not in ours)]:
         value, other = ours.get(name, defaults.get(name)), theirs.get(name, defaults.get(name))

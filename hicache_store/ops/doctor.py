@@ -105,7 +105,9 @@ async def _prompt_hits(
     prompts: Sequence[tuple[str, Sequence[int]]],
 ) -> list[PromptHit]:
     topology = deployment.topology
-    readers = [KVReader(backend, namespace, topology, rank) for rank in range(topology.world_size)]
+    keys = deployment.keys if namespace.sealed else None  # keyed page names: the ring's
+    readers = [KVReader(backend, namespace, topology, rank, keys=keys)
+               for rank in range(topology.world_size)]
     hits = []
     for origin, tokens in prompts:
         pages = min([await r.astored_pages(tokens) for r in readers])

@@ -109,3 +109,74 @@ def test_usage_errors(store: str, tmp_path: Path, capsys: pytest.CaptureFixture[
         assert code == 2, argv
         (line,) = err.strip().splitlines()
         assert message in line
+
+
+@pytest.fixture
+def sealed_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> tuple[str, Path]:
+    """A store prepopulated for a deployment with a tenant key ring (a sealed namespace)."""
+    from hicache_store.tenant import new_ring_text
+
+    ring = tmp_path / "tenant.keys"
+    ring.write_text(new_ring_text())
+    ring.chmod(0o600)
+    url = f"file://{tmp_path / 'sealed-kv'}"
+    prompts = write_jsonl(tmp_path / "stored.jsonl", [{"input_ids": PROMPT}])
+    code, _, err = cli(["prepopulate", url, "--mini-engine", "tiny", "--model-id", "org/model",
+                        "--prompts", str(prompts), "--page-size", "4", "--no-progress",
+                        "--tenant-key-file", str(ring)], capsys)
+    assert code == 0, err
+    return url, ring
+
+
+def test_a_deployment_with_a_tenant_key_finds_its_sealed_namespace(
+    sealed_store: tuple[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url, ring = sealed_store
+    prompts = write_jsonl(tmp_path / "ask.jsonl", [{"input_ids": [*PROMPT[:17], 500, 501]}])
+    base = ["doctor", url, "--model-id", "org/model", "--page-size", "4", "--dtype", "float32",
+            "--prompts", str(prompts)]
+    # The ring from the flag, from the extra-config and from the environment (the adapter's
+    # three sources): the sealed namespace is found and the prompt's 4 stored pages hit,
+    # probed under the keyed page names.
+    extra = tmp_path / "extra.json"
+    extra.write_text(json.dumps({"url": url, "tenant_key_file": str(ring)}))
+    for argv, env in ((["--tenant-key-file", str(ring)], None),
+                      (["--extra-config", f"@{extra}"], None),
+                      ([], str(ring))):
+        if env is not None:
+            monkeypatch.setenv("HICACHE_STORE_TENANT_KEY_FILE", env)
+        code, out, err = cli([*base, *argv, "--json"], capsys)
+        assert code == 0, (argv, err)
+        found = json.loads(out)
+        assert found["found"] and found["differences"] == [], argv
+        assert found["deployment"]["sealed"] is True
+        assert [(p["tokens"], p["hit_tokens"]) for p in found["prompts"]] == [(19, 16)]
+    code, out, _ = cli(["doctor", url], capsys)
+    assert code == 0 and "  sealed" in out
+
+
+def test_a_deployment_without_the_tenant_key_is_told_the_store_is_sealed(
+    sealed_store: tuple[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _ring = sealed_store
+    prompts = write_jsonl(tmp_path / "ask.jsonl", [{"input_ids": PROMPT}])
+    code, out, err = cli(["doctor", url, "--model-id", "org/model", "--page-size", "4",
+                          "--prompts", str(prompts)], capsys)
+    assert code == 1, err
+    assert "NOT in the store" in out
+    (line,) = out.split("differs in:")[1].strip().splitlines()[:1]
+    assert line.strip() == "sealed: deployment False, stored True"
+    assert "0 would hit (0.0%)" in out
+
+
+def test_an_unreadable_tenant_key_file_is_a_usage_error(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = cli(["doctor", store, "--model-id", "org/model", "--tenant-key-file",
+                        str(tmp_path / "missing.keys")], capsys)
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert "missing.keys" in line
