@@ -199,6 +199,11 @@ def _cipher_api() -> tuple[Any, Any, Any, Any, bool]:
     return Cipher, algorithms.AES, modes.GCM, InvalidTag, in_place
 
 
+def require_sealing() -> None:
+    """Raise ``SealingUnavailableError`` (with the install hint) unless ``cryptography`` loads."""
+    _cipher_api()
+
+
 def sealing_available() -> bool:
     """Whether ``cryptography`` can be imported (tests and ``doctor`` ask)."""
     try:

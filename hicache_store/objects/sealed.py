@@ -28,7 +28,7 @@ from hicache_store.layout.framing import (
     verify_blocks,
 )
 from hicache_store.layout.keys import ObjectKey, format_key, validate_page_hash
-from hicache_store.layout.sealing import TenantKey, key_page_hash
+from hicache_store.layout.sealing import TenantKey, key_page_hash, require_sealing
 
 
 class SealedFormat:
@@ -38,6 +38,7 @@ class SealedFormat:
     sealed = True
 
     def __init__(self, key: TenantKey) -> None:
+        require_sealing()  # a missing ``cryptography`` fails here, at configuration, not per write
         self.key = key
 
     def __repr__(self) -> str:
