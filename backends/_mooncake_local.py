@@ -103,7 +103,9 @@ def wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = 
     raise TimeoutError(f"port {port} did not open within {timeout}s")
 
 
-def _build_shim(workdir: Path) -> str | None:
+def build_loopback_shim(workdir: Path) -> str | None:
+    """Compile the wildcard-bind -> loopback ``LD_PRELOAD`` shim into ``workdir``; its path, or
+    None without a C compiler. Processes started with it listen on 127.0.0.1 only."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
@@ -168,7 +170,7 @@ class LocalMooncake:
         why = binaries_available()
         if why is not None:
             raise RuntimeError(why)
-        self.shim = _build_shim(self.workdir)
+        self.shim = build_loopback_shim(self.workdir)
         master = find_binary("mooncake_master")
         assert master is not None
         self.master = self._spawn([

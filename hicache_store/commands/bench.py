@@ -14,6 +14,7 @@ from typing import Any
 BENCH_MODULES: tuple[str, ...] = (
     "hicache_store.commands.bench_backend",
     "hicache_store.commands.bench_multiturn",
+    "hicache_store.commands.bench_pd",
     "hicache_store.commands.bench_trace",
 )
 

@@ -90,7 +90,9 @@ class Served:
     ``received_bytes``: bytes prefill sent for it (the successful attempt); ``attempts``: 1, or 2
     after a failure retried without reuse; ``first_token``: prefill's first output token;
     ``state``: the model's extra state handle (``StateCodec.decode``), None for plain KV;
-    ``restore_wait_s`` / ``remote_wait_s``: how long the worker waited for each after sending.
+    ``restore_wait_s`` / ``remote_wait_s``: how long the worker waited for each after sending;
+    ``prefill_compute_s`` / ``prefill_send_s``: prefill's own account of computing the prompt
+    and of writing the suffix.
     """
 
     prompt: list[int]
@@ -102,6 +104,8 @@ class Served:
     prefill_cached: int
     restore_wait_s: float
     remote_wait_s: float
+    prefill_compute_s: float = 0.0
+    prefill_send_s: float = 0.0
     state: Any = None
     _worker: DecodeWorker | None = field(default=None, repr=False)
     _req: Request | None = field(default=None, repr=False)
@@ -286,6 +290,8 @@ class DecodeWorker:
             prefill_cached=done.prefill_cached,
             restore_wait_s=restored - sent,
             remote_wait_s=received - restored,
+            prefill_compute_s=done.prefill_s,
+            prefill_send_s=done.transfer_s,
             state=handle,
             _worker=self,
             _req=state.req,
