@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
 import select
@@ -35,9 +36,10 @@ from typing import Any
 import torch
 
 from hicache_store.backends.base import Backend
+from hicache_store.demo.hybrid import HybridMiniLlama
 from hicache_store.engine.config import MiniLlamaConfig
 from hicache_store.engine.kv_pool import DeviceKVPool
-from hicache_store.engine.model import MiniLlama
+from hicache_store.engine.model import MiniLlama, WindowKV
 from hicache_store.pd import (
     Channel,
     ChannelListener,
@@ -45,6 +47,7 @@ from hicache_store.pd import (
     PrefillWorker,
     open_transport,
 )
+from hicache_store.pd.prefill import Compute
 from hicache_store.pd.state import StateCodec
 from hicache_store.tier.cache import HiCache
 from hicache_store.tier.config import TierConfig
@@ -57,7 +60,10 @@ AUTHKEY_ENV = "HICACHE_PD_AUTHKEY"
 @dataclass(frozen=True)
 class WorkerSetup:
     """One worker's configuration. ``l2_pages = 0``: no host tier; for the decode side,
-    ``reuse=False`` means no decode-side cache at all (every prompt's KV comes from prefill)."""
+    ``reuse=False`` means no decode-side cache at all (every prompt's KV comes from prefill).
+    ``recurrent_dim > 0``: the model is ``HybridMiniLlama`` (plus a recurrent layer of that
+    many channels); with window layers in ``model`` or a recurrent layer, each request also
+    carries the model state of ``ResumeStateCodec``."""
 
     model: dict[str, Any]
     page_size: int
@@ -69,6 +75,7 @@ class WorkerSetup:
     send_rows: int = 64
     landing_rows: int = 256
     threads: int = 1
+    recurrent_dim: int = 0
     tier_options: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -83,16 +90,156 @@ class WorkerSetup:
         return MiniLlamaConfig(**self.model)
 
 
-def build_tier(setup: WorkerSetup, model: MiniLlama, backend: Backend | None = None) -> HiCache:
+Model = MiniLlama | HybridMiniLlama
+
+
+def build_model(setup: WorkerSetup) -> Model:
+    """The worker's model: ``MiniLlama``, or ``HybridMiniLlama`` with a recurrent layer."""
+    if setup.recurrent_dim:
+        return HybridMiniLlama(setup.config, state_dim=setup.recurrent_dim)
+    return MiniLlama(setup.config)
+
+
+def build_tier(setup: WorkerSetup, model: Model, backend: Backend | None = None) -> HiCache:
     """A tier over a fresh device pool of ``setup``'s sizes for ``model`` (L3: ``backend``)."""
     pool = model.make_pool(setup.l1_pages, setup.page_size)
     config = TierConfig(l1_pages=setup.l1_pages, l2_pages=setup.l2_pages, **setup.tier_options)
     return HiCache(namespace_for(model.config, setup.page_size), config, pool, backend=backend)
 
 
+@dataclass
+class PrefillState:
+    """What the prefill compute fills for ``ResumeStateCodec``: the window layers' K/V of the
+    prompt and the recurrent state after its last token."""
+
+    window: WindowKV | None
+    recurrent: torch.Tensor | None = None
+
+
+@dataclass
+class ResumeState:
+    """The decode side's copy: the window layers' K/V of the last ``tail`` prompt tokens
+    (``[window layers, 2, tail, kv_heads, head_dim]``, zeros before position 0) and the
+    recurrent state after the prompt."""
+
+    config: MiniLlamaConfig
+    prompt_tokens: int
+    tail: torch.Tensor | None
+    recurrent: torch.Tensor | None
+
+    def window(self, length: int) -> WindowKV | None:
+        """A ``WindowKV`` of ``length >= prompt_tokens`` rows holding the tail at its positions:
+        what ``MiniLlama.prefill`` needs to decode after the prompt."""
+        if self.tail is None:
+            return None
+        window = WindowKV.zeros(self.config, length)
+        n, size = self.prompt_tokens, self.tail.shape[2]
+        rows = min(n, size)
+        window.k[:, n - rows : n] = self.tail[:, 0, size - rows :]
+        window.v[:, n - rows : n] = self.tail[:, 1, size - rows :]
+        return window
+
+
+class ResumeStateCodec(StateCodec):
+    """The mini engine's state beyond KV pages at the end of a prompt (``pd.state``): the
+    fresh sliding-window tail, K/V of the last ``sliding_window - 1`` prompt tokens of every
+    window layer (a query at position ``t`` sees keys ``(t - W, t]``), and the recurrent state
+    of ``HybridMiniLlama``. Bytes: the tail in the model dtype, then the state in float32."""
+
+    def __init__(self, config: MiniLlamaConfig, recurrent_dim: int = 0) -> None:
+        if not config.window_layers and not recurrent_dim:
+            raise ValueError("a full-attention model without a recurrent layer has no state")
+        self.config = config
+        self.recurrent_dim = recurrent_dim
+        self.tail_tokens = max(1, config.sliding_window - 1) if config.window_layers else 0
+        self.tail_shape = (
+            len(config.window_layers),
+            2,
+            self.tail_tokens,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        itemsize = torch.finfo(config.torch_dtype).bits // 8
+        self.tail_bytes = math.prod(self.tail_shape) * itemsize
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "mini-llama-resume",
+            "window_layers": list(self.config.window_layers),
+            "tail_tokens": self.tail_tokens,
+            "kv_heads": self.config.num_kv_heads,
+            "head_dim": self.config.head_dim,
+            "dtype": self.config.dtype,
+            "recurrent_dim": self.recurrent_dim,
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return self.tail_bytes + 4 * self.recurrent_dim
+
+    def begin(self, prompt_tokens: int) -> PrefillState:
+        window = WindowKV.zeros(self.config, prompt_tokens) if self.config.window_layers else None
+        return PrefillState(window)
+
+    def encode(self, handle: Any) -> torch.Tensor:
+        assert isinstance(handle, PrefillState)
+        out = torch.zeros(self.nbytes, dtype=torch.uint8)
+        if handle.window is not None:
+            n, size = handle.window.length, self.tail_tokens
+            rows = min(n, size)
+            tail = torch.zeros(self.tail_shape, dtype=self.config.torch_dtype)
+            tail[:, 0, size - rows :] = handle.window.k[:, n - rows : n]
+            tail[:, 1, size - rows :] = handle.window.v[:, n - rows : n]
+            out[: self.tail_bytes] = tail.reshape(-1).view(torch.uint8)
+        if self.recurrent_dim:
+            if handle.recurrent is None:
+                raise ValueError("the compute left no recurrent state")
+            state = handle.recurrent.to(torch.float32).reshape(-1)
+            out[self.tail_bytes :] = state.contiguous().view(torch.uint8)
+        return out
+
+    def decode(self, data: torch.Tensor, prompt_tokens: int) -> ResumeState:
+        if data.numel() != self.nbytes:
+            raise ValueError(f"state: {data.numel()} bytes, expected {self.nbytes}")
+        tail = None
+        if self.config.window_layers:
+            raw = data[: self.tail_bytes].clone()
+            tail = raw.view(self.config.torch_dtype).reshape(self.tail_shape)
+        recurrent = None
+        if self.recurrent_dim:
+            recurrent = data[self.tail_bytes :].clone().view(torch.float32)
+        return ResumeState(self.config, prompt_tokens, tail, recurrent)
+
+
 def state_codec(setup: WorkerSetup) -> StateCodec | None:
     """The model's extra-state codec (None: a full-attention model needs none)."""
+    if setup.config.window_layers or setup.recurrent_dim:
+        return ResumeStateCodec(setup.config, setup.recurrent_dim)
     return None
+
+
+def prefill_compute(model: Model, pool: DeviceKVPool) -> Compute:
+    """The prefill worker's engine call: last-position logits, filling a ``PrefillState``."""
+
+    def compute(
+        tokens: torch.Tensor,
+        start: int,
+        slots: torch.Tensor,
+        wait_layer: Any,
+        state: PrefillState | None,
+    ) -> torch.Tensor:
+        window = state.window if state is not None else None
+        if isinstance(model, HybridMiniLlama):
+            assert state is not None, "a hybrid model always has a state codec"
+            assert start == 0, "the prefill worker's cache cannot resume a recurrent state"
+            logits, recurrent, _ = model.prefill(
+                tokens, start, slots, pool, None, wait_layer=wait_layer, window=window
+            )
+            state.recurrent = recurrent
+            return logits[-1:]
+        return model.prefill(tokens, start, slots, pool, wait_layer, last_only=True, window=window)
+
+    return compute
 
 
 def prefill_main(setup_json: str) -> int:
@@ -101,19 +248,20 @@ def prefill_main(setup_json: str) -> int:
     setup = WorkerSetup.from_json(setup_json)
     torch.set_num_threads(setup.threads)
     authkey = bytes.fromhex(os.environ[AUTHKEY_ENV])
-    model = MiniLlama(setup.config)
+    model = build_model(setup)
     tier = build_tier(setup, model)
     pool = tier.pool
     assert isinstance(pool, DeviceKVPool)
-
-    def compute(
-        tokens: torch.Tensor, start: int, slots: torch.Tensor, wait_layer: Any, _state: Any
-    ) -> torch.Tensor:
-        return model.prefill(tokens, start, slots, pool, wait_layer, last_only=True)
-
     transport = open_transport(setup.transport, timeout_s=setup.timeout_s)
+    codec = state_codec(setup)
     worker = PrefillWorker(
-        tier, compute, transport, send_rows=setup.send_rows, state=state_codec(setup)
+        tier,
+        prefill_compute(model, pool),
+        transport,
+        send_rows=setup.send_rows,
+        state=codec,
+        # This cache keeps full-attention KV only: it cannot resume a model with state.
+        reuse=codec is None,
     )
     listener = ChannelListener(authkey)
 
@@ -247,13 +395,13 @@ def start_prefill(
 def decode_side(
     setup: WorkerSetup,
     channel: Channel,
-    model: MiniLlama | None = None,
+    model: Model | None = None,
     *,
     backend: Backend | None = None,
-) -> tuple[DecodeWorker, MiniLlama]:
+) -> tuple[DecodeWorker, Model]:
     """A decode worker in this process, handshaken with the prefill worker at the other end of
     ``channel`` (its cache's L3: ``backend``). ``close_decode_side`` releases all it built."""
-    model = model or MiniLlama(setup.config)
+    model = model or build_model(setup)
     namespace = namespace_for(model.config, setup.page_size)
     tier = build_tier(setup, model, backend) if setup.reuse else None
     pool = tier.pool if tier is not None else model.make_pool(setup.l1_pages, setup.page_size)

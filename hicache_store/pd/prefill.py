@@ -64,7 +64,11 @@ class _Peer:
 class PrefillWorker:
     """Serves ``PrefillRequest`` s with ``tier`` (its device pool holds the model's KV),
     ``compute`` (the engine), ``transport`` (registered send rows) and optionally a model
-    ``state`` codec (extra per-request state, e.g. a hybrid model's window tail)."""
+    ``state`` codec (extra per-request state, e.g. a hybrid model's window tail).
+
+    ``reuse=False``: the worker's cache never shortens its compute (every prompt is computed
+    from its first token; its pages are still cached): for a model whose state beyond KV
+    pages this cache cannot restore, so that the state sent to decode is complete."""
 
     def __init__(
         self,
@@ -74,8 +78,10 @@ class PrefillWorker:
         *,
         send_rows: int = 64,
         state: StateCodec | None = None,
+        reuse: bool = True,
     ) -> None:
         self.tier = tier
+        self.reuse = reuse
         self.compute = compute
         self.transport = transport
         self.state = state
@@ -140,7 +146,7 @@ class PrefillWorker:
                 f"request {msg.rid}: landing rows must be distinct and below {peer.landing_rows}"
             )
         started = time.perf_counter()
-        req = self.tier.match(msg.tokens)
+        req = self.tier.match(msg.tokens, reuse=self.reuse)
         expected = req.hashes[msg.boundary // page - 1] if msg.boundary else ""
         if msg.boundary_hash != expected:
             self.tier.abort(req)

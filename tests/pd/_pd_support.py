@@ -19,9 +19,8 @@ TRANSPORTS = ["tcp", pytest.param("mooncake", marks=pytest.mark.mooncake)]
 
 
 def setup_for(transport: str, **options: object) -> WorkerSetup:
-    return WorkerSetup(
-        model=CONFIG.to_dict(), page_size=PAGE, transport=transport, **options  # type: ignore[arg-type]
-    )
+    options.setdefault("model", CONFIG.to_dict())
+    return WorkerSetup(page_size=PAGE, transport=transport, **options)  # type: ignore[arg-type]
 
 
 ROW = 4 * 2 * PAGE * 2 * 16 * 4  # bytes of one page: layers x K/V x tokens x heads x dim x 4
