@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hicache_store.cli import UsageError
+from hicache_store.cli import UsageError, require_module
+from hicache_store.ops.progress import ProgressBar
 
 
 def register(subparsers: Any) -> None:
@@ -56,6 +57,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_module("torch", "bench pd")
     from hicache_store.bench.multiturn import fresh_directory
     from hicache_store.bench.pd import ARMS, run_arms, summarize
     from hicache_store.bench.pd_worker import WorkerSetup
@@ -108,15 +110,14 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
 
+    bar = ProgressBar(total, "requests", label=f"  {'+'.join(arms)}", enabled=not args.no_progress)
+
     def progress(done: int, total: int) -> None:
-        if not args.no_progress:
-            bar = "#" * (30 * done // total)
-            print(f"\r  {'+'.join(arms)} [{bar:<30}] {done}/{total}", end="", file=sys.stderr)
+        bar.update(done, final=done >= total)
 
     setups = {arm: (prefill, WorkerSetup(**{**common, "reuse": arm == "reuse"})) for arm in arms}
     raw = run_arms(setups, spec, workdir, progress)
-    if not args.no_progress:
-        print(file=sys.stderr)
+    bar.close()
     results: dict[str, Any] = {}
     for arm in arms:
         results[arm] = summarize(raw[arm]["records"], spec.answer_tokens)
