@@ -10,8 +10,9 @@ Markdown table per trace: token hit rate over all requests / over the second hal
 Rows:
 * references: ``LRU (published)`` (block LRU, ``trace_sim.lru_reference``) and ``Belady``;
 * prefix-closed (the tier's structure: only leaves go): ``lru`` and ``arc``, the tier's own
-  policies (``hicache_store.tier.eviction``, the very code the tier runs), and ``arc`` with
-  ARC's textbook ghost lists (as long as the cache) instead of the default 4x;
+  policies (``hicache_store.tier.eviction``, the very code the tier runs), and two variants
+  of ``arc``: textbook (ghost lists as long as the cache, no recall memory) and the previous
+  default (ghost lists 4x the cache, which adapt ``p`` too, no separate recall memory);
 * literature policies over plain blocks (no leaf rule; a hole cuts the prefix): FIFO, SLRU
   (20% probation), S3-FIFO (10% small queue, ghost), ARC, W-TinyLFU (1% window, SLRU main,
   count-min admission);
@@ -493,8 +494,11 @@ POLICIES: dict[str, Runner] = {
     "LRU (published)": lru_reference,
     "lru (prefix-closed; tier)": lambda t, c: simulate(t, c, block_policy("lru", t, c)),
     "arc (prefix-closed; tier default)": lambda t, c: simulate(t, c, block_policy("arc", t, c)),
-    "arc with textbook ghosts (1x)": lambda t, c: simulate(
-        t, c, ARCEviction(c, _depths(t).__getitem__, _same, ghost_factor=1.0)
+    "arc: ghosts 4x adapting p (previous default)": lambda t, c: simulate(
+        t, c, ARCEviction(c, _depths(t).__getitem__, _same, ghost_factor=4.0, recall_factor=0.0)
+    ),
+    "arc: textbook (ghosts 1x; no recall)": lambda t, c: simulate(
+        t, c, ARCEviction(c, _depths(t).__getitem__, _same, ghost_factor=1.0, recall_factor=0.0)
     ),
     "FIFO": lambda t, c: replay_blocks(t, FIFO(c)),
     "SLRU": lambda t, c: replay_blocks(t, SLRU(c)),

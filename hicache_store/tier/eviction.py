@@ -29,12 +29,17 @@ Policies (``EVICTION_POLICIES``; measured in BENCHMARKS.md, "Production traces")
     ARC (Megiddo and Modha, FAST'03) made prefix-closed. Pages used by one request only are in
     list T1, pages a later request used again are in T2; each list evicts its least recently
     used leaf. Evicted pages leave their key in a ghost list (B1 from T1, B2 from T2, each
-    bounded to ``ghost_factor`` x the pool's pages): a page that comes back while its ghost is
-    remembered is admitted straight to T2 and moves the target size ``p`` of T1 (up for a B1
-    ghost, down for B2). T1 is evicted while it is above ``p``. On production conversation
-    traffic most pages are used once (76% of the conversation trace's blocks): they churn
-    through T1 while the chains that conversations came back to stay in T2; the ghosts, longer
-    than the cache, catch the conversations that come back after their first turn was evicted.
+    bounded to ``ghost_factor`` x the pool's pages, 1 as in ARC): a page that comes back while
+    its ghost is remembered is admitted straight to T2 and moves the target size ``p`` of T1
+    (up for a B1 ghost, down for B2). T1 is evicted while it is above ``p``. Beyond ARC, the
+    keys of the last ``recall_factor`` x pool pages evicted (4 by default) are remembered too:
+    a page that comes back within that memory is admitted to T2 as well, without moving ``p``.
+    On production conversation traffic most pages are used once (76% of the conversation
+    trace's blocks): they churn through T1 while the chains that conversations came back to
+    stay in T2; the longer memory catches the conversations that come back after their first
+    turn was evicted, while ``p`` adapts on ARC's own, shorter evidence (adapting it on the
+    longer memory, the previous design, pushes ``p`` up at small pools: 1.7 points less of
+    the conversation trace at 4k blocks, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -54,10 +59,12 @@ EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc")
 #: the policy a pool uses unless told otherwise.
 DEFAULT_EVICTION_POLICY = "arc"
 
-#: ghost entries per page of pool capacity, per ghost list (the study's choice: 4 catches
-#: conversations returning after up to ~4 pool turnovers; 1, ARC's textbook size, loses a
-#: third of the gain on the conversation trace).
-DEFAULT_GHOST_FACTOR = 4.0
+#: ghost entries per page of pool capacity, per ghost list (B1, B2: what adapts ``p``), as in ARC.
+DEFAULT_GHOST_FACTOR = 1.0
+
+#: remembered evicted keys per page of pool capacity (admission to T2 only; the study's
+#: choice: 4 catches conversations returning after up to ~4 pool turnovers).
+DEFAULT_RECALL_FACTOR = 4.0
 
 
 class EvictionPolicy(Protocol[N]):
@@ -206,17 +213,23 @@ class ARCEviction(Generic[N]):
         depth: Callable[[N], int],
         ghost_key: Callable[[N], Hashable],
         ghost_factor: float = DEFAULT_GHOST_FACTOR,
+        recall_factor: float = DEFAULT_RECALL_FACTOR,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least one page, got {capacity}")
-        if ghost_factor < 0:
-            raise ValueError(f"ghost_factor must not be negative, got {ghost_factor}")
+        if ghost_factor < 0 or recall_factor < 0:
+            raise ValueError(
+                f"ghost_factor and recall_factor must not be negative, got {ghost_factor}, "
+                f"{recall_factor}"
+            )
         self.capacity = capacity
         self.p = 0.0  # target size of T1, in pages
         self._leaves: _LeafHeaps[N] = _LeafHeaps(depth)
         self._ghost_key = ghost_key
         self._ghost_limit = int(ghost_factor * capacity)
         self._ghosts: dict[int, OrderedDict[Hashable, None]] = {1: OrderedDict(), 2: OrderedDict()}
+        self._recall_limit = int(recall_factor * capacity)
+        self._recall: OrderedDict[Hashable, None] = OrderedDict()  # evicted keys, oldest first
         self._clock = 0
 
     def __len__(self) -> int:
@@ -227,6 +240,11 @@ class ARCEviction(Generic[N]):
         """Resident pages in T1 and T2, ghost keys in B1 and B2."""
         r = self._leaves.resident
         return r[1], r[2], len(self._ghosts[1]), len(self._ghosts[2])
+
+    @property
+    def recalled(self) -> int:
+        """Evicted keys remembered for admission to T2 (at most ``recall_factor`` x pool)."""
+        return len(self._recall)
 
     def begin_request(self) -> None:
         self._clock += 1
@@ -242,6 +260,9 @@ class ARCEviction(Generic[N]):
         elif key in b2:
             self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
             del b2[key]
+            segment = 2
+        if key in self._recall:
+            del self._recall[key]
             segment = 2
         self._leaves.add(node, segment)
         # A node admitted now and touched by this same request is not "used again".
@@ -267,9 +288,14 @@ class ARCEviction(Generic[N]):
     def evict(self, node: N) -> None:
         segment = self._leaves.remove(node)
         ghosts = self._ghosts[segment]
-        ghosts[self._ghost_key(node)] = None
+        key = self._ghost_key(node)
+        ghosts[key] = None
         while len(ghosts) > self._ghost_limit:
             ghosts.popitem(last=False)
+        if self._recall_limit:
+            self._recall[key] = None
+            while len(self._recall) > self._recall_limit:
+                self._recall.popitem(last=False)
 
 
 def make_eviction_policy(

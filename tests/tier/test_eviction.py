@@ -27,8 +27,10 @@ def depth_of(node: str) -> int:
     return len(node) - 1  # nodes named by their path: "a", "ab", "abc"
 
 
-def arc(capacity: int = 4, ghost_factor: float = 1.0) -> ARCEviction[str]:
-    return ARCEviction(capacity, depth_of, lambda n: n, ghost_factor)
+def arc(
+    capacity: int = 4, ghost_factor: float = 1.0, recall_factor: float = 0.0
+) -> ARCEviction[str]:
+    return ARCEviction(capacity, depth_of, lambda n: n, ghost_factor, recall_factor)
 
 
 def test_lru_offers_least_recent_then_deepest_leaf() -> None:
@@ -103,8 +105,27 @@ def test_arc_evicts_t1_while_above_target_else_t2() -> None:
     assert policy.victim() == "a"  # T2 has no evictable leaf: T1 after all
 
 
-def test_ghost_lists_are_bounded() -> None:
-    policy = arc(capacity=3, ghost_factor=2.0)
+def test_recalled_keys_admit_to_t2_without_moving_p() -> None:
+    # Ghosts of one page (B1) but a recall memory of three: "a" falls out of B1 yet is still
+    # recalled when it comes back, so it goes to T2 and p does not move.
+    policy = arc(capacity=1, ghost_factor=1.0, recall_factor=3.0)
+    policy.begin_request()
+    for node in ("a", "b"):
+        policy.admit(node)
+        policy.touch(node)
+        policy.set_evictable(node, True)
+        policy.evict(node)
+    assert policy.sizes == (0, 0, 1, 0)  # B1 holds "b" only
+    assert policy.recalled == 2
+    policy.begin_request()
+    policy.admit("a")
+    assert policy.sizes == (0, 1, 1, 0)
+    assert policy.p == 0.0
+    assert policy.recalled == 1  # "a" is resident again: no longer remembered
+
+
+def test_ghost_lists_and_recall_are_bounded() -> None:
+    policy = arc(capacity=3, ghost_factor=2.0, recall_factor=5.0)
     policy.begin_request()
     for i in range(50):
         node = f"n{i}"
@@ -113,6 +134,7 @@ def test_ghost_lists_are_bounded() -> None:
         policy.set_evictable(node, True)
         policy.evict(node)
     assert policy.sizes == (0, 0, 6, 0)
+    assert policy.recalled == 15
     with pytest.raises(ValueError, match="capacity"):
         arc(capacity=0)
     with pytest.raises(ValueError, match="not one of lru, arc"):
@@ -131,8 +153,11 @@ def test_heaps_stay_proportional_to_live_leaves() -> None:
     assert sum(len(h) for h in heaps.values()) <= 2 * 1 + 64 + 1
 
 
-def naive_prefix_arc(trace: Trace, capacity: int, ghost_factor: float) -> int:
-    """Prefix-closed ARC written directly: ordered dicts, a scan for the oldest leaf."""
+def naive_prefix_arc(
+    trace: Trace, capacity: int, ghost_factor: float, recall_factor: float
+) -> int:
+    """Prefix-closed ARC with a recall memory written directly: ordered dicts, a scan for the
+    oldest leaf."""
     parent = {b: (r.hash_ids[d - 1] if d else None) for r in trace.requests
               for d, b in enumerate(r.hash_ids)}
     depth = {b: d for r in trace.requests for d, b in enumerate(r.hash_ids)}
@@ -141,6 +166,7 @@ def naive_prefix_arc(trace: Trace, capacity: int, ghost_factor: float) -> int:
     ghosts: dict[int, OrderedDict[int, None]] = {1: OrderedDict(), 2: OrderedDict()}
     p = 0.0
     limit = int(ghost_factor * capacity)
+    recall: OrderedDict[int, None] = OrderedDict()
     tokens = 0
     for index, request in enumerate(trace.requests):
         run = 0
@@ -161,6 +187,9 @@ def naive_prefix_arc(trace: Trace, capacity: int, ghost_factor: float) -> int:
                 segment[block] = 2
             else:
                 segment[block] = 1
+            if block in recall:
+                del recall[block]
+                segment[block] = 2
             stamp[block] = index
         while len(segment) > capacity:
             leaves = [b for b in segment if not any(parent[c] == b for c in segment)]
@@ -174,8 +203,9 @@ def naive_prefix_arc(trace: Trace, capacity: int, ghost_factor: float) -> int:
             victim = t1 if t1 is not None and (in_t1 > p or t2 is None) else (t2 if t2 is not None else t1)
             assert victim is not None
             ghosts[segment.pop(victim)][victim] = None
-            for g in ghosts.values():
-                while len(g) > limit:
+            recall[victim] = None
+            for g in (*ghosts.values(), recall):
+                while len(g) > (limit if g is not recall else int(recall_factor * capacity)):
                     g.popitem(last=False)
     return tokens
 
@@ -184,8 +214,11 @@ def naive_prefix_arc(trace: Trace, capacity: int, ghost_factor: float) -> int:
 def test_arc_matches_a_direct_implementation(seed: int) -> None:
     trace = random_tree_trace(random.Random(seed), 120, 4, reuse=0.8)
     for capacity in (2, 6, 15):
-        policy = ARCEviction(capacity, block_depth(trace), lambda b: b, 2.0)
-        assert simulate(trace, capacity, policy).hit_tokens == naive_prefix_arc(trace, capacity, 2.0)
+        for ghosts, recall in ((2.0, 0.0), (1.0, 4.0)):
+            policy = ARCEviction(capacity, block_depth(trace), lambda b: b, ghosts, recall)
+            assert simulate(trace, capacity, policy).hit_tokens == naive_prefix_arc(
+                trace, capacity, ghosts, recall
+            )
 
 
 def block_depth(trace: Trace) -> Callable[[int], int]:

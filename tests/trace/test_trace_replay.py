@@ -92,11 +92,10 @@ def test_l3_serves_what_l2_evicted(tmp_path: Path) -> None:
 def test_arc_keeps_a_returning_chain_that_lru_loses() -> None:
     # One chain occurs every 4th request (10 times); one-off chains in between fill L2 (4
     # blocks) before it comes back, so LRU never has it. ARC: the 1st occurrence goes to T1
-    # and out to ghost list B1; at the 2nd the B1 ghost admits it to T2 and raises T1's
-    # target p; the next one-offs still push it out of T2 (T1 is not above p: the tier makes
-    # room before it admits a request's pages) into B2; at the 3rd the B2 ghost lowers p and
-    # from the 4th on it stays: each hits all its pages but the last (a prompt computes at
-    # least its last page).
+    # and is evicted (3 one-offs evict 24 pages: its ghosts leave B1, 16 pages long, but stay
+    # in the recall memory, 64 pages); at the 2nd the recalled keys admit it to T2, p stays 0,
+    # so the one-offs in T1 go first and it stays: from the 3rd on each occurrence hits all
+    # its pages but the last (a prompt computes at least its last page).
     chains: list[list[int]] = []
     fresh = 100
     for i in range(40):
@@ -106,7 +105,7 @@ def test_arc_keeps_a_returning_chain_that_lru_loses() -> None:
     lru = replay(trace, setup(4, eviction_policy="lru"))
     arc = replay(trace, setup(4, eviction_policy="arc"))
     assert lru.counts.l2.hit_tokens == 0
-    returns_kept = 10 - 3
+    returns_kept = 10 - 2
     assert arc.counts.l2.hit_tokens == returns_kept * (2 * BLOCK - PAGE)
 
 
