@@ -46,7 +46,7 @@ class TierConfig:
     past it is abandoned, and its host page quarantined until the I/O has ended.
     ``eviction_policy``: the order of eviction in each pool (``tier.eviction``:
     ``EVICTION_POLICIES``): ``arc`` by default (prefix-closed ARC: on production traces it keeps
-    1.5-4 points more of the prompt than LRU at mid-size pools, BENCHMARKS.md "Production
+    1.5-5.7 points more of the prompt than LRU at mid-size pools, BENCHMARKS.md "Production
     traces"); ``lru`` is SGLang's order.
     ``l3_record_pages``: pages the tree remembers beyond what L1 and L2 hold (pages only L3
     holds); older ones are forgotten and probed again when needed. None: ``l1_pages +
