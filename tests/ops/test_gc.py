@@ -456,7 +456,13 @@ def test_gc_killed_mid_run_resumes(tmp_path: Path) -> None:
     for line in proc.stderr:
         if line.startswith("gc delete"):
             break
-    time.sleep(0.8)  # the first delete call is done, the second is waiting
+    # Kill once the first delete call has removed objects (polled, not timed: on a loaded
+    # machine a fixed sleep can land before any delete or after the last one).
+    objects = root / "objects"
+    total = sum(1 for _ in objects.rglob("*_*"))
+    deadline = time.monotonic() + 60
+    while sum(1 for _ in objects.rglob("*_*")) == total and time.monotonic() < deadline:
+        time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     left = {p.name.split("_")[0] for p in (root / "objects").rglob("*_*")}
