@@ -15,6 +15,8 @@ class works by its ``module:Class`` spec. Backend modules are imported only when
 
 from __future__ import annotations
 
+from hicache_store.layout.errors import ConfigError
+
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer
 from .base import Backend, VerifiedObject
 from .errors import (
@@ -59,6 +61,7 @@ __all__ = [
     "ByteRange",
     "Capabilities",
     "CapacityError",
+    "ConfigError",
     "DuplicateBackendError",
     "InvalidRangeError",
     "MissingDependencyError",

@@ -31,7 +31,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .types import parse_size
+from hicache_store.layout.errors import ConfigError
+
+from .types import convert_options, parse_size, unknown_options_error
 
 #: key of this dataclass's field -> the names accepted for it in options and JSON files.
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -118,11 +120,11 @@ class MooncakeConfig:
     def __post_init__(self) -> None:
         host, sep, port = self.master.rpartition(":")
         if not sep or not host or not port.isdigit():
-            raise ValueError(f"mooncake master address must be host:port, got {self.master!r}")
+            raise ConfigError(f"mooncake master address must be host:port, got {self.master!r}")
         if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if self.timeout < 0:
-            raise ValueError(f"timeout must be >= 0, got {self.timeout}")
+            raise ConfigError(f"timeout must be >= 0, got {self.timeout}")
         if self.protocol != self.protocol.lower():
             object.__setattr__(self, "protocol", self.protocol.lower())
 
@@ -147,24 +149,21 @@ class MooncakeConfig:
 
         ``location`` is the URL's ``host:port`` (may be empty: then the master comes from the
         options, the JSON file or ``MOONCAKE_MASTER``). Unknown option names raise
-        ``ValueError`` naming them, so a typo is loud.
+        ``ConfigError`` naming them (with close spellings), so a typo is loud.
         """
         env = os.environ if environ is None else environ
-        opts = dict(options)
-        unknown = sorted(
-            k for k in opts
-            if k not in _OWN and k not in _IGNORED
-            and not any(k in names for names in _ALIASES.values())
-        )
+        opts = convert_options(options, ints=("threads",), floats=("timeout",), sizes=("bounce",))
+        known = [*_OWN, *(name for names in _ALIASES.values() for name in names)]
+        unknown = [k for k in opts if k not in known and k not in _IGNORED]
         if unknown:
-            raise ValueError(f"unknown mooncake option(s): {', '.join(unknown)}")
+            raise unknown_options_error("mooncake", unknown, known)
         file_values: dict[str, Any] = {}
         path = opts.get("config_path") or next((env[v] for v in _CONFIG_PATH_ENV if env.get(v)), "")
         if path:
             with open(path, encoding="utf-8") as fh:
                 loaded = json.load(fh)
             if not isinstance(loaded, dict):
-                raise ValueError(f"mooncake config file {path} must hold a JSON object")
+                raise ConfigError(f"mooncake config file {path} must hold a JSON object")
             file_values = loaded
 
         def pick(field: str) -> Any:
@@ -180,7 +179,7 @@ class MooncakeConfig:
         values: dict[str, Any] = {}
         master = location or pick("master")
         if not master:
-            raise ValueError(
+            raise ConfigError(
                 "no mooncake master address: give mooncake://host:port, the "
                 "master_server_address option, a JSON config file, or MOONCAKE_MASTER"
             )
@@ -193,10 +192,5 @@ class MooncakeConfig:
             value = pick(field)
             if value is not None:
                 values[field] = parse_mooncake_size(value)
-        if opts.get("bounce") is not None:
-            values["bounce"] = parse_size(opts["bounce"])
-        if opts.get("threads") is not None:
-            values["threads"] = int(opts["threads"])
-        if opts.get("timeout") is not None:
-            values["timeout"] = float(opts["timeout"])
+        values.update({k: opts[k] for k in ("bounce", "threads", "timeout") if opts.get(k) is not None})
         return cls(**values)

@@ -74,9 +74,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from hicache_store.layout.errors import CorruptObjectError, InvalidKeyError
+from hicache_store.layout.errors import ConfigError, CorruptObjectError, InvalidKeyError
 from hicache_store.layout.framing import ObjectHeader, decode_header, payload_offset, verify_blocks
-from hicache_store.layout.keys import ObjectKey, validate_storage_keys
+from hicache_store.layout.keys import ObjectKey, parse_key, validate_storage_keys
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT
 
 from .errors import BackendClosedError, InvalidRangeError, NotSupportedError
@@ -330,7 +330,7 @@ class Backend(abc.ABC):
         a URL arrive as strings: overrides convert them (see ``types.parse_size``).
         """
         if url.location:
-            raise ValueError(f"the {cls.name} backend takes no location, got {url.location!r}")
+            raise ConfigError(f"the {cls.name} backend takes no location, got {url.location!r}")
         return cls(**options)
 
     # -- the core each backend implements -----------------------------------------------------
@@ -403,18 +403,23 @@ class Backend(abc.ABC):
         return True
 
     async def _get_scatter(
-        self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange
+        self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange | None
     ) -> int | None:
         """Read ``byte_range`` of one object into ``buffers`` in order; bytes read or None.
 
         ``buffers`` are writable flat byte views that together cover exactly
         ``byte_range.length`` bytes (the public method trims them), none empty. A range past
-        the object's end raises ``InvalidRangeError``. This default reads each buffer's
-        sub-range in one ``_get_into`` batch (ranges emulated as ``get_into`` does when the
-        backend has no ranged reads); backends that can read it all in one request override it.
-        A concurrent rewrite of the key may then be seen part old, part new: callers verify
-        what they read (framed objects carry checksums), as for two ``get_into`` ranges.
+        the object's end raises ``InvalidRangeError``. ``byte_range=None``: the whole object,
+        its size returned; ``InvalidRangeError`` when it is larger than the buffers together.
+        This default reads each buffer's sub-range in one ``_get_into`` batch (ranges emulated
+        as ``get_into`` does when the backend has no ranged reads), a whole object into
+        several buffers through one buffer of its own and a copy; backends that can read it
+        all in one request override it. A concurrent rewrite of the key may then be seen part
+        old, part new: callers verify what they read (framed objects carry checksums), as for
+        two ``get_into`` ranges.
         """
+        if byte_range is None:
+            return await self._whole_scatter(key, buffers)
         ranges: list[ByteRange | None] = []
         offset = byte_range.start
         for view in buffers:
@@ -422,6 +427,21 @@ class Backend(abc.ABC):
             offset += len(view)
         got = await self._fetch_into([key] * len(buffers), list(buffers), ranges)
         return None if any(n is None for n in got) else byte_range.length
+
+    async def _whole_scatter(self, key: str, buffers: Sequence[memoryview]) -> int | None:
+        # Only the whole-object read sees the stored size, so it lands in one buffer: the
+        # caller's own when there is one, else a buffer of this call's, copied out after.
+        if len(buffers) == 1:
+            (n,) = await self._fetch_into([key], [buffers[0]], [None])
+            return n
+        whole = bytearray(sum(len(view) for view in buffers))
+        (n,) = await self._fetch_into([key], [memoryview(whole)], [None])
+        if n is not None:
+            offset = 0
+            for part in scatter_views(buffers, n):
+                part[:] = whole[offset : offset + len(part)]
+                offset += len(part)
+        return n
 
     async def _close(self) -> None:  # noqa: B027 - optional hook, empty by default
         """Release resources. Called once."""
@@ -518,7 +538,7 @@ class Backend(abc.ABC):
         return results
 
     async def get_scatter(
-        self, key: str, buffers: Sequence[BufferLike], byte_range: ByteRange
+        self, key: str, buffers: Sequence[BufferLike], byte_range: ByteRange | None
     ) -> int | None:
         """Read bytes ``byte_range`` of one object into several buffers, filling them in order.
 
@@ -528,6 +548,10 @@ class Backend(abc.ABC):
         filled, later ones untouched). Raises ``InvalidRangeError`` when the range reaches past
         the object's end or the buffers together are smaller than the range, ``ValueError``
         for a read-only buffer, ``TypeError`` for a single buffer instead of a sequence.
+        ``byte_range=None`` reads the whole object, as ``get_into`` without a range: returns
+        its size, ``InvalidRangeError`` when it is larger than the buffers together. That is
+        the read that sees the stored size (a reader that knows an object's exact size checks
+        the result: bytes appended to an object are corruption a range cannot see).
         On a miss the buffers hold no bytes of the object, unless it vanished during the
         read (then they may hold some: a None result means "do not use the buffers").
         Typical use: a framed object's header into one buffer and its payload straight into
@@ -537,11 +561,16 @@ class Backend(abc.ABC):
         (checked,) = self._check_keys([key], "get_scatter")
         if isinstance(buffers, str) or _is_buffer(buffers):
             raise TypeError("get_scatter: buffers must be a sequence of buffers, not one buffer")
-        if not isinstance(byte_range, ByteRange):
-            raise TypeError(f"get_scatter: byte_range must be a ByteRange, got {byte_range!r}")
+        if byte_range is not None and not isinstance(byte_range, ByteRange):
+            raise TypeError(f"get_scatter: byte_range must be a ByteRange or None, got {byte_range!r}")
         views = [as_byte_view(b, writable=True) for b in buffers]
         capacity = sum(len(v) for v in views)
-        if capacity < byte_range.length:
+        if byte_range is None:
+            if capacity == 0:
+                raise InvalidRangeError("get_scatter: no buffer to read into", backend=self.name,
+                                        operation="get_scatter", key=checked)
+            parts = [v for v in views if len(v)]
+        elif capacity < byte_range.length:
             raise InvalidRangeError(
                 f"buffers of {capacity} bytes in all are smaller than range "
                 f"[{byte_range.start}, {byte_range.end})",
@@ -549,9 +578,9 @@ class Backend(abc.ABC):
                 operation="get_scatter",
                 key=checked,
             )
-        n = await self._guarded(
-            self._get_scatter(checked, scatter_views(views, byte_range.length), byte_range)
-        )
+        else:
+            parts = scatter_views(views, byte_range.length)
+        n = await self._guarded(self._get_scatter(checked, parts, byte_range))
         self.stats.reads += 1
         if n is not None:
             self.stats.read_hits += 1
@@ -807,13 +836,18 @@ class Backend(abc.ABC):
     ) -> VerifiedObject | None:
         """Read a framed object and verify it (``hicache_store.layout.framing``).
 
-        Reads and checks the header (against ``expected`` when given), then reads the layer
-        blocks ``layers = (start, stop)`` (all by default) with one range read, into ``into``
-        when given, and verifies their checksums. A miss returns None. A corrupt object (bad
-        header, wrong key, checksum mismatch, wrong size) also returns None and increments
-        ``stats.corruptions``: wrong bytes are never returned. The object stays in place.
-        ``layers`` outside the object's layer range raise ``ValueError`` (a caller bug).
+        Reads and checks the header against the key asked for (``expected``, by default the
+        object key ``key`` names: a valid object stored under another page's or namespace's
+        key is corrupt, never verified data), then reads the layer blocks ``layers = (start,
+        stop)`` (all by default) with one range read, into ``into`` when given, and verifies
+        their checksums. A miss returns None. A corrupt object (bad header, wrong key, checksum
+        mismatch, wrong size) also returns None and increments ``stats.corruptions``: wrong
+        bytes are never returned. The object stays in place. ``layers`` outside the object's
+        layer range raise ``ValueError`` and a ``key`` that is not an object key
+        ``InvalidKeyError`` (caller bugs).
         """
+        if expected is None:
+            expected = parse_key(key)
         try:
             return await self._read_verified(key, expected, layers, into)
         except (CorruptObjectError, InvalidRangeError) as exc:

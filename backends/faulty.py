@@ -43,9 +43,18 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hicache_store.layout.errors import ConfigError
+
 from .base import Backend, until_abandoned
 from .errors import BackendTimeoutError, BackendUnavailableError, OutOfSpaceError
-from .types import BackendURL, ByteRange, Capabilities, ObjectStat
+from .types import (
+    BackendURL,
+    ByteRange,
+    Capabilities,
+    ObjectStat,
+    convert_options,
+    unknown_options_error,
+)
 
 
 @dataclass(frozen=True)
@@ -70,9 +79,9 @@ class FaultConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_rate") and not 0.0 <= value <= 1.0:
-                raise ValueError(f"{f.name} must be in [0, 1], got {value}")
+                raise ConfigError(f"{f.name} must be in [0, 1], got {value}")
             if f.name.endswith("_s") and value < 0:
-                raise ValueError(f"{f.name} must be >= 0, got {value}")
+                raise ConfigError(f"{f.name} must be >= 0, got {value}")
 
     @property
     def reads_in_flight(self) -> bool:
@@ -82,15 +91,12 @@ class FaultConfig:
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> FaultConfig:
         """Build from string or typed options (URL query values are strings)."""
-        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
-        unknown = set(options) - kinds.keys()
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = set(options) - set(names)
         if unknown:
-            raise ValueError(f"unknown fault options {sorted(unknown)}; known: {sorted(kinds)}")
-        values: dict[str, Any] = {
-            name: int(value) if name == "seed" else float(value)
-            for name, value in options.items()
-        }
-        return cls(**values)
+            raise unknown_options_error("fault", unknown, names)
+        floats = [name for name in names if name != "seed"]
+        return cls(**convert_options(options, ints=("seed",), floats=floats))
 
 
 class FaultyBackend(Backend):
@@ -127,7 +133,7 @@ class FaultyBackend(Backend):
         if url.location and inner is None:
             inner = url.location if "://" in url.location else None
         if inner is None:
-            raise ValueError("faulty:// needs an inner backend: faulty://?inner=memory://")
+            raise ConfigError("faulty:// needs an inner backend: faulty://?inner=memory://")
         faults = FaultConfig.from_options(opts)  # validated before the inner store is opened
         backend = inner if isinstance(inner, Backend) else open_backend(inner)
         return cls(backend, faults)
@@ -186,7 +192,7 @@ class FaultyBackend(Backend):
         return results
 
     async def _get_scatter(
-        self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange
+        self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange | None
     ) -> int | None:
         # Forwarded to the inner backend's own scatter read (its one-request path, if it has
         # one), with the same faults as a read: errors, timeouts, latency, one flipped bit.
@@ -194,10 +200,12 @@ class FaultyBackend(Backend):
         if self._faults.reads_in_flight:
             staged = [bytearray(len(buf)) for buf in buffers]
             n = await self.inner.get_scatter(key, staged, byte_range)
-            await self._land_late([
-                (buf, memoryview(st), None if n is None else len(buf))
-                for buf, st in zip(buffers, staged, strict=True)
-            ])
+            left = n or 0  # a whole object may fill the buffers only partly
+            copies: list[tuple[memoryview, memoryview, int | None]] = []
+            for buf, st in zip(buffers, staged, strict=True):
+                copies.append((buf, memoryview(st), None if n is None else min(left, len(buf))))
+                left -= min(left, len(buf))
+            await self._land_late(copies)
         else:
             n = await self.inner.get_scatter(key, buffers, byte_range)
         if n and self._chance(self._faults.bit_flip_rate):

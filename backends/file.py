@@ -92,7 +92,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import xxhash
 
-from hicache_store.layout.errors import InvalidKeyError
+from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer, is_aligned, scratch_block
@@ -106,7 +106,7 @@ from .errors import (
     InvalidRangeError,
     translate_os_error,
 )
-from .types import BackendURL, ByteRange, Capabilities, ObjectStat, parse_bool, parse_size
+from .types import BackendURL, ByteRange, Capabilities, ObjectStat, convert_options, parse_size
 
 Durability = Literal["none", "data", "full"]
 DirectIO = Literal["auto", "never"]
@@ -188,17 +188,19 @@ class FileBackend(Backend):
         super().__init__()
         index = self.default_index if index is None else index
         if index not in INDEX_KINDS:
-            raise ValueError(f"index must be one of {INDEX_KINDS}, got {index!r}")
+            raise ConfigError(f"index must be one of {INDEX_KINDS}, got {index!r}")
         if durability not in DURABILITY_MODES:
-            raise ValueError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
+            raise ConfigError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         if direct_io not in DIRECT_IO_MODES:
-            raise ValueError(f"direct_io must be one of {DIRECT_IO_MODES}, got {direct_io!r}")
+            raise ConfigError(f"direct_io must be one of {DIRECT_IO_MODES}, got {direct_io!r}")
         if page_cache not in PAGE_CACHE_MODES:
-            raise ValueError(f"page_cache must be one of {PAGE_CACHE_MODES}, got {page_cache!r}")
+            raise ConfigError(f"page_cache must be one of {PAGE_CACHE_MODES}, got {page_cache!r}")
         if io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+            raise ConfigError(f"io_threads must be >= 1, got {io_threads}")
         if lock_timeout <= 0:
-            raise ValueError(f"lock_timeout must be > 0, got {lock_timeout}")
+            raise ConfigError(f"lock_timeout must be > 0, got {lock_timeout}")
+        # Every option is checked before the root is touched: a refused store creates nothing.
+        capacity = None if capacity_bytes is None else parse_size(capacity_bytes, option="capacity_bytes")
         self.root = Path(root).expanduser().resolve()
         self.durability: Durability = durability
         self.io_threads = io_threads
@@ -227,10 +229,10 @@ class FileBackend(Backend):
                 self._write_layout()
         except OSError as exc:
             raise translate_os_error(exc, backend=self.name, operation="open") from exc
-        if capacity_bytes is None:
+        if capacity is None:
             usage = shutil.disk_usage(self.root)
-            capacity_bytes = int(0.9 * (usage.free + self._index.totals()[0]))
-        self.capacity_bytes = parse_size(capacity_bytes)
+            capacity = int(0.9 * (usage.free + self._index.totals()[0]))
+        self.capacity_bytes = capacity
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache-file")
 
     @classmethod
@@ -241,16 +243,10 @@ class FileBackend(Backend):
     @staticmethod
     def _typed_options(options: dict[str, Any]) -> dict[str, Any]:
         """``options`` with the file backend's URL-query strings converted to their types."""
-        opts = dict(options)
-        if "io_threads" in opts:
-            opts["io_threads"] = int(opts["io_threads"])
-        if "create" in opts:
-            opts["create"] = parse_bool(opts["create"])
-        if "lock_timeout" in opts:
-            opts["lock_timeout"] = float(opts["lock_timeout"])
-        if opts.get("capacity_bytes") is not None:
-            opts["capacity_bytes"] = parse_size(opts["capacity_bytes"])
-        return opts
+        return convert_options(
+            options, ints=("io_threads",), floats=("lock_timeout",), sizes=("capacity_bytes",),
+            bools=("create",),
+        )
 
     def __repr__(self) -> str:
         return f"FileBackend({str(self.root)!r}, durability={self.durability!r})"
@@ -459,7 +455,7 @@ class FileBackend(Backend):
                 for key, view, rng in items]
 
     async def _get_scatter(
-        self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange
+        self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange | None
     ) -> int | None:
         # docstring inherited. One open and one preadv for all the buffers: a framed object's
         # header and payload cost one request, not two opens and two reads (measured figure

@@ -58,7 +58,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from hicache_store.layout.errors import InvalidKeyError
+from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
 from .base import Backend, abandonable, until_abandoned
@@ -69,7 +69,7 @@ from .errors import (
     InvalidRangeError,
     translate_os_error,
 )
-from .types import BackendURL, ByteRange, Capabilities, ObjectStat
+from .types import BackendURL, ByteRange, Capabilities, ObjectStat, convert_options
 
 T = TypeVar("T")
 
@@ -105,11 +105,11 @@ class FsspecBackend(Backend):
         import fsspec
 
         if atomic_write not in ATOMIC_WRITE_MODES:
-            raise ValueError(f"atomic_write must be one of {ATOMIC_WRITE_MODES}, got {atomic_write!r}")
+            raise ConfigError(f"atomic_write must be one of {ATOMIC_WRITE_MODES}, got {atomic_write!r}")
         if max_concurrency < 1:
-            raise ValueError("max_concurrency must be >= 1")
+            raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
         if not request_timeout > 0:
-            raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
+            raise ConfigError(f"request_timeout must be > 0, got {request_timeout}")
         self.request_timeout = float(request_timeout)
         self.protocol = protocol
         options = {**(storage_options or {}), **filesystem_options}
@@ -117,7 +117,7 @@ class FsspecBackend(Backend):
         stripped = self.fs._strip_protocol(root) if root else ""
         self.root = str(stripped).rstrip("/") or ("/" if protocol in ("file", "local") else "")
         if not self.root:
-            raise ValueError(f"fsspec+{protocol}:// needs a root directory")
+            raise ConfigError(f"fsspec+{protocol}:// needs a root directory")
         if atomic_write == "auto":
             atomic_write = "direct" if protocol in DIRECT_WRITE_PROTOCOLS else "rename"
         self.atomic_write = atomic_write
@@ -140,11 +140,8 @@ class FsspecBackend(Backend):
         else:
             opts.pop("protocol", None)
         if not protocol:
-            raise ValueError("name the filesystem: fsspec+<protocol>://root (e.g. fsspec+gcs://b/kv)")
-        if "max_concurrency" in opts:
-            opts["max_concurrency"] = int(opts["max_concurrency"])
-        if "request_timeout" in opts:
-            opts["request_timeout"] = float(opts["request_timeout"])
+            raise ConfigError("name the filesystem: fsspec+<protocol>://root (e.g. fsspec+gcs://b/kv)")
+        opts = convert_options(opts, ints=("max_concurrency",), floats=("request_timeout",))
         return cls(protocol, url.location, **opts)
 
     def __repr__(self) -> str:

@@ -58,12 +58,14 @@ from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Literal
 
+from hicache_store.layout.errors import ConfigError
+
 from ._aligned import address_of, aligned_buffer
 from ._hf3fs_usrbio import IoOp, UsrbioEngine, is_hf3fs_fstype, load_usrbio, mount_of, shm_buf
 from .base import Backend, as_byte_view
 from .errors import BackendError, InvalidRangeError, translate_os_error
 from .file import FileBackend, _fsync_dir
-from .types import BackendStats, BackendURL, ByteRange, parse_size
+from .types import BackendStats, BackendURL, ByteRange, convert_options, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +136,12 @@ class HF3FSBackend(FileBackend):
         **file_options: Any,
     ) -> None:
         if engine not in ENGINES:
-            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+            raise ConfigError(f"engine must be one of {ENGINES}, got {engine!r}")
         if ring_entries < 1:
-            raise ValueError(f"ring_entries must be >= 1, got {ring_entries}")
-        staging = parse_size(staging_bytes)
+            raise ConfigError(f"ring_entries must be >= 1, got {ring_entries}")
+        staging = parse_size(staging_bytes, option="staging_bytes")
         if staging < 4096:
-            raise ValueError(f"staging_bytes must be at least 4096, got {staging}")
+            raise ConfigError(f"staging_bytes must be at least 4096, got {staging}")
         super().__init__(root, **file_options)
         self.stats = HF3FSStats(**self.stats.as_dict())
         self._usrbio: UsrbioEngine | None = None
@@ -167,11 +169,9 @@ class HF3FSBackend(FileBackend):
     def from_url(cls, url: BackendURL, options: dict[str, Any]) -> HF3FSBackend:
         """``hf3fs:///mnt/3fs/prefix`` plus the options of ``__init__``."""
         root = url.local_path()
-        opts = cls._typed_options(options)  # the file backend's options
-        if "ring_entries" in opts:
-            opts["ring_entries"] = int(opts["ring_entries"])
-        if "usrbio_timeout" in opts:
-            opts["usrbio_timeout"] = float(opts["usrbio_timeout"])
+        opts = convert_options(  # the file backend's options, then hf3fs's own
+            cls._typed_options(options), ints=("ring_entries",), floats=("usrbio_timeout",)
+        )
         return cls(root, **opts)
 
     def __repr__(self) -> str:
@@ -231,7 +231,7 @@ class HF3FSBackend(FileBackend):
         return results
 
     async def _get_scatter(
-        self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange
+        self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange | None
     ) -> int | None:
         # docstring inherited. Under USRBIO: the generic one range per buffer, which
         # ``_get_into`` submits as one ring batch; the POSIX engine keeps the file backend's

@@ -15,6 +15,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from hicache_store.layout.errors import ConfigError
+
 from ._lru import ChainLRU
 from .base import Backend
 from .errors import CapacityError, InvalidRangeError
@@ -38,7 +40,7 @@ class MemoryBackend(Backend):
 
     def __init__(self, capacity_bytes: int | str = DEFAULT_CAPACITY_BYTES) -> None:
         super().__init__()
-        self.capacity_bytes = parse_size(capacity_bytes)
+        self.capacity_bytes = parse_size(capacity_bytes, option="capacity_bytes")
         self._data: dict[str, bytes] = {}
         self._mtimes: dict[str, float] = {}
         self._lru = ChainLRU()
@@ -47,7 +49,7 @@ class MemoryBackend(Backend):
     def from_url(cls, url: BackendURL, options: dict[str, Any]) -> MemoryBackend:
         # docstring inherited
         if url.location:
-            raise ValueError(f"memory:// takes no location, got {url.location!r}")
+            raise ConfigError(f"memory:// takes no location, got {url.location!r}")
         return cls(**options)
 
     @property

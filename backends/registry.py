@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import logging
 import re
 import threading
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from hicache_store.layout.errors import ConfigError, HiCacheStoreError
+
 from .base import Backend
 from .errors import (
     BackendError,
@@ -48,7 +51,7 @@ from .errors import (
     MissingDependencyError,
     UnknownBackendError,
 )
-from .types import BackendURL
+from .types import BackendURL, unknown_options_error
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +204,9 @@ def open_backend(config: str | Mapping[str, Any], /, **options: Any) -> Backend:
       location.
 
     Keyword ``options`` override both. The class's ``from_url(url, options)`` does the rest.
+
+    A wrong URL or option is one ``ConfigError`` line naming it (a misspelled option with its
+    close spellings), raised before the backend creates or connects to anything.
     """
     opts: dict[str, Any]
     if isinstance(config, Mapping):
@@ -208,12 +214,12 @@ def open_backend(config: str | Mapping[str, Any], /, **options: Any) -> Backend:
         url_text = opts.pop("url", None)
         target = opts.pop("backend", None)
         if url_text is None and target is None:
-            raise ValueError("a backend config needs 'url' or 'backend'")
+            raise ConfigError("a backend config needs 'url' or 'backend'")
         opts.update(options)
     elif isinstance(config, str):
         url_text, target, opts = config, None, dict(options)
     else:
-        raise TypeError(f"open_backend takes a URL string or a mapping, got {type(config).__name__}")
+        raise ConfigError(f"open_backend takes a URL string or a mapping, got {type(config).__name__}")
     if url_text is not None and "://" not in url_text:
         target, url_text = url_text, None  # a bare name or a module:Class spec
     url = BackendURL.parse(url_text) if url_text is not None else BackendURL(scheme="")
@@ -225,8 +231,8 @@ def open_backend(config: str | Mapping[str, Any], /, **options: Any) -> Backend:
     merged = {**url.query, **opts}
     try:
         return cls.from_url(url, merged)
-    except MissingDependencyError:
-        raise
+    except HiCacheStoreError:
+        raise  # ConfigError, MissingDependencyError, a store that cannot be opened: as they are
     except ImportError as exc:
         # An SDK imported lazily by the backend's constructor (boto3, s3fs, ...): same
         # one-line error with the install hint as a missing backend module.
@@ -236,6 +242,35 @@ def open_backend(config: str | Mapping[str, Any], /, **options: Any) -> Backend:
             install_hint=spec.install_hint if spec is not None else None,
             backend=name,
         ) from exc
+    except TypeError as exc:
+        unknown = _unknown_keyword(exc, cls)
+        if unknown is None:
+            raise
+        raise unknown_options_error(f"{name} backend", [unknown], _keywords(cls)) from exc
+    except ValueError as exc:
+        # A third-party backend's own validation (built-ins raise ConfigError themselves).
+        text = " ".join(str(exc).split())
+        raise ConfigError(f"bad {name} backend configuration: {text}") from exc
+
+
+_UNEXPECTED_KEYWORD = re.compile(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'")
+
+
+def _unknown_keyword(exc: TypeError, cls: type[Backend]) -> str | None:
+    """The option a backend's constructor refused as an unknown keyword, else None (a
+    ``TypeError`` from deeper inside is a bug and stays one)."""
+    match = _UNEXPECTED_KEYWORD.match(str(exc))
+    if match is None or match[1] not in {k.__name__ for k in cls.__mro__}:
+        return None
+    return match[2]
+
+
+def _keywords(cls: type[Backend]) -> list[str]:
+    """The options a backend's constructor takes by keyword (those with a default: the
+    required ones, such as a root or a bucket, come from the URL)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params if p.kind in kinds and p.default is not p.empty]
 
 
 for _name, _target, _hint in _BUILTINS:

@@ -79,7 +79,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from hicache_store.layout.errors import InvalidKeyError
+from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
 from . import _s3_errors
@@ -87,7 +87,7 @@ from ._lru import ChainLRU
 from ._s3_io import Fetch, ViewReader, parse_content_range, plan_fetches, read_exact
 from .base import Backend, CallAbandoned, Handoff, abandonable, until_abandoned
 from .errors import BackendError, BackendIOError, CapacityError, InvalidRangeError
-from .types import BackendURL, ByteRange, Capabilities, ObjectStat, parse_bool, parse_size
+from .types import BackendURL, ByteRange, Capabilities, ObjectStat, convert_options, parse_size
 
 T = TypeVar("T")
 
@@ -176,11 +176,12 @@ class S3Backend(Backend):
         except ImportError as exc:  # the registry turns this into an install hint
             raise ImportError(f"the s3 backend needs boto3 ({exc})", name="boto3") from exc
         if not bucket:
-            raise ValueError("s3:// needs a bucket, e.g. s3://my-bucket/kv")
-        if max_concurrency < 1 or max_attempts < 1:
-            raise ValueError("max_concurrency and max_attempts must be >= 1")
+            raise ConfigError("s3:// needs a bucket, e.g. s3://my-bucket/kv")
+        for name, count in (("max_concurrency", max_concurrency), ("max_attempts", max_attempts)):
+            if count < 1:
+                raise ConfigError(f"{name} must be >= 1, got {count}")
         if addressing_style not in ("auto", "path", "virtual"):
-            raise ValueError(f"addressing_style must be auto, path or virtual, not {addressing_style!r}")
+            raise ConfigError(f"addressing_style must be auto, path or virtual, not {addressing_style!r}")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self._base = f"{self.prefix}/" if self.prefix else ""
@@ -247,23 +248,14 @@ class S3Backend(Backend):
     def from_url(cls, url: BackendURL, options: dict[str, Any]) -> S3Backend:
         """``s3://bucket[/prefix]`` plus the options of ``__init__`` (``region_name`` is
         accepted for ``region``)."""
-        opts = dict(options)
+        opts = convert_options(
+            options, ints=_INT_OPTIONS, floats=_FLOAT_OPTIONS, sizes=_SIZE_OPTIONS,
+            bools=_BOOL_OPTIONS,
+        )
         if "region_name" in opts:
             opts.setdefault("region", opts.pop("region_name"))
-        for name in _INT_OPTIONS:
-            if name in opts:
-                opts[name] = int(opts[name])
-        for name in _FLOAT_OPTIONS:
-            if opts.get(name) is not None:
-                opts[name] = float(opts[name])
-        for name in _SIZE_OPTIONS:
-            if opts.get(name) is not None:
-                opts[name] = parse_size(opts[name])
-        for name in _BOOL_OPTIONS:
-            if name in opts:
-                opts[name] = parse_bool(opts[name])
         if not url.netloc:
-            raise ValueError("s3:// needs a bucket, e.g. s3://my-bucket/kv")
+            raise ConfigError("s3:// needs a bucket, e.g. s3://my-bucket/kv")
         return cls(url.netloc, url.path, **opts)
 
     def __repr__(self) -> str:

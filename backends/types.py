@@ -6,12 +6,14 @@ They are data, not behaviour: frozen where a caller could otherwise mutate a con
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import urllib.parse
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache_store.layout.errors import InvalidKeyError
+from hicache_store.layout.errors import ConfigError, InvalidKeyError
 
 from .errors import InvalidRangeError
 
@@ -144,7 +146,7 @@ class BackendURL:
         """Split ``url``; the scheme must be present (``name://...``)."""
         parts = urllib.parse.urlsplit(url)
         if not parts.scheme or "://" not in url:
-            raise ValueError(f"backend URL {url!r} has no scheme (expected name://...)")
+            raise ConfigError(f"backend URL {url!r} has no scheme (expected name://...)")
         query = dict(urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
         return cls(parts.scheme.lower(), parts.netloc, urllib.parse.unquote(parts.path), query)
 
@@ -154,18 +156,18 @@ class BackendURL:
         Only the three-slash form (or ``file://localhost/var/kv``) is a path: in
         ``file://tmp/kv`` the ``tmp`` is a host part, and taking it as a relative directory would
         write somewhere the user did not mean, so it is refused, as is a relative or empty path.
-        Raises ``ValueError`` naming the form that works.
+        Raises ``ConfigError`` naming the form that works.
         """
         example = f"{self.scheme}:///var/cache/hicache"
         if self.netloc not in ("", "localhost"):
-            raise ValueError(
+            raise ConfigError(
                 f"{self.scheme}://{self.netloc}{self.path}: {self.netloc!r} is a host part, not a "
                 f"directory; write an absolute path with three slashes "
                 f"({self.scheme}:///{(self.netloc + self.path).lstrip('/')} for /"
                 f"{(self.netloc + self.path).lstrip('/')})"
             )
         if not self.path.startswith("/"):
-            raise ValueError(f"{self.scheme}:// needs an absolute directory, e.g. {example}")
+            raise ConfigError(f"{self.scheme}:// needs an absolute directory, e.g. {example}")
         return self.path
 
     @property
@@ -197,27 +199,92 @@ def parse_bool(value: Any) -> bool:
         return True
     if text in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"expected a boolean, got {value!r}")
+    raise ConfigError(f"expected a boolean, got {value!r}")
 
 
 _SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(i?)b?\s*", re.IGNORECASE)
 
 
-def parse_size(value: Any) -> int:
+def parse_size(value: Any, *, option: str | None = None) -> int:
     """Bytes from an int or a string like ``8MiB``, ``512k``, ``2GB`` (KiB/MiB/... are 1024-based,
-    kB/MB/... 1000-based; a bare suffix ``k``/``m``/``g`` is 1024-based)."""
+    kB/MB/... 1000-based; a bare suffix ``k``/``m``/``g`` is 1024-based). ``ConfigError``
+    otherwise, naming ``option`` when given."""
+    if option is not None:
+        try:
+            return parse_size(value)
+        except ConfigError as exc:
+            raise ConfigError(f"option {option}: {exc}") from None
     if isinstance(value, bool):
-        raise ValueError(f"expected a size, got {value!r}")
+        raise ConfigError(f"expected a size, got {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"size {value} is negative")
+            raise ConfigError(f"size {value} is negative")
         return value
     match = _SIZE_RE.fullmatch(str(value))
     if match is None:
-        raise ValueError(f"expected a size like 8MiB or 512k, got {value!r}")
+        raise ConfigError(f"expected a size like 8MiB or 512k, got {value!r}")
     number, unit, binary = match.groups()
     text = str(value).strip()
     decimal = bool(unit) and not binary and text.lower().endswith("b")
     base = 1000 if decimal else 1024
     power = "kmgtp".find(unit.lower()) + 1 if unit else 0
     return int(float(number) * base**power)
+
+
+def _parse_int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"expected an integer, got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"expected an integer, got {value!r}") from None
+
+
+def _parse_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"expected a number, got {value!r}") from None
+
+
+def convert_options(
+    options: Mapping[str, Any],
+    *,
+    ints: Collection[str] = (),
+    floats: Collection[str] = (),
+    sizes: Collection[str] = (),
+    bools: Collection[str] = (),
+) -> dict[str, Any]:
+    """``options`` with the named ones converted from URL-query strings to their types.
+
+    The one place a backend's ``from_url`` turns option text into values: a value that does
+    not convert is a ``ConfigError`` naming the option and the value. ``None`` stays ``None``
+    (the constructor's default applies).
+    """
+    out = dict(options)
+    for names, parse in ((ints, _parse_int), (floats, _parse_float), (sizes, parse_size),
+                         (bools, parse_bool)):
+        for name in names:
+            value = out.get(name)
+            if value is None:
+                continue
+            try:
+                out[name] = parse(value)
+            except ConfigError as exc:
+                raise ConfigError(f"option {name}: {exc}") from None
+    return out
+
+
+def unknown_options_error(what: str, unknown: Collection[str], known: Collection[str]) -> ConfigError:
+    """The error for misspelled or unsupported options: each one with its close spellings
+    among ``known`` (``what`` names whose options they are, e.g. "file backend")."""
+    parts = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, list(known), n=1)
+        parts.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    plural = "s" if len(parts) > 1 else ""
+    return ConfigError(
+        f"unknown {what} option{plural} {', '.join(parts)}; known: {', '.join(sorted(known))}"
+    )

@@ -1,6 +1,6 @@
 """What the buffer-lifetime guard costs the file backend's reads (issue 17), A/B in one process.
 
-Run as root (to drop the page cache) from the repository root::
+Run from the repository root::
 
     .venv/bin/python bench/bench_lifetime.py --objects 256 --rounds 5 --write-md
 
@@ -10,7 +10,8 @@ This measures that against the same reads without it (the core called directly, 
 the public methods did before), alternating the two on the same objects in each round:
 
 * cold reads of ``--objects`` objects of 8 MiB with O_DIRECT into aligned buffers, batches of
-  ``--batch`` (page cache dropped before each pass): ``get_into``, and ``get_scatter`` of a
+  ``--batch`` (the objects' pages evicted from the page cache before each pass, nothing else
+  evicted: ``evict_files``): ``get_into``, and ``get_scatter`` of a
   4 KiB header plus the payload (the cache tier's read);
 * warm 4 KiB reads, one object per call, to show the per-call cost in microseconds.
 
@@ -36,7 +37,7 @@ from _markdown import replace_section
 from hicache_store.backends import aligned_buffer
 from hicache_store.backends.file import FileBackend
 from hicache_store.backends.types import ByteRange
-from hicache_store.commands.bench_backend import drop_page_cache
+from hicache_store.commands.bench_backend import evict_files
 
 ROOT = Path(__file__).resolve().parent.parent
 OBJECT_BYTES = 8 << 20
@@ -45,9 +46,9 @@ HEADER = 4096
 Pass = Callable[[], Awaitable[None]]
 
 
-async def timed(run: Pass, cold: bool) -> float:
-    if cold:
-        drop_page_cache()
+async def timed(run: Pass, cold: list[Path] | None) -> float:
+    if cold is not None and not evict_files(cold):
+        raise SystemExit("cannot evict files from the page cache here (no posix_fadvise)")
     started = time.perf_counter()
     await run()
     return time.perf_counter() - started
@@ -60,6 +61,7 @@ async def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     src[:] = os.urandom(OBJECT_BYTES)
     for s in range(0, len(keys), args.batch):
         await store.put(keys[s : s + args.batch], [src] * len(keys[s : s + args.batch]))
+    files = [store.path_of(key) for key in keys]
     small = [f"s{i:x}" for i in range(args.small)]
     await store.put(small, [b"x" * 4096] * len(small))
     bufs = [aligned_buffer(OBJECT_BYTES) for _ in range(args.batch)]
@@ -103,11 +105,11 @@ async def measure(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         for guarded in order:
             tag = "guarded" if guarded else "core"
             out.setdefault(f"get_into_{tag}", []).append(
-                total / await timed(lambda g=guarded: get_into(g), cold=True) / 1e9)
+                total / await timed(lambda g=guarded: get_into(g), cold=files) / 1e9)
             out.setdefault(f"scatter_{tag}", []).append(
-                total / await timed(lambda g=guarded: scatter(g), cold=True) / 1e9)
+                total / await timed(lambda g=guarded: scatter(g), cold=files) / 1e9)
             await small_reads(guarded)  # warm
-            seconds = await timed(lambda g=guarded: small_reads(g), cold=False)
+            seconds = await timed(lambda g=guarded: small_reads(g), cold=None)
             out.setdefault(f"small_us_{tag}", []).append(seconds / len(small) * 1e6)
     await store.close()
     return {"runs": out, "median": {k: statistics.median(v) for k, v in out.items()},
@@ -127,14 +129,15 @@ def markdown(args: argparse.Namespace, res: dict[str, Any], load0: float) -> str
     return "\n".join([
         "## Buffer lifetime",
         "",
-        "Command (as root, so the page cache can be dropped): `.venv/bin/python "
+        "Command: `.venv/bin/python "
         f"bench/bench_lifetime.py --objects {args.objects} --rounds {args.rounds} --write-md`. "
         "What the issue-17 guard costs the file backend's reads: every public read runs its "
         "core as a task of its own so that a cancelled or timed-out read ends only once its I/O "
         "has (`Backend._guarded`). A/B in one process on the same objects, alternating per "
         f"round: the public methods against their cores called directly (the read path before "
         f"the guard). {args.objects} objects of 8 MiB, O_DIRECT into aligned buffers, batches "
-        f"of {args.batch}, page cache dropped before each cold pass; median of {args.rounds} "
+        f"of {args.batch}, their pages evicted from the page cache before each cold pass; "
+        f"median of {args.rounds} "
         f"rounds (every round in brackets). Load average {load0:.1f} at the start, "
         f"{res['load'][0]:.1f} at the end (2 shared cores).",
         "",

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hicache_store import __version__
-from hicache_store.errors import UsageError
+from hicache_store.errors import ConfigError, UsageError
 
 #: subcommand modules, in the order ``--help`` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         code = args.func(args)
-    except UsageError as exc:
+    except (UsageError, ConfigError) as exc:  # a bad argument, URL or option: one line
         print(f"hicache-store {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

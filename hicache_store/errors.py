@@ -24,6 +24,7 @@ from hicache_store.backends.errors import (
 )
 from hicache_store.layout.errors import (
     BadMagicError,
+    ConfigError,
     CorruptObjectError,
     GridMismatchError,
     HeaderChecksumError,
@@ -49,6 +50,7 @@ __all__ = [
     "BackendUnavailableError",
     "BadMagicError",
     "CapacityError",
+    "ConfigError",
     "CorruptObjectError",
     "DuplicateBackendError",
     "GridMismatchError",

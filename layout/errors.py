@@ -44,6 +44,15 @@ class HiCacheStoreError(Exception):
         return f"{self.message} ({', '.join(where)})" if where else self.message
 
 
+class ConfigError(HiCacheStoreError, ValueError):
+    """A configuration value is wrong: a backend URL or option, an engine's extra-config.
+
+    One line that names the option and the value it got (and the close spellings of a
+    misspelled option), raised before anything is created on disk or connected. Also a
+    ``ValueError``, which is what such mistakes raised before this class existed.
+    """
+
+
 class InvalidNamespaceError(HiCacheStoreError, ValueError):
     """A namespace field is impossible (the message names the field)."""
 

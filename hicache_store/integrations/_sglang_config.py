@@ -65,6 +65,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hicache_store.layout.errors import ConfigError, HiCacheStoreError
 from hicache_store.layout.namespace import Grid, ModelShape
 from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology
@@ -120,13 +121,13 @@ def parse_grid(value: Any) -> Grid:
     if isinstance(value, str):
         match = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?", value)
         if match is None:
-            raise ValueError(f"grid: {value!r} is not 'LxH' (e.g. '30x2')")
+            raise ConfigError(f"grid: {value!r} is not 'LxH' (e.g. '30x2')")
         return Grid(int(match[1]), int(match[2] or 1))
     if isinstance(value, list | tuple) and len(value) == 2 and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     ):
         return Grid(int(value[0]), int(value[1]))
-    raise ValueError(f"grid: {value!r} is not 'LxH' or [L, H]")
+    raise ConfigError(f"grid: {value!r} is not 'LxH' or [L, H]")
 
 
 @dataclass(frozen=True)
@@ -179,19 +180,32 @@ class AdapterConfig:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | str | None) -> AdapterConfig:
-        """Parse SGLang's extra-config dict (or its JSON text). Raises ``ValueError``."""
+        """Parse SGLang's extra-config dict (or its JSON text).
+
+        Raises ``ConfigError``: one line naming the key and the value (a misspelled key with
+        its close spellings), for every mistake, a value of the wrong type included.
+        """
+        try:
+            return cls._parse_extra_config(extra)
+        except HiCacheStoreError:
+            raise
+        except (ValueError, TypeError) as exc:  # a value of the wrong type (float("x"), ...)
+            raise ConfigError(f"extra-config: {' '.join(str(exc).split())}") from exc
+
+    @classmethod
+    def _parse_extra_config(cls, extra: Mapping[str, Any] | str | None) -> AdapterConfig:
         if isinstance(extra, str):
             extra = json.loads(extra)
         if not isinstance(extra, Mapping):
-            raise ValueError(
+            raise ConfigError(
                 "the hicache-store SGLang backend needs --hicache-storage-backend-extra-config "
                 'with at least {"url": ...}'
             )
         if "url" not in extra and "backend" not in extra:
-            raise ValueError('extra-config: "url" (our backend URL, e.g. "file:///kv") is required')
+            raise ConfigError('extra-config: "url" (our backend URL, e.g. "file:///kv") is required')
         options = extra.get("backend_options") or {}
         if not isinstance(options, Mapping):
-            raise ValueError("extra-config: backend_options must be a JSON object")
+            raise ConfigError("extra-config: backend_options must be a JSON object")
         backend: dict[str, Any] = dict(options)
         for key in ("url", "backend"):
             if key in extra:
@@ -214,9 +228,9 @@ class AdapterConfig:
             num_layers=_optional_int(extra, "num_layers"),
             pp_layers=tuple(int(n) for n in pp_layers) if pp_layers else None,
             num_kv_heads=_optional_int(extra, "num_kv_heads"),
-            io_timeout_s=float(extra.get("io_timeout_s", DEFAULT_IO_TIMEOUT_S)),
-            staging_bytes=int(float(extra.get("staging_mib", 256)) * (1 << 20)),
-            max_inflight_bytes=int(float(extra.get("max_inflight_mib", 1024)) * (1 << 20)),
+            io_timeout_s=_number(extra, "io_timeout_s", DEFAULT_IO_TIMEOUT_S),
+            staging_bytes=int(_number(extra, "staging_mib", 256) * (1 << 20)),
+            max_inflight_bytes=int(_number(extra, "max_inflight_mib", 1024) * (1 << 20)),
             allow_clear=_optional_bool(extra, "allow_clear"),
             key_scheme=_key_scheme(extra),
         )
@@ -236,7 +250,7 @@ def _refuse_unknown_keys(extra: Mapping[str, Any]) -> None:
     for key in unknown:
         close = difflib.get_close_matches(key.replace("-", "_"), known, n=1, cutoff=0.6)
         parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise ValueError(
+    raise ConfigError(
         f"extra-config: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(parts)}; the "
         f"hicache-store keys are {', '.join(known)} (backend options go in backend_options)"
     )
@@ -260,18 +274,18 @@ OBJECT_FORMATS = {"hicache": "framed", "sglang-ukv1": "page-unified-v1"}
 def _key_scheme(extra: Mapping[str, Any]) -> str:
     scheme = str(extra.get("key_scheme", "hicache"))
     if scheme not in OBJECT_FORMATS:
-        raise ValueError(
+        raise ConfigError(
             f"extra-config: key_scheme {scheme!r} is not one of {', '.join(OBJECT_FORMATS)}"
         )
     fmt = extra.get("object_format", OBJECT_FORMATS[scheme])
     if fmt != OBJECT_FORMATS[scheme]:
-        raise ValueError(
+        raise ConfigError(
             f"extra-config: object_format {fmt!r} does not go with key_scheme {scheme!r}, "
             f"which stores {OBJECT_FORMATS[scheme]!r} objects (SGLang reads ukv1 objects raw: "
             "framed objects under its keys would be wrong KV to it)"
         )
     if scheme == "sglang-ukv1" and extra.get("share_with"):
-        raise ValueError(
+        raise ConfigError(
             'extra-config: share_with does not apply to key_scheme "sglang-ukv1": its grid is '
             'SGLang\'s; set "grid": "{layer_partition}x{head_group}" on every deployment'
         )
@@ -290,7 +304,7 @@ def sglang_stage_sizes(num_layers: int, pp_size: int) -> tuple[int, ...]:
     if explicit is not None and pp_size > 1:
         sizes = tuple(int(n) for n in explicit.split(","))
         if len(sizes) != pp_size or sum(sizes) != num_layers:
-            raise ValueError(
+            raise ConfigError(
                 f"SGLANG_PP_LAYER_PARTITION={explicit!r} does not split {num_layers} layers "
                 f"into {pp_size} stages"
             )
@@ -304,12 +318,25 @@ def _optional_int(extra: Mapping[str, Any], key: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"extra-config: {key} must be an integer, got {value!r}")
+        raise ConfigError(f"extra-config: {key} must be an integer, got {value!r}")
     return int(value)
+
+
+def _number(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"extra-config: {key} must be a number, got {value!r}") from None
+    if not number > 0:
+        raise ConfigError(f"extra-config: {key} must be > 0, got {value!r}")
+    return number
 
 
 def _optional_bool(extra: Mapping[str, Any], key: str) -> bool:
     value = extra.get(key, False)
     if not isinstance(value, bool):
-        raise ValueError(f"extra-config: {key} must be true or false, got {value!r}")
+        raise ConfigError(f"extra-config: {key} must be true or false, got {value!r}")
     return value

@@ -10,8 +10,9 @@ What it guarantees, once:
   no mapping per object.
 * **Reads are verified** before a byte counts: the header is checked against the key asked for
   and the size the reader expects, then every layer block read (``ObjectFormat.open_header`` /
-  ``open_blocks``). A whole-frame read (``read_frame``) also checks the stored size: an object
-  longer or shorter than the frame is corrupt. Layer ranges (``read_blocks``) land straight in
+  ``open_blocks``). A read of a whole object (``read_frame``, ``read_blocks`` of every layer)
+  also checks the stored size: an object longer or shorter than the frame is corrupt (a read
+  of some layers cannot see bytes after them). Layer ranges (``read_blocks``) land straight in
   the caller's memory; headers land in slots of a reused arena.
 * **Off the loop.** Sealing and verifying (checksums, or AES-GCM in a sealed namespace) of a
   large payload run on worker threads (``objects.offload``), overlapping other objects' I/O.
@@ -270,7 +271,8 @@ class ObjectIO:
         receives exactly the blocks asked for. The header lands in an arena slot. One request
         when the blocks start at the object's first layer (header and blocks are contiguous),
         two ranged reads otherwise. ``None`` on a miss; ``CorruptObjectError`` when the header
-        or a block read is wrong or the object is shorter than its frame.
+        or a block read is wrong, the object is shorter than its frame, or (every layer read)
+        longer than it.
         """
         coords = key.coords
         first, stop = layers or (coords.layer_start, coords.layer_stop)
@@ -296,8 +298,10 @@ class ObjectIO:
                 hit = await self._ranged(storage_key, [target], [ByteRange.of(start, length)])
             elif start == 0:
                 # Header and blocks are contiguous: one scatter read (the file backend serves
-                # it with one open and one preadv).
-                hit = await self._scatter(storage_key, [head, target], header_len + length)
+                # it with one open and one preadv). The whole object is read as such, so that
+                # its stored size is checked too (bytes appended to it are corruption).
+                whole = stop == coords.layer_stop
+                hit = await self._scatter(storage_key, [head, target], header_len + length, whole)
             else:
                 hit = await self._ranged(
                     storage_key,
@@ -318,12 +322,22 @@ class ObjectIO:
         """Verify (and decrypt, sealed) blocks [first, stop) in place, off the loop when large."""
         await off_loop(len(data), lambda: self.format.open_blocks(header, data, first, stop))
 
-    async def _scatter(self, storage_key: str, buffers: list[memoryview], length: int) -> bool:
+    async def _scatter(
+        self, storage_key: str, buffers: list[memoryview], length: int, whole: bool
+    ) -> bool:
+        """The first ``length`` bytes of an object into ``buffers``; ``whole``: they are all
+        of it, and a stored size other than ``length`` is corrupt."""
         try:
-            n = await self._bounded(self.backend.get_scatter(storage_key, buffers, ByteRange(0, length)))
+            n = await self._bounded(
+                self.backend.get_scatter(storage_key, buffers, None if whole else ByteRange(0, length))
+            )
         except InvalidRangeError as exc:
+            if whole:  # the object does not fit the frame
+                raise CorruptObjectError(f"{storage_key}: stored larger than its frame: {exc}") from exc
             # The range reaches past the end: the stored object is shorter than its frame.
             raise TruncatedObjectError(f"{storage_key}: {exc}") from exc
+        if n is not None and n != length:
+            raise TruncatedObjectError(f"{storage_key}: stored {n} bytes, the frame is {length}")
         return n is not None
 
     async def _ranged(

@@ -119,7 +119,7 @@ async def test_latency_is_added() -> None:
 def test_bad_fault_config_is_refused() -> None:
     with pytest.raises(ValueError, match="error_rate"):
         FaultConfig(error_rate=2.0)
-    with pytest.raises(ValueError, match="unknown fault options"):
+    with pytest.raises(ValueError, match="unknown fault option"):
         FaultConfig.from_options({"eror_rate": "0.1"})
 
 
@@ -229,6 +229,6 @@ async def test_faulty_url_validates_fault_options_before_opening_the_inner_store
     root = tmp_path / "inner"
     with pytest.raises(ValueError, match="error_rate"):
         open_backend(f"faulty://?inner=file://{root}&error_rate=2")
-    with pytest.raises(ValueError, match="unknown fault options"):
+    with pytest.raises(ValueError, match="unknown fault option"):
         open_backend(f"faulty://?inner=file://{root}&eror_rate=0.1")
     assert not root.exists(), "the inner store was created before the options were refused"
