@@ -720,3 +720,73 @@ def test_reads_abandoned_in_flight_never_reach_the_pool() -> None:
     assert any(outcomes) and not all(outcomes), "the deadline never split the reads"
     assert store.backend.injected["inflight_read"] > 0
     store.close()
+
+
+@pytest.mark.slow
+def test_logits_equal_a_recompute_when_reads_outlive_their_deadline() -> None:
+    # Issue 17 end to end through the adapter: a model's KV stored page by page, then many
+    # requests whose prefix pages are read into the same few host rows (SGLang reuses a row
+    # as soon as the adapter reports on it) while each read lands 0-40 ms after it starts
+    # against a 15 ms deadline. The engine prefills the suffix over the pages reported
+    # True: its logits must equal a full recompute every time, whatever was abandoned.
+    import random
+
+    from hicache_store.backends.faulty import FaultConfig, FaultyBackend
+    from hicache_store.engine.config import MiniLlamaConfig
+    from hicache_store.engine.kv_pool import DeviceKVPool
+    from hicache_store.engine.model import MiniLlama
+
+    model = MiniLlama(MiniLlamaConfig(num_layers=L, num_heads=H, num_kv_heads=H, head_dim=D))
+    rng = random.Random(17)
+    system = [rng.randrange(512) for _ in range(5 * P)]
+    prompts = [system + [rng.randrange(512) for _ in range(rng.randrange(1, 4) * P + 2)]
+               for _ in range(6)]
+
+    def page_keys(tokens: list[int]) -> list[str]:
+        return [hashlib.sha256(repr(tokens[: (i + 1) * P]).encode()).hexdigest()
+                for i in range(len(tokens) // P)]
+
+    def page_of(dev: DeviceKVPool, page: int) -> torch.Tensor:  # [2, L, P, H, D]
+        s = dev.slots_of([page])
+        return torch.stack([torch.stack([buf[s] for buf in bufs])
+                            for bufs in (dev.k_buffers, dev.v_buffers)])
+
+    rows = 12  # host rows: every request reads into the same ones
+    host = StandInPool("page_first", pages=rows, dtype=torch.float32)
+    store = adapter(host, url="faulty://?inner=memory://", io_timeout_s=0.015,
+                    staging_mib=2 * host.take(0).numel() * 4 / 2**20)
+    assert isinstance(store.backend, FaultyBackend)
+    for tokens in prompts:  # the writer: prefill, then each full page through the host pool
+        dev = DeviceKVPool.for_model(model.config, num_pages=rows, page_size=P)
+        pages = dev.alloc(-(-len(tokens) // P))
+        model.prefill(torch.tensor(tokens), 0, dev.slots_of(pages)[: len(tokens)], dev)
+        keys = page_keys(tokens)
+        for i in range(len(keys)):
+            host.put(i, page_of(dev, pages[i]))
+        assert store.batch_set_v1(keys, slots(list(range(len(keys))))) == [True] * len(keys)
+
+    store.backend.faults = FaultConfig(seed=6, inflight_latency_s=0.0, inflight_jitter_s=0.04)
+    hits: list[int] = []
+    for _round in range(4):
+        for tokens in prompts:
+            keys = page_keys(tokens)
+            got = store.batch_get_v1(keys, slots(list(range(len(keys)))))
+            hit = next((i for i, ok in enumerate(got) if not ok), len(got))
+            hit = min(hit, (len(tokens) - 1) // P)  # at least one token to compute
+            dev = DeviceKVPool.for_model(model.config, num_pages=rows, page_size=P)
+            pages = dev.alloc(-(-len(tokens) // P))
+            for i in range(hit):  # the engine loads the pages reported True
+                s = dev.slots_of([pages[i]])
+                page = host.take(i)
+                for layer in range(L):
+                    dev.k_buffers[layer][s] = page[0, layer]
+                    dev.v_buffers[layer][s] = page[1, layer]
+            start = hit * P
+            logits = model.prefill(torch.tensor(tokens[start:]), start,
+                                   dev.slots_of(pages)[: len(tokens)], dev)
+            expected = model.forward_full(torch.tensor(tokens))[start:]
+            assert torch.equal(logits, expected), f"wrong KV reached the engine ({hit} pages)"
+            hits.append(hit)
+    assert any(hits) and min(hits) < max(hits), "the deadline never split the reads"
+    assert store.backend.injected["inflight_read"] > 0
+    store.close()
