@@ -20,7 +20,11 @@ from typing import Any, Literal
 import torch
 
 from hicache_store.kernels.pools import HostPool
-from hicache_store.layout.host import POOL_LAYOUTS, PoolLayout, PoolLayoutName
+from hicache_store.layout.host import POOL_LAYOUTS, PoolLayout, PoolLayoutName, UnifiedPageLayout
+from hicache_store.layout.namespace import Namespace
+from hicache_store.layout.plans import WritePlan
+from hicache_store.layout.topology import Topology
+from hicache_store.objects import L3Link
 
 #: attributes the adapter reads, per KV kind (MLA pools are recognised by ``kv_cache_dim``).
 HOST_POOL_ATTRIBUTES: dict[str, tuple[str, ...]] = {
@@ -142,3 +146,47 @@ def page_view(geometry: PoolGeometry, flat: torch.Tensor) -> HostPool:
     if flat.numel() != layout.numel:
         raise ValueError(f"flat page of {flat.numel()} elements, a page has {layout.numel}")
     return HostPool(flat.contiguous().view(layout.shape), layout)
+
+
+@dataclass
+class Registered:
+    """A registered pool: everything derived from it at registration (the KV pool at
+    ``register_mem_pool_host``; a KV-shaped sidecar pool, SWA, at ``register_mem_host_pool_v2``)."""
+
+    geometry: PoolGeometry
+    host: HostPool
+    namespace: Namespace
+    topology: Topology
+    rank: int
+    layout: UnifiedPageLayout
+    link: L3Link
+    fused_write: bool  # one object per page, framed in place
+
+    @classmethod
+    def build(
+        cls, geometry: PoolGeometry, host: HostPool, topology: Topology, rank: int, link: L3Link
+    ) -> Registered:
+        """The registration of ``host`` moved through ``link`` (this rank's plans of its
+        namespace); ``ValueError`` when the pool's pages are not the plans' page."""
+        layout = link.read_plan.page
+        host.check_against(layout)
+        return cls(
+            geometry=geometry,
+            host=host,
+            namespace=link.namespace,
+            topology=topology,
+            rank=rank,
+            layout=layout,
+            link=link,
+            fused_write=single_object(link.write_plan, layout),
+        )
+
+
+def single_object(plan: WritePlan | None, layout: UnifiedPageLayout) -> bool:
+    """Whether the rank writes each page as one object holding the whole unified page."""
+    return (
+        plan is not None
+        and len(plan.objects) == 1
+        and plan.objects[0].page_offset == 0
+        and plan.objects[0].nbytes == layout.page_bytes
+    )

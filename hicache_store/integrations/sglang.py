@@ -55,13 +55,14 @@ staging buffers (per thread; the first reading thread adopts the window made at
 registration). No data method raises or returns None into SGLang: an error, a timeout, a miss
 or a corrupt object is ``False`` (per page) or ``0``, logged and counted in ``counters``.
 Configuration errors (a missing ``url``, a pool that does not match the namespace, a hybrid
-model's sidecar pool) raise at construction or registration, so that a misconfigured server
+model's sidecar pool the adapter does not store) raise at construction or registration, so that a misconfigured server
 fails at startup instead of silently recomputing. ``get_stats`` returns SGLang's
 ``StorageMetrics`` (``_sglang_metrics``); ``clear`` deletes nothing unless ``allow_clear``.
 
 **Not supported** (refused at startup with a message): attention context parallelism and DCP
 (``attn_cp_size``/``dcp_size`` > 1), the ``page_unified`` and NPU host layouts, the sidecar
-pools of SGLang's v2 multi-pool interface (hybrid models; see ``_sglang_v2``).
+pools of SGLang's v2 multi-pool interface other than ``swa`` and ``mamba`` (those are stored
+as cache components, see ``_sglang_v2``).
 """
 
 from __future__ import annotations
@@ -71,7 +72,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -80,19 +80,30 @@ from hicache_store import _sync
 from hicache_store.backends import Backend, aligned_buffer, open_backend
 from hicache_store.kernels.ops import host_to_unified, unified_to_host
 from hicache_store.kernels.pools import HostPool
-from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.keys import ObjectKey, validate_page_hash
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import WritePlan
-from hicache_store.layout.topology import Topology
 from hicache_store.objects import Frame, IOStats, L3Link
 from hicache_store.tenant import KeyRing, load_key_ring
 
 from ._sglang_config import AdapterConfig
 from ._sglang_metrics import AdapterMetrics
 from ._sglang_namespace import NamespaceWatch
-from ._sglang_pool import PoolGeometry, describe_host_pool, page_view
-from ._sglang_v2 import KV_POOL, check_pool, pool_name, transfer_result
+from ._sglang_pool import Registered as _Registered
+from ._sglang_pool import describe_host_pool, page_view
+from ._sglang_v2 import (
+    KV_POOL,
+    Deployment,
+    PagedSidecar,
+    Sidecar,
+    check_keys,
+    make_sidecar,
+    pool_name,
+    refuse,
+    restorable_prefixes,
+    transfer_result,
+    transfer_spec,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -123,20 +134,6 @@ __all__ = ["SGLANG_AVAILABLE", "HiCacheStoreStorage"]
 
 def _round_up(n: int, to: int = _ALIGN) -> int:
     return -(-n // to) * to
-
-
-@dataclass
-class _Registered:
-    """Everything derived at ``register_mem_pool_host``."""
-
-    geometry: PoolGeometry
-    host: HostPool
-    namespace: Namespace
-    topology: Topology
-    rank: int
-    layout: UnifiedPageLayout
-    link: L3Link
-    fused_write: bool  # one object per page, framed in place
 
 
 _Buffer = tuple[memoryview, torch.Tensor]
@@ -211,6 +208,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         self.keys: KeyRing | None = load_key_ring(self.config.tenant_key_file)
         self.backend: Backend = open_backend(self.config.backend)
         self._registered: _Registered | None = None
+        self._sidecars: dict[str, Sidecar] = {}
         self._spares = _Spares()
         self._staging = _Staging(self._spares)
         self._lock = threading.Lock()
@@ -271,7 +269,6 @@ class HiCacheStoreStorage(_HiCacheStorage):
             io_timeout_s=cfg.io_timeout_s,
             keys=self.keys,
         )
-        layout = link.read_plan.page
         shard = link.read_plan.shard
         if geometry.start_layer is not None and self.pp_size > 1 and (
             geometry.start_layer != shard.layer_start
@@ -281,21 +278,11 @@ class HiCacheStoreStorage(_HiCacheStorage):
                 f"{geometry.start_layer}, the topology {topology} puts it at "
                 f"{shard.layer_start}; set \"pp_layers\" to SGLang's split"
             )
-        host.check_against(layout)
-        plan = link.write_plan
+        registered = _Registered.build(geometry, host, topology, rank, link)
         # Before _registered is set: data calls (other threads) use the watch once it is.
         self._watch = NamespaceWatch(self.backend, namespace, self._run_startup)
         manifest = self._watch.at_start(writes=link.can_write)
-        self._registered = _Registered(
-            geometry=geometry,
-            host=host,
-            namespace=namespace,
-            topology=topology,
-            rank=rank,
-            layout=layout,
-            link=link,
-            fused_write=_single_object(plan, layout),
-        )
+        self._registered = registered
         self._spares.make(self._read_staging(self._registered)[2])
         log.info(
             "hicache-store: %s on %s, namespace %s (%s %s, %d layers, %d KV heads x %d, "
@@ -350,34 +337,79 @@ class HiCacheStoreStorage(_HiCacheStorage):
             "get", [False] * len(keys), lambda reg: self._get_pages(reg, keys, host_indices)
         )
 
-    # -- the v2 (multi-pool) interface: KV only for now, see _sglang_v2 --------------------
+    # -- the v2 (multi-pool) interface: KV + SWA / Mamba sidecars, see _sglang_v2 -----------
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Accept the KV pool again; refuse any sidecar pool with one clear error (start-up)."""
-        check_pool(host_pool, host_pool_name, getattr(self, "mem_pool_host", None))
+        """Accept the KV pool again; make a sidecar pool a cache component (``swa``,
+        ``mamba``); refuse any other pool with one clear error (start-up or attach)."""
+        label = pool_name(host_pool_name)
+        reg = self._registered
+        if label == KV_POOL and host_pool is getattr(self, "mem_pool_host", None):
+            pass
+        elif reg is None:
+            raise refuse(label, host_pool, "no KV pool was registered before it")
+        else:
+            sidecar = make_sidecar(
+                label,
+                host_pool,
+                Deployment(
+                    reg, self.config, self.backend, self.keys, self.tp_rank, self.tp_size,
+                    self.pp_size, self.replicated,
+                ),
+            )
+            watch = NamespaceWatch(self.backend, sidecar.namespace, self._run_startup)
+            manifest = watch.at_start(writes=sidecar.link.can_write)
+            self._sidecars[label] = sidecar
+            log.info(
+                "hicache-store: %r pool stored as component namespace %s (%s; manifest %s)",
+                label, sidecar.namespace.digest, sidecar.namespace.model, manifest,
+            )
         pools: dict[str, Any] = self.__dict__.setdefault("registered_pools", {})
-        pools[pool_name(host_pool_name)] = host_pool
+        pools[label] = host_pool
 
     def batch_exists_v2(
         self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
     ) -> Any:
-        """KV-only transfers: the v1 prefix; any sidecar pool: no hit. Never raises."""
+        """The KV prefix, cut to the lengths every transfer's pool can resume at (its hit
+        policy, ``_sglang_v2``), with every such length in ``restorable_prefix_pages``.
+        A transfer of a pool that is not stored: no hit. Never raises."""
 
         def go(reg: _Registered) -> Any:
-            if any(pool_name(t.name) != KV_POOL for t in pool_transfers or ()):
-                self._count("v2_refused")
-                return transfer_result(0, {}, [])
-            hit = int(self._run(reg.link.exists_prefix(list(keys)), reg))
-            return transfer_result(hit, {KV_POOL: hit} if hit else {}, None)
+            transfers = list(pool_transfers or ())
+            hashes = check_keys(keys)
+            kv = int(self._run(reg.link.exists_prefix(hashes), reg))
+            hits: dict[str, int] = {KV_POOL: kv} if kv else {}
+            page_size = reg.geometry.page_size
+            specs = []
+            present: dict[str, list[bool]] = {}
+            for transfer in transfers:
+                label = pool_name(transfer.name)
+                if label == KV_POOL:
+                    continue
+                sidecar = self._sidecars.get(label)
+                spec = transfer_spec(transfer, page_size)
+                if sidecar is None or spec is None:
+                    self._count("v2_refused")
+                    return transfer_result(0, {}, [])
+                present[label] = self._run(sidecar.link.exists_pages(hashes[:kv]), reg)
+                specs.append(spec)
+                alone = restorable_prefixes([spec], present, page_size, kv)
+                if alone:
+                    hits[label] = alone[-1]
+            restorable = restorable_prefixes(specs, present, page_size, kv)
+            final = restorable[-1] if restorable else 0
+            self._watch.observe(final, len(keys))
+            return transfer_result(final, hits, restorable if specs else None)
 
         return self._guard("exists", None, go) or transfer_result(0, {}, [])
 
     def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
-        """KV transfers are read as by ``batch_get_v1``; other pools fail. Never raises."""
+        """Read each transfer's pages into its pool (KV as ``batch_get_v1``); per transfer one
+        bool per key: False for a miss, a corrupt object or a pool that is not stored."""
         return self._transfer_v2("get", transfers)
 
     def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
-        """KV transfers are written as by ``batch_set_v1``; other pools fail. Never raises."""
+        """Write each transfer's pages from its pool (KV as ``batch_set_v1``). Never raises."""
         return self._transfer_v2("set", transfers)
 
     def _transfer_v2(self, op: str, transfers: Any) -> dict[Any, list[bool]]:
@@ -395,13 +427,47 @@ class HiCacheStoreStorage(_HiCacheStorage):
             except Exception:  # not a PoolTransfer: nothing to report it under
                 self._count(f"{op}_errors")
                 continue
-            if pool_name(name) != KV_POOL:
+            label = pool_name(name)
+            failed = [False] * len(keys)
+            if label == KV_POOL:
+                move = self.batch_get_v1 if op == "get" else self.batch_set_v1
+                results[name] = move(keys, host_indices)
+            elif label not in self._sidecars:
                 self._count("v2_refused")
-                results[name] = [False] * len(keys)
-            elif op == "get":
-                results[name] = self.batch_get_v1(keys, host_indices)
+                results[name] = failed
             else:
-                results[name] = self.batch_set_v1(keys, host_indices)
+                results[name] = self._guard(
+                    op, failed, _bind(self._move_sidecar, op, self._sidecars[label], keys, host_indices)
+                )
+        return results
+
+    def _move_sidecar(
+        self, reg: _Registered, op: str, sidecar: Sidecar, keys: list[str], host_indices: Any
+    ) -> list[bool]:
+        """One transfer of a sidecar pool (``reg``: the KV's registration, for the deadline)."""
+        if isinstance(sidecar, PagedSidecar):
+            move = self._get_pages if op == "get" else self._set_pages
+            done = move(sidecar.reg, keys, host_indices)
+            self._count(f"{sidecar.name}_{op}_pages", sum(done))
+            return done
+        check_keys(keys)
+        flat = host_indices.reshape(-1).to(device="cpu", dtype=torch.int64).tolist()
+        if len(flat) != len(keys):
+            raise ValueError(f"{len(keys)} state keys need {len(keys)} host slots, got {len(flat)}")
+        started = time.perf_counter()
+        io = IOStats()
+        if op == "get":
+            rows = sidecar.rows(len(keys))
+            results = self._run(sidecar.read(keys, rows, io), reg)
+            sidecar.install(results, rows, flat)
+        else:
+            results = self._run(sidecar.write(keys, sidecar.stage(flat)), reg)
+        if io.corruptions:
+            self._count("corrupt_objects", io.corruptions)
+        if io.tampered:
+            self._count("tamper", io.tampered)
+        self._count(f"{sidecar.name}_{op}_pages", sum(results))
+        self._metrics.record(op, results, sidecar.state_bytes, time.perf_counter() - started)
         return results
 
     # -- the generic (legacy) interface ----------------------------------------------------
@@ -528,7 +594,8 @@ class HiCacheStoreStorage(_HiCacheStorage):
     @property
     def counters(self) -> dict[str, int]:
         """Cumulative event counts: ``set_pages``, ``get_pages``, ``*_failed``, ``*_errors``,
-        ``corrupt_objects``, ``set_refused``, ``v2_refused``, ``clear_refused``, ..."""
+        ``corrupt_objects``, ``set_refused``, ``v2_refused``, ``clear_refused``, and per
+        sidecar pool ``swa_set_pages``, ``mamba_get_pages``, ..."""
         return self._metrics.counters()
 
     def close(self) -> None:
@@ -772,13 +839,9 @@ class HiCacheStoreStorage(_HiCacheStorage):
         self._metrics.record(op, results, page_bytes, time.perf_counter() - started)
 
 
-def _single_object(plan: WritePlan | None, layout: UnifiedPageLayout) -> bool:
-    return (
-        plan is not None
-        and len(plan.objects) == 1
-        and plan.objects[0].page_offset == 0
-        and plan.objects[0].nbytes == layout.page_bytes
-    )
+def _bind(fn: Callable[..., T], *args: Any) -> Callable[[_Registered], T]:
+    """``fn(reg, *args)`` as a ``_guard`` body (binds the loop's values now)."""
+    return lambda reg: fn(reg, *args)
 
 
 def _parent(keys: Sequence[str], index: int) -> str | None:

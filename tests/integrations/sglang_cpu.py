@@ -133,6 +133,21 @@ def load() -> str | None:
     return _Loaded.error
 
 
+@contextmanager
+def imported() -> Iterator[types.ModuleType]:
+    """The body of the ``sglang`` test fixtures: this module with SGLang imported (skips the
+    test, with the reason, where it cannot import); afterwards, no stub may have been touched:
+    the code that ran is SGLang's own."""
+    import pytest
+
+    error = load()
+    if error is not None:
+        pytest.skip(f"SGLang 0.5.23 does not import here ({error}); see `make setup`")
+    before = len(stub_uses_since_import())
+    yield sys.modules[__name__]
+    assert stub_uses_since_import()[before:] == []
+
+
 def module(name: str) -> Any:
     """One of ``MODULES`` (``load()`` first)."""
     return _Loaded.modules[name]
@@ -221,8 +236,26 @@ def extra_config(url: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+#: host memory the test pools may book (they take a few KiB): SGLang checks a pool against the
+#: machine's free memory less a 10 GB reserve, which a shared CI machine does not always have.
+HOST_BUDGET = 1 << 30
+
+
+@contextmanager
+def host_budget() -> Iterator[None]:
+    """Build host pools against ``HOST_BUDGET`` (SGLang's own ``host_memory_budget_scope``)."""
+    base = module_any("sglang.srt.mem_cache.pool_host.base")
+    with base.host_memory_budget_scope(HOST_BUDGET):
+        yield
+
+
 def kv_host_pool(geometry: Geometry, layout: str, *, mla: bool = False) -> tuple[Any, Any]:
     """(device pool, host pool) of SGLang's real classes for one rank."""
+    with host_budget():
+        return _kv_host_pool(geometry, layout, mla=mla)
+
+
+def _kv_host_pool(geometry: Geometry, layout: str, *, mla: bool) -> tuple[Any, Any]:
     g = geometry
     memory_pool = module("sglang.srt.mem_cache.memory_pool")
     end = g.start_layer + g.layers
@@ -249,6 +282,38 @@ def kv_host_pool(geometry: Geometry, layout: str, *, mla: bool = False) -> tuple
             pin_memory=False, device_capacity_tokens=device.size, **common,
         )
     return device, host
+
+
+def mamba_host_pool(layers: int = 3, slots: int = 8, *, heads: int = 2, dim: int = 4,
+                    conv: tuple[int, int] = (6, 3)) -> tuple[Any, Any]:
+    """(device stand-in, SGLang's ``MambaPoolHost``) for one rank: float32 temporal (SSM)
+    states of [heads, dim, dim] and one bfloat16 conv state of ``conv`` per layer, page size 1.
+    The device side is a stand-in: the storage path never touches it."""
+    info = module_any("sglang.srt.mem_cache.device_pool_info").MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, heads, dim, dim, dtype=torch.float32),
+        conv=(torch.zeros(layers, slots, *conv, dtype=torch.bfloat16),),
+    )
+    with host_budget():
+        host = module_any("sglang.srt.mem_cache.pool_host.mamba").MambaPoolHost(
+            info, 2.0, 0, device_capacity=slots, pin_memory=False, layout="page_first"
+        )
+    return SimpleNamespace(layer_num=layers), host
+
+
+def host_page(host: Any, page: int, *, mla: bool = False) -> torch.Tensor:
+    """Page ``page`` of an SGLang KV host pool as [planes, layers, P, heads, D] (a view), by
+    plain indexing of its ``kv_buffer`` in its layout (the tests' oracle)."""
+    p = host.page_size
+    # MLA pools have no K/V axis and a head axis of 1: one plane of one head
+    kv = host.kv_buffer if not mla else host.kv_buffer.unsqueeze(0)
+    s = slice(page * p, (page + 1) * p)
+    if host.layout == "layer_first":
+        return kv[:, :, s]
+    if host.layout == "page_first":
+        return kv[:, s].permute(0, 2, 1, 3, 4)
+    if host.layout == "page_first_direct":
+        return kv[:, page]
+    return kv[:, page].permute(0, 3, 2, 1, 4)  # page_head: [2, H, P, L, D]
 
 
 def pool_entry(name: Any, host: Any, device: Any, *, anchor: bool = False) -> Any:
@@ -304,17 +369,7 @@ class Rank:
 
     def page(self, page: int) -> torch.Tensor:
         """Page ``page`` of the host pool as [planes, layers, P, heads, D] (a view)."""
-        p = self.geometry.page_size
-        # MLA pools have no K/V axis and a head axis of 1: one plane of one head
-        kv = self.host.kv_buffer if not self.mla else self.host.kv_buffer.unsqueeze(0)
-        s = slice(page * p, (page + 1) * p)
-        if self.layout == "layer_first":
-            return kv[:, :, s]
-        if self.layout == "page_first":
-            return kv[:, s].permute(0, 2, 1, 3, 4)
-        if self.layout == "page_first_direct":
-            return kv[:, page]
-        return kv[:, page].permute(0, 3, 2, 1, 4)  # page_head: [2, H, P, L, D]
+        return host_page(self.host, page, mla=self.mla)
 
     def random_page(self, seed: int) -> torch.Tensor:
         g = self.geometry
@@ -325,15 +380,20 @@ class Rank:
 
     # -- the radix tree's side of the protocol ------------------------------------------------
 
-    def backup(self, tokens: Sequence[int], pages: Sequence[torch.Tensor],
-               timeout: float = 60.0) -> int:
-        """Put ``pages`` into fresh host slots and have SGLang back them up; returns the
-        tokens its backup thread reports as stored."""
+    def stage(self, pages: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Fresh KV host slots holding ``pages`` (their host indices)."""
         g = self.geometry
         host_indices = self.group.alloc(len(pages) * g.page_size)
         assert host_indices is not None
         for i, data in enumerate(pages):
             self.page(int(host_indices[i * g.page_size]) // g.page_size).copy_(data)
+        return host_indices
+
+    def backup(self, tokens: Sequence[int], pages: Sequence[torch.Tensor],
+               timeout: float = 60.0) -> int:
+        """Put ``pages`` into fresh host slots and have SGLang back them up; returns the
+        tokens its backup thread reports as stored."""
+        host_indices = self.stage(pages)
         hashes = self.hashes(tokens)
         self.controller.write_storage(host_indices, list(tokens), hash_value=hashes)
         op = self.controller.ack_backup_queue.get(timeout=timeout)
@@ -384,6 +444,147 @@ class Rank:
 
     def close(self) -> None:
         self.controller.detach_storage_backend()
+
+
+@dataclass
+class Fetched:
+    """One prefetch as the tree sees it: the hit, what was loaded, and per sidecar pool the
+    transfer (its keys and host slots after the controller re-aligned them) and its count."""
+
+    hit: int
+    loaded: int
+    host_indices: torch.Tensor | None
+    transfers: dict[str, Any]
+    pool_hits: dict[str, int]
+
+    def whole(self, page_size: int) -> bool:
+        """The tree's all-or-nothing rule (``UnifiedRadixCache``): every pool served all its
+        keys and the KV all of the hit, else the whole prefetch is dropped."""
+        return self.loaded == self.hit > 0 and all(
+            self.pool_hits.get(name, 0) == len(t.keys or ()) for name, t in self.transfers.items()
+        )
+
+
+def random_bytes(n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+
+
+class HybridRank(Rank):
+    """A ``Rank`` whose ``HostPoolGroup`` has sidecar pools, driven as ``UnifiedRadixCache``'s
+    SWA and Mamba components drive them (``build_hicache_transfers``): a backup carries each
+    node's trailing sidecar pages (SWA: the window's last pages; Mamba: the state at the node
+    end, keyed by its last page), a prefetch carries placeholder keys of the trailing length,
+    the hit allocates the sidecars' staging and the controller re-aligns their keys.
+
+    ``trailing[name]``: pages the tree keeps of that pool per node (1 for a state)."""
+
+    def __init__(self, url: str, *, trailing: dict[str, int], **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.trailing = trailing
+        self.entries = {str(n.value): h for n, _d, h in self.sidecars}
+
+    def sidecar_page(self, name: str, slot: int) -> torch.Tensor:
+        """A sidecar host page's bytes, independent of the pool's layout: a KV-shaped pool's
+        page as [planes, layers, P, heads, D] (``host_page``), a state as SGLang's own page
+        (``get_data_page``)."""
+        pool = self.entries[name]
+        if hasattr(pool, "kv_buffer") and hasattr(pool, "head_num"):
+            page = host_page(pool, slot // pool.page_size)
+            return page.contiguous().view(-1).view(torch.uint8).clone()
+        return pool.get_data_page(slot, flat=True).view(torch.uint8).clone()
+
+    def fill_sidecar(self, name: str, slot: int, seed: int) -> torch.Tensor:
+        """Fill one sidecar page with seeded bytes; returns them (as ``sidecar_page`` reads)."""
+        pool = self.entries[name]
+        data = random_bytes(self.sidecar_page(name, slot).numel(), seed)
+        if hasattr(pool, "kv_buffer") and hasattr(pool, "head_num"):
+            page = host_page(pool, slot // pool.page_size)
+            page.copy_(data.view(pool.dtype).view(page.shape))
+        else:
+            pool.set_from_flat_data_page(slot, data.view(pool.get_data_page(slot).dtype))
+        return data
+
+    def mark_sidecar(self, name: str, value: int) -> None:
+        """Fill every slot of sidecar pool ``name`` with the byte ``value``."""
+        pool = self.entries[name]
+        for slot in range(0, pool.size, pool.page_size):
+            n = pool.get_data_page(slot, flat=True).view(torch.uint8).numel()
+            data = torch.full((n,), value, dtype=torch.uint8)
+            pool.set_from_flat_data_page(slot, data.view(pool.get_data_page(slot).dtype))
+
+    def backup_hybrid(self, tokens: Sequence[int], pages: Sequence[torch.Tensor],
+                      sidecar_seed: int, timeout: float = 60.0) -> tuple[int, dict[str, list[torch.Tensor]], dict[str, int]]:
+        """Back up one node: KV ``pages`` and each sidecar's trailing pages filled from
+        ``sidecar_seed``. Returns (KV tokens stored, the sidecar pages written, per pool the
+        pages SGLang counts as stored)."""
+        names = module("sglang.srt.mem_cache.hicache_storage")
+        host_indices = self.stage(pages)
+        hashes = self.hashes(tokens)
+        transfers, written, taken = [], {}, []
+        for name, n in self.trailing.items():
+            pool = self.entries[name]
+            n = min(n, len(hashes))
+            slots = pool.alloc(n * pool.page_size)
+            assert slots is not None
+            taken.append((pool, slots))
+            written[name] = [
+                self.fill_sidecar(name, int(slots[j * pool.page_size]), sidecar_seed * 100 + j)
+                for j in range(n)
+            ]
+            transfers.append(names.PoolTransfer(
+                name=names.PoolName(name), host_indices=slots, keys=hashes[-n:],
+                hit_policy=names.PoolHitPolicy.TRAILING_PAGES,
+            ))
+        self.controller.write_storage(host_indices, list(tokens), hash_value=hashes,
+                                      extra_pools=transfers)
+        op = self.controller.ack_backup_queue.get(timeout=timeout)
+        self.group.free(host_indices)
+        for pool, slots in taken:
+            pool.free(slots)
+        stored = dict(op.pool_storage_result.extra_pool_hit_pages)
+        return int(op.completed_tokens), written, {str(k): v for k, v in stored.items()}
+
+    def prefetch_hybrid(self, tokens: Sequence[int], timeout: float = 60.0) -> Fetched:
+        names = module("sglang.srt.mem_cache.hicache_storage")
+        base = module("sglang.srt.mem_cache.base_prefix_cache")
+        self._next_rid += 1
+        handle = base.CacheRequestHandle(rid=f"r{self._next_rid}", attempt_id=0)
+        transfers = {
+            name: names.PoolTransfer(
+                name=names.PoolName(name), keys=["__placeholder__"] * n,
+                hit_policy=names.PoolHitPolicy.TRAILING_PAGES,
+            )
+            for name, n in self.trailing.items()
+        }
+        ctrl = self.controller
+        ctrl.prefetch(handle, list(tokens), extra_pools=list(transfers.values()))
+        op = ctrl.prefetch_hit_queue.get(timeout=timeout)
+        hit = int(op.storage_hit_count)
+        if hit == 0:
+            return Fetched(0, 0, None, transfers, {})
+        host_indices, _ = ctrl.allocate_storage_hit(
+            op, hit, allow_partial=False, min_tokens=hit, evict_host=lambda n: 0
+        )
+        assert host_indices is not None
+        hit_pages = hit // self.geometry.page_size
+        for name, t in transfers.items():  # _alloc_prefetch_aux_staging
+            pool = self.entries[name]
+            t.host_indices = pool.alloc(min(len(t.keys), hit_pages) * pool.page_size)
+            assert t.host_indices is not None
+        op.host_indices = host_indices
+        ctrl.prefetch_buffer.put(op)
+        loaded, pool_hits = 0, {}
+        while True:
+            ack = ctrl.ack_prefetch_queue.get(timeout=timeout)
+            assert ack.operation is op
+            if ack.completed_tokens is not None:
+                loaded = max(loaded, int(ack.completed_tokens))
+            if ack.pool_hits is not None:
+                pool_hits.update({str(k): int(v) for k, v in ack.pool_hits.items()})
+            if ack.completed_req:
+                break
+        return Fetched(hit, loaded, host_indices, transfers, pool_hits)
 
 
 def tokens_for(n_pages: int, page_size: int, seed: int = 0) -> list[int]:

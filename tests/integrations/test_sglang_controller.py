@@ -66,7 +66,7 @@ def test_tp2_writers_tp1_reader_through_the_controller(sglang: ModuleType, url: 
     reader.close()
 
 
-# -- hybrid models: refused at start-up, and no v2 call ever raises ------------------------------
+# -- sidecar pools the adapter does not store: refused at start-up; no v2 call ever raises ------
 
 
 def _sidecar(sglang: ModuleType, name: str) -> tuple[Any, Any, Any]:
@@ -75,7 +75,7 @@ def _sidecar(sglang: ModuleType, name: str) -> tuple[Any, Any, Any]:
     return names(name), device, host
 
 
-@pytest.mark.parametrize("pool", ["swa", "draft", "indexer"])
+@pytest.mark.parametrize("pool", ["draft", "indexer", "deepseek_v4_c4"])
 def test_a_sidecar_pool_is_refused_at_startup_with_one_clear_error(
     sglang: ModuleType, url: str, pool: str
 ) -> None:
@@ -89,9 +89,9 @@ def test_a_sidecar_added_at_runtime_is_refused_on_the_scheduler_thread(
 ) -> None:
     rank = sglang.Rank(url)
     names = sglang.module("sglang.srt.mem_cache.hicache_storage").PoolName
-    _, device, host = _sidecar(sglang, "swa")
-    entry = sglang.pool_entry(names.SWA, host, device)
-    with pytest.raises(ValueError, match="'swa' host pool"):
+    _, device, host = _sidecar(sglang, "draft")
+    entry = sglang.pool_entry(names.DRAFT, host, device)
+    with pytest.raises(ValueError, match="'draft' host pool"):
         rank.controller.register_host_pool_entry(entry)
     rank.close()
 
@@ -102,9 +102,9 @@ def test_v2_calls_from_sglangs_threads_never_raise(sglang: ModuleType, url: str)
     hs = sglang.module("sglang.srt.mem_cache.hicache_storage")
     rank = sglang.Rank(url)
     rank.controller.detach_storage_backend()
-    name, device, host = _sidecar(sglang, "swa")
+    name, device, host = _sidecar(sglang, "draft")
     rank.group.add_entry(sglang.pool_entry(name, host, device))
-    with sglang.as_rank(rank.parallel), pytest.raises(ValueError, match="'swa' host pool"):
+    with sglang.as_rank(rank.parallel), pytest.raises(ValueError, match="'draft' host pool"):
         rank.controller.attach_storage_backend(
             "dynamic", model_name="org/model",
             storage_backend_extra_config=sglang.extra_config(url),
@@ -117,17 +117,17 @@ def test_v2_calls_from_sglangs_threads_never_raise(sglang: ModuleType, url: str)
     tokens = sglang.tokens_for(2, g.page_size, seed=5)
     hashes = rank.hashes(tokens)
     kv = rank.group.alloc(2 * g.page_size)
-    swa = rank.group.alloc(g.page_size, pool=hs.PoolName.SWA)
+    draft = rank.group.alloc(g.page_size, pool=hs.PoolName.DRAFT)
     trailing = hs.PoolHitPolicy.TRAILING_PAGES
     ctrl.write_storage(kv, tokens, hash_value=hashes, extra_pools=[
-        hs.PoolTransfer(name=hs.PoolName.SWA, host_indices=swa, keys=hashes[-1:],
+        hs.PoolTransfer(name=hs.PoolName.DRAFT, host_indices=draft, keys=hashes[-1:],
                         hit_policy=trailing)])
     op = ctrl.ack_backup_queue.get(timeout=60)
-    assert op.pool_storage_result.extra_pool_hit_pages == {hs.PoolName.SWA: 0}
+    assert op.pool_storage_result.extra_pool_hit_pages == {hs.PoolName.DRAFT: 0}
     # the prefetch thread's v2 hit query: no hit, no exception
     base = sglang.module("sglang.srt.mem_cache.base_prefix_cache")
     ctrl.prefetch(base.CacheRequestHandle(rid="v2", attempt_id=0), tokens, extra_pools=[
-        hs.PoolTransfer(name=hs.PoolName.SWA, keys=hashes[-1:], hit_policy=trailing)])
+        hs.PoolTransfer(name=hs.PoolName.DRAFT, keys=hashes[-1:], hit_policy=trailing)])
     query = ctrl.prefetch_hit_queue.get(timeout=60)
     assert query.storage_hit_count == 0
     # direct calls with malformed transfers: data, never an exception
