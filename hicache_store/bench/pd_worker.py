@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from hicache_store.backends.base import Backend
-from hicache_store.demo.hybrid import HybridMiniLlama
+from hicache_store.demo.hybrid import HybridMiniLlama, RecurrentPool, WindowPool, prefill_prepared
 from hicache_store.engine.config import MiniLlamaConfig
 from hicache_store.engine.kv_pool import DeviceKVPool
 from hicache_store.engine.model import MiniLlama, WindowKV
@@ -49,7 +50,8 @@ from hicache_store.pd import (
 )
 from hicache_store.pd.prefill import Compute
 from hicache_store.pd.state import StateCodec
-from hicache_store.tier.cache import HiCache
+from hicache_store.tier.cache import ComponentSlots, HiCache, Prepared
+from hicache_store.tier.components import Component
 from hicache_store.tier.config import TierConfig
 
 from .multiturn import namespace_for
@@ -100,11 +102,17 @@ def build_model(setup: WorkerSetup) -> Model:
     return MiniLlama(setup.config)
 
 
-def build_tier(setup: WorkerSetup, model: Model, backend: Backend | None = None) -> HiCache:
+def build_tier(
+    setup: WorkerSetup,
+    model: Model,
+    backend: Backend | None = None,
+    components: Sequence[Component] = (),
+) -> HiCache:
     """A tier over a fresh device pool of ``setup``'s sizes for ``model`` (L3: ``backend``)."""
     pool = model.make_pool(setup.l1_pages, setup.page_size)
     config = TierConfig(l1_pages=setup.l1_pages, l2_pages=setup.l2_pages, **setup.tier_options)
-    return HiCache(namespace_for(model.config, setup.page_size), config, pool, backend=backend)
+    namespace = namespace_for(model.config, setup.page_size)
+    return HiCache(namespace, config, pool, backend=backend, components=list(components))
 
 
 @dataclass
@@ -218,8 +226,42 @@ def state_codec(setup: WorkerSetup) -> StateCodec | None:
     return None
 
 
-def prefill_compute(model: Model, pool: DeviceKVPool) -> Compute:
-    """The prefill worker's engine call: last-position logits, filling a ``PrefillState``."""
+@dataclass
+class PrefillComponents:
+    """The prefill tier's components for a model with state: its window pages and recurrent
+    checkpoints, so that its cache resumes such a model after a cached prefix too."""
+
+    window: WindowPool | None
+    recurrent: RecurrentPool | None
+
+    @property
+    def components(self) -> list[Component]:
+        return [p.component for p in (self.window, self.recurrent) if p is not None]
+
+
+def prefill_components(setup: WorkerSetup, model: Model) -> PrefillComponents | None:
+    """Component pools of ``setup``'s sizes (one snapshot slot per KV page: generous), or None
+    for a full-attention model."""
+    config = model.config
+    if not config.window_layers and not isinstance(model, HybridMiniLlama):
+        return None
+    namespace = namespace_for(config, setup.page_size)
+    window = None
+    if config.window_layers:
+        window = WindowPool(config, namespace, setup.l1_pages, l2_slots=setup.l2_pages)
+    recurrent = None
+    if isinstance(model, HybridMiniLlama):
+        recurrent = RecurrentPool(
+            model.state_dim, namespace, setup.l1_pages, l2_slots=setup.l2_pages
+        )
+    return PrefillComponents(window, recurrent)
+
+
+def prefill_compute(
+    model: Model, pool: DeviceKVPool, page_size: int, parts: PrefillComponents | None = None
+) -> Compute:
+    """The prefill worker's engine call: last-position logits, filling a ``PrefillState``; a
+    model with state resumes from and fills the tier's components (``parts``)."""
 
     def compute(
         tokens: torch.Tensor,
@@ -227,17 +269,24 @@ def prefill_compute(model: Model, pool: DeviceKVPool) -> Compute:
         slots: torch.Tensor,
         wait_layer: Any,
         state: PrefillState | None,
+        components: Mapping[str, ComponentSlots],
     ) -> torch.Tensor:
-        window = state.window if state is not None else None
-        if isinstance(model, HybridMiniLlama):
-            assert state is not None, "a hybrid model always has a state codec"
-            assert start == 0, "the prefill worker's cache cannot resume a recurrent state"
-            logits, recurrent, _ = model.prefill(
-                tokens, start, slots, pool, None, wait_layer=wait_layer, window=window
-            )
-            state.recurrent = recurrent
-            return logits[-1:]
-        return model.prefill(tokens, start, slots, pool, wait_layer, last_only=True, window=window)
+        if state is None:  # a full-attention MiniLlama (no codec)
+            assert isinstance(model, MiniLlama)
+            return model.prefill(tokens, start, slots, pool, wait_layer, last_only=True)
+        # prefill_prepared wants the whole prompt; only tokens[start:] are read
+        prompt = [0] * start + tokens.tolist()
+        logits, state.recurrent = prefill_prepared(
+            model,
+            pool,
+            prompt,
+            Prepared(start, slots, wait_layer, components),
+            page_size,
+            window=parts.window if parts is not None else None,
+            recurrent=parts.recurrent if parts is not None else None,
+            buffer=state.window,
+        )
+        return logits[-1:]
 
     return compute
 
@@ -249,19 +298,17 @@ def prefill_main(setup_json: str) -> int:
     torch.set_num_threads(setup.threads)
     authkey = bytes.fromhex(os.environ[AUTHKEY_ENV])
     model = build_model(setup)
-    tier = build_tier(setup, model)
+    parts = prefill_components(setup, model)
+    tier = build_tier(setup, model, components=parts.components if parts is not None else ())
     pool = tier.pool
     assert isinstance(pool, DeviceKVPool)
     transport = open_transport(setup.transport, timeout_s=setup.timeout_s)
-    codec = state_codec(setup)
     worker = PrefillWorker(
         tier,
-        prefill_compute(model, pool),
+        prefill_compute(model, pool, setup.page_size, parts),
         transport,
         send_rows=setup.send_rows,
-        state=codec,
-        # This cache keeps full-attention KV only: it cannot resume a model with state.
-        reuse=codec is None,
+        state=state_codec(setup),
     )
     listener = ChannelListener(authkey)
 

@@ -183,28 +183,14 @@ def serve(
     toks = list(tokens)
     req = tier.match(toks)
     prep = tier.prepare(req)
-    page = tier.namespace.page_size
-    state = None
-    snapshot_at: tuple[int, ...] = ()
-    rec = prep.components.get("recurrent")
-    if recurrent is not None and rec is not None:
-        if prep.start:
-            (last,) = [slot for index, slot in rec.restored if (index + 1) * page == prep.start]
-            state = recurrent.state(last)
-        snapshot_at = tuple((index + 1) * page for index, _ in rec.produce)
-    buffer = model.new_window(len(toks))
-    win = prep.components.get("window")
-    if window is not None and win is not None and buffer is not None:
-        window.restore(buffer, win.restored)
-    logits, _, snaps = model.prefill(
-        torch.tensor(toks[prep.start :]),
-        prep.start,
-        prep.slots,
+    logits, _ = prefill_prepared(
+        model,
         tier.pool,  # type: ignore[arg-type]
-        state,
-        wait_layer=prep.wait_layer,
-        snapshot_at=snapshot_at,
-        window=buffer,
+        toks,
+        prep,
+        tier.namespace.page_size,
+        window=window,
+        recurrent=recurrent,
     )
     draft_logits = None
     if draft is not None:
@@ -212,13 +198,61 @@ def serve(
         draft_logits = draft_model.prefill(
             torch.tensor(toks[prep.start :]), prep.start, prep.slots, draft_pool
         )
-    if recurrent is not None and rec is not None:
-        for index, slot in rec.produce:
-            recurrent.store(slot, snaps[(index + 1) * page])
-    if window is not None and win is not None and buffer is not None:
-        window.capture(buffer, win.produce)
     tier.complete(req)
     return Served(logits, prep.start, req, prep, draft_logits)
+
+
+def prefill_prepared(
+    model: MiniLlama | HybridMiniLlama,
+    pool: DeviceKVPool,
+    tokens: Sequence[int],
+    prep: Prepared,
+    page_size: int,
+    *,
+    window: WindowPool | None = None,
+    recurrent: RecurrentPool | None = None,
+    buffer: WindowKV | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Compute ``tokens[prep.start:]`` as ``prep`` decided: restore the window pages into
+    ``buffer`` (the sequence's ``WindowKV``; a fresh one when None) and the recurrent snapshot
+    at ``prep.start``, prefill, then store the snapshots and capture the window pages the tier
+    asked for into their slots. Returns the suffix's logits and the recurrent state after the
+    last token (None for a ``MiniLlama``)."""
+    page = page_size
+    if buffer is None and model.config.window_layers:
+        buffer = WindowKV.zeros(model.config, len(tokens), model.device)
+    win = prep.components.get("window")
+    if window is not None and win is not None and buffer is not None:
+        window.restore(buffer, win.restored)
+    suffix = torch.tensor(list(tokens[prep.start :]), dtype=torch.int64)
+    final = None
+    if isinstance(model, HybridMiniLlama):
+        state = None
+        snapshot_at: tuple[int, ...] = ()
+        rec = prep.components.get("recurrent")
+        if recurrent is not None and rec is not None:
+            if prep.start:
+                (last,) = [slot for index, slot in rec.restored if (index + 1) * page == prep.start]
+                state = recurrent.state(last)
+            snapshot_at = tuple((index + 1) * page for index, _ in rec.produce)
+        logits, final, snaps = model.prefill(
+            suffix,
+            prep.start,
+            prep.slots,
+            pool,
+            state,
+            wait_layer=prep.wait_layer,
+            snapshot_at=snapshot_at,
+            window=buffer,
+        )
+        if recurrent is not None and rec is not None:
+            for index, slot in rec.produce:
+                recurrent.store(slot, snaps[(index + 1) * page])
+    else:
+        logits = model.prefill(suffix, prep.start, prep.slots, pool, prep.wait_layer, window=buffer)
+    if window is not None and win is not None and buffer is not None:
+        window.capture(buffer, win.produce)
+    return logits, final
 
 
 class HybridMiniLlama:

@@ -48,9 +48,11 @@ from .transport import Transport, WriteOp
 
 log = logging.getLogger(__name__)
 
-#: ``compute(suffix tokens, start, slots, wait_layer, state)`` -> logits of the last prompt
-#: position (``[vocab]`` or ``[1, vocab]``). ``state`` is the request's ``StateCodec`` handle
-#: (None for a plain KV model): the compute fills it with what the decode side needs beyond KV.
+#: ``compute(suffix tokens, start, slots, wait_layer, state, components)`` -> logits of the last
+#: prompt position (``[vocab]`` or ``[1, vocab]``). ``state`` is the request's ``StateCodec``
+#: handle (None for a plain KV model): the compute fills it with what the decode side needs
+#: beyond KV. ``components``: ``Prepared.components`` of the worker's tier (empty without
+#: components): the slots a model with state resumes from and fills.
 Compute = Callable[..., torch.Tensor]
 
 
@@ -64,11 +66,7 @@ class _Peer:
 class PrefillWorker:
     """Serves ``PrefillRequest`` s with ``tier`` (its device pool holds the model's KV),
     ``compute`` (the engine), ``transport`` (registered send rows) and optionally a model
-    ``state`` codec (extra per-request state, e.g. a hybrid model's window tail).
-
-    ``reuse=False``: the worker's cache never shortens its compute (every prompt is computed
-    from its first token; its pages are still cached): for a model whose state beyond KV
-    pages this cache cannot restore, so that the state sent to decode is complete."""
+    ``state`` codec (extra per-request state, e.g. a hybrid model's window tail)."""
 
     def __init__(
         self,
@@ -78,10 +76,8 @@ class PrefillWorker:
         *,
         send_rows: int = 64,
         state: StateCodec | None = None,
-        reuse: bool = True,
     ) -> None:
         self.tier = tier
-        self.reuse = reuse
         self.compute = compute
         self.transport = transport
         self.state = state
@@ -146,7 +142,7 @@ class PrefillWorker:
                 f"request {msg.rid}: landing rows must be distinct and below {peer.landing_rows}"
             )
         started = time.perf_counter()
-        req = self.tier.match(msg.tokens, reuse=self.reuse)
+        req = self.tier.match(msg.tokens)
         expected = req.hashes[msg.boundary // page - 1] if msg.boundary else ""
         if msg.boundary_hash != expected:
             self.tier.abort(req)
@@ -163,6 +159,7 @@ class PrefillWorker:
                 prep.slots,
                 prep.wait_layer,
                 handle,
+                prep.components,
             )
             first_token = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
             computed = time.perf_counter()

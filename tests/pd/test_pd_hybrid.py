@@ -4,8 +4,9 @@ The decode side's cache holds the full-attention layers' KV only. A model with s
 layers also needs, to decode after the prompt, the window layers' K/V of the last
 ``sliding_window - 1`` prompt tokens (a *fresh window tail*, which reaches back before the
 decode side's boundary here), and ``HybridMiniLlama`` its recurrent state after the prompt. The
-prefill worker sends both with the suffix (``bench.pd_worker.ResumeStateCodec``); decode logits
-must equal a single-process recompute bit for bit.
+prefill worker sends both with the suffix (``bench.pd_worker.ResumeStateCodec``), having
+resumed the model from its own cache's components after the previous turn; decode logits must
+equal a single-process recompute bit for bit.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def test_the_window_tail_and_recurrent_state_travel_with_the_suffix(
     assert isinstance(codec, ResumeStateCodec) and codec.tail_tokens == WINDOW - 1
     rng = random.Random(5)
     history = tokens(rng, 30)
+    previous: list[int] = []
     try:
         with torch.inference_mode():
             for turn in range(3):
@@ -116,6 +118,9 @@ def test_the_window_tail_and_recurrent_state_travel_with_the_suffix(
                 served = worker.serve(prompt)
                 boundary = (len(history) // PAGE) * PAGE if turn else 0
                 assert served.boundary == boundary and served.attempts == 1
+                # prefill's own cache resumes the model (KV, window pages, a checkpoint) after
+                # the previous prompt's full pages
+                assert served.prefill_cached == (len(previous) // PAGE) * PAGE
                 if turn:
                     # the fresh tail reaches before the boundary: the decode cache has no
                     # window K/V there, only what prefill sent makes the logits right
@@ -125,6 +130,7 @@ def test_the_window_tail_and_recurrent_state_travel_with_the_suffix(
                 answer = tokens(rng, 4)
                 hybrid_decode_step(model, worker, served, answer)
                 history = prompt + answer
+                previous = prompt
                 worker.tier.check_invariants()  # type: ignore[union-attr]
     finally:
         close_decode_side(worker)
