@@ -184,6 +184,7 @@ class Request:
     loading: list[PageNode] = field(default_factory=list)
     host_locked: list[PageNode] = field(default_factory=list)
     load: LayerLoad | None = None
+    borrowed: list[tuple[PageNode, LayerLoad]] = field(default_factory=list)
     components: dict[str, ComponentSlots] = field(default_factory=dict)
     held: list[tuple[PageNode, int]] = field(default_factory=list)
     l3_found: dict[int, list[bool]] = field(default_factory=dict)
@@ -300,6 +301,10 @@ class HiCache:
         )
         self.ack_wait_s = ack_wait_s if ack_wait_s is not None else 2 * config.io_timeout_s + 10
         self.requests_seen = 0
+        # id(node) -> the L2 -> L1 load filling its L1 copy, while a request that prepared it
+        # is in flight (or, for a failed load, while a request still holds the copy): a later
+        # request using that copy waits for the same load (and fails with it).
+        self._filling: dict[int, LayerLoad] = {}
 
     # == construction ========================================================================
 
@@ -441,7 +446,10 @@ class HiCache:
         return req
 
     def prepare(self, req: Request) -> Prepared:
-        """Settle the prefetch, fix the prefix, allocate L1 pages and slots, start loading."""
+        """Settle the prefetch, fix the prefix, allocate L1 pages and slots, start loading.
+
+        ``wait_layer`` also waits for the loads of other requests in flight that are still
+        filling L1 copies this request uses (and raises if one of them failed)."""
         started = time.perf_counter()
         page = self.namespace.page_size
         waited = 0.0
@@ -461,12 +469,16 @@ class HiCache:
         del req.nodes[prefix:]
         req.prefix_pages = prefix
         req.loading = [n for n in req.nodes if n.device_page is None]
+        # L1 copies another request's load is still filling: this request waits for it too.
+        req.borrowed = [(n, load) for n in req.nodes if (load := self._filling.get(id(n)))]
         new_pages = math.ceil(len(req.tokens) / page) - prefix
         self._make_room_l1(len(req.loading) + new_pages)
         for node, device_page in zip(req.loading, self.pool.alloc(len(req.loading)), strict=True):
             self.tree.set_device(node, device_page)
         req.new_device_pages = self.pool.alloc(new_pages)
-        wait_layer = self._start_load(req) if req.loading else None
+        if req.loading:
+            self._start_load(req)
+        wait_layer = _wait_for(self._loads(req))
         for tag in req.need:
             part = self.parts[tag]
             with _timed(req):
@@ -519,7 +531,9 @@ class HiCache:
         P/D decode worker's local restore or remote reception failed). Waits for its L2 -> L1
         load to end (bounded by the copy; a failed load is the usual reason to abort and is
         not re-raised); the L1 copies that load was filling are dropped, never trusted, since
-        it may have stopped half way; the request's new device pages are freed; every lock is
+        it may have stopped half way (a copy another request in flight still holds stays: that
+        request waits for the same load, ``prepare``, and fails with it; so does any later one
+        using the copy of a failed load); the request's new device pages are freed; every lock is
         released; component slots taken for objects to produce go back to their pools.
         Prefetched L2 pages and objects stay cached (their reads were verified). Afterwards the
         request is dead: neither ``complete`` nor ``extend`` it.
@@ -529,10 +543,9 @@ class HiCache:
             for fetch in op.fetches():  # rows return now, or when their reads end
                 self._abandon(fetch)
             op.settled = True
-        if req.load is not None:
+        for load in self._loads(req):
             with contextlib.suppress(Exception):
-                req.load.wait_all()
-            req.load = None
+                load.wait_all()
         for node in req.host_locked:
             self.tree.release_host(node)
         req.host_locked.clear()
@@ -542,15 +555,26 @@ class HiCache:
             if part.free is not None:
                 part.free.extend(slot for _, slot in slots.produce)
         req.components.clear()
-        for node in reversed(req.loading):  # deepest first: L1 stays prefix-closed
-            if node.device_page is not None:
-                self.pool.free([node.device_page])
-                self.tree.set_device(node, None)  # drops the objects restored beside it too
         self.pool.free(req.new_device_pages)
         req.new_device_pages = []
-        held, req.loading = list(req.nodes), []
+        held = list(req.nodes)
         self._release(req, held)
-        req.nodes = []
+        # Its own load's L1 copies, and copies another request's failed load filled. One that
+        # another request still holds stays (that request waits for the same load: it fails
+        # with it, or the copy is good) and so does its failed load's entry, so that a later
+        # request using the copy fails too rather than trusting it.
+        suspect = [*req.loading, *(n for n, load in req.borrowed if load.failed)]
+        for node in sorted(suspect, key=lambda n: -n.depth):  # deepest first: prefix-closed
+            if node.device_page is None or node.lock or node.l1_children:
+                continue
+            self.pool.free([node.device_page])
+            self.tree.set_device(node, None)  # drops the objects restored beside it too
+            self._filling.pop(id(node), None)
+        if req.load is not None and not req.load.failed:  # copies others hold are good
+            for node in req.loading:
+                if self._filling.get(id(node)) is req.load:
+                    del self._filling[id(node)]
+        req.load, req.borrowed, req.loading, req.nodes = None, [], [], []
         for node in reversed(held):
             self.tree.prune(node)
         self.poll()
@@ -565,10 +589,17 @@ class HiCache:
         started = time.perf_counter()
         page = self.namespace.page_size
         io_before = req.io_s
-        if req.load is not None:
+        loads = self._loads(req)
+        if loads:
             with _timed(req):
-                req.load.wait_all()
+                for load in loads:  # raises if a copy the request computed with failed
+                    load.wait_all()
+        if req.load is not None:
             self.metrics.bytes_l2_to_l1 += len(req.loading) * self.layout.page_bytes
+            for node in req.loading:
+                if self._filling.get(id(node)) is req.load:
+                    del self._filling[id(node)]
+        req.borrowed = []
         for node in req.host_locked:
             self.tree.release_host(node)
         req.host_locked.clear()
@@ -740,6 +771,12 @@ class HiCache:
         or referenced.
         """
         tiers = (Tier.L1,) if self.config.host_mode == "buffer_only" else (Tier.L1, Tier.L2)
+        filled = {id(n): n for n in self.tree.nodes()}
+        for key in self._filling:
+            node = filled.get(key)
+            assert node is not None, "a load is recorded for a page not in the tree"
+            assert node.device_page is not None, "a load is recorded for a page not in L1"
+            assert node.lock, "a load is recorded for a page no request holds"
         self.tree.check_prefix_closed(tiers)
         self.tree.check_queues()
         for part in self.parts.values():
@@ -839,7 +876,12 @@ class HiCache:
             f"{needed}: give the device pool more pages than the longest request"
         )
 
-    def _start_load(self, req: Request) -> Callable[[int], None] | None:
+    def _loads(self, req: Request) -> list[LayerLoad]:
+        """The L2 -> L1 loads ``req`` computes with: other requests' it borrows, then its own."""
+        loads = list({id(load): load for _, load in req.borrowed}.values())
+        return loads if req.load is None else [*loads, req.load]
+
+    def _start_load(self, req: Request) -> None:
         nodes = req.loading
         kv = self.parts[0]
         with _timed(req):
@@ -850,12 +892,14 @@ class HiCache:
             kv.unpack(rows, slots, layers)  # type: ignore[arg-type]
 
         if not self.config.layerwise_load:
-            req.load = LayerLoad(self._loader, lambda _layer: copy(None), range(1))
-            only = req.load
-            return lambda _layer: only.wait(0)
-        start, stop = self.layout.layer_start, self.layout.layer_stop
-        req.load = LayerLoad(self._loader, lambda layer: copy((layer, layer + 1)), range(start, stop))
-        return req.load.wait
+            req.load = LayerLoad(self._loader, lambda _layer: copy(None), range(1), per_layer=False)
+        else:
+            start, stop = self.layout.layer_start, self.layout.layer_stop
+            req.load = LayerLoad(
+                self._loader, lambda layer: copy((layer, layer + 1)), range(start, stop)
+            )
+        for node in nodes:
+            self._filling[id(node)] = req.load
 
     def _alloc_host(self, count: int) -> list[int] | None:
         pages = self.host.alloc(count)
@@ -1441,6 +1485,20 @@ class HiCache:
         if fetch.row >= 0:
             self.parts[fetch.tag].host.free([fetch.row])
             fetch.row = -1
+
+
+def _wait_for(loads: Sequence[LayerLoad]) -> Callable[[int], None] | None:
+    """One ``wait_layer`` over ``loads`` (None when there is nothing to wait for)."""
+    if not loads:
+        return None
+    if len(loads) == 1:
+        return loads[0].wait
+
+    def wait(layer: int) -> None:
+        for load in loads:
+            load.wait(layer)
+
+    return wait
 
 
 def _parent(node: PageNode) -> str | None:

@@ -57,8 +57,13 @@ class LayerLoad:
         executor: concurrent.futures.Executor,
         copy_layer: Callable[[int], None],
         layers: range,
+        *,
+        per_layer: bool = True,
     ) -> None:
+        """``per_layer=False``: one copy of every layer (``layers`` has one entry); ``wait``
+        of any layer waits for it."""
         self._layers = layers
+        self._per_layer = per_layer
         self._events = [threading.Event() for _ in layers]
         self._error: BaseException | None = None
         self._future = executor.submit(self._run, copy_layer)
@@ -77,12 +82,17 @@ class LayerLoad:
     def wait(self, layer: int) -> None:
         """Block until ``layer`` is loaded. ``layer`` is the index among the layers this rank
         holds (0 for its first layer), as the rank's engine numbers its pool's layers."""
-        self._events[layer].wait()
+        self._events[layer if self._per_layer else 0].wait()
         if self._error is not None:
             raise RuntimeError("loading cached KV into L1 failed") from self._error
 
     def wait_all(self) -> None:
         self._future.result()
+
+    @property
+    def failed(self) -> bool:
+        """The copy raised (after ``wait_all`` returned or raised: whether it ended badly)."""
+        return self._error is not None
 
 
 @dataclass
