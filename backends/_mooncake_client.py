@@ -10,6 +10,10 @@ workers), never on an event loop. Mooncake's client is safe to call from several
 once (SGLang calls it from its prefetch and backup threads); what *we* share (the table of
 registered regions, the staging slabs) is guarded by ``self._lock`` / a queue.
 
+Calls on one key are ordered by ``SharedClient.keys`` (``KeyLocks``): a write or delete of a
+key runs alone, reads of it share. Mooncake's master does not order them between the calls of
+one client and serves wrong bytes when they race (see ``KeyLocks``).
+
 Memory the transfer engine touches must be registered (``register_buffer``): RDMA requires
 it for every buffer, and Mooncake's ranged read requires it even over TCP. Registered
 regions come from ``register`` (the cache tier's host pool) and from the staging slabs
@@ -25,7 +29,7 @@ import queue
 import socket
 import threading
 from bisect import bisect_right
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -114,6 +118,69 @@ def _import_store_class() -> Any:
     return MooncakeDistributedStore
 
 
+class KeyLocks:
+    """Per-key locks of one Mooncake client: a writer of a key excludes everyone else on it,
+    readers of it share. Every process-side ordering between calls on the same key is here.
+
+    Why (Mooncake's master, all clients of one store share one client id):
+
+    - Two upserts of one key in flight: the second preempts the first (the first's buffer is
+      discarded, a fresh one allocated), then the *first* one's ``UpsertEnd`` passes the
+      client-id check and marks the second's replica complete while the second is still
+      writing it. A reader then gets the new length with whatever the fresh buffer held:
+      wrong bytes, no error (raw ``store.upsert``/``store.get`` from 6+6 threads: a bad read
+      within seconds; with writers of a key serialized: none in 100k reads).
+    - A same-size upsert rewrites the replica in place, and a forced remove frees it at
+      once: a read already transferring from it gets torn or foreign bytes.
+
+    Other processes are other client ids: their racing ``UpsertEnd`` fails (an error, not
+    wrong bytes); in-place rewrites and forced removes racing a reader in another process
+    stay Mooncake's (the framed-object checksums catch those at the tier).
+
+    ``hold(shared=..., exclusive=...)`` takes every key of a call at once (all or nothing,
+    so batches never deadlock); a waiting writer holds back new readers of its keys.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers: dict[str, int] = {}
+        self._writing: set[str] = set()
+        self._waiting: dict[str, int] = {}  # writers waiting per key (they go first)
+
+    @contextmanager
+    def hold(self, *, shared: Iterable[str] = (), exclusive: Iterable[str] = ()) -> Iterator[None]:
+        """Hold ``shared`` keys for reading and ``exclusive`` ones for writing (blocking)."""
+        mine = set(exclusive)
+        reads = set(shared) - mine
+        with self._cond:
+            for key in mine:
+                self._waiting[key] = self._waiting.get(key, 0) + 1
+            try:
+                self._cond.wait_for(lambda: not any(
+                    k in self._writing or k in self._readers for k in mine) and not any(
+                    k in self._writing or k in self._waiting for k in reads))
+            finally:
+                for key in mine:
+                    if self._waiting[key] == 1:
+                        del self._waiting[key]
+                    else:
+                        self._waiting[key] -= 1
+            self._writing |= mine
+            for key in reads:
+                self._readers[key] = self._readers.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing -= mine
+                for key in reads:
+                    if self._readers[key] == 1:
+                        del self._readers[key]
+                    else:
+                        self._readers[key] -= 1
+                self._cond.notify_all()
+
+
 @dataclass(frozen=True)
 class Region:
     """A registered memory region ``[start, end)``; ``owner`` keeps the memory alive."""
@@ -138,6 +205,7 @@ class SharedClient:
         self._arena: mmap.mmap | None = None
         self.slab_bytes = 0
         self.refs = 0
+        self.keys = KeyLocks()
         import concurrent.futures
 
         self.executor = concurrent.futures.ThreadPoolExecutor(

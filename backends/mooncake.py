@@ -27,6 +27,12 @@ How our contract maps onto Mooncake:
   When a holder dies its objects are gone: reads turn into misses once the master unmounts
   it (``client_ttl``); a restarted holder serves new writes with no action on our side.
 - **Eviction** is the master's (high watermark): evicted objects are misses.
+- **Calls on one key** are ordered in the process (``KeyLocks`` in ``_mooncake_client``): a
+  write or delete of a key runs alone, reads share. Mooncake's master lets two racing upserts
+  of a key from one client mark the later one's buffer complete before its bytes arrived (a
+  reader gets the new length and stale memory), rewrites same-size objects in place and frees
+  force-removed ones under a reader. Between processes it cannot be ordered from here: those
+  races stay Mooncake's, and the framed-object checksums reject their bytes at the tier.
 
 Zero-copy and buffer ownership: memory registered with ``register_host_buffer`` (the cache
 tier's host pool) is handed to the transfer engine directly. Any other caller buffer is
@@ -243,8 +249,9 @@ class MooncakeBackend(Backend):
             direct = [(k, b, address_of(b)) for k, b in items]
             direct_ok = [(k, b, a) for k, b, a in direct if c.is_registered(a, len(b))]
             if direct_ok:
-                got = put([k for k, _, _ in direct_ok], [a for _, _, a in direct_ok],
-                          [len(b) for _, b, _ in direct_ok])
+                with c.keys.hold(exclusive=[k for k, _, _ in direct_ok]):
+                    got = put([k for k, _, _ in direct_ok], [a for _, _, a in direct_ok],
+                              [len(b) for _, b, _ in direct_ok])
                 codes.update(zip([k for k, _, _ in direct_ok], got, strict=True))
             staged = [(k, b) for k, b, a in direct if not c.is_registered(a, len(b))]
             for chunk in _chunks(staged, c.slab_bytes):
@@ -261,24 +268,30 @@ class MooncakeBackend(Backend):
 
                     if not handoff.deliver(fill):
                         raise CallAbandoned  # the call ended: its buffers are not ours to read
-                    got = put([k for k, _ in chunk], offsets, [len(b) for _, b in chunk])
+                    # Key locks are taken last (slab first) and only around Mooncake calls:
+                    # nobody waits for a slab while holding a key.
+                    with c.keys.hold(exclusive=[k for k, _ in chunk]):
+                        got = put([k for k, _ in chunk], offsets, [len(b) for _, b in chunk])
                 codes.update(zip([k for k, _ in chunk], got, strict=True))
             if empty:
                 # An empty object: drop the real key, write the one-byte marker.
-                c.store.batch_remove(list(empty), True)
                 with c.staging(1) as (slab, base):
                     slab[0:1] = _MARKER
-                    got = put([k + EMPTY_SUFFIX for k in empty], [base] * len(empty),
-                              [1] * len(empty))
+                    with c.keys.hold(exclusive=[*empty, *(k + EMPTY_SUFFIX for k in empty)]):
+                        c.store.batch_remove(list(empty), True)
+                        got = put([k + EMPTY_SUFFIX for k in empty], [base] * len(empty),
+                                  [1] * len(empty))
                 codes.update(zip(empty, got, strict=True))
             return [codes[k] for k in keys]
 
         def undo(_codes: list[int]) -> None:
             # A put that outlived its deadline: its source bytes may have been reused, so the
             # objects it wrote cannot be trusted. Remove them (best effort).
-            if self._client is not None and self._client.store is not None:
-                self._client.store.batch_remove(
-                    [*keys, *(k + EMPTY_SUFFIX for k in empty)], True)
+            client = self._client
+            if client is not None and client.store is not None:
+                written = [*keys, *(k + EMPTY_SUFFIX for k in empty)]
+                with client.keys.hold(exclusive=written):
+                    client.store.batch_remove(written, True)
 
         try:
             codes = await self._run(work, operation="put", caller_memory=buffers,
@@ -320,9 +333,10 @@ class MooncakeBackend(Backend):
             addrs = [address_of(b) for b in buffers]
             direct = [i for i in range(len(keys)) if c.is_registered(addrs[i], len(buffers[i]))]
             if direct:
-                got = c.store.batch_get_into([keys[i] for i in direct],
-                                             [addrs[i] for i in direct],
-                                             [len(buffers[i]) for i in direct])
+                with c.keys.hold(shared=[keys[i] for i in direct]):
+                    got = c.store.batch_get_into([keys[i] for i in direct],
+                                                 [addrs[i] for i in direct],
+                                                 [len(buffers[i]) for i in direct])
                 for i, code in zip(direct, got, strict=True):
                     codes[i] = code
             chosen = set(direct)
@@ -335,9 +349,10 @@ class MooncakeBackend(Backend):
                     for _, b in chunk:
                         offsets.append(off)
                         off += len(b)
-                    got = c.store.batch_get_into([keys[i] for i, _ in chunk],
-                                                 [base + o for o in offsets],
-                                                 [len(b) for _, b in chunk])
+                    with c.keys.hold(shared=[keys[i] for i, _ in chunk]):
+                        got = c.store.batch_get_into([keys[i] for i, _ in chunk],
+                                                     [base + o for o in offsets],
+                                                     [len(b) for _, b in chunk])
                     for (i, _b), code in zip(chunk, got, strict=True):
                         codes[i] = code
 
@@ -400,13 +415,15 @@ class MooncakeBackend(Backend):
             for i, (key, rng, buf) in enumerate(zip(keys, ranges, buffers, strict=True)):
                 addr = address_of(buf)
                 if c.is_registered(addr, rng.length):
-                    out = c.store.get_into_ranges(
-                        [addr], [[key]], [[[0]]], [[[rng.start]]], [[[rng.length]]])
+                    with c.keys.hold(shared=[key]):
+                        out = c.store.get_into_ranges(
+                            [addr], [[key]], [[[0]]], [[[rng.start]]], [[[rng.length]]])
                     codes[i] = out[0][0][0]
                     continue
                 with c.staging(rng.length) as (slab, base):
-                    out = c.store.get_into_ranges(
-                        [base], [[key]], [[[0]]], [[[rng.start]]], [[[rng.length]]])
+                    with c.keys.hold(shared=[key]):
+                        out = c.store.get_into_ranges(
+                            [base], [[key]], [[[0]]], [[[rng.start]]], [[[rng.length]]])
                     codes[i] = out[0][0][0]
 
                     def copy(buf: memoryview = buf, slab: memoryview = slab,
@@ -478,8 +495,13 @@ class MooncakeBackend(Backend):
     async def _delete(self, keys: Sequence[str]) -> list[bool]:
         # docstring inherited. Forced: a reader's lease must not keep a deleted object alive.
         probe = [*keys, *(k + EMPTY_SUFFIX for k in keys)]
-        codes: list[int] = await self._run(
-            lambda c: c.store.batch_remove(probe, True), operation="delete")
+
+        def remove(c: SharedClient) -> list[int]:
+            with c.keys.hold(exclusive=probe):  # a read in flight finishes on the old bytes
+                result: list[int] = c.store.batch_remove(probe, True)
+                return result
+
+        codes = await self._run(remove, operation="delete")
         n = len(keys)
         for code in codes:
             if code != OK and code not in MISS_CODES:
