@@ -176,7 +176,7 @@ class Request:
     l1_pages: int
     l2_pages: int
     need: tuple[int, ...] = ()
-    tree_pages: int = 0
+    branches: tuple[int, ...] = ()
     prefetch: Prefetch | None = None
     l3_pages: int = 0
     prefix_pages: int = 0
@@ -438,7 +438,7 @@ class HiCache:
         if unknown:
             raise ValueError(f"need: no component named {sorted(unknown)}")
         tags = tuple(self.components[name].tag for name in wanted)
-        req = Request(token_tensor, hashes, [], l1, in_memory - l1, tags, len(nodes))
+        req = Request(token_tensor, hashes, [], l1, in_memory - l1, tags, _branches(nodes))
         held = nodes[:in_memory]
         self._hold(req, held)
         self.tree.touch(held)
@@ -1156,13 +1156,12 @@ class HiCache:
 
     def _checkpoint_ends(self, req: Request, part: Pools) -> list[int]:
         """Page counts after which the request takes a checkpoint: its last full page, the
-        branch point (where the known prefix ended, when computing started before it) and every
-        ``checkpoint_every`` pages of the computed range."""
+        branch points it computes past (``_branches``) and every ``checkpoint_every`` pages of
+        the computed range."""
         page = self.namespace.page_size
         prefix, full = req.prefix_pages, len(req.tokens) // page
         ends = {full}
-        if prefix < req.tree_pages <= full:
-            ends.add(req.tree_pages)
+        ends.update(b for b in req.branches if prefix < b <= full)
         step = self.components[part.name].checkpoint_every
         if step:
             ends.update(range(step * (prefix // step + 1), full, step))
@@ -1503,6 +1502,23 @@ def _wait_for(loads: Sequence[LayerLoad]) -> Callable[[int], None] | None:
             load.wait(layer)
 
     return wait
+
+
+def _branches(nodes: Sequence[PageNode]) -> tuple[int, ...]:
+    """Page counts at which a request's known path ``nodes`` branches: after each node with
+    a child off the path (other requests went on from there), and the path's end.
+
+    A request that computes past one takes a checkpoint there, so requests sharing the prefix
+    up to it can resume. Every node with a child off the path counts, not only the path's end:
+    a component object (a window page, a later checkpoint) keeps a node in the tree after its
+    KV and its checkpoint were evicted, so the end of the known path can lie past the point
+    where the requests sharing a prefix (a system prompt) part; taking the checkpoint only
+    there, a shared prefix whose checkpoint was evicted would never get one again.
+    """
+    ends = [i + 1 for i, node in enumerate(nodes[:-1]) if node.children > 1]
+    if nodes:
+        ends.append(len(nodes))
+    return tuple(ends)
 
 
 def _parent(node: PageNode) -> str | None:
