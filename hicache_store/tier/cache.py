@@ -1317,6 +1317,44 @@ class HiCache:
             kv_end = start  # too little KV to fetch: resume where memory allows
             if req.need:
                 plans = self._plans(req, min(start, usable), found)
+        # Pin the L2 copies of the objects the plan resumes with: making room for the objects
+        # and pages it fetches must not evict them (the prefix would then fall short of the
+        # plan, to an earlier checkpoint or to 0).
+        pinned = self._pin_planned(req, plans)
+        try:
+            op = self._prefetch_op(req, start, kv_end, plans)
+        finally:
+            for node, tag in pinned:
+                self.tree.release_held_host(node, tag)
+        if op is None:
+            return
+        self.metrics.prefetch_started += 1
+        self._transfers.start_prefetch(
+            op, self._links(), lambda f: self.parts[f.tag].host.row(f.row)
+        )
+        self._prefetches.append(op)
+        req.prefetch = op
+
+    def _pin_planned(
+        self, req: Request, plans: Sequence[ComponentMatch]
+    ) -> list[tuple[PageNode, int]]:
+        """Hold the L2 copies of the component objects ``plans`` restore; the held ones."""
+        nodes = self.tree.match(req.hashes)
+        pinned: list[tuple[PageNode, int]] = []
+        for tag in req.need:
+            name = self.parts[tag].name
+            for i in {i for plan in plans for i, _ in plan.restore[name]}:
+                held = nodes[i].held(tag) if i < len(nodes) else None
+                if held is not None and held.l2 is not None:
+                    self.tree.hold_held_host(nodes[i], tag)
+                    pinned.append((nodes[i], tag))
+        return pinned
+
+    def _prefetch_op(
+        self, req: Request, start: int, kv_end: int, plans: Sequence[ComponentMatch]
+    ) -> Prefetch | None:
+        """Rows for the KV pages ``[start, kv_end)`` and the L3 objects ``plans`` restore, as
+        one prefetch (None: nothing to fetch)."""
         kv_fetch: list[Fetch] = []
         if kv_end > start:
             host_pages = self._alloc_host(kv_end - start)
@@ -1342,14 +1380,8 @@ class HiCache:
                 continue  # the prefix will end before this object (prepare recomputes)
             extra.append(Fetch(tag, i, req.hashes[i], row))
         if not kv_fetch and not extra:
-            return
-        op = Prefetch(kv_fetch, extra)
-        self.metrics.prefetch_started += 1
-        self._transfers.start_prefetch(
-            op, self._links(), lambda f: self.parts[f.tag].host.row(f.row)
-        )
-        self._prefetches.append(op)
-        req.prefetch = op
+            return None
+        return Prefetch(kv_fetch, extra)
 
     def _plans(
         self, req: Request, cap: int, found: Mapping[int, Sequence[bool]]

@@ -144,3 +144,37 @@ def test_prepare_hands_out_the_slots_to_restore_and_to_fill(model: HybridMiniLla
     cache.tier.complete(req)  # nothing written into the slots: still recorded as produced
     assert cache.extra("produced_window") == 2
     cache.tier.check_invariants()
+
+
+def test_a_prefetch_does_not_evict_the_objects_its_plan_resumes_with(
+    model: HybridMiniLlama,
+) -> None:
+    """The plan resumes at 24 tokens with the window page 4 from L2 and page 5 from L3 (its KV
+    pages 4 and 5 are in L3 only, so the match did not touch page 4's window). The window's L2
+    is full: the row for page 5 must not be made by evicting page 4, or the request recomputes
+    everything (the hybrid benchmark with L3 reused 68.9% where each component alone allowed
+    87.6%)."""
+    rng = random.Random(7)
+    backend = open_backend("memory://")
+    doc = rand(rng, 24)
+    writer = make(model, backend)
+    writer.serve([*doc, 1])  # KV, a checkpoint at 24 and its window (pages 4, 5) into L3
+    writer.tier.flush()
+    writer.close()
+    reader = make(model, backend, l2=6, window_l2=3)
+    assert reader.serve([*doc, 2, 2]) == 24  # all from L3, into L2
+    reader.tier.evict_device()
+    # Two pages of another prompt: their KV backups evict the document's KV pages 4 and 5 from
+    # L2 (L3 keeps them), their window pages take the window's L2 but for page 4's row.
+    assert reader.serve(rand(rng, 9)) == 0
+    reader.tier.evict_device()
+    page4, page5 = (reader.tier.tree.get(h) for h in hashes(doc, PAGE)[4:6])
+    assert page4 is not None and page5 is not None
+    assert page4.host_page is None and page5.host_page is None and page4.in_l3
+    w4, w5 = page4.held(WINDOW_TAG), page5.held(WINDOW_TAG)
+    assert w4 is not None and w4.l2 is not None and w4.l1 is None
+    assert w5 is None or not w5.in_memory
+    assert reader.tier.parts[WINDOW_TAG].host.free_pages == 0
+    assert reader.serve([*doc, 3, 3]) == 24
+    assert reader.extra("restored_l3_window") >= 3  # pages 4, 5, then 5 again
+    reader.close()
