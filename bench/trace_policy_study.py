@@ -28,6 +28,7 @@ Rows:
 
 from __future__ import annotations
 
+import abc
 import argparse
 import bisect
 import heapq
@@ -56,14 +57,14 @@ TRACES = Path(__file__).resolve().parent / "traces"
 # -- literature policies over plain blocks -----------------------------------------------------
 
 
-class BlockCache:
+class BlockCache(abc.ABC):
     """A plain block cache: ``contains`` for the hit, ``access`` for every block of a request."""
 
-    def contains(self, block: int) -> bool:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def contains(self, block: int) -> bool: ...
 
-    def access(self, block: int) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def access(self, block: int) -> None: ...
 
 
 class FIFO(BlockCache):
