@@ -12,10 +12,45 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hicache_store.bench.workload import WorkloadSpec
 
 from hicache_store.cli import UsageError, require_module
 from hicache_store.ops.progress import ProgressBar
+
+
+def add_workload_arguments(
+    parser: Any, title: str, *, turns: int, question_tokens: int, answer_tokens: int
+) -> None:
+    """The shared-prefix multi-turn workload's options (``workload_spec`` reads them back)."""
+    work = parser.add_argument_group(title)
+    work.add_argument("--groups", type=int, default=4, help="groups sharing a prefix")
+    work.add_argument("--conversations", type=int, default=4, help="conversations per group")
+    work.add_argument("--turns", type=int, default=turns, help="rounds per conversation")
+    work.add_argument("--system-tokens", type=int, default=2048, help="shared prefix length")
+    work.add_argument("--question-tokens", type=int, default=question_tokens,
+                      help="new input per round")
+    work.add_argument("--answer-tokens", type=int, default=answer_tokens,
+                      help="output per round")
+    work.add_argument("--seed", type=int, default=0)
+
+
+def workload_spec(args: Any, vocab_size: int) -> WorkloadSpec:
+    """The ``WorkloadSpec`` of the options ``add_workload_arguments`` added (may raise ValueError)."""
+    from hicache_store.bench.workload import WorkloadSpec
+
+    return WorkloadSpec(
+        groups=args.groups,
+        conversations=args.conversations,
+        turns=args.turns,
+        system_tokens=args.system_tokens,
+        question_tokens=args.question_tokens,
+        answer_tokens=args.answer_tokens,
+        vocab_size=vocab_size,
+        seed=args.seed,
+    )
 
 
 def register(subparsers: Any) -> None:
@@ -24,14 +59,7 @@ def register(subparsers: Any) -> None:
         help="multi-turn shared-prefix workload under L1, L1+L2, L1+L2+L3",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
-    work = parser.add_argument_group("workload")
-    work.add_argument("--groups", type=int, default=4, help="groups sharing a system prompt")
-    work.add_argument("--conversations", type=int, default=4, help="conversations per group")
-    work.add_argument("--turns", type=int, default=4)
-    work.add_argument("--system-tokens", type=int, default=2048)
-    work.add_argument("--question-tokens", type=int, default=32)
-    work.add_argument("--answer-tokens", type=int, default=128)
-    work.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser, "workload", turns=4, question_tokens=32, answer_tokens=128)
     sizes = parser.add_argument_group("tiers")
     sizes.add_argument("--preset", default="bench", help="mini engine preset (tiny, bench)")
     sizes.add_argument(
@@ -99,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from hicache_store.bench.hybrid import hybrid_config, run_hybrid_setup
     from hicache_store.bench.multiturn import default_setups, fresh_directory, run_setup
     from hicache_store.bench.multiturn import write_chart as draw
-    from hicache_store.bench.workload import WorkloadSpec, generate
+    from hicache_store.bench.workload import generate
     from hicache_store.demo.hybrid import HybridMiniLlama
     from hicache_store.engine.config import MiniLlamaConfig
     from hicache_store.engine.model import MiniLlama
@@ -110,16 +138,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--checkpoint-interval must be >= 0")
         if args.model == "hybrid":
             config = hybrid_config(config, args.sliding_window)
-        spec = WorkloadSpec(
-            groups=args.groups,
-            conversations=args.conversations,
-            turns=args.turns,
-            system_tokens=args.system_tokens,
-            question_tokens=args.question_tokens,
-            answer_tokens=args.answer_tokens,
-            vocab_size=config.vocab_size,
-            seed=args.seed,
-        )
+        spec = workload_spec(args, config.vocab_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     workdir = fresh_directory(args.workdir)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache_store.cli import UsageError, require_module
+from hicache_store.commands.bench_multiturn import add_workload_arguments, workload_spec
 from hicache_store.ops.progress import ProgressBar
 
 
@@ -24,14 +25,8 @@ def register(subparsers: Any) -> None:
         help="P/D disaggregation: decode-side prefix reuse off vs on, two processes",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
-    work = parser.add_argument_group("workload (seed 000 §5, scaled to a 2-core CPU)")
-    work.add_argument("--groups", type=int, default=4, help="groups sharing a prefix")
-    work.add_argument("--conversations", type=int, default=4, help="conversations per group")
-    work.add_argument("--turns", type=int, default=6, help="rounds per conversation")
-    work.add_argument("--system-tokens", type=int, default=2048, help="shared prefix length")
-    work.add_argument("--question-tokens", type=int, default=64, help="new input per round")
-    work.add_argument("--answer-tokens", type=int, default=32, help="output per round")
-    work.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser, "workload (seed 000 §5, scaled to a 2-core CPU)",
+                           turns=6, question_tokens=64, answer_tokens=32)
     sizes = parser.add_argument_group("workers")
     sizes.add_argument("--preset", default="bench", help="mini engine preset (tiny, bench)")
     sizes.add_argument("--page-size", type=int, default=16)
@@ -61,21 +56,12 @@ def run(args: argparse.Namespace) -> int:
     from hicache_store.bench.multiturn import fresh_directory
     from hicache_store.bench.pd import ARMS, run_arms, summarize
     from hicache_store.bench.pd_worker import WorkerSetup
-    from hicache_store.bench.workload import WorkloadSpec, generate
+    from hicache_store.bench.workload import generate
     from hicache_store.engine.config import MiniLlamaConfig
 
     try:
         config = MiniLlamaConfig.preset(args.preset)
-        spec = WorkloadSpec(
-            groups=args.groups,
-            conversations=args.conversations,
-            turns=args.turns,
-            system_tokens=args.system_tokens,
-            question_tokens=args.question_tokens,
-            answer_tokens=args.answer_tokens,
-            vocab_size=config.vocab_size,
-            seed=args.seed,
-        )
+        spec = workload_spec(args, config.vocab_size)
         if args.page_size < 1 or args.threads < 1:
             raise ValueError("--page-size and --threads must be positive")
         if not args.l1_fraction > 0 or args.l2_fraction < 0:
