@@ -35,13 +35,18 @@ from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology, shard_of
 from hicache_store.objects import DEFAULT_IO_TIMEOUT_S, IOStats, L3Link
+from hicache_store.tenant import KeyRing
 from hicache_store.tier.cache import DevicePagePool
 
 from .group import TorchGroup
 
 
 class CPShardStore:
-    """One CP rank's pages in its own pool (``pool``: every layer and head, owner-local pages)."""
+    """One CP rank's pages in its own pool (``pool``: every layer and head, owner-local pages).
+
+    ``keys``: the tenant key ring when ``namespace`` is sealed (the objects are then opened and
+    authenticated with it, as the tier does; a sealed namespace without one raises
+    ``MissingKeyError`` here, before any I/O)."""
 
     def __init__(
         self,
@@ -51,6 +56,7 @@ class CPShardStore:
         backend: Backend,
         *,
         io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
+        keys: KeyRing | None = None,
     ) -> None:
         if pool.page_size != namespace.page_size:
             raise ValueError("pool and namespace page sizes differ")
@@ -68,6 +74,7 @@ class CPShardStore:
             0,
             max_inflight_bytes=256 << 20,
             io_timeout_s=io_timeout_s,
+            keys=keys,
         )
         self.io_timeout_s = io_timeout_s
         self.device = DevicePool.mha(pool.k_buffers, pool.v_buffers)

@@ -22,8 +22,10 @@ from hicache_store.engine.kv_pool import DeviceKVPool
 from hicache_store.engine.model import MiniLlama
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.plans import plan_reads
+from hicache_store.layout.sealing import TenantKey
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import IOStats, L3Link
+from hicache_store.tenant import KeyRing
 from hicache_store.tier.cache import HiCache
 from hicache_store.tier.config import TierConfig
 
@@ -40,6 +42,7 @@ class Setup:
     l2_pages: int = 30
     prefetch_policy: str = "wait_complete"
     flush_each: bool = True
+    sealed: bool = False  # objects sealed with ``key_ring`` (a tenant's AEAD key)
 
     @property
     def model_config(self) -> MiniLlamaConfig:
@@ -49,7 +52,14 @@ class Setup:
     def namespace(self) -> Namespace:
         cfg = self.model_config
         shape = ModelShape.mha(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        return Namespace.create("mini-llama", shape, "float32", self.page, Grid(*self.grid))
+        return Namespace.create(
+            "mini-llama", shape, "float32", self.page, Grid(*self.grid), sealed=self.sealed
+        )
+
+    @property
+    def key_ring(self) -> KeyRing | None:
+        """The tenant's key ring when ``sealed`` (the same secret in every rank process)."""
+        return KeyRing((TenantKey(bytes(range(32))),)) if self.sealed else None
 
     @property
     def tier_config(self) -> TierConfig:
@@ -177,7 +187,7 @@ def serve_single(ctx: RankContext, setup: Setup, prompts: list[list[int]]) -> Ou
     model = _model(ctx, setup.model_config)
     backend = _backend(setup, None)
     pool = DeviceKVPool.for_model(model.config, num_pages=setup.l1_pages, page_size=setup.page)
-    tier = HiCache(setup.namespace, setup.tier_config, pool, backend=backend)
+    tier = HiCache(setup.namespace, setup.tier_config, pool, backend=backend, keys=setup.key_ring)
     out = Outcome()
     try:
         for prompt in prompts:
@@ -258,7 +268,7 @@ def cp_restore(ctx: RankContext, setup: Setup, prompt: list[int]) -> dict[str, A
     full_pages = (len(prompt) - 1) // setup.page
     local_pages = max(1, math.ceil(full_pages / ctx.size))
     pool = DeviceKVPool.for_model(model.config, num_pages=local_pages, page_size=setup.page)
-    store = CPShardStore(ns, pool, ctx.group, backend)
+    store = CPShardStore(ns, pool, ctx.group, backend, keys=setup.key_ring)
     try:
         owned = store.restore(prompt, full_pages)
         start = full_pages * setup.page

@@ -12,14 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from _dist_tasks import Outcome, Rogue, Setup, cp_restore, mla_one_writer, serve_group, serve_single
 
+from hicache_store._sync import run_sync
+from hicache_store.backends import open_backend
 from hicache_store.backends.faulty import FaultConfig
 from hicache_store.bench.workload import WorkloadSpec, generate
 from hicache_store.demo.launch import RankPool, RankTaskError
 from hicache_store.distributed.consensus import ENV_VAR
+from hicache_store.distributed.cp import CPShardStore
+from hicache_store.engine.kv_pool import DeviceKVPool
+from hicache_store.errors import MissingKeyError
 from hicache_store.layout.topology import Topology
 
 TIMEOUT_S = 90.0  # per task; a normal task takes well under 5 s
@@ -263,3 +269,25 @@ def test_cp_restores_pages_on_their_owners(pool: RankPool, tmp_path: Path, cp: i
     for rank, r in enumerate(results):
         assert r["owned"] == [q for q in range(7) if q % cp == rank]
         assert r["placed"] and r["exact"] and r["start"] == 28
+
+
+def test_cp_restores_sealed_pages_with_the_tenant_key(pool: RankPool, tmp_path: Path) -> None:
+    """A sealed namespace: a single process writes sealed objects, a CP group opens them with
+    the tenant's key ring; without the ring a CP rank refuses before any I/O."""
+    setup = Setup(str(tmp_path / "l3"), sealed=True)
+    (doc,) = docs(1, 29, seed=8)  # 7 full pages
+    written = pool.run(serve_single, setup, [doc], ranks=1, timeout_s=TIMEOUT_S)[0]
+    assert written.exact == [True]
+    cp = 2
+    results = pool.run(cp_restore, setup, [*doc, 4], ranks=cp, timeout_s=TIMEOUT_S)
+    for rank, r in enumerate(results):
+        assert r["owned"] == [q for q in range(7) if q % cp == rank]
+        assert r["placed"] and r["exact"] and r["start"] == 28
+    one_rank = SimpleNamespace(size=1, rank=0)
+    kv = DeviceKVPool.for_model(setup.model_config, num_pages=7, page_size=setup.page)
+    backend = open_backend(f"file://{setup.l3_dir}")
+    try:
+        with pytest.raises(MissingKeyError, match="is sealed"):
+            CPShardStore(setup.namespace, kv, one_rank, backend)  # type: ignore[arg-type]
+    finally:
+        run_sync(backend.close())
