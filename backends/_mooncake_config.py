@@ -25,6 +25,7 @@ Our own tuning options (``bounce``, ``threads``, ``timeout``) have no Mooncake e
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -56,6 +57,9 @@ _ENV: dict[str, tuple[str, ...]] = {
     "hostname": ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"),
     "tenant": ("MOONCAKE_TENANT_ID",),
 }
+#: the transports Mooncake 0.3's transfer engine knows (its ``protocol`` names): anything else
+#: would only fail inside Mooncake's setup, with a log line and a bare error code.
+PROTOCOLS = ("tcp", "rdma", "efa", "nvlink", "nvlink_intra", "nvmeof", "cxl", "hip", "ascend", "barex")
 _CONFIG_PATH_ENV = ("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", "MOONCAKE_CONFIG_PATH")
 #: our own options (not Mooncake settings) and option keys SGLang passes that we ignore.
 _OWN = ("bounce", "threads", "timeout", "config_path")
@@ -127,6 +131,12 @@ class MooncakeConfig:
             raise ConfigError(f"timeout must be >= 0, got {self.timeout}")
         if self.protocol != self.protocol.lower():
             object.__setattr__(self, "protocol", self.protocol.lower())
+        if self.protocol not in PROTOCOLS:
+            close = difflib.get_close_matches(self.protocol, PROTOCOLS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"unknown mooncake protocol {self.protocol!r}{hint}; known: {', '.join(PROTOCOLS)}"
+            )
 
     @property
     def master_host_port(self) -> tuple[str, int]:

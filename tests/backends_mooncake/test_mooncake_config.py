@@ -66,6 +66,10 @@ def test_missing_master_and_unknown_options_are_loud() -> None:
         MooncakeConfig.resolve("127.0.0.1:1", {"segmnet": 1}, {})
     with pytest.raises(ValueError, match="host:port"):
         MooncakeConfig.resolve("nohost", {}, {})
+    with pytest.raises(ValueError, match="unknown mooncake protocol 'rmda' \\(did you mean 'rdma'"):
+        MooncakeConfig.resolve("127.0.0.1:1", {"protocol": "RMDA"}, {})
+    with pytest.raises(ValueError, match="unknown mooncake protocol 'bogus'; known: tcp, rdma"):
+        MooncakeConfig.resolve("127.0.0.1:1", {}, {"MOONCAKE_PROTOCOL": "bogus"})
 
 
 @pytest.mark.parametrize(("text", "size"), [("4 GB", 4 << 30), ("512MiB", 512 << 20),
