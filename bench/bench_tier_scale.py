@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from hicache_store.engine.kv_pool import DeviceKVPool
+from hicache_store.demo.engine.kv_pool import DeviceKVPool
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.tier.cache import HiCache
 from hicache_store.tier.config import TierConfig

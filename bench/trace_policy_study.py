@@ -4,7 +4,7 @@
         [--capacities 1000,4000,16000,64000] [--only NAME,...]
 
 Every policy is simulated at block level with the hit accounting of
-``hicache_store.bench.trace_sim`` (a hit is the longest cached prefix, in tokens); prints one
+``hicache_store.demo.bench.trace_sim`` (a hit is the longest cached prefix, in tokens); prints one
 Markdown table per trace: token hit rate over all requests / over the second half, in %.
 
 Rows:
@@ -38,8 +38,8 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hicache_store.bench.trace_format import Trace, TraceRequest, read_trace
-from hicache_store.bench.trace_sim import (
+from hicache_store.demo.bench.trace_format import Trace, TraceRequest, read_trace
+from hicache_store.demo.bench.trace_sim import (
     NEVER,
     HitCount,
     belady,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hicache_store.bench.workload import WorkloadSpec
+    from hicache_store.demo.bench.workload import WorkloadSpec
 
 from hicache_store.cli import UsageError, require_module
 from hicache_store.ops.progress import ProgressBar
@@ -39,7 +39,7 @@ def add_workload_arguments(
 
 def workload_spec(args: Any, vocab_size: int) -> WorkloadSpec:
     """The ``WorkloadSpec`` of the options ``add_workload_arguments`` added (may raise ValueError)."""
-    from hicache_store.bench.workload import WorkloadSpec
+    from hicache_store.demo.bench.workload import WorkloadSpec
 
     return WorkloadSpec(
         groups=args.groups,
@@ -124,13 +124,13 @@ def run(args: argparse.Namespace) -> int:
     require_module("torch", "bench multiturn")
     if args.chart:
         require_module("matplotlib", "--chart")
-    from hicache_store.bench.hybrid import hybrid_config, run_hybrid_setup
-    from hicache_store.bench.multiturn import default_setups, fresh_directory, run_setup
-    from hicache_store.bench.multiturn import write_chart as draw
-    from hicache_store.bench.workload import generate
+    from hicache_store.demo.bench.hybrid import hybrid_config, run_hybrid_setup
+    from hicache_store.demo.bench.multiturn import default_setups, fresh_directory, run_setup
+    from hicache_store.demo.bench.multiturn import write_chart as draw
+    from hicache_store.demo.bench.workload import generate
+    from hicache_store.demo.engine.config import MiniLlamaConfig
+    from hicache_store.demo.engine.model import MiniLlama
     from hicache_store.demo.hybrid import HybridMiniLlama
-    from hicache_store.engine.config import MiniLlamaConfig
-    from hicache_store.engine.model import MiniLlama
 
     try:
         config = MiniLlamaConfig.preset(args.preset)

@@ -1,6 +1,6 @@
 """``hicache-store bench pd``: P/D with decode-side reuse off (baseline) against on (L1 + L2).
 
-A prefill and a decode process per arm (``hicache_store.bench.pd``) on the multi-turn
+A prefill and a decode process per arm (``hicache_store.demo.bench.pd``) on the multi-turn
 shared-prefix workload; the suffix KV travels over Mooncake's transfer engine in TCP mode (or
 plain TCP sockets). Prints a table and the reductions after the first round; ``--json PATH``
 writes ``{"workload", "setup", "baseline": {...}, "reuse": {...}, "comparison": {...}}``.
@@ -53,11 +53,11 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require_module("torch", "bench pd")
-    from hicache_store.bench.multiturn import fresh_directory
-    from hicache_store.bench.pd import ARMS, run_arms, summarize
-    from hicache_store.bench.pd_worker import WorkerSetup
-    from hicache_store.bench.workload import generate
-    from hicache_store.engine.config import MiniLlamaConfig
+    from hicache_store.demo.bench.multiturn import fresh_directory
+    from hicache_store.demo.bench.pd import ARMS, run_arms, summarize
+    from hicache_store.demo.bench.pd_worker import WorkerSetup
+    from hicache_store.demo.bench.workload import generate
+    from hicache_store.demo.engine.config import MiniLlamaConfig
 
     try:
         config = MiniLlamaConfig.preset(args.preset)

@@ -109,16 +109,16 @@ def resolve_policies(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hicache_store.bench.multiturn import fresh_directory
-    from hicache_store.bench.trace_format import Trace, check_chains, read_trace
-    from hicache_store.bench.trace_replay import (
+    from hicache_store.demo.bench.multiturn import fresh_directory
+    from hicache_store.demo.bench.trace_format import Trace, check_chains, read_trace
+    from hicache_store.demo.bench.trace_replay import (
         KVShape,
         ReplaySetup,
         longest_request_pages,
         parse_capacity,
         replay,
     )
-    from hicache_store.bench.trace_sim import belady, lru_reference
+    from hicache_store.demo.bench.trace_sim import belady, lru_reference
 
     policies = resolve_policies(args.policy)
     try:

@@ -143,13 +143,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
+    from hicache_store.demo.engine.source import MiniEngineSource
     from hicache_store.ops.prepopulate import (
         Progress,
         check_writer_topology,
         namespace_for,
         prepopulate,
     )
-    from hicache_store.ops.sources import HFSource, MiniEngineSource, PromptError, load_prompts
+    from hicache_store.ops.sources import HFSource, PromptError, load_prompts
 
     try:
         prompts = list(load_prompts(args.prompts))

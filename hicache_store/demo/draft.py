@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.engine.kv_pool import DeviceKVPool
+from hicache_store.demo.engine.config import MiniLlamaConfig
+from hicache_store.demo.engine.kv_pool import DeviceKVPool
 from hicache_store.kernels.pools import DevicePool
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.tier.components import Component, ComponentSpec, HitRule

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.engine.kv_pool import DeviceKVPool
-from hicache_store.engine.model import MiniLlama, WaitLayer, WindowKV
+from hicache_store.demo.engine.config import MiniLlamaConfig
+from hicache_store.demo.engine.kv_pool import DeviceKVPool
+from hicache_store.demo.engine.model import MiniLlama, WaitLayer, WindowKV
 from hicache_store.kernels.pools import DevicePool
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.topology import Shard, Topology, shard_of

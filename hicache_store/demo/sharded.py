@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from hicache_store.backends.base import Backend
+from hicache_store.demo.engine.kv_pool import DeviceKVPool
+from hicache_store.demo.engine.model import MiniLlama, WindowKV
 from hicache_store.distributed.group import TorchGroup
-from hicache_store.engine.kv_pool import DeviceKVPool
-from hicache_store.engine.model import MiniLlama, WindowKV
 from hicache_store.kernels.ops import Backend as KernelBackend
 from hicache_store.layout.namespace import Grid, Namespace
 from hicache_store.layout.topology import Shard, Topology, shard_of, shards

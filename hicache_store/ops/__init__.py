@@ -2,7 +2,8 @@
 
 * ``ops.config``: settings precedence for every command (flags > env > config file > defaults).
 * ``ops.manifest``: one manifest object per namespace (``M_{digest}``), written by every writer.
-* ``ops.sources``: prompts (JSONL / text files) and KV sources (Hugging Face models, MiniLlama).
+* ``ops.sources``: prompts (JSONL / text files) and KV sources (Hugging Face models; the demo's
+  MiniLlama source lives in ``demo.engine.source``).
 * ``ops.prepopulate``: compute prompts' KV and store it as every rank of a topology would.
 * ``ops.inspection``: namespaces, objects and bytes in a store; verify and delete corrupt objects.
 * ``ops.progress``: a dependency-free progress bar.

@@ -17,8 +17,10 @@ sequence with a real forward pass:
   own generation prompt after it). The KV is the model's own ``past_key_values`` after one
   forward pass over the sequence, in the dtype the model runs in. Needs ``pip install
   'hicache-store[hf]'``.
-* ``MiniEngineSource``: the project's ``MiniLlama`` (seeded random weights; prompts must give
-  ``input_ids``), its KV read back from a ``DeviceKVPool`` after a prefill.
+
+The demo's mini engine is a third ``KVSource`` (``hicache_store.demo.engine.source.
+MiniEngineSource``): it lives with the engine, outside the library's core, and only the
+``prepopulate`` command (``--mini-engine``) and tests import it.
 """
 
 from __future__ import annotations
@@ -241,35 +243,3 @@ def cache_layers(cache: Any) -> LayerKV:
     else:
         pairs = [(k, v) for k, v in cache]
     return [(k[0], v[0]) for k, v in pairs]
-
-
-class MiniEngineSource:
-    """The project's ``MiniLlama`` (prompts must carry ``input_ids``)."""
-
-    def __init__(self, preset: str = "tiny", *, seed: int | None = None,
-                 model_name: str | None = None) -> None:
-        from hicache_store.engine import MiniLlama
-        from hicache_store.engine.config import MiniLlamaConfig
-
-        config = MiniLlamaConfig.preset(preset)
-        if seed is not None:
-            config = config.with_(seed=seed)
-        self.engine = MiniLlama(config)
-        self.shape = ModelShape.mha(config.num_layers, config.num_kv_heads, config.head_dim)
-        self.dtype = config.dtype
-        self.model_name = model_name or f"mini-llama-{preset}-seed{config.seed}"
-
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        if prompt.input_ids is None:
-            raise PromptError(f"{prompt.origin}: the mini engine has no tokenizer; give input_ids")
-        return list(prompt.input_ids)
-
-    def kv(self, tokens: Sequence[int]) -> LayerKV:
-        page = 16
-        pages = -(-len(tokens) // page)
-        pool = self.engine.make_pool(pages, page)
-        slots = list(range(len(tokens)))
-        self.engine.prefill(list(tokens), 0, slots, pool, last_only=True)
-        n = len(tokens)
-        return [(k[:n].transpose(0, 1), v[:n].transpose(0, 1))
-                for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True)]

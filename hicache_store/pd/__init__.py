@@ -17,7 +17,7 @@ not restore fails the request, which is retried without reuse.
 * ``state``: ``StateCodec``, model state beyond KV pages sent with each request (a hybrid
   model's fresh sliding-window tail).
 
-``hicache-store bench pd`` (``hicache_store.bench.pd``) runs both workers as processes with the
+``hicache-store bench pd`` (``hicache_store.demo.bench.pd``) runs both workers as processes with the
 mini engine.
 """
 

@@ -16,7 +16,7 @@ Every call is O(log n) or O(1) amortised (heaps with lazy deletion; a stale heap
 skipped when it surfaces, and the heaps are rebuilt when stale entries outnumber live ones, so
 memory stays O(resident pages)). Nodes are any hashable handle with a depth (the position of
 the page in its chain) and a ghost key (what identifies the page after it left: its hash); the
-tier passes its ``PageNode``; the benchmark's simulator (``hicache_store.bench.trace_sim``)
+tier passes its ``PageNode``; the benchmark's simulator (``hicache_store.demo.bench.trace_sim``)
 passes trace block ids, so the study measured exactly the code the tier runs.
 
 Policies (``EVICTION_POLICIES``; measured in BENCHMARKS.md, "Production traces"):

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hicache_store.bench.hybrid import hybrid_config
-from hicache_store.bench.multiturn import namespace_for
 from hicache_store.cli import main
-from hicache_store.engine.config import MiniLlamaConfig
+from hicache_store.demo.bench.hybrid import hybrid_config
+from hicache_store.demo.bench.multiturn import namespace_for
+from hicache_store.demo.engine.config import MiniLlamaConfig
 
 
 def test_hybrid_run_reports_per_component_hit_rates(

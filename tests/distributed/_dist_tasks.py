@@ -14,12 +14,12 @@ from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.base import Backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
+from hicache_store.demo.engine.config import MiniLlamaConfig
+from hicache_store.demo.engine.kv_pool import DeviceKVPool
+from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.demo.launch import RankContext
 from hicache_store.demo.sharded import ShardedEngine
 from hicache_store.distributed.cp import CPShardStore
-from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.engine.kv_pool import DeviceKVPool
-from hicache_store.engine.model import MiniLlama
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.plans import plan_reads
 from hicache_store.layout.sealing import TenantKey

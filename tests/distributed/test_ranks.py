@@ -20,7 +20,7 @@ from _dist_tasks import Outcome, Rogue, Setup, cp_restore, mla_one_writer, serve
 from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.faulty import FaultConfig
-from hicache_store.bench.workload import WorkloadSpec, generate
+from hicache_store.demo.bench.workload import WorkloadSpec, generate
 from hicache_store.demo.launch import RankPool, RankTaskError
 from hicache_store.distributed.consensus import ENV_VAR
 from hicache_store.distributed.cp import CPShardStore

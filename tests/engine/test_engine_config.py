@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from hicache_store.engine import PRESETS, MiniLlamaConfig
+from hicache_store.demo.engine import PRESETS, MiniLlamaConfig
 
 
 def test_defaults_are_small_and_valid() -> None:

@@ -1,6 +1,6 @@
 """MiniLlama: prefill over a cached prefix is bit-identical to a full recompute.
 
-The model's contract (see ``hicache_store.engine.model``) is exactness by construction, so every
+The model's contract (see ``hicache_store.demo.engine.model``) is exactness by construction, so every
 comparison here is ``torch.equal``, in float32 and in bfloat16.
 """
 
@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from hicache_store.engine import DeviceKVPool, MiniLlama, MiniLlamaConfig
+from hicache_store.demo.engine import DeviceKVPool, MiniLlama, MiniLlamaConfig
 
 PAGE = 16
 DTYPES = ["float32", "bfloat16"]

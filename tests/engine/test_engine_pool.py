@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from hicache_store.engine import DeviceKVPool, MiniLlamaConfig, PoolExhaustedError
+from hicache_store.demo.engine import DeviceKVPool, MiniLlamaConfig, PoolExhaustedError
 from hicache_store.layout.errors import HiCacheStoreError
 
 

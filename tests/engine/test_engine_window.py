@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_store.engine import MiniLlama, MiniLlamaConfig, WindowKV
+from hicache_store.demo.engine import MiniLlama, MiniLlamaConfig, WindowKV
 
 WINDOW = 8
 CONFIG = MiniLlamaConfig(window_layers=(1, 3), sliding_window=WINDOW, compute_block=16)

@@ -28,10 +28,10 @@ from hicache_store.demo.draft import (
     offset_wait,
     packed_namespace,
 )
+from hicache_store.demo.engine.config import MiniLlamaConfig
+from hicache_store.demo.engine.kv_pool import DeviceKVPool
+from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.demo.hybrid import HybridMiniLlama, RecurrentPool, WindowPool, serve
-from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.engine.kv_pool import DeviceKVPool
-from hicache_store.engine.model import MiniLlama
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.keys import parse_key
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace

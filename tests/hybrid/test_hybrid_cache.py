@@ -15,8 +15,8 @@ from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.base import Backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
+from hicache_store.demo.engine.config import MiniLlamaConfig
 from hicache_store.demo.hybrid import RECURRENT_TAG, HybridMiniLlama
-from hicache_store.engine.config import MiniLlamaConfig
 from hicache_store.layout.keys import ObjectCoords, object_key
 from hicache_store.tier.radix import Tier
 

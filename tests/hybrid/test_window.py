@@ -13,8 +13,8 @@ from _hybrid_helpers import Hybrid, hashes, make_hybrid
 from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.base import Backend
+from hicache_store.demo.engine.config import MiniLlamaConfig
 from hicache_store.demo.hybrid import WINDOW_TAG, HybridMiniLlama, WindowPool
-from hicache_store.engine.config import MiniLlamaConfig
 from hicache_store.layout.keys import ObjectCoords, object_key
 
 PAGE = 4

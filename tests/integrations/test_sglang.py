@@ -732,9 +732,9 @@ def test_logits_equal_a_recompute_when_reads_outlive_their_deadline() -> None:
     import random
 
     from hicache_store.backends.faulty import FaultConfig, FaultyBackend
-    from hicache_store.engine.config import MiniLlamaConfig
-    from hicache_store.engine.kv_pool import DeviceKVPool
-    from hicache_store.engine.model import MiniLlama
+    from hicache_store.demo.engine.config import MiniLlamaConfig
+    from hicache_store.demo.engine.kv_pool import DeviceKVPool
+    from hicache_store.demo.engine.model import MiniLlama
 
     model = MiniLlama(MiniLlamaConfig(num_layers=L, num_heads=H, num_kv_heads=H, head_dim=D))
     rng = random.Random(17)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from hicache_store.backends import aligned_buffer, open_backend
 from hicache_store.backends.file import FileBackend
+from hicache_store.demo.engine.source import MiniEngineSource
 from hicache_store.layout.framing import ObjectHeader
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.keys import object_key_parts, parse_key
@@ -17,7 +18,6 @@ from hicache_store.ops.gc import collect_garbage
 from hicache_store.ops.inspection import HEADER_MAX, inspect_store, verify_object
 from hicache_store.ops.manifest import manifest_key
 from hicache_store.ops.prepopulate import namespace_for, prepopulate
-from hicache_store.ops.sources import MiniEngineSource
 
 PAGE = 8
 

@@ -14,6 +14,7 @@ import pytest
 
 from hicache_store.backends import open_backend
 from hicache_store.cli import main
+from hicache_store.demo.engine.source import MiniEngineSource
 from hicache_store.layout.keys import parse_key
 from hicache_store.layout.topology import Topology
 from hicache_store.layout.ukv1 import ukv1_grid
@@ -21,7 +22,6 @@ from hicache_store.ops.gc import collect_garbage
 from hicache_store.ops.inspection import inspect_store
 from hicache_store.ops.manifest import manifest_key
 from hicache_store.ops.prepopulate import namespace_for, prepopulate
-from hicache_store.ops.sources import MiniEngineSource
 
 PROMPTS = [[(7 * i + j) % 97 + 3 for j in range(48)] for i in range(3)]
 

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from hicache_store.bench.pd_worker import WorkerSetup
-from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.engine.model import MiniLlama
+from hicache_store.demo.bench.pd_worker import WorkerSetup
+from hicache_store.demo.engine.config import MiniLlamaConfig
+from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.pd import DecodeWorker, Served
 
 PAGE = 4

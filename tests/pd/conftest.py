@@ -12,8 +12,8 @@ import pytest
 import torch
 from _pd_support import CONFIG, TRANSPORTS, setup_for
 
-from hicache_store.bench.pd_worker import PrefillProcess, start_prefill
-from hicache_store.engine.model import MiniLlama
+from hicache_store.demo.bench.pd_worker import PrefillProcess, start_prefill
+from hicache_store.demo.engine.model import MiniLlama
 
 
 @pytest.fixture(scope="session", autouse=True)

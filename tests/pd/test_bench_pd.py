@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from _pd_support import TRANSPORTS
 
-from hicache_store.bench.workload import WorkloadSpec, generate
 from hicache_store.cli import main
 from hicache_store.commands.bench_pd import compare, describe
-from hicache_store.engine.config import MiniLlamaConfig
+from hicache_store.demo.bench.workload import WorkloadSpec, generate
+from hicache_store.demo.engine.config import MiniLlamaConfig
 
 PAGE = 16
 

@@ -17,8 +17,8 @@ import torch
 from _pd_support import PAGE, ROW, decode_step, setup_for, tokens
 
 import hicache_store.tier.pools as tier_pools
-from hicache_store.bench.pd_worker import PrefillProcess, close_decode_side, decode_side
-from hicache_store.engine.model import MiniLlama
+from hicache_store.demo.bench.pd_worker import PrefillProcess, close_decode_side, decode_side
+from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.pd import DecodeFailed
 
 

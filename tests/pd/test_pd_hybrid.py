@@ -18,8 +18,8 @@ import pytest
 import torch
 from _pd_support import PAGE, setup_for, tokens
 
-from hicache_store.bench.hybrid import hybrid_config
-from hicache_store.bench.pd_worker import (
+from hicache_store.demo.bench.hybrid import hybrid_config
+from hicache_store.demo.bench.pd_worker import (
     PrefillProcess,
     ResumeState,
     ResumeStateCodec,
@@ -27,9 +27,9 @@ from hicache_store.bench.pd_worker import (
     decode_side,
     start_prefill,
 )
+from hicache_store.demo.engine.config import MiniLlamaConfig
+from hicache_store.demo.engine.model import MiniLlama, WindowKV
 from hicache_store.demo.hybrid import HybridMiniLlama
-from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.engine.model import MiniLlama, WindowKV
 from hicache_store.pd import DecodeWorker, Served, suffix_pages
 
 WINDOW = 14  # the tail (13 tokens) is longer than a turn's new tokens: it crosses the boundary

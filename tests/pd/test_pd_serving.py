@@ -17,8 +17,8 @@ from _pd_support import PAGE, ROW, decode_step, setup_for, tokens
 
 from hicache_store.backends import open_backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
-from hicache_store.bench.pd_worker import PrefillProcess, close_decode_side, decode_side
-from hicache_store.engine.model import MiniLlama
+from hicache_store.demo.bench.pd_worker import PrefillProcess, close_decode_side, decode_side
+from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.pd import suffix_pages
 from hicache_store.pd.protocol import Failed, PrefillDone, PrefillRequest
 

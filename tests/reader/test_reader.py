@@ -11,6 +11,7 @@ import torch
 from hicache_store import sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.memory import MemoryBackend
+from hicache_store.demo.engine.source import MiniEngineSource
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
@@ -18,7 +19,6 @@ from hicache_store.layout.plans import plan_writes
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import IOStats, L3Link
 from hicache_store.ops.prepopulate import namespace_for, prepopulate
-from hicache_store.ops.sources import MiniEngineSource
 from hicache_store.reader import KVReader
 
 PAGE = 4

@@ -16,8 +16,8 @@ import torch
 from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.base import Backend
+from hicache_store.demo.engine.config import MiniLlamaConfig
 from hicache_store.demo.hybrid import HybridMiniLlama, RecurrentPool, WindowPool, serve
-from hicache_store.engine.config import MiniLlamaConfig
 from hicache_store.layout.errors import MissingKeyError
 from hicache_store.layout.framing import decode_header, encode_object
 from hicache_store.layout.hashing import page_hashes

@@ -17,11 +17,11 @@ import torch
 
 from hicache_store.backends import open_backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
-from hicache_store.bench.multiturn import namespace_for
-from hicache_store.bench.workload import WorkloadSpec, generate
-from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.engine.kv_pool import DeviceKVPool
-from hicache_store.engine.model import MiniLlama
+from hicache_store.demo.bench.multiturn import namespace_for
+from hicache_store.demo.bench.workload import WorkloadSpec, generate
+from hicache_store.demo.engine.config import MiniLlamaConfig
+from hicache_store.demo.engine.kv_pool import DeviceKVPool
+from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.tier.cache import HiCache
 from hicache_store.tier.config import TierConfig
 

@@ -14,8 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trace"))
 from _trace_helpers import make_trace, random_tree_trace
 
-from hicache_store.bench.trace_format import Trace
-from hicache_store.bench.trace_sim import block_policy, simulate
+from hicache_store.demo.bench.trace_format import Trace
+from hicache_store.demo.bench.trace_sim import block_policy, simulate
 from hicache_store.tier.eviction import (
     ARCEviction,
     LRUEviction,

@@ -11,7 +11,7 @@ import torch
 from test_tier_extend_abort import CONFIG, make_tier, serve, tokens
 
 import hicache_store.tier.pools as tier_pools
-from hicache_store.engine.model import MiniLlama
+from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.tier.cache import HiCache
 
 

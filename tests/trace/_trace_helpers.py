@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from hicache_store.bench.trace_format import Trace, TraceRequest
+from hicache_store.demo.bench.trace_format import Trace, TraceRequest
 
 
 def make_trace(

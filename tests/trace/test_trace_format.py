@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_store.bench.trace_format import (
+from hicache_store.demo.bench.trace_format import (
     TraceFormatError,
     TraceRequest,
     check_chains,

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from _trace_helpers import make_trace
 
-from hicache_store.bench.trace_format import Trace
-from hicache_store.bench.trace_replay import ReplaySetup, parse_capacity, replay
-from hicache_store.bench.trace_sim import block_policy, lru_reference, simulate
 from hicache_store.cli import main
 from hicache_store.commands.bench_trace import resolve_policies
+from hicache_store.demo.bench.trace_format import Trace
+from hicache_store.demo.bench.trace_replay import ReplaySetup, parse_capacity, replay
+from hicache_store.demo.bench.trace_sim import block_policy, lru_reference, simulate
 from hicache_store.tier.config import TierConfig
 from hicache_store.tier.eviction import DEFAULT_EVICTION_POLICY
 

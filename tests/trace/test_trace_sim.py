@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from _trace_helpers import make_trace, random_tree_trace
 
-from hicache_store.bench.trace_format import Trace, read_trace
-from hicache_store.bench.trace_sim import (
+from hicache_store.demo.bench.trace_format import Trace, read_trace
+from hicache_store.demo.bench.trace_sim import (
     NEVER,
     belady,
     block_policy,

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from _trace_helpers import random_tree_trace
 
-from hicache_store.bench.trace_format import TraceRequest, read_trace
-from hicache_store.bench.trace_tokens import blocks_tokens, request_tokens
+from hicache_store.demo.bench.trace_format import TraceRequest, read_trace
+from hicache_store.demo.bench.trace_tokens import blocks_tokens, request_tokens
 from hicache_store.layout.hashing import page_hashes
 
 TRACES = Path(__file__).resolve().parents[2] / "bench" / "traces"

@@ -251,7 +251,7 @@ def replay(
     """Serve every request of ``trace`` through a fresh tier over ``setup.backend_url``."""
     import torch
 
-    from hicache_store.engine.kv_pool import DeviceKVPool
+    from hicache_store.demo.engine.kv_pool import DeviceKVPool
     from hicache_store.tier.cache import HiCache
     from hicache_store.tier.config import TierConfig
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from hicache_store.engine.model import MiniLlama
+from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.pd import Channel
 
 from .pd_worker import (
@@ -149,7 +149,7 @@ class _DecodeProcess:
                 [
                     sys.executable,
                     "-m",
-                    "hicache_store.bench.pd",
+                    "hicache_store.demo.bench.pd",
                     setup.to_json(),
                     json.dumps(asdict(spec)),
                     f"{host}:{port}",

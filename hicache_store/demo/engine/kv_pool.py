@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from hicache_store.engine.config import SUPPORTED_DTYPES, MiniLlamaConfig
+from hicache_store.demo.engine.config import SUPPORTED_DTYPES, MiniLlamaConfig
 from hicache_store.layout.errors import HiCacheStoreError
 
 

@@ -9,9 +9,9 @@
 
 from __future__ import annotations
 
-from hicache_store.engine.config import PRESETS, MiniLlamaConfig
-from hicache_store.engine.kv_pool import DeviceKVPool, PoolExhaustedError
-from hicache_store.engine.model import MiniLlama, WaitLayer, WindowKV
+from hicache_store.demo.engine.config import PRESETS, MiniLlamaConfig
+from hicache_store.demo.engine.kv_pool import DeviceKVPool, PoolExhaustedError
+from hicache_store.demo.engine.model import MiniLlama, WaitLayer, WindowKV
 
 __all__ = [
     "PRESETS",

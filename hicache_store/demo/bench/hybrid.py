@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from hicache_store.backends import open_backend
+from hicache_store.demo.engine.config import MiniLlamaConfig
 from hicache_store.demo.hybrid import HybridMiniLlama, RecurrentPool, WindowPool, serve
-from hicache_store.engine.config import MiniLlamaConfig
 from hicache_store.tier.cache import HiCache
 from hicache_store.tier.config import TierConfig
 

@@ -64,8 +64,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.engine.kv_pool import DeviceKVPool
+from hicache_store.demo.engine.config import MiniLlamaConfig
+from hicache_store.demo.engine.kv_pool import DeviceKVPool
 
 #: signature of the per-layer hook: called with the layer index before that layer reads the pool.
 WaitLayer = Callable[[int], None]

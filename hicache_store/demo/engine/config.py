@@ -1,7 +1,7 @@
 """Hyper-parameters of the mini engine's Llama-style decoder (``MiniLlamaConfig``).
 
 Every field that can change a single bit of the model's output lives here, including the
-execution block size ``compute_block`` (see ``hicache_store.engine.model`` for why the block size
+execution block size ``compute_block`` (see ``hicache_store.demo.engine.model`` for why the block size
 is part of the arithmetic). Two configs that compare equal produce bit-identical logits on the
 same device and torch build.
 

@@ -3,7 +3,7 @@
 ``WorkerSetup`` says everything a worker process needs (model config, page size, its tier's
 sizes, the transport); it travels as JSON on the command line. A prefill worker process::
 
-    python -m hicache_store.bench.pd_worker prefill SETUP_JSON
+    python -m hicache_store.demo.bench.pd_worker prefill SETUP_JSON
 
 reads the control channel's key from ``HICACHE_PD_AUTHKEY`` (hex), listens on 127.0.0.1,
 prints ``READY <host> <port>`` and serves decode connections one after the other
@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from hicache_store.backends.base import Backend
+from hicache_store.demo.engine.config import MiniLlamaConfig
+from hicache_store.demo.engine.kv_pool import DeviceKVPool
+from hicache_store.demo.engine.model import MiniLlama, WindowKV
 from hicache_store.demo.hybrid import HybridMiniLlama, RecurrentPool, WindowPool, prefill_prepared
-from hicache_store.engine.config import MiniLlamaConfig
-from hicache_store.engine.kv_pool import DeviceKVPool
-from hicache_store.engine.model import MiniLlama, WindowKV
 from hicache_store.pd import (
     Channel,
     ChannelListener,
@@ -413,7 +413,7 @@ def start_prefill(
     child_env.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     with open(log, "w") as stderr:
         proc = subprocess.Popen(  # noqa: S603 - our own module, fixed arguments, no shell
-            [sys.executable, "-m", "hicache_store.bench.pd_worker", "prefill", setup.to_json()],
+            [sys.executable, "-m", "hicache_store.demo.bench.pd_worker", "prefill", setup.to_json()],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
@@ -480,7 +480,7 @@ def close_decode_side(worker: DecodeWorker) -> None:
 def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "prefill":
         return prefill_main(argv[1])
-    print("usage: python -m hicache_store.bench.pd_worker prefill SETUP_JSON", file=sys.stderr)
+    print("usage: python -m hicache_store.demo.bench.pd_worker prefill SETUP_JSON", file=sys.stderr)
     return 2
 
 

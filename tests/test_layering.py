@@ -1,0 +1,185 @@
+"""The import layering of the library (README "Layout"), checked on the source, not assumed.
+
+* ``layout`` imports no other part of the library; ``kernels`` and ``backends`` import only
+  ``layout`` (and themselves).
+* The demo and benchmark harness (``hicache_store.demo``: the mini engine, the benchmark drivers,
+  the hybrid and draft mini models, rank launchers) is outside the core: no core module imports
+  it, not even lazily inside a function. Only the command modules that deliberately drive it
+  (``DEMO_COMMANDS``) may, and they too only inside their ``run`` functions, so importing any
+  module of the library (``hicache-store --help`` included) never loads the demo.
+* Library logic lives below the commands: nothing outside ``commands/`` and ``cli.py`` imports
+  them.
+
+Two checks: every import statement of every source file (AST, relative imports resolved,
+``importlib.import_module("...")`` literals included), and a fresh interpreter that imports
+every non-demo module and then inspects ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: source folder -> the package it is installed as (pyproject.toml ``package-dir``).
+PACKAGES = {
+    "layout": "hicache_store.layout",
+    "kernels": "hicache_store.kernels",
+    "backends": "hicache_store.backends",
+    "hicache_store": "hicache_store",
+}
+DEMO = "hicache_store.demo"
+#: command modules that exist to drive the demo (benchmarks, ``prepopulate --mini-engine``).
+DEMO_COMMANDS = frozenset({
+    "hicache_store.commands.bench_multiturn",
+    "hicache_store.commands.bench_pd",
+    "hicache_store.commands.bench_trace",
+    "hicache_store.commands.prepopulate",
+})
+COMMAND_LAYER = ("hicache_store.commands", "hicache_store.cli", "hicache_store.__main__")
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _lower_layer(module: str) -> str | None:
+    """``hicache_store.kernels`` / ``hicache_store.backends`` for their modules, else None."""
+    for layer in ("hicache_store.kernels", "hicache_store.backends"):
+        if _under(module, layer):
+            return layer
+    return None
+
+
+def source_modules(root: Path) -> Iterator[tuple[str, Path]]:
+    """Every library module under ``root``: ``(dotted name, file)``, packages as ``__init__``."""
+    for folder, package in PACKAGES.items():
+        base = root / folder
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            yield ".".join([package, *parts]), path
+
+
+def imported_names(module: str, path: Path) -> Iterator[tuple[int, str]]:
+    """``(line, absolute module name)`` of every import in ``path``, wherever it stands."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = module.split(".")
+                drop = node.level - 1 if is_package else node.level
+                base = ".".join(anchor[: len(anchor) - drop])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            yield node.lineno, target
+            for alias in node.names:  # ``from hicache_store import demo`` imports a module
+                yield node.lineno, f"{target}.{alias.name}"
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            yield node.lineno, node.args[0].value
+
+
+def violations(root: Path) -> list[str]:
+    """Every import that breaks the layering, as ``file:line: importer -> imported (rule)``."""
+    found: list[str] = []
+    for module, path in source_modules(root):
+        where = path.relative_to(root)
+        flagged: set[int] = set()  # one report per import statement
+        for line, name in imported_names(module, path):
+            if line in flagged or not _under(name, "hicache_store"):
+                continue
+            rule = None
+            if _under(module, "hicache_store.layout") and not _under(name, "hicache_store.layout"):
+                rule = "layout imports nothing above it"
+            elif (own := _lower_layer(module)) and not (
+                    _under(name, "hicache_store.layout") or _under(name, own)):
+                rule = "kernels and backends import only layout"
+            elif _under(name, DEMO) and not _under(module, DEMO) and module not in DEMO_COMMANDS:
+                rule = "the core never imports the demo"
+            elif any(_under(name, c) for c in COMMAND_LAYER) \
+                    and not any(_under(module, c) for c in COMMAND_LAYER):
+                rule = "library modules never import the commands"
+            if rule:
+                flagged.add(line)
+                found.append(f"{where}:{line}: {module} -> {name} ({rule})")
+    return found
+
+
+def test_every_import_respects_the_layering() -> None:
+    modules = dict(source_modules(ROOT))
+    # the walk sees the whole library, or an empty result would prove nothing
+    assert {"hicache_store.layout.keys", "hicache_store.backends.file", "hicache_store.tier",
+            "hicache_store.ops.sources", "hicache_store.demo.engine.model",
+            "hicache_store.demo.bench.multiturn"} <= modules.keys()
+    assert violations(ROOT) == []
+
+
+def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
+    """A tree seeded with one violation per rule, written the ways imports are written."""
+    for folder in PACKAGES:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "layout" / "keys.py").write_text("from hicache_store.tier import HiCache\n")
+    (tmp_path / "kernels" / "pack.py").write_text("import hicache_store.backends.file\n")
+    pkg = tmp_path / "hicache_store"
+    (pkg / "ops").mkdir()
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "ops" / "sources.py").write_text(
+        "def mini():\n    from ..demo.engine import MiniLlama\n    return MiniLlama\n")
+    (pkg / "ops" / "gc.py").write_text("from hicache_store.commands import gc\n")
+    (pkg / "tier.py").write_text(
+        "import importlib\nimportlib.import_module('hicache_store.demo.bench.pd')\n")
+    (pkg / "reader.py").write_text("from hicache_store import demo\n")
+    (pkg / "commands").mkdir()
+    (pkg / "commands" / "bench_pd.py").write_text("from hicache_store.demo.bench import pd\n")
+    (pkg / "commands" / "gc.py").write_text("from hicache_store.demo.engine import MiniLlama\n")
+    found = violations(tmp_path)
+    assert [f.split(":")[0] for f in found] == [
+        "layout/keys.py", "kernels/pack.py", "hicache_store/commands/gc.py",
+        "hicache_store/ops/gc.py", "hicache_store/ops/sources.py", "hicache_store/reader.py",
+        "hicache_store/tier.py"]
+    assert "hicache_store.ops.sources -> hicache_store.demo.engine" in found[4]
+
+
+_IMPORT_ALL = """
+import importlib, json, sys
+loaded, skipped = [], {}
+for name in json.loads(sys.argv[1]):
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.startswith("hicache_store"):
+            raise
+        skipped[name] = exc.name  # an optional dependency that is not installed
+    else:
+        loaded.append(name)
+demo = sorted(m for m in sys.modules if m == "hicache_store.demo" or m.startswith("hicache_store.demo."))
+print(json.dumps({"loaded": loaded, "skipped": skipped, "demo": demo}))
+"""
+
+
+@pytest.mark.slow
+def test_importing_the_library_never_loads_the_demo() -> None:
+    # every module but the demo and ``__main__`` (which runs the CLI when imported)
+    names = [m for m, _ in source_modules(ROOT)
+             if not _under(m, DEMO) and m != "hicache_store.__main__"]
+    done = subprocess.run([sys.executable, "-c", _IMPORT_ALL, json.dumps(names)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["demo"] == [], f"imported at import time: {result['demo']}"
+    # the modules that drive the demo were imported too (lazily importing it), as was the core
+    assert DEMO_COMMANDS | {"hicache_store.cli", "hicache_store.tier", "hicache_store.ops.sources",
+                            "hicache_store.distributed"} <= set(result["loaded"])
