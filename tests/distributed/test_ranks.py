@@ -21,10 +21,10 @@ from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.faulty import FaultConfig
 from hicache_store.demo.bench.workload import WorkloadSpec, generate
+from hicache_store.demo.engine.kv_pool import DeviceKVPool
 from hicache_store.demo.launch import RankPool, RankTaskError
 from hicache_store.distributed.consensus import ENV_VAR
 from hicache_store.distributed.cp import CPShardStore
-from hicache_store.engine.kv_pool import DeviceKVPool
 from hicache_store.errors import MissingKeyError
 from hicache_store.layout.topology import Topology
 
