@@ -8,7 +8,8 @@
   (``DEMO_COMMANDS``) may, and they too only inside their ``run`` functions, so importing any
   module of the library (``hicache-store --help`` included) never loads the demo.
 * Library logic lives below the commands: nothing outside ``commands/`` and ``cli.py`` imports
-  them.
+  them; the tier, the object I/O and the rank group (``tier``, ``objects``, ``distributed``)
+  import neither the operator tools (``ops``) nor the engine adapters (``integrations``).
 
 Two checks: every import statement of every source file (AST, relative imports resolved,
 ``importlib.import_module("...")`` literals included), and a fresh interpreter that imports
@@ -43,6 +44,9 @@ DEMO_COMMANDS = frozenset({
     "hicache_store.commands.prepopulate",
 })
 COMMAND_LAYER = ("hicache_store.commands", "hicache_store.cli", "hicache_store.__main__")
+#: the cache tier and what it stands on, and what stands on them (operator tools, engine adapters).
+TIER_LAYER = ("hicache_store.tier", "hicache_store.objects", "hicache_store.distributed")
+TOOL_LAYER = ("hicache_store.ops", "hicache_store.integrations")
 
 
 def _under(name: str, package: str) -> bool:
@@ -112,6 +116,9 @@ def violations(root: Path) -> list[str]:
             elif any(_under(name, c) for c in COMMAND_LAYER) \
                     and not any(_under(module, c) for c in COMMAND_LAYER):
                 rule = "library modules never import the commands"
+            elif any(_under(module, c) for c in TIER_LAYER) \
+                    and any(_under(name, t) for t in TOOL_LAYER):
+                rule = "the tier and object I/O never import the operator tools or adapters"
             if rule:
                 flagged.add(line)
                 found.append(f"{where}:{line}: {module} -> {name} ({rule})")
@@ -141,6 +148,8 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
     (pkg / "ops" / "gc.py").write_text("from hicache_store.commands import gc\n")
     (pkg / "tier.py").write_text(
         "import importlib\nimportlib.import_module('hicache_store.demo.bench.pd')\n")
+    (pkg / "objects").mkdir()
+    (pkg / "objects" / "manifest.py").write_text("from ..ops.manifest import manifest_key\n")
     (pkg / "reader.py").write_text("from hicache_store import demo\n")
     (pkg / "commands").mkdir()
     (pkg / "commands" / "bench_pd.py").write_text("from hicache_store.demo.bench import pd\n")
@@ -148,9 +157,10 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
     found = violations(tmp_path)
     assert [f.split(":")[0] for f in found] == [
         "layout/keys.py", "kernels/pack.py", "hicache_store/commands/gc.py",
-        "hicache_store/ops/gc.py", "hicache_store/ops/sources.py", "hicache_store/reader.py",
-        "hicache_store/tier.py"]
-    assert "hicache_store.ops.sources -> hicache_store.demo.engine" in found[4]
+        "hicache_store/objects/manifest.py", "hicache_store/ops/gc.py",
+        "hicache_store/ops/sources.py", "hicache_store/reader.py", "hicache_store/tier.py"]
+    assert "hicache_store.ops.sources -> hicache_store.demo.engine" in found[5]
+    assert "hicache_store.objects.manifest -> hicache_store.ops.manifest" in found[3]
 
 
 _IMPORT_ALL = """
