@@ -79,6 +79,8 @@ from ._lru import chain_ranks, now_ms, rank_at, rank_seconds
 from .errors import BackendError, BackendIOError, BackendUnavailableError, CapacityError
 
 DB_NAME = "index.sqlite3"
+#: the order of puts in flight (``make_room``): when they reserved, then owner and batch.
+_ORDER = "(since, token, batch)"
 LOCK_NAME = "build.lock"
 #: pending changes older than this are stale whoever owns them (no put lasts an hour).
 STALE_PENDING_SECONDS = 3600.0
@@ -163,7 +165,7 @@ class ObjectIndex(Protocol):
     def key_pages(self, prefix: str) -> Iterator[list[str]]: ...
     def entry_pages(self, prefix: str) -> Iterator[list[tuple[str, int, float]]]: ...
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], capacity: int) -> Reservation: ...
-    def make_room(self, capacity: int) -> EvictionCount: ...
+    def make_room(self, capacity: int, reservation: Reservation | None = None) -> EvictionCount: ...
     def settle_put(self, reservation: Reservation) -> None: ...
     def delete(self, keys: Sequence[str]) -> list[bool]: ...
     def touch(self, keys: Sequence[str]) -> bool: ...
@@ -551,28 +553,50 @@ class FileIndex:
             ])
         return Reservation(list(keys), batch, incoming, since)
 
-    def make_room(self, capacity: int) -> EvictionCount:
+    def make_room(self, capacity: int, reservation: Reservation | None = None) -> EvictionCount:
         """Evict, in rank order, until the indexed and in-flight bytes fit ``capacity``.
 
         Keys with a change in flight are skipped. A file that cannot be deleted keeps its row
         (moved to the back of the line) and eviction goes on with the next. Raises
-        ``CapacityError`` when nothing more can go."""
+        ``CapacityError`` when nothing more can go.
+
+        ``reservation``: the put this room is for. Puts are ordered by when they reserved
+        (``_ORDER``); a put counts only its own bytes and those of earlier puts, and when
+        nothing is left to evict while an earlier put of a live call is still in flight
+        (its bytes, and the rows it rewrites, cannot go yet) it waits up to ``lock_timeout``
+        for that put to settle instead of failing. The earliest put never waits, so two
+        calls never wait for each other; a later put counted the earlier ones' bytes when it
+        made its room, so the store still fits ``capacity`` once both have settled."""
         counts = EvictionCount()
         skip: set[str] = set()
         recovered = False
+        deadline = time.monotonic() + self.lock_timeout
+        pause = 0.001
+        order = (
+            (reservation.started, self._owner.token, reservation.batch)
+            if reservation is not None else None
+        )
         while True:
             batch = next(self._batches)
+            earlier = 0
             with self._write() as con:
-                need = self._meta(con, "total_bytes") + self._reserved(con) - capacity
+                need = self._meta(con, "total_bytes") + self._reserved(con, order) - capacity
                 if need <= 0:
                     return counts
                 victims = self._pick_victims(con, need, skip)
                 if victims:
                     self._remove_rows(con, victims)
                     self._announce(con, [key for key, _ in victims], "del", batch)
+                elif order is not None:
+                    earlier = self._earlier_puts(con, order)
             if not victims:
                 if not recovered and self.recover():
                     recovered = True  # a dead writer's reservation was holding the room
+                    continue
+                if earlier and time.monotonic() < deadline:
+                    self.recover()  # an earlier put whose owner died must not hold us
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.05)
                     continue
                 raise CapacityError(
                     f"no room: {need} bytes over a capacity of {capacity} bytes and nothing "
@@ -864,10 +888,20 @@ class FileIndex:
             con.execute("UPDATE meta SET value = value + ? WHERE name = 'count'", (count,))
 
     @staticmethod
-    def _reserved(con: sqlite3.Connection) -> int:
-        value: int = con.execute(
-            "SELECT COALESCE(SUM(size), 0) FROM pending WHERE op = 'put'"
-        ).fetchone()[0]
+    def _reserved(con: sqlite3.Connection, order: tuple[float, str, int] | None = None) -> int:
+        """Bytes of the puts in flight: all of them, or those up to ``order`` (``_ORDER``)."""
+        query = "SELECT COALESCE(SUM(size), 0) FROM pending WHERE op = 'put'"
+        if order is None:
+            value: int = con.execute(query).fetchone()[0]
+        else:
+            value = con.execute(f"{query} AND {_ORDER} <= (?, ?, ?)", order).fetchone()[0]
+        return value
+
+    @staticmethod
+    def _earlier_puts(con: sqlite3.Connection, order: tuple[float, str, int]) -> int:
+        """How many pending puts came before ``order`` (``_ORDER``)."""
+        query = f"SELECT COUNT(*) FROM pending WHERE op = 'put' AND {_ORDER} < (?, ?, ?)"  # noqa: S608
+        value: int = con.execute(query, order).fetchone()[0]
         return value
 
     def _maybe_compact(self) -> None:

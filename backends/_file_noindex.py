@@ -109,8 +109,9 @@ class NoIndex:
             self._reserved += incoming
         return Reservation(list(keys), 0, incoming, time.time())
 
-    def make_room(self, capacity: int) -> EvictionCount:
-        """Delete the oldest objects of sampled directories until the estimate fits."""
+    def make_room(self, capacity: int, reservation: Reservation | None = None) -> EvictionCount:
+        """Delete the oldest objects of sampled directories until the estimate fits (an
+        estimate across this process's puts: ``reservation`` does not change it)."""
         counts = EvictionCount()
         skip: set[str] = set()
         empty_rounds = 0

@@ -96,7 +96,7 @@ from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer, is_aligned, scratch_block
-from ._file_index import FileIndex, ObjectIndex, pid_alive
+from ._file_index import FileIndex, ObjectIndex, Reservation, pid_alive
 from ._file_noindex import NoIndex
 from ._pagecache import SecondTouch, is_cached
 from .base import Backend, abandonable, gather_settled, scatter_views
@@ -546,7 +546,7 @@ class FileBackend(Backend):
         )
         outcomes: list[bool | BaseException] = []
         try:
-            await self._make_room()
+            await self._make_room(reservation)
             outcomes = await self._write_batch(keys, buffers)
             if self.durability == "full" and any(o is True for o in outcomes):
                 dirs = sorted({self._shard_dir(k) for k, o in zip(keys, outcomes, strict=True) if o is True})
@@ -557,9 +557,9 @@ class FileBackend(Backend):
             if isinstance(outcome, BaseException):
                 raise outcome
 
-    async def _make_room(self) -> None:
+    async def _make_room(self, reservation: Reservation) -> None:
         counts = await self._run(
-            self._translated, "put", None, self._index.make_room, self.capacity_bytes
+            self._translated, "put", None, self._index.make_room, self.capacity_bytes, reservation
         )
         with self._lock:
             self.stats.evictions += counts.evicted
@@ -589,7 +589,7 @@ class FileBackend(Backend):
             self.capacity_bytes,
         )
         try:
-            await self._make_room()
+            await self._make_room(reservation)
             wrote = bool(await self._run_io(
                 self._translated, "put_if_absent", key, self._write_one, key, buffer, True
             ))

@@ -213,6 +213,47 @@ async def test_eviction_is_chain_aware_across_processes(tmp_path: Path) -> None:
     assert audit(tmp_path / "s").ok
 
 
+def test_a_put_waits_for_an_earlier_put_in_flight_instead_of_failing(tmp_path: Path) -> None:
+    """Two live callers' puts in flight fill the store (one rewrites a key, so its row cannot
+    go either): the earlier put counts only its own bytes and goes on; the later one waits
+    for it to settle, then evicts (it failed with ``CapacityError`` while both were in
+    flight); it gives up after ``lock_timeout`` when the earlier put never settles."""
+    import threading
+
+    from hicache_store.backends import CapacityError
+
+    first = FileBackend(tmp_path / "s", durability="none", capacity_bytes=100)
+    second = FileBackend(tmp_path / "s", durability="none", capacity_bytes=100, lock_timeout=0.3)
+    asyncio.run(first.put(["a"], [b"x" * 50]))
+    early = first._index.reserve(["a", "b"], [60, 40], 100)  # +10 for a (busy), +40 for b
+    late = second._index.reserve(["c"], [40], 100)
+    assert first._index.make_room(100, early).evicted == 0  # 50 stored + 50: fits
+    t0 = time.monotonic()
+    with pytest.raises(CapacityError, match="no room"):
+        second._index.make_room(100, late)  # the earlier put never settles within 0.3 s
+    assert time.monotonic() - t0 >= 0.3
+
+    def settle_early() -> None:
+        time.sleep(0.1)
+        for key, size in (("a", 60), ("b", 40)):
+            first.path_of(key).parent.mkdir(parents=True, exist_ok=True)
+            first.path_of(key).write_bytes(b"y" * size)
+        first._index.settle_put(early)
+
+    settler = threading.Thread(target=settle_early)
+    settler.start()
+    second._index.lock_timeout = 30.0
+    assert second._index.make_room(100, late).evicted >= 1  # waited for it, then evicted
+    settler.join()
+    first.path_of("c").parent.mkdir(parents=True, exist_ok=True)
+    first.path_of("c").write_bytes(b"z" * 40)
+    second._index.settle_put(late)
+    assert second.used_bytes <= 100
+    asyncio.run(first.close())
+    asyncio.run(second.close())
+    assert audit(tmp_path / "s").ok
+
+
 async def test_a_key_busy_in_a_live_process_waits_then_fails(tmp_path: Path) -> None:
     store = FileBackend(tmp_path / "s", lock_timeout=0.3)
     await store.put(["a0"], [b"x"])
