@@ -79,8 +79,6 @@ from ._lru import chain_ranks, now_ms, rank_at, rank_seconds
 from .errors import BackendError, BackendIOError, BackendUnavailableError, CapacityError
 
 DB_NAME = "index.sqlite3"
-#: the order of puts in flight (``make_room``): when they reserved, then owner and batch.
-_ORDER = "(since, token, batch)"
 LOCK_NAME = "build.lock"
 #: pending changes older than this are stale whoever owns them (no put lasts an hour).
 STALE_PENDING_SECONDS = 3600.0
@@ -560,8 +558,11 @@ class FileIndex:
         (moved to the back of the line) and eviction goes on with the next. Raises
         ``CapacityError`` when nothing more can go.
 
-        ``reservation``: the put this room is for. Puts are ordered by when they reserved
-        (``_ORDER``); a put counts only its own bytes and those of earlier puts, and when
+        ``reservation``: the put this room is for. Puts are ordered by when their pending rows
+        were inserted (rowid order: one write transaction inserts a put's rows, so they are
+        contiguous, and a new row's rowid exceeds every pending row's; wall-clock times
+        could disagree with that order across processes); a put counts only its own bytes
+        and those of earlier puts, and when
         nothing is left to evict while an earlier put of a live call is still in flight
         (its bytes, and the rows it rewrites, cannot go yet) it waits up to ``lock_timeout``
         for that put to settle instead of failing. The earliest put never waits, so two
@@ -572,23 +573,21 @@ class FileIndex:
         recovered = False
         deadline = time.monotonic() + self.lock_timeout
         pause = 0.001
-        order = (
-            (reservation.started, self._owner.token, reservation.batch)
-            if reservation is not None else None
-        )
+        mine = (self._owner.token, reservation.batch) if reservation is not None else None
         while True:
             batch = next(self._batches)
             earlier = 0
             with self._write() as con:
-                need = self._meta(con, "total_bytes") + self._reserved(con, order) - capacity
+                first = self._first_row(con, mine)
+                need = self._meta(con, "total_bytes") + self._reserved(con, first, mine) - capacity
                 if need <= 0:
                     return counts
                 victims = self._pick_victims(con, need, skip)
                 if victims:
                     self._remove_rows(con, victims)
                     self._announce(con, [key for key, _ in victims], "del", batch)
-                elif order is not None:
-                    earlier = self._earlier_puts(con, order)
+                elif first is not None:
+                    earlier = self._earlier_puts(con, first)
             if not victims:
                 if not recovered and self.recover():
                     recovered = True  # a dead writer's reservation was holding the room
@@ -888,20 +887,36 @@ class FileIndex:
             con.execute("UPDATE meta SET value = value + ? WHERE name = 'count'", (count,))
 
     @staticmethod
-    def _reserved(con: sqlite3.Connection, order: tuple[float, str, int] | None = None) -> int:
-        """Bytes of the puts in flight: all of them, or those up to ``order`` (``_ORDER``)."""
+    def _reserved(
+        con: sqlite3.Connection, first: int | None = None, mine: tuple[str, int] | None = None
+    ) -> int:
+        """Bytes of the puts in flight: all of them, or (``first``: the first pending rowid of
+        the put ``mine`` = owner token, batch) those of that put and the puts before it."""
         query = "SELECT COALESCE(SUM(size), 0) FROM pending WHERE op = 'put'"
-        if order is None:
+        if first is None or mine is None:
             value: int = con.execute(query).fetchone()[0]
         else:
-            value = con.execute(f"{query} AND {_ORDER} <= (?, ?, ?)", order).fetchone()[0]
+            value = con.execute(
+                f"{query} AND (rowid < ? OR (token = ? AND batch = ?))", (first, *mine)
+            ).fetchone()[0]
         return value
 
     @staticmethod
-    def _earlier_puts(con: sqlite3.Connection, order: tuple[float, str, int]) -> int:
-        """How many pending puts came before ``order`` (``_ORDER``)."""
-        query = f"SELECT COUNT(*) FROM pending WHERE op = 'put' AND {_ORDER} < (?, ?, ?)"  # noqa: S608
-        value: int = con.execute(query, order).fetchone()[0]
+    def _first_row(con: sqlite3.Connection, mine: tuple[str, int] | None) -> int | None:
+        """The first pending rowid of the put ``mine`` (owner token, batch), if it is pending."""
+        if mine is None:
+            return None
+        row = con.execute(
+            "SELECT MIN(rowid) FROM pending WHERE token = ? AND batch = ?", mine
+        ).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    @staticmethod
+    def _earlier_puts(con: sqlite3.Connection, first: int) -> int:
+        """How many pending put rows came before rowid ``first``."""
+        value: int = con.execute(
+            "SELECT COUNT(*) FROM pending WHERE op = 'put' AND rowid < ?", (first,)
+        ).fetchone()[0]
         return value
 
     def _maybe_compact(self) -> None:
