@@ -103,6 +103,12 @@ def register(subparsers: Any) -> None:
         choices=["best_effort", "wait_complete", "timeout"],
     )
     policy.add_argument("--host-mode", default="cache", choices=["cache", "buffer_only"])
+    policy.add_argument(
+        "--eviction-policy",
+        metavar="NAME",
+        help="order of eviction in every pool of the tier, KV and components (lru, arc; "
+        "default: the tier's default)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", type=Path, metavar="PATH",
                      help="write results as JSON to PATH (- for stdout; the table then goes to "
@@ -131,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     from hicache_store.demo.engine.config import MiniLlamaConfig
     from hicache_store.demo.engine.model import MiniLlama
     from hicache_store.demo.hybrid import HybridMiniLlama
+    from hicache_store.tier.eviction import EVICTION_POLICIES
 
     try:
         config = MiniLlamaConfig.preset(args.preset)
@@ -139,6 +146,11 @@ def run(args: argparse.Namespace) -> int:
         if args.model == "hybrid":
             config = hybrid_config(config, args.sliding_window)
         spec = workload_spec(args, config.vocab_size)
+        if args.eviction_policy not in (None, *EVICTION_POLICIES):
+            raise ValueError(
+                f"--eviction-policy: {args.eviction_policy!r} is not one of "
+                f"{', '.join(EVICTION_POLICIES)}"
+            )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     workdir = fresh_directory(args.workdir)
@@ -166,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         "prefetch_policy": args.prefetch_policy,
         "host_mode": args.host_mode,
     }
+    if args.eviction_policy is not None:
+        options["eviction_policy"] = args.eviction_policy
     kinds = (
         f"{len(config.window_layers)} of them sliding-window ({config.sliding_window} tokens) "
         f"+ a recurrent layer"

@@ -25,11 +25,13 @@ reuse=False)`` ignores every cached page (a retry that must not trust the cache)
 
 **Components** (``tier.components``): sliding-window KV, recurrent checkpoints, a sidecar
 draft model's KV, ... are pool adapters (``Component``) the tier keeps beside the KV on the
-same page tree: their L1 slots, L2 rows and L3 objects, with their own eviction policy per pool
-(the same policy kind, one request clock). The prefix a request reuses is the longest at which
+same page tree: their L1 slots, L2 rows and L3 objects, in one eviction order with the KV (each
+pool evicts by the KV's policy, fed the same history of each page: ``tier.radix``). The prefix a request reuses is the longest at which
 *every* component it needs can resume (``match_components``: every KV page, the window pages
 before the end, the checkpoint at the end); their L3 objects are prefetched with the KV pages
-and loaded into L1 at ``prepare``. ``Prepared.components[name]`` tells the engine which slots
+and loaded into L1 at ``prepare``. The L2 copies of the objects a request's plan resumes with
+are held from ``match`` until ``prepare`` has restored them (or ``abort``), and every object
+the resume needs is locked before ``prepare`` makes room for any of them. ``Prepared.components[name]`` tells the engine which slots
 hold the restored objects and which slots to fill with the objects the request produces (a
 checkpoint at the request's last full page, at a branch point and every ``checkpoint_every``
 pages; the window pages before each new checkpoint; every new page of a draft's KV).
@@ -103,6 +105,14 @@ from .radix import PageNode, PageTree, Tier
 from .transfers import BackupDone, BackupEvent, Fetch, Prefetch, ReadEnded, Transfers
 
 log = logging.getLogger(__name__)
+
+#: ``metrics.extra`` counters of requests with components that resumed before the prefix every
+#: component allowed (``limited_by_<component>`` count the components that shortened it):
+#: because what L3 holds was not in L2 at ``prepare`` (not fetched: the prefetch threshold, its
+#: policy's wait, no free row; or a memory copy went meanwhile) ...
+LIMITED_BY_PREFETCH = "limited_by_prefetch"
+#: ... or because another rank could resume less.
+LIMITED_BY_RANKS = "limited_by_ranks"
 
 
 def page_slots(pages: Sequence[int], page_size: int) -> torch.Tensor:
@@ -187,6 +197,7 @@ class Request:
     borrowed: list[tuple[PageNode, LayerLoad]] = field(default_factory=list)
     components: dict[str, ComponentSlots] = field(default_factory=dict)
     held: list[tuple[PageNode, int]] = field(default_factory=list)
+    pinned: list[tuple[PageNode, int]] = field(default_factory=list)
     l3_found: dict[int, list[bool]] = field(default_factory=dict)
     l3_kv_pages: int = 0
     rounds: int = 0
@@ -331,6 +342,8 @@ class HiCache:
         spec, ns = component.spec, component.namespace
         if component.name in self.components or spec.tag in self.parts:
             raise ValueError(f"component {component.name!r} (tag {spec.tag}) is already there")
+        if f"limited_by_{component.name}" in (LIMITED_BY_PREFETCH, LIMITED_BY_RANKS):
+            raise ValueError(f"component name {component.name!r} is reserved (metrics)")
         if ns.hash_algo != self.namespace.hash_algo:
             raise ValueError(f"{component.name}: its namespace hashes pages differently")
         if component.follows_kv and ns.page_size != self.namespace.page_size:
@@ -359,11 +372,9 @@ class HiCache:
             num_slots=slots or 0,
             follows_kv=component.follows_kv,
         )
-        # Component pools evict least recently used first whatever the KV's policy: their
-        # objects are not chains (a checkpoint, a window page) and their pools are small; with
-        # ARC the hybrid multi-turn bench reused 15.2% of prompt tokens from L1 (recurrent
-        # checkpoints binding), with LRU 45.5% (BENCHMARKS.md, "Hybrid model").
-        name = "lru"
+        # The KV's policy, one instance per pool: one eviction order across components
+        # (``tier.radix``, "One eviction order").
+        name = self.config.eviction_policy
         self.tree.add_component(
             spec.tag,
             _policy(name, host.num_pages),
@@ -483,11 +494,11 @@ class HiCache:
         if req.loading:
             self._start_load(req)
         wait_layer = _wait_for(self._loads(req))
+        with _timed(req):
+            restored = self._restore_components(req)
         for tag in req.need:
             part = self.parts[tag]
-            with _timed(req):
-                restored = self._restore_component(req, part)
-            req.components[part.name] = ComponentSlots(restored, self._produce(req, part))
+            req.components[part.name] = ComponentSlots(restored[tag], self._produce(req, part))
         slots = self._slots(req)
         self._count_hits(req)
         if self.group.size > 1:
@@ -553,6 +564,7 @@ class HiCache:
         for node in req.host_locked:
             self.tree.release_host(node)
         req.host_locked.clear()
+        self._unpin(req)
         self._release_components(req)
         for name, slots in req.components.items():  # slots taken for objects never produced
             part = self.parts[self.components[name].tag]
@@ -975,10 +987,11 @@ class HiCache:
                 continue
             if node.host_page is None:
                 break
-            if self._transfers.in_flight + len(todo) >= self.config.max_queued_backup_pages:
-                self.metrics.backups_dropped += 1
-                break
             todo.append(node)
+        room = max(0, self.config.max_queued_backup_pages - self._transfers.in_flight)
+        if len(todo) > room:  # the queue is full: the chain's tail waits for a later backup
+            self.metrics.backups_dropped += len(todo) - room
+            del todo[room:]
         if self.config.host_mode == "buffer_only":
             queued = {id(n) for n in todo}
             for node in path:
@@ -1077,8 +1090,14 @@ class HiCache:
         if req.need:
             best = self._local_prefix(req, usable)
             # Per-component hit rates on what is there (L3 included, failed reads not).
-            limit = min(max(len(req.nodes), req.l3_kv_pages), (len(req.tokens) - 1) // self.namespace.page_size)
-            self._count_components(self._best(req, limit, limit, req.l3_found))
+            limit = min(
+                max(len(req.nodes), req.l3_kv_pages),
+                (len(req.tokens) - 1) // self.namespace.page_size,
+            )
+            found = self._best(req, limit, limit, req.l3_found)
+            self._count_components(found)
+            if best < found.prefix_pages:  # short of what every component allowed
+                self._count(LIMITED_BY_PREFETCH)
         agreed = self.group.agree_min(best, "prefix_pages")
         rounds = 1
         if req.need and self.group.size > 1:
@@ -1090,6 +1109,8 @@ class HiCache:
                     break
                 agreed = lowered
                 rounds += 1
+        if req.need and agreed < best:
+            self._count(LIMITED_BY_RANKS)
         self._last_rounds = rounds
         return agreed
 
@@ -1102,29 +1123,53 @@ class HiCache:
 
     # == internals: component objects =======================================================
 
-    def _restore_component(self, req: Request, part: Pools) -> tuple[tuple[int, int], ...]:
-        """Bring the objects of ``part`` the resume at ``req.prefix_pages`` needs into L1 and
-        lock them; their (page index, slot)."""
-        prefix = req.prefix_pages
-        out: list[tuple[int, int]] = []
-        for i in part.spec.pages_needed(prefix, self.namespace.page_size):
-            node = req.nodes[i]
+    def _restore_components(self, req: Request) -> dict[int, tuple[tuple[int, int], ...]]:
+        """Bring the component objects the resume at ``req.prefix_pages`` needs into L1 and
+        lock them; per component tag, their (page index, slot). Then release the plan's pins.
+
+        Every object the resume needs is locked in L1 and its L2 copy held *before* any slot is
+        taken: making room for one object (evicting an L1 copy, which write-back first backs
+        up to L2, which may evict an L2 copy) must not evict another object of the same resume
+        (it would be restored again, or, without an L2 copy, be lost)."""
+        page = self.namespace.page_size
+        needed = [
+            (self.parts[tag], i, req.nodes[i])
+            for tag in req.need
+            for i in self.parts[tag].spec.pages_needed(req.prefix_pages, page)
+        ]
+        held_host: list[tuple[PageNode, int]] = []
+        for part, i, node in needed:
             held = node.held(part.tag)
             assert held is not None, f"{part.name}: page {i} has no object to restore"
             assert held.in_memory, f"{part.name}: page {i}'s object is not in L1 or L2"
-            if held.l1 is None:
-                slot = node.device_page if part.follows_kv else self._alloc_slot(part)
-                assert slot is not None
-                assert held.l2 is not None
-                part.unpack(part.host_runs([held.l2]), [slot])
-                self.tree.set_held(node, part.tag, Tier.L1, slot)
-                self._count(f"restored_l2_{part.name}")
-                if self.config.host_mode == "buffer_only":
-                    self._drop_held_host(node, part.tag)
             self.tree.lock_held(node, part.tag)
             req.held.append((node, part.tag))
-            out.append((i, held.l1))  # type: ignore[arg-type]
-        return tuple(out)
+            if held.l2 is not None:
+                self.tree.hold_held_host(node, part.tag)
+                held_host.append((node, part.tag))
+        out: dict[int, list[tuple[int, int]]] = {tag: [] for tag in req.need}
+        from_l2: list[tuple[PageNode, int]] = []
+        try:
+            for part, i, node in needed:
+                held = node.held(part.tag)
+                assert held is not None
+                if held.l1 is None:
+                    slot = node.device_page if part.follows_kv else self._alloc_slot(part)
+                    assert slot is not None
+                    assert held.l2 is not None
+                    part.unpack(part.host_runs([held.l2]), [slot])
+                    self.tree.set_held(node, part.tag, Tier.L1, slot)
+                    self._count(f"restored_l2_{part.name}")
+                    from_l2.append((node, part.tag))
+                out[part.tag].append((i, held.l1))  # type: ignore[arg-type]
+        finally:
+            for node, tag in held_host:
+                self.tree.release_held_host(node, tag)
+            self._unpin(req)
+        if self.config.host_mode == "buffer_only":
+            for node, tag in from_l2:
+                self._drop_held_host(node, tag)
+        return {tag: tuple(slots) for tag, slots in out.items()}
 
     def _produce(self, req: Request, part: Pools) -> tuple[tuple[int, int], ...]:
         """The (page index, slot) the engine fills with ``part``'s new objects: slots taken now,
@@ -1317,15 +1362,11 @@ class HiCache:
             kv_end = start  # too little KV to fetch: resume where memory allows
             if req.need:
                 plans = self._plans(req, min(start, usable), found)
-        # Pin the L2 copies of the objects the plan resumes with: making room for the objects
-        # and pages it fetches must not evict them (the prefix would then fall short of the
-        # plan, to an earlier checkpoint or to 0).
-        pinned = self._pin_planned(req, plans)
         try:
             op = self._prefetch_op(req, start, kv_end, plans)
-        finally:
-            for node, tag in pinned:
-                self.tree.release_held_host(node, tag)
+        except BaseException:
+            self._unpin(req)
+            raise
         if op is None:
             return
         self.metrics.prefetch_started += 1
@@ -1335,20 +1376,22 @@ class HiCache:
         self._prefetches.append(op)
         req.prefetch = op
 
-    def _pin_planned(
-        self, req: Request, plans: Sequence[ComponentMatch]
-    ) -> list[tuple[PageNode, int]]:
-        """Hold the L2 copies of the component objects ``plans`` restore; the held ones."""
+    def _unpin(self, req: Request) -> None:
+        """Release the plan's pins (``_pin_planned``)."""
+        for node, tag in req.pinned:
+            self.tree.release_held_host(node, tag)
+        req.pinned = []
+
+    def _pin_planned(self, req: Request, plan: ComponentMatch) -> None:
+        """Hold the L2 copies of the component objects ``plan`` restores (``req.pinned``)."""
         nodes = self.tree.match(req.hashes)
-        pinned: list[tuple[PageNode, int]] = []
+        pinned = {(id(node), tag) for node, tag in req.pinned}
         for tag in req.need:
-            name = self.parts[tag].name
-            for i in {i for plan in plans for i, _ in plan.restore[name]}:
+            for i, _ in plan.restore[self.parts[tag].name]:
                 held = nodes[i].held(tag) if i < len(nodes) else None
-                if held is not None and held.l2 is not None:
+                if held is not None and held.l2 is not None and (id(nodes[i]), tag) not in pinned:
                     self.tree.hold_held_host(nodes[i], tag)
-                    pinned.append((nodes[i], tag))
-        return pinned
+                    req.pinned.append((nodes[i], tag))
 
     def _prefetch_op(
         self, req: Request, start: int, kv_end: int, plans: Sequence[ComponentMatch]
@@ -1367,18 +1410,24 @@ class HiCache:
                 for i, row in enumerate(host_pages or [])
             ]
         extra: list[Fetch] = []
-        wanted = {
-            (tag, i)
-            for plan in plans
-            for tag in req.need
-            for i, where in plan.restore[self.parts[tag].name]
-            if where is Tier.L3 and self.parts[tag].link is not None
-        }
-        for tag, i in sorted(wanted):
-            row = self._alloc_row(self.parts[tag])
-            if row is None:
-                continue  # the prefix will end before this object (prepare recomputes)
-            extra.append(Fetch(tag, i, req.hashes[i], row))
+        wanted: set[tuple[int, int]] = set()
+        # Plan by plan (the fallback gets rows only once the first has its own): pin the L2
+        # copies of the objects it resumes with until ``prepare`` has restored them (or
+        # ``abort``), so that neither making room for what is fetched nor other requests
+        # served in between evict them (the prefix would fall short of the plan, to an earlier
+        # checkpoint or to 0); then take rows for its objects in L3.
+        for plan in plans:
+            self._pin_planned(req, plan)
+            for tag in req.need:
+                part = self.parts[tag]
+                for i, where in plan.restore[part.name]:
+                    if where is not Tier.L3 or part.link is None or (tag, i) in wanted:
+                        continue
+                    wanted.add((tag, i))
+                    row = self._alloc_row(part)
+                    if row is None:
+                        continue  # the prefix will end before this object (prepare recomputes)
+                    extra.append(Fetch(tag, i, req.hashes[i], row))
         if not kv_fetch and not extra:
             return None
         return Prefetch(kv_fetch, extra)

@@ -15,13 +15,17 @@ class TierMetrics:
     direction: ``bytes_l1_to_l2`` (backup), ``bytes_l2_to_l1`` (load), ``bytes_l2_to_l3``
     (backup), ``bytes_l3_to_l2`` (prefetch). Prefetch outcomes: ``prefetch_complete``,
     ``prefetch_partial``, ``prefetch_timed_out``, ``prefetch_failed_pages``.
-    ``backups_dropped``: L3 backups not attempted because the queue was full.
+    ``backups_dropped``: KV pages whose backup was not attempted: L2 could not take them
+    (L1 -> L2), or the L3 backup queue was full (L2 -> L3; a later use of the page backs it up).
     ``corruptions``: objects that failed verification (served as misses).
     ``tampered``: objects of a sealed namespace that failed authentication (served as misses).
     ``host_pages_quarantined``: host rows whose prefetch was abandoned while their read was
     still in flight, held back from reuse until it ended (``HiCache.quarantined_host_pages``).
     ``extra``: per-component counters (``component_hit_tokens_<name>``: prompt tokens that
     component alone could have resumed after; ``limited_by_<name>``: requests it shortened;
+    ``limited_by_prefetch`` / ``limited_by_ranks``: requests that resumed before what every
+    component allowed, for want of a transfer / because another rank could resume less
+    (``tier.cache.LIMITED_BY_PREFETCH``); ``backups_dropped_<name>``: objects not backed up;
     ``restored_l2_<name>``, ``restored_l3_<name>``, ``produced_<name>``, ``backups_l2_<name>``,
     ``backups_l3_<name>``, ``fetch_failed_<name>``, ``evictions_l1_<name>`` ...).
     """

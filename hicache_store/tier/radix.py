@@ -31,8 +31,23 @@ again when a request needs them, so forgetting costs at most a probe or a redund
 L2, and each component's) has an eviction policy (``tier.eviction``: it owns the order, the
 tree tells it which nodes are evictable as that changes and asks it for ``victim()``), so a
 victim costs O(log n) and every change O(log n) for the node and its parent. The record keeps
-its own heap, least recently used first. Every pool's policy is asked about the same pages with
-one request clock (``begin_request``): one eviction order across components.
+its own heap, least recently used first.
+
+**One eviction order across components.** Every pool orders its copies with the same policy
+(``TierConfig.eviction_policy``; one instance per pool), and the tree gives every pool the same
+history of each page: one request clock (``begin_request``), and each use of a page touches
+every copy it holds, in path order (``touch``). A policy's order is a function of that history
+(``lru``: last use, then deeper first; ``arc``: used by one request or again, then last use), so
+pools holding copies of the same pages keep and give up the same pages
+(``tests/hybrid/test_eviction_order.py``). Pools differ only in what they may give up (a KV pool
+its evictable leaves, so a chain loses its tail; a component copy any time it is unlocked) and,
+with ``arc``, in the adaptive target and ghost lists, which are evidence about that pool's own
+capacity. Ordering component copies by their page's KV policy state instead was not chosen: a
+component copy outlives its page's KV copy in a pool (a window page or a checkpoint stays after
+the page's KV went), and the KV's policy has no state for a page it does not hold. (Component
+pools once evicted LRU under an ARC KV, c250cb4, working around bugs that cost the hybrid
+benchmark its reuse under ARC; with those fixed, ARC components reuse as much as LRU ones:
+BENCHMARKS.md, "The hybrid model".)
 
 Per node the tree keeps the fields of ``PageNode`` (slotted) plus the policies' state per
 resident copy; ``bench/bench_tier_scale.py`` measures the bytes per page (BENCHMARKS.md).

@@ -73,4 +73,6 @@ def test_ranks_descend_to_a_checkpoint_every_rank_holds() -> None:
     check(out)
     assert out[0].starts == [0, 0, 0, 8, 24]
     assert out[0].rounds == [1, 1, 1, 2, 1]  # at once whenever the ranks hold the same
+    # the fourth request resumed below what each rank could alone: counted as the ranks' limit
+    assert [o.extra.get("limited_by_ranks", 0) for o in out] == [1, 1]
     assert out[0].calls == out[1].calls  # the same agreements on both ranks

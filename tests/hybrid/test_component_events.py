@@ -115,6 +115,11 @@ def test_backup_queue_is_bounded(model: HybridMiniLlama) -> None:
     )
     assert dropped > 0
     assert cache.tier._transfers.in_flight <= 3
+    # pages, not chains: 8 KV pages, 3 queued; the snapshot and its window (pages 6, 7) find
+    # the queue full
+    assert cache.tier.metrics.backups_dropped == 5
+    assert cache.extra("backups_dropped_window") == 2
+    assert cache.extra("backups_dropped_recurrent") == 1
     cache.tier.flush()
     cache.close()
 

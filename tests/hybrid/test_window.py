@@ -8,13 +8,14 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from _hybrid_helpers import Hybrid, hashes, make_hybrid
 
 from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.base import Backend
 from hicache_store.demo.engine.config import MiniLlamaConfig
-from hicache_store.demo.hybrid import WINDOW_TAG, HybridMiniLlama, WindowPool
+from hicache_store.demo.hybrid import WINDOW_TAG, HybridMiniLlama, WindowPool, prefill_prepared
 from hicache_store.layout.keys import ObjectCoords, object_key
 
 PAGE = 4
@@ -177,4 +178,98 @@ def test_a_prefetch_does_not_evict_the_objects_its_plan_resumes_with(
     assert reader.tier.parts[WINDOW_TAG].host.free_pages == 0
     assert reader.serve([*doc, 3, 3]) == 24
     assert reader.extra("restored_l3_window") >= 3  # pages 4, 5, then 5 again
+    reader.close()
+
+
+def test_a_plan_keeps_its_objects_until_prepare_or_abort(model: HybridMiniLlama) -> None:
+    """A matched request's plan resumes with the window pages 4, 5 from L2; another prompt is
+    served before it is prepared, and its window pages' backups need the window's two L2 rows.
+    They must not take the plan's (the request would recompute everything): the backups are
+    dropped instead. ``abort`` releases the plan."""
+    rng = random.Random(11)
+    backend = open_backend("memory://")
+    doc = rand(rng, 24)
+    writer = make(model, backend)
+    writer.serve([*doc, 1])  # KV, a checkpoint at 24 and its window (pages 4, 5) into L3
+    writer.tier.flush()
+    writer.close()
+    reader = make(model, backend, window_l2=2)
+    assert reader.serve([*doc, 2]) == 24  # from L3: the window pages fill the window's L2
+    reader.tier.evict_device()
+    tokens = [*doc, 3, 3]
+    req = reader.tier.match(tokens)
+    assert reader.serve(rand(rng, 9)) == 0  # window pages 0, 1 and a checkpoint at 8
+    assert reader.extra("backups_dropped_window") == 2
+    restored = reader.extra("restored_l2_window")
+    prep = reader.tier.prepare(req)
+    assert prep.start == 24
+    assert reader.extra("restored_l2_window") == restored + 2
+    logits, _ = prefill_prepared(
+        model, reader.tier.pool, tokens, prep, PAGE, window=reader.window,  # type: ignore[arg-type]
+        recurrent=reader.recurrent,
+    )
+    assert torch.equal(logits, model.forward_full(torch.tensor(tokens))[24:])
+    reader.tier.complete(req)
+    reader.tier.check_invariants()
+    # a request matched, then aborted, leaves no pin behind
+    reader.tier.evict_device()
+    req = reader.tier.match([*doc, 4, 4])
+    assert any(h.host_lock for n in reader.tier.tree.nodes() if (h := n.held(WINDOW_TAG)))
+    reader.tier.abort(req)
+    assert not any(
+        h.host_lock or h.lock for n in reader.tier.tree.nodes() for h in (n.comps or {}).values()
+    )
+    reader.tier.check_invariants()
+    reader.close()
+
+
+def test_restoring_one_object_never_evicts_another_the_resume_needs(
+    model: HybridMiniLlama,
+) -> None:
+    """The resume at 12 tokens needs the window pages 1 (in L2) and 2 (in L1). The window's L1
+    holds two slots, pages 0 and 2, both used by this request's match (LRU: the deeper, page 2,
+    goes first). Making room for page 1 must evict page 0, not page 2 (which would then be
+    restored from L2 again, or lost without an L2 copy)."""
+    rng = random.Random(12)
+    backend = open_backend("memory://")
+    doc = rand(rng, 16)
+    writer = make(model, backend)
+    for end in (4, 12, 16):  # checkpoints at 1, 3, 4 pages; window pages 0 .. 3
+        writer.serve([*doc[:end], 1])
+    writer.tier.flush()
+    writer.close()
+    reader = make(model, backend, window_slots=2, window_l2=2, eviction_policy="lru")
+    assert reader.serve([*doc, 2]) == 16  # window pages 2, 3 into L2 and L1
+    assert reader.serve([*doc[:4], 2]) == 4  # page 0 from L3: L1 holds pages 0, 2 now
+    page0, page1, page2 = (reader.tier.tree.get(h) for h in hashes(doc, PAGE)[:3])
+    assert page0 is not None and page1 is not None and page2 is not None
+    w0, w2 = page0.held(WINDOW_TAG), page2.held(WINDOW_TAG)
+    assert w0 is not None and w0.l1 is not None and w2 is not None and w2.l1 is not None
+    w1 = page1.held(WINDOW_TAG)
+    assert w1 is None or not w1.in_memory
+    restored, evicted = reader.extra("restored_l2_window"), reader.extra("evictions_l1_window")
+    assert reader.serve([*doc[:12], 2]) == 12  # page 1 from L3 through L2, page 2 in L1
+    assert reader.extra("restored_l2_window") == restored + 1
+    assert reader.extra("evictions_l1_window") == evicted + 1
+    assert w0.l1 is None and w2.l1 is not None
+    reader.close()
+
+
+def test_a_shortfall_no_component_explains_is_counted(model: HybridMiniLlama) -> None:
+    """Every component could resume after the whole document from L3, but the prefetch leaves
+    that little KV in L3 (its threshold): the request recomputes, counted as limited by the
+    prefetch, not by a component."""
+    rng = random.Random(13)
+    backend = open_backend("memory://")
+    doc = rand(rng, 24)
+    writer = make(model, backend)
+    writer.serve([*doc, 1])
+    writer.tier.flush()
+    writer.close()
+    reader = make(model, backend, prefetch_threshold_tokens=64)
+    assert reader.serve([*doc, 2]) == 0
+    hit = {n: reader.extra(f"component_hit_tokens_{n}") for n in ("kv", "window", "recurrent")}
+    assert hit == {"kv": 24, "window": 24, "recurrent": 24}
+    assert reader.extra("limited_by_prefetch") == 1
+    assert not any(reader.extra(f"limited_by_{n}") for n in ("kv", "window", "recurrent", "ranks"))
     reader.close()
