@@ -55,3 +55,12 @@ def test_hybrid_models_have_their_own_namespace() -> None:
     assert hybrid_ns.num_layers == 2 and plain_ns.num_layers == 4
     assert hybrid_ns.digest != plain_ns.digest
     assert hybrid_ns.digest != namespace_for(hybrid_config(base, 64), 16).digest
+
+
+def test_an_unknown_eviction_policy_is_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "multiturn", "--eviction-policy", "fifo", "--workdir", str(tmp_path / "w")]
+    assert main(argv) == 2
+    assert "--eviction-policy: 'fifo' is not one of lru, arc" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
