@@ -549,7 +549,8 @@ class HiCache:
         it may have stopped half way (a copy another request in flight still holds stays: that
         request waits for the same load, ``prepare``, and fails with it; so does any later one
         using the copy of a failed load); the request's new device pages are freed; every lock is
-        released; component slots taken for objects to produce go back to their pools.
+        released, the plan's holds on L2 copies of component objects too; component slots taken
+        for objects to produce go back to their pools.
         Prefetched L2 pages and objects stay cached (their reads were verified). Afterwards the
         request is dead: neither ``complete`` nor ``extend`` it.
         """

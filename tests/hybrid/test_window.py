@@ -239,7 +239,9 @@ def test_restoring_one_object_never_evicts_another_the_resume_needs(
     writer.tier.flush()
     writer.close()
     reader = make(model, backend, window_slots=2, window_l2=2, eviction_policy="lru")
-    assert reader.serve([*doc, 2]) == 16  # window pages 2, 3 into L2 and L1
+    # window pages 2, 3 into L2 and L1: the plan's objects take the window's two L2 rows before
+    # those of its fallback (page 0, for a resume at 4 tokens)
+    assert reader.serve([*doc, 2]) == 16
     assert reader.serve([*doc[:4], 2]) == 4  # page 0 from L3: L1 holds pages 0, 2 now
     page0, page1, page2 = (reader.tier.tree.get(h) for h in hashes(doc, PAGE)[:3])
     assert page0 is not None and page1 is not None and page2 is not None
