@@ -189,12 +189,64 @@ async def test_snapshots_replace_the_change_feed(
     assert await other.exists(keys) == [False] * 10 + [True] * 390
     assert await store.exists(["a9999"]) == [False]
     db = sqlite3.connect(tmp_path / "s" / "index" / "index.sqlite3")
-    feed = db.execute("SELECT COUNT(*) FROM changes").fetchone()[0]
+    feed = db.execute("SELECT COALESCE(SUM(length(recs)), 0) / 9 FROM feed").fetchone()[0]
     db.close()
     assert feed < 400, "the feed was not pruned"
     await store.close()
     await other.close()
     assert audit(tmp_path / "s").ok
+
+
+def _to_unpacked_feed(root: Path) -> int:
+    """Rewrite the index's change feed as the code before the packed feed wrote it (a table
+    ``changes``, one row per change, numbered per change); return how many rows it has."""
+    from hicache_store.backends import _fingerprints as fpmod
+
+    db = sqlite3.connect(root / "index" / "index.sqlite3", isolation_level=None)
+    db.execute("BEGIN IMMEDIATE")
+    db.execute("CREATE TABLE changes (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+               "fp INTEGER NOT NULL, present INTEGER NOT NULL)")
+    rows: list[tuple[int, int, int]] = []
+    for seq, recs in db.execute("SELECT seq, recs FROM feed ORDER BY seq").fetchall():
+        changes = fpmod.decode_changes(recs)
+        for i, (fp, present) in enumerate(changes.tolist()):
+            signed = fp - (1 << 64) if fp >= 1 << 63 else fp
+            rows.append((seq - len(changes) + 1 + i, signed, present))
+    db.executemany("INSERT INTO changes VALUES (?, ?, ?)", rows)
+    last = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'feed'").fetchone()[0]
+    db.execute("DROP TABLE feed")
+    db.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'changes'", (last,))
+    db.execute("COMMIT")
+    db.close()
+    return len(rows)
+
+
+async def test_an_index_with_the_unpacked_feed_is_converted_at_open(tmp_path: Path) -> None:
+    """An index written before the feed was packed: its changes since the snapshot are found
+    after the conversion, and new writes (another process's too) after it."""
+    root = tmp_path / "s"
+    store = FileBackend(root, durability="none")
+    await store.put([f"a{i}" for i in range(20)], [b"v"] * 20)
+    await store.delete(["a3", "a4"])
+    await store.put(["a3"], [b"again"])
+    await store.close()
+    assert _to_unpacked_feed(root) == 20 + 2 + 1
+    opened = FileBackend(root, durability="none")
+    write_in_child(root, ["b0"])
+    want = [i != 4 for i in range(20)]
+    assert await opened.exists([f"a{i}" for i in range(20)]) == want
+    assert await opened.exists(["b0", "b1"]) == [True, False]
+    fresh = FileBackend(root, durability="none")
+    assert await fresh.exists([f"a{i}" for i in range(20)] + ["b0"]) == [*want, True]
+    db = sqlite3.connect(root / "index" / "index.sqlite3")
+    tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    last = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'feed'").fetchone()[0]
+    db.close()
+    assert "changes" not in tables and "feed" in tables
+    assert last == 20 + 2 + 1 + 1, "change numbers were not carried over"
+    await opened.close()
+    await fresh.close()
+    assert audit(root).ok
 
 
 async def test_eviction_is_chain_aware_across_processes(tmp_path: Path) -> None:
@@ -342,21 +394,47 @@ async def test_warm_bytes_come_from_the_page_cache_and_cold_ones_do_not_fill_it(
     await never.close()
 
 
-def test_lookup_agrees_with_a_set_of_fingerprints() -> None:
+@pytest.mark.parametrize("fold_min", [4096, 16])
+def test_lookup_agrees_with_a_set_of_fingerprints(
+    fold_min: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Changes applied in batches (folded into the arrays, or kept in the dict, by
+    ``fold_min``), with fingerprints changed several times: the latest change wins."""
     import random
 
     import numpy as np
 
+    from hicache_store.backends import _fingerprints as fpmod
+
+    monkeypatch.setattr(fpmod, "FOLD_MIN", fold_min)
     rng = random.Random(7)
     stored = {rng.getrandbits(64) for _ in range(5000)}
     snapshot = np.array(sorted(stored), dtype=np.uint64)
     changed = rng.sample(sorted(stored), 300) + [rng.getrandbits(64) for _ in range(300)]
-    delta = {fp: rng.random() < 0.5 for fp in changed}
-    now = (stored | {fp for fp, present in delta.items() if present}) - {
-        fp for fp, present in delta.items() if not present}
+    changes = [(fp, rng.random() < 0.5) for fp in changed for _ in range(rng.randint(1, 3))]
+    rng.shuffle(changes)
+    delta = fpmod.Delta()
+    latest: dict[int, bool] = {}
+    for start in range(0, len(changes), 97):
+        batch = changes[start : start + 97]
+        blob = b"".join(fpmod.encode_changes([fp], present) for fp, present in batch)
+        delta.apply(fpmod.decode_changes(blob))
+        latest.update(batch)
+    assert (len(delta.fps) > 0) == (fold_min < len(changes)), "the fold did not happen"
+    now = (stored | {fp for fp, present in latest.items() if present}) - {
+        fp for fp, present in latest.items() if not present}
     probes = rng.sample(sorted(stored), 1000) + changed + [rng.getrandbits(64) for _ in range(1000)]
     rng.shuffle(probes)
     assert index_module.lookup(snapshot, delta, probes) == [fp in now for fp in probes]
-    assert index_module.lookup(snapshot, {}, probes) == [fp in stored for fp in probes]
+    assert index_module.lookup(snapshot, fpmod.Delta(), probes) == [fp in stored for fp in probes]
     empty = np.zeros(0, dtype=np.uint64)
-    assert index_module.lookup(empty, delta, probes) == [delta.get(fp, False) for fp in probes]
+    assert index_module.lookup(empty, delta, probes) == [latest.get(fp, False) for fp in probes]
+
+
+def test_a_torn_feed_row_is_refused() -> None:
+    from hicache_store.backends import _fingerprints as fpmod
+
+    blob = fpmod.encode_changes([1, 2], True)
+    assert list(fpmod.decode_changes(blob)["fp"]) == [1, 2]
+    with pytest.raises(ValueError, match="whole number of records"):
+        fpmod.decode_changes(blob[:-1])
