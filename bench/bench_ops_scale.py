@@ -163,6 +163,7 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--verify-big", metavar="SIZE",
                         help="also: inspect --verify of one object of SIZE (e.g. 512MiB)")
+    parser.add_argument("--keep", action="store_true", help="keep the stores built")
     parser.add_argument("--build", nargs=2, metavar=("ROOT", "OBJECTS"), help=argparse.SUPPRESS)
     parser.add_argument("--build-big", nargs=2, metavar=("ROOT", "BYTES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -221,7 +222,8 @@ def main() -> None:
             rows.append((objects, name, result))
             print(f"  {name}: {result['seconds']:.1f} s, {result['rss_mib']:.0f} MiB peak RSS",
                   flush=True)
-        shutil.rmtree(store, ignore_errors=True)
+        if not args.keep:  # (deleting 1 M files takes over 30 minutes on this VM's ext4)
+            shutil.rmtree(store, ignore_errors=True)
     if rows:
         _table(rows)
     if args.verify_big:
