@@ -368,9 +368,68 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, meta: dict[s
            "min (linear in the objects)." if "sglang" in big else ""),
     ]
     lines += ["", *targets(results, anon, rss)]
+    if args.ops_json:
+        lines += ["", *ops_lines(json.loads(Path(args.ops_json).read_text()))]
     if meta.get("note"):
         lines += ["", str(meta["note"])]
     return "\n".join(lines) + "\n"
+
+
+OPS_COMMANDS = ("inspect", "gc --dry-run", "gc --dry-run, parents cached", "gc (deletes 10%)")
+
+
+def ops_lines(ops: dict[str, Any]) -> list[str]:
+    """The operator tools' figures (a ``bench_ops_scale.py --json`` file) as a table, with
+    the projection to 10 M and 100 M objects and issue 22's targets for them."""
+    rows = ops["rows"]
+    counts = sorted({r["objects"] for r in rows})
+    cell = {(r["objects"], r["command"]): r for r in rows}
+    lines = [
+        "Operator tools at the same counts. Command: `.venv/bin/python bench/bench_ops_scale.py "
+        f"--objects {' '.join(str(c) for c in counts)} --json ops.json`, then "
+        "`--ops-json ops.json` here. Its own store per count: 8 KiB framed objects (4 KiB "
+        "header, 4 KiB payload) in chains of 16 pages, written through the file backend; each "
+        "command a fresh CLI process (`--json --no-progress`); wall seconds and peak RSS (GNU "
+        "`time`). `gc --dry-run` to half the bytes reads every header (empty state directory); "
+        "run again it reuses its parent cache; `gc` then deletes 10% in plan order. Load "
+        f"average {ops['load_start']:.1f} at the start, {ops['load_end']:.1f} at the end.",
+        "",
+        "| objects | " + " | ".join(OPS_COMMANDS) + " |",
+        "|---|" + "---|" * len(OPS_COMMANDS),
+    ]
+    for n in counts:
+        cells = []
+        for command in OPS_COMMANDS:
+            r = cell.get((n, command))
+            cells.append(f"{r['seconds']:.1f} s, {r['rss_mib']:.0f} MiB" if r else "-")
+        lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
+    big = counts[-1]
+    peak = max(r["rss_mib"] for r in rows)
+    grown = max(cell[(big, c)]["rss_mib"] for c in OPS_COMMANDS if (big, c) in cell) - max(
+        cell[(counts[0], c)]["rss_mib"] for c in OPS_COMMANDS if (counts[0], c) in cell)
+
+    def projected(command: str, n: int) -> str:
+        r = cell.get((big, command))
+        if r is None:
+            return "-"
+        minutes = r["seconds"] / big * n / 60
+        return f"{minutes:.0f} min" if minutes < 120 else f"{minutes / 60:.1f} h"
+
+    lines += [
+        "",
+        f"Projected from {big:,} objects (time per object x the count; memory as measured, it "
+        f"does not follow the store: {grown:+.0f} MiB of peak RSS from {counts[0]:,} to "
+        f"{big:,} objects): "
+        + "; ".join(f"`{c}` {projected(c, 10_000_000)} at 10 M, {projected(c, 100_000_000)} "
+                    "at 100 M" for c in OPS_COMMANDS) + ".",
+        "",
+        f"- `inspect` / `gc` memory at most 256 MB at any size: {verdict(peak * 2**20 <= 256e6)}"
+        f", peak {peak:.0f} MiB over every command and count.",
+        f"- `gc` of 10 M objects in minutes: `gc --dry-run` (every header read) "
+        f"{projected('gc --dry-run', 10_000_000)}, the deleting `gc` "
+        f"{projected('gc (deletes 10%)', 10_000_000)} (projected, under this run's load).",
+    ]
+    return lines
 
 
 def verdict(met: bool) -> str:
@@ -424,6 +483,7 @@ def main() -> int:
     parser.add_argument("--write-md", action="store_true")
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--from-json", help="render the results of an earlier --json run")
+    parser.add_argument("--ops-json", help="add bench_ops_scale.py --json figures (inspect, gc)")
     args = parser.parse_args()
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())

@@ -164,6 +164,7 @@ def main() -> None:
     parser.add_argument("--verify-big", metavar="SIZE",
                         help="also: inspect --verify of one object of SIZE (e.g. 512MiB)")
     parser.add_argument("--keep", action="store_true", help="keep the stores built")
+    parser.add_argument("--json", help="write the figures here (commands, seconds, peak RSS)")
     parser.add_argument("--build", nargs=2, metavar=("ROOT", "OBJECTS"), help=argparse.SUPPRESS)
     parser.add_argument("--build-big", nargs=2, metavar=("ROOT", "BYTES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -182,6 +183,7 @@ def main() -> None:
     if args.baseline:
         old_env = {**env, "PYTHONPATH": str(baseline_tree(args.baseline, workdir))}
     rows: list[tuple[int, str, dict[str, Any]]] = []
+    load_start = os.getloadavg()[0]
     for objects in args.objects:
         store = workdir / f"store-{objects}"
         if store.exists():
@@ -220,6 +222,12 @@ def main() -> None:
         for name, argv, step_env in steps:
             result = run(argv, step_env, workdir)
             rows.append((objects, name, result))
+            if args.json:  # after every step: the figures so far survive an interrupted run
+                Path(args.json).write_text(json.dumps({
+                    "load_start": load_start, "load_end": os.getloadavg()[0],
+                    "rows": [{"objects": o, "command": c, "seconds": r["seconds"],
+                              "rss_mib": r["rss_mib"]} for o, c, r in rows],
+                }, indent=2))
             print(f"  {name}: {result['seconds']:.1f} s, {result['rss_mib']:.0f} MiB peak RSS",
                   flush=True)
         if not args.keep:  # (deleting 1 M files takes over 30 minutes on this VM's ext4)
