@@ -16,6 +16,12 @@ Rows:
 * literature policies over plain blocks (no leaf rule; a hole cuts the prefix): FIFO, SLRU
   (20% probation), S3-FIFO (10% small queue, ghost), ARC, W-TinyLFU (1% window, SLRU main,
   count-min admission);
+* online, age-conditioned (``OnlineHazard``, learned from the past only, classes a tier can
+  see: reuse count; for a new block, how deep the request's known prefix reaches and how far
+  past it the block lies): ``online: hazard per class`` (the class head least likely to be
+  reused within the cache's mean eviction age goes), ``online: LHD (hit density per class)``
+  (Beckmann et al., NSDI'18: hits per block-request of residency expected from its age on),
+  ``online: arc with T1 by hazard per class`` (ARC whose T1 evicts by the hazard);
 * what no online policy can have: ``oracle admission`` (LRU that never keeps a block with no
   future use), and two in-sample ceilings for the request-level signals an online cache does
   see (how many times the chain was extended before, how many blocks the request adds, how
@@ -23,7 +29,8 @@ Rows:
   then applied to: ``ceiling: P(reuse given features)`` (priority = time + tau * in-sample
   reuse probability of the block's feature bucket) and
   ``ceiling: hazard per class`` (per-class LRU queues, evict the class head least likely to be
-  reused within the next two minutes given its age).
+  reused within the next two minutes given its age; ``... and offset``: classes split by the
+  offset bucket too).
 """
 
 from __future__ import annotations
@@ -32,11 +39,13 @@ import abc
 import argparse
 import bisect
 import heapq
+import itertools
 import math
 import zlib
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from hicache_store.demo.bench.trace_format import Trace, TraceRequest, read_trace
 from hicache_store.demo.bench.trace_sim import (
@@ -360,30 +369,40 @@ class InSamplePriority(LRUEviction[int]):
         self._leaves.push(node)
 
 
-def hazard_ceiling(trace: Trace, capacity: int, horizon_s: float = 120.0) -> HitCount:
-    """Per-class LRU queues of leaves (class = turns x new-block bucket); the victim is the class
-    head least likely, given its age, to be reused within ``horizon_s`` (gap distributions
-    measured in-sample)."""
+def hazard_ceiling(
+    trace: Trace, capacity: int, horizon_s: float = 120.0, by_offset: bool = False
+) -> HitCount:
+    """Per-class LRU queues of leaves (class = turns x new-block bucket, and with ``by_offset``
+    the bucket of how far past the request's hit the block lies); the victim is the class head
+    least likely, given its age, to be reused within ``horizon_s`` (gap distributions measured
+    in-sample)."""
     features = request_features(trace)
-    classes = [f[:2] for f in features]
     times = [r.timestamp_ms / 1000 for r in trace.requests]
-    gaps: defaultdict[tuple[int, int], list[float]] = defaultdict(list)
+
+    def class_of(index: int, depth: int) -> tuple[int, ...]:
+        turns, new, hit = features[index]
+        if not by_offset:
+            return (turns, new)
+        return (turns, new, _bucket(max(depth - hit, 0), (0, 2, 8, 32)))
+
+    gaps: defaultdict[tuple[int, ...], list[float]] = defaultdict(list)
     for index, uses in enumerate(next_uses(trace)):
-        for use in uses:
-            gaps[classes[index]].append(times[use] - times[index] if use != NEVER else math.inf)
+        for depth, use in enumerate(uses):
+            gap = times[use] - times[index] if use != NEVER else math.inf
+            gaps[class_of(index, depth)].append(gap)
     for values in gaps.values():
         values.sort()
 
-    def score(cls: tuple[int, int], age: float) -> float:
+    def score(cls: tuple[int, ...], age: float) -> float:
         values = gaps[cls]
         alive = len(values) - bisect.bisect_right(values, age)
         soon = bisect.bisect_right(values, age + horizon_s) - bisect.bisect_right(values, age)
         return soon / alive if alive else 0.0
 
     parent: dict[int, int] = {}
-    state: dict[int, tuple[float, int, tuple[int, int]]] = {}  # block -> (time, -depth, class)
+    state: dict[int, tuple[float, int, tuple[int, ...]]] = {}  # block -> (time, -depth, class)
     children: dict[int, int] = {}
-    heaps: defaultdict[tuple[int, int], list[tuple[tuple[float, int, tuple[int, int]], int]]] = (
+    heaps: defaultdict[tuple[int, ...], list[tuple[tuple[float, int, tuple[int, ...]], int]]] = (
         defaultdict(list)
     )
     count = HitCount(len(trace))
@@ -394,19 +413,18 @@ def hazard_ceiling(trace: Trace, capacity: int, horizon_s: float = 120.0) -> Hit
             hit += 1
         count.add(index, prefix_hit_tokens(hit, request.input_length, trace.block_tokens),
                   request.input_length)
-        cls = classes[index]
         for depth, block in enumerate(blocks):
             if block not in state:
                 children[block] = 0
                 if depth:
                     parent[block] = blocks[depth - 1]
                     children[blocks[depth - 1]] += 1
-            state[block] = (times[index], -depth, cls)
+            state[block] = (times[index], -depth, class_of(index, depth))
         for block in blocks:
             if children[block] == 0:
-                heapq.heappush(heaps[cls], (state[block], block))
+                heapq.heappush(heaps[state[block][2]], (state[block], block))
         while len(state) > capacity:
-            best: tuple[float, tuple[int, int]] | None = None
+            best: tuple[float, tuple[int, ...]] | None = None
             for key, heap in heaps.items():
                 while heap and (state.get(heap[0][1]) != heap[0][0] or children[heap[0][1]]):
                     heapq.heappop(heap)
@@ -423,6 +441,234 @@ def hazard_ceiling(trace: Trace, capacity: int, horizon_s: float = 120.0) -> Hit
                 if children[up] == 0:
                     heapq.heappush(heaps[state[up][2]], (state[up], up))
     return count
+
+
+# -- online, age-conditioned policies (learned from the past only) --------------------------------
+
+
+#: upper edges of the age / reuse-gap buckets, in requests: geometric (x1.25), so the policy
+#: resolves the few requests a 1k-block cache holds a page as well as the thousands at 64k.
+_AGE_EDGES = sorted({round(1.25**i) for i in range(90)})[:64]
+
+
+def _age_bucket(age: int) -> int:
+    return min(max(bisect.bisect_right(_AGE_EDGES, age) - 1, 0), len(_AGE_EDGES) - 1)
+
+
+def _log2_bucket(value: int) -> int:
+    return min(max(value, 0).bit_length(), 12)
+
+
+class OnlineHazard:
+    """Leaves in per-class LRU queues; the victim is the class head that scores lowest for its
+    age. Everything is learned online from what the cache has seen (the protocol of
+    ``hicache_store.tier.eviction``; time = requests, as the tier counts it).
+
+    Class of a page, set at each touch: a page used by an earlier request (or whose key a
+    bounded memory of recent touches still holds) is ``reused`` (x its reuse count, capped at 3);
+    a new page is classed by how deep the request's known prefix reaches (log2 of its pages)
+    and how far past it the page lies (log2): the signals of the in-sample ceilings that a tier
+    can see (a first turn knows only the shared system prompt; a later turn, its history).
+
+    Scores (``mode``):
+    * ``hazard``: P(reused within the next h requests | class, age), from the reuse gaps
+      observed through the touch memory (``window`` requests, at most ``memory_factor`` x
+      capacity keys; a key leaving it unused counts as "not reused"), h = the running mean age
+      at eviction: LHD's idea with the cache's own time scale;
+    * ``density``: LHD proper (Beckmann et al., NSDI'18): hits per page-request of residency
+      expected from this age on, from the ages at which pages of the class were hit or evicted.
+    With ``arc``, pages used once and reused pages are ARC's T1 and T2 (target ``p`` adapted on
+    1x ghost lists, the touch memory as recall); only T1 is ordered by the score, T2 is LRU.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        depth: Callable[[int], int],
+        mode: str = "hazard",
+        arc: bool = False,
+        window: int = 4000,
+        memory_factor: float = 8.0,
+        halve_every: int = 200_000,
+    ) -> None:
+        self.capacity, self.depth, self.mode, self.arc = capacity, depth, mode, arc
+        self.window, self.memory_limit = window, int(memory_factor * capacity)
+        self.halve_every, self.observed = halve_every, 0
+        self.clock = 0
+        buckets = len(_AGE_EDGES) + 1  # the last: not reused within the memory
+        self.gaps: defaultdict[tuple[int, ...], list[float]] = defaultdict(lambda: [0.0] * buckets)
+        self.hits: defaultdict[tuple[int, ...], list[float]] = defaultdict(lambda: [0.0] * buckets)
+        self.evictions: defaultdict[tuple[int, ...], list[float]] = defaultdict(
+            lambda: [0.0] * buckets
+        )
+        self.tables: dict[tuple[int, ...], tuple[list[float], list[float], list[float]]] = {}
+        self.memory: dict[int, tuple[int, tuple[int, ...], int]] = {}  # key -> (clock, cls, uses)
+        self.touches: deque[tuple[int, int]] = deque()  # (clock, key), oldest first
+        # page -> [stamp, class, evictable, version, reuses, remembered touch or None]
+        self.pages: dict[int, list[Any]] = {}
+        self.heaps: defaultdict[tuple[int, ...], list[tuple[int, int, int, int]]] = (
+            defaultdict(list)
+        )
+        self.seq = itertools.count()
+        self.known_depth = -1  # deepest page of the current request that was known
+        self.eviction_age = 0.0  # running mean age at eviction (the hazard's horizon)
+        self.p, self.ghosts = 0.0, {1: OrderedDict[int, None](), 2: OrderedDict[int, None]()}
+        self.resident = {1: 0, 2: 0}
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    def _count(self, table: defaultdict[tuple[int, ...], list[float]], cls: tuple[int, ...],
+               bucket: int) -> None:
+        table[cls][bucket] += 1
+        self.tables.pop(cls, None)
+        self.observed += 1
+        if self.observed >= self.halve_every:  # decay: the statistics follow the traffic
+            self.observed = 0
+            for t in (self.gaps, self.hits, self.evictions):
+                for row in t.values():
+                    row[:] = [v / 2 for v in row]
+            self.tables.clear()
+
+    def begin_request(self) -> None:
+        self.clock += 1
+        self.known_depth = -1
+        while self.touches and (
+            self.touches[0][0] <= self.clock - self.window
+            or len(self.touches) > self.memory_limit
+        ):
+            stamp, key = self.touches.popleft()
+            entry = self.memory.get(key)
+            if entry is not None and entry[0] == stamp:  # left the memory unused
+                del self.memory[key]
+                self._count(self.gaps, entry[1], len(_AGE_EDGES))
+
+    def admit(self, node: int) -> None:
+        remembered = self.memory.get(node)
+        if self.arc:
+            b1, b2 = self.ghosts[1], self.ghosts[2]
+            if node in b1:
+                self.p = min(float(self.capacity), self.p + max(len(b2) / len(b1), 1.0))
+                del b1[node]
+            elif node in b2:
+                self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
+                del b2[node]
+        uses = 0 if remembered is None else remembered[2] + 1
+        self.pages[node] = [self.clock, None, False, 0, uses, remembered]
+
+    @staticmethod
+    def _segment(klass: tuple[int, ...] | None) -> int:
+        return 2 if klass is not None and klass[0] == -1 else 1
+
+    def touch(self, node: int) -> None:
+        page = self.pages[node]
+        remembered = page[5]
+        if remembered is not None or page[0] < self.clock:  # used before: a hit or a recall
+            if remembered is None:
+                self._count(self.hits, page[1], _age_bucket(self.clock - page[0]))
+                remembered = self.memory.get(node)
+            if remembered is not None and remembered[0] < self.clock:
+                self._count(self.gaps, remembered[1], _age_bucket(self.clock - remembered[0]))
+                page[4] = remembered[2] + 1
+            self.known_depth = max(self.known_depth, self.depth(node))
+        page[5] = None
+        if page[4]:
+            cls: tuple[int, ...] = (-1, min(page[4], 3))
+        else:
+            known = self.known_depth + 1
+            cls = (_log2_bucket(known), _log2_bucket(self.depth(node) - known))
+        if page[1] is not None:
+            self.resident[self._segment(page[1])] -= 1
+        self.resident[self._segment(cls)] += 1
+        page[0], page[1] = self.clock, cls
+        self.memory[node] = (self.clock, cls, page[4])
+        self.touches.append((self.clock, node))
+        self._push(node)
+
+    def _push(self, node: int) -> None:
+        page = self.pages[node]
+        page[3] = next(self.seq)
+        if page[2] and page[1] is not None:
+            queue = (-1,) if self.arc and page[1][0] == -1 else page[1]
+            heapq.heappush(self.heaps[queue], (page[0], -self.depth(node), page[3], node))
+
+    def set_evictable(self, node: int, evictable: bool) -> None:
+        page = self.pages[node]
+        if page[2] != evictable:
+            page[2] = evictable
+            self._push(node)
+
+    def _head(self, queue: tuple[int, ...]) -> tuple[int, int, int, int] | None:
+        heap = self.heaps[queue]
+        while heap:
+            page = self.pages.get(heap[0][3])
+            if page is not None and page[2] and page[3] == heap[0][2]:
+                return heap[0]
+            heapq.heappop(heap)
+        return None
+
+    def _table(self, cls: tuple[int, ...]) -> tuple[list[float], list[float], list[float]]:
+        """Suffix sums from each age bucket on: (hazard: gaps+unused; density: hits, hits +
+        evictions, their ages)."""
+        table = self.tables.get(cls)
+        if table is None:
+            n = len(_AGE_EDGES)
+            gaps, hits, evictions = self.gaps[cls], self.hits[cls], self.evictions[cls]
+            tail, hit_tail, end_tail, age_tail = ([0.0] * (n + 2) for _ in range(4))
+            for i in range(n, -1, -1):
+                tail[i] = tail[i + 1] + gaps[i]
+                if i < n:
+                    ends = hits[i] + evictions[i]
+                    hit_tail[i] = hit_tail[i + 1] + hits[i]
+                    end_tail[i] = end_tail[i + 1] + ends
+                    age_tail[i] = age_tail[i + 1] + ends * _AGE_EDGES[i]
+            table = self.tables[cls] = (tail, hit_tail, end_tail) if self.mode == "hazard" else (
+                hit_tail, end_tail, age_tail)
+        return table
+
+    def score(self, cls: tuple[int, ...], age: int) -> float:
+        a = _age_bucket(age)
+        if self.mode == "hazard":
+            tail = self._table(cls)[0]
+            b = _age_bucket(age + max(1, round(self.eviction_age)))
+            return (tail[a] - tail[b]) / tail[a] if tail[a] else 0.5
+        hit_tail, end_tail, age_tail = self._table(cls)
+        if not end_tail[a]:
+            return 1.0  # ages this class never reached: keep it (explore)
+        return hit_tail[a] / max(age_tail[a] - age * end_tail[a], 1.0)
+
+    def victim(self) -> int | None:
+        best: tuple[float, tuple[int, int, int, int]] | None = None
+        for queue in list(self.heaps):
+            if self.arc and queue == (-1,):
+                continue
+            head = self._head(queue)
+            if head is not None:
+                candidate = (self.score(self.pages[head[3]][1], self.clock - head[0]), head)
+                if best is None or candidate < best:
+                    best = candidate
+        t1 = None if best is None else best[1][3]
+        if not self.arc:
+            return t1
+        t2_head = self._head((-1,))
+        t2 = None if t2_head is None else t2_head[3]
+        if t1 is not None and (self.resident[1] > self.p or t2 is None):
+            return t1
+        return t2 if t2 is not None else t1
+
+    def evict(self, node: int) -> None:
+        page = self.pages.pop(node)
+        age = self.clock - page[0]
+        self.eviction_age += (age - self.eviction_age) / 1000
+        if page[1] is not None:
+            self._count(self.evictions, page[1], _age_bucket(age))
+            segment = self._segment(page[1])
+            self.resident[segment] -= 1
+            if self.arc:
+                ghosts = self.ghosts[segment]
+                ghosts[node] = None
+                while len(ghosts) > self.capacity:
+                    ghosts.popitem(last=False)
 
 
 # -- what the trace offers a cache -------------------------------------------------------------------
@@ -475,7 +721,58 @@ def characterize(trace: Trace) -> list[str]:
         f"continuation gap (s): p10 {pct(0.1):.0f}, p50 {pct(0.5):.0f}, p90 {pct(0.9):.0f}",
         "new blocks used again, by blocks past the request's hit: "
         + ", ".join(f"{labels[b]}: {100 * c / n:.0f}%" for b, (n, c) in sorted(offset_reuse.items())),
+        *reuse_predictability(trace),
     ]
+
+
+def reuse_predictability(trace: Trace) -> list[str]:
+    """How well every field of the trace predicts whether a new block is ever used again: the
+    ROC AUC (0.5: a coin; 1: what ``oracle admission`` knows) of an in-sample lookup table of
+    the reuse rate per combination of features, each added in turn (optimistic: a table with
+    thousands of cells fitted and scored on the same blocks)."""
+    uses = next_uses(trace)
+    times = [r.timestamp_ms / 1000 for r in trace.requests]
+    last_user: dict[int, int] = {}
+    turns = [0] * len(trace)
+    rows: list[tuple[tuple[int, ...], bool]] = []
+    for index, request in enumerate(trace.requests):
+        blocks, hit = request.hash_ids, 0
+        while hit < len(blocks) and blocks[hit] in last_user:
+            hit += 1
+        gap = -1
+        if hit >= 2:  # past a shared first block: a continuation (as in ``characterize``)
+            before = last_user[blocks[hit - 1]]
+            turns[index] = turns[before] + 1
+            gap = _bucket(int(times[index] - times[before]), (30, 60, 120, 300, 600))
+        new = _bucket(len(blocks) - hit, (1, 2, 3, 5, 8, 16, 32))
+        output = _bucket(request.output_length, (32, 64, 128, 256, 512))
+        partial = request.input_length % trace.block_tokens != 0
+        for depth in range(hit, len(blocks)):
+            offset = _bucket(depth - hit, (0, 1, 2, 4, 8, 16, 32))
+            last = int(partial and depth == len(blocks) - 1)
+            features = (min(turns[index], 8), new, offset, gap, output, last)
+            rows.append((features, uses[index][depth] != NEVER))
+        for block in blocks:
+            last_user[block] = index
+    names = ("turns", "new blocks", "offset past the hit", "gap since the last turn",
+             "output length", "partial last block")
+    out = [f"new blocks: {len(rows)}, used again: {sum(y for _, y in rows)}; in-sample AUC of "
+           "'used again' given"]
+    for n in range(1, len(names) + 1):
+        cells: defaultdict[tuple[int, ...], list[int]] = defaultdict(lambda: [0, 0])
+        for key, reused in rows:
+            cells[key[:n]][0] += 1
+            cells[key[:n]][1] += reused
+        ranked = sorted((hits / seen, seen, hits) for seen, hits in cells.values())
+        positives = sum(c[2] for c in ranked)
+        negatives = sum(c[1] - c[2] for c in ranked)
+        below = area = 0.0
+        for _, seen, hits in ranked:
+            area += hits * (below + (seen - hits) / 2)
+            below += seen - hits
+        auc = area / (positives * negatives) if positives and negatives else 0.5
+        out.append(f"  + {names[n - 1]}: {auc:.3f} ({len(cells)} cells)")
+    return out
 
 
 # -- the table ---------------------------------------------------------------------------------------
@@ -507,7 +804,15 @@ POLICIES: dict[str, Runner] = {
     "ARC": lambda t, c: replay_blocks(t, ARC(c)),
     "W-TinyLFU": lambda t, c: replay_blocks(t, WTinyLFU(c)),
     "ceiling: P(reuse given features)": lambda t, c: simulate(t, c, InSamplePriority(t, 1000.0)),
+    "online: hazard per class": lambda t, c: simulate(t, c, OnlineHazard(c, _depths(t).__getitem__)),
+    "online: LHD (hit density per class)": lambda t, c: simulate(
+        t, c, OnlineHazard(c, _depths(t).__getitem__, mode="density")
+    ),
+    "online: arc with T1 by hazard per class": lambda t, c: simulate(
+        t, c, OnlineHazard(c, _depths(t).__getitem__, arc=True, memory_factor=4.0)
+    ),
     "ceiling: hazard per class": hazard_ceiling,
+    "ceiling: hazard per class and offset": lambda t, c: hazard_ceiling(t, c, by_offset=True),
     "oracle admission": oracle_admission,
     "Belady": belady,
 }
