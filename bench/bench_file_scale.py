@@ -369,7 +369,7 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, meta: dict[s
     ]
     lines += ["", *targets(results, anon, rss)]
     if args.ops_json:
-        lines += ["", *ops_lines(json.loads(Path(args.ops_json).read_text()))]
+        lines += ["", *ops_lines([json.loads(Path(p).read_text()) for p in args.ops_json])]
     if meta.get("note"):
         lines += ["", str(meta["note"])]
     return "\n".join(lines) + "\n"
@@ -378,31 +378,42 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace, meta: dict[s
 OPS_COMMANDS = ("inspect", "gc --dry-run", "gc --dry-run, parents cached", "gc (deletes 10%)")
 
 
-def ops_lines(ops: dict[str, Any]) -> list[str]:
-    """The operator tools' figures (a ``bench_ops_scale.py --json`` file) as a table, with
-    the projection to 10 M and 100 M objects and issue 22's targets for them."""
-    rows = ops["rows"]
-    counts = sorted({r["objects"] for r in rows})
-    cell = {(r["objects"], r["command"]): r for r in rows}
+def ops_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """The operator tools' figures (``bench_ops_scale.py --json`` files, one per run) as one
+    table, with each run's projection to 10 M and 100 M objects and issue 22's targets."""
+    counts = sorted({r["objects"] for r in runs[0]["rows"]})
     lines = [
         "Operator tools at the same counts. Command: `.venv/bin/python bench/bench_ops_scale.py "
         f"--objects {' '.join(str(c) for c in counts)} --json ops.json`, then "
-        "`--ops-json ops.json` here. Its own store per count: 8 KiB framed objects (4 KiB "
-        "header, 4 KiB payload) in chains of 16 pages, written through the file backend; each "
-        "command a fresh CLI process (`--json --no-progress`); wall seconds and peak RSS (GNU "
-        "`time`). `gc --dry-run` to half the bytes reads every header (empty state directory); "
-        "run again it reuses its parent cache; `gc` then deletes 10% in plan order. Load "
-        f"average {ops['load_start']:.1f} at the start, {ops['load_end']:.1f} at the end.",
+        "`--ops-json ops.json` here (one `--ops-json` per run). Its own store per count: 8 KiB "
+        "framed objects (4 KiB header, 4 KiB payload) in chains of 16 pages, written through "
+        "the file backend; each command a fresh CLI process (`--json --no-progress`); wall "
+        "seconds and peak RSS (GNU `time`). `gc --dry-run` to half the bytes reads every header "
+        "(empty state directory); run again it reuses its parent cache; `gc` then deletes 10% "
+        "in plan order. Load average at the start and end of each run in the first column.",
         "",
-        "| objects | " + " | ".join(OPS_COMMANDS) + " |",
+        "| objects (run, load) | " + " | ".join(OPS_COMMANDS) + " |",
         "|---|" + "---|" * len(OPS_COMMANDS),
     ]
-    for n in counts:
-        cells = []
-        for command in OPS_COMMANDS:
-            r = cell.get((n, command))
-            cells.append(f"{r['seconds']:.1f} s, {r['rss_mib']:.0f} MiB" if r else "-")
-        lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
+    for i, ops in enumerate(runs):
+        cell = {(r["objects"], r["command"]): r for r in ops["rows"]}
+        for n in sorted({r["objects"] for r in ops["rows"]}):
+            cells = []
+            for command in OPS_COMMANDS:
+                r = cell.get((n, command))
+                cells.append(f"{r['seconds']:.1f} s, {r['rss_mib']:.0f} MiB" if r else "-")
+            lines.append(f"| {n:,} (run {i + 1}, load {ops['load_start']:.1f}-"
+                         f"{ops['load_end']:.1f}) | " + " | ".join(cells) + " |")
+    lines.append("")
+    for i, ops in enumerate(runs):
+        lines += _ops_targets(ops, f"run {i + 1}")
+    return lines[:-1]  # (no blank line after the last run's targets)
+
+
+def _ops_targets(ops: dict[str, Any], name: str) -> list[str]:
+    rows = ops["rows"]
+    counts = sorted({r["objects"] for r in rows})
+    cell = {(r["objects"], r["command"]): r for r in rows}
     big = counts[-1]
     peak = max(r["rss_mib"] for r in rows)
 
@@ -416,9 +427,9 @@ def ops_lines(ops: dict[str, Any]) -> list[str]:
         minutes = r["seconds"] / big * n / 60
         return f"{minutes:.0f} min" if minutes < 120 else f"{minutes / 60:.1f} h"
 
-    lines += [
-        "",
-        f"Projected from {big:,} objects (time per object x the count): "
+    return [
+        f"{name} (load {ops['load_start']:.1f}-{ops['load_end']:.1f}), projected from {big:,} "
+        "objects (time per object x the count): "
         + "; ".join(f"`{c}` {projected(c, 10_000_000)} at 10 M, {projected(c, 100_000_000)} "
                     "at 100 M" for c in OPS_COMMANDS) + ".",
         "",
@@ -433,8 +444,8 @@ def ops_lines(ops: dict[str, Any]) -> list[str]:
         f"with the parent cache {projected('gc --dry-run, parents cached', 10_000_000)}, the "
         f"deleting `gc` {projected('gc (deletes 10%)', 10_000_000)} (projected from {big:,}, "
         "under this run's load).",
+        "",
     ]
-    return lines
 
 
 def verdict(met: bool) -> str:
@@ -486,7 +497,8 @@ def main() -> int:
     parser.add_argument("--write-md", action="store_true")
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--from-json", help="render the results of an earlier --json run")
-    parser.add_argument("--ops-json", help="add bench_ops_scale.py --json figures (inspect, gc)")
+    parser.add_argument("--ops-json", action="append",
+                        help="add bench_ops_scale.py --json figures (inspect, gc); repeatable")
     args = parser.parse_args()
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
