@@ -30,6 +30,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import InvalidKeyError
 from .namespace import DIGEST_HEX_CHARS, UKV1_DIGEST_PREFIX
 
@@ -71,23 +73,58 @@ def validate_storage_key(key: object) -> str:
 
 
 _KEY_CHARACTERS = b"0123456789abcdefkuvABCDEFGHIJKLMNOPQRSTUVWXYZ_-"
-_KEY_FIRST_EXCLUDED = frozenset("_-")
+#: what the batch check deletes: the key characters and the newline it joins keys with.
+_JOINED_CHARACTERS = _KEY_CHARACTERS + b"\n"
+#: batches from this size take the joined check (numpy's fixed cost ~10 us a call); smaller
+#: ones a generator pass per key (~190 ns a key).
+_JOINED_CHECK_MIN = 64
+
+
+def _bad_first(first_bytes: np.ndarray) -> bool:
+    """Whether a key starts with ``_`` or ``-`` (not allowed first, as in ``_STORAGE_KEY_RE``)
+    or a newline (an empty key)."""
+    return bool(((first_bytes == 95) | (first_bytes == 45) | (first_bytes == 10)).any())
 
 
 def validate_storage_keys(keys: Sequence[object]) -> list[str]:
     """``validate_storage_key`` for a whole batch, returning the keys as a list.
 
-    Same rules and errors as the per-key check (the first offending key is reported), but the
-    common all-valid case costs one pass over the joined text in C instead of a regex match per
-    key, which matters to ``exists`` over thousands of keys.
+    Same rules and errors as the per-key check (the first offending key is reported). The
+    common all-valid case costs no regex per key: a small batch one generator pass (~190 ns a
+    key), a batch of ``_JOINED_CHECK_MIN`` keys or more a few passes in C over the keys joined
+    as ``\\n k1 \\n k2 ... \\n`` (~120 ns a 64-character key; this check was the largest
+    share of ``exists`` on the file backend). There a non-str fails the join; the newlines
+    give every key's first byte and length (an empty key is a zero length, a key containing a
+    newline changes their count); any other byte outside the grammar survives the delete.
     """
     batch = list(keys)
-    if all(type(k) is str for k in batch):
-        texts: list[str] = batch  # type: ignore[assignment]
-        if all(0 < len(k) <= MAX_KEY_LENGTH and k[0] not in _KEY_FIRST_EXCLUDED for k in texts):
+    if len(batch) < _JOINED_CHECK_MIN:
+        if all(type(k) is str and 0 < len(k) <= MAX_KEY_LENGTH for k in batch):
+            texts: list[str] = batch  # type: ignore[assignment]
             joined = "".join(texts)
-            if joined.isascii() and not joined.encode("ascii").translate(None, _KEY_CHARACTERS):
+            if (
+                joined.isascii()
+                and not joined.encode("ascii").translate(None, _KEY_CHARACTERS)
+                and not any(k[0] in "_-" for k in texts)
+            ):
                 return texts
+        return [validate_storage_key(k) for k in batch]  # raises for the first bad key
+    try:
+        joined = "\n".join(batch)  # type: ignore[arg-type]
+    except TypeError:
+        joined = ""
+    if joined and joined.isascii():
+        text = f"\n{joined}\n".encode("ascii")
+        if not text.translate(None, _JOINED_CHARACTERS):
+            newlines = np.flatnonzero(np.frombuffer(text, dtype=np.uint8) == 10)
+            lengths = np.diff(newlines) - 1
+            if (
+                len(lengths) == len(batch)
+                and int(lengths.min()) > 0
+                and int(lengths.max()) <= MAX_KEY_LENGTH
+                and not _bad_first(np.frombuffer(text, dtype=np.uint8)[newlines[:-1] + 1])
+            ):
+                return batch  # type: ignore[return-value]
     return [validate_storage_key(k) for k in batch]  # raises for the first bad key
 
 

@@ -99,14 +99,36 @@ def test_parse_is_the_inverse_of_format(
 
 @pytest.mark.parametrize(
     "bad",
-    ["", "_lead", "-lead", "a/b", "..", "a\x00b", "x" * 256, "ключ", "a.b", "a b", "g"],
+    ["", "_lead", "-lead", "a/b", "..", "a\x00b", "x" * 256, "ключ", "a.b", "a b", "g",
+     "ab\ncd", "ab\n", "\nab", "\n", "ab\n_cd", "ab\n\ncd"],
 )
-def test_batch_validation_refuses_what_the_single_check_refuses(bad: str) -> None:
-    good = ["ab" * 16 + "_L0-1", "ff"]
+@pytest.mark.parametrize("many", [1, 50])  # a small batch, and one that takes the joined check
+def test_batch_validation_refuses_what_the_single_check_refuses(bad: str, many: int) -> None:
+    good = ["ab" * 16 + "_L0-1", "ff"] * many
     with pytest.raises(InvalidKeyError):
         validate_storage_key(bad)
     with pytest.raises(InvalidKeyError):
         validate_storage_keys([*good, bad, *good])
+
+
+@pytest.mark.parametrize("padding", [0, 70])  # a small batch, and one that takes the joined check
+@settings(max_examples=400, deadline=None)
+@given(batch=st.lists(st.text(alphabet="0af_-kuvAZ\n./ \x00é", max_size=6), max_size=5))
+def test_batch_validation_agrees_with_the_single_check(batch: list[str], padding: int) -> None:
+    """Any batch: the batch check returns the keys exactly when every key passes the single
+    check, and otherwise refuses the same first key the same way."""
+    batch = ["a0"] * padding + batch
+    expected: list[str] | InvalidKeyError
+    try:
+        expected = [validate_storage_key(k) for k in batch]
+    except InvalidKeyError as exc:
+        expected = exc
+    if isinstance(expected, InvalidKeyError):
+        with pytest.raises(InvalidKeyError) as got:
+            validate_storage_keys(batch)
+        assert str(got.value) == str(expected)
+    else:
+        assert validate_storage_keys(batch) == expected
 
 
 def test_batch_validation_accepts_valid_keys_and_refuses_non_strings() -> None:
