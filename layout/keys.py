@@ -116,13 +116,14 @@ def validate_storage_keys(keys: Sequence[object]) -> list[str]:
     if joined and joined.isascii():
         text = f"\n{joined}\n".encode("ascii")
         if not text.translate(None, _JOINED_CHARACTERS):
-            newlines = np.flatnonzero(np.frombuffer(text, dtype=np.uint8) == 10)
+            data = np.frombuffer(text, dtype=np.uint8)
+            newlines = np.flatnonzero(data == 10)
             lengths = np.diff(newlines) - 1
             if (
                 len(lengths) == len(batch)
                 and int(lengths.min()) > 0
                 and int(lengths.max()) <= MAX_KEY_LENGTH
-                and not _bad_first(np.frombuffer(text, dtype=np.uint8)[newlines[:-1] + 1])
+                and not _bad_first(data[newlines[:-1] + 1])
             ):
                 return batch  # type: ignore[return-value]
     return [validate_storage_key(k) for k in batch]  # raises for the first bad key

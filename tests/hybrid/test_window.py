@@ -36,6 +36,17 @@ def rand(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(CONFIG.vocab_size) for _ in range(n)]
 
 
+def document_in_l3(model: HybridMiniLlama, backend: Backend, rng: random.Random) -> list[int]:
+    """A 24-token document served once and flushed: its KV, a checkpoint at 24 and its window
+    (pages 4, 5) are in ``backend`` (L3); the writer is closed."""
+    doc = rand(rng, 24)
+    writer = make(model, backend)
+    writer.serve([*doc, 1])
+    writer.tier.flush()
+    writer.close()
+    return doc
+
+
 def window_keys(cache: Hybrid, page_hash: str) -> list[str]:
     """The storage keys of one page's window object (one head group per the grid)."""
     assert cache.window is not None
@@ -157,11 +168,7 @@ def test_a_prefetch_does_not_evict_the_objects_its_plan_resumes_with(
     87.6%)."""
     rng = random.Random(7)
     backend = open_backend("memory://")
-    doc = rand(rng, 24)
-    writer = make(model, backend)
-    writer.serve([*doc, 1])  # KV, a checkpoint at 24 and its window (pages 4, 5) into L3
-    writer.tier.flush()
-    writer.close()
+    doc = document_in_l3(model, backend, rng)
     reader = make(model, backend, l2=6, window_l2=3)
     assert reader.serve([*doc, 2, 2]) == 24  # all from L3, into L2
     reader.tier.evict_device()
@@ -188,11 +195,7 @@ def test_a_plan_keeps_its_objects_until_prepare_or_abort(model: HybridMiniLlama)
     dropped instead. ``abort`` releases the plan."""
     rng = random.Random(11)
     backend = open_backend("memory://")
-    doc = rand(rng, 24)
-    writer = make(model, backend)
-    writer.serve([*doc, 1])  # KV, a checkpoint at 24 and its window (pages 4, 5) into L3
-    writer.tier.flush()
-    writer.close()
+    doc = document_in_l3(model, backend, rng)
     reader = make(model, backend, window_l2=2)
     assert reader.serve([*doc, 2]) == 24  # from L3: the window pages fill the window's L2
     reader.tier.evict_device()
@@ -263,11 +266,7 @@ def test_a_shortfall_no_component_explains_is_counted(model: HybridMiniLlama) ->
     prefetch, not by a component."""
     rng = random.Random(13)
     backend = open_backend("memory://")
-    doc = rand(rng, 24)
-    writer = make(model, backend)
-    writer.serve([*doc, 1])
-    writer.tier.flush()
-    writer.close()
+    doc = document_in_l3(model, backend, rng)
     reader = make(model, backend, prefetch_threshold_tokens=64)
     assert reader.serve([*doc, 2]) == 0
     hit = {n: reader.extra(f"component_hit_tokens_{n}") for n in ("kv", "window", "recurrent")}
