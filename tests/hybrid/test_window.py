@@ -175,6 +175,7 @@ def test_a_prefetch_does_not_evict_the_objects_its_plan_resumes_with(
     # Two pages of another prompt: their KV backups evict the document's KV pages 4 and 5 from
     # L2 (L3 keeps them), their window pages take the window's L2 but for page 4's row.
     assert reader.serve(rand(rng, 9)) == 0
+    reader.tier.flush()  # its backups settled: the state below does not depend on their timing
     reader.tier.evict_device()
     page4, page5 = (reader.tier.tree.get(h) for h in hashes(doc, PAGE)[4:6])
     assert page4 is not None and page5 is not None
