@@ -373,9 +373,16 @@ async def test_warm_bytes_come_from_the_page_cache_and_cold_ones_do_not_fill_it(
         finally:
             os.close(fd)
 
+    def drop_from_page_cache(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
     if cached() is None:
         pytest.skip("the kernel has no cachestat (Linux < 6.5)")
-    os.posix_fadvise(os.open(store.path_of("a0"), os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+    drop_from_page_cache(store.path_of("a0"))
     dst = aligned_buffer(size)
     assert await store.get_into(["a0"], [dst]) == [size] and bytes(dst) == bytes(src)
     assert cached() is False, "a first cold read must stay O_DIRECT"
@@ -387,7 +394,7 @@ async def test_warm_bytes_come_from_the_page_cache_and_cold_ones_do_not_fill_it(
     await store.close()
 
     never = FileBackend(tmp_path / "s", page_cache="never")
-    os.posix_fadvise(os.open(never.path_of("a0"), os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+    drop_from_page_cache(never.path_of("a0"))
     for _ in range(3):
         assert await never.get_into(["a0"], [dst]) == [size] and bytes(dst) == bytes(src)
     assert cached() is False
