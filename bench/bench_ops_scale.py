@@ -23,6 +23,15 @@ size (time per object x 100 M; memory as measured: it does not grow with the sto
 ``--verify-big 512MiB`` also measures ``inspect --verify`` of a store holding one object of
 that size (the memory one large object costs), for both trees. ``--objects`` with no value
 skips the scale runs.
+
+``--synthetic 1000000 10000000`` runs the same commands beyond what this disk holds, on
+``synthetic_store.SyntheticStore``: a real ``Backend`` whose listing and header reads are
+computed on the fly (chains of 16 pages scattered over the key space, one 8 KiB object a
+page), holding nothing per object. It measures gc's and inspect's own memory and CPU, not
+file I/O: each command runs ``ops.gc.collect_garbage`` / ``ops.inspection.inspect_store``
+in a fresh process (peak RSS from GNU ``time``), and the store's own CPU (computing headers)
+is reported apart and subtracted in "own us/object". ``gc (deletes 10%)`` deletes nothing
+(the store only counts the calls).
 """
 
 from __future__ import annotations
@@ -156,6 +165,66 @@ def big_object(args: argparse.Namespace, workdir: Path, cli: str, env: dict[str,
     shutil.rmtree(store, ignore_errors=True)
 
 
+SYNTHETIC_COMMANDS = ("inspect", "gc --dry-run", "gc --dry-run, parents cached",
+                      "gc (deletes 10%)")
+
+
+async def synthetic_run(command: str, objects: int, state: Path) -> dict[str, Any]:
+    """One command on a ``SyntheticStore`` of ``objects``, in this process: its figures."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from synthetic_store import SyntheticStore
+
+    from hicache_store.ops.gc import collect_garbage
+    from hicache_store.ops.inspection import inspect_store
+
+    store = SyntheticStore(objects)
+    total = objects * OBJECT_BYTES
+    cpu = time.process_time()
+    report: dict[str, Any]
+    if command == "inspect":
+        report = (await inspect_store(store)).as_dict()
+    else:
+        budget = total * 9 // 10 if command == "gc (deletes 10%)" else total // 2
+        got = await collect_garbage(store, max_bytes=budget, max_age=None, state_dir=state,
+                                    dry_run="dry-run" in command)
+        report = got.as_dict()
+    cpu = time.process_time() - cpu
+    return {"cpu_s": cpu, "store_cpu_s": store.spent, "deleted": store.deleted,
+            "report": report}
+
+
+def synthetic(args: argparse.Namespace, workdir: Path, env: dict[str, str],
+              rows: list[tuple[int, str, dict[str, Any]]], load_start: float) -> None:
+    """The commands on synthetic stores, each in a fresh process; see the docstring."""
+    for objects in args.synthetic:
+        state = workdir / f"state-synthetic-{objects}"
+        shutil.rmtree(state, ignore_errors=True)
+        print(f"{objects:,} objects (synthetic)", flush=True)
+        for name in SYNTHETIC_COMMANDS:
+            result = run([sys.executable, str(Path(__file__).resolve()), "--synthetic-run",
+                          name, str(objects), str(state)], env, workdir)
+            figures = result["report"]
+            result["own_us"] = (figures["cpu_s"] - figures["store_cpu_s"]) / objects * 1e6
+            rows.append((objects, f"{name} (synthetic)", result))
+            _save(args, rows, load_start)
+            print(f"  {name}: {result['seconds']:.1f} s, {result['rss_mib']:.0f} MiB peak RSS, "
+                  f"own CPU {result['own_us']:.1f} us/object (store "
+                  f"{figures['store_cpu_s']:.1f} s)", flush=True)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _save(args: argparse.Namespace, rows: list[tuple[int, str, dict[str, Any]]],
+          load_start: float) -> None:
+    """The figures so far (after every step: they survive an interrupted run)."""
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "load_start": load_start, "load_end": os.getloadavg()[0],
+            "rows": [{"objects": o, "command": c, "seconds": r["seconds"],
+                      "rss_mib": r["rss_mib"], **({"own_us": r["own_us"]} if "own_us" in r
+                                                  else {})} for o, c, r in rows],
+        }, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--objects", type=int, nargs="*", default=[10_000, 100_000])
@@ -163,11 +232,19 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--verify-big", metavar="SIZE",
                         help="also: inspect --verify of one object of SIZE (e.g. 512MiB)")
+    parser.add_argument("--synthetic", type=int, nargs="*", default=[],
+                        help="also: the commands on synthetic stores of these sizes")
     parser.add_argument("--keep", action="store_true", help="keep the stores built")
     parser.add_argument("--json", help="write the figures here (commands, seconds, peak RSS)")
     parser.add_argument("--build", nargs=2, metavar=("ROOT", "OBJECTS"), help=argparse.SUPPRESS)
     parser.add_argument("--build-big", nargs=2, metavar=("ROOT", "BYTES"), help=argparse.SUPPRESS)
+    parser.add_argument("--synthetic-run", nargs=3, metavar=("COMMAND", "OBJECTS", "STATE"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.synthetic_run:
+        command, objects, state = args.synthetic_run
+        print(json.dumps(asyncio.run(synthetic_run(command, int(objects), Path(state)))))
+        return
     # Internal: build a store with whichever tree is first on sys.path.
     if args.build:
         asyncio.run(build(Path(args.build[0]), int(args.build[1])))
@@ -222,16 +299,12 @@ def main() -> None:
         for name, argv, step_env in steps:
             result = run(argv, step_env, workdir)
             rows.append((objects, name, result))
-            if args.json:  # after every step: the figures so far survive an interrupted run
-                Path(args.json).write_text(json.dumps({
-                    "load_start": load_start, "load_end": os.getloadavg()[0],
-                    "rows": [{"objects": o, "command": c, "seconds": r["seconds"],
-                              "rss_mib": r["rss_mib"]} for o, c, r in rows],
-                }, indent=2))
+            _save(args, rows, load_start)
             print(f"  {name}: {result['seconds']:.1f} s, {result['rss_mib']:.0f} MiB peak RSS",
                   flush=True)
         if not args.keep:  # (deleting 1 M files takes over 30 minutes on this VM's ext4)
             shutil.rmtree(store, ignore_errors=True)
+    synthetic(args, workdir, env, rows, load_start)
     if rows:
         _table(rows)
     if args.verify_big:
@@ -240,12 +313,13 @@ def main() -> None:
 
 def _table(rows: list[tuple[int, str, dict[str, Any]]]) -> None:
     largest = max(objects for objects, _, _ in rows)
-    print("\n| objects | command | seconds | peak RSS (MiB) | us/object |")
-    print("|---|---|---|---|---|")
+    print("\n| objects | command | seconds | peak RSS (MiB) | us/object | own CPU us/object |")
+    print("|---|---|---|---|---|---|")
     for objects, name, result in rows:
         per = result["seconds"] / objects * 1e6
+        own = f"{result['own_us']:.1f}" if "own_us" in result else ""
         print(f"| {objects:,} | {name} | {result['seconds']:.1f} | {result['rss_mib']:.0f} | "
-              f"{per:.1f} |")
+              f"{per:.1f} | {own} |")
     print(f"\nProjected to 100 M objects (time per object at {largest:,} x 100 M):")
     for objects, name, result in rows:
         if objects == largest:

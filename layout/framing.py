@@ -69,7 +69,7 @@ from .errors import (
     TruncatedObjectError,
     UnsupportedVersionError,
 )
-from .keys import ObjectCoords, ObjectKey, format_key, validate_page_hash
+from .keys import ObjectCoords, ObjectKey, format_key, key_tail, validate_page_hash
 from .namespace import MAX_LAYERS_PER_OBJECT
 
 MAGIC = b"HCSTORE\x00"
@@ -152,6 +152,18 @@ class ObjectHeader:
 
     def key(self) -> ObjectKey:
         return ObjectKey(self.page_hash, self.namespace_digest, self.coords)
+
+    def storage_key(self) -> str:
+        """The storage key this header describes (``format_key(self.key())`` without
+        re-validating fields the header's checksum and decoder already checked)."""
+        return self.page_hash + key_tail(self.namespace_digest, self.coords)
+
+    def describes(self, key: ObjectKey | str) -> bool:
+        """Whether this header is the one of ``key`` (parsed, or a storage key)."""
+        if isinstance(key, str):
+            return self.storage_key() == key
+        return (self.page_hash, self.namespace_digest, self.coords) == (
+            key.page_hash, key.namespace_digest, key.coords)
 
     def block_range(self, layer_start: int, layer_stop: int) -> tuple[int, int]:
         """Object-absolute byte range ``[start, stop)`` of layers ``[layer_start, layer_stop)``."""
@@ -271,7 +283,7 @@ def encode_object(
 def decode_header(
     data: BytesLike,
     *,
-    expected: ObjectKey | None = None,
+    expected: ObjectKey | str | None = None,
     object_length: int | None = None,
     sealed: bool | None = None,
 ) -> ObjectHeader:
@@ -279,9 +291,9 @@ def decode_header(
 
     ``data`` must hold at least the whole header, padding included (``payload_offset`` bytes;
     fewer raise ``TruncatedObjectError``), and the padding must be zero. With ``expected``, the
-    header must describe exactly that key (``KeyMismatchError`` otherwise). With
-    ``object_length`` (the stored object's size), the payload must end exactly there
-    (``TruncatedObjectError`` / ``HeaderFieldError``).
+    header must describe exactly that key, parsed or as its storage key (``KeyMismatchError``
+    otherwise). With ``object_length`` (the stored object's size), the payload must end exactly
+    there (``TruncatedObjectError`` / ``HeaderFieldError``).
 
     ``sealed`` is what the reader's namespace says: True refuses a plain object
     (``TamperedObjectError``: anyone can write one under a sealed namespace's key), False
@@ -395,9 +407,9 @@ def decode_header(
         block_tags=tags,
         sealed_fixed=sealed_fixed,
     )
-    if expected is not None and header.key() != expected:
+    if expected is not None and not header.describes(expected):
         raise KeyMismatchError(
-            f"object header describes {header.key()} but {expected} was asked for"
+            f"object header describes {header.storage_key()} but {expected} was asked for"
         )
     return header
 

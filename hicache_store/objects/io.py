@@ -51,7 +51,7 @@ from hicache_store.layout.framing import (
     payload_offset,
     verify_blocks,
 )
-from hicache_store.layout.keys import ObjectKey, parse_key
+from hicache_store.layout.keys import ObjectKey, parse_key, validate_page_hash
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
 from hicache_store.tenant import KeyRing
 
@@ -390,9 +390,23 @@ class ObjectIO:
         with no header (SGLang's bare objects) are not read: their header is the format's,
         synthesised from the key (``payload_offset`` 0, no parent, ``payload_length`` 0:
         not known)."""
-        keys = [_parsed(k) for k in storage_keys]
-        bare = [k is not None and self._tool_format(k).header_bytes(k.coords.num_layers) == 0
-                for k in keys]
+        # A store's keys share few tails (namespace and coordinates): each is parsed and its
+        # format looked up once per call, and a header is checked against its storage key
+        # (a string comparison), not a parsed key per object (~10 us each at gc's scale).
+        tails: dict[str, ObjectKey | None] = {}
+        keys: list[ObjectKey | None] = []
+        bare: list[bool] = []
+        for storage_key in storage_keys:
+            page, _, tail = storage_key.partition("_")
+            if tail not in tails:
+                tails[tail] = _parsed(_SAMPLE_PAGE + "_" + tail)
+            sample = tails[tail]
+            if sample is None or not _is_page_hash(page):
+                keys.append(None)
+                bare.append(False)
+                continue
+            keys.append(sample)
+            bare.append(self._tool_format(sample).header_bytes(sample.coords.num_layers) == 0)
         wanted = [k for k, skip in zip(storage_keys, bare, strict=True) if not skip]
         probe = payload_offset(1)
         buffers = [bytearray(probe) for _ in wanted]
@@ -403,8 +417,10 @@ class ObjectIO:
             read = [-1] * len(wanted)  # one is shorter than the probe: key by key
         found = iter(zip(buffers, read, strict=True))
         out: list[ObjectHeader | CorruptObjectError | None] = []
-        for storage_key, expected, skip in zip(storage_keys, keys, bare, strict=True):
+        for storage_key, sample, skip in zip(storage_keys, keys, bare, strict=True):
             if skip:
+                assert sample is not None
+                expected = _parsed(storage_key)
                 assert expected is not None
                 out.append(self._tool_format(expected).open_header(
                     expected, memoryview(b""), payload_bytes=0))
@@ -413,11 +429,11 @@ class ObjectIO:
             try:
                 if n is None:
                     out.append(None)
-                elif n < 0 or expected is None:
+                elif n < 0 or sample is None:
                     out.append(await self.read_header(storage_key))
                 else:
                     try:
-                        out.append(decode_header(buf, expected=expected))
+                        out.append(decode_header(buf, expected=storage_key))
                     except TruncatedObjectError:
                         out.append(await self.read_header(storage_key))  # a longer header
             except CorruptObjectError as exc:
@@ -528,6 +544,18 @@ class ObjectIO:
         """The format tools read ``key`` in: this ``ObjectIO``'s when it serves a namespace,
         else the one the key's namespace digest says (``format_for``)."""
         return self.format if self.namespace is not None else format_for(key)
+
+
+#: a page hash to parse a key's tail with (``read_headers``).
+_SAMPLE_PAGE = "0" * 64
+
+
+def _is_page_hash(text: str) -> bool:
+    try:
+        validate_page_hash(text)
+    except InvalidKeyError:
+        return False
+    return True
 
 
 def _parsed(storage_key: str) -> ObjectKey | None:

@@ -82,15 +82,15 @@ from hicache_store.objects import ObjectIO
 #: keys per ``delete`` call.
 DELETE_CHUNK = 1000
 #: headers per backend call, and headers in flight at once (also recorded per transaction).
-HEADER_BATCH = 128
-HEADER_READS_IN_FLIGHT = 1024
+HEADER_BATCH = 512
+HEADER_READS_IN_FLIGHT = 2048
 #: listed objects per SQLite transaction, and tails taken per planning query.
 SCAN_BATCH = 20_000
 PLAN_BATCH = 4096
 #: SQLite page cache per database file (the working set and the parent cache).
-CACHE_MIB = 48
+CACHE_MIB = 16
 #: the working set's schema; a state from another version is discarded.
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 #: ``progress(phase, done, total)``; ``total`` is None while unknown (the listing).
 ProgressFn = Callable[[str, int, "int | None"], None]
@@ -452,13 +452,14 @@ def _group_pages(state: GcState) -> None:
         DROP TABLE IF EXISTS pages;
         CREATE TABLE pages (
             page TEXT PRIMARY KEY, size INTEGER NOT NULL, objects INTEGER NOT NULL,
-            undated INTEGER NOT NULL, newest REAL NOT NULL,
+            undated INTEGER NOT NULL, newest REAL NOT NULL, tail TEXT NOT NULL,
             parent TEXT, key_id TEXT, parent_known INTEGER NOT NULL DEFAULT 0,
             children INTEGER NOT NULL DEFAULT 0, step INTEGER, rule INTEGER,
             outcome INTEGER, blocked INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;
         BEGIN;
-        INSERT INTO pages (page, size, objects, undated, newest)
-            SELECT page, sum(size), count(*), max(mtime IS NULL), coalesce(max(mtime), 0.0)
+        INSERT INTO pages (page, size, objects, undated, newest, tail)
+            SELECT page, sum(size), count(*), max(mtime IS NULL), coalesce(max(mtime), 0.0),
+                   min(tail)
             FROM objects GROUP BY page;
         UPDATE pages SET parent = nullif(c.parent, ''), key_id = c.key_id, parent_known = 1
             FROM cache.parents AS c WHERE c.page = pages.page;
@@ -497,8 +498,7 @@ async def _read_parents(backend: Backend, state: GcState,
     last = ""
     while True:
         rows = state.db.execute(
-            "SELECT p.page, (SELECT tail FROM objects o WHERE o.page = p.page ORDER BY tail"
-            " LIMIT 1) FROM pages p WHERE p.parent_known = 0 AND p.page > ? ORDER BY p.page"
+            "SELECT page, tail FROM pages WHERE parent_known = 0 AND page > ? ORDER BY page"
             " LIMIT ?", (last, HEADER_READS_IN_FLIGHT)).fetchall()
         if not rows:
             break
@@ -582,6 +582,11 @@ class _Planner:
     ``children`` and, at zero, the parent joins the index. ``fit`` pops tails oldest first
     across index batches: parents uncovered during a batch wait in a small heap and are
     merged in key order, so the order is exactly a global heap's.
+
+    Within a batch the parents' rows are read once each and decremented in memory (a chain
+    uncovered page by page costs one indexed read a page, not an index-maintaining UPDATE);
+    the batch's plan and counts are written together at its end, or every ``PLAN_BATCH``
+    planned pages when one batch uncovers more (a long chain): memory stays one batch.
     """
 
     def __init__(self, state: GcState) -> None:
@@ -589,17 +594,39 @@ class _Planner:
         self.db = db = state.db
         self.step = 0
         self.total = int(db.execute("SELECT coalesce(sum(size), 0) FROM pages").fetchone()[0])
-        #: ``(step, rule, page)`` planned in this batch, written at its end (``_batch``): no
-        #: query within a batch needs them (a page is planned only once it has no children
-        #: left, so none of its children is planned after it).
+        #: ``(step, rule, page)`` planned since the last write: no query of the batch needs
+        #: them (a page is planned only once it has no children left, so none of its children
+        #: is planned after it), except ``_parent`` reads, which ``parents`` answers.
         self.planned: list[tuple[int, int, str]] = []
+        #: page -> ``[children, undated, newest, size, parent]`` as decremented since the last
+        #: write; None once planned.
+        self.parents: dict[str, list[Any] | None] = {}
 
     @contextlib.contextmanager
     def _batch(self) -> Iterator[None]:
-        with self.state.transaction() as db:
+        with self.state.transaction():
             yield
-            db.executemany("UPDATE pages SET step = ?, rule = ? WHERE page = ?", self.planned)
+            self._write()
+
+    def _write(self) -> None:
+        """Write the plan and the decremented counts held in memory (inside a transaction)."""
+        self.db.executemany("UPDATE pages SET children = ? WHERE page = ?",
+                            [(row[0], page) for page, row in self.parents.items()
+                             if row is not None])
+        self.db.executemany("UPDATE pages SET step = ?, rule = ?, children = 0 WHERE page = ?",
+                            self.planned)
         self.planned = []
+        self.parents = {}
+
+    def _parent(self, page: str) -> list[Any] | None:
+        """``page``'s row as this batch left it; None if it is planned (or not stored)."""
+        if page in self.parents:
+            return self.parents[page]
+        row = self.db.execute(
+            "SELECT children, undated, newest, size, parent FROM pages "
+            "WHERE page = ? AND step IS NULL", (page,)).fetchone()
+        self.parents[page] = entry = None if row is None else list(row)
+        return entry
 
     def drop(self, page: str, size: int, parent: str | None, rule: int
              ) -> tuple[_TailKey, int, str | None] | None:
@@ -607,14 +634,17 @@ class _Planner:
         self.step += 1
         self.total -= size
         self.planned.append((self.step, rule, page))
-        if parent is None:
-            return None
-        row = self.db.execute(
-            "UPDATE pages SET children = children - 1 WHERE page = ? AND step IS NULL "
-            "RETURNING children, undated, newest, size, parent", (parent,)).fetchone()
-        if row is None or row[0] != 0:
-            return None
-        return (int(row[1]), float(row[2]), parent), int(row[3]), row[4]
+        row = None if parent is None else self._parent(parent)
+        self.parents[page] = None
+        uncovered = None
+        if row is not None:
+            row[0] -= 1
+            if row[0] == 0:
+                assert parent is not None
+                uncovered = (int(row[1]), float(row[2]), parent), int(row[3]), row[4]
+        if len(self.planned) >= PLAN_BATCH:
+            self._write()
+        return uncovered
 
     def remove(self, where: str, params: Sequence[object], rule: int) -> None:
         """Phases 0 and 1: every tail matching ``where`` (a retired key, an expired age),

@@ -25,7 +25,7 @@ block of those sealed with a key it holds; sealed objects under a key it does no
 in ``unverified``, never reported corrupt for that.
 
 **Bounded memory at any store size.** Nothing per object is kept: counts per namespace, the
-distinct pages through ``ops.distinct`` (spilled to temporary files past a million), and at
+distinct pages through ``ops.distinct`` (spilled to temporary files past 262,144), and at
 most ``EXAMPLES`` keys of each kind of problem (the counts stay exact). Verification reads
 each object through one ``window``-byte buffer per reader (``concurrency`` readers; a layer
 block larger than the window is read whole): a 512 MiB object costs a window, never a copy

@@ -29,7 +29,7 @@ from hicache_store.layout.framing import (
     payload_offset,
     verify_blocks,
 )
-from hicache_store.layout.keys import ObjectCoords, ObjectKey
+from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
 
 KEY = ObjectKey("0f" * 32, "0123456789abcdef", ObjectCoords(30, 34, 2))
 PAYLOAD = bytes(range(256)) * 16  # 4096 bytes = 4 layer blocks of 1024
@@ -192,6 +192,20 @@ def test_key_mismatch_coordinates() -> None:
     other = ObjectKey(KEY.page_hash, KEY.namespace_digest, ObjectCoords(30, 34, 3))
     with pytest.raises(KeyMismatchError):
         decode_header(encode_object(KEY, PAYLOAD, 2), expected=other)
+
+
+@pytest.mark.parametrize("other", [
+    ObjectKey("1f" * 32, KEY.namespace_digest, KEY.coords),
+    ObjectKey(KEY.page_hash, "fedcba9876543210", KEY.coords),
+    ObjectKey(KEY.page_hash, KEY.namespace_digest, ObjectCoords(30, 34, 3)),
+])
+def test_a_storage_key_is_matched_as_its_parsed_key(other: ObjectKey) -> None:
+    # Tools pass the storage key itself (no parse per object): the same verdicts.
+    data = encode_object(KEY, PAYLOAD, 2)
+    assert decode_header(data, expected=format_key(KEY)).key() == KEY
+    with pytest.raises(KeyMismatchError, match="asked for"):
+        decode_header(data, expected=format_key(other))
+    assert decode_header(data).storage_key() == format_key(KEY)
 
 
 def test_payload_bit_flip() -> None:

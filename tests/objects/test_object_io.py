@@ -229,6 +229,25 @@ async def test_many_headers_in_one_call_for_tools(store: FileBackend) -> None:
     assert await io.read_headers([]) == []
 
 
+async def test_many_headers_are_checked_against_every_part_of_their_key(
+        store: FileBackend) -> None:
+    # read_headers parses each distinct key tail once and compares the storage key: a header
+    # of the same page under other coordinates, or under another namespace, is a mismatch;
+    # a key that is no object key (upper case) is read and decoded unchecked, as read_header does.
+    io = ObjectIO(store, NS)
+    assert await io.put([frame_of(io, payload(1))]) == [True]
+    stored = store.path_of(format_key(key())).read_bytes()
+    other_coords = format_key(ObjectKey(H1, NS.digest, ObjectCoords(4, 8, 0)))
+    other_ns = format_key(ObjectKey(H1, "fedcba9876543210", COORDS))
+    for name in (other_coords, other_ns, "NOT-AN-OBJECT"):
+        await store.put([name], [stored])
+    got = await io.read_headers([format_key(key()), other_coords, other_ns,
+                                 "NOT-AN-OBJECT"])
+    assert isinstance(got[0], ObjectHeader) and got[0].key() == key()
+    assert isinstance(got[1], KeyMismatchError) and isinstance(got[2], KeyMismatchError)
+    assert isinstance(got[3], ObjectHeader) and got[3].key() == key()
+
+
 async def test_a_stalled_backend_ends_within_the_timeout(store: FileBackend) -> None:
     slow = FaultyBackend(store, FaultConfig(latency_s=5.0))
     io = ObjectIO(slow, NS, io_timeout_s=0.2)
