@@ -7,8 +7,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-# The optional C accelerator (layout/_chain.c) is rebuilt in place whenever its source changes,
-# also in an existing environment (an editable install builds it only once).
+# The optional C accelerators (layout/_chain.c, layout/_keys.c) are rebuilt in place whenever a
+# source changes, also in an existing environment (an editable install builds them only once).
 CHAIN_STAMP := $(VENV)/.chain-stamp
 # The mypy view of the package: layout/, kernels/, backends/ mapped under hicache_store/ the
 # way setuptools' package-dir maps them (mypy cannot follow the editable-install import hook).
@@ -36,8 +36,8 @@ $(STAMP): pyproject.toml tests/plugins/example_backend/pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e tests/plugins/example_backend
 	touch $@
 
-$(CHAIN_STAMP): layout/_chain.c $(STAMP)
-	$(PY) setup.py -q build_ext --inplace 2>/dev/null || echo "note: layout/_chain.c not built; the pure-Python chain is used" >&2
+$(CHAIN_STAMP): layout/_chain.c layout/_keys.c $(STAMP)
+	$(PY) setup.py -q build_ext --inplace 2>/dev/null || echo "note: a C accelerator (layout/_chain.c, layout/_keys.c) not built; its pure-Python code is used" >&2
 	touch $@
 
 # The main job: the multi-turn benchmark under L1, L1+L2 and L1+L2+L3 (the file backend

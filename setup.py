@@ -1,8 +1,9 @@
-"""Build hook for the one optional C accelerator; all metadata lives in pyproject.toml.
+"""Build hook for the optional C accelerators; all metadata lives in pyproject.toml.
 
-``hicache_store.layout._chain`` hashes token pages with OpenSSL. It is optional: when it cannot
-be built (no compiler, no OpenSSL headers) the install still succeeds and the pure-Python chain
-in ``hicache_store.layout.hashing`` is used, with identical results.
+``hicache_store.layout._chain`` hashes token pages with OpenSSL; ``hicache_store.layout._keys``
+checks and fingerprints batches of storage keys (no library). Both are optional: when one cannot
+be built (no compiler, no OpenSSL headers) the install still succeeds and the pure-Python code
+(``hicache_store.layout.hashing``, ``hicache_store.layout.keys``) is used, with identical results.
 """
 
 from setuptools import Extension, setup
@@ -14,6 +15,7 @@ setup(
             sources=["layout/_chain.c"],
             libraries=["crypto"],
             optional=True,
-        )
+        ),
+        Extension("hicache_store.layout._keys", sources=["layout/_keys.c"], optional=True),
     ]
 )

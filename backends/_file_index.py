@@ -74,9 +74,16 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
-import xxhash
 
-from ._fingerprints import FEED_RECORD, Delta, decode_changes, encode_changes, fingerprint, lookup
+from ._fingerprints import (
+    FEED_RECORD,
+    Delta,
+    decode_changes,
+    encode_changes,
+    fingerprint,
+    fingerprints,
+    lookup,
+)
 from ._lru import chain_ranks, now_ms, rank_at, rank_seconds
 from .errors import BackendError, BackendIOError, BackendUnavailableError, CapacityError
 
@@ -394,7 +401,7 @@ class FileIndex:
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is indexed, as of now (other processes' commits included)."""
-        fps = [xxhash.xxh3_64_intdigest(key.encode()) for key in keys]
+        fps = fingerprints(keys)
         with self._view_lock:
             self._refresh()
             return self._lookup(fps)
@@ -408,11 +415,11 @@ class FileIndex:
         try:
             if self._feed is None or self._data_version() != self._view.data_version:
                 return None
-            return self._lookup([xxhash.xxh3_64_intdigest(key.encode()) for key in keys])
+            return self._lookup(fingerprints(keys))
         finally:
             self._view_lock.release()
 
-    def _lookup(self, fps: list[int]) -> list[bool]:
+    def _lookup(self, fps: np.ndarray) -> list[bool]:
         """(caller holds ``_view_lock``)"""
         return lookup(self._view.snapshot, self._view.delta, fps)
 

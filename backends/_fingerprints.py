@@ -12,28 +12,46 @@ on this machine (2 vCPUs, 125,000 changes, CPU time): one row per change through
 102 ms, plus 20 ms to build the dict the delta was; packed rows of 1,000 changes 0.8 ms to read and
 11 ms to fold into the arrays below; packed rows of one change each (single-key puts) 43 ms.
 
-**The delta is numpy arrays plus a small dict**: the bulk of the changes as a sorted array of
+**The delta is two layers of sorted numpy arrays**: the bulk of the changes as a sorted array of
 fingerprints and a parallel array of presence (9 bytes a change, no Python object per change: a
 dict costs about 100 bytes a change, private to the process), and the changes of the last few
-reads of the feed in a dict (an update is O(changes), where re-sorting the arrays is O(delta)). The
-dict is folded into the arrays once it outgrows an eighth of them (at least ``FOLD_MIN``), so
-folding costs O(log) per change amortized.
+reads of the feed in a second, small pair of arrays in front of it (merging a read into the small
+pair costs O(its size), where merging into the bulk is O(delta)). The small pair is merged into
+the bulk once it outgrows it (at least ``FOLD_MIN``), so merging costs O(1) amortized per
+change, and a lookup searches at most two arrays besides the snapshot. A merge is linear: the
+new changes are sorted once (the latest change of a fingerprint winning), then inserted by
+binary search; no sort of the whole. (Folding 10,000 changes into 45,000 this way costs about
+0.6 ms; ``np.unique`` over all of them, as before, 2 ms, paid by the ``exists`` call that
+first sees another process's writes.)
+
+**A lookup is array work only**: the keys are hashed into one uint64 array (by the C accelerator
+of ``hicache_store.layout.keys`` when it is built: no ``encode``, no int per key), probed in
+sorted order against the snapshot, then against each layer of the delta, newest last.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import xxhash
 
+from hicache_store.layout.keys import xxh3_64_each
+
 #: one change of the feed: the fingerprint (little-endian u64), then 1 (present) or 0 (absent).
 FEED_RECORD = np.dtype([("fp", "<u8"), ("present", "u1")])
-#: the dict of recent changes is folded into the arrays beyond max(FOLD_MIN, arrays / 8).
+#: the recent changes are merged into the bulk beyond max(FOLD_MIN, bulk) of them.
 FOLD_MIN = 4096
 
 
 def fingerprint(key: str) -> int:
     """The unsigned 64-bit fingerprint of a key (xxh3_64 of its UTF-8 bytes)."""
     return xxhash.xxh3_64_intdigest(key.encode())
+
+
+def fingerprints(keys: Sequence[str]) -> np.ndarray:
+    """``fingerprint`` of each key, as a uint64 array."""
+    return xxh3_64_each(keys)
 
 
 def encode_changes(fps: list[int], present: bool) -> bytes:
@@ -55,66 +73,100 @@ class Delta:
     """The changes after a snapshot: fingerprint -> present, the latest change winning."""
 
     def __init__(self) -> None:
-        self.fps = np.zeros(0, dtype=np.uint64)  # sorted, unique
-        self.present = np.zeros(0, dtype=bool)  # parallel to fps
-        self.recent: dict[int, bool] = {}  # newer than the arrays
+        self.fps = _EMPTY_FPS  # the bulk: sorted, unique
+        self.present = _EMPTY_PRESENT  # parallel to fps
+        self.recent_fps = _EMPTY_FPS  # newer than the bulk: sorted, unique
+        self.recent_present = _EMPTY_PRESENT
 
     def __len__(self) -> int:
-        """About how many fingerprints changed (a fingerprint in both parts counts twice)."""
-        return len(self.fps) + len(self.recent)
+        """About how many fingerprints changed (a fingerprint in both layers counts twice)."""
+        return len(self.fps) + len(self.recent_fps)
 
     def apply(self, records: np.ndarray) -> None:
         """Add changes (``FEED_RECORD`` records, oldest first) that came after all before."""
         if not len(records):
             return
-        if len(self.recent) + len(records) <= max(FOLD_MIN, len(self.fps) // 8):
-            fps, present = records["fp"].tolist(), (records["present"] == 1).tolist()
-            self.recent.update(zip(fps, present, strict=True))
-            return
-        recent = np.empty(len(self.recent), dtype=FEED_RECORD)
-        recent["fp"] = np.fromiter(self.recent.keys(), dtype=np.uint64, count=len(self.recent))
-        recent["present"] = np.fromiter(self.recent.values(), dtype=bool, count=len(self.recent))
-        ordered = np.empty(len(self.fps), dtype=FEED_RECORD)
-        ordered["fp"], ordered["present"] = self.fps, self.present
-        # Oldest first: the arrays, then the dict (no fingerprint is in it twice), then records.
-        every = np.concatenate([ordered, recent, records])[::-1]
-        # Reversed, the first occurrence of a fingerprint is its latest change.
-        self.fps, first = np.unique(every["fp"], return_index=True)
-        self.present = every["present"][first] == 1
-        self.recent = {}
+        fps, present = _latest(records)
+        self.recent_fps, self.recent_present = _merged(
+            self.recent_fps, self.recent_present, fps, present)
+        if len(self.recent_fps) > max(FOLD_MIN, len(self.fps)):
+            self.fps, self.present = _merged(
+                self.fps, self.present, self.recent_fps, self.recent_present)
+            self.recent_fps, self.recent_present = _EMPTY_FPS, _EMPTY_PRESENT
 
 
-def lookup(snapshot: np.ndarray, delta: Delta, fps: list[int]) -> list[bool]:
-    """Membership of fingerprints in a sorted ``snapshot``, overridden by ``delta``. The whole
-    of ``exists`` once keys are hashed."""
-    if not len(snapshot) and not len(delta.fps):
-        hits = [False] * len(fps)
-    else:
-        wanted = np.array(fps, dtype=np.uint64)
-        # Searched in sorted order: neighbouring probes touch neighbouring pages of the
-        # snapshot (at 1 M objects, 20% less CPU than probing in the caller's order).
-        order = np.argsort(wanted)
-        wanted = wanted[order]
-        found_sorted = _members(snapshot, wanted)
-        if len(delta.fps):
-            pos = np.minimum(np.searchsorted(delta.fps, wanted), len(delta.fps) - 1)
-            changed = delta.fps[pos] == wanted
-            found_sorted = np.where(changed, delta.present[pos], found_sorted)
-        found = np.empty(len(fps), dtype=bool)
-        found[order] = found_sorted
-        hits = found.tolist()
-    if delta.recent:
-        hits = list(map(delta.recent.get, fps, hits))  # recent.get(fp, default=the arrays')
-    return hits
+_EMPTY_FPS = np.zeros(0, dtype=np.uint64)
+_EMPTY_PRESENT = np.zeros(0, dtype=bool)
+
+
+def _latest(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The records' fingerprints sorted and unique, each with its latest presence."""
+    fps = records["fp"].astype(np.uint64)  # native order, and a copy the caller may keep
+    present = records["present"] == 1
+    if present.all() or not present.any():  # only puts, or only deletes: a sort of the values
+        fps.sort()  # (half the CPU of the permutation below)
+        first = np.ones(len(fps), dtype=bool)
+        first[1:] = fps[1:] != fps[:-1]
+        return fps[first], present[: int(first.sum())]
+    order = np.argsort(fps, kind="stable")  # stable: the changes of one fingerprint stay in order
+    fps, present = fps[order], present[order]
+    last = np.ones(len(fps), dtype=bool)
+    last[:-1] = fps[1:] != fps[:-1]  # the last change of each run of one fingerprint
+    return fps[last], present[last]
+
+
+def _merged(
+    fps: np.ndarray, present: np.ndarray, new_fps: np.ndarray, new_present: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique ``fps`` (with ``present``) updated by newer sorted unique changes, as new
+    arrays (the old ones are not modified: O(len(fps) + len(new_fps)))."""
+    if not len(fps):
+        return new_fps, new_present
+    pos = np.searchsorted(fps, new_fps)
+    known = np.zeros(len(new_fps), dtype=bool)
+    inside = pos < len(fps)
+    known[inside] = fps[pos[inside]] == new_fps[inside]
+    present = present.copy()
+    present[pos[known]] = new_present[known]
+    fresh = ~known
+    return (np.insert(fps, pos[fresh], new_fps[fresh]),
+            np.insert(present, pos[fresh], new_present[fresh]))
+
+
+def lookup(snapshot: np.ndarray, delta: Delta, fps: np.ndarray) -> list[bool]:
+    """Membership of fingerprints (a uint64 array) in a sorted ``snapshot``, overridden by
+    ``delta``. The whole of ``exists`` once keys are hashed."""
+    if not len(fps):
+        return []
+    # Probed in order of their top 16 bits: neighbouring probes touch neighbouring pages of
+    # the snapshot (searching 10,000 probes in 1 M fingerprints: 66 ns a probe against 218 in
+    # the caller's order). A stable sort of 16-bit values is a radix sort: 4 ns a probe, where
+    # sorting the full 64 bits costs 39.
+    order = np.argsort((fps >> np.uint64(48)).astype(np.uint16), kind="stable")
+    probes = fps[order]
+    found = _members(snapshot, probes)
+    for changed_fps, changed_present in (
+        (delta.fps, delta.present), (delta.recent_fps, delta.recent_present)  # newest last
+    ):
+        if len(changed_fps):
+            pos = np.searchsorted(changed_fps, probes)
+            np.minimum(pos, len(changed_fps) - 1, out=pos)
+            changed = changed_fps[pos] == probes
+            found[changed] = changed_present[pos[changed]]
+    hits = np.empty(len(fps), dtype=bool)
+    hits[order] = found
+    result: list[bool] = hits.tolist()
+    return result
 
 
 def _members(sorted_set: np.ndarray, wanted_sorted: np.ndarray) -> np.ndarray:
     if not len(sorted_set):
         return np.zeros(len(wanted_sorted), dtype=bool)
-    pos = np.minimum(np.searchsorted(sorted_set, wanted_sorted), len(sorted_set) - 1)
+    pos = np.searchsorted(sorted_set, wanted_sorted)
+    np.minimum(pos, len(sorted_set) - 1, out=pos)
     hit: np.ndarray = sorted_set[pos] == wanted_sorted
     return hit
 
 
 __all__ = ["FEED_RECORD", "FOLD_MIN", "Delta", "decode_changes", "encode_changes",
-           "fingerprint", "lookup"]
+           "fingerprint", "fingerprints", "lookup"]

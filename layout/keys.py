@@ -29,11 +29,19 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
+import xxhash
 
 from .errors import InvalidKeyError
 from .namespace import DIGEST_HEX_CHARS, UKV1_DIGEST_PREFIX
+
+_accelerated: ModuleType | None
+try:  # the optional C accelerator for key batches (layout/_keys.c); same answers, one pass a key
+    from . import _keys as _accelerated
+except ImportError:  # pragma: no cover - exercised where the extension could not be built
+    _accelerated = None
 
 #: the longest storage key (fits one path component of every common filesystem).
 MAX_KEY_LENGTH = 255
@@ -90,14 +98,25 @@ def validate_storage_keys(keys: Sequence[object]) -> list[str]:
     """``validate_storage_key`` for a whole batch, returning the keys as a list.
 
     Same rules and errors as the per-key check (the first offending key is reported). The
-    common all-valid case costs no regex per key: a small batch one generator pass (~190 ns a
-    key), a batch of ``_JOINED_CHECK_MIN`` keys or more a few passes in C over the keys joined
-    as ``\\n k1 \\n k2 ... \\n`` (~120 ns a 64-character key; this check was the largest
-    share of ``exists`` on the file backend). There a non-str fails the join; the newlines
-    give every key's first byte and length (an empty key is a zero length, a key containing a
-    newline changes their count); any other byte outside the grammar survives the delete.
+    common all-valid case costs no regex per key: with the C accelerator one pass over each
+    key's characters (~15 ns a 64-character key in cache; reading the keys from memory costs
+    more); without it, a small batch one generator pass (~190 ns a key), a batch of
+    ``_JOINED_CHECK_MIN`` keys or more a few passes in C over the keys joined as
+    ``\\n k1 \\n k2 ... \\n`` (~120 ns a 64-character key). There a non-str fails the join;
+    the newlines give every key's first byte and length (an empty key is a zero length, a key
+    containing a newline changes their count); any other byte outside the grammar survives
+    the delete. (This check was the largest share of ``exists`` on the file backend.)
     """
     batch = list(keys)
+    if _accelerated is not None:
+        if _accelerated.storage_keys_valid(batch):
+            return batch  # type: ignore[return-value]
+        return [validate_storage_key(k) for k in batch]  # raises for the first bad key
+    return _checked_in_python(batch)
+
+
+def _checked_in_python(batch: list[object]) -> list[str]:
+    """``validate_storage_keys`` without the C accelerator."""
     if len(batch) < _JOINED_CHECK_MIN:
         if all(type(k) is str and 0 < len(k) <= MAX_KEY_LENGTH for k in batch):
             texts: list[str] = batch  # type: ignore[assignment]
@@ -127,6 +146,19 @@ def validate_storage_keys(keys: Sequence[object]) -> list[str]:
             ):
                 return batch  # type: ignore[return-value]
     return [validate_storage_key(k) for k in batch]  # raises for the first bad key
+
+
+def xxh3_64_each(keys: Sequence[str]) -> np.ndarray:
+    """The xxh3_64 of each key's UTF-8 bytes (``xxhash.xxh3_64_intdigest(key.encode())``), as a
+    uint64 array (read-only). With the C accelerator ~10 ns a 64-character key in cache, against
+    ~70 for a call per key (its ``encode`` and the int it returns cost more than the hash)."""
+    batch = keys if type(keys) is list else list(keys)
+    if _accelerated is not None:
+        packed = _accelerated.xxh3_64_each(batch)
+        if packed is not None:  # None: some key it does not hash (over 240 UTF-8 bytes)
+            return np.frombuffer(packed, dtype=np.uint64)
+    digest, encode = xxhash.xxh3_64_intdigest, str.encode
+    return np.fromiter(map(digest, map(encode, batch)), dtype=np.uint64, count=len(batch))
 
 
 def validate_page_hash(page_hash: object) -> str:

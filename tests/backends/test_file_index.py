@@ -402,11 +402,14 @@ async def test_warm_bytes_come_from_the_page_cache_and_cold_ones_do_not_fill_it(
 
 
 @pytest.mark.parametrize("fold_min", [4096, 16])
+@pytest.mark.parametrize(("batch", "uniform"), [(97, False), (97, True), (1, True)])
 def test_lookup_agrees_with_a_set_of_fingerprints(
-    fold_min: int, monkeypatch: pytest.MonkeyPatch
+    fold_min: int, batch: int, uniform: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Changes applied in batches (folded into the arrays, or kept in the dict, by
-    ``fold_min``), with fingerprints changed several times: the latest change wins."""
+    """Changes applied in batches of records (merged into the bulk arrays, or kept in the
+    recent layer, by ``fold_min``), with fingerprints changed several times, also within one
+    batch: the latest change wins, whichever layer holds it. ``uniform``: every change of a
+    batch has one presence (a put's or a delete's feed row; merged by a plain sort)."""
     import random
 
     import numpy as np
@@ -414,7 +417,7 @@ def test_lookup_agrees_with_a_set_of_fingerprints(
     from hicache_store.backends import _fingerprints as fpmod
 
     monkeypatch.setattr(fpmod, "FOLD_MIN", fold_min)
-    rng = random.Random(7)
+    rng = random.Random(7 + batch)
     stored = {rng.getrandbits(64) for _ in range(5000)}
     snapshot = np.array(sorted(stored), dtype=np.uint64)
     changed = rng.sample(sorted(stored), 300) + [rng.getrandbits(64) for _ in range(300)]
@@ -422,20 +425,68 @@ def test_lookup_agrees_with_a_set_of_fingerprints(
     rng.shuffle(changes)
     delta = fpmod.Delta()
     latest: dict[int, bool] = {}
-    for start in range(0, len(changes), 97):
-        batch = changes[start : start + 97]
-        blob = b"".join(fpmod.encode_changes([fp], present) for fp, present in batch)
+    folds = 0
+    for start in range(0, len(changes), batch):
+        part = changes[start : start + batch]
+        if uniform:
+            part = [(fp, part[0][1]) for fp, _ in part]
+        blob = b"".join(fpmod.encode_changes([fp], present) for fp, present in part)
+        bulk = len(delta.fps)
         delta.apply(fpmod.decode_changes(blob))
-        latest.update(batch)
-    assert (len(delta.fps) > 0) == (fold_min < len(changes)), "the fold did not happen"
+        folds += len(delta.fps) != bulk
+        latest.update(part)
+        for layer in (delta.fps, delta.recent_fps):  # each layer sorted and unique
+            assert (np.diff(layer.astype(np.float64)) >= 0).all() and len(set(layer)) == len(layer)
+        if start % 10 == 0 or start + batch >= len(changes):
+            now = (stored | {fp for fp, present in latest.items() if present}) - {
+                fp for fp, present in latest.items() if not present}
+            probes = rng.sample(changed, 50) + rng.sample(sorted(stored), 20)
+            got = index_module.lookup(snapshot, delta, np.array(probes, dtype=np.uint64))
+            assert got == [fp in now for fp in probes]
+    assert (folds > 0) == (fold_min < len(changes)), "the merge into the bulk did not happen"
     now = (stored | {fp for fp, present in latest.items() if present}) - {
         fp for fp, present in latest.items() if not present}
     probes = rng.sample(sorted(stored), 1000) + changed + [rng.getrandbits(64) for _ in range(1000)]
     rng.shuffle(probes)
-    assert index_module.lookup(snapshot, delta, probes) == [fp in now for fp in probes]
-    assert index_module.lookup(snapshot, fpmod.Delta(), probes) == [fp in stored for fp in probes]
+    wanted = np.array(probes, dtype=np.uint64)
+    assert index_module.lookup(snapshot, delta, wanted) == [fp in now for fp in probes]
+    assert index_module.lookup(snapshot, fpmod.Delta(), wanted) == [fp in stored for fp in probes]
     empty = np.zeros(0, dtype=np.uint64)
-    assert index_module.lookup(empty, delta, probes) == [latest.get(fp, False) for fp in probes]
+    assert index_module.lookup(empty, delta, wanted) == [latest.get(fp, False) for fp in probes]
+    assert index_module.lookup(snapshot, delta, empty) == []
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_batch_fingerprints_are_the_single_key_fingerprints(
+    accelerated: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch hash (C where built, else per key) is ``fingerprint`` of each key: every length
+    up to past the longest key, non-ASCII keys, and batches the C loop hands back (a key over
+    240 UTF-8 bytes, a str subclass)."""
+    import random
+
+    import numpy as np
+
+    from hicache_store.backends import _fingerprints as fpmod
+    from hicache_store.layout import keys as keys_module
+
+    if accelerated and keys_module._accelerated is None:
+        pytest.skip("the C accelerator (layout/_keys.c) is not built here")
+    if not accelerated:
+        monkeypatch.setattr(keys_module, "_accelerated", None)
+    rng = random.Random(3)
+    alphabet = "0123456789abcdefkuvABCXYZ_-"
+    keys = ["".join(rng.choice(alphabet) for _ in range(n)) for n in range(300)]
+    keys += ["é" * 10, "a\u20ac" * 30, "\U0001f600" * 60, "x" * 121 + "é"]  # 240 / 242 bytes
+    for batch in (keys[:241], keys[241:], keys, ["ab", "ab"], [], tuple(keys[:50])):
+        got = fpmod.fingerprints(batch)
+        assert got.dtype == np.uint64
+        assert got.tolist() == [fpmod.fingerprint(k) for k in batch]
+
+    class Key(str):
+        pass
+
+    assert fpmod.fingerprints([Key("abc"), "abc"]).tolist() == [fpmod.fingerprint("abc")] * 2
 
 
 def test_a_torn_feed_row_is_refused() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +22,21 @@ from hicache_store.layout.keys import (
 
 HASH = "a1" * 32
 NS = "0123456789abcdef"
+
+
+@contextmanager
+def key_check(accelerated: bool) -> Iterator[None]:
+    """The batch check with the C accelerator (skipped where it is not built) or without it."""
+    from hicache_store.layout import keys
+
+    saved = keys._accelerated
+    if accelerated and saved is None:
+        pytest.skip("the C accelerator (layout/_keys.c) is not built here")
+    keys._accelerated = saved if accelerated else None
+    try:
+        yield
+    finally:
+        keys._accelerated = saved
 
 
 def test_seed_format() -> None:
@@ -103,18 +121,31 @@ def test_parse_is_the_inverse_of_format(
      "ab\ncd", "ab\n", "\nab", "\n", "ab\n_cd", "ab\n\ncd"],
 )
 @pytest.mark.parametrize("many", [1, 50])  # a small batch, and one that takes the joined check
-def test_batch_validation_refuses_what_the_single_check_refuses(bad: str, many: int) -> None:
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_batch_validation_refuses_what_the_single_check_refuses(
+    bad: str, many: int, accelerated: bool
+) -> None:
     good = ["ab" * 16 + "_L0-1", "ff"] * many
     with pytest.raises(InvalidKeyError):
         validate_storage_key(bad)
-    with pytest.raises(InvalidKeyError):
+    with key_check(accelerated), pytest.raises(InvalidKeyError):
         validate_storage_keys([*good, bad, *good])
 
 
 @pytest.mark.parametrize("padding", [0, 70])  # a small batch, and one that takes the joined check
+@pytest.mark.parametrize("accelerated", [True, False])
 @settings(max_examples=400, deadline=None)
-@given(batch=st.lists(st.text(alphabet="0af_-kuvAZ\n./ \x00é", max_size=6), max_size=5))
-def test_batch_validation_agrees_with_the_single_check(batch: list[str], padding: int) -> None:
+@given(
+    batch=st.lists(
+        st.text(alphabet="0af_-kuvAZ\n./ \x00é", max_size=6)
+        | st.text(alphabet="09afkuvAZ_-", min_size=14, max_size=40)  # the C check's 16-byte steps
+        | st.sampled_from(["F" * 255, "F" * 256, "a" * 31 + "/", "a" * 16 + "g" + "a" * 15]),
+        max_size=5,
+    )
+)
+def test_batch_validation_agrees_with_the_single_check(
+    batch: list[str], padding: int, accelerated: bool
+) -> None:
     """Any batch: the batch check returns the keys exactly when every key passes the single
     check, and otherwise refuses the same first key the same way."""
     batch = ["a0"] * padding + batch
@@ -123,19 +154,60 @@ def test_batch_validation_agrees_with_the_single_check(batch: list[str], padding
         expected = [validate_storage_key(k) for k in batch]
     except InvalidKeyError as exc:
         expected = exc
-    if isinstance(expected, InvalidKeyError):
-        with pytest.raises(InvalidKeyError) as got:
-            validate_storage_keys(batch)
-        assert str(got.value) == str(expected)
-    else:
-        assert validate_storage_keys(batch) == expected
+    with key_check(accelerated):
+        if isinstance(expected, InvalidKeyError):
+            with pytest.raises(InvalidKeyError) as got:
+                validate_storage_keys(batch)
+            assert str(got.value) == str(expected)
+        else:
+            assert validate_storage_keys(batch) == expected
 
 
-def test_batch_validation_accepts_valid_keys_and_refuses_non_strings() -> None:
+@settings(max_examples=300, deadline=None)
+@given(key=st.text(alphabet="09afkuvAZ_-./\x00\x7f\x80é", min_size=0, max_size=300))
+def test_the_c_check_agrees_with_the_grammar_at_every_length_and_offset(key: str) -> None:
+    """Every position of a key is checked (whole 16-byte steps and the overlapping last one)."""
+    from hicache_store.layout import keys
+
+    if keys._accelerated is None:
+        pytest.skip("the C accelerator (layout/_keys.c) is not built here")
+    try:
+        validate_storage_key(key)
+        valid = True
+    except InvalidKeyError:
+        valid = False
+    assert keys._accelerated.storage_keys_valid([key]) is valid
+    for bad in ("/", "\x80", "g"):  # one bad character at each position of a valid key
+        good = "a" * len(key)
+        for at in range(len(good)):
+            assert not keys._accelerated.storage_keys_valid([good[:at] + bad + good[at + 1 :]])
+
+
+def test_the_key_accelerator_is_built_where_a_compiler_exists() -> None:
+    # Where a C compiler exists (this project's machines and CI) the fast path must really be
+    # in use, or the benchmark figures would describe code that does not run.
+    import shutil
+
+    from hicache_store.layout import keys
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler here: the pure-Python check is used")
+    assert keys._accelerated is not None
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_batch_validation_accepts_valid_keys_and_refuses_non_strings(accelerated: bool) -> None:
     keys = ["ab" * 32 + "_0123456789abcdef_L0-29_H1", "M0123", "x" * 0 + "F" * 255]
-    assert validate_storage_keys(keys) == keys
-    with pytest.raises(InvalidKeyError, match="must be a str"):
-        validate_storage_keys(["ab", b"cd"])
+    with key_check(accelerated):
+        assert validate_storage_keys(keys) == keys
+        assert validate_storage_keys(tuple(keys)) == keys
+        with pytest.raises(InvalidKeyError, match="must be a str"):
+            validate_storage_keys(["ab", b"cd"])
+
+        class Key(str):
+            pass
+
+        assert validate_storage_keys([Key("ab")]) == ["ab"]  # a str subclass is a str
 
 
 @settings(max_examples=300, deadline=None)
