@@ -18,7 +18,7 @@ from __future__ import annotations
 from hicache_store.layout.errors import ConfigError
 
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer
-from .base import Backend, VerifiedObject
+from .base import Backend, VerifiedObject, reads_are_uses, reads_not_counted
 from .errors import (
     BackendClosedError,
     BackendError,
@@ -76,6 +76,8 @@ __all__ = [
     "backends",
     "get_backend_class",
     "open_backend",
+    "reads_are_uses",
+    "reads_not_counted",
     "register_backend",
     "unregister_backend",
 ]

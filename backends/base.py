@@ -65,11 +65,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import contextvars
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -122,6 +123,34 @@ class _Call:
 _CURRENT_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
     "hicache_store_current_call", default=None
 )
+
+
+#: False inside ``reads_not_counted``: reads there are not uses (see that function).
+_READS_ARE_USES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "hicache_store_reads_are_uses", default=True
+)
+
+
+@contextlib.contextmanager
+def reads_not_counted() -> Iterator[None]:
+    """Reads made inside (by this task and the tasks it starts) are not *uses* of the objects.
+
+    A backend that keeps a recency order or a last-use time (file: its eviction rank, which
+    ``list_entries`` reports as ``mtime``) leaves both as they were for these reads. For operator
+    tools that read every object's header (``gc``, ``inspect``): counted, one run would make the
+    whole store look just used, so an age-based gc would age nothing out until long after and
+    capacity eviction would lose its order. Backends check ``reads_are_uses()`` on the event
+    loop (the context does not follow work handed to threads)."""
+    token = _READS_ARE_USES.set(False)
+    try:
+        yield
+    finally:
+        _READS_ARE_USES.reset(token)
+
+
+def reads_are_uses() -> bool:
+    """Whether a read made now counts as a use (False inside ``reads_not_counted``)."""
+    return _READS_ARE_USES.get()
 
 
 class CallAbandoned(Exception):

@@ -99,7 +99,7 @@ from ._aligned import DIRECT_ALIGNMENT, aligned_buffer, is_aligned, scratch_bloc
 from ._file_index import FileIndex, ObjectIndex, Reservation, pid_alive
 from ._file_noindex import NoIndex
 from ._pagecache import SecondTouch, is_cached
-from .base import Backend, abandonable, gather_settled, scatter_views
+from .base import Backend, abandonable, gather_settled, reads_are_uses, scatter_views
 from .errors import (
     BackendError,
     BackendIOError,
@@ -467,7 +467,10 @@ class FileBackend(Backend):
         return n
 
     async def _after_reads(self, keys: Sequence[str], results: Sequence[int | None]) -> None:
-        """Count the hits as uses (eviction order), writing them to the index now and then."""
+        """Count the hits as uses (eviction order), writing them to the index now and then;
+        not inside ``reads_not_counted`` (an operator tool's reads)."""
+        if not reads_are_uses():
+            return
         hits = [key for key, n in zip(keys, results, strict=True) if n is not None]
         if hits and self._index.touch(hits):
             await self._run(self._translated, "get_into", None, self._index.flush_touches)

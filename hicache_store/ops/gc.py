@@ -73,7 +73,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hicache_store.backends import Backend, BackendError
+from hicache_store.backends import Backend, BackendError, reads_not_counted
 from hicache_store.backends.types import ObjectStat
 from hicache_store.layout.errors import CorruptObjectError, HiCacheStoreError
 from hicache_store.layout.framing import ObjectHeader
@@ -299,13 +299,16 @@ async def collect_garbage(
     and the backend's errors from listing.
     """
     policy = GcPolicy(max_bytes, max_age, prefix, dry_run, frozenset(retired))
-    if state_dir is None:
-        scratch = tempfile.mkdtemp(prefix="hicache-gc-")
-        try:
-            return await _collect(backend, policy, Path(scratch), now, progress, fresh)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    return await _collect(backend, policy, Path(state_dir), now, progress, fresh)
+    # gc's header reads are not uses: counted, they would make every page it read look just
+    # used (the file backend's listed mtime), so the next run would age nothing out.
+    with reads_not_counted():
+        if state_dir is None:
+            scratch = tempfile.mkdtemp(prefix="hicache-gc-")
+            try:
+                return await _collect(backend, policy, Path(scratch), now, progress, fresh)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+        return await _collect(backend, policy, Path(state_dir), now, progress, fresh)
 
 
 async def _collect(

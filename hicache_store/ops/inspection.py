@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hicache_store.backends import aligned_buffer
+from hicache_store.backends import aligned_buffer, reads_not_counted
 from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import BackendError
 from hicache_store.backends.types import ObjectStat
@@ -169,30 +169,32 @@ async def inspect_store(
     authenticated with ``keys``, a key ring). See the module docstring."""
     if concurrency < 1 or window < 1:
         raise ValueError(f"concurrency and window must be positive, got {concurrency}, {window}")
-    scan = _Scan(backend, namespace)
-    checker = (_Verifier(backend, concurrency, window, delete_corrupt, dry_run, keys)
-               if verify else None)
-    listed = 0
-    try:
-        if checker is not None:
-            checker.start()
-        async for st in backend.list_entries(""):
-            listed += 1
-            parts = scan.add(st)
-            if checker is not None and parts is not None:
-                await checker.submit(st, await scan.namespace_of(parts[1]))
-            if progress is not None and listed % 256 == 0:
+    # An inspection's reads are not uses (see ``reads_not_counted``; gc's are not either).
+    with reads_not_counted():
+        scan = _Scan(backend, namespace)
+        checker = (_Verifier(backend, concurrency, window, delete_corrupt, dry_run, keys)
+                   if verify else None)
+        listed = 0
+        try:
+            if checker is not None:
+                checker.start()
+            async for st in backend.list_entries(""):
+                listed += 1
+                parts = scan.add(st)
+                if checker is not None and parts is not None:
+                    await checker.submit(st, await scan.namespace_of(parts[1]))
+                if progress is not None and listed % 256 == 0:
+                    progress(listed, *(checker.done() if checker else (0, 0)))
+            report = await scan.finish()
+            if checker is not None:
+                report.verify = await checker.finish(report)
+            if progress is not None:
                 progress(listed, *(checker.done() if checker else (0, 0)))
-        report = await scan.finish()
-        if checker is not None:
-            report.verify = await checker.finish(report)
-        if progress is not None:
-            progress(listed, *(checker.done() if checker else (0, 0)))
-        return report
-    finally:
-        scan.close()
-        if checker is not None:
-            checker.cancel()
+            return report
+        finally:
+            scan.close()
+            if checker is not None:
+                checker.cancel()
 
 
 class _Scan:

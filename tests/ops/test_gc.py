@@ -3,6 +3,7 @@ the parent cache, interruption and resume, and the command as an operator runs i
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import json
 import os
@@ -471,3 +472,34 @@ def test_gc_killed_mid_run_resumes(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     assert "resumed an interrupted gc (at its delete phase)" in again.stdout
     assert not any((root / "objects").rglob("*_*"))
+
+
+async def listed_times(store: Backend) -> dict[str, float | None]:
+    return {st.key: st.mtime async for st in store.list_entries("")}
+
+
+async def test_gc_and_inspect_reads_leave_the_last_use_times(tmp_path: Path) -> None:
+    """The file backend lists each object's last write or read as its mtime (its eviction
+    rank): gc's header reads and inspect --verify's reads must not move it, or one run would
+    make the whole store look just used (the next age-based gc would expire nothing)."""
+    from hicache_store.ops.inspection import inspect_store
+
+    store = open_backend(f"file://{tmp_path / 'store'}")
+    await write_chains(store, 2, 3)
+    before = await listed_times(store)
+    await asyncio.sleep(0.01)  # ranks have ms resolution: a counted read would move every time
+    dry = await collect_garbage(store, max_bytes=0, max_age=None, dry_run=True)
+    assert dry.headers_read == 6
+    report = await inspect_store(store, verify=True)
+    assert report.verify is not None and report.verify.checked == len(before)
+    await store.close()  # writes any buffered read recency to the index
+    store = open_backend(f"file://{tmp_path / 'store'}")
+    assert await listed_times(store) == before
+    # The control: an engine's read of the same objects is a use.
+    key = next(iter(before))
+    assert await store.get_object(key) is not None
+    await store.close()
+    store = open_backend(f"file://{tmp_path / 'store'}")
+    after = await listed_times(store)
+    assert after[key] is not None and before[key] is not None and after[key] > before[key]
+    await store.close()
