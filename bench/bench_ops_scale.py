@@ -235,6 +235,9 @@ def main() -> None:
     parser.add_argument("--synthetic", type=int, nargs="*", default=[],
                         help="also: the commands on synthetic stores of these sizes")
     parser.add_argument("--keep", action="store_true", help="keep the stores built")
+    parser.add_argument("--reuse", action="store_true",
+                        help="use WORKDIR/store-N as built by an earlier --build (once: the "
+                             "deleting gc changes it)")
     parser.add_argument("--json", help="write the figures here (commands, seconds, peak RSS)")
     parser.add_argument("--build", nargs=2, metavar=("ROOT", "OBJECTS"), help=argparse.SUPPRESS)
     parser.add_argument("--build-big", nargs=2, metavar=("ROOT", "BYTES"), help=argparse.SUPPRESS)
@@ -263,13 +266,18 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     for objects in args.objects:
         store = workdir / f"store-{objects}"
-        if store.exists():
-            shutil.rmtree(store)
         print(f"{objects:,} objects", flush=True)
-        # The baseline's file layout is older: the store is built by the baseline and opened
-        # once by this tree (its one-time upgrade, timed apart) before this tree's runs.
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--build", str(store),
-                        str(objects)], env=old_env or env, cwd=workdir, check=True)
+        if args.reuse and store.exists():
+            print("  (reusing the store built before)", flush=True)
+        else:
+            if store.exists():
+                shutil.rmtree(store)
+            # The baseline's file layout is older: the store is built by the baseline and
+            # opened once by this tree (its one-time upgrade, timed apart) before this tree's
+            # runs.
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), "--build",
+                            str(store), str(objects)], env=old_env or env, cwd=workdir,
+                           check=True)
         url = f"file://{store}"
         total = objects * OBJECT_BYTES
         state = workdir / f"state-{objects}"

@@ -553,11 +553,13 @@ def _plan(state: GcState, policy: GcPolicy, now: float) -> None:
     db.executescript(
         """
         BEGIN;
-        UPDATE pages SET children = 0, step = NULL, rule = NULL, outcome = NULL, blocked = 0;
-        UPDATE pages SET children = k.n FROM (
-            SELECT parent, count(*) AS n FROM pages
-            WHERE parent IS NOT NULL AND parent != page GROUP BY parent) AS k
-            WHERE pages.page = k.parent;
+        UPDATE pages SET children = 0, step = NULL, rule = NULL, outcome = NULL, blocked = 0
+            WHERE children != 0 OR step IS NOT NULL OR rule IS NOT NULL OR outcome IS NOT NULL
+               OR blocked != 0;
+        CREATE INDEX IF NOT EXISTS pages_parent ON pages(parent) WHERE parent IS NOT NULL;
+        UPDATE pages SET children = (
+            SELECT count(*) FROM pages AS c WHERE c.parent = pages.page AND c.page != c.parent)
+            WHERE page IN (SELECT parent FROM pages WHERE parent IS NOT NULL);
         COMMIT;
         CREATE INDEX IF NOT EXISTS pages_tails ON pages(undated, newest, page)
             WHERE children = 0 AND step IS NULL;
