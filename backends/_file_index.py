@@ -78,6 +78,7 @@ import numpy as np
 from ._fingerprints import (
     FEED_RECORD,
     Delta,
+    Snapshot,
     decode_changes,
     encode_changes,
     fingerprint,
@@ -194,7 +195,7 @@ class _Membership:
 
     snapshot_seq: int = -2  # none mapped yet (-1: the store has no snapshot)
     seen_seq: int = 0
-    snapshot: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    snapshot: Snapshot = field(default_factory=lambda: Snapshot(np.zeros(0, dtype=np.uint64)))
     delta: Delta = field(default_factory=Delta)
     data_version: int = -1
 
@@ -448,7 +449,7 @@ class FileIndex:
                     "SELECT value FROM meta WHERE name = 'snapshot_seq'").fetchone()[0]
                 if seq != view.snapshot_seq:
                     try:
-                        snapshot = self._map_snapshot(seq)
+                        snapshot = Snapshot(self._map_snapshot(seq))
                     except FileNotFoundError:
                         if attempt == 2:
                             raise

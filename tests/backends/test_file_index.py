@@ -419,7 +419,7 @@ def test_lookup_agrees_with_a_set_of_fingerprints(
     monkeypatch.setattr(fpmod, "FOLD_MIN", fold_min)
     rng = random.Random(7 + batch)
     stored = {rng.getrandbits(64) for _ in range(5000)}
-    snapshot = np.array(sorted(stored), dtype=np.uint64)
+    snapshot = fpmod.Snapshot(np.array(sorted(stored), dtype=np.uint64))
     changed = rng.sample(sorted(stored), 300) + [rng.getrandbits(64) for _ in range(300)]
     changes = [(fp, rng.random() < 0.5) for fp in changed for _ in range(rng.randint(1, 3))]
     rng.shuffle(changes)
@@ -452,8 +452,34 @@ def test_lookup_agrees_with_a_set_of_fingerprints(
     assert index_module.lookup(snapshot, delta, wanted) == [fp in now for fp in probes]
     assert index_module.lookup(snapshot, fpmod.Delta(), wanted) == [fp in stored for fp in probes]
     empty = np.zeros(0, dtype=np.uint64)
-    assert index_module.lookup(empty, delta, wanted) == [latest.get(fp, False) for fp in probes]
+    nothing = fpmod.Snapshot(empty)
+    assert index_module.lookup(nothing, delta, wanted) == [latest.get(fp, False) for fp in probes]
     assert index_module.lookup(snapshot, delta, empty) == []
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 255, 256, 257, 511, 512, 513, 3000])
+def test_the_two_level_snapshot_search_agrees_with_a_set(size: int) -> None:
+    """Every stored fingerprint is found, its neighbours and random values are not, at sizes
+    around the block boundaries (a partial last block, none, exactly full), the extreme values
+    0 and 2^64 - 1 included."""
+    import numpy as np
+
+    from hicache_store.backends import _fingerprints as fpmod
+
+    rng = np.random.default_rng(size)
+    stored = np.unique(rng.integers(0, 2**64 - 1, size, dtype=np.uint64, endpoint=True))
+    if size > 3:
+        stored[0], stored[-1] = 0, np.uint64(2**64 - 1)
+        stored = np.unique(stored)
+    one = np.uint64(1)
+    probes = np.concatenate([
+        stored, stored + one, stored - one,  # neighbours (wrapping at the extremes)
+        rng.integers(0, 2**64 - 1, 2000, dtype=np.uint64, endpoint=True),
+        np.array([0, 1, 2**63, 2**64 - 1], dtype=np.uint64),
+    ])
+    got = fpmod.Snapshot(stored).members(probes)
+    assert got.dtype == bool
+    assert got.tolist() == np.isin(probes, stored).tolist()
 
 
 @pytest.mark.parametrize("accelerated", [True, False])
