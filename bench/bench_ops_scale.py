@@ -8,7 +8,8 @@ Run from the repository root::
 For each size, one store of 8 KiB framed objects (a 4 KiB header and a 4 KiB payload, one
 object per page) in chains of 16 pages, each header naming its parent, written through the
 file backend (``durability=none``). Then, each command in a fresh process as an operator runs
-it (``--json --no-progress``), measuring wall time and peak RSS (GNU ``time``'s ``%M``):
+it (``--json --no-progress``), measuring wall time, CPU time and peak RSS (GNU ``time``:
+``%U + %S``, ``%M``):
 
 * ``inspect URL``;
 * ``gc URL --max-bytes <half> --dry-run`` with an empty state directory (every header read);
@@ -90,7 +91,7 @@ def run(argv: list[str], env: dict[str, str], workdir: Path) -> dict[str, Any]:
     with open(out_path, "w") as out, open(err_path, "w") as err:
         start = time.perf_counter()
         # cwd: not the repository (``python -m`` would import this tree's package first).
-        code = subprocess.call([TIME, "-f", "%M", "-o", str(rss_path), *argv], stdout=out,
+        code = subprocess.call([TIME, "-f", "%M %U %S", "-o", str(rss_path), *argv], stdout=out,
                                stderr=err, env=env, cwd=workdir)
         seconds = time.perf_counter() - start
     if code not in (0, 1):
@@ -100,8 +101,9 @@ def run(argv: list[str], env: dict[str, str], workdir: Path) -> dict[str, Any]:
         report: Any = json.loads(text)
     except ValueError:
         report = {"text": text.strip()}
-    rss_kib = int(rss_path.read_text().split()[-1])
-    return {"seconds": seconds, "rss_mib": rss_kib / 1024, "report": report}
+    rss_kib, user, system = rss_path.read_text().split()[-3:]
+    return {"seconds": seconds, "rss_mib": int(rss_kib) / 1024,
+            "cpu_s": float(user) + float(system), "report": report}
 
 
 def baseline_tree(commit: str, workdir: Path) -> Path:
@@ -220,7 +222,8 @@ def _save(args: argparse.Namespace, rows: list[tuple[int, str, dict[str, Any]]],
         Path(args.json).write_text(json.dumps({
             "load_start": load_start, "load_end": os.getloadavg()[0],
             "rows": [{"objects": o, "command": c, "seconds": r["seconds"],
-                      "rss_mib": r["rss_mib"], **({"own_us": r["own_us"]} if "own_us" in r
+                      "rss_mib": r["rss_mib"], "cpu_s": r["cpu_s"],
+                      **({"own_us": r["own_us"]} if "own_us" in r
                                                   else {})} for o, c, r in rows],
         }, indent=2))
 
@@ -308,7 +311,8 @@ def main() -> None:
             result = run(argv, step_env, workdir)
             rows.append((objects, name, result))
             _save(args, rows, load_start)
-            print(f"  {name}: {result['seconds']:.1f} s, {result['rss_mib']:.0f} MiB peak RSS",
+            print(f"  {name}: {result['seconds']:.1f} s, {result['cpu_s']:.1f} s CPU, "
+                  f"{result['rss_mib']:.0f} MiB peak RSS",
                   flush=True)
         if not args.keep:  # (deleting 1 M files takes over 30 minutes on this VM's ext4)
             shutil.rmtree(store, ignore_errors=True)
@@ -321,12 +325,14 @@ def main() -> None:
 
 def _table(rows: list[tuple[int, str, dict[str, Any]]]) -> None:
     largest = max(objects for objects, _, _ in rows)
-    print("\n| objects | command | seconds | peak RSS (MiB) | us/object | own CPU us/object |")
-    print("|---|---|---|---|---|---|")
+    print("\n| objects | command | seconds | CPU seconds | peak RSS (MiB) | us/object | "
+          "own CPU us/object |")
+    print("|---|---|---|---|---|---|---|")
     for objects, name, result in rows:
         per = result["seconds"] / objects * 1e6
         own = f"{result['own_us']:.1f}" if "own_us" in result else ""
-        print(f"| {objects:,} | {name} | {result['seconds']:.1f} | {result['rss_mib']:.0f} | "
+        print(f"| {objects:,} | {name} | {result['seconds']:.1f} | {result['cpu_s']:.1f} | "
+              f"{result['rss_mib']:.0f} | "
               f"{per:.1f} | {own} |")
     print(f"\nProjected to 100 M objects (time per object at {largest:,} x 100 M):")
     for objects, name, result in rows:
