@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from hicache_store.backends.base import Backend
+from hicache_store.backends.errors import NotSupportedError
 from hicache_store.backends.types import ByteRange, Capabilities, ObjectStat
 from hicache_store.layout.framing import encode_header
 from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
@@ -83,7 +84,8 @@ class SyntheticStore(Backend):
 
     @classmethod
     def from_url(cls, url: Any, options: dict[str, Any]) -> SyntheticStore:
-        raise NotImplementedError("constructed directly by the bench")
+        raise NotSupportedError("the synthetic store has no URL: the bench constructs it",
+                                backend=cls.name, operation="open")
 
     def _known(self, key: str) -> int | None:
         if not key.endswith(_TAIL) or len(key) != 64 + len(_TAIL):
@@ -112,7 +114,8 @@ class SyntheticStore(Backend):
                 out.append(None)
                 continue
             if rng is None or rng.end > 4096:
-                raise NotImplementedError("the synthetic store serves header ranges only")
+                raise NotSupportedError("the synthetic store serves header ranges only",
+                                        backend=self.name, operation="get_into", key=key)
             data = self.header(j)[rng.start : rng.end]
             buf[: len(data)] = data
             out.append(len(data))
@@ -120,7 +123,8 @@ class SyntheticStore(Backend):
         return out
 
     async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
-        raise NotImplementedError("the synthetic store is read-only")
+        raise NotSupportedError("the synthetic store is read-only", backend=self.name,
+                                operation="put")
 
     async def _delete(self, keys: Sequence[str]) -> list[bool]:
         self.deleted += len(keys)

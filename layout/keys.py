@@ -30,6 +30,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TypeGuard
 
 import numpy as np
 import xxhash
@@ -81,17 +82,6 @@ def validate_storage_key(key: object) -> str:
 
 
 _KEY_CHARACTERS = b"0123456789abcdefkuvABCDEFGHIJKLMNOPQRSTUVWXYZ_-"
-#: what the batch check deletes: the key characters and the newline it joins keys with.
-_JOINED_CHARACTERS = _KEY_CHARACTERS + b"\n"
-#: batches from this size take the joined check (numpy's fixed cost ~10 us a call); smaller
-#: ones a generator pass per key (~190 ns a key).
-_JOINED_CHECK_MIN = 64
-
-
-def _bad_first(first_bytes: np.ndarray) -> bool:
-    """Whether a key starts with ``_`` or ``-`` (not allowed first, as in ``_STORAGE_KEY_RE``)
-    or a newline (an empty key)."""
-    return bool(((first_bytes == 95) | (first_bytes == 45) | (first_bytes == 10)).any())
 
 
 def validate_storage_keys(keys: Sequence[object]) -> list[str]:
@@ -100,51 +90,22 @@ def validate_storage_keys(keys: Sequence[object]) -> list[str]:
     Same rules and errors as the per-key check (the first offending key is reported). The
     common all-valid case costs no regex per key: with the C accelerator one pass over each
     key's characters (~15 ns a 64-character key in cache; reading the keys from memory costs
-    more); without it, a small batch one generator pass (~190 ns a key), a batch of
-    ``_JOINED_CHECK_MIN`` keys or more a few passes in C over the keys joined as
-    ``\\n k1 \\n k2 ... \\n`` (~120 ns a 64-character key). There a non-str fails the join;
-    the newlines give every key's first byte and length (an empty key is a zero length, a key
-    containing a newline changes their count); any other byte outside the grammar survives
-    the delete. (This check was the largest share of ``exists`` on the file backend.)
+    more; this check was the largest share of ``exists`` on the file backend); without it, one
+    generator pass and one ``translate`` over the joined keys (~190 ns a key).
     """
     batch = list(keys)
     if _accelerated is not None:
         if _accelerated.storage_keys_valid(batch):
             return batch  # type: ignore[return-value]
-        return [validate_storage_key(k) for k in batch]  # raises for the first bad key
-    return _checked_in_python(batch)
-
-
-def _checked_in_python(batch: list[object]) -> list[str]:
-    """``validate_storage_keys`` without the C accelerator."""
-    if len(batch) < _JOINED_CHECK_MIN:
-        if all(type(k) is str and 0 < len(k) <= MAX_KEY_LENGTH for k in batch):
-            texts: list[str] = batch  # type: ignore[assignment]
-            joined = "".join(texts)
-            if (
-                joined.isascii()
-                and not joined.encode("ascii").translate(None, _KEY_CHARACTERS)
-                and not any(k[0] in "_-" for k in texts)
-            ):
-                return texts
-        return [validate_storage_key(k) for k in batch]  # raises for the first bad key
-    try:
-        joined = "\n".join(batch)  # type: ignore[arg-type]
-    except TypeError:
-        joined = ""
-    if joined and joined.isascii():
-        text = f"\n{joined}\n".encode("ascii")
-        if not text.translate(None, _JOINED_CHARACTERS):
-            data = np.frombuffer(text, dtype=np.uint8)
-            newlines = np.flatnonzero(data == 10)
-            lengths = np.diff(newlines) - 1
-            if (
-                len(lengths) == len(batch)
-                and int(lengths.min()) > 0
-                and int(lengths.max()) <= MAX_KEY_LENGTH
-                and not _bad_first(data[newlines[:-1] + 1])
-            ):
-                return batch  # type: ignore[return-value]
+    elif all(type(k) is str and 0 < len(k) <= MAX_KEY_LENGTH for k in batch):
+        texts: list[str] = batch  # type: ignore[assignment]
+        joined = "".join(texts)
+        if (
+            joined.isascii()
+            and not joined.encode("ascii").translate(None, _KEY_CHARACTERS)
+            and not any(k[0] in "_-" for k in texts)
+        ):
+            return texts
     return [validate_storage_key(k) for k in batch]  # raises for the first bad key
 
 
@@ -161,9 +122,14 @@ def xxh3_64_each(keys: Sequence[str]) -> np.ndarray:
     return np.fromiter(map(digest, map(encode, batch)), dtype=np.uint64, count=len(batch))
 
 
+def is_page_hash(text: object) -> TypeGuard[str]:
+    """Whether ``text`` is a page hash (32 or 64 lowercase hex characters)."""
+    return isinstance(text, str) and _PAGE_HASH_RE.fullmatch(text) is not None
+
+
 def validate_page_hash(page_hash: object) -> str:
     """Return a page hash (32 or 64 lowercase hex characters) or raise ``InvalidKeyError``."""
-    if not isinstance(page_hash, str) or _PAGE_HASH_RE.fullmatch(page_hash) is None:
+    if not is_page_hash(page_hash):
         raise InvalidKeyError(
             f"page hash {str(page_hash)[:80]!r} is not 32 or 64 lowercase hex characters"
         )

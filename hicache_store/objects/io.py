@@ -51,7 +51,7 @@ from hicache_store.layout.framing import (
     payload_offset,
     verify_blocks,
 )
-from hicache_store.layout.keys import ObjectKey, parse_key, validate_page_hash
+from hicache_store.layout.keys import ObjectKey, is_page_hash, parse_key
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
 from hicache_store.tenant import KeyRing
 
@@ -401,7 +401,7 @@ class ObjectIO:
             if tail not in tails:
                 tails[tail] = _parsed(_SAMPLE_PAGE + "_" + tail)
             sample = tails[tail]
-            if sample is None or not _is_page_hash(page):
+            if sample is None or not is_page_hash(page):
                 keys.append(None)
                 bare.append(False)
                 continue
@@ -548,14 +548,6 @@ class ObjectIO:
 
 #: a page hash to parse a key's tail with (``read_headers``).
 _SAMPLE_PAGE = "0" * 64
-
-
-def _is_page_hash(text: str) -> bool:
-    try:
-        validate_page_hash(text)
-    except InvalidKeyError:
-        return False
-    return True
 
 
 def _parsed(storage_key: str) -> ObjectKey | None:
