@@ -1,7 +1,7 @@
 """The eviction-policy study behind the tier's default: policies x capacities on the traces.
 
     .venv/bin/python bench/trace_policy_study.py [--traces conversation,synthetic]
-        [--capacities 1000,4000,16000,64000] [--only NAME,...]
+        [--capacities 1000,4000,16000,64000] [--only NAME,...] [--characterize | --auc-curve]
 
 Every policy is simulated at block level with the hit accounting of
 ``hicache_store.demo.bench.trace_sim`` (a hit is the longest cached prefix, in tokens); prints one
@@ -31,6 +31,11 @@ Rows:
   ``ceiling: hazard per class`` (per-class LRU queues, evict the class head least likely to be
   reused within the next two minutes given its age; ``... and offset``: classes split by the
   offset bucket too).
+
+``--characterize`` prints what the trace offers an online cache (reuse shares, continuation
+odds, gaps, the AUC of every field for "used again"); ``--auc-curve`` measures the hit rate of
+the ``P(reuse given features)`` priority given noisy oracles of known ROC AUC instead of the
+features: how good a reuse predictor a target hit rate takes.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ import bisect
 import heapq
 import itertools
 import math
+import random
+import statistics
 import zlib
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Sequence
@@ -334,39 +341,51 @@ def request_features(trace: Trace) -> list[tuple[int, int, int]]:
     return out
 
 
-class InSamplePriority(LRUEviction[int]):
-    """LRU order, but a block's time is its request's arrival plus tau * P(block used again |
-    turns, new-block bucket, offset bucket), the probability measured on the whole trace
-    beforehand."""
+class ScoredPriority(LRUEviction[int]):
+    """LRU order, but a block's time is its request's arrival plus ``tau_s`` times a given
+    probability that it is used again (``reuse[request][depth]``, one per block access)."""
 
-    def __init__(self, trace: Trace, tau_s: float) -> None:
+    def __init__(self, trace: Trace, reuse: Sequence[Sequence[float]], tau_s: float) -> None:
         depths = _depths(trace)
         super().__init__(depths.__getitem__)
-        self.depth_of = depths
-        self.tau_s, self.features = tau_s, request_features(trace)
+        self.depth_of, self.reuse, self.tau_s = depths, reuse, tau_s
         self.index = -1
-        totals: defaultdict[tuple[int, ...], list[int]] = defaultdict(lambda: [0, 0])
-        for index, uses in enumerate(next_uses(trace)):
-            for depth, use in enumerate(uses):
-                cell = totals[self._key(index, depth)]
-                cell[0] += 1
-                cell[1] += use != NEVER
-        self.p = {key: used / seen for key, (seen, used) in totals.items()}
         self.times = [r.timestamp_ms / 1000 for r in trace.requests]
-
-    def _key(self, index: int, depth: int) -> tuple[int, ...]:
-        turns, new, hit = self.features[index]
-        return (turns, new, _bucket(max(depth - hit, 0), (0, 1, 2, 4, 8, 16, 32, 64, 128)))
 
     def begin_request(self) -> None:
         super().begin_request()
         self.index += 1
 
     def touch(self, node: int) -> None:
-        key = self._key(self.index, self.depth_of[node])
         state = self._leaves.states[node]
-        state.stamp = self.times[self.index] + self.tau_s * self.p[key]  # type: ignore[assignment]
+        probability = self.reuse[self.index][self.depth_of[node]]
+        state.stamp = self.times[self.index] + self.tau_s * probability  # type: ignore[assignment]
         self._leaves.push(node)
+
+
+def feature_reuse(trace: Trace) -> list[list[float]]:
+    """Per block access, P(block used again | turns, new-block bucket, offset bucket), the
+    probability measured on the whole trace beforehand (in-sample)."""
+    features = request_features(trace)
+
+    def key(index: int, depth: int) -> tuple[int, ...]:
+        turns, new, hit = features[index]
+        return (turns, new, _bucket(max(depth - hit, 0), (0, 1, 2, 4, 8, 16, 32, 64, 128)))
+
+    uses = next_uses(trace)
+    totals: defaultdict[tuple[int, ...], list[int]] = defaultdict(lambda: [0, 0])
+    for index, row in enumerate(uses):
+        for depth, use in enumerate(row):
+            cell = totals[key(index, depth)]
+            cell[0] += 1
+            cell[1] += use != NEVER
+    p = {cell: used / seen for cell, (seen, used) in totals.items()}
+    return [[p[key(index, depth)] for depth in range(len(row))] for index, row in enumerate(uses)]
+
+
+def in_sample_priority(trace: Trace, capacity: int, tau_s: float = 1000.0) -> HitCount:
+    """``ceiling: P(reuse given features)``: ``ScoredPriority`` over ``feature_reuse``."""
+    return simulate(trace, capacity, ScoredPriority(trace, feature_reuse(trace), tau_s))
 
 
 def hazard_ceiling(
@@ -763,16 +782,97 @@ def reuse_predictability(trace: Trace) -> list[str]:
         for key, reused in rows:
             cells[key[:n]][0] += 1
             cells[key[:n]][1] += reused
-        ranked = sorted((hits / seen, seen, hits) for seen, hits in cells.values())
-        positives = sum(c[2] for c in ranked)
-        negatives = sum(c[1] - c[2] for c in ranked)
-        below = area = 0.0
-        for _, seen, hits in ranked:
-            area += hits * (below + (seen - hits) / 2)
-            below += seen - hits
-        auc = area / (positives * negatives) if positives and negatives else 0.5
+        rates = {key: hits / seen for key, (seen, hits) in cells.items()}
+        auc = roc_auc([rates[key[:n]] for key, _ in rows], [reused for _, reused in rows])
         out.append(f"  + {names[n - 1]}: {auc:.3f} ({len(cells)} cells)")
     return out
+
+
+def roc_auc(scores: Sequence[float], labels: Sequence[bool]) -> float:
+    """The ROC AUC of ``scores`` for ``labels`` (tied scores count half), 0.5 if one class is
+    empty."""
+    ranked = sorted(zip(scores, labels, strict=True))
+    positives = sum(labels)
+    negatives = len(labels) - positives
+    if not positives or not negatives:
+        return 0.5
+    area = below = 0.0
+    for _, group in itertools.groupby(ranked, key=lambda pair: pair[0]):
+        members = [label for _, label in group]
+        hits = sum(members)
+        area += hits * (below + (len(members) - hits) / 2)
+        below += len(members) - hits
+    return area / (positives * negatives)
+
+
+# -- hit rate against the quality of a reuse predictor ---------------------------------------------
+
+#: the ROC AUCs of the noisy oracles of ``--auc-curve``, and the priority weights tried for each
+#: (the best one is kept: optimistic, as for the ceilings).
+CURVE_AUCS = (0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
+CURVE_TAUS_S = (60.0, 300.0, 1000.0, 3000.0, 10000.0, 30000.0)
+
+
+def calibrated(scores: Sequence[float], labels: Sequence[bool], bins: int = 64) -> list[float]:
+    """Each score replaced by the rate of ``labels`` among the scores of its quantile bin."""
+    edges = sorted(scores)
+    edges = [edges[len(edges) * k // bins] for k in range(1, bins)]
+    where = [bisect.bisect_right(edges, score) for score in scores]
+    seen, used = [0] * bins, [0] * bins
+    for cell, label in zip(where, labels, strict=True):
+        seen[cell] += 1
+        used[cell] += label
+    return [used[cell] / seen[cell] for cell in where]
+
+
+def noisy_oracle_reuse(trace: Trace, auc: float, seed: int = 1) -> list[list[float]]:
+    """A predictor of whether each block access is followed by another use, of ROC AUC about
+    ``auc``: the truth plus Gaussian noise, one draw per request (a predictor built from
+    request-level fields errs for all of a request's blocks at once), calibrated in-sample to
+    a probability. ``auc`` 1 is the oracle itself."""
+    uses = next_uses(trace)
+    if auc >= 1.0:
+        return [[float(use != NEVER) for use in row] for row in uses]
+    sigma = 1 / (math.sqrt(2) * statistics.NormalDist().inv_cdf(auc))
+    draw = random.Random(seed)
+    labels, scores = [], []
+    for row in uses:
+        noise = sigma * draw.gauss(0.0, 1.0)
+        for use in row:
+            labels.append(use != NEVER)
+            scores.append(labels[-1] + noise)
+    flat = iter(calibrated(scores, labels))
+    return [[next(flat) for _ in row] for row in uses]
+
+
+def auc_curve(trace: Trace, capacities: Sequence[int]) -> list[str]:
+    """Markdown rows: hit rate % (best ``CURVE_TAUS_S``) of ``ScoredPriority`` given noisy
+    oracles of increasing AUC, and given the fields of the trace (``feature_reuse``), with each
+    predictor's AUC over every block access and over first accesses only."""
+    uses = next_uses(trace)
+    labels = [use != NEVER for row in uses for use in row]
+    first, seen = [], set()
+    for request in trace.requests:
+        for block in request.hash_ids:
+            first.append(block not in seen)
+            seen.add(block)
+    predictors = [(f"noisy oracle, AUC {auc:.2f}", noisy_oracle_reuse(trace, auc))
+                  for auc in CURVE_AUCS]
+    predictors.append(("fields of the trace (the `P(reuse given features)` ceiling)",
+                       feature_reuse(trace)))
+    rows = []
+    for name, reuse in predictors:
+        flat = [p for row in reuse for p in row]
+        new = roc_auc([p for p, f in zip(flat, first, strict=True) if f],
+                      [y for y, f in zip(labels, first, strict=True) if f])
+        cells = []
+        for capacity in capacities:
+            rate, tau = max((simulate(trace, capacity, ScoredPriority(trace, reuse, tau)).hit_rate,
+                             tau) for tau in CURVE_TAUS_S)
+            cells.append(f"{100 * rate:.1f} ({tau:g} s)")
+        rows.append(f"| {name} | {roc_auc(flat, labels):.3f} | {new:.3f} | " + " | ".join(cells)
+                    + " |")
+    return rows
 
 
 # -- the table ---------------------------------------------------------------------------------------
@@ -803,7 +903,7 @@ POLICIES: dict[str, Runner] = {
     "S3-FIFO": lambda t, c: replay_blocks(t, S3FIFO(c)),
     "ARC": lambda t, c: replay_blocks(t, ARC(c)),
     "W-TinyLFU": lambda t, c: replay_blocks(t, WTinyLFU(c)),
-    "ceiling: P(reuse given features)": lambda t, c: simulate(t, c, InSamplePriority(t, 1000.0)),
+    "ceiling: P(reuse given features)": in_sample_priority,
     "online: hazard per class": lambda t, c: simulate(t, c, OnlineHazard(c, _depths(t).__getitem__)),
     "online: LHD (hit density per class)": lambda t, c: simulate(
         t, c, OnlineHazard(c, _depths(t).__getitem__, mode="density")
@@ -843,6 +943,8 @@ def main() -> None:
                         help="simulate pages of block/N tokens (capacities scale with N)")
     parser.add_argument("--characterize", action="store_true",
                         help="print what the trace offers an online cache, not the table")
+    parser.add_argument("--auc-curve", action="store_true",
+                        help="hit rate against the AUC of a reuse predictor, not the table")
     args = parser.parse_args()
     capacities = [int(c) for c in args.capacities.split(",")]
     names = args.only.split(",") if args.only else list(POLICIES)
@@ -851,6 +953,15 @@ def main() -> None:
                              args.split)
         if args.characterize:
             print(f"\n{trace_name}:\n  " + "\n  ".join(characterize(trace)))
+            continue
+        if args.auc_curve:
+            print(f"\n{trace_name}: token hit rate % of a priority LRU given a reuse predictor "
+                  "(the best tau)\n")
+            print("| predictor | AUC, all accesses | AUC, first accesses | "
+                  + " | ".join(f"{c:,} blocks" for c in capacities) + " |")
+            print("|---|---|---|" + "---|" * len(capacities))
+            for row in auc_curve(trace, [c * args.split for c in capacities]):
+                print(row, flush=True)
             continue
         print(f"\n{trace_name}: token hit rate %, all requests / second half\n")
         print("| policy | " + " | ".join(f"{c:,} blocks" for c in capacities) + " |")
