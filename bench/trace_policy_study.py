@@ -22,6 +22,10 @@ Rows:
   reused within the cache's mean eviction age goes), ``online: LHD (hit density per class)``
   (Beckmann et al., NSDI'18: hits per block-request of residency expected from its age on),
   ``online: arc with T1 by hazard per class`` (ARC whose T1 evicts by the hazard);
+* online, Mockingjay-style (``OnlineETR``: reuse distances learned per conversation signature,
+  the leaf with the largest estimated time remaining goes): ``online: ETR (Mockingjay-style)``
+  (the prediction fixed at the touch, |ETR| counting down and up again when overdue) and
+  ``online: ETR given age (Mockingjay-style)`` (the expected remaining wait given the age);
 * what no online policy can have: ``oracle admission`` (LRU that never keeps a block with no
   future use), and two in-sample ceilings for the request-level signals an online cache does
   see (how many times the chain was extended before, how many blocks the request adds, how
@@ -690,6 +694,268 @@ class OnlineHazard:
                     ghosts.popitem(last=False)
 
 
+class OnlineETR:
+    """Mockingjay-style eviction (Shah, Jain and Lin, "Effective Mimicry of Belady's MIN
+    Policy", HPCA'22) over a prefix-closed pool: every page carries an *estimated time
+    remaining* until its next use (ETR; time in requests, as the tier counts it) and the
+    evictable leaf with the largest ETR goes. A page predicted beyond what the pool can hold
+    is thereby the first victim (Mockingjay's bypass).
+
+    Reuse distances are learned per *signature*, online from the past only, like Mockingjay's
+    sampled sets: a memory of recent touches (``window`` requests, at most ``memory_factor`` x
+    capacity keys) keeps each key's last touch and signature; a key touched again observes its
+    gap (in buckets of ``_AGE_EDGES``), a key leaving the memory unused is *dead*, and counts
+    as a reuse distance of ``dead`` x ``window`` (Mockingjay's INF_RD). Keys still unused in
+    the memory count as censored at their age (Kaplan-Meier), so a signature learns that its
+    pages do not come back as they age, not a ``window`` later. Counts are halved every
+    ``halve_every`` observations; the estimates are refreshed every ``refresh`` requests. A
+    signature with under 16 pages observed at an age falls back to its turns alone, then to
+    every page, then counts as dead.
+
+    Signature of a page at a touch: its conversation, identified as ``characterize`` does (a
+    request continues the conversation of the deepest remembered page it touches past the
+    first; otherwise it starts one), described by its turns so far (capped at 5) and its own
+    last inter-turn gap (none, under 64, 256, 1,024 requests, more), and where the page lies:
+    in the request's known prefix, or how far past it (0, 1-2, 3-8, 9+ pages).
+
+    * Mockingjay proper (``given_age`` False): the prediction is the signature's mean reuse
+      distance, fixed at the touch; ETR = touch + prediction - now counts down, and an
+      overdue page's |ETR| grows again, so the victim is the leaf with the largest |ETR|
+      (far off, or long overdue: presumed dead).
+    * ``given_age``: ETR = the mean *residual* reuse distance of the signature given the
+      page's age, E[gap - age | gap > age]: a heavy-tailed gap makes an unused page's
+      expected wait grow with its age, so each signature keeps its leaves in LRU order and
+      the victim is the signature head with the largest ETR (the older on a tie). Not O(log
+      n) as the tier's policies are: a victim scans the signature heads (up to 150).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        depth: Callable[[int], int],
+        given_age: bool = False,
+        window: int = 4000,
+        memory_factor: float = 8.0,
+        halve_every: int = 200_000,
+        refresh: int = 16,
+        dead: float = 16.0,
+    ) -> None:
+        self.capacity, self.depth, self.given_age = capacity, depth, given_age
+        self.window, self.memory_limit = window, int(memory_factor * capacity)
+        self.halve_every, self.observed, self.refresh = halve_every, 0, refresh
+        self.dead = dead * window  # the reuse distance a key that left the memory unused counts
+        self.clock = 0
+        buckets = len(_AGE_EDGES) + 1  # the last: not reused within the memory
+        self.gaps: defaultdict[tuple[int, ...], list[float]] = defaultdict(lambda: [0.0] * buckets)
+        self.tables: dict[tuple[int, ...], tuple[list[float], list[float], list[float]]] = {}
+        # signature -> {clock: keys of the memory touched then and unused since}
+        self.unused: defaultdict[tuple[int, ...], defaultdict[int, int]] = defaultdict(
+            lambda: defaultdict(int)
+        )
+        # key -> (clock of its last touch, signature, conversation)
+        self.memory: dict[int, tuple[int, tuple[int, ...], int]] = {}
+        self.touches: deque[tuple[int, int]] = deque()  # (clock, key), oldest first
+        # conversation -> [turns, clock of its last request, last inter-turn gap or 0]
+        self.conversations: dict[int, list[int]] = {}
+        self.turns_seen: deque[tuple[int, int]] = deque()  # (clock, conversation)
+        self.next_conversation = 0
+        # page -> [last touch, signature, evictable, version, predicted next use]
+        self.pages: dict[int, list[Any]] = {}
+        self.far: list[tuple[float, int, int, int]] = []  # (-predicted, -depth, version, page)
+        self.due: list[tuple[float, int, int, int]] = []  # (predicted, -depth, version, page)
+        self.heaps: defaultdict[tuple[int, ...], list[tuple[int, int, int, int]]] = (
+            defaultdict(list)
+        )
+        self.live = 0
+        self.seq = itertools.count()
+        self.pending: list[int] = []  # pages touched by the current request, not yet classed
+        self.continues: int | None = None  # the conversation the current request continues
+        self.known_depth = -1  # deepest page of the current request touched before
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    # -- the reuse-distance predictor --
+
+    def _observe(self, signature: tuple[int, ...], bucket: int) -> None:
+        for level in (signature, signature[:1], ()):
+            self.gaps[level][bucket] += 1
+        self.observed += 1
+        if self.observed >= self.halve_every:  # decay: the estimates follow the traffic
+            self.observed = 0
+            for row in self.gaps.values():
+                row[:] = [v / 2 for v in row]
+
+    def _refresh(self) -> None:
+        """Survival of each level's reuse gap (Kaplan-Meier: the keys still unused in the
+        memory are censored at their age). Per level and age bucket: (pages at risk from it
+        on, survival to it, the survival-weighted sum of the gaps from it on, the mass
+        surviving the last bucket counted as dead)."""
+        n = len(_AGE_EDGES)
+        values = [*_AGE_EDGES, self.dead]
+        censored: defaultdict[tuple[int, ...], list[float]] = defaultdict(lambda: [0.0] * (n + 1))
+        for signature, stamps in self.unused.items():
+            for stamp, keys in stamps.items():
+                bucket = _age_bucket(self.clock - stamp)
+                for level in (signature, signature[:1], ()):
+                    censored[level][bucket] += keys
+        self.tables.clear()
+        for level, row in self.gaps.items():
+            lost = censored[level]
+            risk = [0.0] * (n + 2)
+            for i in range(n, -1, -1):
+                risk[i] = risk[i + 1] + row[i] + lost[i]
+            survival = [1.0] * (n + 2)
+            for i in range(n):
+                survival[i + 1] = survival[i] * (1 - row[i] / risk[i] if risk[i] else 1.0)
+            total = [0.0] * (n + 2)
+            total[n] = survival[n] * values[n]
+            for i in range(n - 1, -1, -1):
+                total[i] = total[i + 1] + (survival[i] - survival[i + 1]) * values[i]
+            self.tables[level] = (risk, survival, total)
+
+    def _remaining(self, signature: tuple[int, ...], age: int) -> float:
+        """E[gap - age | gap > age] for the signature (or the first coarser level with 16 pages
+        at risk at this age); a page older than any seen reused is presumed dead."""
+        a = _age_bucket(age)
+        for level in (signature, signature[:1], ()):
+            table = self.tables.get(level)
+            if table is not None and table[0][a] >= 16:
+                _, survival, total = table
+                if survival[a] <= 0:
+                    break
+                return total[a] / survival[a] - age
+        return self.dead
+
+    def _used(self, entry: tuple[int, tuple[int, ...], int]) -> None:
+        stamps = self.unused[entry[1]]
+        stamps[entry[0]] -= 1
+        if not stamps[entry[0]]:
+            del stamps[entry[0]]
+
+    # -- the protocol --
+
+    def begin_request(self) -> None:
+        self._flush()
+        self.clock += 1
+        self.continues, self.known_depth = None, -1
+        if self.clock % self.refresh == 0:
+            self._refresh()
+        while self.touches and (
+            self.touches[0][0] <= self.clock - self.window
+            or len(self.touches) > self.memory_limit
+        ):
+            stamp, key = self.touches.popleft()
+            entry = self.memory.get(key)
+            if entry is not None and entry[0] == stamp:  # left the memory unused: "infinite"
+                del self.memory[key]
+                self._observe(entry[1], len(_AGE_EDGES))
+                self._used(entry)
+        while self.turns_seen and self.turns_seen[0][0] <= self.clock - self.window:
+            stamp, conversation = self.turns_seen.popleft()
+            state = self.conversations.get(conversation)
+            if state is not None and state[1] == stamp:
+                del self.conversations[conversation]
+
+    def admit(self, node: int) -> None:
+        self.pages[node] = [self.clock, None, False, -1, 0.0]
+
+    def touch(self, node: int) -> None:
+        entry = self.memory.get(node)
+        if entry is not None and entry[0] < self.clock:  # touched by an earlier request
+            self._observe(entry[1], _age_bucket(self.clock - entry[0]))
+            self._used(entry)
+            depth = self.depth(node)
+            self.known_depth = max(self.known_depth, depth)
+            if depth >= 1 and entry[2] in self.conversations:
+                self.continues = entry[2]  # path order: the deepest known page decides
+        self.pending.append(node)
+
+    def _flush(self) -> None:
+        """Class the pages the current request touched (its conversation is known now)."""
+        if not self.pending:
+            return
+        conversation = self.continues
+        if conversation is None:
+            conversation = self.continues = self.next_conversation
+            self.next_conversation += 1
+            self.conversations[conversation] = [0, self.clock, 0]
+            self.turns_seen.append((self.clock, conversation))
+        state = self.conversations[conversation]
+        if state[1] < self.clock:  # a new turn of the conversation
+            state[0], state[2], state[1] = state[0] + 1, self.clock - state[1], self.clock
+            self.turns_seen.append((self.clock, conversation))
+        turns = min(state[0], 5)
+        gap = _bucket(state[2], (0, 64, 256, 1024))
+        for node in self.pending:
+            page = self.pages.get(node)
+            if page is None:
+                continue
+            offset = self.depth(node) - self.known_depth - 1
+            signature = (turns, gap, 0 if offset < 0 else 1 + _bucket(offset, (0, 2, 8)))
+            page[0], page[1] = self.clock, signature
+            page[4] = self.clock + self._remaining(signature, 0)
+            self.memory[node] = (self.clock, signature, conversation)
+            self.unused[signature][self.clock] += 1
+            self.touches.append((self.clock, node))
+            self._push(node)
+        self.pending.clear()
+
+    def _push(self, node: int) -> None:
+        page = self.pages[node]
+        page[3] = next(self.seq)
+        if not page[2] or page[1] is None:
+            return
+        depth = -self.depth(node)
+        if self.given_age:
+            heapq.heappush(self.heaps[page[1]], (page[0], depth, page[3], node))
+            return
+        heapq.heappush(self.far, (-page[4], depth, page[3], node))
+        heapq.heappush(self.due, (page[4], depth, page[3], node))
+        if len(self.far) > 2 * self.live + 64:
+            self.far = [e for e in self.far if self._current(e)]
+            self.due = [e for e in self.due if self._current(e)]
+            heapq.heapify(self.far)
+            heapq.heapify(self.due)
+
+    def _current(self, entry: tuple[float, int, int, int]) -> bool:
+        page = self.pages.get(entry[3])
+        return page is not None and page[2] and page[3] == entry[2]
+
+    def _head(self, heap: list[Any]) -> Any:
+        while heap and not self._current(heap[0]):
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def set_evictable(self, node: int, evictable: bool) -> None:
+        page = self.pages[node]
+        if page[2] != evictable:
+            page[2] = evictable
+            self.live += 1 if evictable else -1
+            self._push(node)
+
+    def victim(self) -> int | None:
+        self._flush()
+        if self.given_age:
+            best: tuple[float, int, int] | None = None
+            for signature, heap in self.heaps.items():
+                head = self._head(heap)
+                if head is not None:
+                    age = self.clock - head[0]
+                    candidate = (self._remaining(signature, age), age, head[3])
+                    if best is None or candidate[:2] > best[:2]:
+                        best = candidate
+            return None if best is None else best[2]
+        far, due = self._head(self.far), self._head(self.due)
+        if far is None:
+            return None
+        return far[3] if -far[0] - self.clock >= self.clock - due[0] else due[3]
+
+    def evict(self, node: int) -> None:
+        if self.pages.pop(node)[2]:
+            self.live -= 1
+
+
 # -- what the trace offers a cache -------------------------------------------------------------------
 
 
@@ -910,6 +1176,12 @@ POLICIES: dict[str, Runner] = {
     ),
     "online: arc with T1 by hazard per class": lambda t, c: simulate(
         t, c, OnlineHazard(c, _depths(t).__getitem__, arc=True, memory_factor=4.0)
+    ),
+    "online: ETR (Mockingjay-style)": lambda t, c: simulate(
+        t, c, OnlineETR(c, _depths(t).__getitem__, window=1000, dead=1.0)
+    ),
+    "online: ETR given age (Mockingjay-style)": lambda t, c: simulate(
+        t, c, OnlineETR(c, _depths(t).__getitem__, given_age=True)
     ),
     "ceiling: hazard per class": hazard_ceiling,
     "ceiling: hazard per class and offset": lambda t, c: hazard_ceiling(t, c, by_offset=True),
