@@ -48,11 +48,14 @@ deletes loses its parent (readers stop before it, as for any miss) and is delete
 run; a resumed run carries its plan over the interruption, so resume soon or start over
 (``fresh=True``, ``gc --fresh``: the parent cache stays).
 
-Namespace manifests (``M_...``) are never deleted. Pages whose header cannot be decoded
-(corrupt) and pages of a format without headers (SGLang's bare objects: their age alone
-orders them) are chains of their own; an object that vanished meanwhile is
-skipped. A header read that fails for another reason (the store is down) stops the run with
-the error, resumable.
+Namespace manifests (``M_...``) are never deleted. A page's parent is read from one of its
+objects' headers; when that one is corrupt, unreadable (the store fails on it alone: no read
+permission, a directory under its name) or gone, from the page's next object. Pages none of
+whose headers can be read (counted as ``headers_unreadable``) and pages of a format without
+headers (SGLang's bare objects: their age alone orders them) are chains of their own; an
+object that vanished meanwhile is skipped. A header read that fails for another reason (the
+store is down: a retryable error, or ``exists`` fails too) stops the run with the error,
+resumable.
 """
 
 from __future__ import annotations
@@ -510,6 +513,11 @@ async def _read_parents(backend: Backend, state: GcState,
         chunks = [keys[i : i + HEADER_BATCH] for i in range(0, len(keys), HEADER_BATCH)]
         found = [h for part in await asyncio.gather(*(_headers(io, c) for c in chunks))
                  for h in part]
+        for i, (page, tail) in enumerate(rows):
+            if not isinstance(found[i], ObjectHeader):
+                other = await _other_header(io, state, page, tail)
+                if other is not None:
+                    found[i] = other
         known, cached = [], []
         for (page, _tail), header in zip(rows, found, strict=True):
             parent = key_id = None
@@ -530,18 +538,62 @@ async def _read_parents(backend: Backend, state: GcState,
         tick(done, total)
 
 
+async def _other_header(io: ObjectIO, state: GcState, page: str, tail: str
+                        ) -> ObjectHeader | None:
+    """The header of another object of ``page`` than ``page + tail`` (whose header is
+    corrupt, unreadable or gone), None if none decodes. Every object of a page names the same
+    parent: one damaged object must not make its page parentless, or the parent would be
+    planned as a tail while the page's intact objects and its descendants stay, stranded
+    behind the hole."""
+    others = [page + t for (t,) in state.db.execute(
+        "SELECT tail FROM objects WHERE page = ? AND tail != ? ORDER BY tail", (page, tail))]
+    for start in range(0, len(others), HEADER_BATCH):
+        for header in await _headers(io, others[start : start + HEADER_BATCH]):
+            if isinstance(header, ObjectHeader):
+                return header
+    return None
+
+
 async def _headers(io: ObjectIO, keys: Sequence[str]) -> list[ObjectHeader | CorruptObjectError | None]:
     """The headers of ``keys`` (``ObjectIO.read_headers``: checked against each key; None
-    for an object that vanished). A failed call is tried once more, then stops the run
+    for an object that vanished). A failed call is tried once more, then key by key: one
+    object the store cannot read (no read permission, a directory under its name) fails the
+    whole call, and must not stop every run of gc at it. A key whose own read fails without
+    a retryable error, while the store still answers ``exists`` for it, is unreadable (a
+    ``CorruptObjectError`` here, as a header that does not decode); absent, it vanished. A
+    retryable error, or a store that cannot answer ``exists`` either, stops the run
     (``GcError``, resumable)."""
-    for attempt in range(2):
+    failure: BackendError | TimeoutError | None = None
+    for _attempt in range(2):
         try:
             return await io.read_headers(keys)
         except (BackendError, TimeoutError) as exc:
-            if attempt:
-                raise GcError(f"reading object headers failed ({exc!r}); nothing was deleted "
-                              "by this step: run gc again to resume") from exc
-    raise AssertionError("unreachable")  # pragma: no cover
+            failure = exc
+    out: list[ObjectHeader | CorruptObjectError | None] = []
+    failed: dict[int, BackendError] = {}
+    for i, key in enumerate(keys):
+        try:
+            out.extend(await io.read_headers([key]))
+        except (BackendError, TimeoutError) as exc:
+            if not isinstance(exc, BackendError) or getattr(exc, "retryable", False):
+                raise _stopped(exc) from exc
+            failed[i] = exc
+            out.append(None)
+    if failed:
+        failing = [keys[i] for i in failed]
+        try:
+            present = await io.backend.exists(failing)
+        except (BackendError, TimeoutError) as exc:
+            raise _stopped(failure or exc) from exc
+        for (i, error), there in zip(failed.items(), present, strict=True):
+            if there:
+                out[i] = CorruptObjectError(f"{keys[i]}: unreadable ({error})")
+    return out
+
+
+def _stopped(exc: BaseException) -> GcError:
+    return GcError(f"reading object headers failed ({exc!r}); nothing was deleted by this "
+                   "step: run gc again to resume")
 
 
 # -- 4. plan --------------------------------------------------------------------------------------
