@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -68,14 +69,16 @@ class NoIndex:
     # -- existence and listing ---------------------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
+        # A regular file only (``file._list_dir``): a directory or a symlink under a key's
+        # name is not an object.
         out = []
         for key in keys:
             try:
-                os.stat(self._path_of(key))
+                mode = os.stat(self._path_of(key), follow_symlinks=False).st_mode
             except FileNotFoundError:
                 out.append(False)
             else:
-                out.append(True)
+                out.append(stat.S_ISREG(mode))
         return out
 
     def exists_if_current(self, keys: Sequence[str]) -> list[bool] | None:

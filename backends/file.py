@@ -717,10 +717,11 @@ def _is_storage_key(name: str) -> bool:
 
 def _list_dir(directory: str) -> Iterator[tuple[str, int, float]]:
     """``(key, size, mtime)`` of the object files in one shard directory (foreign files, never
-    ours to index or evict, are skipped)."""
+    ours to index or evict, are skipped; so is anything but a regular file under a key's name:
+    a directory or a symlink is not an object, and reading it fails instead of missing)."""
     with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
         for entry in entries:
-            if not _is_storage_key(entry.name):
+            if not _is_storage_key(entry.name) or not entry.is_file(follow_symlinks=False):
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)

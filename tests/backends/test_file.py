@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -202,6 +203,33 @@ async def test_foreign_files_are_neither_listed_nor_evicted(tmp_path: Path) -> N
     assert foreign.exists()
     assert [k async for k in store.list_prefix("")] == ["a1"]
     await store.close()
+
+
+@pytest.mark.parametrize("index", ["rebuilt", "none"])
+async def test_entries_that_are_not_files_are_never_objects(tmp_path: Path, index: str) -> None:
+    """A directory or a symlink under a key's name in a shard directory (an operator's mkdir,
+    a copy tool's link) is not an object: a rebuilt index, or a store without one, must not
+    list it, report it present, or hand it to gc, whose read of it failed with EISDIR."""
+    from hicache_store.backends.file import shard_of
+
+    root = tmp_path / "s"
+    url = f"file://{root}" + ("?index=none" if index == "none" else "")
+    store = open_backend(url)
+    assert isinstance(store, FileBackend)
+    await store.put(["a0"], [b"kept"])
+    await store.close()
+    for name in ("beef", "cafe"):
+        top, sub = shard_of(name)
+        (root / "objects" / top / sub).mkdir(parents=True, exist_ok=True)
+    os.mkdir(root / "objects" / "/".join(shard_of("beef")) / "beef")
+    os.symlink(store.path_of("a0"), root / "objects" / "/".join(shard_of("cafe")) / "cafe")
+    if index == "rebuilt":
+        shutil.rmtree(root / "index")
+    again = open_backend(url)
+    assert [k async for k in again.list_prefix("")] == ["a0"]
+    assert [st.key async for st in again.list_entries("")] == ["a0"]
+    assert await again.exists(["a0", "beef", "cafe"]) == [True, False, False]
+    await again.close()
 
 
 def test_another_layout_is_refused(tmp_path: Path) -> None:
