@@ -632,7 +632,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         return _sync.run_sync(coro, timeout=self.config.io_timeout_s)
 
     def _run(self, coro: Coroutine[Any, Any, T], reg: _Registered) -> T:
-        return _sync.run_sync(coro, timeout=reg.link.io_timeout_s * 2 + 5)
+        return _sync.run_sync(coro, timeout=_deadline(reg))
 
     @staticmethod
     def _first_slots(reg: _Registered, keys: Sequence[str], host_indices: torch.Tensor) -> torch.Tensor:
@@ -708,24 +708,33 @@ class HiCacheStoreStorage(_HiCacheStorage):
         per_chunk = self._chunk_pages(stride)
         results: list[bool] = []
         inflight: list[concurrent.futures.Future[list[bool]]] = []
-        for c, s in enumerate(range(0, len(keys), per_chunk)):
-            e = min(s + per_chunk, len(keys))
-            if len(inflight) >= 2:  # the buffer of chunk c-2 is free once its puts are done
-                results.extend(inflight.pop(0).result())
-            view, tensor = self._staging.get("set", c % 2, per_chunk * stride)
-            staging = tensor.as_strided((e - s, payload), (stride, 1), header)
-            host_to_unified(pool, table[s:e], staging, reg.layout)
-            frames = [
-                Frame(
-                    ObjectKey(keys[s + i], digest, obj.coords),
-                    view[i * stride : i * stride + header + payload],
-                    _parent(keys, s + i),
-                )
-                for i in range(e - s)
-            ]
-            inflight.append(_sync.submit(io.put(frames)))
-        for fut in inflight:
-            results.extend(fut.result())
+        timeout = _deadline(reg)
+        try:
+            for c, s in enumerate(range(0, len(keys), per_chunk)):
+                e = min(s + per_chunk, len(keys))
+                if len(inflight) >= 2:  # the buffer of chunk c-2 is free once its puts are done
+                    results.extend(inflight[0].result(timeout))
+                    inflight.pop(0)
+                view, tensor = self._staging.get("set", c % 2, per_chunk * stride)
+                staging = tensor.as_strided((e - s, payload), (stride, 1), header)
+                host_to_unified(pool, table[s:e], staging, reg.layout)
+                frames = [
+                    Frame(
+                        ObjectKey(keys[s + i], digest, obj.coords),
+                        view[i * stride : i * stride + header + payload],
+                        _parent(keys, s + i),
+                    )
+                    for i in range(e - s)
+                ]
+                inflight.append(_sync.submit(io.put(frames)))
+            while inflight:
+                results.extend(inflight[0].result(timeout))
+                inflight.pop(0)
+        finally:
+            # A put stuck in I/O cannot be stopped; its staging is dropped by the caller
+            # (``_set_pages``) and SGLang's backup thread gets False instead of waiting on it.
+            for fut in inflight:
+                fut.cancel()
         return results
 
     def _set_via_link(
@@ -800,7 +809,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         io = IOStats()
         results = [False] * n
         in_flight: dict[concurrent.futures.Future[bool], tuple[int, int]] = {}
-        timeout = reg.link.io_timeout_s * 2 + 5
+        timeout = _deadline(reg)
 
         def launch(page: int, slot: int) -> None:
             fut = _sync.submit(reg.link.read_page(keys[page], rows[slot], io))
@@ -837,6 +846,14 @@ class HiCacheStoreStorage(_HiCacheStorage):
 
     def _account(self, op: str, results: list[bool], page_bytes: int, started: float) -> None:
         self._metrics.record(op, results, page_bytes, time.perf_counter() - started)
+
+
+def _deadline(reg: _Registered) -> float:
+    """How long an SGLang thread waits on one backend call, or on the next page of a batch,
+    before it gives up with a failure: past every per-call ``io_timeout_s`` of the I/O
+    under it (two round trips and scheduling slack), so only I/O that cannot end (a hung
+    device or mount) reaches it."""
+    return reg.link.io_timeout_s * 2 + 5
 
 
 def _bind(fn: Callable[..., T], *args: Any) -> Callable[[_Registered], T]:

@@ -1,0 +1,202 @@
+"""The adapter under hostile conditions, as SGLang 0.5.23's own controller calls it.
+
+A backend whose I/O hangs (a dead mount, a remote store that stops answering), objects evicted
+between SGLang's hit query and its read, writer and reader configured differently, and
+malformed calls (empty batches, keys and host indices of the wrong kind, slots outside the
+pool or named twice). The rules: never wrong KV in a slot reported loaded, never a hang of
+SGLang's backup or prefetch threads; a miss, a failure or one clear error instead. Host pages
+are written and compared by plain indexing (``sglang_cpu``), never by the adapter's kernels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+
+
+class Hang:
+    """One core of a backend stuck in I/O that nothing can stop (the caller's cancellation
+    included: ``Backend._guarded`` waits for a core to end) until ``release``; then the call
+    goes through to the real core."""
+
+    def __init__(self, backend: Any, core: str) -> None:
+        self.backend, self.core = backend, core
+        self.real = getattr(backend, core)
+        self.gate = threading.Event()
+
+        async def stuck(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.to_thread(self.gate.wait, 120)
+            return await self.real(*args, **kwargs)
+
+        setattr(backend, core, stuck)
+
+    def release(self) -> None:
+        setattr(self.backend, self.core, self.real)
+        self.gate.set()
+
+
+def hanging_rank(sglang: ModuleType, tmp_path: Path) -> Any:
+    # A short per-call deadline: the adapter's own wait on a call is bounded past it.
+    return sglang.Rank(f"faulty://?inner=file://{tmp_path / 'kv'}", extra={"io_timeout_s": 0.2})
+
+
+def start_prefetch(sglang: ModuleType, rank: Any, tokens: list[int], rid: str) -> tuple[Any, int]:
+    """The tree's side up to the read: SGLang's hit query, then (on a hit) host slots."""
+    base = sglang.module("sglang.srt.mem_cache.base_prefix_cache")
+    ctrl = rank.controller
+    ctrl.prefetch(base.CacheRequestHandle(rid=rid, attempt_id=0), list(tokens))
+    op = ctrl.prefetch_hit_queue.get(timeout=60)
+    hit = int(op.storage_hit_count)
+    if hit:
+        op.host_indices, _ = ctrl.allocate_storage_hit(
+            op, hit, allow_partial=False, min_tokens=hit, evict_host=lambda n: 0
+        )
+    return op, hit
+
+
+def finish_prefetch(rank: Any, op: Any, timeout: float = 60) -> int:
+    """Hand the operation to SGLang's prefetch I/O thread; the tokens it reports loaded."""
+    rank.controller.prefetch_buffer.put(op)
+    return int(rank._drain_acks(op, timeout, expect_transfer=True))
+
+
+def threads_alive(rank: Any) -> bool:
+    ctrl = rank.controller
+    return all(t.is_alive() for t in (ctrl.backup_thread, ctrl.prefetch_thread,
+                                       ctrl.prefetch_io_aux_thread))
+
+
+# -- 1. a backend that hangs while SGLang's threads wait ---------------------------------------
+
+
+@pytest.mark.slow
+def test_a_put_stuck_in_io_fails_the_backup_instead_of_hanging_it(
+    sglang: ModuleType, tmp_path: Path
+) -> None:
+    rank = hanging_rank(sglang, tmp_path)
+    tokens = sglang.tokens_for(2, 4, seed=1)
+    pages = [rank.random_page(s) for s in range(2)]
+    hang = Hang(rank.storage.backend, "_put")
+    try:
+        started = time.monotonic()
+        # SGLang's backup thread must come back (with nothing stored), not wait on the I/O
+        assert rank.backup(tokens, pages, timeout=30) == 0
+        assert time.monotonic() - started < 30
+        assert rank.storage.counters["set_errors"] == 1
+    finally:
+        hang.release()
+    assert threads_alive(rank)
+    # the device answers again: the next backup stores the pages and they read back exactly
+    assert rank.backup(tokens, pages) == len(tokens)
+    hit, loaded, host_indices = rank.prefetch(tokens)
+    assert (hit, loaded) == (len(tokens), len(tokens)) and host_indices is not None
+    for i, data in enumerate(pages):
+        assert same(rank.host_page_of(host_indices, i), data)
+    rank.close()
+
+
+@pytest.mark.slow
+def test_a_hung_exists_or_read_is_a_miss_and_late_bytes_never_reach_the_pool(
+    sglang: ModuleType, tmp_path: Path
+) -> None:
+    rank = hanging_rank(sglang, tmp_path)
+    tokens = sglang.tokens_for(3, 4, seed=2)
+    pages = [rank.random_page(s) for s in range(3)]
+    assert rank.backup(tokens, pages) == len(tokens)
+    # the hit query hangs: SGLang's prefetch thread gets no hit
+    hang = Hang(rank.storage.backend, "_exists")
+    try:
+        assert rank.prefetch(tokens, timeout=30)[0] == 0
+    finally:
+        hang.release()
+    # the hit query answers, then the reads hang: nothing is reported loaded
+    op, hit = start_prefetch(sglang, rank, tokens, "hung-read")
+    assert hit == len(tokens)
+    for i in range(3):
+        rank.host_page_of(op.host_indices, i).fill_(3)
+    marked = rank.host_page_of(op.host_indices, 0).clone()
+    hang = Hang(rank.storage.backend, "_get_scatter")
+    try:
+        assert finish_prefetch(rank, op, timeout=30) == 0
+    finally:
+        hang.release()
+    time.sleep(0.5)  # the released reads end into staging the adapter dropped
+    for i in range(3):
+        assert same(rank.host_page_of(op.host_indices, i), marked)
+    assert threads_alive(rank)
+    assert rank.prefetch(tokens)[1] == len(tokens)  # and the store serves again
+    rank.close()
+
+
+# -- 2. partial results: evicted between SGLang's hit query and its read -----------------------
+
+
+def test_a_page_evicted_after_the_hit_query_is_never_reported_loaded(
+    sglang: ModuleType, tmp_path: Path
+) -> None:
+    rank = sglang.Rank(f"file://{tmp_path / 'kv'}")
+    tokens = sglang.tokens_for(3, 4, seed=3)
+    pages = [rank.random_page(s) for s in range(3)]
+    assert rank.backup(tokens, pages) == len(tokens)
+    op, hit = start_prefetch(sglang, rank, tokens, "evicted")
+    assert hit == len(tokens)
+    for path in (tmp_path / "kv").rglob(rank.hashes(tokens)[1] + "*"):
+        path.unlink()  # another server's eviction, between the query and the read
+    for i in range(3):
+        rank.host_page_of(op.host_indices, i).fill_(5)
+    marked = rank.host_page_of(op.host_indices, 1).clone()
+    assert finish_prefetch(rank, op) == 4  # page 0 only: SGLang stops at the first miss
+    assert same(rank.host_page_of(op.host_indices, 0), pages[0])
+    assert same(rank.host_page_of(op.host_indices, 1), marked)
+    assert rank.storage.counters["get_failed"] == 1
+    rank.close()
+
+
+# -- 3. writer and reader configured differently ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "reader",
+    [
+        {"geometry": {"page_size": 8}},
+        {"geometry": {"dtype": torch.float16}},
+        {"geometry": {"layers": 2}},
+        {"geometry": {"heads": 2, "head_dim": 16}},  # the same bytes per page, other heads
+        {"mla": True, "geometry": {"kv_dim": 64}},  # the same bytes per page, MLA
+        {"model": "org/other-model"},
+        {"extra": {"tenant_salt": "other"}},
+        {"extra": {"grid": "2x2"}},
+        {"extra": {"key_scheme": "sglang-ukv1"}},
+    ],
+    ids=["page_size", "dtype", "layers", "heads", "mla", "model", "tenant", "grid", "scheme"],
+)
+def test_a_reader_configured_otherwise_misses_and_leaves_the_pool_alone(
+    sglang: ModuleType, url: str, reader: dict[str, Any]
+) -> None:
+    writer = sglang.Rank(url)
+    tokens = sglang.tokens_for(2, 4, seed=4)
+    assert writer.backup(tokens, [writer.random_page(s) for s in range(2)]) == len(tokens)
+    hashes = writer.hashes(tokens)  # asked with the writer's own page keys
+    kwargs = dict(reader)
+    kwargs["geometry"] = sglang.Geometry(**reader.get("geometry", {}))
+    rank = sglang.Rank(url, **kwargs)
+    storage = rank.storage
+    assert storage.batch_exists(hashes) == 0
+    p = rank.geometry.page_size
+    dst = rank.group.alloc(len(hashes) * p)
+    before = rank.host.kv_buffer.clone()
+    assert storage.batch_get_v1(hashes, dst) == [False, False]
+    assert torch.equal(rank.host.kv_buffer.view(torch.uint8), before.view(torch.uint8))
+    writer.close()
+    rank.close()
