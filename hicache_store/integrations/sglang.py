@@ -78,6 +78,7 @@ import torch
 
 from hicache_store import _sync
 from hicache_store.backends import Backend, aligned_buffer, open_backend
+from hicache_store.kernels._pages import slot_table
 from hicache_store.kernels.ops import host_to_unified, unified_to_host
 from hicache_store.kernels.pools import HostPool
 from hicache_store.layout.keys import ObjectKey, validate_page_hash
@@ -635,16 +636,38 @@ class HiCacheStoreStorage(_HiCacheStorage):
         return _sync.run_sync(coro, timeout=_deadline(reg))
 
     @staticmethod
-    def _first_slots(reg: _Registered, keys: Sequence[str], host_indices: torch.Tensor) -> torch.Tensor:
+    def _first_slots(
+        reg: _Registered,
+        keys: Sequence[str],
+        host_indices: torch.Tensor,
+        pool: HostPool,
+        *,
+        writes_pool: bool,
+    ) -> torch.Tensor:
+        """The ``[pages, page_size]`` slot table of a call, checked before any I/O: one
+        integer slot per token of each key, inside the pool, and (reads into the pool) no slot
+        named twice: two pages read into one slot would both be reported loaded while the
+        slot holds only one of them. ``ValueError`` / ``InvalidKeyError`` otherwise."""
         page_size = reg.geometry.page_size
+        if not isinstance(host_indices, torch.Tensor):
+            raise ValueError(f"host_indices: a {type(host_indices).__name__}, not a tensor")
         flat = host_indices.reshape(-1)
         if flat.numel() != len(keys) * page_size:
             raise ValueError(
                 f"{len(keys)} keys need {len(keys) * page_size} host indices, got {flat.numel()}"
             )
+        if flat.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"host_indices: dtype {flat.dtype}, not an integer slot index")
         for key in keys:
             validate_page_hash(key)
-        return flat.to(device="cpu", dtype=torch.int64).view(len(keys), page_size)
+        return slot_table(
+            flat.to(device=pool.device, dtype=torch.int64).view(len(keys), page_size),
+            page_size=page_size,
+            num_slots=pool.num_slots,
+            device=pool.device,
+            writes_pool=writes_pool,
+            check_indices=True,
+        )
 
     def _chunk_pages(self, row_bytes: int) -> int:
         return max(1, self.config.staging_bytes // row_bytes)
@@ -673,8 +696,8 @@ class HiCacheStoreStorage(_HiCacheStorage):
             return [False] * n
         if not plan.objects:  # a replica that is not the writer: nothing to do
             return [True] * n
-        table = self._first_slots(reg, keys, host_indices)
         pool = reg.host if host is None else host
+        table = self._first_slots(reg, keys, host_indices, pool, writes_pool=False)
         started = time.perf_counter()
         try:
             if reg.fused_write:
@@ -778,8 +801,8 @@ class HiCacheStoreStorage(_HiCacheStorage):
         n = len(keys)
         if n == 0:
             return []
-        table = self._first_slots(reg, keys, host_indices)
         pool = reg.host if host is None else host
+        table = self._first_slots(reg, keys, host_indices, pool, writes_pool=True)
         started = time.perf_counter()
         try:
             results = self._get_staged(reg, keys, table, pool)

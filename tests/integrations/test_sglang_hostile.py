@@ -200,3 +200,59 @@ def test_a_reader_configured_otherwise_misses_and_leaves_the_pool_alone(
     assert torch.equal(rank.host.kv_buffer.view(torch.uint8), before.view(torch.uint8))
     writer.close()
     rank.close()
+
+
+# -- 4. malformed calls -------------------------------------------------------------------------
+
+
+def test_malformed_calls_are_failures_and_write_no_host_slot(
+    sglang: ModuleType, url: str
+) -> None:
+    rank = sglang.Rank(url)
+    storage = rank.storage
+    p = rank.geometry.page_size
+    tokens = sglang.tokens_for(2, p, seed=5)
+    hashes = rank.hashes(tokens)
+    pages = [rank.random_page(s) for s in range(2)]
+    src = rank.stage(pages)
+    assert storage.batch_set_v1(hashes, src) == [True, True]
+    empty = torch.tensor([], dtype=torch.int64)
+    assert (storage.batch_exists([]), storage.batch_get_v1([], empty)) == (0, [])
+    assert storage.batch_set_v1([], empty) == []
+    dst = rank.group.alloc(2 * p)
+    size = int(rank.host.size)
+    bad_slots = {
+        "list": dst.tolist(),
+        "float": dst.float(),
+        "negative": torch.cat([dst[:p], torch.arange(-p, 0)]),  # would index from the end
+        "past the pool": torch.cat([dst[:p], torch.arange(size, size + p)]),
+        "one slot twice": torch.cat([dst[:p], dst[:p]]),  # two pages into one slot
+        "too few": dst[:p],
+    }
+    pool = rank.host.kv_buffer
+    for name, slots in bad_slots.items():
+        before = pool.clone()
+        assert storage.batch_get_v1(hashes, slots) == [False, False], name
+        assert torch.equal(pool.view(torch.int16), before.view(torch.int16)), name
+    bad_keys: list[Any] = [[hashes[0].encode(), hashes[1]], [hashes[0].upper(), hashes[1]],
+                           [None, hashes[1]], [7, hashes[1]]]
+    for keys in bad_keys:
+        before = pool.clone()
+        assert storage.batch_get_v1(keys, dst) == [False, False], keys
+        assert storage.batch_set_v1(keys, src) == [False, False], keys
+        assert storage.batch_exists(keys) == 0, keys
+        assert torch.equal(pool.view(torch.int16), before.view(torch.int16)), keys
+    assert storage.counters["get_errors"] == len(bad_slots) + len(bad_keys)
+    # a backup may read one slot for two pages (the pool is only read): stored as asked
+    twice = rank.hashes(sglang.tokens_for(2, p, seed=6))
+    assert storage.batch_set_v1(twice, torch.cat([src[:p], src[:p]])) == [True, True]
+    assert storage.batch_get_v1(twice, dst) == [True, True]
+    for i in range(2):
+        assert same(rank.host_page_of(dst, i), pages[0])
+    # a key twice in one read: both slots get the page
+    pool[:] = 0
+    assert storage.batch_get_v1([hashes[1], hashes[1]], dst) == [True, True]
+    for i in range(2):
+        assert same(rank.host_page_of(dst, i), pages[1])
+    assert threads_alive(rank)
+    rank.close()
