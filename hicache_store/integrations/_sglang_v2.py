@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from hicache_store.backends import Backend, aligned_buffer
+from hicache_store.kernels._pages import slot_table
 from hicache_store.layout.keys import validate_page_hash
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.plans import suggest_grid
@@ -126,6 +127,27 @@ class StateSidecar:
         self.namespace = namespace
         self.link = link
         self.state_bytes = namespace.num_layers * namespace.head_dim
+
+    def slots(self, host_indices: Any, n: int, *, writes_pool: bool) -> list[int]:
+        """The ``n`` state slots of a transfer, checked before any I/O: integers inside the
+        pool (a negative one would index from its end) and, when states are read into the
+        pool, no slot twice. ``ValueError`` otherwise."""
+        if not isinstance(host_indices, torch.Tensor):
+            raise ValueError(f"host_indices: a {type(host_indices).__name__}, not a tensor")
+        flat = host_indices.reshape(-1)
+        if flat.numel() != n:
+            raise ValueError(f"{n} state keys need {n} host slots, got {flat.numel()}")
+        if flat.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"host_indices: dtype {flat.dtype}, not an integer slot index")
+        table = slot_table(
+            flat.to(device="cpu", dtype=torch.int64).view(n, 1),
+            page_size=1,
+            num_slots=int(self.pool.size),
+            device=torch.device("cpu"),
+            writes_pool=writes_pool,
+            check_indices=True,
+        )
+        return [int(slot) for slot in table.view(-1).tolist()]
 
     def stage(self, slots: Sequence[int]) -> Rows:
         rows = self.rows(len(slots))
@@ -246,7 +268,7 @@ def _swa_registered(host_pool: Any, d: Deployment) -> Registered:
 
 def _mamba_sidecar(host_pool: Any, d: Deployment) -> StateSidecar:
     """The Mamba pool as state objects of this rank's ``#mamba...`` component namespace."""
-    needed = ("get_data_page", "set_from_flat_data_page", "size_per_token", "page_size")
+    needed = ("get_data_page", "set_from_flat_data_page", "size_per_token", "page_size", "size")
     missing = [a for a in needed if not hasattr(host_pool, a)]
     if missing or int(host_pool.page_size) != 1:
         raise refuse(MAMBA_POOL, host_pool, "it is not a state pool of page size 1 with "

@@ -452,9 +452,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             self._count(f"{sidecar.name}_{op}_pages", sum(done))
             return done
         check_keys(keys)
-        flat = host_indices.reshape(-1).to(device="cpu", dtype=torch.int64).tolist()
-        if len(flat) != len(keys):
-            raise ValueError(f"{len(keys)} state keys need {len(keys)} host slots, got {len(flat)}")
+        flat = sidecar.slots(host_indices, len(keys), writes_pool=op == "get")
         started = time.perf_counter()
         io = IOStats()
         if op == "get":

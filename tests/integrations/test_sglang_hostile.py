@@ -256,3 +256,41 @@ def test_malformed_calls_are_failures_and_write_no_host_slot(
         assert same(rank.host_page_of(dst, i), pages[1])
     assert threads_alive(rank)
     rank.close()
+
+
+def test_state_slots_outside_the_pool_or_twice_are_refused(sglang: ModuleType, url: str) -> None:
+    # Mamba states move one slot per key through SGLang's own page methods, where a negative
+    # slot indexes from the end of the pool: refused before any I/O, both directions.
+    import hybrid_cases as cases
+
+    hs = sglang.module("sglang.srt.mem_cache.hicache_storage")
+    rank = cases.hybrid_rank(sglang, url, ("mamba",))
+    storage = rank.storage
+    pool = rank.entries["mamba"]
+    keys = rank.hashes(sglang.tokens_for(2, rank.geometry.page_size, seed=7))
+    states = [rank.fill_sidecar("mamba", slot, seed=slot) for slot in (1, 2)]
+
+    def move(op: str, slots: list[int], names: list[str] = keys) -> list[bool]:
+        transfer = hs.PoolTransfer(name=hs.PoolName.MAMBA, host_indices=torch.tensor(slots),
+                                   keys=names)
+        call = storage.batch_get_v2 if op == "get" else storage.batch_set_v2
+        return list(call([transfer])[hs.PoolName.MAMBA])
+
+    assert move("set", [1, 2]) == [True, True]
+    last = pool.size - 1
+    other = rank.hashes(sglang.tokens_for(2, rank.geometry.page_size, seed=8))
+    assert move("set", [1, -1], other) == [False, False]  # would store the last slot's state
+    assert move("get", [3], other[1:]) == [False]  # nothing was stored under it
+    rank.mark_sidecar("mamba", 0)
+
+    def snapshot() -> list[torch.Tensor]:
+        return [rank.sidecar_page("mamba", slot) for slot in range(pool.size)]
+
+    untouched = snapshot()
+    for slots in ([1, -1], [1, pool.size], [3, 3], [1.0, 2.0]):
+        assert move("get", slots) == [False, False], slots
+        assert all(map(torch.equal, snapshot(), untouched)), slots
+    assert move("get", [3, last]) == [True, True]
+    assert torch.equal(rank.sidecar_page("mamba", 3), states[0])
+    assert torch.equal(rank.sidecar_page("mamba", last), states[1])
+    rank.close()
