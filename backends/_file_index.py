@@ -56,7 +56,9 @@ vanishes behind its back (an operator's ``rm``) is reported present until a read
 and fixes the row; files placed behind its back are found by ``adopt`` (or a rebuild, below).
 A root without an index (a store written before it existed, or whose ``index/`` was
 removed) gets one built at open from one walk of ``objects/``, once, under a file lock that
-other openers wait on.
+other openers wait on. A process that has the index open when ``index/`` is removed notices
+within ``REPLACED_CHECK_SECONDS`` (its database file is not the one at the path any more) and
+moves every connection to the rebuilt database, or builds it itself.
 """
 
 from __future__ import annotations
@@ -96,6 +98,11 @@ STALE_PENDING_SECONDS = 3600.0
 COMPACT_LEASE_MS = 10 * 60 * 1000
 MIN_DELTA = 8 * 1024
 MAX_DELTA = 1 << 20
+#: how often (at most, in seconds) a process checks that the database it has open is still
+#: the one at ``index/``: removed (by an operator, as the message of an unreadable index says)
+#: and rebuilt by another opener, a process that went on with the removed file would never see
+#: the others' writes again, nor they its own.
+REPLACED_CHECK_SECONDS = 1.0
 _SQL_CHUNK = 10_000  # bound on the parameters of one statement (SQLite allows 32,766)
 _VICTIM_PAGE = 256
 _SIGN64 = 1 << 63
@@ -234,6 +241,15 @@ class FileIndex:
         self._view = _Membership()
         self._view_lock = threading.Lock()  # guards _view and _feed
         self._feed: sqlite3.Connection | None = None
+        self._walk = walk
+        #: which database file the connections are for (``_check_replaced``); a connection
+        #: opened for an earlier generation is replaced at its thread's next use.
+        self._generation = 0
+        self._feed_generation = 0
+        self._db_id: tuple[int, int] | None = None
+        self._checked_at = time.monotonic()
+        self._replace_lock = threading.RLock()
+        self._replacing = False  # set while this process moves to a new database
         self._touches: dict[str, int] = {}
         self._touch_lock = threading.Lock()
         self._touched_at = time.monotonic()
@@ -243,18 +259,47 @@ class FileIndex:
         self.rebuilt = False
         os.makedirs(self.dir, exist_ok=True)
         self._open(walk)
+        self._db_id = _file_id(self.db_path)
         self._upgrade_feed()
         self.recovered = self.recover()
 
     # -- connections and transactions -----------------------------------------------------------
 
     def _con(self) -> sqlite3.Connection:
-        """This thread's connection."""
+        """This thread's connection (to the database now at ``db_path``)."""
+        self._check_replaced()
         con: sqlite3.Connection | None = getattr(self._local, "con", None)
+        if con is not None and self._local.generation != self._generation:
+            self._close_thread_connection()  # of a removed database
+            con = None
         if con is None:
             con = self._connect()
             self._local.con = con
+            self._local.generation = self._generation
         return con
+
+    def _check_replaced(self) -> None:
+        """At most every ``REPLACED_CHECK_SECONDS``: if the database at ``db_path`` is not
+        the file this process opened (``index/`` was removed, and rebuilt by another opener
+        or not yet), move every connection to the one there, building it first if there is
+        none (other openers wait on the build lock)."""
+        if time.monotonic() - self._checked_at < REPLACED_CHECK_SECONDS or self._db_id is None:
+            return
+        with self._replace_lock:
+            if self._replacing or time.monotonic() - self._checked_at < REPLACED_CHECK_SECONDS:
+                return  # the calls of the move below, or another thread checked meanwhile
+            self._checked_at = time.monotonic()
+            current = _file_id(self.db_path)
+            if current == self._db_id:
+                return
+            self._replacing = True
+            try:
+                self._generation += 1  # first: _open's reads must not use the removed file
+                os.makedirs(self.dir, exist_ok=True)
+                self._open(self._walk)  # ready already, or wait for its builder, or build it
+                self._db_id = _file_id(self.db_path)
+            finally:
+                self._replacing = False
 
     def _connect(self) -> sqlite3.Connection:
         with self._translated():
@@ -414,8 +459,10 @@ class FileIndex:
         if not self._view_lock.acquire(blocking=False):
             return None
         try:
-            if self._feed is None or self._data_version() != self._view.data_version:
-                return None
+            if (self._feed is None or self._feed_generation != self._generation
+                    or time.monotonic() - self._checked_at >= REPLACED_CHECK_SECONDS
+                    or self._data_version() != self._view.data_version):
+                return None  # (a check of the database file is due: ``exists`` makes it)
             return self._lookup(fingerprints(keys))
         finally:
             self._view_lock.release()
@@ -436,9 +483,17 @@ class FileIndex:
 
         The feed connection never writes, so its ``data_version`` moves exactly when some
         other connection (this process's writers included) has committed."""
+        self._check_replaced()
+        if self._feed is not None and self._feed_generation != self._generation:
+            with self._conn_lock:
+                if self._feed in self._connections:
+                    self._connections.remove(self._feed)
+            self._feed.close()  # of a removed database: start over from the new one
+            self._feed, self._view = None, _Membership()
         view = self._view
         if self._feed is None:
             self._feed = self._connect()
+            self._feed_generation = self._generation
         feed = self._feed
         version = self._data_version()
         if version == view.data_version:
@@ -1066,6 +1121,15 @@ class FileIndex:
             if con in self._connections:
                 self._connections.remove(con)
         con.close()
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    """``(device, inode)`` of a file; None if there is none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _older_than(path: str, seconds: float) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -49,8 +50,12 @@ async def test_another_process_writes_are_found_without_a_stat(
     assert await store.exists(["a0", "b0", "b1"]) == [True, False, False]
     write_in_child(tmp_path / "s", ["b0", "b1"])
 
-    def no_stat(*args: object, **kwargs: object) -> object:
-        raise AssertionError("exists must not stat")
+    real_stat = os.stat
+
+    def no_stat(path: object, *args: object, **kwargs: object) -> object:
+        if str(path).endswith(index_module.DB_NAME):  # the once-a-second check of the index
+            return real_stat(path, *args, **kwargs)  # type: ignore[call-overload]
+        raise AssertionError("exists must not stat an object")
 
     monkeypatch.setattr(os, "stat", no_stat)
     assert await store.exists(["a0", "b0", "b1", "b2"]) == [True, True, True, False]
@@ -168,6 +173,52 @@ async def test_a_rebuilt_index_sees_what_another_process_writes_next(tmp_path: P
     await rebuilt.close()
     await fresh.close()
     assert audit(tmp_path / "s").ok
+
+
+async def test_a_process_follows_its_index_when_it_is_removed_and_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """index/ removed while a process has it open (what the message of an unreadable index
+    tells an operator to do), rebuilt by another opener that then writes: the process must
+    see those writes, and its own must reach the index the others read. It used to go on
+    with the removed file: blind to every later write of the others, and they to its own,
+    for its lifetime."""
+    monkeypatch.setattr(index_module, "REPLACED_CHECK_SECONDS", 0.0)
+    root = tmp_path / "s"
+    store = FileBackend(root, durability="none")
+    await store.put(["a0"], [b"aaa"])
+    assert await store.exists(["a0", "b0"]) == [True, False]
+    shutil.rmtree(root / "index")
+    write_in_child(root, ["b0"])  # rebuilds the index from the files, then writes b0
+    await store.put(["a1"], [b"a11"])
+    assert await store.exists(["a0", "a1", "b0"]) == [True, True, True]
+    fresh = FileBackend(root, durability="none")
+    assert not fresh._index.rebuilt
+    assert await fresh.exists(["a0", "a1", "b0"]) == [True, True, True]
+    assert fresh.used_bytes == store.used_bytes == 3 + 3 + len(b"b0b0b0")
+    await fresh.close()
+    await store.close()
+    assert audit(root).ok
+
+
+async def test_a_process_rebuilds_its_removed_index_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(index_module, "REPLACED_CHECK_SECONDS", 0.0)
+    root = tmp_path / "s"
+    store = FileBackend(root, durability="none")
+    await store.put(["a0"], [b"aaa"])
+    assert await store.exists(["a0"]) == [True]
+    shutil.rmtree(root / "index")
+    assert await store.exists(["a0", "a1"]) == [True, False]
+    assert (root / "index" / index_module.DB_NAME).exists()
+    await store.put(["a1"], [b"a11"])
+    fresh = FileBackend(root, durability="none")
+    assert not fresh._index.rebuilt, "the process rebuilt it: no second build"
+    assert await fresh.exists(["a0", "a1"]) == [True, True] and fresh.used_bytes == 6
+    await fresh.close()
+    await store.close()
+    assert audit(root).ok
 
 
 async def test_snapshots_replace_the_change_feed(
