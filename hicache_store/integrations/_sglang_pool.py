@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from hicache_store.kernels._pages import slot_table
 from hicache_store.kernels.pools import HostPool
 from hicache_store.layout.host import POOL_LAYOUTS, PoolLayout, PoolLayoutName, UnifiedPageLayout
 from hicache_store.layout.namespace import Namespace
@@ -133,6 +134,35 @@ def describe_host_pool(pool: Any) -> tuple[PoolGeometry, HostPool]:
         start_layer=int(start) if isinstance(start, int) else None,
     )
     return geometry, HostPool(buffer, geometry.pool_layout())
+
+
+def host_slots(
+    host_indices: Any, pages: int, page_size: int, num_slots: int, *, writes_pool: bool
+) -> torch.Tensor:
+    """The ``[pages, page_size]`` host slots of one SGLang transfer, checked before any I/O.
+
+    ``host_indices`` must be a tensor of one integer slot per token of each page, every slot
+    inside ``[0, num_slots)`` (a negative one would index from the end of SGLang's pool) and,
+    when the transfer writes the pool (a read from L3), no slot twice: two pages read into one
+    slot would both be reported loaded while it holds only one of them. A backup may read a
+    slot twice. ``ValueError`` naming the problem otherwise (the kernels' ``slot_table`` check).
+    """
+    if not isinstance(host_indices, torch.Tensor):
+        raise ValueError(f"host_indices: a {type(host_indices).__name__}, not a tensor")
+    flat = host_indices.reshape(-1)
+    if flat.numel() != pages * page_size:
+        raise ValueError(f"{pages} keys need {pages * page_size} host indices, got {flat.numel()}")
+    if flat.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"host_indices: dtype {flat.dtype}, not an integer slot index")
+    cpu = torch.device("cpu")  # SGLang's host pools live in host memory
+    return slot_table(
+        flat.to(device=cpu, dtype=torch.int64).view(pages, page_size),
+        page_size=page_size,
+        num_slots=num_slots,
+        device=cpu,
+        writes_pool=writes_pool,
+        check_indices=True,
+    )
 
 
 def page_view(geometry: PoolGeometry, flat: torch.Tensor) -> HostPool:

@@ -52,7 +52,6 @@ import numpy as np
 import torch
 
 from hicache_store.backends import Backend, aligned_buffer
-from hicache_store.kernels._pages import slot_table
 from hicache_store.layout.keys import validate_page_hash
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.plans import suggest_grid
@@ -62,7 +61,7 @@ from hicache_store.tenant import KeyRing
 from hicache_store.tier.components import ComponentSpec, HitRule, component_namespace
 
 from ._sglang_config import AdapterConfig
-from ._sglang_pool import Registered, describe_host_pool
+from ._sglang_pool import Registered, describe_host_pool, host_slots
 
 #: SGLang's pool names (``PoolName``) this module knows.
 KV_POOL = "kv"
@@ -129,24 +128,9 @@ class StateSidecar:
         self.state_bytes = namespace.num_layers * namespace.head_dim
 
     def slots(self, host_indices: Any, n: int, *, writes_pool: bool) -> list[int]:
-        """The ``n`` state slots of a transfer, checked before any I/O: integers inside the
-        pool (a negative one would index from its end) and, when states are read into the
-        pool, no slot twice. ``ValueError`` otherwise."""
-        if not isinstance(host_indices, torch.Tensor):
-            raise ValueError(f"host_indices: a {type(host_indices).__name__}, not a tensor")
-        flat = host_indices.reshape(-1)
-        if flat.numel() != n:
-            raise ValueError(f"{n} state keys need {n} host slots, got {flat.numel()}")
-        if flat.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"host_indices: dtype {flat.dtype}, not an integer slot index")
-        table = slot_table(
-            flat.to(device="cpu", dtype=torch.int64).view(n, 1),
-            page_size=1,
-            num_slots=int(self.pool.size),
-            device=torch.device("cpu"),
-            writes_pool=writes_pool,
-            check_indices=True,
-        )
+        """The ``n`` state slots of a transfer, checked before any I/O (``host_slots``:
+        SGLang's state pool indexes a negative slot from its end)."""
+        table = host_slots(host_indices, n, 1, int(self.pool.size), writes_pool=writes_pool)
         return [int(slot) for slot in table.view(-1).tolist()]
 
     def stage(self, slots: Sequence[int]) -> Rows:

@@ -78,7 +78,6 @@ import torch
 
 from hicache_store import _sync
 from hicache_store.backends import Backend, aligned_buffer, open_backend
-from hicache_store.kernels._pages import slot_table
 from hicache_store.kernels.ops import host_to_unified, unified_to_host
 from hicache_store.kernels.pools import HostPool
 from hicache_store.layout.keys import ObjectKey, validate_page_hash
@@ -91,7 +90,7 @@ from ._sglang_config import AdapterConfig
 from ._sglang_metrics import AdapterMetrics
 from ._sglang_namespace import NamespaceWatch
 from ._sglang_pool import Registered as _Registered
-from ._sglang_pool import describe_host_pool, page_view
+from ._sglang_pool import describe_host_pool, host_slots, page_view
 from ._sglang_v2 import (
     KV_POOL,
     Deployment,
@@ -642,29 +641,13 @@ class HiCacheStoreStorage(_HiCacheStorage):
         *,
         writes_pool: bool,
     ) -> torch.Tensor:
-        """The ``[pages, page_size]`` slot table of a call, checked before any I/O: one
-        integer slot per token of each key, inside the pool, and (reads into the pool) no slot
-        named twice: two pages read into one slot would both be reported loaded while the
-        slot holds only one of them. ``ValueError`` / ``InvalidKeyError`` otherwise."""
-        page_size = reg.geometry.page_size
-        if not isinstance(host_indices, torch.Tensor):
-            raise ValueError(f"host_indices: a {type(host_indices).__name__}, not a tensor")
-        flat = host_indices.reshape(-1)
-        if flat.numel() != len(keys) * page_size:
-            raise ValueError(
-                f"{len(keys)} keys need {len(keys) * page_size} host indices, got {flat.numel()}"
-            )
-        if flat.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"host_indices: dtype {flat.dtype}, not an integer slot index")
+        """The call's ``[pages, page_size]`` slot table, keys and slots checked before any
+        I/O (``host_slots``); ``ValueError`` / ``InvalidKeyError`` otherwise."""
         for key in keys:
             validate_page_hash(key)
-        return slot_table(
-            flat.to(device=pool.device, dtype=torch.int64).view(len(keys), page_size),
-            page_size=page_size,
-            num_slots=pool.num_slots,
-            device=pool.device,
+        return host_slots(
+            host_indices, len(keys), reg.geometry.page_size, pool.num_slots,
             writes_pool=writes_pool,
-            check_indices=True,
         )
 
     def _chunk_pages(self, row_bytes: int) -> int:
