@@ -21,6 +21,7 @@ import torch
 
 from hicache_store.kernels._pages import slot_table
 from hicache_store.kernels.pools import HostPool
+from hicache_store.layout.dtypes import normalize_dtype
 from hicache_store.layout.host import POOL_LAYOUTS, PoolLayout, PoolLayoutName, UnifiedPageLayout
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.plans import WritePlan
@@ -61,10 +62,20 @@ class PoolGeometry:
     start_layer: int | None
 
     def kv_dtype(self, override: str | None) -> str:
-        """The logical KV dtype name: ``override`` when given, else from the pool's dtype."""
-        if override is not None:
-            return override
+        """The logical KV dtype name: ``override`` when given, else from the pool's dtype.
+
+        An override that contradicts a pool whose dtype names its KV (a bfloat16 pool said to
+        hold float16) raises ``ValueError``: the two have the same element size, so nothing
+        else would catch it, and the bytes would be read and written as the other dtype's.
+        """
         name = _TORCH_KV_DTYPES.get(self.torch_dtype)
+        if override is not None:
+            if name is not None and normalize_dtype(override) != name:
+                raise ValueError(
+                    f'"kv_dtype" {override!r} contradicts the host pool, which holds {name} '
+                    "KV; remove it (it is only needed for float8 KV kept in uint8 buffers)"
+                )
+            return override
         if name is None:
             raise ValueError(
                 f"host pool dtype {self.torch_dtype} does not name a KV dtype (SGLang keeps "

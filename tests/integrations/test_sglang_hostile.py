@@ -202,6 +202,62 @@ def test_a_reader_configured_otherwise_misses_and_leaves_the_pool_alone(
     rank.close()
 
 
+def test_a_kv_dtype_that_contradicts_the_pool_is_refused_at_startup(
+    sglang: ModuleType, url: str
+) -> None:
+    # bfloat16 and float16 have one element size: a reader told its bfloat16 pool holds
+    # float16 would load a float16 deployment's bytes as bfloat16 (and a writer mislabel its own)
+    writer = sglang.Rank(url, geometry=sglang.Geometry(dtype=torch.float16))
+    tokens = sglang.tokens_for(2, 4, seed=10)
+    assert writer.backup(tokens, [writer.random_page(s) for s in range(2)]) == len(tokens)
+    with pytest.raises(ValueError, match='"kv_dtype" \'float16\' contradicts the host pool'):
+        sglang.Rank(url, extra={"kv_dtype": "float16"})
+    with pytest.raises(ValueError, match="contradicts"):
+        sglang.Rank(url, geometry=sglang.Geometry(dtype=torch.float16),
+                    extra={"kv_dtype": "bf16"})  # SGLang's spelling of the other one
+    same_dtype = sglang.Rank(url, geometry=sglang.Geometry(dtype=torch.float16),
+                             extra={"kv_dtype": "float16"})  # stating the pool's own: fine
+    assert same_dtype.prefetch(tokens)[1] == len(tokens)
+    writer.close()
+    same_dtype.close()
+
+
+def test_loaded_pages_are_exact_under_random_backend_faults(
+    sglang: ModuleType, tmp_path: Path
+) -> None:
+    # Errors, torn writes (a prefix stored, success reported), flipped bits and timeouts,
+    # across layouts: whatever SGLang's threads get, every page it loads is the page written.
+    from hicache_store.backends.faulty import FaultConfig
+
+    url = f"faulty://?inner=file://{tmp_path / 'kv'}"
+    writer = sglang.Rank(url, layout="page_head")
+    reader = sglang.Rank(url, layout="page_first_direct", extra={"io_timeout_s": 0.5})
+    writer.storage.backend.faults = FaultConfig(seed=1, error_rate=0.1, torn_write_rate=0.2)
+    reader.storage.backend.faults = FaultConfig(
+        seed=2, error_rate=0.1, bit_flip_rate=0.2, timeout_rate=0.05, timeout_s=1.0
+    )
+    loaded_pages = 0
+    for round_ in range(16):
+        n = 1 + round_ % 6
+        tokens = sglang.tokens_for(n, 4, seed=100 + round_)
+        pages = [writer.random_page(round_ * 10 + i) for i in range(n)]
+        writer.backup(tokens, pages)
+        hit, loaded, host_indices = reader.prefetch(tokens)
+        assert loaded <= hit
+        for i in range(loaded // 4):
+            assert same(reader.host_page_of(host_indices, i), pages[i]), (round_, i)
+        loaded_pages += loaded // 4
+        if host_indices is not None:
+            reader.group.free(host_indices)
+    injected = reader.storage.backend.injected
+    assert loaded_pages > 0 and injected["bit_flip"] > 0 and injected["timeout"] > 0
+    assert writer.storage.backend.injected["torn_write"] > 0
+    assert reader.storage.counters["corrupt_objects"] > 0
+    assert threads_alive(reader) and threads_alive(writer)
+    writer.close()
+    reader.close()
+
+
 # -- 4. malformed calls -------------------------------------------------------------------------
 
 
