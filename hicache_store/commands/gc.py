@@ -25,7 +25,7 @@ from typing import Any
 from hicache_store._sync import run_sync
 from hicache_store.backends.types import parse_size
 from hicache_store.cli import UsageError
-from hicache_store.ops.gc import GcReport, collect_garbage, default_state_dir
+from hicache_store.ops.gc import PREFIX_REFUSED, GcReport, collect_garbage, default_state_dir
 from hicache_store.ops.progress import ProgressBar, human_bytes
 from hicache_store.ops.store import open_store
 
@@ -51,7 +51,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("url", help="backend URL, e.g. s3://bucket/prefix?endpoint_url=...")
     parser.add_argument("--max-bytes", help="size budget, e.g. 500GiB")
     parser.add_argument("--max-age", help="delete objects older than this, e.g. 7d or 12h")
-    parser.add_argument("--prefix", default="", help="only keys starting with this")
+    parser.add_argument("--prefix", default="",
+                        help="refused: a key prefix would hole chains (put an S3 prefix in the URL)")
     parser.add_argument(
         "--dry-run", action="store_true", help="print what would go, delete nothing"
     )
@@ -87,6 +88,8 @@ def _retired_ids(args: argparse.Namespace) -> frozenset[str]:
 
 def run(args: argparse.Namespace) -> int:
     retired = _retired_ids(args)
+    if args.prefix:
+        raise UsageError(f"--prefix: {PREFIX_REFUSED}")
     if args.max_bytes is None and args.max_age is None and not retired:
         raise UsageError("give --max-bytes, --max-age, --remove-retired or a combination")
     try:

@@ -106,6 +106,15 @@ class GcError(HiCacheStoreError):
     """gc cannot run: its state directory is busy or unusable, or the store failed."""
 
 
+#: why a key prefix is refused (``collect_garbage`` and ``hicache-store gc --prefix``).
+PREFIX_REFUSED = (
+    "a key prefix is refused: keys start with their page's hash, so a prefix selects pages "
+    "out of their chains, gc cannot see their children, and it would delete pages in the "
+    "middle of chains (every chain it touches holed); bound the whole store (an S3 prefix "
+    "belongs in the URL: s3://bucket/prefix)"
+)
+
+
 def is_manifest(key: str) -> bool:
     """Namespace manifests (``M_{digest}``, see ``hicache_store.ops.manifest``) are not KV:
     gc never deletes them."""
@@ -298,9 +307,11 @@ async def collect_garbage(
     directory removed afterwards (no resume, no parent cache); ``fresh`` discards an
     interrupted run instead of resuming it; ``retired``: tenant key ids whose pages go
     first (module docstring). Failed deletions are counted,
-    not raised. Raises ``GcError`` (state directory busy or unusable; a header read failed)
-    and the backend's errors from listing.
+    not raised. Raises ``GcError`` (state directory busy or unusable; a header read failed;
+    a non-empty ``prefix``: ``PREFIX_REFUSED``) and the backend's errors from listing.
     """
+    if prefix:
+        raise GcError(PREFIX_REFUSED)
     policy = GcPolicy(max_bytes, max_age, prefix, dry_run, frozenset(retired))
     # gc's header reads are not uses: counted, they would make every page it read look just
     # used (the file backend's listed mtime), so the next run would age nothing out.

@@ -1,5 +1,6 @@
 """gc on damaged file stores: one bad object of a page must neither hole its chain nor stop
-every run; a store that fails every read still stops the run (resumable)."""
+every run; a store that fails every read still stops the run (resumable). And a key prefix,
+which would hole every chain, is refused."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from hicache_store.backends import Backend, open_backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
 from hicache_store.backends.file import FileBackend
+from hicache_store.cli import main
 from hicache_store.ops.gc import GcError, collect_garbage
 from hicache_store.testing.chains import chain_objects, chains_are_prefixes, write_chains
 
@@ -102,3 +104,26 @@ async def test_a_store_that_fails_every_header_read_stops_the_run(tmp_path: Path
     report = await collect_garbage(store, max_bytes=0, max_age=None, state_dir=tmp_path / "gc")
     assert report.resumed_from == "parents" and report.deleted == 12
     await store.close()
+
+
+async def test_a_key_prefix_is_refused_before_it_holes_every_chain(tmp_path: Path) -> None:
+    """Page hashes are spread over the key space: ``--prefix a`` saw pages 1, 3 and 5 of this
+    chain without their children, took each for a tail and deleted them, leaving 0, 2, 4."""
+    store = file_store(tmp_path)
+    chain = [f"{c}{i:031x}" for i, c in enumerate("bababa")]
+    objects = chain_objects(chain)
+    await store.put(list(objects), list(objects.values()))
+    with pytest.raises(GcError, match="a key prefix is refused"):
+        await collect_garbage(store, max_bytes=0, max_age=None, prefix="a",
+                              state_dir=tmp_path / "gc")
+    assert await stored_pages(store) == set(chain)
+    await store.close()
+
+
+def test_the_cli_refuses_a_key_prefix_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    code = main(["gc", url, "--prefix", "a", "--max-bytes", "0"])
+    assert code == 2 and "a key prefix is refused" in capsys.readouterr().err
+    assert not (tmp_path / "store").exists(), "refused before the store was opened"
