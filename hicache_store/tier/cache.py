@@ -1510,6 +1510,7 @@ class HiCache:
         m.bytes_l3_to_l2 += io.bytes_moved
         m.l3_fetched_bytes += io.bytes_fetched
         m.l3_needed_bytes += io.bytes_needed
+        self._forget_failed_read(op, done)
         # KV pages past the agreed prefix are abandoned, and so are component objects whose
         # read has not ended: their rows come back once the reads have ended (now, or when
         # the read's completion is polled: quarantined until then).
@@ -1554,6 +1555,24 @@ class HiCache:
                 )
             self._drain()
         return waited
+
+    def _forget_failed_read(self, op: Prefetch, done: int) -> None:
+        """Stop taking for stored the KV page whose L3 read failed (corrupt, torn, vanished,
+        timed out): ``in_l3`` is an acknowledged write or a confirmed read, and a failed read
+        refutes it. Kept, it made every backup skip the page (``_queue_l3_backup``), so a bad
+        object stayed in L3 for good and each request recomputed from there on.
+
+        Only the first KV page not read (``done``: every one before it read well) was read
+        and failed; those past it were skipped. One rank only: with several, ``in_l3`` decides
+        which backups each rank queues, and the ranks must queue alike (the backup-ack
+        agreement), so a rank-local refutation would make them diverge.
+        """
+        if self.group.size > 1 or done >= len(op.kv) or op.kv[done].done is not False:
+            return
+        node = self.tree.get(op.kv[done].page_hash)
+        if node is not None and node.in_l3:
+            self.tree.set_in_l3(node, False)
+            self.tree.prune(node)
 
     def _abandon(self, fetch: Fetch) -> None:
         """The engine stops waiting for ``fetch``: its row returns now if its read has ended,
