@@ -1529,10 +1529,14 @@ class HiCache:
         req.l3_pages = agreed
         op.settled = True
         known = self.tree.match(req.hashes)
+        refuted: list[PageNode] = []
         for fetch in op.extra:
             if fetch.done is False:  # a corrupt or vanished object: absent from now on
                 req.l3_found[fetch.tag][fetch.index] = False
                 self._count(f"fetch_failed_{self.parts[fetch.tag].name}")
+                if fetch.index < len(known):  # so that its next backup replaces it (KV: above)
+                    self.tree.set_held(known[fetch.index], fetch.tag, Tier.L3, False)
+                    refuted.append(known[fetch.index])
             if fetch.done is not True or fetch.index >= len(known):
                 self._abandon(fetch)
                 continue
@@ -1545,6 +1549,8 @@ class HiCache:
             self.tree.set_held(node, fetch.tag, Tier.L3, True)
             fetch.row = -1
             self._count(f"restored_l3_{part.name}")
+        for node in refuted:  # after the loop: a later fetch may land on the same page
+            self.tree.prune(node)
         if self.group.size > 1:
             # Rows of abandoned reads come back before the request computes, so L2 free space
             # (and with it L2 eviction) does not depend on read timing (at most the reads in

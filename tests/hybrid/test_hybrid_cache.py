@@ -191,6 +191,37 @@ def test_corrupt_or_missing_snapshot_falls_back_to_an_earlier_checkpoint(
     third.close()
 
 
+def test_a_snapshot_that_reads_corrupt_is_backed_up_again_by_its_writer(
+    model: HybridMiniLlama,
+) -> None:
+    """The instance that wrote a snapshot took it for stored after its read failed as corrupt:
+    its backups of the snapshot, taken again, skipped L3, so the corrupt object stayed."""
+    rng = random.Random(8)
+    backend = open_backend("memory://")
+    doc = rand(rng, 20)
+    writer = make(model, backend)
+    writer.serve(doc + rand(rng, 5))
+    writer.serve(doc + rand(rng, 6))  # snapshot at the document's end (page 4), backed up
+    writer.tier.flush()
+    at20 = hashes(doc, PAGE)[4]
+    key = snapshot_key(writer, at20)
+    raw = bytearray(run_sync(backend.get_bytes(key)) or b"")
+    raw[-1] ^= 1
+    run_sync(backend.put([key], [bytes(raw)]))
+    # The writer loses its memory copies of the snapshot; its KV stays in L1.
+    assert writer.tier.drop(at20, "recurrent")
+    assert snapshot_where(writer, at20) is Tier.L3
+    assert writer.serve(doc + rand(rng, 7)) == 0  # the read fails: no checkpoint before it
+    assert writer.extra("fetch_failed_recurrent") == 1
+    writer.tier.flush()
+    # The snapshot taken again replaced the corrupt object: another instance resumes there.
+    reader = make(model, backend)
+    assert reader.serve(doc + rand(rng, 3)) == len(doc)
+    assert reader.tier.metrics.corruptions == 0
+    reader.close()
+    writer.close()
+
+
 def test_a_failing_l3_degrades_to_recompute(model: HybridMiniLlama) -> None:
     rng = random.Random(4)
     inner = open_backend("memory://")
