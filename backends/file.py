@@ -83,6 +83,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -498,12 +499,19 @@ class FileBackend(Backend):
         )
         path = self._final_path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+            # O_NONBLOCK: a FIFO under a key's name must not block the open, and with it the
+            # read, forever (a read waits for its I/O whatever its caller does); regular files
+            # ignore the flag.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_CLOEXEC)
         except FileNotFoundError:
             self._index.repair_missing(key)  # evicted or deleted by someone else: a miss
             return None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BackendIOError(f"{path} is not a regular file", backend=self.name,
+                                     operation="get_into", key=key)
+            size = st.st_size
             if rng is None:
                 length = size
                 capacity = sum(len(v) for v in views)

@@ -21,6 +21,7 @@ from hicache_store.backends import (
 )
 from hicache_store.backends import file as file_module
 from hicache_store.backends._aligned import is_aligned
+from hicache_store.backends.errors import BackendIOError
 from hicache_store.backends.file import FileBackend
 from hicache_store.layout.errors import InvalidKeyError
 from hicache_store.testing import INVALID_KEYS, BackendTests, pattern
@@ -230,6 +231,36 @@ async def test_entries_that_are_not_files_are_never_objects(tmp_path: Path, inde
     assert [st.key async for st in again.list_entries("")] == ["a0"]
     assert await again.exists(["a0", "beef", "cafe"]) == [True, False, False]
     await again.close()
+
+
+async def test_a_fifo_under_a_key_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    """A FIFO put in place of an object file (the index still lists the key): opening it for
+    reading blocked until some process opened it for writing, and a read waits for its I/O
+    whatever its caller does, so the read hung for good. A watchdog opens the FIFO for
+    writing after 20 s, so that a regression fails here instead of hanging the suite."""
+    import threading
+
+    store = FileBackend(tmp_path / "s")
+    await store.put(["a0"], [b"x" * 100])
+    path = store.path_of("a0")
+    os.unlink(path)
+    os.mkfifo(path)
+    done = threading.Event()
+    unblocked = threading.Event()
+
+    def watchdog() -> None:
+        if not done.wait(20):
+            unblocked.set()
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        with pytest.raises(BackendIOError, match="not a regular file"):
+            await store.get_bytes("a0")
+    finally:
+        done.set()
+    assert not unblocked.is_set(), "the read waited for a writer to open the FIFO"
+    await store.close()
 
 
 def test_another_layout_is_refused(tmp_path: Path) -> None:
