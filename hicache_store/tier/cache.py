@@ -1352,6 +1352,9 @@ class HiCache:
         except Exception as exc:
             log.warning("L3 existence check failed, recomputing instead: %s", exc)
             available, found = 0, {}
+        else:
+            if start + available < len(req.hashes):  # the first page L3 says it lacks
+                self._refute_l3(req.hashes[start + available])
         kv_end = start + available
         req.l3_found, req.l3_kv_pages = found, kv_end
         plans: list[ComponentMatch] = []
@@ -1564,18 +1567,25 @@ class HiCache:
 
     def _forget_failed_read(self, op: Prefetch, done: int) -> None:
         """Stop taking for stored the KV page whose L3 read failed (corrupt, torn, vanished,
-        timed out): ``in_l3`` is an acknowledged write or a confirmed read, and a failed read
-        refutes it. Kept, it made every backup skip the page (``_queue_l3_backup``), so a bad
-        object stayed in L3 for good and each request recomputed from there on.
+        timed out). Only the first KV page not read (``done``: every one before it read well)
+        was read and failed; those past it were skipped."""
+        if done < len(op.kv) and op.kv[done].done is False:
+            self._refute_l3(op.kv[done].page_hash)
 
-        Only the first KV page not read (``done``: every one before it read well) was read
-        and failed; those past it were skipped. One rank only: with several, ``in_l3`` decides
-        which backups each rank queues, and the ranks must queue alike (the backup-ack
-        agreement), so a rank-local refutation would make them diverge.
+    def _refute_l3(self, page_hash: str) -> None:
+        """L3 answered that it does not hold this KV page (a failed read, a miss of the
+        existence check): ``in_l3`` is an acknowledged write or a confirmed read, and this
+        refutes it. Kept, it made every backup skip the page (``_queue_l3_backup``), so an
+        object that went bad or went away (evicted by the backend, deleted) was never written
+        again by this instance, and every request of every instance recomputed from there on.
+
+        One rank only: with several, ``in_l3`` decides which backups each rank queues, and the
+        ranks must queue alike (the backup-ack agreement), so a rank-local refutation would
+        make them diverge.
         """
-        if self.group.size > 1 or done >= len(op.kv) or op.kv[done].done is not False:
+        if self.group.size > 1:
             return
-        node = self.tree.get(op.kv[done].page_hash)
+        node = self.tree.get(page_hash)
         if node is not None and node.in_l3:
             self.tree.set_in_l3(node, False)
             self.tree.prune(node)

@@ -1,5 +1,6 @@
-"""What the tier believes L3 holds follows what L3 answers: a page whose read fails is no
-longer taken as stored, so the next backup of its KV replaces the bad object.
+"""What the tier believes L3 holds follows what L3 answers: a page whose read fails, or that
+the existence check finds missing, is no longer taken as stored, so the next backup of its KV
+stores it again.
 
 A put the backend acknowledged but stored torn (a crash mid-write, a full disk the backend did
 not notice) leaves a corrupt object. The instance that wrote it records the page as in L3
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
 from hicache_store.demo.bench.multiturn import namespace_for
@@ -95,4 +97,29 @@ def test_a_page_whose_l3_object_reads_corrupt_is_backed_up_again(tmp_path: Path)
         other = new_tier(model, backend, host_mode)
         assert serve(other, model, prompt) == PAGES * PAGE
         assert other.metrics.hit_tokens_l3 == PAGES * PAGE and other.metrics.corruptions == 0
+        other.close()
+
+
+def test_a_page_gone_from_l3_is_backed_up_again(tmp_path: Path) -> None:
+    """A page its writer stored went away (evicted by the backend, deleted by gc or an
+    operator): the existence check says so, and the writer's next backup stores it again."""
+    model = MiniLlama(MiniLlamaConfig(dtype="float32"))
+    doc = [(5 * i + 1) % model.config.vocab_size for i in range(PAGES * PAGE)]
+    prompt = [*doc, 2]
+    for host_mode in ("cache", "buffer_only"):
+        inner = open_backend(f"file://{tmp_path}/{host_mode}")
+        backend = FaultyBackend(inner)
+        tier = new_tier(model, backend, host_mode)
+        assert serve(tier, model, doc) == 0
+        assert tier.metrics.backups_l3 == PAGES
+        assert tier.l3 is not None
+        gone = page_hashes(doc, PAGE, algo=tier.namespace.hash_algo)[1]
+        assert all(run_sync(inner.delete(tier.l3.read_plan.object_keys(gone))))
+        # Page 0 comes from L3; page 1 is missing, so it and what follows are recomputed,
+        # and page 1 is written again (2 and after are still there).
+        assert serve(tier, model, prompt) == PAGE
+        assert tier.metrics.backups_l3 == PAGES + 1, "the missing page was not backed up"
+        tier.close()
+        other = new_tier(model, backend, host_mode)
+        assert serve(other, model, prompt) == PAGES * PAGE
         other.close()
