@@ -874,9 +874,13 @@ class HiCache:
         if self.pool.num_free_pages >= needed:
             return
         write_back = self.config.write_policy == "write_back" and self.config.l2_pages
+        writes_l3 = self.l3 is not None and self.l3.can_write
         while (node := self.tree.pop_victim(Tier.L1)) is not None:
             if write_back:
-                if node.host_page is None:
+                # An L2 copy alone is not a backup: its L3 write may have failed or been
+                # dropped (a full queue), and L2 would then evict the only copy.
+                dirty = writes_l3 and not (node.in_l3 or node.l3_pending)
+                if node.host_page is None or dirty:
                     self._backup_to_host(node)
                 for tag, held in (node.comps or {}).items():
                     if held.l1 is not None and self.parts[tag].follows_kv:

@@ -123,3 +123,34 @@ def test_a_page_gone_from_l3_is_backed_up_again(tmp_path: Path) -> None:
         other = new_tier(model, backend, host_mode)
         assert serve(other, model, prompt) == PAGES * PAGE
         other.close()
+
+
+def test_write_back_writes_again_a_page_whose_l3_write_failed(tmp_path: Path) -> None:
+    """Write-back writes a page to L3 when L1 evicts it. A page whose write failed stayed in L2
+    and, evicted from L1 again after a later use, was not written again (only a page without
+    an L2 copy was backed up): its L2 copy was its only one until L2 evicted it."""
+    model = MiniLlama(MiniLlamaConfig(dtype="float32"))
+    doc = [(3 * i + 2) % model.config.vocab_size for i in range(PAGES * PAGE)]
+    backend = FaultyBackend(open_backend(f"file://{tmp_path}/l3"))
+    pool = DeviceKVPool.for_model(model.config, num_pages=16, page_size=PAGE)
+    config = TierConfig(l1_pages=16, l2_pages=16, write_policy="write_back")
+    tier = HiCache(namespace_for(model.config, PAGE), config, pool, backend=backend)
+    backend.faults = FaultConfig(write_error_rate=1.0)
+    req = tier.match(doc)
+    prep = tier.prepare(req)
+    model.prefill(torch.tensor(doc), 0, prep.slots, pool, wait_layer=prep.wait_layer)
+    tier.complete(req)
+    tier.evict_device()  # to L2, then L3: every put fails
+    tier.flush(timeout=30)
+    assert tier.metrics.backups_l3_failed == PAGES and tier.metrics.backups_l3 == 0
+    backend.faults = FaultConfig()
+    req = tier.match([*doc, 1])  # served from L2, then evicted from L1 again
+    assert tier.prepare(req).start == PAGES * PAGE
+    tier.complete(req)
+    tier.evict_device()
+    tier.flush(timeout=30)
+    assert tier.metrics.backups_l3 == PAGES, "a page whose L3 write failed was not written again"
+    tier.close()
+    other = new_tier(model, backend, "cache")
+    assert serve(other, model, [*doc, 2]) == PAGES * PAGE
+    other.close()
