@@ -300,6 +300,7 @@ class HiCache:
         for component in components:
             self._add_component(component)
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hicache-load")
+        self._closed = False  # set by ``close``: requests are refused from then on
         self._transfers = Transfers(submit)
         self._ready_kv: list[BackupDone] = []
         self._kv_in_flight = 0
@@ -420,6 +421,7 @@ class HiCache:
         not speculate leaves out a draft model's KV). ``reuse=False``: use no cached page or
         object and start no prefetch (the request computes, or receives, everything;
         ``complete`` still inserts its pages and produced objects)."""
+        self._check_open("match")
         started = time.perf_counter()
         token_tensor = torch.as_tensor(tokens, dtype=torch.int64)
         self.requests_seen += 1
@@ -465,6 +467,7 @@ class HiCache:
 
         ``wait_layer`` also waits for the loads of other requests in flight that are still
         filling L1 copies this request uses (and raises if one of them failed)."""
+        self._check_open("prepare")
         started = time.perf_counter()
         page = self.namespace.page_size
         waited = 0.0
@@ -762,6 +765,10 @@ class HiCache:
             time.sleep(0.002)
 
     def close(self) -> None:
+        """Finish the backups in flight (``flush``), stop the loader, unregister the host pool.
+        Requests are refused from then on (``match`` / ``prepare`` raise); a second call is
+        harmless."""
+        self._closed = True
         try:
             self.flush()
         finally:
@@ -776,6 +783,11 @@ class HiCache:
                         )
                     except Exception as exc:
                         log.warning("could not unregister the host pool: %s", exc)
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"HiCache.{call}: the cache tier is closed (close() was called: its "
+                               "loader and backups are stopped); open a new HiCache")
 
     # == accounting (tests and the leak check) ==============================================
 

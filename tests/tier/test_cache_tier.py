@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,3 +309,20 @@ def test_the_tree_stays_bounded_and_l3_is_probed_again(model: MiniLlama) -> None
     assert check(tier, model, [*docs[0][:16], 3]) == 16
     assert tier.metrics.hit_tokens_l3 - before == 16
     tier.close()
+
+
+def test_a_closed_tier_refuses_requests_with_a_clear_error(model: MiniLlama, tmp_path: Path) -> None:
+    """After ``close()`` the loader and the backups are gone: a request must be refused with an
+    error that says so (it was a bare "cannot schedule new futures after shutdown" from the
+    loader for an L2 hit, and an L3 prefetch started after close for a miss)."""
+    tier = make_tier(l1_pages=8, l2_pages=16, backend=open_backend(f"file://{tmp_path}"))
+    (doc,) = prompts(5, 1, 16)
+    assert check(tier, model, doc) == 0
+    tier.evict_device()  # the document now lives in L2 only: its next use loads L2 -> L1
+    pending = tier.match(doc)
+    tier.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.prepare(pending)
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.match(doc)
+    tier.close()  # a second close is harmless
