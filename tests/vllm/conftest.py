@@ -34,7 +34,24 @@ SKIP_REASON = (
     "vLLM is not installed in this environment: the vLLM tests run in .venv-vllm "
     "(`make setup-vllm`, then `.venv-vllm/bin/python -m pytest tests/vllm`; `make test` runs them)"
 )
-vllm = pytest.importorskip("vllm", reason=SKIP_REASON)
+try:
+    import vllm
+except ImportError:  # the project's .venv: every test module here is reported skipped
+    vllm = None
+
+
+class _SkippedModule(pytest.File):
+    """A test module of this folder collected where vLLM is missing: one skip, with why."""
+
+    def collect(self) -> Iterator[pytest.Item]:
+        pytest.skip(SKIP_REASON)
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> Any:
+    # Test modules import vLLM at their top: without it they are not imported at all.
+    if vllm is None:
+        return _SkippedModule.from_parent(parent, path=module_path)
+    return None
 
 #: the pinned vLLM release these tests (and the connector) are written against.
 VLLM_VERSION_PREFIX = "0.32."
@@ -120,6 +137,8 @@ def connector_config(extra: dict[str, Any]) -> Any:
 def make_llm(model_dir: Path, *, kv_transfer_config: Any = None, **kwargs: Any) -> Any:
     """An in-process ``vllm.LLM`` of the tiny model with the test settings (float32, eager,
     prefix caching on, 8 MiB of KV); ``kwargs`` override or add engine arguments."""
+    import vllm
+
     args: dict[str, Any] = {
         "model": str(model_dir),
         "tokenizer": str(model_dir),
@@ -150,11 +169,6 @@ def close_llm(llm: Any) -> None:
         shutdown()
     del llm, engine, core
     gc.collect()
-
-
-@pytest.fixture(scope="session")
-def vllm_version() -> str:
-    return str(vllm.__version__)
 
 
 @pytest.fixture
