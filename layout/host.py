@@ -9,7 +9,8 @@ Two families:
   For a full page this is exactly ``(head_group, layer, K/V, token, head_in_group, dim)``, and
   for any shard the bytes of one stored object are one contiguous slice of the host page.
 * ``PoolLayout``: SGLang's host pools (``layer_first``, ``page_first``, ``page_first_direct``,
-  ``page_head``; MHA and MLA), whole-pool tensors with K and V split on the outermost axis.
+  ``page_head``; MHA and MLA), whole-pool tensors with K and V split on the outermost axis; and
+  vLLM's CPU paged KV cache (``vllm_cpu``, MHA), K and V inside each (block, head).
 
 Both give shapes and row-major strides in *elements*; the kernels and the SGLang adapter take
 every index from here. Nothing here allocates or copies.
@@ -28,8 +29,15 @@ from .keys import ObjectCoords
 from .namespace import Namespace
 from .topology import Shard
 
-PoolLayoutName = Literal["layer_first", "page_first", "page_first_direct", "page_head"]
+PoolLayoutName = Literal[
+    "layer_first", "page_first", "page_first_direct", "page_head", "vllm_cpu"
+]
+#: SGLang's host-pool layouts (its ``--hicache-mem-layout`` values).
 POOL_LAYOUTS: tuple[str, ...] = ("layer_first", "page_first", "page_first_direct", "page_head")
+#: vLLM 0.32's CPU attention KV cache (``CPUAttentionBackend``, layout ``LBHNC``): see
+#: ``PoolLayout``. Not an SGLang layout.
+VLLM_CPU_LAYOUT = "vllm_cpu"
+ALL_POOL_LAYOUTS: tuple[str, ...] = (*POOL_LAYOUTS, VLLM_CPU_LAYOUT)
 IntArray = npt.NDArray[np.int64]
 
 
@@ -208,6 +216,16 @@ class PoolLayout:
     MLA drops the K/V axis and has one head: ``layer_first (L, slots, 1, D)``,
     ``page_first (slots, L, 1, D)``, ``page_first_direct (pages, L, page_size, 1, D)``;
     ``page_head`` does not exist for MLA.
+
+    ``vllm_cpu`` is vLLM 0.32's CPU KV cache, MHA only, pages = vLLM blocks::
+
+        vllm_cpu           (L, pages, H, 2, page_size, D)
+
+    vLLM registers it per layer as ``[num_blocks, H, block_size, 2 * D]`` (layout ``LBHNC``,
+    all layers one allocation, layer-major) and its attention views each layer as
+    ``[num_blocks, H, 2 * block_size, D]`` split in two on the token axis
+    (``vllm/v1/attention/backends/cpu_attn.py``): within a (block, head), the block's K rows,
+    then its V rows. So the K/V axis sits between head and token, not outermost.
     """
 
     name: PoolLayoutName
@@ -219,10 +237,14 @@ class PoolLayout:
     num_pages: int
 
     def __post_init__(self) -> None:
-        if self.name not in POOL_LAYOUTS:
-            raise ValueError(f"layout: {self.name!r} is not one of {', '.join(POOL_LAYOUTS)}")
+        if self.name not in ALL_POOL_LAYOUTS:
+            raise ValueError(
+                f"layout: {self.name!r} is not one of {', '.join(ALL_POOL_LAYOUTS)}"
+            )
         if self.kv_kind == "mla" and (self.name == "page_head" or self.num_heads != 1):
             raise ValueError("MLA host pools have one head and no page_head layout")
+        if self.kv_kind == "mla" and self.name == VLLM_CPU_LAYOUT:
+            raise ValueError("the vllm_cpu layout is MHA only (vLLM's CPU attention has no MLA)")
         for field in ("num_layers", "num_heads", "head_dim", "page_size", "num_pages"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}: must be positive")
@@ -240,6 +262,8 @@ class PoolLayout:
             self.page_size,
             self.num_pages,
         )
+        if self.name == VLLM_CPU_LAYOUT:
+            return (L, N, H, 2, P, D)
         per_plane = {
             "layer_first": (L, N * P, H, D),
             "page_first": (N * P, L, H, D),
@@ -274,8 +298,9 @@ class PoolLayout:
             "page_first": (slot_a, layer_a, head_a, dim_a),
             "page_first_direct": (page, layer_a, token, head_a, dim_a),
             "page_head": (page, head_a, token, layer_a, dim_a),
+            VLLM_CPU_LAYOUT: (layer_a, page, head_a, plane_a, token, dim_a),
         }[self.name]
-        if self.kv_kind == "mha":
+        if self.kv_kind == "mha" and self.name != VLLM_CPU_LAYOUT:
             coords = (plane_a, *coords)
         offset = np.zeros(plane_a.shape, dtype=np.int64)
         for index, size, stride in zip(coords, self.shape, self.strides, strict=True):
