@@ -481,3 +481,46 @@ class Namespace:
     @property
     def objects_per_page(self) -> int:
         return self.num_layer_chunks * self.num_head_groups
+
+
+#: the field that holds no secret but the salt: shown as set / not set, never by value.
+_SECRET_FIELDS = frozenset({"tenant_salt"})
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One namespace field where a deployment's namespace and a stored one disagree."""
+
+    field: str
+    deployment: Any
+    stored: Any
+
+    def __str__(self) -> str:
+        if self.field in _SECRET_FIELDS:
+            mine = "set" if self.deployment else "not set"
+            theirs = "a different one" if self.deployment and self.stored else (
+                "set" if self.stored else "not set")
+            return f"{self.field}: deployment {mine}, stored {theirs}"
+        return f"{self.field}: deployment {self.deployment!s}, stored {self.stored!s}"
+
+
+def namespace_differences(mine: Namespace, stored: Namespace) -> list[Difference]:
+    """The fields in which two namespaces differ, in canonical order (the grid as one field).
+
+    Empty exactly when the two namespaces are equal (same canonical fields, so same digest).
+    """
+    out: list[Difference] = []
+    # Fields past version 1 (key_scheme, layer_starts, sealed) appear only when set: compare the
+    # union, a missing one at its default.
+    defaults: dict[str, Any] = {"key_scheme": "hicache", "layer_starts": None, "sealed": False}
+    ours, theirs = dict(mine.canonical_fields()), dict(stored.canonical_fields())
+    for name in [*ours, *(n for n in theirs if n not in ours)]:
+        value, other = ours.get(name, defaults.get(name)), theirs.get(name, defaults.get(name))
+        if value == other:
+            continue
+        if name in ("layers_per_chunk", "heads_per_group", "layer_starts"):  # as the grid
+            if not any(d.field == "grid" for d in out):
+                out.append(Difference("grid", mine.grid, stored.grid))
+            continue
+        out.append(Difference(name, value, other))
+    return out

@@ -10,8 +10,15 @@
 * Library logic lives below the commands: nothing outside ``commands/`` and ``cli.py`` imports
   them; the tier, the object I/O and the rank group (``tier``, ``objects``, ``distributed``)
   import neither the operator tools (``ops``) nor the engine adapters (``integrations``).
+* No import cycle between packages: the units are ``layout``, ``kernels``, ``backends``, each
+  subpackage of ``hicache_store`` (``tier``, ``ops``, ``integrations``, ...), each top-level module
+  (``reader``, ``sync``, ...) and the root package itself; an import from one unit into another is
+  an edge, and no edge may close a loop (``ops -> integrations -> ops`` included). A lazy import
+  (inside a function) counts like any other: it runs the moment the function does, and a loop
+  through one means the two packages cannot be understood, tested or moved apart.
 
-Two checks: every import statement of every source file (AST, relative imports resolved,
+Two checks: every import statement of every source file, wherever it stands (module level,
+inside a function or ``TYPE_CHECKING`` block; AST, relative imports resolved,
 ``importlib.import_module("...")`` literals included), and a fresh interpreter that imports
 every non-demo module and then inspects ``sys.modules``.
 """
@@ -125,6 +132,75 @@ def violations(root: Path) -> list[str]:
     return found
 
 
+def _unit(name: str, modules: set[str]) -> str:
+    """The package (cycle-check unit) a library module or imported name belongs to."""
+    parts = name.split(".")
+    unit = ".".join(parts[:2])
+    # ``from hicache_store import X`` where X is a name, not a module: the root package
+    return unit if unit in modules else "hicache_store"
+
+
+def _lazy_lines(path: Path) -> set[int]:
+    """Lines of the import statements that stand inside a function (run when it is called)."""
+    lazy: set[int] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lazy.update(inner.lineno for inner in ast.walk(node)
+                        if isinstance(inner, (ast.Import, ast.ImportFrom, ast.Call)))
+    return lazy
+
+
+def import_cycles(root: Path) -> list[str]:
+    """Every import between packages that closes a loop, as
+    ``file:line: importer -> imported [lazy] (loop: a -> b -> ... -> a)``."""
+    sources = dict(source_modules(root))
+    units = {".".join(m.split(".")[:2]) for m in sources}
+    edges: dict[tuple[str, str], list[tuple[Path, int, bool]]] = {}
+    for module, path in sources.items():
+        lazy = _lazy_lines(path)
+        here = _unit(module, units)
+        for line, name in imported_names(module, path):
+            if not _under(name, "hicache_store"):
+                continue
+            there = _unit(name, units)
+            if there != here:
+                edges.setdefault((here, there), []).append((path, line, line in lazy))
+    graph: dict[str, set[str]] = {}
+    for here, there in edges:
+        graph.setdefault(here, set()).add(there)
+
+    def path_back(start: str, goal: str) -> list[str] | None:
+        """A shortest import path ``start -> ... -> goal`` (breadth first), or None."""
+        came: dict[str, str | None] = {start: None}
+        frontier = [start]
+        while frontier:
+            step: list[str] = []
+            for unit in frontier:
+                for nxt in sorted(graph.get(unit, ())):
+                    if nxt in came:
+                        continue
+                    came[nxt] = unit
+                    if nxt == goal:
+                        chain: list[str] = [goal]
+                        while (prev := came[chain[-1]]) is not None:
+                            chain.append(prev)
+                        return chain[::-1]
+                    step.append(nxt)
+            frontier = step
+        return None
+
+    found: list[str] = []
+    for (here, there), sites in sorted(edges.items()):
+        back = path_back(there, here)
+        if back is None:
+            continue
+        loop = " -> ".join([here, *back])
+        for path, line, lazy in sorted(set(sites)):
+            found.append(f"{path.relative_to(root)}:{line}: {here} -> {there}"
+                         f"{' [lazy]' if lazy else ''} (loop: {loop})")
+    return found
+
+
 def test_every_import_respects_the_layering() -> None:
     modules = dict(source_modules(ROOT))
     # the walk sees the whole library, or an empty result would prove nothing
@@ -161,6 +237,35 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
         "hicache_store/ops/sources.py", "hicache_store/reader.py", "hicache_store/tier.py"]
     assert "hicache_store.ops.sources -> hicache_store.demo.engine" in found[5]
     assert "hicache_store.objects.manifest -> hicache_store.ops.manifest" in found[3]
+
+
+def test_no_import_cycle_between_packages() -> None:
+    assert import_cycles(ROOT) == []
+
+
+def test_the_cycle_check_sees_lazy_imports(tmp_path: Path) -> None:
+    """``ops`` imports ``integrations`` at module level, ``integrations`` imports ``ops`` inside a
+    function (the loop this check was written for); both edges are reported, the lazy one so
+    marked. A one-way import is not a loop."""
+    for folder in PACKAGES:
+        (tmp_path / folder).mkdir()
+    pkg = tmp_path / "hicache_store"
+    for sub in ("ops", "integrations", "tier"):
+        (pkg / sub).mkdir()
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "ops" / "deployment.py").write_text(
+        "from hicache_store.integrations._config import AdapterConfig\n")
+    (pkg / "integrations" / "_config.py").write_text("AdapterConfig = object\n")
+    (pkg / "integrations" / "_namespace.py").write_text(
+        "def check():\n    from ..ops.deployment import differences\n    return differences\n")
+    (pkg / "tier" / "cache.py").write_text("from hicache_store.layout.keys import format_key\n")
+    (tmp_path / "layout" / "keys.py").write_text("format_key = str\n")
+    found = import_cycles(tmp_path)
+    assert [f.split(": ", 1)[0] for f in found] == [
+        "hicache_store/integrations/_namespace.py:2", "hicache_store/ops/deployment.py:1"]
+    assert "hicache_store.integrations -> hicache_store.ops [lazy]" in found[0]
+    assert "(loop: hicache_store.ops -> hicache_store.integrations -> hicache_store.ops)" \
+        in found[1]
 
 
 _IMPORT_ALL = """

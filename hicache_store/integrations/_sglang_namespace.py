@@ -18,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from hicache_store.backends.base import Backend
-from hicache_store.layout.namespace import Namespace
+from hicache_store.layout.namespace import Namespace, namespace_differences
 
 log = logging.getLogger("hicache_store.integrations.sglang")
 T = TypeVar("T")
@@ -74,7 +74,6 @@ class NamespaceWatch:
 
     def _check(self) -> None:
         from hicache_store.objects.manifest import list_manifests, read_manifest
-        from hicache_store.ops.deployment import namespace_differences
 
         if not self.backend.capabilities.listing:
             return

@@ -35,12 +35,15 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from hicache_store.integrations._sglang_config import AdapterConfig
-from hicache_store.layout.namespace import Grid, ModelShape, Namespace
+from hicache_store.layout.namespace import (
+    Difference,
+    Grid,
+    ModelShape,
+    Namespace,
+    namespace_differences,
+)
 from hicache_store.layout.topology import Topology
 from hicache_store.tenant import KeyRing, load_key_ring
-
-#: the field that holds no secret but the salt: shown as set / not set, never by value.
-_SECRET_FIELDS = frozenset({"tenant_salt"})
 
 
 def load_extra_config(text: str) -> dict[str, Any]:
@@ -120,23 +123,6 @@ def deployment_keys(
 
 
 @dataclass(frozen=True)
-class Difference:
-    """One namespace field where a deployment and a stored namespace disagree."""
-
-    field: str
-    deployment: Any
-    stored: Any
-
-    def __str__(self) -> str:
-        if self.field in _SECRET_FIELDS:
-            mine = "set" if self.deployment else "not set"
-            theirs = "a different one" if self.deployment and self.stored else (
-                "set" if self.stored else "not set")
-            return f"{self.field}: deployment {mine}, stored {theirs}"
-        return f"{self.field}: deployment {self.deployment!s}, stored {self.stored!s}"
-
-
-@dataclass(frozen=True)
 class Deployment:
     """What is known of a deployment's namespace inputs (``None``: unknown).
 
@@ -199,25 +185,6 @@ class Deployment:
         """The fields in which this deployment's namespace differs from ``stored`` (unknown
         inputs are taken from ``stored``, so they never differ). Empty: the same namespace."""
         return namespace_differences(self.completed_by(stored), stored)
-
-
-def namespace_differences(mine: Namespace, stored: Namespace) -> list[Difference]:
-    """The fields in which two namespaces differ, in canonical order (the grid as one field)."""
-    out: list[Difference] = []
-    # Fields past version 1 (key_scheme, layer_starts, sealed) appear only when set: compare the
-    # union, a missing one at its default.
-    defaults: dict[str, Any] = {"key_scheme": "hicache", "layer_starts": None, "sealed": False}
-    ours, theirs = dict(mine.canonical_fields()), dict(stored.canonical_fields())
-    for name in [*ours, *(n for n in theirs if n not in ours)]:
-        value, other = ours.get(name, defaults.get(name)), theirs.get(name, defaults.get(name))
-        if value == other:
-            continue
-        if name in ("layers_per_chunk", "heads_per_group", "layer_starts"):  # as the grid
-            if not any(d.field == "grid" for d in out):
-                out.append(Difference("grid", mine.grid, stored.grid))
-            continue
-        out.append(Difference(name, value, other))
-    return out
 
 
 def _replication(shape: ModelShape) -> str:

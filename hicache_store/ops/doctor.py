@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hicache_store.backends.base import Backend
-from hicache_store.layout.namespace import Namespace
+from hicache_store.layout.namespace import Difference, Namespace
 from hicache_store.reader import KVReader
 
-from .deployment import Deployment, Difference
+from .deployment import Deployment
 from .manifest import ManifestError, list_manifests, manifest_key, read_manifest
 
 __all__ = ["Diagnosis", "PromptHit", "diagnose"]

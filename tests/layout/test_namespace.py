@@ -12,7 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache_store.layout.errors import InvalidNamespaceError
-from hicache_store.layout.namespace import CANONICAL_FIELDS, Grid, ModelShape, Namespace
+from hicache_store.layout.namespace import (
+    CANONICAL_FIELDS,
+    Grid,
+    ModelShape,
+    Namespace,
+    namespace_differences,
+)
 
 BASE = Namespace.create(
     "meta-llama/Llama-3-8B", ModelShape.mha(32, 8, 128), "bfloat16", 64, Grid(16, 2)
@@ -58,6 +64,19 @@ def test_digest_is_16_hex_and_stable_across_processes() -> None:
 )
 def test_any_field_change_changes_the_digest(change: dict[str, object]) -> None:
     assert dataclasses.replace(BASE, **change).digest != BASE.digest
+
+
+def test_differences_name_each_field_once_the_grid_as_one_and_hide_the_salt() -> None:
+    assert namespace_differences(BASE, BASE) == []
+    other = dataclasses.replace(BASE, dtype="float16", grid=Grid(32, 4), tenant_salt="secret")
+    found = namespace_differences(BASE, other)
+    assert [d.field for d in found] == ["dtype", "grid", "tenant_salt"]
+    assert (found[1].deployment, found[1].stored) == (Grid(16, 2), Grid(32, 4))
+    assert str(found[2]) == "tenant_salt: deployment not set, stored set"
+    assert "secret" not in "; ".join(map(str, found))
+    # a field past version 1 set on one side only differs from its default on the other
+    assert [d.field for d in namespace_differences(
+        BASE, dataclasses.replace(BASE, sealed=True))] == ["sealed"]
 
 
 def test_every_canonical_field_is_encoded() -> None:
