@@ -1,6 +1,8 @@
 """The torch reference: the specification of every copy, and the CPU implementation.
 
-Each op moves KV between a pool (``DevicePool`` or ``HostPool``) and unified pages in a staging
+The four public ops (``ops.pack_pages``, ``unpack_pages``, ``host_to_unified``,
+``unified_to_host``) validate their arguments into a ``CopyPlan`` and run ``copy`` here or its
+twin with the same signature in ``triton_ops``. Each op moves KV between a pool (``DevicePool`` or ``HostPool``) and unified pages in a staging
 buffer ``[N, page_bytes]`` (row ``i`` is page ``i`` of ``pages``, in ``page_unified`` order for
 ``layout``). In index notation, for every selected page ``i`` with slot table row ``s``, local
 layer ``l`` in ``layers``, plane ``p``, token ``t``, local head ``h`` and dim ``d``::
@@ -31,108 +33,21 @@ from collections.abc import Iterator
 
 import torch
 
-from hicache_store.layout.host import UnifiedPageLayout
-
 from ._pages import page_structure
-from ._plan import CopyPlan, plan_copy
+from ._plan import CopyPlan
 from ._unified import BlockRun, run_view
 from ._views import coalesce, widen
 from .pools import DevicePool, HostPool, as_bits
 
-__all__ = ["host_to_unified", "pack_pages", "unified_to_host", "unpack_pages"]
+__all__ = ["copy"]
 
 
-def pack_pages(
-    pool: DevicePool,
-    pages: torch.Tensor,
-    staging: torch.Tensor,
-    layout: UnifiedPageLayout,
-    *,
-    layers: tuple[int, int] | None = None,
-    check_indices: bool = True,
-) -> torch.Tensor:
-    """Gather ``pages`` of a device pool into ``staging`` in unified order; returns ``staging``.
+def copy(plan: CopyPlan, *, to_pool: bool) -> None:
+    """Run a validated copy: staging rows -> the pool's slots (``to_pool``) or the reverse.
 
-    ``pages``: ``[N]`` first slots or ``[N, page_size]`` slot table (int32/int64, on the pool's
-    device). ``staging``: ``[N, layout.page_bytes]`` bytes (any supported dtype whose rows are
-    that many bytes). ``layers``: optional global half-open layer range; only those layers'
-    bytes of the staging rows are written.
+    ``plan`` comes from ``plan_copy`` (the public ops in ``ops`` build it), so nothing here is
+    checked again.
     """
-    _require(pool, DevicePool, "pack_pages")
-    plan = plan_copy(
-        pool, pages, staging, layout, layers=layers, writes_pool=False, check_indices=check_indices
-    )
-    _copy(plan, to_pool=False)
-    return staging
-
-
-def unpack_pages(
-    staging: torch.Tensor,
-    pool: DevicePool,
-    pages: torch.Tensor,
-    layout: UnifiedPageLayout,
-    *,
-    layers: tuple[int, int] | None = None,
-    check_indices: bool = True,
-) -> None:
-    """Scatter unified pages from ``staging`` into the device pool's ``pages``.
-
-    The inverse of ``pack_pages``. ``layers`` restores only that global layer range, for
-    layer-wise loading (compute on layer ``i`` while ``i + 1`` is still in flight). Pages must
-    not overlap (checked with ``check_indices``).
-    """
-    _require(pool, DevicePool, "unpack_pages")
-    plan = plan_copy(
-        pool, pages, staging, layout, layers=layers, writes_pool=True, check_indices=check_indices
-    )
-    _copy(plan, to_pool=True)
-
-
-def host_to_unified(
-    host: HostPool,
-    pages: torch.Tensor,
-    staging: torch.Tensor,
-    layout: UnifiedPageLayout,
-    *,
-    layers: tuple[int, int] | None = None,
-    check_indices: bool = True,
-) -> torch.Tensor:
-    """Relayout ``pages`` of an SGLang host pool into unified pages in ``staging``.
-
-    Same contract as ``pack_pages`` with the host pool as the source; ``pages`` are the host
-    pool's token slots (SGLang's ``host_indices``), first slots or a slot table.
-    """
-    _require(host, HostPool, "host_to_unified")
-    plan = plan_copy(
-        host, pages, staging, layout, layers=layers, writes_pool=False, check_indices=check_indices
-    )
-    _copy(plan, to_pool=False)
-    return staging
-
-
-def unified_to_host(
-    staging: torch.Tensor,
-    host: HostPool,
-    pages: torch.Tensor,
-    layout: UnifiedPageLayout,
-    *,
-    layers: tuple[int, int] | None = None,
-    check_indices: bool = True,
-) -> None:
-    """Relayout unified pages from ``staging`` into an SGLang host pool (inverse of the above)."""
-    _require(host, HostPool, "unified_to_host")
-    plan = plan_copy(
-        host, pages, staging, layout, layers=layers, writes_pool=True, check_indices=check_indices
-    )
-    _copy(plan, to_pool=True)
-
-
-def _require(pool: object, kind: type, op: str) -> None:
-    if not isinstance(pool, kind):
-        raise ValueError(f"{op}: pool must be a {kind.__name__}, got {type(pool).__name__}")
-
-
-def _copy(plan: CopyPlan, *, to_pool: bool) -> None:
     ns = plan.layout.namespace
     page_size = ns.page_size
     structure = page_structure(plan.table, page_size)

@@ -1,14 +1,14 @@
-"""Triton launchers: the same four ops, signatures identical to ``reference``.
+"""The Triton launcher: ``copy``, the same signature and contract as ``reference.copy``.
 
-Each launcher validates through ``plan_copy`` (shapes, strides, dtypes, devices, page bounds,
-overlap, layer range), turns the pool into a base tensor, a table of (layer, plane) offsets from it and a
-``[N, page_size]`` table of token offsets, and launches ``kv_page_copy_kernel`` once per run of
-head blocks (one launch for a TP shard or a uniform full page). The kernel moves elements as
+The public ops (``ops``) validate through ``plan_copy`` (shapes, strides, dtypes, devices, page
+bounds, overlap, layer range); the launcher turns the validated plan's pool into a base tensor,
+a table of (layer, plane) offsets from it and a ``[N, page_size]`` table of token offsets, and
+launches ``kv_page_copy_kernel`` once per run of head blocks (one launch for a TP shard or a uniform full page). The kernel moves elements as
 integers of the KV item size, so every dtype is byte-exact.
 
 Tensors must be CUDA tensors, or CPU tensors when this process runs Triton's interpreter
 (``TRITON_INTERPRET=1`` set before the kernel module was first imported; see
-``_triton_kernel``). Triton itself is imported only when a launcher is first called.
+``_triton_kernel``). Triton itself is imported only when ``copy`` is first called.
 """
 
 from __future__ import annotations
@@ -19,91 +19,14 @@ from typing import Any
 
 import torch
 
-from hicache_store.layout.host import UnifiedPageLayout
-
-from ._plan import CopyPlan, plan_copy
+from ._plan import CopyPlan
 from ._unified import BlockRun
-from .pools import DevicePool, HostPool, as_bits
+from .pools import HostPool, as_bits
 
-__all__ = ["host_to_unified", "pack_pages", "unified_to_host", "unpack_pages"]
+__all__ = ["copy"]
 
 #: bytes one program moves: 16 KiB keeps a 4-warp program at 8 x 16-byte accesses per thread.
 _TILE_BYTES = 16384
-
-
-def pack_pages(
-    pool: DevicePool,
-    pages: torch.Tensor,
-    staging: torch.Tensor,
-    layout: UnifiedPageLayout,
-    *,
-    layers: tuple[int, int] | None = None,
-    check_indices: bool = True,
-) -> torch.Tensor:
-    """Triton version of ``reference.pack_pages`` (same contract)."""
-    _require(pool, DevicePool, "pack_pages")
-    plan = plan_copy(
-        pool, pages, staging, layout, layers=layers, writes_pool=False, check_indices=check_indices
-    )
-    _launch(plan, pack=True)
-    return staging
-
-
-def unpack_pages(
-    staging: torch.Tensor,
-    pool: DevicePool,
-    pages: torch.Tensor,
-    layout: UnifiedPageLayout,
-    *,
-    layers: tuple[int, int] | None = None,
-    check_indices: bool = True,
-) -> None:
-    """Triton version of ``reference.unpack_pages`` (same contract)."""
-    _require(pool, DevicePool, "unpack_pages")
-    plan = plan_copy(
-        pool, pages, staging, layout, layers=layers, writes_pool=True, check_indices=check_indices
-    )
-    _launch(plan, pack=False)
-
-
-def host_to_unified(
-    host: HostPool,
-    pages: torch.Tensor,
-    staging: torch.Tensor,
-    layout: UnifiedPageLayout,
-    *,
-    layers: tuple[int, int] | None = None,
-    check_indices: bool = True,
-) -> torch.Tensor:
-    """Triton version of ``reference.host_to_unified`` (same contract)."""
-    _require(host, HostPool, "host_to_unified")
-    plan = plan_copy(
-        host, pages, staging, layout, layers=layers, writes_pool=False, check_indices=check_indices
-    )
-    _launch(plan, pack=True)
-    return staging
-
-
-def unified_to_host(
-    staging: torch.Tensor,
-    host: HostPool,
-    pages: torch.Tensor,
-    layout: UnifiedPageLayout,
-    *,
-    layers: tuple[int, int] | None = None,
-    check_indices: bool = True,
-) -> None:
-    """Triton version of ``reference.unified_to_host`` (same contract)."""
-    _require(host, HostPool, "unified_to_host")
-    plan = plan_copy(
-        host, pages, staging, layout, layers=layers, writes_pool=True, check_indices=check_indices
-    )
-    _launch(plan, pack=False)
-
-
-def _require(pool: object, kind: type, op: str) -> None:
-    if not isinstance(pool, kind):
-        raise ValueError(f"{op}: pool must be a {kind.__name__}, got {type(pool).__name__}")
 
 
 def _kernel() -> tuple[Any, bool]:
@@ -186,7 +109,9 @@ def _check_run(plan: CopyPlan, run: BlockRun) -> None:
         )
 
 
-def _launch(plan: CopyPlan, *, pack: bool) -> None:
+def copy(plan: CopyPlan, *, to_pool: bool) -> None:
+    """Triton version of ``reference.copy`` (same contract): one launch per head-block run."""
+    pack = not to_pool
     device = plan.pool.device
     kernel, interpreted = _kernel()
     if device.type != "cuda" and not (interpreted and device.type == "cpu"):
