@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import Final, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -36,7 +36,7 @@ PoolLayoutName = Literal[
 POOL_LAYOUTS: tuple[str, ...] = ("layer_first", "page_first", "page_first_direct", "page_head")
 #: vLLM 0.32's CPU attention KV cache (``CPUAttentionBackend``, layout ``LBHNC``): see
 #: ``PoolLayout``. Not an SGLang layout.
-VLLM_CPU_LAYOUT = "vllm_cpu"
+VLLM_CPU_LAYOUT: Final = "vllm_cpu"
 ALL_POOL_LAYOUTS: tuple[str, ...] = (*POOL_LAYOUTS, VLLM_CPU_LAYOUT)
 IntArray = npt.NDArray[np.int64]
 

@@ -1,0 +1,147 @@
+"""The connector's keys in vLLM's ``kv_connector_extra_config``, and the start-up checks.
+
+Keys (all optional):
+
+``url``                the backend URL (default ``file://$XDG_CACHE_HOME/hicache-store/vllm``,
+                       ``~/.cache`` without it): ``file:///var/cache/kv``, ``s3://bucket/p``,
+                       ``mooncake://host:port``, ``faulty://?inner=...``, any registered backend.
+``backend_options``    a JSON object of options for that backend (``{"capacity_bytes":
+                       "64GiB"}``).
+``model``              the model identity in the namespace (default: vLLM's ``model``, the
+                       served path or hub id, which is also what the SGLang adapter and
+                       ``prepopulate`` default to); ``model_revision`` an optional weights
+                       fingerprint.
+``grid``               the partition grid ``"LxH"``; ``share_with``: the other topologies that
+                       share the store (``["tp=2,pp=1"]``); unset, the coarsest grid this
+                       deployment writes (the SGLang adapter's and ``prepopulate``'s rule).
+``tenant_salt``        isolates tenants: different salts never hit each other's KV.
+``io_timeout_s``       deadline of one backend call of a load or a save (default 20 s); a late
+                       load is a failed load, recomputed.
+``lookup_timeout_s``   deadline of the scheduler's existence check per request (default 5 s);
+                       a late check is a miss.
+``retry_after_s``      after a backend failure, seconds during which lookups answer "miss" and
+                       saves are dropped without asking the backend (default 5 s): a stopped
+                       store costs one deadline, not one per request.
+``max_inflight_mib``   bytes of reads in flight per worker (default 256 MiB).
+``max_pending_save_mib``  packed pages waiting to be written per worker (default 256 MiB);
+                       beyond it new saves are dropped (counted), never waited for.
+``page_size``          stated for clarity: it must equal vLLM's block size.
+``test_alter_loaded_kv``  TEST ONLY: flip one byte of every page after it was verified and
+                       before it reaches vLLM, to show that wrong KV does change the tokens.
+
+Unknown keys are refused (a typo must not silently change the namespace).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache_store.integrations._sglang_config import parse_grid
+from hicache_store.layout.errors import ConfigError
+from hicache_store.layout.namespace import Grid
+from hicache_store.layout.topology import Topology
+from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
+
+#: the vLLM releases this connector is written and tested against (its connector API is marked
+#: experimental and changes between minor releases).
+SUPPORTED_VLLM = "0.32."
+
+KEYS = frozenset(
+    {
+        "url",
+        "backend_options",
+        "model",
+        "model_revision",
+        "grid",
+        "share_with",
+        "tenant_salt",
+        "io_timeout_s",
+        "lookup_timeout_s",
+        "retry_after_s",
+        "max_inflight_mib",
+        "max_pending_save_mib",
+        "page_size",
+        "test_alter_loaded_kv",
+    }
+)
+
+
+def default_url() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return "file://" + os.path.join(cache, "hicache-store", "vllm")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The parsed ``kv_connector_extra_config`` (see the module docstring)."""
+
+    url: str = field(default_factory=default_url)
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None
+    model_revision: str = ""
+    grid: Grid | None = None
+    share_with: tuple[Topology, ...] = ()
+    tenant_salt: str = ""
+    io_timeout_s: float = DEFAULT_IO_TIMEOUT_S
+    lookup_timeout_s: float = 5.0
+    retry_after_s: float = 5.0
+    max_inflight_bytes: int = 256 << 20
+    max_pending_save_bytes: int = 256 << 20
+    page_size: int | None = None
+    test_alter_loaded_kv: bool = False
+
+    @property
+    def backend(self) -> dict[str, Any]:
+        return {"url": self.url, **self.backend_options}
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - KEYS)
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, KEYS, n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigError(
+                "HiCacheStoreConnector: unknown kv_connector_extra_config key(s) "
+                + ", ".join(hints) + f"; known: {', '.join(sorted(KEYS))}"
+            )
+        options = extra.get("backend_options") or {}
+        if not isinstance(options, Mapping):
+            raise ConfigError("backend_options: expected a JSON object")
+        share = extra.get("share_with") or ()
+        if isinstance(share, str):
+            share = [share]
+        return cls(
+            url=str(extra.get("url") or default_url()),
+            backend_options=dict(options),
+            model=str(extra["model"]) if extra.get("model") else None,
+            model_revision=str(extra.get("model_revision", "")),
+            grid=parse_grid(extra["grid"]) if extra.get("grid") is not None else None,
+            share_with=tuple(Topology.parse(str(t)) for t in share),
+            tenant_salt=str(extra.get("tenant_salt", "")),
+            io_timeout_s=_positive(extra, "io_timeout_s", DEFAULT_IO_TIMEOUT_S),
+            lookup_timeout_s=_positive(extra, "lookup_timeout_s", 5.0),
+            retry_after_s=_positive(extra, "retry_after_s", 5.0, allow_zero=True),
+            max_inflight_bytes=int(_positive(extra, "max_inflight_mib", 256) * (1 << 20)),
+            max_pending_save_bytes=int(_positive(extra, "max_pending_save_mib", 256) * (1 << 20)),
+            page_size=int(extra["page_size"]) if extra.get("page_size") is not None else None,
+            test_alter_loaded_kv=bool(extra.get("test_alter_loaded_kv", False)),
+        )
+
+
+def _positive(extra: Mapping[str, Any], key: str, default: float, *,
+              allow_zero: bool = False) -> float:
+    value = extra.get(key, default)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if number < 0 or (number == 0 and not allow_zero):
+        raise ConfigError(f"{key}: must be {'non-negative' if allow_zero else 'positive'}")
+    return number

