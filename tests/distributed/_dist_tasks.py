@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _serve import serve
 
 from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
@@ -191,20 +192,11 @@ def serve_single(ctx: RankContext, setup: Setup, prompts: list[list[int]]) -> Ou
     out = Outcome()
     try:
         for prompt in prompts:
-            req = tier.match(prompt)
-            prep = tier.prepare(req)
-            logits = model.prefill(
-                torch.tensor(prompt[prep.start :]),
-                prep.start,
-                prep.slots,
-                pool,
-                wait_layer=prep.wait_layer,
-            )
-            tier.complete(req)
-            expected = model.forward_full(torch.tensor(prompt))[prep.start :]
-            out.starts.append(prep.start)
-            out.exact.append(bool(torch.equal(logits, expected)))
-            out.digests.append(_digest(logits))
+            served = serve(tier, model, prompt)
+            expected = model.forward_full(torch.tensor(prompt))[served.start :]
+            out.starts.append(served.start)
+            out.exact.append(bool(torch.equal(served.logits, expected)))
+            out.digests.append(_digest(served.logits))
             if setup.flush_each:
                 tier.flush()
         tier.flush()

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from _serve import serve_checked
 
 from hicache_store.backends.base import Backend
-from hicache_store.demo.hybrid import HybridMiniLlama, RecurrentPool, WindowPool, serve
+from hicache_store.demo.hybrid import HybridMiniLlama, RecurrentPool, WindowPool
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.tier.cache import HiCache
@@ -28,11 +29,9 @@ class Hybrid:
     def serve(self, tokens: list[int]) -> int:
         """Serve one request, check its logits against a full recompute and the tier's
         bookkeeping; return the reused tokens."""
-        served = serve(self.tier, self.model, tokens, window=self.window, recurrent=self.recurrent)
-        expected = self.model.forward_full(torch.tensor(tokens))[served.start :]
-        assert torch.equal(served.logits, expected), "logits differ from a full recompute"
-        self.tier.check_invariants()
-        return served.start
+        return serve_checked(
+            self.tier, self.model, tokens, window=self.window, recurrent=self.recurrent
+        ).start
 
     def extra(self, name: str) -> float:
         return self.tier.metrics.extra.get(name, 0)

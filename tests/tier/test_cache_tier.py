@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from _serve import serve_checked
 
 from hicache_store.backends import open_backend
 from hicache_store.backends.base import Backend
+from hicache_store.backends.faulty import FaultConfig, FaultyBackend
 from hicache_store.demo.engine.config import MiniLlamaConfig
 from hicache_store.demo.engine.kv_pool import DeviceKVPool
 from hicache_store.demo.engine.model import MiniLlama
@@ -47,26 +50,8 @@ def make_tier(
     return HiCache(namespace(), config, pool, backend=backend)
 
 
-def serve(tier: HiCache, model: MiniLlama, tokens: list[int]) -> tuple[torch.Tensor, int]:
-    req = tier.match(tokens)
-    prep = tier.prepare(req)
-    logits = model.prefill(
-        torch.tensor(tokens[prep.start :]),
-        prep.start,
-        prep.slots,
-        tier.pool,  # type: ignore[arg-type]
-        wait_layer=prep.wait_layer,
-    )
-    tier.complete(req)
-    return logits, prep.start
-
-
 def check(tier: HiCache, model: MiniLlama, tokens: list[int]) -> int:
-    logits, start = serve(tier, model, tokens)
-    expected = model.forward_full(torch.tensor(tokens))[start:]
-    assert torch.equal(logits, expected), "logits differ from a full recompute"
-    tier.check_invariants()
-    return start
+    return serve_checked(tier, model, tokens).start
 
 
 def prompts(seed: int, n: int, length: int) -> Iterator[list[int]]:
@@ -97,27 +82,64 @@ def test_l2_hit_is_loaded_layer_by_layer(model: MiniLlama) -> None:
     tier.close()
 
 
-@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
-def test_l3_hit_after_a_restart(model: MiniLlama, policy: str) -> None:
-    backend = open_backend("memory://")
+def write_doc(model: MiniLlama, backend: Backend, seed: int, length: int = 40) -> list[int]:
+    """A document served and flushed to ``backend`` by an instance that then stops."""
     writer = make_tier(l1_pages=16, l2_pages=16, backend=backend)
-    (doc,) = prompts(3, 1, 40)
+    (doc,) = prompts(seed, 1, length)
     check(writer, model, doc)
     writer.flush()
-    assert writer.metrics.backups_l3 == 10
+    assert writer.metrics.backups_l3 == length // PAGE
     writer.close()
+    return doc
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_l3_hit_after_a_restart(model: MiniLlama, policy: str) -> None:
+    backend = open_backend("memory://")
+    doc = write_doc(model, backend, 3)
     # A new instance (empty L1 and L2) over the same L3.
-    reader = make_tier(
-        l1_pages=16,
-        l2_pages=16,
-        backend=backend,
-        prefetch_policy="wait_complete" if policy == "best_effort" else policy,
-    )
+    reader = make_tier(l1_pages=16, l2_pages=16, backend=backend, prefetch_policy=policy)
     start = check(reader, model, [*doc, 5])
     assert start == 40
     assert reader.metrics.hit_tokens_l3 == 40
     assert reader.metrics.read_amplification == 1.0
     reader.close()
+
+
+def test_best_effort_takes_what_has_arrived_and_never_waits(model: MiniLlama) -> None:
+    """``best_effort``: ``prepare`` uses the pages the prefetch has landed by then and waits
+    for none. Every L3 call of the readers takes ``latency`` s: a request prepared at once
+    after its match recomputes everything, without waiting (``wait_complete`` would wait for
+    the reads and reuse 12 tokens); one prepared once its reads have landed reuses all 12."""
+    latency = 0.3
+    backend = open_backend("memory://")
+    doc = write_doc(model, backend, 3, length=12)
+    prompt = [*doc, 5]
+
+    def reader() -> HiCache:
+        slow = FaultyBackend(backend, FaultConfig(latency_s=latency))
+        return make_tier(l1_pages=16, l2_pages=16, backend=slow, prefetch_policy="best_effort")
+
+    at_once = reader()
+    times: dict[str, float] = {}
+    served = serve_checked(
+        at_once, model, prompt,
+        after_match=lambda _: times.setdefault("matched", time.perf_counter()),
+        after_prepare=lambda _: times.setdefault("prepared", time.perf_counter()),
+    )
+    assert served.start == 0, "best_effort waited for the prefetch's reads"
+    assert times["prepared"] - times["matched"] < latency
+    assert at_once.metrics.prefetch_partial == 1
+    assert at_once.metrics.hit_tokens_l3 == 0
+    at_once.close()
+
+    later = reader()
+    # three page reads of ``latency`` s each (one after another here): ten latencies is ample
+    served = serve_checked(later, model, prompt, after_match=lambda _: time.sleep(10 * latency))
+    assert served.start == 12
+    assert later.metrics.prefetch_complete == 1
+    assert later.metrics.hit_tokens_l3 == 12
+    later.close()
 
 
 def test_default_config_restores_a_short_prompt_from_l3(model: MiniLlama) -> None:

@@ -7,7 +7,7 @@ and the host pool must come back to its baseline (no leaked slots) once transfer
 
 from __future__ import annotations
 
-import torch
+from _serve import serve_checked
 
 from hicache_store.backends import open_backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
@@ -24,22 +24,9 @@ PAGE = 4
 
 def serve_workload(tier: HiCache, model: MiniLlama, spec: WorkloadSpec) -> None:
     """Serve every request (and its answer, as decode would), checking each against recompute."""
-    pool = tier.pool
     for request in generate(spec):
         for tokens in (request.prompt, request.prompt + request.answer):
-            req = tier.match(tokens)
-            prep = tier.prepare(req)
-            logits = model.prefill(
-                torch.tensor(tokens[prep.start :]),
-                prep.start,
-                prep.slots,
-                pool,  # type: ignore[arg-type]
-                wait_layer=prep.wait_layer,
-            )
-            tier.complete(req)
-            expected = model.forward_full(torch.tensor(tokens))[prep.start :]
-            assert torch.equal(logits, expected), "wrong KV reached the engine"
-            tier.check_invariants()
+            serve_checked(tier, model, tokens, message="wrong KV reached the engine")
     tier.flush(timeout=30)
 
 

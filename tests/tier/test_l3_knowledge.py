@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from _serve import serve_checked
 
 from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
@@ -50,21 +51,11 @@ def serve(tier: HiCache, model: MiniLlama, tokens: list[int]) -> int:
     tier.evict_device()
     for node in list(tier.tree.nodes()):  # a cold L2: what the tier knows of L3 stays
         tier._drop_host_copy(node)
-    req = tier.match(tokens)
-    prep = tier.prepare(req)
-    logits = model.prefill(
-        torch.tensor(tokens[prep.start :]),
-        prep.start,
-        prep.slots,
-        tier.pool,  # type: ignore[arg-type]
-        wait_layer=prep.wait_layer,
-    )
-    tier.complete(req)
-    expected = model.forward_full(torch.tensor(tokens))[prep.start :]
-    assert torch.equal(logits, expected), "wrong KV reached the engine"
+    served = serve_checked(tier, model, tokens, message="wrong KV reached the engine",
+                           invariants=False)
     tier.flush(timeout=30)
     tier.check_invariants()
-    return prep.start
+    return served.start
 
 
 def test_a_page_whose_l3_object_reads_corrupt_is_backed_up_again(tmp_path: Path) -> None:

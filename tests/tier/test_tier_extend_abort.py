@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from _serve import serve_checked
 
 import hicache_store.tier.pools as tier_pools
 from hicache_store.backends import open_backend
@@ -42,16 +43,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 def serve(tier: HiCache, model: MiniLlama, seq: list[int]) -> int:
     """Serve ``seq`` through the tier, check its logits against a full recompute."""
-    req = tier.match(seq)
-    prep = tier.prepare(req)
-    logits = model.prefill(
-        torch.tensor(seq[prep.start :]), prep.start, prep.slots, tier.pool,  # type: ignore[arg-type]
-        wait_layer=prep.wait_layer,
-    )
-    assert torch.equal(logits, model.forward_full(torch.tensor(seq))[prep.start :])
-    tier.complete(req)
-    tier.check_invariants()
-    return prep.start
+    return serve_checked(tier, model, seq).start
 
 
 def test_extend_adds_decoded_tokens_that_later_requests_reuse(model: MiniLlama) -> None:
