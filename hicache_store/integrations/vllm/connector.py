@@ -304,6 +304,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Scheduler side.
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: dict[str, PageLoad] = {}
+        # Loads handed to the workers, until their outcome is known: req -> (first page, blocks).
+        self._issued: dict[str, tuple[int, list[int]]] = {}
         self._saved: OrderedDict[str, None] = OrderedDict()
         self._lookup: L3Link | None = None
         # Worker side.
@@ -412,6 +414,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending_loads[request.request_id] = PageLoad(
             request.request_id, list(block_ids[first:first + count]), list(hashes)
         )
+        self._issued[request.request_id] = (first, list(block_ids[first:first + count]))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = HiCacheStoreMetadata(loads=list(self._pending_loads.values()))
@@ -433,6 +436,22 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if save is not None:
                 meta.saves.append(save)
         return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Pages whose load failed are not stored as far as this request knows: the recompute
+        saves them again, replacing a corrupt or truncated object."""
+        issued, self._issued = self._issued, {}
+        invalid = getattr(connector_output, "invalid_block_ids", None) or set()
+        if not invalid:
+            return
+        for req_id, (first, blocks) in issued.items():
+            tracked = self._requests.get(req_id)
+            bad = [i for i, b in enumerate(blocks) if b in invalid]
+            if tracked is None or not bad:
+                continue
+            tracked.stored_pages = min(tracked.stored_pages, first + bad[0])
+            for h in tracked.hashes[first + bad[0]:]:
+                self._saved.pop(h, None)
 
     def _plan_save(self, tracked: _Tracked, computed: int, done: int) -> PageSave | None:
         """The pages that become complete in this step and are not known to be stored."""
@@ -605,6 +624,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._connector_metadata
         if not isinstance(meta, HiCacheStoreMetadata) or not meta.saves:
             return
+        if self.config.test_alter_loaded_kv:
+            return  # KV computed over altered pages must not reach the store
         saves = [s for s in meta.saves if s.req_id not in failed_reqs]
         if self._breaker.open:
             self._count("saves_dropped", sum(len(s.hashes) for s in saves))
@@ -698,8 +719,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             log.warning("hicache-store: saves still running at shutdown: %r", exc)
         try:
             run_sync(self.backend.close(), self.config.io_timeout_s)
-        except Exception as exc:
-            log.warning("hicache-store: closing the backend failed: %r", exc)
+        except Exception as exc:  # at interpreter exit the backend's pool may be gone
+            log.debug("hicache-store: closing the backend failed: %r", exc)
 
 
 # -- worker helpers --------------------------------------------------------------------------
