@@ -1,0 +1,407 @@
+"""hicache-store as a secondary tier of vLLM's tiered KV offloading (``SecondaryTierManager``).
+
+vLLM 0.32's ``OffloadingConnector`` with ``TieringOffloadingSpec`` keeps offloaded KV in a CPU
+primary tier: a shared region of *chunk rows*, one row per offloaded chunk (every rank's slot
+of that chunk, each holding the chunk's blocks of every layer, in vLLM's own byte order). A
+secondary tier receives rows from the primary tier (``submit_store``: write-through of every
+chunk the primary stores) and writes rows back into primary slots (``submit_load``: promotion
+of a chunk a lookup found). vLLM calls every method from the scheduler thread and requires
+them to return at once; transfers report through ``get_finished_jobs``.
+
+``HiCacheStoreTier`` stores each row as one framed, checksummed object (``layout.framing``
+through ``objects.ObjectIO``) on any hicache-store backend:
+
+* **Key.** vLLM names a chunk by its 36-byte ``OffloadKey`` (the chain hash of the chunk's
+  last block, then the KV group). The object's page hash is the sha256 of those 36 bytes (64
+  hex: any hash length vLLM is configured with, and each group, name a distinct object);
+  coordinates ``L0-0`` (a row is one block; the per-block checksum covers the whole row).
+* **Namespace** (``row_namespace``): a row is opaque bytes, so the namespace says so (one
+  layer, one token, ``row_bytes`` uint8 values, replicated) and names what decides those
+  bytes: the model (``{model}#vllm-row-{descriptor digest}``, the descriptor being vLLM's
+  release line, the KV dtype, TP / PP / PCP / DCP sizes, tokens per block, blocks per chunk,
+  canonical or direct layout, replicated layout, the KV cache layout, the KV groups' token
+  spans and the row size), plus ``model_revision`` and ``tenant_salt``. A deployment that
+  differs in any of them misses; it never reads another's bytes as its own.
+* **Bounded.** The backend's own capacity and eviction: ``file:///path?capacity_bytes=64GiB``
+  (least recently used first; the file backend's default is 90% of the filesystem).
+* **Non-blocking.** ``lookup`` answers ``RETRY`` while the existence check of its key runs
+  (vLLM's ``AsyncLookupManager``: one batched ``exists`` per scheduler step, on its own
+  thread, bounded by ``lookup_timeout_s``; a failed or late check is a miss). Stores and loads
+  run on the library's sync-bridge loop (``hicache_store._sync.submit``); ``get_finished_jobs``
+  collects the ones that ended; ``drain_jobs`` waits for all of them (none is cut short).
+* **Verified loads.** A load reads the row straight into its primary slot (header into a
+  staging slot), then checks the header against the key and the row's checksum. A missing,
+  truncated or corrupt object fails its key's load (``JobResult.successful_keys`` holds the
+  others): vLLM frees the slot and recomputes, never serves the bytes. A corrupt object is
+  counted and deleted, so the next store of that chunk writes it again.
+* **Events.** With ``enable_kv_events`` (and vLLM's KV events on), every stored chunk is a
+  ``BlockStored`` event (medium ``STORAGE``) and every corrupt object deleted a removal;
+  evictions inside the backend are not reported (the backend does not name what it evicted).
+
+Configuration (a ``secondary_tiers`` entry; every key but ``type`` and ``module_path`` optional)::
+
+    {"type": "HiCacheStoreTier",
+     "module_path": "hicache_store.integrations.vllm.secondary_tier",
+     "url": "file:///var/cache/kv?capacity_bytes=64GiB",   # any backend URL
+     "backend_options": {},          # more backend options (JSON object)
+     "model": None,                  # default: vLLM's model name
+     "model_revision": "", "tenant_salt": "",
+     "io_timeout_s": 20.0,           # floor of one store / load batch's deadline
+     "lookup_timeout_s": 5.0,        # deadline of one step's existence check
+     "max_inflight_mib": 256,        # bytes of reads, and of writes, in flight
+     "enable_kv_events": False, "locality": None,
+     "test_alter_loaded_kv": False}  # TEST ONLY: zero every loaded row after its check
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import vllm
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from hicache_store._sync import run_sync, submit
+from hicache_store.backends import Backend, open_backend
+from hicache_store.layout.errors import ConfigError, CorruptObjectError
+from hicache_store.layout.keys import ObjectCoords, ObjectKey
+from hicache_store.layout.namespace import Grid, ModelShape, Namespace
+from hicache_store.objects import Arena, Frame, ObjectIO
+from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+log = logging.getLogger(__name__)
+
+#: the object coordinates of every row (one block).
+ROW_COORDS = ObjectCoords(0, 1, None)
+
+
+def default_url() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return "file://" + os.path.join(cache, "hicache-store", "vllm-tier")
+
+
+def row_descriptor(spec: OffloadingSpec, row_bytes: int) -> str:
+    """What decides a row's bytes, as one canonical line (its digest names the namespace)."""
+    config = spec.config
+    par = config.parallel
+    groups = ",".join(str(g.tokens_per_block) for g in config.groups)
+    parts = {
+        "vllm": ".".join(vllm.__version__.split(".")[:2]),
+        "dtype": config.model.dtype,
+        "tp": par.tp_size, "pp": par.pp_size, "pcp": par.pcp_size, "dcp": par.dcp_size,
+        "world": par.world_size,
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "groups": groups,
+        "canonical": int(config.canonical_layout),
+        "replicated": int(spec.replicated_layout),
+        "kv_layout": config.kv_cache_layout or "",
+        "worker_bytes_per_block": config.worker_kv_bytes_per_block,
+        "row_bytes": row_bytes,
+    }
+    return ";".join(f"{k}={v}" for k, v in parts.items())
+
+
+def row_namespace(
+    spec: OffloadingSpec, row_bytes: int, *, model: str | None = None,
+    model_revision: str = "", tenant_salt: str = "",
+) -> Namespace:
+    """The namespace of a deployment's rows (see the module docstring)."""
+    name = model or spec.config.model.name
+    digest = hashlib.sha256(row_descriptor(spec, row_bytes).encode()).hexdigest()[:16]
+    return Namespace.create(
+        f"{name}#vllm-row-{digest}",
+        ModelShape.mla(1, row_bytes),
+        "uint8",
+        1,
+        Grid(1, 1),
+        model_revision=model_revision,
+        tenant_salt=tenant_salt,
+    )
+
+
+def page_hash_of(key: OffloadKey) -> str:
+    """The page hash of vLLM's chunk ``key``: sha256 of its bytes, hex."""
+    return hashlib.sha256(key).hexdigest()
+
+
+@dataclass
+class TierStats:
+    """Counters since start (read by tests and benchmarks; vLLM's own tier metrics count the
+    bytes and times of ``JobResult``)."""
+
+    stored: int = 0
+    store_failures: int = 0
+    loaded: int = 0
+    load_misses: int = 0
+    load_failures: int = 0
+    corruptions: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+
+
+class _Lookups(AsyncLookupManager):  # type: ignore[misc]
+    """vLLM's async lookup state machine over one batched ``exists`` per step."""
+
+    def __init__(self, tier: HiCacheStoreTier) -> None:
+        self._tier = tier
+        super().__init__(tier_type=tier.tier_type)
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        tier = self._tier
+        names = [tier.storage_key(k) for k in keys]
+        return run_sync(tier.backend.exists(names), timeout=tier.lookup_timeout_s)
+
+
+@dataclass
+class _Job:
+    keys: list[OffloadKey]
+    future: concurrent.futures.Future[tuple[list[bool], float]]
+    is_load: bool
+
+
+class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
+    """A vLLM secondary tier on a hicache-store backend. See the module docstring."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        url: str | None = None,
+        backend_options: Mapping[str, Any] | None = None,
+        model: str | None = None,
+        model_revision: str = "",
+        tenant_salt: str = "",
+        io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
+        lookup_timeout_s: float = 5.0,
+        max_inflight_mib: float = 256,
+        enable_kv_events: bool = False,
+        locality: str | None = None,
+        test_alter_loaded_kv: bool = False,
+        backpressure_detector: BackpressureDetector | None = None,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if not vllm.__version__.startswith("0.32."):
+            raise ConfigError(
+                f"HiCacheStoreTier is written against vLLM 0.32 (SecondaryTierManager is "
+                f"experimental and changes between releases); this is vLLM {vllm.__version__}"
+            )
+        if lookup_timeout_s <= 0 or io_timeout_s <= 0 or max_inflight_mib <= 0:
+            raise ConfigError("io_timeout_s, lookup_timeout_s and max_inflight_mib must be positive")
+        self.locality = Locality(locality) if locality is not None else None
+        self.row_bytes = self.block_size_bytes
+        self._rows = primary_kv_view.cast("B")
+        self.namespace = row_namespace(
+            offloading_spec, self.row_bytes, model=model, model_revision=model_revision,
+            tenant_salt=tenant_salt,
+        )
+        self.url = url or default_url()
+        self.backend: Backend = open_backend({"url": self.url, **dict(backend_options or {})})
+        self.io = ObjectIO(
+            self.backend, self.namespace, io_timeout_s=io_timeout_s,
+            max_inflight_bytes=int(max_inflight_mib * (1 << 20)),
+        )
+        self._header_bytes = self.io.header_bytes(1)
+        self._staging = Arena(self._header_bytes + self.row_bytes, block_slots=8)
+        self.lookup_timeout_s = lookup_timeout_s
+        self.test_alter_loaded_kv = bool(test_alter_loaded_kv)
+        self.stats = TierStats()
+        self._stats_lock = threading.Lock()
+        self._jobs: dict[int, _Job] = {}
+        self._events: list[OffloadingEvent] | None = None
+        if enable_kv_events:
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                self._events = []
+            else:
+                log.warning("HiCacheStoreTier: enable_kv_events is set but vLLM's KV cache "
+                            "events are off; no events are emitted")
+        # corrupt objects deleted: the loop thread puts, take_events takes
+        self._removed: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
+        self._lookups = _Lookups(self)
+        log.info(
+            "HiCacheStoreTier: rows of %d bytes as objects of namespace %s (%s; %s) on %s",
+            self.row_bytes, self.namespace.digest, self.namespace.model,
+            row_descriptor(offloading_spec, self.row_bytes), self.url,
+        )
+
+    # -- names --------------------------------------------------------------------------------
+
+    def object_key(self, key: OffloadKey) -> ObjectKey:
+        return ObjectKey(page_hash_of(key), self.namespace.digest, ROW_COORDS)
+
+    def storage_key(self, key: OffloadKey) -> str:
+        return self.io.storage_key(self.object_key(key))
+
+    def _row(self, chunk_id: int) -> memoryview:
+        start = int(chunk_id) * self.row_bytes
+        return self._rows[start : start + self.row_bytes]
+
+    # -- the scheduler's calls ----------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self._lookups.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookups.flush()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookups.cleanup(req_context.req_id)
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        chunks = [int(c) for c in job_metadata.chunk_ids]
+        future = submit(self._store(keys, chunks))
+        self._jobs[job_metadata.job_id] = _Job(keys, future, is_load=False)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        chunks = [int(c) for c in job_metadata.chunk_ids]
+        future = submit(self._load(keys, chunks))
+        self._jobs[job_metadata.job_id] = _Job(keys, future, is_load=True)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        done = [job_id for job_id, job in self._jobs.items() if job.future.done()]
+        return [self._result(job_id, self._jobs.pop(job_id)) for job_id in done]
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events is None:
+            return ()
+        removed = []
+        while not self._removed.empty():
+            removed.append(self._removed.get_nowait())
+        if removed:
+            self._events.append(OffloadingEvent(
+                keys=removed, medium=Medium.STORAGE, removed=True, locality=self.locality))
+        events, self._events = self._events, []
+        return events
+
+    def drain_jobs(self) -> None:
+        """Wait for every submitted job (each is bounded by ``io_timeout_s`` plus its bytes at
+        the minimum bandwidth: ``objects.io.Deadline``); none is cut short."""
+        concurrent.futures.wait([job.future for job in self._jobs.values()])
+
+    def shutdown(self) -> None:
+        self.drain_jobs()
+        self._lookups.shutdown()
+        try:
+            run_sync(self.backend.close(), timeout=30.0)
+        except Exception as exc:  # shutting down: log, never raise into vLLM's teardown
+            log.warning("HiCacheStoreTier: closing %s failed: %r", self.url, exc)
+        self._rows.release()  # the primary region can be unmapped now
+
+    # -- results ------------------------------------------------------------------------------
+
+    def _result(self, job_id: int, job: _Job) -> JobResult:
+        try:
+            outcome, seconds = job.future.result()
+        except Exception as exc:  # a bug or a backend failure outside ObjectIO's own handling
+            log.warning("HiCacheStoreTier: %s job %d failed: %r",
+                        "load" if job.is_load else "store", job_id, exc)
+            outcome, seconds = [False] * len(job.keys), 0.0
+        ok = [k for k, good in zip(job.keys, outcome, strict=True) if good]
+        nbytes = len(ok) * self.row_bytes
+        if job.is_load:
+            failed = [k for k, good in zip(job.keys, outcome, strict=True) if not good]
+            if failed:
+                self._lookups.mark_miss(failed)  # no re-promotion of what just failed
+            return JobResult(job_id, success=not failed, successful_keys=ok if failed else None,
+                             transfer_time=seconds, transfer_bytes=nbytes)
+        if ok and self._events is not None:
+            self._events.append(OffloadingEvent(
+                keys=ok, medium=Medium.STORAGE, removed=False, locality=self.locality))
+        return JobResult(job_id, success=len(ok) == len(job.keys), transfer_time=seconds,
+                         transfer_bytes=nbytes)
+
+    # -- transfers (on the sync bridge's loop) ------------------------------------------------
+
+    async def _store(self, keys: list[OffloadKey], chunks: list[int]) -> tuple[list[bool], float]:
+        start = time.perf_counter()
+        slots = [self._staging.take() for _ in keys]
+        try:
+            frames = []
+            for key, chunk, slot in zip(keys, chunks, slots, strict=True):
+                frame = slot[: self._header_bytes + self.row_bytes]
+                frame[self._header_bytes :] = self._row(chunk)  # the primary slot stays pinned
+                frames.append(Frame(self.object_key(key), frame))
+            stored = await self.io.put(frames)
+        finally:
+            for slot in slots:
+                self._staging.give(slot)  # put has returned: nothing reads them any more
+        with self._stats_lock:
+            n = sum(stored)
+            self.stats.stored += n
+            self.stats.store_failures += len(keys) - n
+            self.stats.bytes_stored += n * self.row_bytes
+        return stored, time.perf_counter() - start
+
+    async def _load(self, keys: list[OffloadKey], chunks: list[int]) -> tuple[list[bool], float]:
+        start = time.perf_counter()
+        outcome = await asyncio.gather(*(self._load_one(k, c) for k, c in zip(keys, chunks, strict=True)))
+        return list(outcome), time.perf_counter() - start
+
+    async def _load_one(self, key: OffloadKey, chunk: int) -> bool:
+        row = self._row(chunk)
+        okey = self.object_key(key)
+        try:
+            header = await self.io.read_blocks(okey, row, payload_bytes=self.row_bytes)
+        except CorruptObjectError as exc:
+            log.warning("HiCacheStoreTier: corrupt object %s (%s): a miss, deleted", okey, exc)
+            with self._stats_lock:
+                self.stats.corruptions += 1
+            try:
+                await self.backend.delete([self.io.storage_key(okey)])
+                self._removed.put(key)
+            except Exception as delete_exc:
+                log.warning("HiCacheStoreTier: deleting %s failed: %r", okey, delete_exc)
+            return False
+        except Exception as exc:  # backend failure or deadline: a failed load, recomputed
+            log.warning("HiCacheStoreTier: load of %s failed: %r", okey, exc)
+            with self._stats_lock:
+                self.stats.load_failures += 1
+            return False
+        if header is None:
+            with self._stats_lock:
+                self.stats.load_misses += 1  # evicted since the lookup
+            return False
+        if self.test_alter_loaded_kv:
+            row[:] = bytes(len(row))  # TEST ONLY: wrong KV on purpose, after the check
+        with self._stats_lock:
+            self.stats.loaded += 1
+            self.stats.bytes_loaded += self.row_bytes
+        return True
