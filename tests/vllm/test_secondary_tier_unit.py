@@ -1,0 +1,268 @@
+"""``HiCacheStoreTier`` driven as vLLM's tiering manager drives it, without an engine.
+
+A real ``SecondaryTierManager`` subclass over a primary region (a numpy array standing in for
+vLLM's shared region: ``(num_chunks, row_bytes)`` int8, as ``create_kv_memoryview`` returns),
+on the real file backend; the offloading spec is vLLM's ``OffloadingConfig`` in a minimal
+``OffloadingSpec``. Each test checks bytes, verdicts and job results the way vLLM reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingSpec,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
+
+from hicache_store.integrations.vllm.secondary_tier import HiCacheStoreTier, row_namespace
+
+ROW = 3 * 4096  # bytes of one primary chunk row
+CHUNKS = 8
+END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+
+class _Spec(OffloadingSpec):
+    def get_manager(self) -> Any:
+        raise NotImplementedError
+
+    def get_worker(self, kv_caches: Any) -> Any:
+        raise NotImplementedError
+
+
+def offloading_config(*, dtype: str = "float32", tp: int = 1, tokens_per_block: int = 16,
+                      events: bool = False) -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block, ("l0", "l1"), 0),),
+        worker_kv_bytes_per_block=ROW // tp,
+        enable_kv_cache_events=events,
+        extra_config={},
+        engine_id="unit",
+        model=OffloadingModelConfig("tiny", dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False),
+    )
+
+
+def key(i: int) -> Any:
+    return make_offload_key(i.to_bytes(4, "big") * 8, 0)
+
+
+class Harness:
+    """A tier over its own primary region, with the polling vLLM's manager does."""
+
+    def __init__(self, store: Path, **options: Any) -> None:
+        config = options.pop("config", None) or offloading_config(events=options.get(
+            "enable_kv_events", False))
+        self.primary = np.zeros((CHUNKS, ROW), dtype=np.int8)
+        self.tier = HiCacheStoreTier(
+            _Spec(config), memoryview(self.primary), "HiCacheStoreTier",
+            url=f"file://{store}", **options)
+        self.req = ReqContext(req_id="r0")
+        self.next_job = 0
+
+    def fill(self, chunk: int, seed: int) -> bytes:
+        self.primary[chunk] = np.random.default_rng(seed).integers(-128, 128, ROW, dtype=np.int8)
+        return self.primary[chunk].tobytes()
+
+    def job(self, keys: list[Any], chunks: list[int], *, promotion: bool) -> TransferJob:
+        self.next_job += 1
+        return TransferJob(self.next_job, keys, np.array(chunks, dtype=np.int64), promotion,
+                           self.req)
+
+    def finish(self, job: TransferJob) -> JobResult:
+        """Poll ``get_finished_jobs`` until ``job`` is reported (vLLM polls every step)."""
+        for _ in range(3000):
+            for result in self.tier.get_finished_jobs():
+                if result.job_id == job.job_id:
+                    return result
+            self.tier.drain_jobs()
+        raise AssertionError(f"job {job.job_id} never finished")
+
+    def store(self, keys: list[Any], chunks: list[int]) -> JobResult:
+        job = self.job(keys, chunks, promotion=False)
+        self.tier.submit_store(job)
+        return self.finish(job)
+
+    def load(self, keys: list[Any], chunks: list[int]) -> JobResult:
+        job = self.job(keys, chunks, promotion=True)
+        self.tier.submit_load(job)
+        return self.finish(job)
+
+    def lookup(self, k: Any, req: ReqContext | None = None) -> tuple[LookupResult, int]:
+        """The verdict once it is not RETRY, and how many RETRYs came first."""
+        req = req or self.req
+        for retries in range(3000):
+            found = self.tier.lookup(k, req)
+            if found is not LookupResult.RETRY:
+                return found, retries
+            self.tier.on_schedule_end(END)
+            self.tier._lookups._thread.join(0.005)  # let the lookup thread run
+        raise AssertionError("lookup never resolved")
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator[Callable[..., Harness]]:
+    made: list[Harness] = []
+
+    def factory(store: Path | None = None, **options: Any) -> Harness:
+        harness = Harness(store or tmp_path / "store", **options)
+        made.append(harness)
+        return harness
+
+    yield factory
+    for harness in made:
+        harness.tier.shutdown()
+
+
+def object_files(store: Path) -> list[Path]:
+    return sorted(p for p in (store / "objects").rglob("*") if p.is_file())
+
+
+def test_a_stored_row_is_found_after_retry_and_loads_byte_for_byte(make: Any) -> None:
+    h = make()
+    row = h.fill(2, seed=1)
+    assert h.store([key(1)], [2]).success
+    verdict, retries = h.lookup(key(1))
+    assert verdict is LookupResult.HIT
+    assert retries >= 1  # the first answer was RETRY: the check ran off the scheduler thread
+    result = h.load([key(1)], [5])
+    assert result.success and result.transfer_bytes == ROW
+    assert h.primary[5].tobytes() == row
+    assert h.tier.stats.loaded == 1 and h.tier.stats.corruptions == 0
+
+
+def test_an_unknown_key_is_a_miss(make: Any) -> None:
+    h = make()
+    assert h.lookup(key(9))[0] is LookupResult.MISS
+
+
+def test_a_corrupt_object_fails_only_its_own_key_and_is_deleted(make: Any, tmp_path: Path) -> None:
+    h = make(enable_kv_events=True, config=offloading_config(events=True))
+    rows = [h.fill(c, seed=c) for c in range(3)]
+    assert h.store([key(0), key(1), key(2)], [0, 1, 2]).success
+    stored = list(h.tier.take_events())
+    assert [e.removed for e in stored] == [False] and len(stored[0].keys) == 3
+    assert stored[0].medium is Medium.STORAGE
+    bad = h.tier.storage_key(key(1))
+    (path,) = [p for p in object_files(tmp_path / "store") if p.name == bad]
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x40  # one bit of the payload
+    path.write_bytes(bytes(data))
+    h.primary[3:6] = 0
+    result = h.load([key(0), key(1), key(2)], [3, 4, 5])
+    assert not result.success
+    assert set(result.successful_keys) == {key(0), key(2)}
+    assert h.primary[3].tobytes() == rows[0] and h.primary[5].tobytes() == rows[2]
+    assert h.tier.stats.corruptions == 1
+    assert not path.exists()  # deleted: the next store of that chunk writes it again
+    removed = list(h.tier.take_events())
+    assert [(e.removed, e.keys) for e in removed] == [(True, [key(1)])]
+
+
+def test_a_truncated_object_is_a_failed_load(make: Any, tmp_path: Path) -> None:
+    h = make()
+    h.fill(0, seed=3)
+    assert h.store([key(0)], [0]).success
+    (path,) = object_files(tmp_path / "store")
+    os.truncate(path, path.stat().st_size - 4096)
+    result = h.load([key(0)], [1])
+    assert not result.success and not result.successful_keys
+    assert h.tier.stats.corruptions == 1
+
+
+def test_an_object_gone_after_the_lookup_is_a_failed_load(make: Any, tmp_path: Path) -> None:
+    h = make()
+    h.fill(0, seed=4)
+    assert h.store([key(0)], [0]).success
+    assert h.lookup(key(0))[0] is LookupResult.HIT
+    for path in object_files(tmp_path / "store"):
+        path.unlink()
+    result = h.load([key(0)], [1])
+    assert not result.success
+    assert h.tier.stats.load_misses == 1
+    # vLLM's livelock guard: the failed key answers MISS now, not HIT again.
+    assert h.tier.lookup(key(0), h.req) is LookupResult.MISS
+
+
+@pytest.mark.parametrize("change", [
+    {"dtype": "bfloat16"}, {"tp": 2}, {"tokens_per_block": 32},
+])
+def test_another_deployment_never_reads_these_rows(
+    make: Any, tmp_path: Path, change: dict[str, Any]
+) -> None:
+    writer = make()
+    writer.fill(0, seed=5)
+    assert writer.store([key(0)], [0]).success
+    reader = make(config=offloading_config(**change))
+    assert reader.tier.namespace.digest != writer.tier.namespace.digest
+    assert reader.lookup(key(0))[0] is LookupResult.MISS
+
+
+def test_model_revision_and_tenant_salt_are_part_of_the_namespace() -> None:
+    spec = _Spec(offloading_config())
+    base = row_namespace(spec, ROW)
+    assert base == row_namespace(_Spec(offloading_config()), ROW)  # deterministic
+    assert row_namespace(spec, ROW, tenant_salt="a").digest != base.digest
+    assert row_namespace(spec, ROW, model_revision="r2").digest != base.digest
+    assert row_namespace(spec, ROW * 2).digest != base.digest
+    assert dataclasses.replace(base).digest == base.digest
+
+
+def test_drain_jobs_leaves_every_result_ready(make: Any) -> None:
+    h = make()
+    jobs = []
+    for c in range(CHUNKS):
+        h.fill(c, seed=10 + c)
+        job = h.job([key(100 + c)], [c], promotion=False)
+        h.tier.submit_store(job)
+        jobs.append(job.job_id)
+    assert h.tier.has_pending_work()
+    h.tier.drain_jobs()
+    results = list(h.tier.get_finished_jobs())
+    assert sorted(r.job_id for r in results) == jobs and all(r.success for r in results)
+    assert not h.tier.has_pending_work()
+
+
+def test_the_store_stays_within_its_capacity(make: Any, tmp_path: Path) -> None:
+    capacity = 6 * (ROW + 4096)  # six objects (header page + row)
+    store = tmp_path / "bounded"
+    h = make(store=store, backend_options={"capacity_bytes": capacity})
+    for i in range(20):
+        h.fill(i % CHUNKS, seed=i)
+        assert h.store([key(200 + i)], [i % CHUNKS]).success
+        used = sum(p.stat().st_size for p in object_files(store))
+        assert used <= capacity
+    assert len(object_files(store)) == 6
+    assert h.lookup(key(219))[0] is LookupResult.HIT  # the newest stayed
+    assert h.lookup(key(200))[0] is LookupResult.MISS  # the oldest went
+
+
+def test_the_test_switch_serves_zeros_after_the_check(make: Any) -> None:
+    h = make(test_alter_loaded_kv=True)
+    row = h.fill(0, seed=7)
+    assert h.store([key(0)], [0]).success
+    result = h.load([key(0)], [1])
+    assert result.success  # the object was sound ...
+    assert h.primary[1].tobytes() != row and not h.primary[1].any()  # ... and zeros were served
