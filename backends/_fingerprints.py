@@ -7,10 +7,8 @@ winning. ``lookup`` answers membership for a batch of fingerprints from the two.
 
 **The feed is stored packed**: one feed row holds every change of one index write, as records of
 ``FEED_RECORD`` (the fingerprint, then 1 present / 0 absent; 9 bytes), so a process catching up
-with the feed reads one SQLite row per write, not one per key, and decodes them with numpy. Measured
-on this machine (2 vCPUs, 125,000 changes, CPU time): one row per change through Python's sqlite3
-102 ms, plus 20 ms to build the dict the delta was; packed rows of 1,000 changes 0.8 ms to read and
-11 ms to fold into the arrays below; packed rows of one change each (single-key puts) 43 ms.
+with the feed reads one SQLite row per write, not one per key, and decodes them with numpy
+(BENCHMARKS.md, "Design figures behind the file backend's index and read policy").
 
 **The delta is two layers of sorted numpy arrays**: the bulk of the changes as a sorted array of
 fingerprints and a parallel array of presence (9 bytes a change, no Python object per change: a
@@ -20,9 +18,7 @@ recent pair costs O(its size), where merging into the bulk is O(delta)). The rec
 merged into the bulk once it outgrows it (and ``FOLD_MIN``), so merging costs O(1) amortized
 per change, and a lookup searches at most two arrays besides the snapshot. A merge is linear:
 the new changes are sorted once (the latest change of a fingerprint winning), then inserted by
-binary search; no sort of the whole. (Measured: taking in 10,000 changes on top of 45,000
-costs 0.3 ms, a merge into a bulk of 45,000 about 1 ms; the earlier dict + ``np.unique`` over
-everything cost 2 ms, paid by the ``exists`` call that first saw another process's writes.)
+binary search; no sort of the whole.
 
 **A lookup is array work only**: the keys are hashed into one uint64 array (by the C accelerator
 of ``hicache_store.layout.keys`` when it is built: no ``encode``, no int per key), probed in
@@ -79,9 +75,9 @@ BLOCK = 256
 class Snapshot:
     """A sorted array of unique fingerprints (the mapped snapshot file) and its fences.
 
-    Why two levels: ``np.searchsorted`` over 1 M fingerprints costs 95-180 ns a probe (a
-    mispredicted branch at each of 20 levels); the fences (3,800 values at 1 M objects, in
-    cache) and 8 branch-free steps over a 2 KiB block cost 55-85 ns (measured on this machine).
+    Why two levels: ``np.searchsorted`` over 1 M fingerprints mispredicts a branch at each of
+    its 20 levels; the fences (3,800 values at 1 M objects) stay in cache and the last 8 steps
+    over a 2 KiB block are branch-free (figures in BENCHMARKS.md).
     """
 
     __slots__ = ("fences", "fps")

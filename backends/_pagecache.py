@@ -1,15 +1,15 @@
 """Whether a read should use the page cache: the file backend's read policy.
 
-The file backend reads cold bytes with O_DIRECT (faster than buffered reads on the machines we
-measured, see ``file.py``), but bytes already in the page cache are read fastest from there
+The file backend reads cold bytes with O_DIRECT (faster than buffered reads: BENCHMARKS.md
+"Backends"), but bytes already in the page cache are read fastest from there
 (a memory copy). Two pieces decide:
 
 - ``is_cached(fd, offset, length)``: the ``cachestat`` system call (Linux 6.5+) counts the
   cached pages of a range without side effects. Why not a non-blocking buffered read first
   (``preadv2`` with ``RWF_NOWAIT``): on a miss the kernel still starts readahead of the whole
-  range before it answers EAGAIN (measured here: 2,048 pages after a NOWAIT probe of a cold
-  8 MiB file), so every cold read would cost the device twice. Where ``cachestat`` is missing
-  (older kernels, other systems) the answer is "unknown" and the read goes O_DIRECT, as before.
+  range before it answers EAGAIN (BENCHMARKS.md), so every cold read would cost the device
+  twice. Where ``cachestat`` is missing
+  (older kernels, other systems) the answer is "unknown" and the read goes O_DIRECT.
 - ``SecondTouch``: O_DIRECT reads never fill the page cache, so without admission a hot object
   would never become warm. A key read cold a second time within a window is read buffered
   (filling the cache), so its later reads are warm: 2Q-style admission, which keeps one-off

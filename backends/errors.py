@@ -1,6 +1,6 @@
 """Backend errors: the part of the ``HiCacheStoreError`` hierarchy that storage raises.
 
-Contract (SPEC section 3): a *miss* is a result (``None`` / ``False``), never one of these.
+Contract: a *miss* is a result (``None`` / ``False``), never one of these.
 These are for what is broken: a bad range, a store that cannot answer, a full disk, an
 operation a backend does not offer. Every backend translates its native errors (``OSError``,
 SDK exceptions) into this hierarchy exactly once, at its edge, with ``raise ... from native``

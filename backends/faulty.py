@@ -18,8 +18,8 @@ is reproducible for a given sequence of calls):
   deadline stops: a slow device or a remote store still transferring into memory the caller
   has stopped waiting for. Under the ``Backend`` contract the public call still ends only
   after the bytes landed (its cancellation waits for them); code that bypasses the contract
-  (calling the core directly) sees them land after it gave up. That is issue 17's bug (an L3
-  slower than the tier's ``io_timeout_s``) reproduced without root or a slow disk.
+  (calling the core directly) sees them land after it gave up. That is the hazard of an L3
+  slower than the tier's ``io_timeout_s``, reproduced without root or a slow disk.
   ``inflight_jitter_s`` adds a uniform random part per read, so that against a deadline in
   between some reads make it and others are abandoned in flight.
 - ``out_of_space_rate``: a ``put`` raises ``OutOfSpaceError`` (1.0 = a full disk); reads go on.

@@ -1,4 +1,4 @@
-"""Context-parallel page ownership (seed 000, section 1.1).
+"""Context-parallel page ownership.
 
 With ``N`` shard ranks and pages of ``p`` tokens, logical token slot ``x`` lives on rank
 ``r = floor(x / p) mod N`` at local row ``l = floor(floor(x / p) / N) * p + x mod p``. The

@@ -2,7 +2,8 @@
 
 Two families:
 
-* ``UnifiedPageLayout``: one host page of a rank's shard in the ``page_unified`` order of SPEC §2.
+* ``UnifiedPageLayout``: one host page of a rank's shard in the ``page_unified`` order
+  (head group, layer, K/V, token, head in group, dim).
   The page is a sequence of *head blocks*: the intersections of the grid's head groups with the
   shard's head range, in head order. Each block is ``(layer, plane, token, head_in_block, dim)``
   row-major over the shard's layers (``plane`` is K/V for MHA; MLA has one plane and one block).

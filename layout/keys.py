@@ -89,9 +89,8 @@ def validate_storage_keys(keys: Sequence[object]) -> list[str]:
 
     Same rules and errors as the per-key check (the first offending key is reported). The
     common all-valid case costs no regex per key: with the C accelerator one pass over each
-    key's characters (~15 ns a 64-character key in cache; reading the keys from memory costs
-    more; this check was the largest share of ``exists`` on the file backend); without it, one
-    generator pass and one ``translate`` over the joined keys (~190 ns a key).
+    key's characters; without it, one generator pass and one ``translate`` over the joined
+    keys (their costs: BENCHMARKS.md, "File backend at scale").
     """
     batch = list(keys)
     if _accelerated is not None:
@@ -111,8 +110,8 @@ def validate_storage_keys(keys: Sequence[object]) -> list[str]:
 
 def xxh3_64_each(keys: Sequence[str]) -> np.ndarray:
     """The xxh3_64 of each key's UTF-8 bytes (``xxhash.xxh3_64_intdigest(key.encode())``), as a
-    uint64 array (read-only). With the C accelerator ~10 ns a 64-character key in cache, against
-    ~70 for a call per key (its ``encode`` and the int it returns cost more than the hash)."""
+    uint64 array (read-only). With the C accelerator one call for the batch: a call per key
+    would cost more in its ``encode`` and the int it returns than in the hash."""
     batch = keys if type(keys) is list else list(keys)
     if _accelerated is not None:
         packed = _accelerated.xxh3_64_each(batch)

@@ -1,4 +1,4 @@
-"""Draft-model KV beside the target's, in both organisations of seed 000 §3 (demo harness).
+"""Draft-model KV beside the target's, in both organisations (demo harness).
 
 A prefix hit lets the target skip prefill, but a speculative-decoding draft model still needs
 its own KV of that prefix, or its acceptance rate drops. Two ways to keep it with the target:

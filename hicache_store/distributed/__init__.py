@@ -6,7 +6,7 @@
   divergence (``RankDivergenceError``).
 * The tier itself (``tier.HiCache`` with a group) gives the guarantees a group needs: every
   request reaches the same agreements on every rank, backup completions are applied in the
-  order and number the first PP stage decides (seed 000 §2.1-2.2), ``flush`` ends together.
+  order and number the first PP stage decides, ``flush`` ends together.
 * ``cp``: context-parallel restore: each rank restores the pages it owns (``layout.cp``).
 
 The harness that runs ranks as processes (``demo.launch.RankPool``) and one rank of a sharded

@@ -2,7 +2,7 @@
 
 A disagreement between ranks about a cache decision (how many prefix pages hit, how many
 completed transfers to apply) shows up much later as a tensor of the wrong shape or as a
-collective that never returns (seed 000, "Debugging with rank_consensus_checker"). In this mode
+collective that never returns. In this mode
 every rank keeps a log of its decisions in logical order, and at each agreement the ranks
 exchange the entries logged since the previous one (``all_gather_object``) and compare them
 position by position. The first position where they differ is reported on every rank at once

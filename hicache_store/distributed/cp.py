@@ -1,20 +1,20 @@
 """Context parallelism: each rank restores the pages it owns, then the ranks gather the prefix.
 
-Seed 000 §1: with ``N`` CP ranks every rank keeps the same logical view of a request, but a
+With ``N`` CP ranks every rank keeps the same logical view of a request, but a
 logical page ``q`` lives only on rank ``q mod N``, at local page ``q // N`` (token slot ``x`` at
 local row ``floor(floor(x/p)/N)*p + x mod p``: ``layout.cp.slot_owner``). A restore from L3
 must keep that ownership, or the restored page sits on a rank that will not contribute it to
-the next gather (§1.3: restore local pages -> gather the prefix -> run attention).
+the next gather (restore local pages -> gather the prefix -> run attention).
 
 ``CPShardStore`` is that path for one CP rank holding every layer and head of its pages (the
 TP1/PP1 shard, so its read plan reads whole objects): ``restore`` agrees with the other ranks
 on how many pages L3 holds, reads *only the pages this rank owns* through its own ``L3Link``
 (verified objects, a failed read is a miss) into its own pool at the owner-local pages, and
 agrees on the restored prefix (the first page any rank failed to read ends it). ``gather_prefix``
-all-gathers every rank's local pages (the same number per rank: a rank with fewer pages pads,
-as the seed's padding page) and places logical slot ``x`` from its owner's local row.
+all-gathers every rank's local pages (the same number per rank: a rank with fewer pages pads
+with a padding page) and places logical slot ``x`` from its owner's local row.
 The gather here is one collective for all layers, not one per layer with double buffering as
-in the seed's GPU implementation; ownership and order are what this module is about.
+a GPU implementation would; ownership and order are what this module is about.
 """
 
 from __future__ import annotations

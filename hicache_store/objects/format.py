@@ -8,11 +8,11 @@ the payload is in place: fills the header, and may transform the payload in plac
 then check, and may transform in place, the layer blocks that were read). ``ObjectIO`` calls
 exactly these, so a format is the extension point for:
 
-* **encryption at rest** (issue 24, ``objects.sealed.SealedFormat``): keyed page hashes in
+* **encryption at rest** (``objects.sealed.SealedFormat``): keyed page hashes in
   ``storage_key``, each layer block sealed in place with the object's key and header as
   associated data in ``seal`` and opened in ``open_blocks``; nothing else on the data path
   changes.
-* **another engine's object layout** (issue 21, SGLang's bare ``page-unified-v1``): a format
+* **another engine's object layout** (SGLang's bare ``page-unified-v1``): a format
   with ``header_bytes == 0``, its own ``storage_key``, an ``open_header`` that synthesises the
   header from the key and the expected size, and no block checks.
 

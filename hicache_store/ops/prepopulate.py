@@ -1,12 +1,11 @@
 """Offline prepopulation: compute prompts' KV with a real model and store it as every rank would.
 
-Filling L3 with reusable KV before requests arrive is what seed 002 measured (LooGLE input
-throughput 51,168 -> 76,322 tokens/s). ``prepopulate`` does it for a *target* deployment: a
+Filling L3 with reusable KV before requests arrive saves their prefill. ``prepopulate`` does it for a *target* deployment: a
 namespace (model, KV dtype, page size, grid, tenant) and a writer topology (TP x PP). For each
 full page of each prompt it writes exactly the objects the topology's ranks would write
 themselves (``plan_writes`` per rank: one writer among replicas), framed by the same
 ``L3Link.write_page`` the cache tier uses, so a deployment of that namespace finds them as its
-own. Any other topology can read them (SPEC §2): the layout is topology-free.
+own. Any other topology can read them: the layout is topology-free.
 
 Procedure, per batch of ``batch_size`` prompts:
 

@@ -1,4 +1,4 @@
-"""Prefill-decode disaggregation with decode-side prefix reuse (seed 000 §5).
+"""Prefill-decode disaggregation with decode-side prefix reuse.
 
 A prefill worker computes prompts; a decode worker generates from their KV. Without decode-side
 reuse every turn of a conversation ships its whole history's KV to decode again. Here the decode

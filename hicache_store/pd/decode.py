@@ -1,6 +1,6 @@
 """The decode worker of P/D: reuse the prefix it holds, receive only the rest from prefill.
 
-``DecodeWorker.serve(prompt)`` admits one request (seed 000 §5, Figure 5):
+``DecodeWorker.serve(prompt)`` admits one request:
 
 1. **Match and reserve** (``tier.match`` + ``tier.prepare``): the decode side's cache (L1 + L2,
    and an L3 span only once its prefetch has been accepted: ``prepare`` settles the prefetch

@@ -4,7 +4,7 @@ Part of the conformance suite (``BackendTests`` inherits these tests). The contr
 (``hicache_store.backends.base``): once ``get_into`` / ``get_scatter`` returns, raises, times
 out or is cancelled, no byte lands in the caller's buffers any more. The cache tier relies on
 it to hand host memory to the next page the moment a read is abandoned; a backend that lets a
-late read land there serves another page's KV, silently (issue 17).
+late read land there serves another page's KV, silently.
 
 Each test reads an object large enough for the read to still be in flight when the caller
 gives up (``lifetime_object_bytes``; a backend whose reads are instant passes trivially),

@@ -1,7 +1,7 @@
 """Cache components: what a model caches besides full-attention KV, and the one hit rule.
 
-A hybrid model caches more than full-attention KV (SPEC §4, seed 002 "Hybrid-model state"),
-and speculative decoding adds the draft model's state (seed 000 §3). Each is a *component* of
+A hybrid model caches more than full-attention KV (sliding-window KV, recurrent state),
+and speculative decoding adds the draft model's state. Each is a *component* of
 the tier, with its own pools, its own objects (``_C{tag}`` keys) and its own hit rule:
 
 * ``FULL``: per-token state every page of which a resume needs (full-attention KV, the tier's

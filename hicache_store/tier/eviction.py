@@ -38,8 +38,8 @@ Policies (``EVICTION_POLICIES``; measured in BENCHMARKS.md, "Production traces")
     trace's blocks): they churn through T1 while the chains that conversations came back to
     stay in T2; the longer memory catches the conversations that come back after their first
     turn was evicted, while ``p`` adapts on ARC's own, shorter evidence (adapting it on the
-    longer memory, the previous design, pushes ``p`` up at small pools: 1.7 points less of
-    the conversation trace at 4k blocks, BENCHMARKS.md).
+    longer memory pushes ``p`` up at small pools and loses hits: BENCHMARKS.md, "Production
+    traces").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every rank runs its own tier over its shard; cache decisions that change what th
 computes (how many prefix pages hit, how many prefetched pages are used) must be equal on all
 ranks, or tensors disagree in shape and collectives hang. The tier therefore passes each such
 number through ``RankGroup.agree_min`` at the same logical point on every rank, and every
-request reaches the same agreements on every rank (seed 000 §2). A single-process deployment
+request reaches the same agreements on every rank. A single-process deployment
 uses ``LocalGroup``, for which agreement is the identity. ``distributed.TorchGroup`` is the
 group over ``torch.distributed`` (gloo).
 

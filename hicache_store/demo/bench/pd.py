@@ -1,7 +1,7 @@
 """``bench pd``: P/D on the mini engine, decode-side reuse off (baseline) against on.
 
-Each arm is two real processes on the multi-turn shared-prefix workload (``bench.workload``,
-the shape of seed 000 §5: groups of conversations sharing a long prefix, each round adding a
+Each arm is two real processes on the multi-turn shared-prefix workload (``bench.workload``:
+groups of conversations sharing a long prefix, each round adding a
 question and an answer): a prefill worker (``bench.pd_worker``, with its own L1 + L2 cache, the
 same in both arms) and a decode worker (``decode_main`` here) that receives the KV over the
 transport and decodes the answer. Arms:
@@ -9,12 +9,12 @@ transport and decodes the answer. Arms:
 * ``baseline``: decode-side reuse off: no decode cache, every prompt's whole KV is sent;
 * ``reuse``: the decode worker's cache with L1 ("GPU") and L2 (host) reuse.
 
-Both arms start cold (fresh processes, empty caches), as the seed restarts its servers. They
+Both arms start cold (fresh processes, empty caches). They
 run side by side, *interleaved request by request* (request ``i`` on one arm, then on the other,
 alternating which goes first), so that the load other work puts on a shared machine hits both
 arms alike and every TTFT has a partner measured moments apart. Each arm serves one request at
-a time in turn-major order (the seed ran 32 at once on eight GPUs per worker; on two CPU cores
-concurrency would only time-share the same cores).
+a time in turn-major order (on a few CPU cores, concurrency would only time-share the same
+cores).
 
 TTFT is measured at the decode worker from sending the request until the prompt's KV is ready
 there (prefill compute + transfer + landing + the local restore): when a P/D server emits the

@@ -13,8 +13,7 @@ its own token sequence, a pure function of ``(seed, id, position in block)``:
 Hence two requests share a token prefix exactly as long as their id lists share a prefix (to
 the end of the shorter request), and the page-hash chain over the tokens reproduces the trace's
 sharing at any page size that divides ``block_tokens``: a page is shared iff the blocks it lies
-in are. The mix is SplitMix64's finaliser, vectorised with numpy (about 40 ns per token on the
-2-core CI machine: seconds for a whole trace).
+in are. The mix is SplitMix64's finaliser, vectorised with numpy (seconds for a whole trace).
 """
 
 from __future__ import annotations
