@@ -26,8 +26,12 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
                      own layers). ``pp_layers``: explicit per-stage layer counts.
 ``num_kv_heads``     the model's KV heads; default local heads x TP size (right whenever TP
                      size <= KV heads).
-``io_timeout_s``     per backend call deadline (default 20 s, above every built-in backend's
-                     own bound: README "Deadlines"); a late page is a failure.
+``io_timeout_s``     the floor of every call's deadline (default 20 s, above every built-in
+                     backend's own bound: README "Deadlines").
+``min_bandwidth_mib_s`` the slowest rate a batch is given time for (default 16 MiB/s): a
+                     ``batch_set`` / ``batch_get`` moving ``n`` bytes ends within
+                     ``io_timeout_s + n / min_bandwidth`` (``objects.io.Deadline``), with
+                     the pages stored or loaded by then ``True`` and the rest ``False``.
 ``staging_mib``      staging memory per SGLang thread and direction (default 256 MiB; a read
                      window takes at most 16 pages of it).
 ``max_inflight_mib`` bytes of reads in flight per rank (default 1024 MiB).
@@ -70,7 +74,7 @@ from hicache_store.layout.namespace import Grid, ModelShape
 from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology
 from hicache_store.layout.ukv1 import ukv1_grid
-from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
+from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S, DEFAULT_MIN_BANDWIDTH_MIB_S
 
 #: keys SGLang itself reads from the same JSON (ignored here, never an error). Any other key
 #: that is not in ``ADAPTER_KEYS`` is refused: a typo must not silently change the namespace.
@@ -104,6 +108,7 @@ ADAPTER_KEYS = frozenset(
         "pp_layers",
         "num_kv_heads",
         "io_timeout_s",
+        "min_bandwidth_mib_s",
         "staging_mib",
         "max_inflight_mib",
         "allow_clear",
@@ -146,6 +151,7 @@ class AdapterConfig:
     pp_layers: tuple[int, ...] | None = None
     num_kv_heads: int | None = None
     io_timeout_s: float = DEFAULT_IO_TIMEOUT_S
+    min_bandwidth_mib_s: float = DEFAULT_MIN_BANDWIDTH_MIB_S
     staging_bytes: int = 256 << 20
     max_inflight_bytes: int = 1 << 30
     allow_clear: bool = False
@@ -229,6 +235,9 @@ class AdapterConfig:
             pp_layers=tuple(int(n) for n in pp_layers) if pp_layers else None,
             num_kv_heads=_optional_int(extra, "num_kv_heads"),
             io_timeout_s=_number(extra, "io_timeout_s", DEFAULT_IO_TIMEOUT_S),
+            min_bandwidth_mib_s=_number(
+                extra, "min_bandwidth_mib_s", DEFAULT_MIN_BANDWIDTH_MIB_S
+            ),
             staging_bytes=int(_number(extra, "staging_mib", 256) * (1 << 20)),
             max_inflight_bytes=int(_number(extra, "max_inflight_mib", 1024) * (1 << 20)),
             allow_clear=_optional_bool(extra, "allow_clear"),

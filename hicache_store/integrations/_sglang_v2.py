@@ -208,6 +208,7 @@ def _link(d: Deployment, namespace: Namespace, topology: Topology, rank: int, ta
         rank,
         max_inflight_bytes=d.config.max_inflight_bytes,
         io_timeout_s=d.config.io_timeout_s,
+        min_bandwidth_mib_s=d.config.min_bandwidth_mib_s,
         keys=d.keys if namespace.sealed else None,
         component=tag,
         read_only=read_only,

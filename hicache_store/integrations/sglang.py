@@ -40,14 +40,25 @@ a read that outlives the call's deadline cannot always be stopped in its I/O thr
 write into slots SGLang has already given to another request; staging rows are dropped instead.
 A staging row is reused for the next page only once ``read_page`` has returned, which the
 ``Backend`` buffer-lifetime contract makes the moment no read into the row is in flight (also
-after a page's ``io_timeout_s`` passed: the row stays out of use until its I/O ended). When a
-whole call overruns its deadline, this thread's staging is dropped, never reused, so a read
-still in flight lands in memory nobody uses (issue 17).
+after a page's deadline passed: the row stays out of use until its I/O ended). When I/O
+outlives a whole call, this thread's staging is dropped, never reused, so a read still in
+flight lands in memory nobody uses (issue 17).
+
 Writes cut batches into chunks of ``staging_mib`` with two buffers per thread, so the relayout
 of one chunk overlaps the puts of the previous one. Reads keep a window of up to 16 pages in
 flight (within ``staging_mib``), one staging row each; the calling thread relays each page
 out as it lands and reuses its row for the next page. The read window is made (and its pages
 faulted in) at registration, so the first prefetch does not pay for it.
+
+**Deadlines.** A ``batch_get_v1``, and each chunk of a ``batch_set_v1`` (the whole call, unless
+it holds more than ``staging_mib``), has one deadline from the bytes it moves:
+``io_timeout_s + bytes / min_bandwidth_mib_s`` (``objects.io.Deadline``, the one rule). When
+it passes, the batch ends with what it moved: a page whose objects were all stored (visible)
+by then is True, a page read and verified by then is True and in the pool; the rest are
+False, and reads not begun are never begun. Puts go out in batch order (``PUT_WINDOW``), so
+on a slow store the leading pages finish first and SGLang's next hit query finds them: a
+slow disk gives fewer backups, not none (issue 31). The calling thread waits past a
+deadline at most ``io_timeout_s + 5`` s for I/O that cannot end (a hung mount).
 
 **Threads and failures.** SGLang calls from its prefetch, I/O and backup threads at once.
 Each call runs its I/O on the one sync bridge loop (``hicache_store._sync``) and keeps its own
@@ -67,6 +78,7 @@ as cache components, see ``_sglang_v2``).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -267,6 +279,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             rank,
             max_inflight_bytes=cfg.max_inflight_bytes,
             io_timeout_s=cfg.io_timeout_s,
+            min_bandwidth_mib_s=cfg.min_bandwidth_mib_s,
             keys=self.keys,
         )
         shard = link.read_plan.shard
@@ -684,7 +697,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             if reg.fused_write:
                 results = self._set_fused(reg, plan, keys, table, pool)
             else:
-                results = self._set_via_link(reg, keys, table, pool)
+                results = self._set_via_link(reg, plan, keys, table, pool)
         except BaseException:
             self._staging.buffers.clear()  # a put may still read them (see _get_pages)
             raise
@@ -702,7 +715,8 @@ class HiCacheStoreStorage(_HiCacheStorage):
         pool: HostPool,
     ) -> list[bool]:
         """One object per page: relayout into the payloads of aligned frames, then
-        ``ObjectIO.put`` seals each header in place and stores it (under its byte budget)."""
+        ``ObjectIO.put`` seals each header in place and stores it (under its byte budget),
+        each chunk within its deadline (``Deadline`` of its bytes)."""
         (obj,) = plan.objects
         digest = reg.namespace.digest
         io = reg.link.io
@@ -711,14 +725,13 @@ class HiCacheStoreStorage(_HiCacheStorage):
         stride = header + _round_up(payload)
         per_chunk = self._chunk_pages(stride)
         results: list[bool] = []
-        inflight: list[concurrent.futures.Future[list[bool]]] = []
-        timeout = _deadline(reg)
+        # each chunk's puts, and how long they may take
+        inflight: list[tuple[concurrent.futures.Future[list[bool]], float]] = []
         try:
             for c, s in enumerate(range(0, len(keys), per_chunk)):
                 e = min(s + per_chunk, len(keys))
                 if len(inflight) >= 2:  # the buffer of chunk c-2 is free once its puts are done
-                    results.extend(inflight[0].result(timeout))
-                    inflight.pop(0)
+                    results.extend(_outcome(reg, *inflight.pop(0)))
                 view, tensor = self._staging.get("set", c % 2, per_chunk * stride)
                 staging = tensor.as_strided((e - s, payload), (stride, 1), header)
                 host_to_unified(pool, table[s:e], staging, reg.layout)
@@ -730,25 +743,31 @@ class HiCacheStoreStorage(_HiCacheStorage):
                     )
                     for i in range(e - s)
                 ]
-                inflight.append(_sync.submit(io.put(frames)))
+                seconds = io.deadline.seconds((e - s) * (header + payload))
+                inflight.append((_sync.submit(io.put(frames)), seconds))
             while inflight:
-                results.extend(inflight[0].result(timeout))
-                inflight.pop(0)
+                results.extend(_outcome(reg, *inflight.pop(0)))
         finally:
             # A put stuck in I/O cannot be stopped; its staging is dropped by the caller
             # (``_set_pages``) and SGLang's backup thread gets False instead of waiting on it.
-            for fut in inflight:
+            for fut, _ in inflight:
                 fut.cancel()
         return results
 
     def _set_via_link(
-        self, reg: _Registered, keys: Sequence[str], table: torch.Tensor, pool: HostPool
+        self,
+        reg: _Registered,
+        plan: WritePlan,
+        keys: Sequence[str],
+        table: torch.Tensor,
+        pool: HostPool,
     ) -> list[bool]:
-        """Several objects per page: relayout, then ``L3Link.write_page`` frames each object."""
-        import asyncio
-
+        """Several objects per page: relayout, then ``L3Link.write_page`` frames each object;
+        a chunk's pages share its deadline (``Deadline`` of its bytes)."""
+        link = reg.link
         row = _round_up(reg.layout.page_bytes)
         per_chunk = self._chunk_pages(row)
+        page_bytes = sum(link.io.frame_bytes(o.coords.num_layers, o.nbytes) for o in plan.objects)
         results: list[bool] = []
         for s in range(0, len(keys), per_chunk):
             e = min(s + per_chunk, len(keys))
@@ -757,17 +776,22 @@ class HiCacheStoreStorage(_HiCacheStorage):
             host_to_unified(pool, table[s:e], staging, reg.layout)
             rows = staging.numpy()
             io = IOStats()
+            seconds = link.deadline.seconds((e - s) * page_bytes)
 
-            async def go(rows: Any = rows, s: int = s, e: int = e, io: IOStats = io) -> list[bool]:
+            async def go(
+                rows: Any = rows, s: int = s, e: int = e, io: IOStats = io,
+                seconds: float = seconds,
+            ) -> list[bool]:
+                end = time.monotonic() + seconds
                 done = await asyncio.gather(
                     *(
-                        reg.link.write_page(keys[s + i], rows[i], io, _parent(keys, s + i))
+                        link.write_page(keys[s + i], rows[i], io, _parent(keys, s + i), end=end)
                         for i in range(e - s)
                     )
                 )
                 return list(done)
 
-            results.extend(self._run(go(), reg))
+            results.extend(_sync.run_sync(go(), timeout=seconds + _slack(reg)))
         return results
 
     # reads --------------------------------------------------------------------------------
@@ -786,7 +810,9 @@ class HiCacheStoreStorage(_HiCacheStorage):
         table = self._first_slots(reg, keys, host_indices, pool, writes_pool=True)
         started = time.perf_counter()
         try:
-            results = self._get_staged(reg, keys, table, pool)
+            results, stuck = self._get_staged(reg, keys, table, pool)
+            if stuck:
+                self._staging.buffers.clear()  # reads still in flight may land in them
         except BaseException:
             # A timed-out read may still land in this thread's staging buffers later (a
             # thread-pool read cannot be cancelled): never reuse them.
@@ -797,12 +823,20 @@ class HiCacheStoreStorage(_HiCacheStorage):
 
     def _get_staged(
         self, reg: _Registered, keys: Sequence[str], table: torch.Tensor, pool: HostPool
-    ) -> list[bool]:
+    ) -> tuple[list[bool], bool]:
         """Stream the pages through a window of staging rows, relaying each out as it lands.
 
         Every row holds one page read in flight; when a read completes this thread relays
         its row into the pool and at once reuses the row for the next page, so the device
         always has ``slots`` reads queued and no read waits for a slower neighbour.
+
+        The call has one deadline, from the bytes it reads (``Deadline``): a page read and
+        verified by then is relaid out and True; a read still running then is cut (it ends
+        when its I/O has, ``read_page``) and False, and no page is started after it. Only
+        this thread writes into the pool, and only before it returns, so a late read never
+        reaches SGLang's host memory. Returns (results, stuck): ``stuck`` when reads did
+        not end ``_slack`` past the deadline (I/O that cannot end): their rows must be
+        dropped.
         """
         page_bytes = reg.layout.page_bytes
         n = len(keys)
@@ -813,10 +847,12 @@ class HiCacheStoreStorage(_HiCacheStorage):
         io = IOStats()
         results = [False] * n
         in_flight: dict[concurrent.futures.Future[bool], tuple[int, int]] = {}
-        timeout = _deadline(reg)
+        plan = reg.link.read_plan
+        end = reg.link.deadline.end(n * (plan.bytes_fetched + plan.header_bytes))
+        stuck = False
 
         def launch(page: int, slot: int) -> None:
-            fut = _sync.submit(reg.link.read_page(keys[page], rows[slot], io))
+            fut = _sync.submit(_by(end, reg.link.read_page(keys[page], rows[slot], io)))
             in_flight[fut] = (page, slot)
 
         for slot in range(min(slots, n)):
@@ -824,11 +860,19 @@ class HiCacheStoreStorage(_HiCacheStorage):
         next_page = min(slots, n)
         try:
             while in_flight:
+                timeout = _wait(reg, end)
                 done, _ = concurrent.futures.wait(
                     in_flight, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED
                 )
                 if not done:
-                    raise TimeoutError(f"no page read completed in {timeout:.0f} s")
+                    stuck = True
+                    self._count("get_errors")
+                    log.warning(
+                        "hicache-store: get: %d page reads did not end %.0f s past the call's "
+                        "deadline (I/O that cannot end); %d of %d pages loaded",
+                        len(in_flight), _slack(reg), sum(results), n,
+                    )
+                    break
                 for fut in done:
                     page, slot = in_flight.pop(fut)
                     if fut.result():
@@ -836,7 +880,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
                             staging[slot : slot + 1], pool, table[page : page + 1], reg.layout
                         )
                         results[page] = True
-                    if next_page < n:
+                    if next_page < n and time.monotonic() < end:
                         launch(next_page, slot)
                         next_page += 1
         finally:
@@ -846,18 +890,52 @@ class HiCacheStoreStorage(_HiCacheStorage):
                 self._count("corrupt_objects", io.corruptions)
             if io.tampered:
                 self._count("tamper", io.tampered)
-        return results
+        return results, stuck
 
     def _account(self, op: str, results: list[bool], page_bytes: int, started: float) -> None:
         self._metrics.record(op, results, page_bytes, time.perf_counter() - started)
 
 
 def _deadline(reg: _Registered) -> float:
-    """How long an SGLang thread waits on one backend call, or on the next page of a batch,
-    before it gives up with a failure: past every per-call ``io_timeout_s`` of the I/O
-    under it (two round trips and scheduling slack), so only I/O that cannot end (a hung
-    device or mount) reaches it."""
-    return reg.link.io_timeout_s * 2 + 5
+    """How long an SGLang thread waits on one backend call that moves no page (existence,
+    sidecar state) before it gives up with a failure: past the call's ``io_timeout_s``
+    by ``_slack``, so only I/O that cannot end (a hung device or mount) reaches it."""
+    return reg.link.io_timeout_s + _slack(reg)
+
+
+def _slack(reg: _Registered) -> float:
+    """How long past a deadline an SGLang thread still waits for cut I/O to end (a cut put
+    or read ends when its I/O does): another round trip and scheduling slack. Past it only
+    I/O that cannot end is left, and the call returns without it."""
+    return reg.link.io_timeout_s + 5
+
+
+def _wait(reg: _Registered, end: float) -> float:
+    """Seconds an SGLang thread may wait now on I/O of a call whose deadline is ``end``."""
+    return max(0.0, end - time.monotonic()) + _slack(reg)
+
+
+def _outcome(
+    reg: _Registered, puts: concurrent.futures.Future[list[bool]], seconds: float
+) -> list[bool]:
+    """A chunk's put results, waited for at most its deadline (``seconds``) plus ``_slack``
+    (``TimeoutError`` past it: I/O that cannot end)."""
+    return puts.result(seconds + _slack(reg))
+
+
+async def _by(end: float, read: Coroutine[Any, Any, bool]) -> bool:
+    """``read``'s result, or False when it has not ended by ``end`` (``time.monotonic()``).
+
+    A cut read is cancelled and ends when its I/O has (``L3Link.read_page``), so its row is
+    free again when this returns; one not begun by ``end`` never starts."""
+    if time.monotonic() >= end:
+        read.close()
+        return False
+    try:
+        async with asyncio.timeout_at(end):
+            return await read
+    except TimeoutError:
+        return False
 
 
 def _bind(fn: Callable[..., T], *args: Any) -> Callable[[_Registered], T]:

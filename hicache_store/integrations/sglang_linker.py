@@ -170,6 +170,7 @@ class HiCacheStoreLinker(_Linker):
         link = L3Link(
             self.backend, namespace, topology, topology.rank_of(tp_rank, pp_rank),
             max_inflight_bytes=cfg.max_inflight_bytes, io_timeout_s=cfg.io_timeout_s,
+            min_bandwidth_mib_s=cfg.min_bandwidth_mib_s,
         )
         if link.read_plan.page.num_layers != local_layers:
             raise ValueError(

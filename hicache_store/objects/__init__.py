@@ -4,8 +4,8 @@
   ``FRAMED``, this library's format (``layout.framing``), ``PAGE_UNIFIED``, SGLang's bare
   ``page-unified-v1`` objects, and ``format_for`` (which one a namespace uses).
 * ``io``: ``ObjectIO``, framed writes in place in the caller's staging and verified reads
-  (whole frame, layer range), under byte budgets and a timeout; ``Frame``, ``IOStats``,
-  ``ByteBudget``.
+  (whole frame, layer range), under byte budgets and a ``Deadline`` (a floor plus a minimum
+  bandwidth); ``Frame``, ``IOStats``, ``ByteBudget``.
 * ``pages``: ``L3Link``, a rank's host pages to and from the objects its plans name.
 * ``arena``: ``Arena``, reused page-aligned staging slots.
 * ``sealed``: ``SealedFormat``, the format of a sealed namespace (keyed names, AES-GCM blocks).
@@ -18,15 +18,25 @@ from __future__ import annotations
 
 from .arena import Arena
 from .format import FRAMED, PAGE_UNIFIED, FramedFormat, ObjectFormat, PageUnifiedFormat, format_for
-from .io import DEFAULT_IO_TIMEOUT_S, ByteBudget, Frame, IOStats, ObjectIO
+from .io import (
+    DEFAULT_IO_TIMEOUT_S,
+    DEFAULT_MIN_BANDWIDTH_MIB_S,
+    ByteBudget,
+    Deadline,
+    Frame,
+    IOStats,
+    ObjectIO,
+)
 from .pages import L3Link
 from .sealed import SealedFormat
 
 __all__ = [
     "DEFAULT_IO_TIMEOUT_S",
+    "DEFAULT_MIN_BANDWIDTH_MIB_S",
     "FRAMED",
     "Arena",
     "ByteBudget",
+    "Deadline",
     "Frame",
     "FramedFormat",
     "IOStats",

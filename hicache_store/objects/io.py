@@ -17,8 +17,15 @@ What it guarantees, once:
 * **Off the loop.** Sealing and verifying (checksums, or AES-GCM in a sealed namespace) of a
   large payload run on worker threads (``objects.offload``), overlapping other objects' I/O.
 * **Bounded.** Bytes in flight per direction are limited by a ``ByteBudget`` (a write of one
-  frame larger than the limit waits for all of it); every backend call ends within
-  ``io_timeout_s`` (``TimeoutError``).
+  frame larger than the limit waits for all of it). Time is bounded by one rule,
+  ``Deadline``: a call or batch that moves ``n`` bytes may take ``io_timeout_s + n /
+  min_bandwidth`` (``TimeoutError`` past it), so a large batch on a slow device is not
+  failed by a deadline sized for one object.
+* **Partial batches.** ``put`` issues a batch's frames in order, at most ``PUT_WINDOW`` at a
+  time, and when the batch's deadline passes it stops: the frames stored by then are
+  ``True``, the rest ``False``. A slow store keeps the leading pages of a backup (an engine
+  resumes from the longest stored prefix) instead of every page running late together and
+  none of them being kept.
 
 Outcomes: a write reports ``True``/``False`` per frame (failures are logged, never raised: a
 failed backup is a lost copy, not an error of the engine's path). A read returns the header on
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -67,6 +75,49 @@ T = TypeVar("T")
 #: Mooncake call, fsspec call; README "Deadlines"), so such a server shows up as the backend's
 #: own retryable error; this deadline catches backends without one of their own.
 DEFAULT_IO_TIMEOUT_S = 20.0
+
+#: the slowest transfer rate (MiB/s) a batch is given time for, beyond ``io_timeout_s``
+#: (``Deadline``): below it a batch ends with what it stored. A shared or throttled disk
+#: does 60 MiB/s and more; 16 leaves room for one loaded by other tenants.
+DEFAULT_MIN_BANDWIDTH_MIB_S = 16.0
+
+#: frames of one ``put`` in flight at once, issued in order: page k of a batch never waits
+#: behind the I/O of pages after it (a backend with a FIFO thread pool, the file backend's 16
+#: threads, would otherwise run every page's first step before any page's write, and on a
+#: slow disk all pages would finish late together).
+PUT_WINDOW = 32
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """How long a transfer may take: ``floor_s + nbytes / min_bandwidth`` (``seconds``).
+
+    The one rule for every call and batch of the object path (``ObjectIO``'s backend calls
+    and ``put`` batches, the SGLang adapter's ``batch_set`` / ``batch_get``): a floor for the
+    round trips and a minimum bandwidth for the bytes, so a deadline sized for one object
+    does not fail a batch of a hundred on a slow device, and a batch still ends in bounded
+    time on a hung one. ``min_bandwidth_mib_s`` is in MiB/s.
+    """
+
+    floor_s: float = DEFAULT_IO_TIMEOUT_S
+    min_bandwidth_mib_s: float = DEFAULT_MIN_BANDWIDTH_MIB_S
+
+    def __post_init__(self) -> None:
+        if not self.floor_s > 0:
+            raise ValueError(f"io_timeout_s {self.floor_s} must be positive")
+        if not self.min_bandwidth_mib_s > 0:
+            raise ValueError(f"min_bandwidth_mib_s {self.min_bandwidth_mib_s} must be positive")
+
+    def seconds(self, nbytes: int) -> float:
+        """Seconds a transfer of ``nbytes`` bytes may take."""
+        if nbytes < 0:
+            raise ValueError(f"a transfer of {nbytes} bytes")
+        return self.floor_s + nbytes / (self.min_bandwidth_mib_s * (1 << 20))
+
+    def end(self, nbytes: int) -> float:
+        """The ``time.monotonic()`` by which a transfer of ``nbytes`` starting now must end
+        (the event loop's clock: ``loop.time()`` is ``time.monotonic()``)."""
+        return time.monotonic() + self.seconds(nbytes)
 
 
 class ByteBudget:
@@ -155,9 +206,10 @@ class ObjectIO:
         fmt: ObjectFormat | None = None,
         max_inflight_bytes: int = 256 << 20,
         io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
+        min_bandwidth_mib_s: float = DEFAULT_MIN_BANDWIDTH_MIB_S,
     ) -> None:
-        if io_timeout_s <= 0:
-            raise ValueError(f"io_timeout_s {io_timeout_s} must be positive")
+        #: how long each call and batch may take (``io_timeout_s`` is its floor)
+        self.deadline = Deadline(io_timeout_s, min_bandwidth_mib_s)
         #: the namespace's own format (``format_for``) unless one is given
         self.format = fmt or (FRAMED if namespace is None else format_for(namespace))
         if namespace is not None and namespace.sealed != self.format.sealed:
@@ -191,14 +243,18 @@ class ObjectIO:
 
     # -- writes -----------------------------------------------------------------------------
 
-    async def put(self, frames: Sequence[Frame]) -> list[bool]:
+    async def put(self, frames: Sequence[Frame], *, end: float | None = None) -> list[bool]:
         """Seal each frame in place and store it; ``True`` per object stored.
 
-        Each frame's bytes count against the write budget while it is sealed and stored (so
-        a batch never has more than the budget in flight); each put ends within
-        ``io_timeout_s``. A frame whose buffer cannot hold a payload raises ``ValueError`` (a
-        caller bug) before anything is sealed or stored. Returns once every frame's work has
-        ended (nothing reads the buffers afterwards).
+        The batch ends by ``end`` (a ``time.monotonic()`` value; default: ``deadline.end`` of
+        the frames' bytes, from now). Frames are issued in order, ``PUT_WINDOW`` at a time;
+        each one's bytes count against the write budget while it is sealed and stored (so a
+        batch never has more than the budget in flight). Waiting for the window, the budget
+        and the backend all end at ``end``: a frame not stored by then is ``False`` (never
+        ``True`` for an object that is not stored and visible; one cut in flight may still
+        become visible, reported ``False``). A frame whose buffer cannot hold a payload
+        raises ``ValueError`` (a caller bug) before anything is sealed or stored. Returns
+        once every frame's work has ended (nothing reads the buffers afterwards).
         """
         namespace = self.namespace
         if namespace is None:
@@ -206,25 +262,61 @@ class ObjectIO:
         for frame in frames:
             if len(frame.buffer) <= self.header_bytes(frame.key.coords.num_layers):
                 raise ValueError(f"{frame.key}: a frame of {len(frame.buffer)} bytes has no payload")
+        if end is None:
+            end = self.deadline.end(sum(len(f.buffer) for f in frames))
         planes = namespace.kv_planes
-        return await gather_settled(*(self._put_one(f, planes) for f in frames))
+        window = asyncio.Semaphore(PUT_WINDOW)  # FIFO: frames acquire it in batch order
+        late: list[str] = []
+        done = await gather_settled(*(self._put_one(f, planes, end, window, late) for f in frames))
+        if late:
+            log.warning(
+                "put: %d of %d objects not stored by the batch's deadline (io_timeout_s %.1f "
+                "+ bytes at %.0f MiB/s; the first: %s)",
+                len(late), len(frames), self.deadline.floor_s,
+                self.deadline.min_bandwidth_mib_s, late[0][:24],
+            )
+        return done
 
-    async def _put_one(self, frame: Frame, kv_planes: int) -> bool:
+    async def _put_one(
+        self, frame: Frame, kv_planes: int, end: float, window: asyncio.Semaphore,
+        late: list[str],
+    ) -> bool:
         key = self.storage_key(frame.key)
-        taken = await self.write_budget.acquire(len(frame.buffer))
         try:
-            # Sealed under the budget, on a worker for a large frame: frame k's store overlaps
-            # the sealing of frame k+1 (``objects.offload``). A failure to seal is no lost
-            # copy but a bug or a missing dependency: raised.
-            await off_loop(len(frame.buffer), lambda: self.format.seal(
-                frame.key, frame.buffer, kv_planes=kv_planes, parent_hash=frame.parent_hash))
+            async with asyncio.timeout_at(end):
+                await window.acquire()
+        except TimeoutError:
+            late.append(key)
+            return False
+        try:
             try:
-                await asyncio.wait_for(self.backend.put([key], [frame.buffer]), self.io_timeout_s)
-            except Exception as exc:
-                log.warning("put of %s failed: %r", key[:24], exc)
+                async with asyncio.timeout_at(end):
+                    taken = await self.write_budget.acquire(len(frame.buffer))
+            except TimeoutError:
+                late.append(key)
                 return False
+            try:
+                # Sealed under the budget, on a worker for a large frame: frame k's store
+                # overlaps the sealing of frame k+1 (``objects.offload``). A failure to seal
+                # is no lost copy but a bug or a missing dependency: raised.
+                await off_loop(len(frame.buffer), lambda: self.format.seal(
+                    frame.key, frame.buffer, kv_planes=kv_planes, parent_hash=frame.parent_hash))
+                timer = asyncio.timeout_at(end)
+                try:
+                    # A put cut here ends when its I/O has (the backend contract): after it
+                    # the frame's buffer is never read again.
+                    async with timer:
+                        await self.backend.put([key], [frame.buffer])
+                except Exception as exc:
+                    if timer.expired():
+                        late.append(key)
+                    else:
+                        log.warning("put of %s failed: %r", key[:24], exc)
+                    return False
+            finally:
+                await self.write_budget.release(taken)
         finally:
-            await self.write_budget.release(taken)
+            window.release()
         return True
 
     # -- reads ------------------------------------------------------------------------------
@@ -243,7 +335,7 @@ class ObjectIO:
         taken = await self.read_budget.acquire(len(frame))
         try:
             # The whole object, no range: the backend refuses one larger than the frame.
-            got = await self._bounded(self.backend.get_into([storage_key], [frame]))
+            got = await self._bounded(self.backend.get_into([storage_key], [frame]), len(frame))
         except InvalidRangeError as exc:
             raise CorruptObjectError(f"{storage_key}: stored larger than its frame: {exc}") from exc
         finally:
@@ -329,7 +421,8 @@ class ObjectIO:
         of it, and a stored size other than ``length`` is corrupt."""
         try:
             n = await self._bounded(
-                self.backend.get_scatter(storage_key, buffers, None if whole else ByteRange(0, length))
+                self.backend.get_scatter(storage_key, buffers, None if whole else ByteRange(0, length)),
+                length,
             )
         except InvalidRangeError as exc:
             if whole:  # the object does not fit the frame
@@ -344,13 +437,17 @@ class ObjectIO:
         self, storage_key: str, buffers: list[memoryview], ranges: list[ByteRange]
     ) -> bool:
         try:
-            got = await self._bounded(self.backend.get_into([storage_key] * len(buffers), buffers, ranges))
+            got = await self._bounded(
+                self.backend.get_into([storage_key] * len(buffers), buffers, ranges),
+                sum(r.end - r.start for r in ranges),
+            )
         except InvalidRangeError as exc:
             raise TruncatedObjectError(f"{storage_key}: {exc}") from exc
         return all(n is not None for n in got)
 
-    async def _bounded(self, call: Awaitable[T]) -> T:
-        return await asyncio.wait_for(call, self.io_timeout_s)
+    async def _bounded(self, call: Awaitable[T], nbytes: int = 0) -> T:
+        """``call``, which moves ``nbytes``, within ``deadline.seconds(nbytes)``."""
+        return await asyncio.wait_for(call, self.deadline.seconds(nbytes))
 
     # -- tools ------------------------------------------------------------------------------
 

@@ -50,7 +50,7 @@ from hicache_store.tenant import KeyRing
 
 from .arena import Arena
 from .format import ObjectFormat
-from .io import Frame, IOStats, ObjectIO
+from .io import DEFAULT_MIN_BANDWIDTH_MIB_S, Deadline, Frame, IOStats, ObjectIO
 from .sealed import SealedFormat
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class L3Link:
         *,
         max_inflight_bytes: int,
         io_timeout_s: float,
+        min_bandwidth_mib_s: float = DEFAULT_MIN_BANDWIDTH_MIB_S,
         fmt: ObjectFormat | None = None,
         keys: KeyRing | None = None,
         component: int = 0,
@@ -101,6 +102,7 @@ class L3Link:
                 fmt=f,
                 max_inflight_bytes=max_inflight_bytes,
                 io_timeout_s=io_timeout_s,
+                min_bandwidth_mib_s=min_bandwidth_mib_s,
             )
             for f in formats
         ]
@@ -129,6 +131,11 @@ class L3Link:
     @property
     def io_timeout_s(self) -> float:
         return self.io.io_timeout_s
+
+    @property
+    def deadline(self) -> Deadline:
+        """How long a transfer of this link may take (``ObjectIO.deadline``)."""
+        return self.io.deadline
 
     @property
     def can_write(self) -> bool:
@@ -200,12 +207,20 @@ class L3Link:
     # -- writes -----------------------------------------------------------------------------
 
     async def write_page(
-        self, page_hash: str, row: Row, io: IOStats, parent_hash: str | None = None
+        self,
+        page_hash: str,
+        row: Row,
+        io: IOStats,
+        parent_hash: str | None = None,
+        *,
+        end: float | None = None,
     ) -> bool:
         """Frame and store this rank's objects of one page; True when all are stored.
 
         ``parent_hash`` (the chain's previous page, when known) goes into every object's header
-        so that offline tools can rebuild the chains (``hicache-store gc``).
+        so that offline tools can rebuild the chains (``hicache-store gc``). ``end``: the
+        ``time.monotonic()`` by which the page's puts must end (a batch's deadline, see
+        ``ObjectIO.put``); default, the page's own.
         """
         plan = self.write_plan
         if plan is None or not plan.objects:
@@ -225,7 +240,7 @@ class L3Link:
                 ]
                 key = ObjectKey(page_hash, digest, obj.coords)
                 frames.append(Frame(key, frame, parent_hash))
-            done = await self.io.put(frames)
+            done = await self.io.put(frames, end=end)
         finally:
             for arena, slot in taken:
                 arena.give(slot)  # every put has ended: the backend keeps no reference
