@@ -3,10 +3,10 @@
 URLs name the filesystem after the ``+``: ``fsspec+memory://scratch/kv``,
 ``fsspec+file:///var/cache/kv``, ``fsspec+s3://bucket/kv``, ``fsspec+gcs://bucket/kv``
 (``fsspec://path?protocol=gcs`` works too). The location is the root directory; each object is
-the file ``<root>/<key>``. Options: ``max_concurrency`` (threads, default 8),
-``atomic_write`` (auto | direct | rename), ``request_timeout`` (seconds one filesystem call
-may take from the caller's side, default 15), ``storage_options`` (a dict handed to
-``fsspec.filesystem``); every other option is handed to the filesystem as a keyword
+the file ``<root>/<key>``. Options: ``max_concurrency`` (threads, so requests in flight;
+default 16, as for s3), ``atomic_write`` (auto | direct | rename), ``request_timeout``
+(seconds one filesystem call may take from the caller's side, default 15),
+``storage_options`` (a dict handed to ``fsspec.filesystem``); every other option is handed to the filesystem as a keyword
 (``endpoint_url``, ``key``, ``secret``, ``anon``, ... for s3fs; URL values arrive as strings).
 
 **Deadlines and buffer lifetime.** Every filesystem call runs on the pool and is awaited at
@@ -16,12 +16,15 @@ for the caller's buffers by construction: reads return new ``bytes`` that the ca
 the caller's buffer on the event loop (never once it has ended), and writes hand the
 filesystem a copy made during the call.
 
-**Calls.** Reads use ``cat_ranges`` (one call for all the ranges of a batch: async filesystems
-such as s3fs, gcsfs and adlfs issue them concurrently) and ``cat_file``; writes use
-``pipe_file``. Each batch call runs on a bounded thread pool, so the event loop never blocks
-(fsspec's async filesystems run their own loop in their own thread; calling their sync API
-from a pool thread is what they support). Reads are not zero-copy: fsspec returns ``bytes``
-that are copied into the caller's buffer.
+**Calls.** Every request of a batch is its own job on a thread pool of ``max_concurrency``
+threads, as in the s3 backend: whole reads and ranged reads are ``cat_file`` (with
+``start``/``end``), writes ``pipe_file``, ``exists``/``stat`` are ``info``, so a batch has
+``max_concurrency`` requests in flight on sync and async filesystems alike, and each request,
+not the batch, gets ``request_timeout``. The event loop never blocks (fsspec's async
+filesystems, such as s3fs, gcsfs and adlfs, run their own loop in their own thread; calling
+their sync API from pool threads is what they support, and their connection pool is shared by
+the threads). Reads are not zero-copy: fsspec returns ``bytes`` that are copied into the
+caller's buffer.
 
 **Ranges** are never clamped: fsspec returns short data for a range past the end, so a short
 answer is an ``InvalidRangeError``.
@@ -95,7 +98,7 @@ class FsspecBackend(Backend):
         protocol: str,
         root: str,
         *,
-        max_concurrency: int = 8,
+        max_concurrency: int = 16,
         atomic_write: str = "auto",
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
@@ -206,35 +209,26 @@ class FsspecBackend(Backend):
 
     # -- reads --------------------------------------------------------------------------------
 
-    def _cat_whole(self, keys: Sequence[str]) -> list[bytes | None]:
-        out: list[bytes | None] = []
-        for key in keys:
+    def _cat(self, key: str, rng: ByteRange | None) -> bytes | None:
+        path = self._path(key)
+        # ``start=0`` for a whole object: one GET on object stores (without a range, s3fs
+        # first asks for the size, to split objects over its 50 MiB block size).
+        start, end = (0, None) if rng is None else (rng.start, rng.end)
+        try:
             try:
-                out.append(bytes(self.fs.cat_file(self._path(key))))
-            except FileNotFoundError:
-                out.append(None)
-        return out
-
-    def _cat_ranges(self, keys: Sequence[str], ranges: Sequence[ByteRange]) -> list[bytes | None]:
-        answers = self.fs.cat_ranges(
-            [self._path(k) for k in keys], [r.start for r in ranges], [r.end for r in ranges],
-            on_error="return",
-        )
-        out: list[bytes | None] = []
-        for key, rng, answer in zip(keys, ranges, answers, strict=True):
-            if isinstance(answer, FileNotFoundError):
-                out.append(None)
-            elif isinstance(answer, OSError) and answer.errno == errno.EINVAL:
+                return bytes(self.fs.cat_file(path, start=start, end=end))
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                if rng is None:  # an empty object has no byte 0 (HTTP 416): no range
+                    return bytes(self.fs.cat_file(path))
                 # s3fs and friends answer HTTP 416 with EINVAL: a range past the end.
                 raise InvalidRangeError(
                     f"range [{rng.start}, {rng.end}) is not satisfiable",
                     backend=self.name, operation="get_into", key=key,
-                ) from answer
-            elif isinstance(answer, BaseException):
-                raise answer
-            else:
-                out.append(bytes(answer))
-        return out
+                ) from exc
+        except FileNotFoundError:
+            return None
 
     async def _get_into(
         self,
@@ -242,24 +236,16 @@ class FsspecBackend(Backend):
         buffers: Sequence[memoryview],
         ranges: Sequence[ByteRange | None],
     ) -> list[int | None]:
-        # docstring inherited
-        whole = [i for i, r in enumerate(ranges) if r is None]
-        ranged = [i for i, r in enumerate(ranges) if r is not None]
-        jobs = []
-        if whole:
-            jobs.append(self._run("get_into", None, self._cat_whole, [keys[i] for i in whole]))
-        if ranged:
-            jobs.append(self._run(
-                "get_into", None, self._cat_ranges,
-                [keys[i] for i in ranged], [ranges[i] for i in ranged],
-            ))
-        answers = await asyncio.gather(*jobs)
-        datas: dict[int, bytes | None] = {}
-        for indices, answer in zip([g for g in (whole, ranged) if g], answers, strict=True):
-            datas.update(zip(indices, answer, strict=True))
+        # docstring inherited. One pool job per key, as the s3 backend does: the batch runs
+        # ``max_concurrency`` requests at a time whatever the filesystem (a single batch call
+        # such as ``cat_ranges`` is serial on sync filesystems, and one job for a whole batch
+        # would also hold the whole batch to one ``request_timeout``).
+        datas = await asyncio.gather(*(
+            self._run("get_into", key, self._cat, key, rng)
+            for key, rng in zip(keys, ranges, strict=True)
+        ))
         results: list[int | None] = []
-        for i, (key, buf, rng) in enumerate(zip(keys, buffers, ranges, strict=True)):
-            data = datas[i]
+        for key, buf, rng, data in zip(keys, buffers, ranges, datas, strict=True):
             if data is None:
                 results.append(None)
                 continue

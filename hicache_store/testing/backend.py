@@ -14,10 +14,13 @@ Subclass it in a test module (the subclass's name must start with ``Test``) and 
   return one, and its objects must be there; others may return None.
 
 Tests switch on the backend's ``capabilities`` (``mtime`` included: declared, ``stat`` must
-report when each object was written). Every backend call a test makes is bounded by
-``call_timeout_s`` (a class attribute): a call that does not return in time fails the test
-instead of hanging the suite (a call blocked inside a thread keeps its thread, but the test
-still fails). Example::
+report when each object was written). Every backend call a test makes is bounded, so that a
+hang fails the test instead of hanging the suite (a call blocked inside a thread keeps its
+thread, but the test still fails). The bound detects hangs; it is not a speed limit: a call
+may take ``call_timeout_s`` plus ``key_timeout_s`` for each key it carries (class
+attributes, 60 s and 1 s by default), so a batch of 200 keys has 260 s, and a backend that
+answers correctly while a busy machine makes each request slow still passes, while one that
+never answers fails in that time. Listings are bounded per key yielded. Example::
 
     class TestMyBackend(BackendTests):
         @pytest_asyncio.fixture
@@ -88,26 +91,49 @@ LARGE_OBJECT_BYTES = 16 << 20
 #: a whole prefetch span per exists call). 200 keeps the test at a few seconds on a loopback
 #: S3 server, where every key is a request.
 LARGE_BATCH = 200
-#: the public methods ``call_timeout_s`` bounds (the helpers go through them).
+#: the public methods ``bound_calls`` bounds (the other helpers go through them).
 BOUNDED_CALLS: tuple[str, ...] = (
     "exists", "get_into", "get_scatter", "put", "delete", "stat", "put_if_absent", "close",
+    "exists_prefix_length",
 )
 
 
-def bound_calls(backend: Backend, limit_s: float) -> Backend:
-    """Make every call of ``backend`` (this instance only) fail after ``limit_s`` seconds.
+def call_keys(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """How many keys a backend call carries: the length of its batch of keys (its first
+    argument), 1 for a call on one key (``get_scatter``, ``put_if_absent``), 0 for none."""
+    batch = kwargs.get("keys", kwargs.get("key", args[0] if args else None))
+    if batch is None:
+        return 0
+    if isinstance(batch, (str, bytes)):
+        return 1
+    try:
+        return len(batch)
+    except TypeError:
+        return 1  # an invalid key: the call must refuse it, one key's worth of time
 
-    Instance attributes shadow the class's methods, so the object keeps its type (oracles may
-    check ``isinstance``) and its state; listings are bounded per key.
+
+def bound_calls(backend: Backend, limit_s: float, key_limit_s: float = 0.0) -> Backend:
+    """Make every call of ``backend`` (this instance only) fail after ``limit_s`` seconds plus
+    ``key_limit_s`` for each key the call carries (see ``call_keys``).
+
+    A hang detector, not a speed limit: the time a correct backend needs grows with the
+    batch, and a loaded machine makes every request slower, so the bound grows with the
+    batch too; a call that never returns still fails, after a time fixed by its size. The
+    failure names the call, the bound and how it was made up. Instance attributes shadow the
+    class's methods, so the object keeps its type (oracles may check ``isinstance``) and its
+    state; listings are bounded per key (``limit_s`` for each key yielded).
     """
     def limited(name: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
         @functools.wraps(call)
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            keys = call_keys(args, kwargs)
+            bound = limit_s + key_limit_s * keys
             try:
-                return await asyncio.wait_for(call(*args, **kwargs), limit_s)
+                return await asyncio.wait_for(call(*args, **kwargs), bound)
             except TimeoutError:
                 raise AssertionError(
-                    f"{type(backend).__name__}.{name} did not return within {limit_s} s: a "
+                    f"{type(backend).__name__}.{name} did not return within {bound:g} s "
+                    f"({limit_s:g} s + {key_limit_s:g} s for each of its {keys} keys): a "
                     "backend call must finish (or fail) in bounded time, never hang"
                 ) from None
 
@@ -155,14 +181,19 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
     #: Hypothesis budget for the model-based test (keep CI fast).
     stateful_max_examples = 15
     stateful_step_count = 12
-    #: seconds any one backend call may take before the test fails (see ``bound_calls``):
-    #: generous, since the 16 MiB object goes through slow servers on 2-core CI machines.
+    #: seconds any one backend call may take before the test fails, plus ``key_timeout_s``
+    #: for each key it carries (see ``bound_calls``): generous, since the 16 MiB object goes
+    #: through slow servers on 2-core CI machines, and large batches of small requests
+    #: through servers that share those cores with the tests.
     call_timeout_s: float = 60.0
+    key_timeout_s: float = 1.0
 
     @pytest.fixture(autouse=True)
     def _bounded_backend_calls(self, request: pytest.FixtureRequest) -> None:
         if "backend" in request.fixturenames:
-            bound_calls(request.getfixturevalue("backend"), self.call_timeout_s)
+            bound_calls(
+                request.getfixturevalue("backend"), self.call_timeout_s, self.key_timeout_s
+            )
 
     @abc.abstractmethod
     async def oracle_get(self, backend: Backend, key: str) -> bytes | None:
@@ -179,7 +210,9 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
 
     async def _reopened(self, backend: Backend) -> Backend | None:
         again = await self.reopen(backend)
-        return None if again is None else bound_calls(again, self.call_timeout_s)
+        if again is None:
+            return None
+        return bound_calls(again, self.call_timeout_s, self.key_timeout_s)
 
     # -- declarations -------------------------------------------------------------------------
 

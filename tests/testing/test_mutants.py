@@ -32,6 +32,7 @@ from sqlite_mutants import MUTANTS, SqliteBackend
 class _Sqlite(BackendTests):
     cls = SqliteBackend
     call_timeout_s = 3.0  # the hanging mutant must fail fast
+    key_timeout_s = 0.01
     stateful_max_examples = 5
 
     @pytest_asyncio.fixture
