@@ -29,9 +29,10 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
 ``io_timeout_s``     the floor of every call's deadline (default 20 s, above every built-in
                      backend's own bound: README "Deadlines").
 ``min_bandwidth_mib_s`` the slowest rate a batch is given time for (default 16 MiB/s): a
-                     ``batch_set`` / ``batch_get`` moving ``n`` bytes ends within
-                     ``io_timeout_s + n / min_bandwidth`` (``objects.io.Deadline``), with
-                     the pages stored or loaded by then ``True`` and the rest ``False``.
+                     ``batch_get_v1``, or a ``batch_set_v1`` (per ``staging_mib`` chunk),
+                     moving ``n`` bytes ends within ``io_timeout_s + n / min_bandwidth``
+                     (``objects.io.Deadline``), with the pages stored or loaded by then
+                     ``True`` and the rest ``False``.
 ``staging_mib``      staging memory per SGLang thread and direction (default 256 MiB; a read
                      window takes at most 16 pages of it).
 ``max_inflight_mib`` bytes of reads in flight per rank (default 1024 MiB).
