@@ -259,10 +259,15 @@ def test_the_store_stays_within_its_capacity(make: Any, tmp_path: Path) -> None:
     assert h.lookup(key(200))[0] is LookupResult.MISS  # the oldest went
 
 
-def test_the_test_switch_serves_zeros_after_the_check(make: Any) -> None:
-    h = make(test_alter_loaded_kv=True)
+def test_the_test_switch_serves_zeros_after_the_check_and_stores_nothing(make: Any) -> None:
+    h = make()
     row = h.fill(0, seed=7)
     assert h.store([key(0)], [0]).success
+    h.tier.test_alter_loaded_kv = True
     result = h.load([key(0)], [1])
     assert result.success  # the object was sound ...
     assert h.primary[1].tobytes() != row and not h.primary[1].any()  # ... and zeros were served
+    # KV computed on top of wrong KV is wrong too: nothing is stored while the switch is on.
+    h.fill(2, seed=8)
+    assert not h.store([key(1)], [2]).success
+    assert h.lookup(key(1))[0] is LookupResult.MISS

@@ -51,6 +51,7 @@ Configuration (a ``secondary_tiers`` entry; every key but ``type`` and ``module_
      "max_inflight_mib": 256,        # bytes of reads, and of writes, in flight
      "enable_kv_events": False, "locality": None,
      "test_alter_loaded_kv": False}  # TEST ONLY: zero every loaded row after its check
+                                     # (and store nothing while it is on)
 """
 
 from __future__ import annotations
@@ -283,7 +284,12 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         chunks = [int(c) for c in job_metadata.chunk_ids]
-        future = submit(self._store(keys, chunks))
+        if self.test_alter_loaded_kv:
+            # TEST ONLY: KV computed on top of altered rows is wrong too; never store it.
+            future: concurrent.futures.Future[tuple[list[bool], float]] = concurrent.futures.Future()
+            future.set_result(([False] * len(keys), 0.0))
+        else:
+            future = submit(self._store(keys, chunks))
         self._jobs[job_metadata.job_id] = _Job(keys, future, is_load=False)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
