@@ -10,8 +10,9 @@ Two families:
   For a full page this is exactly ``(head_group, layer, K/V, token, head_in_group, dim)``, and
   for any shard the bytes of one stored object are one contiguous slice of the host page.
 * ``PoolLayout``: SGLang's host pools (``layer_first``, ``page_first``, ``page_first_direct``,
-  ``page_head``; MHA and MLA), whole-pool tensors with K and V split on the outermost axis; and
-  vLLM's CPU paged KV cache (``vllm_cpu``, MHA), K and V inside each (block, head).
+  ``page_head``; MHA and MLA), whole-pool tensors with K and V split on the outermost axis.
+* ``VllmCpuLayout``: vLLM 0.32's CPU paged KV cache (MHA), K and V inside each (block, head),
+  K stored dim-major.
 
 Both give shapes and row-major strides in *elements*; the kernels and the SGLang adapter take
 every index from here. Nothing here allocates or copies.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Final, Literal
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -30,15 +31,8 @@ from .keys import ObjectCoords
 from .namespace import Namespace
 from .topology import Shard
 
-PoolLayoutName = Literal[
-    "layer_first", "page_first", "page_first_direct", "page_head", "vllm_cpu"
-]
-#: SGLang's host-pool layouts (its ``--hicache-mem-layout`` values).
+PoolLayoutName = Literal["layer_first", "page_first", "page_first_direct", "page_head"]
 POOL_LAYOUTS: tuple[str, ...] = ("layer_first", "page_first", "page_first_direct", "page_head")
-#: vLLM 0.32's CPU attention KV cache (``CPUAttentionBackend``, layout ``LBHNC``): see
-#: ``PoolLayout``. Not an SGLang layout.
-VLLM_CPU_LAYOUT: Final = "vllm_cpu"
-ALL_POOL_LAYOUTS: tuple[str, ...] = (*POOL_LAYOUTS, VLLM_CPU_LAYOUT)
 IntArray = npt.NDArray[np.int64]
 
 
@@ -217,16 +211,6 @@ class PoolLayout:
     MLA drops the K/V axis and has one head: ``layer_first (L, slots, 1, D)``,
     ``page_first (slots, L, 1, D)``, ``page_first_direct (pages, L, page_size, 1, D)``;
     ``page_head`` does not exist for MLA.
-
-    ``vllm_cpu`` is vLLM 0.32's CPU KV cache, MHA only, pages = vLLM blocks::
-
-        vllm_cpu           (L, pages, H, 2, page_size, D)
-
-    vLLM registers it per layer as ``[num_blocks, H, block_size, 2 * D]`` (layout ``LBHNC``,
-    all layers one allocation, layer-major) and its attention views each layer as
-    ``[num_blocks, H, 2 * block_size, D]`` split in two on the token axis
-    (``vllm/v1/attention/backends/cpu_attn.py``): within a (block, head), the block's K rows,
-    then its V rows. So the K/V axis sits between head and token, not outermost.
     """
 
     name: PoolLayoutName
@@ -238,14 +222,10 @@ class PoolLayout:
     num_pages: int
 
     def __post_init__(self) -> None:
-        if self.name not in ALL_POOL_LAYOUTS:
-            raise ValueError(
-                f"layout: {self.name!r} is not one of {', '.join(ALL_POOL_LAYOUTS)}"
-            )
+        if self.name not in POOL_LAYOUTS:
+            raise ValueError(f"layout: {self.name!r} is not one of {', '.join(POOL_LAYOUTS)}")
         if self.kv_kind == "mla" and (self.name == "page_head" or self.num_heads != 1):
             raise ValueError("MLA host pools have one head and no page_head layout")
-        if self.kv_kind == "mla" and self.name == VLLM_CPU_LAYOUT:
-            raise ValueError("the vllm_cpu layout is MHA only (vLLM's CPU attention has no MLA)")
         for field in ("num_layers", "num_heads", "head_dim", "page_size", "num_pages"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}: must be positive")
@@ -263,8 +243,6 @@ class PoolLayout:
             self.page_size,
             self.num_pages,
         )
-        if self.name == VLLM_CPU_LAYOUT:
-            return (L, N, H, 2, P, D)
         per_plane = {
             "layer_first": (L, N * P, H, D),
             "page_first": (N * P, L, H, D),
@@ -299,9 +277,8 @@ class PoolLayout:
             "page_first": (slot_a, layer_a, head_a, dim_a),
             "page_first_direct": (page, layer_a, token, head_a, dim_a),
             "page_head": (page, head_a, token, layer_a, dim_a),
-            VLLM_CPU_LAYOUT: (layer_a, page, head_a, plane_a, token, dim_a),
         }[self.name]
-        if self.kv_kind == "mha" and self.name != VLLM_CPU_LAYOUT:
+        if self.kv_kind == "mha":
             coords = (plane_a, *coords)
         offset = np.zeros(plane_a.shape, dtype=np.int64)
         for index, size, stride in zip(coords, self.shape, self.strides, strict=True):
@@ -309,3 +286,81 @@ class PoolLayout:
                 raise ValueError(f"index outside the pool's shape {self.shape}")
             offset += index * stride
         return offset
+
+
+@dataclass(frozen=True)
+class VllmCpuLayout:
+    """vLLM 0.32's CPU paged KV cache of one rank (``CPUAttentionBackend``), MHA.
+
+    vLLM allocates every layer in one tensor (its layout ``LBHNC``) and registers each layer as
+    ``[num_blocks, H, block_size, 2 * D]``; the attention kernel (ISA ``vec``) splits a
+    (block, head) run of ``2 * block_size * D`` elements into the K half, then the V half, and
+    stores **K dim-major** (``[D, block_size]``: the block's tokens are contiguous per dim) and
+    V token-major (``[block_size, D]``). Checked against vLLM's own
+    ``cpu_attn_reshape_and_cache`` (``tests/vllm``, and by the connector at start-up). So the
+    storage is ``(L, blocks, H, K/V, block_size * D)`` and the per-plane strides differ: this is
+    not one of the affine ``PoolLayout`` s. Pages are vLLM blocks.
+    """
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "head_dim", "block_size", "num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be positive")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The storage as vLLM allocates it: ``(L, blocks, H, 2, block_size * D)``."""
+        return (self.num_layers, self.num_blocks, self.num_heads, 2,
+                self.block_size * self.head_dim)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape))
+
+    def plane_strides(self, plane: int) -> tuple[int, int, int, int, int]:
+        """Element strides of (layer, block, token, head, dim) within ``plane`` (0 = K, 1 = V);
+        the plane starts ``plane * block_size * D`` elements into each (block, head) run."""
+        _, B, H, _, run = self.shape
+        head = 2 * run
+        block = H * head
+        layer = B * block
+        if plane == 0:
+            return (layer, block, 1, head, self.block_size)
+        if plane == 1:
+            return (layer, block, self.head_dim, head, 1)
+        raise ValueError(f"plane {plane} is not 0 (K) or 1 (V)")
+
+    def element_offsets(
+        self,
+        plane: IntArray | int,
+        slot: IntArray | int,
+        layer: IntArray | int,
+        head: IntArray | int,
+        dim: IntArray | int,
+    ) -> IntArray:
+        """Element offsets of (plane, token slot, local layer, local head, dim); vectorised.
+
+        Slot ``s`` is token ``s % block_size`` of block ``s // block_size``. Out-of-range
+        coordinates raise ``ValueError``.
+        """
+        plane_a, slot_a, layer_a, head_a, dim_a = np.broadcast_arrays(
+            *(np.asarray(v, dtype=np.int64) for v in (plane, slot, layer, head, dim))
+        )
+        block, token = np.divmod(slot_a, self.block_size)
+        for name, values, size in (
+            ("plane", plane_a, 2), ("block", block, self.num_blocks),
+            ("layer", layer_a, self.num_layers), ("head", head_a, self.num_heads),
+            ("dim", dim_a, self.head_dim),
+        ):
+            if values.size and (values.min() < 0 or values.max() >= size):
+                raise ValueError(f"{name} index outside [0, {size})")
+        run = self.block_size * self.head_dim
+        base = ((layer_a * self.num_blocks + block) * self.num_heads + head_a) * 2 * run
+        inner = np.where(plane_a == 0, dim_a * self.block_size + token, token * self.head_dim + dim_a)
+        return np.asarray(base + plane_a * run + inner, dtype=np.int64)

@@ -1,104 +1,118 @@
-"""vLLM's CPU KV cache as a host layout (``PoolLayout("vllm_cpu")``) through the kernels.
+"""vLLM's CPU KV cache (``layout.host.VllmCpuLayout``) and its copies (``kernels.vllm_cpu``).
 
-The oracle is vLLM's own view of its cache, restated from ``CPUAttentionBackendImpl.forward``
-(vLLM 0.32): each layer's ``[num_blocks, H, block_size, 2 * D]`` tensor is viewed as
-``[num_blocks, H, 2 * block_size, D]`` and split in two on dim 2 into the key and value caches.
-A token's K and V are read through that view, never through ``element_offsets``.
+The layout's element offsets are held to vLLM's own cache writer in ``tests/vllm`` (where vLLM
+is installed); here the copies are held to the offsets, element by element, for shards cut
+into one and several head blocks, with untouched memory and the source checked.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from hicache_store.kernels import HostPool, host_to_unified, unified_to_host
-from hicache_store.layout.host import PoolLayout, UnifiedPageLayout
+from hicache_store.kernels.vllm_cpu import pack_blocks, unpack_blocks
+from hicache_store.layout.host import UnifiedPageLayout, VllmCpuLayout
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 
 LAYERS, HEADS, DIM, BLOCK, BLOCKS = 3, 4, 8, 32, 6
 
 
-def vllm_cache() -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One allocation holding every layer, and the per-layer tensors vLLM registers."""
+def layout() -> VllmCpuLayout:
+    return VllmCpuLayout(LAYERS, HEADS, DIM, BLOCK, BLOCKS)
+
+
+def cache() -> torch.Tensor:
     torch.manual_seed(1)
-    whole = torch.randn(LAYERS, BLOCKS, HEADS, BLOCK, 2 * DIM)
-    return whole, [whole[layer] for layer in range(LAYERS)]
+    return torch.randn(layout().shape)
 
 
-def vllm_kv(layer_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's key and value caches ``[blocks, H, block_size, D]`` of one layer."""
-    blocks, heads, size, _ = layer_cache.shape
-    return layer_cache.view(blocks, heads, size * 2, -1).chunk(2, dim=2)
-
-
-def namespace(heads_per_group: int = HEADS) -> Namespace:
+def unified(heads_per_group: int = HEADS, head_start: int = 0,
+            head_stop: int = HEADS) -> UnifiedPageLayout:
     shape = ModelShape.mha(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
-    return Namespace.create("m", shape, "float32", BLOCK, Grid(LAYERS, heads_per_group))
+    ns = Namespace.create("m", shape, "float32", BLOCK, Grid(LAYERS, heads_per_group))
+    return UnifiedPageLayout(ns, 0, LAYERS, head_start, head_stop)
 
 
-def host_pool(whole: torch.Tensor) -> HostPool:
-    layout = PoolLayout("vllm_cpu", "mha", LAYERS, HEADS, DIM, BLOCK, BLOCKS)
-    return HostPool(whole.view(layout.shape), layout)
+def test_offsets_are_a_bijection_onto_the_storage() -> None:
+    lay = layout()
+    p, s, layer, h, d = np.meshgrid(np.arange(2), np.arange(BLOCK * BLOCKS), np.arange(LAYERS),
+                                    np.arange(HEADS), np.arange(DIM), indexing="ij")
+    offsets = lay.element_offsets(p, s, layer, h, d).ravel()
+    assert sorted(offsets.tolist()) == list(range(lay.numel))
 
 
-def test_shape_and_strides_match_vllm_allocation() -> None:
-    layout = PoolLayout("vllm_cpu", "mha", LAYERS, HEADS, DIM, BLOCK, BLOCKS)
-    assert layout.shape == (LAYERS, BLOCKS, HEADS, 2, BLOCK, DIM)
-    whole, _ = vllm_cache()
-    assert layout.numel == whole.numel()
+def test_k_is_dim_major_and_v_token_major_within_a_block_and_head() -> None:
+    lay = layout()
+    run = BLOCK * DIM
+    assert lay.element_offsets(0, 1, 0, 0, 0) == 1  # K: the next token is the next element
+    assert lay.element_offsets(0, 0, 0, 0, 1) == BLOCK  # ... the next dim a block further
+    assert lay.element_offsets(1, 0, 0, 0, 0) == run  # V follows K
+    assert lay.element_offsets(1, 0, 0, 0, 1) == run + 1
+    assert lay.element_offsets(1, 1, 0, 0, 0) == run + DIM
+    for plane in (0, 1):
+        strides = lay.plane_strides(plane)
+        base = lay.element_offsets(plane, 0, 0, 0, 0)
+        # (slot, layer, head, dim) steps of the (layer, block, token, head, dim) axes
+        steps = [(0, 1, 0, 0), (BLOCK, 0, 0, 0), (1, 0, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1)]
+        for stride, (slot, layer, head, dim) in zip(strides, steps, strict=True):
+            got = lay.element_offsets(plane, slot, layer, head, dim) - base
+            assert got == stride
 
 
-@pytest.mark.parametrize("heads_per_group", [HEADS, 2, 1])
-def test_pack_reads_what_vllm_attention_reads(heads_per_group: int) -> None:
-    whole, layers = vllm_cache()
-    ns = namespace(heads_per_group)
-    unified = UnifiedPageLayout.full_page(ns)
-    pages = torch.tensor([4, 1, 3])
-    staging = torch.empty(len(pages), unified.page_bytes // 4)
-    host_to_unified(host_pool(whole), pages * BLOCK, staging, unified)
-    for i, block in enumerate(pages.tolist()):
-        for layer in range(LAYERS):
-            key, value = vllm_kv(layers[layer])
-            for plane, cache in ((0, key), (1, value)):
-                for head in range(HEADS):
-                    offsets = unified.element_offsets(
-                        layer, plane, torch.arange(BLOCK)[:, None].numpy(), head,
-                        torch.arange(DIM)[None, :].numpy(),
-                    )
-                    got = staging[i][torch.from_numpy(offsets)]
-                    assert torch.equal(got, cache[block, head])
+@pytest.mark.parametrize(("hpg", "h0", "h1"), [(HEADS, 0, HEADS), (2, 0, HEADS), (1, 1, 3),
+                                              (2, 1, 4)])
+def test_pack_follows_the_offsets(hpg: int, h0: int, h1: int) -> None:
+    src = cache()
+    lay = layout()
+    uni = unified(hpg, h0, h1)
+    local = VllmCpuLayout(LAYERS, h1 - h0, DIM, BLOCK, BLOCKS)
+    shard = src[:, :, h0:h1].contiguous()  # this rank's heads, as vLLM would hold them
+    blocks = torch.tensor([4, 1, 3])
+    staging = torch.empty(len(blocks), uni.page_bytes // 4)
+    pack_blocks(shard, local, blocks, staging, uni)
+    flat = shard.reshape(-1)
+    for i, block in enumerate(blocks.tolist()):
+        p, t, layer, h, d = np.meshgrid(np.arange(2), np.arange(BLOCK), np.arange(LAYERS),
+                                        np.arange(h1 - h0), np.arange(DIM), indexing="ij")
+        pool = local.element_offsets(p, block * BLOCK + t, layer, h, d)
+        page = uni.element_offsets(layer, p, t, h + h0, d)
+        assert torch.equal(staging[i][torch.from_numpy(page.ravel())],
+                           flat[torch.from_numpy(pool.ravel())])
+    assert lay.numel == src.numel()
 
 
-def test_unpack_writes_only_the_named_blocks_and_round_trips() -> None:
-    whole, _ = vllm_cache()
-    ns = namespace()
-    unified = UnifiedPageLayout.full_page(ns)
-    pages = torch.tensor([2, 5])
-    staging = torch.empty(len(pages), unified.page_bytes // 4)
-    host_to_unified(host_pool(whole), pages * BLOCK, staging, unified)
-    original = whole.clone()
-    target = torch.zeros_like(whole)
-    unified_to_host(staging, host_pool(target), torch.tensor([0, 3]) * BLOCK, unified)
-    for layer in range(LAYERS):
-        for dst, src in ((0, 2), (3, 5)):
-            assert torch.equal(target[layer, dst], original[layer, src])
-        for untouched in (1, 2, 4, 5):
-            assert not target[layer, untouched].any()
-    assert torch.equal(whole, original)  # the source is unchanged
+def test_unpack_writes_only_the_named_blocks_and_layers() -> None:
+    src = cache()
+    original = src.clone()
+    lay = layout()
+    uni = unified(2)
+    staging = torch.empty(2, uni.page_bytes // 4)
+    pack_blocks(src, lay, torch.tensor([2, 5]), staging, uni)
+    assert torch.equal(src, original)  # packing leaves the source alone
+    target = torch.zeros_like(src)
+    unpack_blocks(staging, target, lay, torch.tensor([0, 3]), uni)
+    for dst, from_block in ((0, 2), (3, 5)):
+        assert torch.equal(target[:, dst], original[:, from_block])
+    for untouched in (1, 2, 4, 5):
+        assert not target[:, untouched].any()
+    partial = torch.zeros_like(src)
+    unpack_blocks(staging, partial, lay, torch.tensor([0, 3]), uni, layers=(1, 2))
+    assert torch.equal(partial[1, 0], original[1, 2])
+    assert not partial[0].any()
+    assert not partial[2].any()
 
 
-def test_layer_range_unpack_touches_only_those_layers() -> None:
-    whole, _ = vllm_cache()
-    unified = UnifiedPageLayout.full_page(namespace())
-    staging = torch.empty(1, unified.page_bytes // 4)
-    host_to_unified(host_pool(whole), torch.tensor([1]) * BLOCK, staging, unified)
-    target = torch.zeros_like(whole)
-    unified_to_host(staging, host_pool(target), torch.tensor([1]) * BLOCK, unified,
-                    layers=(1, 2))
-    assert torch.equal(target[1, 1], whole[1, 1])
-    assert not target[0].any() and not target[2].any()
-
-
-def test_mla_is_refused() -> None:
-    with pytest.raises(ValueError, match="MHA only"):
-        PoolLayout("vllm_cpu", "mla", LAYERS, 1, DIM, BLOCK, BLOCKS)
+def test_launcher_refuses_what_does_not_fit() -> None:
+    src = cache()
+    lay = layout()
+    uni = unified()
+    staging = torch.empty(2, uni.page_bytes // 4)
+    with pytest.raises(ValueError, match="outside"):
+        pack_blocks(src, lay, torch.tensor([0, BLOCKS]), staging, uni)
+    with pytest.raises(ValueError, match="appears twice"):
+        unpack_blocks(staging, src, lay, torch.tensor([1, 1]), uni)
+    with pytest.raises(ValueError, match="heads"):
+        pack_blocks(src, lay, torch.tensor([0, 1]), staging, unified(1, 0, 2))
+    with pytest.raises(ValueError, match="contiguous"):
+        pack_blocks(src.transpose(0, 1), lay, torch.tensor([0, 1]), staging, uni)

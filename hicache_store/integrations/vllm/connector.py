@@ -32,9 +32,11 @@ blocks to load with their page hashes, and the pages that become complete in thi
 not known to be stored (from the first page the lookup did not find), to be saved.
 
 **Worker side.** ``register_kv_caches`` checks vLLM's CPU KV cache (layout ``LBHNC``: one
-allocation, per layer ``[blocks, kv_heads, block_size, 2 * head_dim]``, K rows then V rows per
-(block, head)) and views it as the ``vllm_cpu`` host layout (``layout.host.PoolLayout``), so
-every copy goes through ``kernels`` (``host_to_unified`` / ``unified_to_host``). Loads:
+allocation, per layer ``[blocks, kv_heads, block_size, 2 * head_dim]``; within a (block,
+head) K dim-major, then V token-major: ``layout.host.VllmCpuLayout``), and checks that layout
+against vLLM's own cache writer (``cpu_attn_reshape_and_cache`` with the attention's ISA, on a
+scratch cache) before any KV moves; a mismatch (another ISA's layout) refuses to start. Copies
+go through ``kernels.vllm_cpu`` (``pack_blocks`` / ``unpack_blocks``). Loads:
 ``start_load_kv`` starts every page's verified read into fresh staging (never reused, so a read
 that outlives its deadline lands in memory nobody uses); ``wait_for_layer_load`` waits for the
 reads on the first layer and then restores one layer at a time, just before that layer's
@@ -53,7 +55,8 @@ dropped), so a stopped store costs one deadline, then recompute at full speed.
 
 **Refused at start-up** (one ``ConfigError`` line each): a vLLM other than 0.32.x, models with
 more than one KV cache group (hybrid, sliding-window or cross-attention layers), MLA, an
-attention backend other than vLLM's CPU one (its cache layout is the one checked here),
+attention backend other than vLLM's CPU one, a CPU attention ISA whose cache layout is not
+the one checked at start-up (``vec`` is; AMX's bf16 layout is not known to this connector),
 quantized KV (fp8: per-tensor scales the namespace does not carry), a ``page_size`` other than
 the block size, ``kv_load_failure_policy="fail"``. Requests whose tokens do not identify their
 KV are neither loaded nor saved (counted): a ``cache_salt``, multimodal inputs, prompt
@@ -92,11 +95,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, open_backend
-from hicache_store.kernels import HostPool, host_to_unified, unified_to_host
+from hicache_store.kernels.vllm_cpu import pack_blocks, unpack_blocks
 from hicache_store.layout.dtypes import normalize_dtype
 from hicache_store.layout.errors import ConfigError
 from hicache_store.layout.hashing import page_hashes
-from hicache_store.layout.host import VLLM_CPU_LAYOUT, PoolLayout, UnifiedPageLayout
+from hicache_store.layout.host import UnifiedPageLayout, VllmCpuLayout, row_major_strides
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology, shard_of
@@ -310,7 +313,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._lookup: L3Link | None = None
         # Worker side.
         self._link: L3Link | None = None
-        self._pool: HostPool | None = None
+        self._cache: torch.Tensor | None = None
+        self._cache_layout: VllmCpuLayout | None = None
         self._layout: UnifiedPageLayout | None = None
         self._layer_index: dict[str, int] = {}
         self._step: _StepLoad | None = None
@@ -510,14 +514,18 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         tensors = [kv_caches[n] for n in names]
         heads = shard.head_stop - shard.head_start
-        self._pool = _vllm_cpu_pool(tensors, heads, ns.head_dim, self.block_size)
+        self._cache, self._cache_layout = _vllm_cpu_cache(
+            tensors, heads, ns.head_dim, self.block_size
+        )
+        check_cache_layout(self._vllm_config, self._cache.dtype, heads, ns.head_dim,
+                           self.block_size)
         self._layout = UnifiedPageLayout.for_shard(ns, shard)
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._link = self._make_link(self.topology, rank, read_only=False)
         log.info(
             "hicache-store connector: rank %d holds layers [%d, %d) heads [%d, %d), %d blocks",
             rank, shard.layer_start, shard.layer_stop, shard.head_start, shard.head_stop,
-            self._pool.layout.num_pages,
+            self._cache_layout.num_blocks,
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -526,7 +534,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         assert self._link is not None
         assert self._layout is not None
-        step = _StepLoad(meta.loads, self._layout, self._pool)
+        step = _StepLoad(meta.loads, self._layout)
         if self._breaker.open:
             step.fail_all()
             self._count("loads_skipped", step.num_pages)
@@ -590,10 +598,11 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if layer is None or not step.any_ok:
             return
         assert self._layout is not None
-        assert self._pool is not None
+        assert self._cache is not None
+        assert self._cache_layout is not None
         global_layer = self._layout.layer_start + layer
-        unified_to_host(step.good_staging, self._pool, step.good_slots, self._layout,
-                        layers=(global_layer, global_layer + 1))
+        unpack_blocks(step.good_staging, self._cache, self._cache_layout, step.good_blocks,
+                      self._layout, layers=(global_layer, global_layer + 1))
         step.layers_done.add(layer)
 
     def save_kv_layer(
@@ -633,7 +642,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._save(saves)
 
     def _save(self, saves: list[PageSave]) -> None:
-        assert self._pool is not None
+        assert self._cache is not None
+        assert self._cache_layout is not None
         assert self._layout is not None
         assert self._link is not None
         if not saves or not self._link.can_write:
@@ -648,7 +658,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._pending_save_bytes += nbytes
         staging = torch.empty((pages, self._layout.page_bytes), dtype=torch.uint8)
         blocks = torch.tensor([b for s in saves for b in s.block_ids], dtype=torch.int64)
-        host_to_unified(self._pool, blocks * self.block_size, staging, self._layout)
+        pack_blocks(self._cache, self._cache_layout, blocks, staging, self._layout)
         previous = self._save_chain
         self._save_chain = submit(self._write_pages(saves, staging, nbytes, previous))
 
@@ -732,7 +742,6 @@ class _StepLoad:
 
     loads: list[PageLoad]
     layout: UnifiedPageLayout
-    pool: HostPool | None
     future: concurrent.futures.Future[list[bool]] | None = None
     settled: bool = False
     ok: list[bool] = field(default_factory=list)
@@ -763,10 +772,9 @@ class _StepLoad:
         if self._good is None:
             blocks = [b for load in self.loads for b in load.block_ids]
             keep = [i for i, good in enumerate(self.ok) if good]
-            block_size = self.layout.namespace.page_size
             self._good = (
                 self.staging[keep],
-                torch.tensor([blocks[i] * block_size for i in keep], dtype=torch.int64),
+                torch.tensor([blocks[i] for i in keep], dtype=torch.int64),
             )
         return self._good
 
@@ -775,7 +783,7 @@ class _StepLoad:
         return self._good_pages()[0]
 
     @property
-    def good_slots(self) -> torch.Tensor:
+    def good_blocks(self) -> torch.Tensor:
         return self._good_pages()[1]
 
     def failed_blocks(self) -> set[int]:
@@ -806,10 +814,10 @@ def _unkeyable(request: Request) -> str:
     return ""
 
 
-def _vllm_cpu_pool(
+def _vllm_cpu_cache(
     tensors: Sequence[torch.Tensor], heads: int, head_dim: int, block_size: int
-) -> HostPool:
-    """vLLM's per-layer CPU KV tensors as one ``vllm_cpu`` host pool, every assumption checked.
+) -> tuple[torch.Tensor, VllmCpuLayout]:
+    """vLLM's per-layer CPU KV tensors as one storage and its layout, every assumption checked.
 
     Each layer must be ``[blocks, heads, block_size, 2 * head_dim]``, contiguous, and the layers
     consecutive slices of one allocation (vLLM 0.32's ``LBHNC`` CPU cache).
@@ -826,8 +834,8 @@ def _vllm_cpu_pool(
             )
         if t.device.type != "cpu" or t.dtype != first.dtype:
             raise ConfigError(
-                f"HiCacheStoreConnector: KV layer {i} on {t.device} {t.dtype}; vLLM's CPU cache "
-                "is supported"
+                f"HiCacheStoreConnector: KV layer {i} on {t.device} {t.dtype}; only vLLM's CPU "
+                "cache is supported"
             )
         same = t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
         if not same or t.storage_offset() != first.storage_offset() + i * per_layer:
@@ -835,7 +843,44 @@ def _vllm_cpu_pool(
                 "HiCacheStoreConnector: vLLM's KV layers are not consecutive slices of one "
                 "allocation (layout LBHNC expected)"
             )
-    layout = PoolLayout(VLLM_CPU_LAYOUT, "mha", len(tensors), heads, head_dim, block_size,
-                        int(first.shape[0]))
-    whole = first.as_strided(layout.shape, layout.strides, first.storage_offset())
-    return HostPool(whole, layout)
+    layout = VllmCpuLayout(len(tensors), heads, head_dim, block_size, int(first.shape[0]))
+    whole = first.as_strided(layout.shape, row_major_strides(layout.shape),
+                             first.storage_offset())
+    return whole, layout
+
+
+def check_cache_layout(
+    vllm_config: VllmConfig, dtype: torch.dtype, heads: int, head_dim: int, block_size: int
+) -> None:
+    """Hold ``VllmCpuLayout`` to vLLM's own cache writer for this deployment's attention ISA.
+
+    Writes random K and V (exact in ``dtype``) into block 1 of a scratch two-block cache with
+    ``cpu_attn_reshape_and_cache``, as vLLM's attention does, and reads them back through the
+    layout's offsets. Refuses to start (``ConfigError``) on any difference.
+    """
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    isa = _get_attn_isa(vllm_config.model_config.dtype, block_size, head_dim, cache_dtype)
+    layout = VllmCpuLayout(1, heads, head_dim, block_size, 2)
+    scratch = torch.zeros(layout.shape, dtype=dtype)
+    per_layer = scratch[0].view(2, heads, 2 * block_size, head_dim)
+    key_cache, value_cache = per_layer.chunk(2, dim=2)
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn((block_size, heads, head_dim), generator=gen).to(dtype)
+    value = torch.randn((block_size, heads, head_dim), generator=gen).to(dtype)
+    slots = torch.arange(block_size, 2 * block_size, dtype=torch.int64)  # block 1
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa,
+                                   kv_cache_dtype=cache_dtype)
+    t, h, d = np.meshgrid(np.arange(block_size), np.arange(heads), np.arange(head_dim),
+                          indexing="ij")
+    flat = scratch.reshape(-1)
+    for plane, written in ((0, key), (1, value)):
+        at = torch.from_numpy(layout.element_offsets(plane, block_size + t, 0, h, d))
+        if not torch.equal(flat[at], written):
+            raise ConfigError(
+                f"HiCacheStoreConnector: vLLM's CPU KV cache layout for attention ISA {isa!r} "
+                f"({dtype}) is not the one this connector knows ({'K' if plane == 0 else 'V'} "
+                "differs); this ISA is not supported"
+            )
