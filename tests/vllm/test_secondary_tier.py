@@ -10,10 +10,13 @@ its only secondary tier on a file store. Engines, started one after another:
   history outgrows vLLM's 8 MiB of KV *and* the primary tier, so earlier conversations' next
   turns are promoted from hicache-store.
 * a **fresh engine process** (this file run as a script) on the same store: served from it.
+* ``bounded``: a store whose capacity holds a fraction of what the workload writes.
 * ``second_engine`` in this process on the same store: the test-only switch that zeroes
   loaded rows (tokens change: the check can fail), then every object corrupted on disk
   (misses, equal tokens).
-* ``bounded``: a store whose capacity holds a fraction of what the workload writes.
+
+One engine with a connector at a time (``start`` checks): vLLM keeps one worker-side
+connector per process.
 
 "Served from the tier" is read from vLLM's own tier counter
 (``vllm:kv_offload_tiering_read_bytes{tier="1:HiCacheStoreTier"}``) and the tier's counters.
@@ -62,6 +65,17 @@ def tier_config(url: str, **tier: Any) -> KVTransferConfig:
             }],
         },
     )
+
+
+def start(model_dir: Path, url: str, **tier: Any) -> Any:
+    """An engine with the tier on ``url``. vLLM keeps one worker-side connector per process
+    (``ensure_kv_transfer_initialized`` reuses one that exists): an engine started while
+    another connector engine is alive would copy into the other engine's KV and primary
+    region. So one at a time, checked."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import has_kv_transfer_group
+
+    assert not has_kv_transfer_group(), "another engine with a KV connector is still open"
+    return make_llm(model_dir, kv_transfer_config=tier_config(url, **tier))
 
 
 def tokenize(model_dir: Path, text: str) -> list[int]:
@@ -153,7 +167,7 @@ class FirstRun:
 @pytest.fixture(scope="module")
 def first_run(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> FirstRun:
     root = tmp_path_factory.mktemp("tier-store")
-    llm = make_llm(tiny_llama, kv_transfer_config=tier_config(f"file://{root}"))
+    llm = start(tiny_llama, f"file://{root}")
     try:
         _, outputs = run_workload(llm, tiny_llama)
         tier = tier_of(llm)
@@ -181,7 +195,7 @@ def test_history_beyond_vllm_and_primary_is_served_from_the_tier_with_equal_toke
 def _serve_in_this_process(model_dir: str, url: str, prompts_file: str) -> None:
     """Script mode: one engine on ``url``; prints its outputs and the tier's counters."""
     prompts = json.loads(Path(prompts_file).read_text())
-    llm = make_llm(Path(model_dir), kv_transfer_config=tier_config(url))
+    llm = start(Path(model_dir), url)
     outputs = generate(llm, prompts)
     tier = tier_of(llm)
     print("RESULT " + json.dumps({"outputs": outputs, "read_bytes": tier_read_bytes(llm),
@@ -211,12 +225,35 @@ def test_a_fresh_engine_process_is_served_from_the_store(
     assert result["stats"]["corruptions"] == 0
 
 
+# -- a bounded store ----------------------------------------------------------------------------
+
+
+def test_the_store_stays_within_its_capacity(
+    tiny_llama: Path, reference: Reference, first_run: FirstRun,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    capacity = 6 << 20  # well under what the workload writes (first_run's stats below)
+    assert first_run.stats.bytes_stored > 2 * capacity
+    root = tmp_path_factory.mktemp("bounded")
+    llm = start(tiny_llama, f"file://{root}?capacity_bytes={capacity}")
+    try:
+        _, outputs = run_workload(llm, tiny_llama)
+        tier = tier_of(llm)
+        tier.drain_jobs()
+        assert outputs == reference.outputs
+        assert tier.stats.stored > 0 and tier.backend.stats.evictions > 0
+        assert store_bytes(root) <= capacity
+        assert tier.backend.used_bytes <= capacity
+    finally:
+        close_llm(llm)
+
+
 # -- a second engine in this process: wrong bytes must show, corrupt ones must not ---------------
 
 
 @pytest.fixture(scope="module")
 def second_engine(tiny_llama: Path, first_run: FirstRun) -> Iterator[Any]:
-    llm = make_llm(tiny_llama, kv_transfer_config=tier_config(f"file://{first_run.root}"))
+    llm = start(tiny_llama, f"file://{first_run.root}")
     yield llm
     close_llm(llm)
 
@@ -258,30 +295,6 @@ def test_corrupt_objects_on_disk_are_misses_with_equal_tokens(
     assert outputs == [reference.final[tuple(p)] for p in prompts]
     assert tier.stats.corruptions > corrupt  # found, counted ...
     assert tier.stats.loaded == loaded  # ... and never served
-
-
-# -- a bounded store ----------------------------------------------------------------------------
-
-
-def test_the_store_stays_within_its_capacity(
-    tiny_llama: Path, reference: Reference, first_run: FirstRun,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    capacity = 6 << 20  # well under what the workload writes (first_run's stats below)
-    assert first_run.stats.bytes_stored > 2 * capacity
-    root = tmp_path_factory.mktemp("bounded")
-    llm = make_llm(tiny_llama, kv_transfer_config=tier_config(
-        f"file://{root}?capacity_bytes={capacity}"))
-    try:
-        _, outputs = run_workload(llm, tiny_llama)
-        tier = tier_of(llm)
-        tier.drain_jobs()
-        assert outputs == reference.outputs
-        assert tier.stats.stored > 0 and tier.backend.stats.evictions > 0
-        assert store_bytes(root) <= capacity
-        assert tier.backend.used_bytes <= capacity
-    finally:
-        close_llm(llm)
 
 
 if __name__ == "__main__":
