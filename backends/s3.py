@@ -170,11 +170,6 @@ class S3Backend(Backend):
         verify_ssl: bool = True,
     ) -> None:
         super().__init__()
-        try:
-            import boto3
-            from botocore.config import Config
-        except ImportError as exc:  # the registry turns this into an install hint
-            raise ImportError(f"the s3 backend needs boto3 ({exc})", name="boto3") from exc
         if not bucket:
             raise ConfigError("s3:// needs a bucket, e.g. s3://my-bucket/kv")
         for name, count in (("max_concurrency", max_concurrency), ("max_attempts", max_attempts)):
@@ -204,6 +199,12 @@ class S3Backend(Backend):
         if self.capacity_bytes is not None:
             caps = caps.replace(eviction=True)
         self.capabilities = caps
+        # The SDK after every option is checked: a bad option is a ConfigError, boto3 or not.
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as exc:  # the registry turns this into an install hint
+            raise ImportError(f"the s3 backend needs boto3 ({exc})", name="boto3") from exc
         # Credentials go into the session and nowhere else.
         session = boto3.session.Session(
             aws_access_key_id=aws_access_key_id,

