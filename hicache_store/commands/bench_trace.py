@@ -12,6 +12,14 @@ plain block LRU (the published reference) and the clairvoyant Belady bound.
 ``capacity_blocks``, comparable to the references); ``hit_rate_with_l3`` adds L3. Figures are
 fractions over all requests, with the second half of the requests beside them. Prints a
 table; ``--json`` and ``--chart`` write the results and a PNG of hit rate against capacity.
+
+``--replay sim`` (the default for ``--format weka``, agent sessions: 47 M block references do
+not go through the tier in minutes) replays at block level instead
+(``trace_sim.simulate``: the tier's own eviction policies over the trace's block ids, a
+prefix-closed cache of the capacity), and is the replay that hands each request's hints to a
+policy that takes them (``session``), as an engine would (``trace_sim.HintFeed``). Its rows
+add the hit rate per request kind (``main``, ``subagent``) where the trace has sessions;
+``unbounded`` is a capacity there.
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ from hicache_store.cli import UsageError
 #: the ``--json`` schema version (bump when a field changes meaning).
 SCHEMA = 1
 
+#: ``--capacities`` of a WEKA replay (those of the reference figures).
+WEKA_CAPACITIES = ("10000", "20000", "40000", "80000", "160000", "320000", "unbounded")
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -34,19 +45,32 @@ def register(subparsers: Any) -> None:
         help="replay a production trace through the tier; hit rates next to LRU and Belady",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
-    parser.add_argument("trace", type=Path, help="trace file (e.g. bench/traces/*.jsonl.gz)")
-    parser.add_argument("--format", default="mooncake", help="trace format (mooncake)")
+    parser.add_argument(
+        "trace",
+        type=Path,
+        help="trace file (e.g. bench/traces/*.jsonl.gz), or for weka a folder or .tar.gz of "
+        "session files",
+    )
+    parser.add_argument(
+        "--format", default="mooncake", choices=["mooncake", "weka"], help="trace format"
+    )
+    parser.add_argument(
+        "--replay",
+        choices=["tier", "sim"],
+        help="through the tier and a backend, or the block-level simulator (default: sim for "
+        "weka, tier otherwise)",
+    )
     parser.add_argument(
         "--capacities",
-        default="1000,4000,16000,64000",
         help="L2 sizes to replay, comma-separated: N or Nblocks (blocks of the trace), Npages, "
-        "Ntokens, or bytes of KV like 64MiB (default 1000,4000,16000,64000)",
+        "Ntokens, or bytes of KV like 64MiB; with --replay sim also 'unbounded' (default "
+        "1000,4000,16000,64000; weka: " + ",".join(WEKA_CAPACITIES) + ")",
     )
     parser.add_argument(
         "--policy",
         default="default",
-        help="eviction policies, comma-separated: lru, arc, default (the tier's default) "
-        "(default: default)",
+        help="eviction policies, comma-separated: lru, arc, session, default (the tier's "
+        "default) (default: default)",
     )
     parser.add_argument("--page-size", type=int, default=64, help="tier page in tokens (64)")
     parser.add_argument(
@@ -121,6 +145,13 @@ def run(args: argparse.Namespace) -> int:
     from hicache_store.demo.bench.trace_sim import belady, lru_reference
 
     policies = resolve_policies(args.policy)
+    replay_mode = args.replay or ("sim" if args.format == "weka" else "tier")
+    if args.capacities is None:
+        args.capacities = (
+            ",".join(WEKA_CAPACITIES) if args.format == "weka" else "1000,4000,16000,64000"
+        )
+    if replay_mode == "sim":
+        return run_simulated(args, policies)
     try:
         trace = read_trace(args.trace, args.format)
         check_chains(trace)
@@ -207,6 +238,131 @@ def run(args: argparse.Namespace) -> int:
         args.chart.parent.mkdir(parents=True, exist_ok=True)
         write_chart(trace.name, results, args.chart)
     return 0
+
+
+def sim_capacities(text: str, distinct_blocks: int) -> list[int]:
+    """Block capacities of ``--capacities`` for ``--replay sim``: whole blocks (``N`` or
+    ``Nblocks``), or ``unbounded`` (every distinct block of the trace)."""
+    capacities: list[int] = []
+    for item in (c.strip() for c in text.split(",")):
+        if not item:
+            continue
+        if item == "unbounded":
+            capacities.append(max(distinct_blocks, 1))
+            continue
+        number = item.removesuffix("blocks").replace("_", "")
+        if not number.isdigit() or int(number) < 1:
+            raise ValueError(
+                f"--capacities: {item!r}: with --replay sim a capacity is N blocks or unbounded"
+            )
+        capacities.append(int(number))
+    if not capacities:
+        raise ValueError("--capacities: no capacity given")
+    return capacities
+
+
+def run_simulated(args: argparse.Namespace, policies: list[str]) -> int:
+    """``--replay sim``: the references and every policy at block level (module docstring)."""
+    import resource
+    import time
+
+    from hicache_store.demo.bench.trace_format import Trace, check_chains, read_trace
+    from hicache_store.demo.bench.trace_sim import belady, block_policy, lru_reference, simulate
+
+    started = time.monotonic()
+    try:
+        trace = read_trace(args.trace, args.format)
+        check_chains(trace)
+        if args.max_requests is not None:
+            if args.max_requests < 1:
+                raise ValueError("--max-requests must be at least 1")
+            trace = Trace(trace.name, trace.block_tokens, trace.requests[: args.max_requests])
+        if not trace.requests:
+            raise ValueError(f"{args.trace}: the trace has no requests")
+        distinct = len({b for r in trace.requests for b in r.hash_ids})
+        capacities = sim_capacities(args.capacities, distinct)
+    except (OSError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    sessions = len({r.session.session for r in trace.requests if r.session is not None})
+    print(
+        f"trace {trace.name}: {len(trace)} requests over {trace.duration_s:.0f} s, "
+        f"{sessions} sessions, {trace.block_accesses} block references ({distinct} distinct) "
+        f"of {trace.block_tokens} tokens; read in {time.monotonic() - started:.0f} s",
+        file=sys.stderr,
+    )
+    results: list[dict[str, Any]] = []
+    for blocks in capacities:
+        clock = time.monotonic()
+        lru, bound = lru_reference(trace, blocks), belady(trace, blocks)
+        references = {
+            "lru_reference": lru.hit_rate,
+            "lru_reference_second_half": lru.second_half_hit_rate,
+            "lru_reference_by_kind": lru.kind_hit_rates,
+            "belady": bound.hit_rate,
+            "belady_second_half": bound.second_half_hit_rate,
+            "belady_by_kind": bound.kind_hit_rates,
+        }
+        if not args.no_progress:
+            print(f"  {blocks} blocks: references in {time.monotonic() - clock:.0f} s",
+                  file=sys.stderr, flush=True)
+        for policy in policies:
+            clock = time.monotonic()
+            count = simulate(trace, blocks, block_policy(policy, trace, blocks))
+            wall = time.monotonic() - clock
+            if not args.no_progress:
+                print(f"  {blocks} blocks, {policy}: {100 * count.hit_rate:.2f}% in {wall:.0f} s",
+                      file=sys.stderr, flush=True)
+            results.append({
+                "replay": "sim",
+                "capacity_blocks": blocks,
+                "unbounded": blocks >= distinct,
+                "policy": policy,
+                "hit_rate": count.hit_rate,
+                "hit_rate_second_half": count.second_half_hit_rate,
+                "hit_rate_by_kind": count.kind_hit_rates,
+                "input_tokens": count.input_tokens,
+                "wall_s": wall,
+                **references,
+            })
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(render_sim_table(results))
+    print(
+        f"replayed in {time.monotonic() - started:.0f} s, peak memory {peak / 2**20:.0f} MiB",
+        file=sys.stderr,
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        document = {"schema": SCHEMA, "trace": str(args.trace), "format": args.format,
+                    "replay": "sim", "requests": len(trace), "sessions": sessions,
+                    "peak_rss_bytes": peak, "wall_s": time.monotonic() - started,
+                    "results": results}
+        args.json.write_text(json.dumps(document, indent=2))
+    if args.chart:
+        args.chart.parent.mkdir(parents=True, exist_ok=True)
+        write_chart(trace.name, results, args.chart)
+    return 0
+
+
+def render_sim_table(results: list[dict[str, Any]]) -> str:
+    """The ``--replay sim`` table: hit rates in %, per kind where the trace has sessions."""
+    kinds = sorted({k for r in results for k in r["hit_rate_by_kind"]})
+    head = (
+        f"{'blocks':>9} {'policy':<8} {'hit':>6} {'2nd half':>8} "
+        + "".join(f"{k:>9}" for k in kinds)
+        + f" {'LRU ref':>7} {'Belady':>6} {'gap':>5} {'wall s':>6}"
+    )
+    lines = ["token hit rates in % (block-level replay; gap: share of LRU-to-Belady closed)", head]
+    for r in results:
+        closed = gap_closed(r)
+        blocks = "unbounded" if r["unbounded"] else f"{r['capacity_blocks']}"
+        lines.append(
+            f"{blocks:>9} {r['policy']:<8} {100 * r['hit_rate']:>6.2f} "
+            f"{100 * r['hit_rate_second_half']:>8.2f} "
+            + "".join(f"{100 * r['hit_rate_by_kind'].get(k, 0.0):>9.2f}" for k in kinds)
+            + f" {100 * r['lru_reference']:>7.2f} {100 * r['belady']:>6.2f} "
+            f"{'-' if closed is None else f'{100 * closed:.0f}%':>5} {r['wall_s']:>6.1f}"
+        )
+    return "\n".join(lines)
 
 
 def _progress(label: str, total: int, quiet: bool) -> Any:

@@ -40,21 +40,43 @@ Policies (``EVICTION_POLICIES``; measured in BENCHMARKS.md, "Production traces")
     turn was evicted, while ``p`` adapts on ARC's own, shorter evidence (adapting it on the
     longer memory pushes ``p`` up at small pools and loses hits: BENCHMARKS.md, "Production
     traces").
+
+``session``
+    Retention by predicted return time, for agent sessions (``SessionEviction``). It takes two
+    more calls, with what an engine knows at the time (``tier.hints``): ``hint_request(hints)``
+    after ``begin_request`` (the request's session, the previous response's stop reason and end
+    time) and ``hint_response(end)`` once a response has ended. Pages used by a request of a
+    session belong to that session (its last user); each session has a predicted next
+    arrival, and the evictable leaf to go is the least recently used (then deepest) leaf of the
+    session predicted to come back last. The prediction, from the session's own history only:
+    a request in flight (its response has not ended) will be followed soon, ``now + tool gap``;
+    after a response ended at ``e`` with gap estimate ``g`` for its stop reason (the session's
+    own median of past gaps after that stop, else the median over all sessions so far, else
+    ``DEFAULT_TOOL_GAP_S`` after ``tool_use``, ``DEFAULT_HUMAN_GAP_S`` after ``end_turn``,
+    ``DEFAULT_OTHER_GAP_S`` otherwise) the return is expected at ``e + g``; once overdue, at
+    ``now + (now - e)`` (a wait that has lasted long is expected to last as long again: the
+    gaps are heavy tailed, and a session that stopped is the limit). A subagent whose response
+    ended its turn has finished: it goes before any live session. Pages used without a session
+    are ordered by the fallback policy (``arc``); when both kinds compete, a fallback page's next
+    use is estimated as ``now + its age``. Without any session signal it *is* its fallback.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
+
+from .hints import STOP_END_TURN, STOP_TOOL_USE, RequestHints, ResponseEnd
 
 N = TypeVar("N", bound=Hashable)
 
 #: eviction policy names (``TierConfig.eviction_policy``, ``bench trace --policy``).
-EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc")
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "session")
 
 #: the policy a pool uses unless told otherwise.
 DEFAULT_EVICTION_POLICY = "arc"
@@ -65,6 +87,21 @@ DEFAULT_GHOST_FACTOR = 1.0
 #: remembered evicted keys per page of pool capacity (admission to T2 only; the study's
 #: choice: 4 catches conversations returning after up to ~4 pool turnovers).
 DEFAULT_RECALL_FACTOR = 4.0
+
+#: ``session``: expected seconds from a ``tool_use`` response's end to the session's next
+#: request, before any gap was observed (a tool runs for seconds).
+DEFAULT_TOOL_GAP_S = 10.0
+
+#: ``session``: the same after ``end_turn`` (a human reads and types: minutes).
+DEFAULT_HUMAN_GAP_S = 300.0
+
+#: ``session``: the same after any other stop reason (or none given).
+DEFAULT_OTHER_GAP_S = 30.0
+
+#: ``session``: past gaps remembered per session and stop reason (their median is its estimate),
+#: and over all sessions.
+GAP_MEMORY = 16
+GLOBAL_GAP_MEMORY = 256
 
 
 class EvictionPolicy(Protocol[N]):
@@ -174,6 +211,22 @@ class _LeafHeaps(Generic[N]):
         return state.segment
 
 
+def _touch_path(
+    leaves: _LeafHeaps[N], nodes: Sequence[N], clock: int, promote: int | None
+) -> None:
+    """``touch`` of each node (moved from T1 to segment ``promote`` if used by an earlier
+    request, ARC); a node that is not an evictable leaf gets no heap entry: its stale entries
+    are already dead (``_current`` needs ``evictable``), and becoming evictable pushes anew."""
+    states = leaves.states
+    for node in nodes:
+        state = states[node]
+        if promote is not None and state.segment == 1 and state.stamp < clock:
+            leaves.move(node, promote)
+        state.stamp = clock
+        if state.evictable:
+            leaves.push(node)
+
+
 class LRUEviction(Generic[N]):
     """``lru`` (module docstring)."""
 
@@ -193,6 +246,10 @@ class LRUEviction(Generic[N]):
     def touch(self, node: N) -> None:
         self._leaves.states[node].stamp = self._clock
         self._leaves.push(node)
+
+    def touch_path(self, nodes: Sequence[N]) -> None:
+        """``touch`` of each of ``nodes`` in order (a request's cached prefix), faster."""
+        _touch_path(self._leaves, nodes, self._clock, None)
 
     def set_evictable(self, node: N, evictable: bool) -> None:
         self._leaves.set_evictable(node, evictable)
@@ -275,6 +332,10 @@ class ARCEviction(Generic[N]):
         state.stamp = self._clock
         self._leaves.push(node)
 
+    def touch_path(self, nodes: Sequence[N]) -> None:
+        """``touch`` of each of ``nodes`` in order (a request's cached prefix), faster."""
+        _touch_path(self._leaves, nodes, self._clock, 2)
+
     def set_evictable(self, node: N, evictable: bool) -> None:
         self._leaves.set_evictable(node, evictable)
 
@@ -298,15 +359,334 @@ class ARCEviction(Generic[N]):
                 self._recall.popitem(last=False)
 
 
+class HintedEvictionPolicy(EvictionPolicy[N], Protocol[N]):
+    """A policy that also takes the engine's hints (``session``; module docstring)."""
+
+    def hint_request(self, hints: RequestHints) -> None: ...
+
+    def hint_response(self, end: ResponseEnd) -> None: ...
+
+
+def takes_hints(policy: object) -> bool:
+    """Whether ``policy`` takes hints (``HintedEvictionPolicy``)."""
+    return callable(getattr(policy, "hint_request", None)) and callable(
+        getattr(policy, "hint_response", None)
+    )
+
+
+class _Gaps:
+    """The last ``limit`` gaps observed after one stop reason, and their median (cached)."""
+
+    __slots__ = ("_median", "limit", "values")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.values: deque[float] = deque(maxlen=limit)
+        self._median: float | None = None
+
+    def add(self, gap: float) -> None:
+        self.values.append(gap)
+        self._median = None
+
+    def median(self) -> float | None:
+        if self._median is None and self.values:
+            ordered = sorted(self.values)
+            self._median = ordered[len(ordered) // 2]
+        return self._median
+
+
+class _Stream:
+    """One session's state in ``SessionEviction``: its history and its evictable leaves."""
+
+    __slots__ = (
+        "arrival_s", "end_s", "finished_rank", "gaps", "heap", "kind", "live", "name", "ranked",
+        "stop",
+    )
+
+    def __init__(self, name: str, kind: str) -> None:
+        self.name = name
+        self.kind = kind
+        self.arrival_s: float | None = None  # the last request's arrival
+        self.end_s: float | None = None  # the last ended response's end
+        self.stop: str | None = None  # and its stop reason
+        self.gaps: dict[str, _Gaps] = {}
+        self.heap: list[tuple[int, int, int, object]] = []  # (stamp, -depth, version, node)
+        self.live = 0  # evictable leaves
+        self.ranked = -1  # the ranking epoch this stream was last pushed in
+        self.finished_rank = 0.0
+
+    @property
+    def in_flight(self) -> bool:
+        return self.arrival_s is not None and (self.end_s is None or self.end_s < self.arrival_s)
+
+
+@dataclass
+class _Owned:
+    """A session page's state: its session, last touch, evictability, heap version."""
+
+    stream: _Stream
+    stamp: int = 0
+    evictable: bool = False
+    version: int = 0
+
+
+class SessionEviction(Generic[N]):
+    """``session`` (module docstring): ``capacity`` is the pool's size in pages (for the fallback).
+
+    ``tool_gap_s``, ``human_gap_s``, ``other_gap_s``: the gap estimates before any gap was
+    observed. ``fallback``: the order of pages used without a session (``lru`` or ``arc``).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        depth: Callable[[N], int],
+        ghost_key: Callable[[N], Hashable],
+        *,
+        fallback: str = "arc",
+        tool_gap_s: float = DEFAULT_TOOL_GAP_S,
+        human_gap_s: float = DEFAULT_HUMAN_GAP_S,
+        other_gap_s: float = DEFAULT_OTHER_GAP_S,
+    ) -> None:
+        if fallback == "arc":
+            self.fallback: LRUEviction[N] | ARCEviction[N] = ARCEviction(capacity, depth, ghost_key)
+        elif fallback == "lru":
+            self.fallback = LRUEviction(depth)
+        else:
+            raise ValueError(f"fallback policy {fallback!r} is not one of lru, arc")
+        if min(tool_gap_s, human_gap_s, other_gap_s) <= 0:
+            raise ValueError("gap estimates must be positive")
+        self._defaults = {STOP_TOOL_USE: tool_gap_s, STOP_END_TURN: human_gap_s}
+        self._other_gap = other_gap_s
+        self._depth = depth
+        self._clock = 0
+        self._now = 0.0
+        self._seq = itertools.count()
+        self._streams: dict[str, _Stream] = {}
+        self._owned: dict[N, _Owned] = {}
+        self._current: _Stream | None = None
+        self._global_gaps: dict[str, _Gaps] = {}
+        self._fallback_time: dict[N, float] = {}  # fallback pages' last touch, in seconds
+        self._ranking: list[tuple[float, float, int, _Stream]] = []
+        self._ranking_epoch = -1
+
+    def __len__(self) -> int:
+        return len(self._owned) + len(self.fallback)
+
+    # -- hints --------------------------------------------------------------------------------
+
+    def begin_request(self) -> None:
+        self._clock += 1
+        self._current = None
+        self.fallback.begin_request()
+
+    def _stream(self, name: str, kind: str) -> _Stream:
+        stream = self._streams.get(name)
+        if stream is None:
+            stream = self._streams[name] = _Stream(name, kind)
+        return stream
+
+    def _observe_gap(self, stream: _Stream, stop: str, gap: float) -> None:
+        for table, limit in ((stream.gaps, GAP_MEMORY), (self._global_gaps, GLOBAL_GAP_MEMORY)):
+            gaps = table.get(stop)
+            if gaps is None:
+                gaps = table[stop] = _Gaps(limit)
+            gaps.add(max(gap, 0.0))
+
+    def _ended(self, stream: _Stream, stop: str, end_s: float) -> None:
+        if stream.end_s is None or end_s >= stream.end_s:
+            stream.end_s, stream.stop = end_s, stop
+
+    def hint_request(self, hints: RequestHints) -> None:
+        """The request now being served (after ``begin_request``, before its pages are used)."""
+        self._now = max(self._now, hints.now_s)
+        if hints.session is None:
+            return
+        stream = self._stream(hints.session, hints.kind)
+        if hints.previous_stop is not None and hints.previous_end_s is not None:
+            self._ended(stream, hints.previous_stop, hints.previous_end_s)
+        if stream.stop is not None and stream.end_s is not None and not stream.in_flight:
+            self._observe_gap(stream, stream.stop, hints.now_s - stream.end_s)
+        stream.arrival_s = hints.now_s
+        self._current = stream
+
+    def hint_response(self, end: ResponseEnd) -> None:
+        """A response of ``end.session`` has ended (handed over no earlier than ``end.end_s``)."""
+        self._now = max(self._now, end.end_s)
+        stream = self._streams.get(end.session)
+        if stream is not None:
+            self._ended(stream, end.stop, end.end_s)
+
+    def _gap(self, stream: _Stream, stop: str) -> float:
+        own = stream.gaps.get(stop)
+        median = own.median() if own is not None else None
+        if median is None:
+            shared = self._global_gaps.get(stop)
+            median = shared.median() if shared is not None else None
+        if median is None:
+            median = self._defaults.get(stop, self._other_gap)
+        return median
+
+    def predicted_return(self, stream_name: str) -> float:
+        """When the session ``stream_name`` is expected to send its next request (seconds on
+        the hints' clock; ``inf``: never, a finished subagent)."""
+        return self._predict(self._streams[stream_name])
+
+    def _predict(self, stream: _Stream) -> float:
+        now = self._now
+        if stream.in_flight or stream.stop is None or stream.end_s is None:
+            return now + self._gap(stream, STOP_TOOL_USE)
+        if stream.kind == "subagent" and stream.stop == STOP_END_TURN:
+            return math.inf
+        expected = stream.end_s + self._gap(stream, stream.stop)
+        if expected >= now:
+            return expected
+        return now + (now - stream.end_s)
+
+    # -- pages --------------------------------------------------------------------------------
+
+    def _push(self, node: N, owned: _Owned) -> None:
+        owned.version = next(self._seq)
+        if owned.evictable:
+            stream = owned.stream
+            heapq.heappush(stream.heap, (owned.stamp, -self._depth(node), owned.version, node))
+            if len(stream.heap) > 2 * stream.live + 64:
+                stream.heap = [e for e in stream.heap if self._current_entry(e, stream)]
+                heapq.heapify(stream.heap)
+            self._rank(stream)
+
+    def _current_entry(self, entry: tuple[int, int, int, object], stream: _Stream) -> bool:
+        owned = self._owned.get(entry[3])  # type: ignore[call-overload]
+        return (
+            owned is not None
+            and owned.stream is stream
+            and owned.evictable
+            and owned.version == entry[2]
+        )
+
+    def admit(self, node: N) -> None:
+        if node in self._owned:
+            raise ValueError(f"{node!r} is already resident")
+        if self._current is None:
+            self.fallback.admit(node)
+            self._fallback_time[node] = self._now
+            return
+        self._owned[node] = _Owned(self._current, self._clock)
+
+    def touch(self, node: N) -> None:
+        owned = self._owned.get(node)
+        stream = self._current
+        if owned is None:
+            if stream is None:
+                self.fallback.touch(node)
+                self._fallback_time[node] = self._now
+                return
+            # a fallback page used by a session: it joins the session.
+            evictable = self._fallback_evictable(node)
+            self.fallback.evict(node)
+            del self._fallback_time[node]
+            owned = self._owned[node] = _Owned(stream, self._clock, evictable)
+            if evictable:
+                stream.live += 1
+        elif stream is not None and owned.stream is not stream:
+            if owned.evictable:
+                owned.stream.live -= 1
+                stream.live += 1
+            owned.stream = stream
+        owned.stamp = self._clock
+        self._push(node, owned)
+
+    def touch_path(self, nodes: Sequence[N]) -> None:
+        """``touch`` of each of ``nodes`` in order (a request's cached prefix), faster."""
+        stream = self._current
+        owned_of = self._owned
+        clock = self._clock
+        for node in nodes:
+            owned = owned_of.get(node)
+            if owned is None or stream is None or owned.stream is not stream or owned.evictable:
+                self.touch(node)
+            else:
+                owned.stamp = clock
+
+    def _fallback_evictable(self, node: N) -> bool:
+        leaves = self.fallback._leaves  # the fallback is this policy's own part
+        return leaves.states[node].evictable
+
+    def set_evictable(self, node: N, evictable: bool) -> None:
+        owned = self._owned.get(node)
+        if owned is None:
+            self.fallback.set_evictable(node, evictable)
+            return
+        if owned.evictable != evictable:
+            owned.evictable = evictable
+            owned.stream.live += 1 if evictable else -1
+            self._push(node, owned)
+
+    def _rank(self, stream: _Stream) -> None:
+        """Put ``stream`` in this epoch's ranking (if the ranking exists and it is not in it)."""
+        if self._ranking_epoch == self._clock and stream.ranked != self._clock and stream.live:
+            stream.ranked = self._clock
+            predicted = self._predict(stream)
+            heapq.heappush(
+                self._ranking, (-predicted, stream.end_s or 0.0, next(self._seq), stream)
+            )
+
+    def _session_victim(self) -> tuple[N, float] | None:
+        if self._ranking_epoch != self._clock:
+            self._ranking_epoch = self._clock
+            self._ranking = []
+            for stream in self._streams.values():
+                stream.ranked = -1
+                self._rank(stream)
+        ranking = self._ranking
+        while ranking:
+            stream = ranking[0][3]
+            heap = stream.heap
+            while heap and not self._current_entry(heap[0], stream):
+                heapq.heappop(heap)
+            if heap:
+                return heap[0][3], -ranking[0][0]  # type: ignore[return-value]
+            heapq.heappop(ranking)
+            stream.ranked = -1
+        return None
+
+    def victim(self) -> N | None:
+        session = self._session_victim()
+        if not self.fallback_pages:
+            return None if session is None else session[0]
+        other = self.fallback.victim()
+        if session is None or other is None:
+            return other if session is None else session[0]
+        other_next = self._now + (self._now - self._fallback_time[other])
+        return session[0] if session[1] >= other_next else other
+
+    @property
+    def fallback_pages(self) -> int:
+        """Resident pages ordered by the fallback (used without a session since last used by
+        one)."""
+        return len(self.fallback)
+
+    def evict(self, node: N) -> None:
+        owned = self._owned.pop(node, None)
+        if owned is None:
+            self.fallback.evict(node)
+            del self._fallback_time[node]
+            return
+        if owned.evictable:
+            owned.stream.live -= 1
+
+
 def make_eviction_policy(
     name: str,
     capacity: int,
     depth: Callable[[N], int],
     ghost_key: Callable[[N], Hashable],
-) -> LRUEviction[N] | ARCEviction[N]:
+) -> LRUEviction[N] | ARCEviction[N] | SessionEviction[N]:
     """The policy ``name`` (one of ``EVICTION_POLICIES``) for a pool of ``capacity`` pages."""
     if name == "lru":
         return LRUEviction(depth)
     if name == "arc":
         return ARCEviction(capacity, depth, ghost_key)
+    if name == "session":
+        return SessionEviction(capacity, depth, ghost_key)
     raise ValueError(f"eviction policy {name!r} is not one of {', '.join(EVICTION_POLICIES)}")

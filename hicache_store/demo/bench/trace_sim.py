@@ -21,7 +21,13 @@ cache, as the literature reports it).
   it is the usual optimistic reference, not a proven optimum.
 * ``simulate``: a prefix-closed cache, as the tier keeps one: only leaves (cached blocks with
   no cached child) are evicted, in the order of one of the tier's own eviction policies
-  (``hicache_store.tier.eviction``; ``block_policy`` builds one over block ids).
+  (``hicache_store.tier.eviction``; ``block_policy`` builds one over block ids). A policy
+  that takes hints (``session``) gets them as an engine would hand them over
+  (``request_hints``): each request's ``RequestHints`` when it arrives, and each response's
+  ``ResponseEnd`` before the first request arriving at or after its end; never anything
+  later. In a trace without sessions the hints carry the clock only.
+
+Hit rates of traces of sessions are also counted per request kind (``main``, ``subagent``).
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from hicache_store.tier.eviction import EvictionPolicy, make_eviction_policy
+from hicache_store.tier.eviction import EvictionPolicy, make_eviction_policy, takes_hints
+from hicache_store.tier.hints import RequestHints, ResponseEnd
 
-from .trace_format import Trace
+from .trace_format import Trace, TraceRequest
 
 #: next use of a block that is never used again (orders after every request index).
 NEVER = 1 << 62
@@ -59,9 +66,22 @@ class HitCount:
     input_tokens: int = 0
     second_half_hit_tokens: int = 0
     second_half_input_tokens: int = 0
+    #: [hit tokens, input tokens] per request kind (traces of sessions only)
+    by_kind: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, index: int, hit_tokens: int, input_tokens: int, block_hits: int = 0) -> None:
-        """Count request ``index`` (0-based, of ``requests``)."""
+    def add(
+        self,
+        index: int,
+        hit_tokens: int,
+        input_tokens: int,
+        block_hits: int = 0,
+        kind: str | None = None,
+    ) -> None:
+        """Count request ``index`` (0-based, of ``requests``), of ``kind`` if it has one."""
+        if kind is not None:
+            tally = self.by_kind.setdefault(kind, [0, 0])
+            tally[0] += hit_tokens
+            tally[1] += input_tokens
         self.block_hits += block_hits
         self.hit_tokens += hit_tokens
         self.input_tokens += input_tokens
@@ -78,6 +98,67 @@ class HitCount:
         if not self.second_half_input_tokens:
             return 0.0
         return self.second_half_hit_tokens / self.second_half_input_tokens
+
+    @property
+    def kind_hit_rates(self) -> dict[str, float]:
+        """Token hit rate per request kind (empty for a trace without sessions)."""
+        return {k: (h / n if n else 0.0) for k, (h, n) in sorted(self.by_kind.items())}
+
+
+def _kind(request: TraceRequest) -> str | None:
+    return None if request.session is None else request.session.kind
+
+
+def request_hints(request: TraceRequest) -> RequestHints:
+    """What an engine knows of ``request`` when it arrives (``tier.hints.RequestHints``)."""
+    now = request.timestamp_ms / 1000
+    info = request.session
+    if info is None:
+        return RequestHints(now)
+    parent = info.session if info.agent is not None else None
+    previous_end = None if info.previous_end_ms is None else info.previous_end_ms / 1000
+    if previous_end is not None and previous_end > now:
+        # The trace has the next request arrive before the previous response's recorded end
+        # (rounding, or the client did not wait): the engine has seen no end yet.
+        return RequestHints(
+            now, info.stream, parent, info.kind, session_start=info.subagent_start
+        )
+    return RequestHints(
+        now,
+        info.stream,
+        parent,
+        info.kind,
+        info.previous_stop,
+        previous_end,
+        info.subagent_start,
+    )
+
+
+class HintFeed:
+    """Hands a hinted policy what an engine would know, request by request (module docstring):
+    ``arrive(request)`` first gives every response that ended by the request's arrival, in end
+    order, then the request's own hints; the request's response is held back until it ends."""
+
+    def __init__(self, policy: EvictionPolicy[int]) -> None:
+        self.policy = policy if takes_hints(policy) else None
+        self._pending: list[tuple[int, int, ResponseEnd]] = []
+        self._order = 0
+
+    def arrive(self, request: TraceRequest) -> None:
+        policy = self.policy
+        if policy is None:
+            return
+        now_ms = request.timestamp_ms
+        pending = self._pending
+        while pending and pending[0][0] <= now_ms:
+            policy.hint_response(heapq.heappop(pending)[2])  # type: ignore[attr-defined]
+        policy.hint_request(request_hints(request))  # type: ignore[attr-defined]
+        info = request.session
+        if info is not None:
+            end_ms = max(info.end_ms, now_ms)
+            self._order += 1
+            end = ResponseEnd(info.stream, info.stop, end_ms / 1000)
+            heapq.heappush(pending, (end_ms, self._order, end))
 
 
 def _cached_prefix(hash_ids: Sequence[int], cached: object) -> int:
@@ -102,7 +183,7 @@ def lru_reference(trace: Trace, capacity: int | None) -> HitCount:
     for index, request in enumerate(trace.requests):
         hit = _cached_prefix(request.hash_ids, cache)
         count.add(index, prefix_hit_tokens(hit, request.input_length, trace.block_tokens),
-                  request.input_length)
+                  request.input_length, kind=_kind(request))
         for block in request.hash_ids:
             if block in cache:
                 cache.move_to_end(block)
@@ -137,7 +218,7 @@ def belady(trace: Trace, capacity: int | None) -> HitCount:
         hit = _cached_prefix(request.hash_ids, cached)
         blocks_in = sum(1 for block in request.hash_ids if block in cached)
         count.add(index, prefix_hit_tokens(hit, request.input_length, trace.block_tokens),
-                  request.input_length, blocks_in)
+                  request.input_length, blocks_in, _kind(request))
         for depth, (block, use) in enumerate(zip(request.hash_ids, uses[index], strict=True)):
             cached[block] = (use, depth)
             heapq.heappush(heap, (-use, -depth, block))
@@ -154,19 +235,31 @@ def simulate(trace: Trace, capacity: int, policy: EvictionPolicy[int]) -> HitCou
     This plays the tier's part in the protocol of ``hicache_store.tier.eviction`` with block
     ids as nodes: per request, ``begin_request``, then every block in chain order is admitted
     (if new) and touched; then victims are evicted until the cache fits. A request's own new
-    blocks may be evicted at once (not kept). Nothing is locked.
+    blocks may be evicted at once (not kept). Nothing is locked. A policy that takes hints gets
+    them after ``begin_request`` (``HintFeed``); one with ``touch_path`` gets the request's
+    cached prefix in one call.
     """
     _check_capacity(capacity)
     children: dict[int, int] = {}  # cached block -> cached children
     parent: dict[int, int] = {}
     count = HitCount(len(trace))
+    feed = HintFeed(policy)
+    touch_path = getattr(policy, "touch_path", None)
     for index, request in enumerate(trace.requests):
         blocks = request.hash_ids
         hit = _cached_prefix(blocks, children)
         count.add(index, prefix_hit_tokens(hit, request.input_length, trace.block_tokens),
-                  request.input_length)
+                  request.input_length, kind=_kind(request))
         policy.begin_request()
-        for depth, block in enumerate(blocks):
+        feed.arrive(request)
+        # The cached blocks are a prefix (the cache is prefix-closed), the rest are new.
+        if touch_path is not None:
+            touch_path(blocks[:hit])
+        else:
+            for block in blocks[:hit]:
+                policy.touch(block)
+        for depth in range(hit, len(blocks)):
+            block = blocks[depth]
             if block not in children:
                 children[block] = 0
                 policy.admit(block)

@@ -1,0 +1,145 @@
+"""The WEKA session format: the tester's replay rule on a hand-written set, strictness."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hicache_store.demo.bench.trace_format import TraceFormatError, check_chains, read_trace
+from hicache_store.demo.bench.trace_sim import lru_reference
+
+
+def request(t: float, ids: list[int], extra: int = 0, **fields: Any) -> dict[str, Any]:
+    record = {"t": t, "type": "n", "in": 64 * len(ids) + extra, "out": 1, "hash_ids": ids,
+              "stop": "tool_use", "api_time": 2.0}
+    record.update(fields)
+    return record
+
+
+#: session a (k = 0): a subagent started at 5 s, whose second request ties with a main one at
+#: 10 s (file order: main first), and a main request at 30 s that ties with session b's first
+#: (k = 1, starting at 30 s: session order, a first).
+SESSION_A = {
+    "id": "a", "block_size": 64, "hash_id_scope": "local",
+    "requests": [
+        request(0.0, [1, 2], extra=2),
+        request(10.0, [1, 2, 3], extra=8, stop="end_turn"),
+        {"t": 5.0, "type": "subagent", "agent_id": "agent_1", "requests": [
+            request(0.0, [7]), request(5.0, [7, 8], stop="end_turn")]},
+        request(30.0, [1, 2, 3, 4]),
+    ],
+}
+SESSION_B = {
+    "id": "b", "block_size": 64, "hash_id_scope": "local",
+    "requests": [request(0.0, [1, 5], stop="")],
+}
+
+
+def write_folder(folder: Path, sessions: dict[str, object]) -> Path:
+    folder.mkdir()
+    for name, document in sessions.items():
+        (folder / name).write_text(json.dumps(document))
+    return folder
+
+
+def write_tar(path: Path, sessions: dict[str, object]) -> Path:
+    with tarfile.open(path, "w:gz") as archive:
+        for name, document in sessions.items():
+            data = json.dumps(document).encode()
+            info = tarfile.TarInfo(f"traces/{name}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.fixture(params=["folder", "tar"])
+def hand_set(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    # named so that sorting by name puts a first
+    sessions = {"trace_b.json": SESSION_B, "trace_a.json": SESSION_A}
+    if request.param == "folder":
+        return write_folder(tmp_path / "sessions", sessions)
+    return write_tar(tmp_path / "sessions.tar.gz", sessions)
+
+
+def test_flattens_by_the_testers_rule(hand_set: Path) -> None:
+    trace = read_trace(hand_set, "weka")
+    check_chains(trace)
+    assert trace.block_tokens == 64
+    # arrival ms, chain (global id = local x 2 sessions + k), stream
+    got = [(r.timestamp_ms, r.hash_ids, r.session.stream) for r in trace.requests if r.session]
+    assert got == [
+        (0, (2, 4), "a"),
+        (5000, (14,), "a/agent_1"),
+        (10000, (2, 4, 6), "a"),
+        (10000, (14, 16), "a/agent_1"),
+        (30000, (2, 4, 6, 8), "a"),
+        (30000, (3, 11), "b"),
+    ]
+    a1, sub0, sub1, b0 = (trace.requests[i].session for i in (2, 1, 3, 5))
+    assert a1 is not None and sub0 is not None and sub1 is not None and b0 is not None
+    assert (a1.kind, a1.previous_stop, a1.previous_end_ms, a1.stop, a1.end_ms) == (
+        "main", "tool_use", 2000, "end_turn", 12000)
+    assert (sub0.kind, sub0.subagent_start, sub0.previous_stop) == ("subagent", True, None)
+    assert (sub1.subagent_start, sub1.previous_end_ms) == (False, 7000)
+    assert b0.stop == ""
+    assert [r.input_length for r in trace.requests] == [130, 64, 200, 128, 256, 128]
+
+
+def test_hit_rates_by_hand(hand_set: Path) -> None:
+    trace = read_trace(hand_set, "weka")
+    unbounded = lru_reference(trace, None)
+    # a1 hits 2 blocks, sub1 1, a2 3: 128 + 64 + 192 tokens of 906
+    assert (unbounded.hit_tokens, unbounded.input_tokens) == (384, 906)
+    assert unbounded.by_kind == {"main": [320, 714], "subagent": [64, 192]}
+    # 3 blocks: a1 hits [2, 4]; sub1's 14 and a2's 2 were evicted
+    assert lru_reference(trace, 3).hit_tokens == 128
+
+
+def broken(**changes: Any) -> dict[str, Any]:
+    return {**SESSION_B, **changes}
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ("not json", "not JSON"),
+        ([], "expected a JSON object"),
+        (broken(id=""), "'id'"),
+        (broken(block_size=16), "'block_size' 16"),
+        (broken(hash_id_scope="global"), "'hash_id_scope'"),
+        (broken(requests={}), "'requests' must be a list"),
+        (broken(requests=[request(0.0, [1, 2], extra=64)]), "2 hash ids for 'in' 192"),
+        (broken(requests=[request(-1.0, [1])]), "'t'"),
+        (broken(requests=[request(0.0, [1], stop=3)]), "'stop'"),
+        (broken(requests=[request(0.0, [1], api_time="x")]), "'api_time'"),
+        (broken(requests=[request(0.0, [True])]), "'hash_ids'"),
+        (broken(requests=[{"t": 0, "type": "subagent", "requests": []}]), "'agent_id'"),
+        (broken(requests=[{"t": 0, "type": "subagent", "agent_id": "x", "requests": [
+            {"t": 0, "type": "subagent", "agent_id": "y", "requests": []}]}]), "do not nest"),
+    ],
+)
+def test_rejects_malformed_sessions(tmp_path: Path, document: object, message: str) -> None:
+    folder = tmp_path / "sessions"
+    folder.mkdir()
+    (folder / "trace_a.json").write_text(json.dumps(SESSION_A))
+    text = document if isinstance(document, str) else json.dumps(document)
+    (folder / "trace_b.json").write_text(text)
+    with pytest.raises(TraceFormatError, match="trace_b.json") as raised:
+        read_trace(folder, "weka")
+    assert message in str(raised.value)
+
+
+def test_rejects_what_is_no_set_of_sessions(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TraceFormatError, match="no session files"):
+        read_trace(empty, "weka")
+    plain = tmp_path / "plain.json"
+    plain.write_text("{}")
+    with pytest.raises(TraceFormatError, match="not a folder or a tar archive"):
+        read_trace(plain, "weka")
