@@ -309,3 +309,20 @@ def test_stalled_backend_gives_recompute_not_a_hang(engine: Any, reference: Refe
     assert engine.reset_prefix_cache()
     assert generate(engine, prompt) == reference.by_prompt[tuple(prompt)]
     assert sched.metrics["lookups_skipped"] >= 1
+
+
+def test_salted_requests_are_neither_loaded_nor_saved(engine: Any, reference: Reference) -> None:
+    """A ``cache_salt`` changes which KV a prompt may share; the token ids alone no longer name
+    it, so such requests never touch the store (and still compute the right tokens)."""
+    prompt = extra_prompts(reference.prompts)[0]
+    sched, worker = scheduler_connector(engine), worker_connector()
+    before = counter(engine, "vllm:external_prefix_cache_hits")
+    saved = worker.metrics["pages_saved"]
+    (out,) = engine.generate(
+        [TokensPrompt(prompt_token_ids=prompt, cache_salt="tenant-a")], GREEDY, use_tqdm=False
+    )
+    worker.flush()
+    assert list(out.outputs[0].token_ids) == reference.by_prompt[tuple(prompt)]
+    assert sched.metrics["skipped_cache_salt"] >= 1
+    assert counter(engine, "vllm:external_prefix_cache_hits") == before
+    assert worker.metrics["pages_saved"] == saved

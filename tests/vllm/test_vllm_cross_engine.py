@@ -6,7 +6,7 @@ Hugging Face model (transformers, not vLLM) is found and served by vLLM through 
 * ``prepopulate`` (``HFSource``: the model run by transformers) writes the same prompts' pages
   into a second store. Same model path, dtype, block size and topology: the same namespace, so
   the very same object keys. Their payloads agree with vLLM's to float32 rounding (a check of
-  the ``vllm_cpu`` layout: K/V, token and head order all line up with what transformers
+  ``VllmCpuLayout``: K/V, token and head order all line up with what transformers
   computes), and are not bitwise equal (two different implementations did compute them).
 * A fresh vLLM engine on the prepopulated store takes every offered page from it (vLLM's
   ``external_prefix_cache_hits``) and its greedy tokens equal vLLM's own recompute.
