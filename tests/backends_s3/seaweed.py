@@ -139,7 +139,13 @@ class SeaweedServer:
             cwd=self.root, start_new_session=True,
         )
         log.close()
-        self._wait_ready(timeout)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            # Whatever ended the wait (a missing boto3, an interrupt), the server must not
+            # outlive it: nobody else holds its pid.
+            self.stop()
+            raise
 
     def _wait_ready(self, timeout: float) -> None:
         client = self.client(connect_timeout=1, read_timeout=2, retries={"max_attempts": 1})
