@@ -33,6 +33,7 @@ from .errors import (
     NotSupportedError,
     OutOfSpaceError,
     UnknownBackendError,
+    UnsafeIndexError,
 )
 from .registry import (
     ENTRY_POINT_GROUP,
@@ -70,6 +71,7 @@ __all__ = [
     "ObjectStat",
     "OutOfSpaceError",
     "UnknownBackendError",
+    "UnsafeIndexError",
     "VerifiedObject",
     "aligned_buffer",
     "available_backends",

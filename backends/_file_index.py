@@ -77,6 +77,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ._file_site import HostClaim
 from ._fingerprints import (
     FEED_RECORD,
     Delta,
@@ -258,6 +259,9 @@ class FileIndex:
         self._stopping = threading.Event()
         self.rebuilt = False
         os.makedirs(self.dir, exist_ok=True)
+        #: the kernel that uses this index (``_file_site``): claimed before SQLite opens it.
+        self.host = HostClaim(self.dir, os.path.join(root, "tmp"), token)
+        self.host.claim()
         self._open(walk)
         self._db_id = _file_id(self.db_path)
         self._upgrade_feed()
@@ -291,11 +295,13 @@ class FileIndex:
             self._checked_at = time.monotonic()
             current = _file_id(self.db_path)
             if current == self._db_id:
+                self.host.check()  # the host record is still this kernel's (one stat)
                 return
             self._replacing = True
             try:
                 self._generation += 1  # first: _open's reads must not use the removed file
                 os.makedirs(self.dir, exist_ok=True)
+                self.host.check()  # removed with index/: claimed again before the rebuild
                 self._open(self._walk)  # ready already, or wait for its builder, or build it
                 self._db_id = _file_id(self.db_path)
             finally:

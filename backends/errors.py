@@ -16,6 +16,7 @@ so the original stays in ``__cause__``.
         |   +-- BackendTimeoutError        also TimeoutError, retryable
         |   +-- BackendClosedError         not retryable
         +-- NotSupportedError
+        +-- UnsafeIndexError               file backend: the shared index, from another host
         +-- CapacityError
         |   +-- OutOfSpaceError            also OSError(ENOSPC)
         +-- BackendIOError                 any other I/O failure, .retryable
@@ -83,6 +84,15 @@ class BackendClosedError(BackendUnavailableError):
 
 class NotSupportedError(BackendError):
     """The backend does not offer this operation (see its ``capabilities``)."""
+
+
+class UnsafeIndexError(BackendError):
+    """The file backend's shared index cannot be used for this root from this process:
+    another host uses the root's index, or the root is on a network or FUSE filesystem.
+
+    The message names the remedy (``index=none`` for a root several hosts use) and what was
+    found (the host recorded, or the filesystem type). Not retryable: the deployment is wrong.
+    """
 
 
 class CapacityError(BackendError):

@@ -50,8 +50,11 @@ up to date from the database's change feed. Open costs the same at any store siz
 per-object state lives in process memory, and objects other processes wrote a moment ago are
 found at index speed. Reads and stats go to the files themselves (a read that finds no file is
 a miss, and fixes the index). All processes using one root must run on one host (SQLite's
-write-ahead log shares memory between them); a root written before the index existed gets one
-at its first open (one walk of ``objects/``).
+write-ahead log shares memory between them), and the open checks it (``_file_site``): a
+process on another host than the one recorded in ``index/host.json`` is refused, and so is
+the default index on a network or FUSE filesystem unless ``index=sqlite`` is given by name.
+A root written before the index existed gets one at its first open (one walk of
+``objects/``).
 
 **Capacity and eviction.** ``capacity_bytes`` (default: 90% of what the filesystem could hold
 for the store at open) bounds the bytes of the whole store, counted in the shared index
@@ -99,6 +102,7 @@ from hicache_store.layout.keys import validate_storage_key
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer, is_aligned, scratch_block
 from ._file_index import FileIndex, ObjectIndex, Reservation, pid_alive
 from ._file_noindex import NoIndex
+from ._file_site import RootSite, check_filesystem, filesystem_of, root_site
 from ._pagecache import SecondTouch, is_cached
 from .base import Backend, abandonable, gather_settled, reads_are_uses, scatter_views
 from .errors import (
@@ -154,7 +158,8 @@ class FileBackend(Backend):
     ``lock_timeout`` (seconds to wait for the shared index or a key busy in another process
     before ``BackendUnavailableError``, default 30), ``index`` (``sqlite``: the shared index,
     processes on one host; ``none``: no index, for a root several hosts write, see
-    ``_file_noindex``).
+    ``_file_noindex``; given as ``sqlite`` explicitly, it is also taken on a network or FUSE
+    filesystem, which the default refuses: ``_file_site``).
     """
 
     #: the index a root gets when ``index`` is not given.
@@ -187,6 +192,7 @@ class FileBackend(Backend):
         index: IndexKind | None = None,
     ) -> None:
         super().__init__()
+        explicit_index = index is not None
         index = self.default_index if index is None else index
         if index not in INDEX_KINDS:
             raise ConfigError(f"index must be one of {INDEX_KINDS}, got {index!r}")
@@ -214,6 +220,12 @@ class FileBackend(Backend):
         self._known_dirs: set[str] = set()
         self._second_touch = SecondTouch()
         try:
+            #: the filesystem of the root (None where ``statfs`` is unavailable), checked
+            #: before anything is created: the default index is refused on a network or FUSE
+            #: filesystem unless asked for by name (``_file_site``).
+            self.filesystem = filesystem_of(_existing_ancestor(self.root))
+            if index == "sqlite":
+                check_filesystem(str(self.root), self.filesystem, explicit=explicit_index)
             upgrade = self._prepare_root(create, index)
             self.direct_io = direct_io == "auto" and self._probe_direct_io()
             self.removed_temp_files = self._remove_stale_temps()
@@ -248,6 +260,13 @@ class FileBackend(Backend):
             options, ints=("io_threads",), floats=("lock_timeout",), sizes=("capacity_bytes",),
             bools=("create",),
         )
+
+    @staticmethod
+    def site(root: str | os.PathLike[str]) -> RootSite:
+        """Where ``root`` lives, read without opening it (nothing is created or claimed): its
+        filesystem, the index its marker names, the host its index records (``_file_site``;
+        ``hicache-store doctor`` reports it)."""
+        return root_site(str(root))
 
     def __repr__(self) -> str:
         return f"FileBackend({str(self.root)!r}, durability={self.durability!r})"
@@ -736,6 +755,15 @@ def _list_dir(directory: str) -> Iterator[tuple[str, int, float]]:
             except FileNotFoundError:
                 continue
             yield entry.name, st.st_size, st.st_mtime
+
+
+def _existing_ancestor(path: Path) -> str:
+    """``path``, or its nearest ancestor that exists (a root about to be created lives on
+    that one's filesystem)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return str(candidate)
+    return "/"
 
 
 def _scandir_dirs(path: str | os.PathLike[str]) -> Iterator[os.DirEntry[str]]:

@@ -21,6 +21,7 @@ from hicache_store.backends.errors import (
     NotSupportedError,
     OutOfSpaceError,
     UnknownBackendError,
+    UnsafeIndexError,
 )
 from hicache_store.layout.errors import (
     BadMagicError,
@@ -71,6 +72,7 @@ __all__ = [
     "TamperedObjectError",
     "TruncatedObjectError",
     "UnknownBackendError",
+    "UnsafeIndexError",
     "UnsupportedVersionError",
 ]
 

@@ -9,7 +9,11 @@ hit::
         --model-id /models/llama --page-size 64 --topology tp=4,pp=1 --prompts prompts.jsonl
 
 Inputs not given are taken from the stored namespaces (so they never count as differences).
-Exit code 0 when no deployment is given or the store holds its namespace, 1 when it does not.
+For a file-layout root (``file://``, ``hf3fs://``) it also reports the root's filesystem type
+and the host its index records, even when the store's open is refused (another host uses the
+index, or the default index on a network filesystem).
+Exit code 0 when no deployment is given or the store holds its namespace, 1 when it does not
+or the store cannot be opened from here.
 Library: ``hicache_store.ops.doctor``.
 """
 
@@ -20,6 +24,7 @@ import json
 from typing import Any
 
 from hicache_store._sync import run_sync
+from hicache_store.backends._file_site import RootSite
 from hicache_store.cli import UsageError, doc_summary
 from hicache_store.layout.namespace import HASH_ALGOS, ModelShape, Namespace
 from hicache_store.layout.topology import Topology
@@ -69,8 +74,9 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     resolve(args)
     url = require(args, "url", "a backend URL")
+    from hicache_store.backends.errors import UnsafeIndexError
     from hicache_store.ops.deployment import Deployment, deployment_keys, merge_extra_config
-    from hicache_store.ops.doctor import diagnose
+    from hicache_store.ops.doctor import Diagnosis, diagnose, site_of
 
     try:
         topology = Topology.parse(args.topology)
@@ -99,18 +105,27 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--prompts needs a deployment (--extra-config or the flags)")
     prompts = _prompts(args) if args.prompts else []
 
+    site = site_of(url)  # before the open, which may refuse this host
+
     async def go() -> Any:
-        backend = open_store(url)
         try:
-            return await diagnose(backend, deployment, prompts)
+            backend = open_store(url)
+        except UnsafeIndexError as exc:
+            return Diagnosis(site=site, refused=str(exc))
+        try:
+            found = await diagnose(backend, deployment, prompts)
         finally:
             await backend.close()
+        found.site = site_of(url)  # as the open left it (a new root's record, say)
+        return found
 
     found = run_sync(go())
     if args.json:
         print(json.dumps(_as_json(found), indent=2))
     else:
         print("\n".join(_report(url, found, deployment is not None)))
+    if found.refused is not None:
+        return 1
     return 0 if deployment is None or found.found else 1
 
 
@@ -141,8 +156,29 @@ def _describe(ns: Namespace) -> str:
             f"{dims}  {salt}{sealed}")
 
 
+def _site_lines(site: RootSite) -> list[str]:
+    lines = [f"root: {site.root}", f"  filesystem: {site.filesystem or 'unknown (no statfs)'}"]
+    if site.index == "none":
+        lines.append("  index: none (any host may use this root; nothing recorded)")
+    elif site.record_error is not None:
+        lines.append(f"  index: {site.index or 'not created yet'}; host record: {site.record_error}")
+    elif site.host_record is None:
+        lines.append(f"  index: {site.index or 'not created yet'}; no host recorded yet")
+    else:
+        mine = "this host" if site.this_host_recorded else (
+            f"NOT this host: {site.this_host.hostname} (boot id {site.this_host.boot_id})")
+        lines.append(f"  index: {site.index or 'sqlite'}; host recorded: "
+                     f"{site.host_record.describe()}; {mine}")
+    if site.filesystem is not None and site.filesystem.network and site.index != "none":
+        lines.append("  warning: the default index on a network or FUSE filesystem serves one "
+                     "host only; a root several hosts use takes index=none")
+    return lines
+
+
 def _report(url: str, found: Any, has_deployment: bool) -> list[str]:
-    lines = []
+    lines = [] if found.site is None else _site_lines(found.site)
+    if found.refused is not None:
+        return [*lines, f"{url}: refused: {found.refused}"]
     if not found.listing:
         lines.append(f"{url}: this backend cannot list keys; only the deployment's own "
                      "manifest was looked up")
@@ -172,8 +208,26 @@ def _report(url: str, found: Any, has_deployment: bool) -> list[str]:
     return lines
 
 
+def _site_json(site: RootSite | None) -> dict[str, Any] | None:
+    if site is None:
+        return None
+    fs = site.filesystem
+    return {
+        "root": site.root,
+        "filesystem": None if fs is None else {
+            "name": fs.name, "f_type": fs.magic, "network": fs.network},
+        "index": site.index,
+        "host_record": None if site.host_record is None else site.host_record.to_json(),
+        "host_record_error": site.record_error,
+        "this_host": {"hostname": site.this_host.hostname, "boot_id": site.this_host.boot_id},
+        "this_host_recorded": site.this_host_recorded,
+    }
+
+
 def _as_json(found: Any) -> dict[str, Any]:
     return {
+        "site": _site_json(found.site),
+        "refused": found.refused,
         "listing": found.listing,
         "namespaces": [ns.to_json() for ns in found.namespaces],
         "unreadable_manifests": found.unreadable,

@@ -12,6 +12,11 @@
 
 A backend that cannot list keys (Mooncake) shows no namespace list: only the deployment's own
 manifest is looked up, which needs a fully given deployment (shape included).
+
+For a file-layout root (``file://``, ``hf3fs://``), ``site_of`` also says where it lives: the
+filesystem type of the root (a network or FUSE one takes ``index=none`` or an explicit
+``index=sqlite``), its index, and the host its index records, read without opening the store,
+so that a store whose open is refused (another host, a network filesystem) is still described.
 """
 
 from __future__ import annotations
@@ -19,14 +24,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hicache_store.backends import get_backend_class
+from hicache_store.backends._file_site import RootSite
 from hicache_store.backends.base import Backend
+from hicache_store.backends.file import FileBackend
+from hicache_store.backends.types import BackendURL
 from hicache_store.layout.namespace import Difference, Namespace
 from hicache_store.reader import KVReader
 
 from .deployment import Deployment
 from .manifest import ManifestError, list_manifests, manifest_key, read_manifest
 
-__all__ = ["Diagnosis", "PromptHit", "diagnose"]
+__all__ = ["Diagnosis", "PromptHit", "diagnose", "site_of"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,8 @@ class Diagnosis:
     nearest: Namespace | None = None
     differences: list[Difference] = field(default_factory=list)
     prompts: list[PromptHit] = field(default_factory=list)
+    site: RootSite | None = None  # a file-layout root's filesystem and host (``site_of``)
+    refused: str | None = None  # why the store's open was refused (then nothing else is known)
 
     @property
     def hit_tokens(self) -> int:
@@ -98,6 +109,15 @@ async def diagnose(
         if prompts:
             result.prompts = await _prompt_hits(backend, result.deployment, deployment, prompts)
     return result
+
+
+def site_of(url: str) -> RootSite | None:
+    """Where the root of a file-layout URL lives (``FileBackend.site``); None for the others."""
+    parsed = BackendURL.parse(url)
+    cls = get_backend_class(parsed.scheme)
+    if not issubclass(cls, FileBackend):
+        return None
+    return cls.site(parsed.local_path())
 
 
 async def _prompt_hits(

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from hicache_store.backends import _file_site
 from hicache_store.cli import main
 
 from .conftest import write_jsonl
@@ -180,3 +184,71 @@ def test_an_unreadable_tenant_key_file_is_a_usage_error(
     assert code == 2
     (line,) = err.strip().splitlines()
     assert "missing.keys" in line
+
+
+# -- where a file root lives: its filesystem and the host its index records -------------------
+
+
+def test_reports_the_filesystem_and_the_recorded_host(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    me = _file_site.this_host()
+    shown = subprocess.run(["stat", "-f", "-c", "%t", str(tmp_path)], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    code, out, _ = cli(["doctor", store, "--json"], capsys)
+    assert code == 0
+    found = json.loads(out)["site"]
+    assert found["root"] == str(tmp_path / "kv")
+    assert found["filesystem"]["f_type"] == int(shown, 16)
+    assert found["filesystem"]["network"] is False
+    assert found["index"] == "sqlite"
+    assert found["host_record"]["boot_id"] == me.boot_id
+    assert found["host_record"]["hostnames"] == [me.hostname]
+    assert found["this_host_recorded"] is True
+    code, out, _ = cli(["doctor", store], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == f"root: {tmp_path / 'kv'}"
+    assert lines[1].startswith("  filesystem: ") and f"f_type {int(shown, 16):#x}" in lines[1]
+    assert f"host recorded: {me.hostname} (boot id {me.boot_id}" in lines[2]
+    assert lines[2].endswith("; this host")
+
+
+def test_a_store_another_host_uses_is_described_and_refused(
+    store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Run from another host (own host name and boot id, in namespaces of its own), doctor
+    names the host its index records, says it is not this one, and exits 1 with the refusal."""
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "-u", "true"], capture_output=True, check=False).returncode != 0:
+        pytest.skip("unshare -m -u is not permitted here")
+    me = _file_site.this_host()
+    boot = tmp_path / "boot_id"
+    boot.write_text("0badc0de-0000-4000-8000-000000000002\n")
+    done = subprocess.run(
+        ["unshare", "-m", "-u", "sh", "-c",
+         'mount --bind "$1" /proc/sys/kernel/random/boot_id && hostname far-host && '
+         'shift && exec "$@"', "sh", str(boot),
+         sys.executable, "-m", "hicache_store", "doctor", store],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stderr
+    out = done.stdout
+    assert f"host recorded: {me.hostname} (boot id {me.boot_id}" in out
+    assert "NOT this host: far-host (boot id 0badc0de-0000-4000-8000-000000000002)" in out
+    assert "refused:" in out and "index=none" in out
+
+
+def test_a_root_on_a_network_filesystem_is_described_and_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_file_site, "statfs_type", lambda path: 0x6969)  # as on NFS
+    code, out, _ = cli(["doctor", f"file://{tmp_path / 'kv'}"], capsys)
+    assert code == 1
+    assert "  filesystem: nfs (f_type 0x6969, network or FUSE filesystem)" in out
+    assert "warning: the default index on a network or FUSE filesystem" in out
+    assert "refused:" in out and "index=none" in out
+    code, out, _ = cli(["doctor", f"file://{tmp_path / 'kv'}?index=none", "--json"], capsys)
+    assert code == 0
+    found = json.loads(out)["site"]
+    assert found["filesystem"] == {"name": "nfs", "f_type": 0x6969, "network": True}
+    assert found["index"] == "none" and found["host_record"] is None

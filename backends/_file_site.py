@@ -1,0 +1,406 @@
+"""Where the file backend's shared index may be used: one running kernel, a local filesystem.
+
+The index (``_file_index``) is SQLite with a write-ahead log plus a fingerprint map. SQLite
+keeps the WAL's lock state in memory shared between the processes that have the database
+open (``index.sqlite3-shm``, mapped), which is coherent only between processes of one running
+kernel; SQLite documents WAL as unsafe on a network filesystem. Pointed at one root from two
+hosts (NFS, Lustre, a 3FS FUSE mount), each host would act on its own view: ``exists``,
+capacity eviction and gc would miss the other host's writes, and both would write the same
+database. A root several hosts use takes ``index=none`` (``_file_noindex``). Two checks at
+open enforce it, both before SQLite touches the database:
+
+**The filesystem** (``filesystem_of``): ``statfs(2)``'s ``f_type`` of the root (through
+ctypes: ``os.statvfs`` has no type). Authoritative for the path itself, whatever bind mounts,
+symlinks or mount namespaces lie between, where matching ``/proc/self/mountinfo`` by path
+prefix is not. A root on a network or FUSE filesystem (``NETWORK_FILESYSTEMS``) gets the
+default index only when the options ask for it by name (``index=sqlite``: "only this host
+uses this root"); otherwise the open raises ``UnsafeIndexError``. Where ``statfs`` is not
+available (not Linux) the type is unknown and nothing is refused.
+
+**The host** (``claim_host``): ``index/host.json`` names the kernel that uses the index: its
+boot id (``/proc/sys/kernel/random/boot_id``), its boot time, and the host names its processes
+had when they opened the root. Every open reads it (one small file) and:
+
+- no record: writes one (temp file, then ``link``: of openers racing on a new root exactly
+  one wins, the others read its record);
+- the same boot id: this kernel's (a host name not listed yet, another container's, is added);
+- another boot id whose kernel booted before this one and whose host names include this
+  process's: a previous boot of this host, whose processes are all gone: replaced;
+- anything else: another host uses the root, ``UnsafeIndexError`` naming ``index=none`` and
+  the host recorded.
+
+Why the boot id decides, not the host name: it is what SQLite's shared memory needs (one
+kernel), containers on one kernel have host names of their own (UTS namespaces) and may share
+a root legitimately, and two hosts are two kernels. Host names serve to recognise a reboot and
+to tell an operator which host it is. The boot-time condition keeps two machines that share
+a host name (a container image's fixed one) from passing for reboots of each other: the one
+that booted first is refused.
+
+**While open** (``HostClaim.check``, run with the index's own check that its database is still
+the one at ``index/``, at most once a second, one ``stat``): if the record was replaced, it is
+read again, and a record of another kernel fails this process's index call with
+``UnsafeIndexError`` (two machines with one host name, the later one's first open took the
+record over), instead of going on with a database another host now writes.
+
+**Stale records and crashes.** A record is one file replaced atomically (temp in ``tmp/``,
+removed at open when its writer is dead, then ``rename`` or ``link``): a crash leaves the old
+record or the new one. No host can tell whether another host's processes are still running,
+so a record of a host that no longer uses the root (the root moved, the host is gone) stays
+until removed by hand: the error says which file (removing it, or the whole ``index/``, is
+safe once that host's processes are stopped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import UnsafeIndexError
+
+HOST_RECORD = "host.json"
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+#: a kernel that booted this many seconds or less before another, with one host name, is not
+#: taken for a previous boot of it (btime is wall-clock and moves a little with the clock).
+_BOOT_TIME_SLACK = 2
+
+#: ``statfs`` ``f_type`` of filesystems other hosts may mount too (``man 2 statfs``, the
+#: kernel's ``magic.h``, and the out-of-tree ones' sources): the default index is refused on
+#: them unless asked for by name.
+NETWORK_FILESYSTEMS: dict[int, str] = {
+    0x6969: "nfs",
+    0xFF534D42: "cifs",
+    0xFE534D42: "smb2",
+    0x517B: "smb",
+    0x0BD00BD0: "lustre",
+    0x65735546: "fuse",  # 3FS, GlusterFS, JuiceFS, s3fs, sshfs, ... (and fuseblk)
+    0x01021997: "9p",
+    0x00C36400: "ceph",
+    0x5346414F: "afs",
+    0x73757245: "coda",
+    0x7461636F: "ocfs2",
+    0x01161970: "gfs2",
+    0x47504653: "gpfs",
+    0x19830326: "beegfs",
+}
+#: names of common local filesystems, for messages and ``doctor``.
+LOCAL_FILESYSTEMS: dict[int, str] = {
+    0xEF53: "ext4",
+    0x58465342: "xfs",
+    0x9123683E: "btrfs",
+    0x2FC12FC1: "zfs",
+    0xF2F52010: "f2fs",
+    0xCA451A4E: "bcachefs",
+    0x01021994: "tmpfs",
+    0x858458F6: "ramfs",
+    0x794C7630: "overlayfs",
+    0x9FA0: "proc",
+}
+
+
+@dataclass(frozen=True)
+class Filesystem:
+    """A root's filesystem: ``statfs`` ``f_type``, its name, whether other hosts may mount it."""
+
+    magic: int
+    name: str
+    network: bool
+
+    def __str__(self) -> str:
+        kind = "network or FUSE filesystem" if self.network else "local filesystem"
+        return f"{self.name} (f_type {self.magic:#x}, {kind})"
+
+
+def statfs_type(path: str) -> int | None:
+    """``f_type`` of ``statfs(2)`` for ``path``; None where the call is not available.
+
+    Linux only: every Linux ABI's ``struct statfs`` starts with ``f_type``, a C ``long``
+    (masked to 32 bits: the magics are 32-bit, and a 32-bit ABI would sign-extend them).
+    Raises ``OSError`` when the call fails (no such path, ...)."""
+    statfs = _statfs()
+    if statfs is None:
+        return None
+    buffer = ctypes.create_string_buffer(512)  # struct statfs is 120 bytes on 64-bit Linux
+    if statfs(os.fsencode(path), buffer) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), path)
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
+
+
+_STATFS: list[Any] = []  # the libc function once looked up (None: not available)
+
+
+def _statfs() -> Any:
+    if not _STATFS:
+        function = None
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+                function = libc.statfs
+                function.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+                function.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                function = None
+        _STATFS.append(function)
+    return _STATFS[0]
+
+
+def describe_filesystem(magic: int) -> Filesystem:
+    """The ``Filesystem`` of a ``statfs`` type (unknown types are local: nothing refused)."""
+    if magic in NETWORK_FILESYSTEMS:
+        return Filesystem(magic, NETWORK_FILESYSTEMS[magic], network=True)
+    return Filesystem(magic, LOCAL_FILESYSTEMS.get(magic, f"{magic:#x}"), network=False)
+
+
+def filesystem_of(path: str) -> Filesystem | None:
+    """The filesystem ``path`` is on; None where ``statfs`` is not available."""
+    magic = statfs_type(path)
+    return None if magic is None else describe_filesystem(magic)
+
+
+def check_filesystem(root: str, fs: Filesystem | None, *, explicit: bool) -> None:
+    """Refuse the default index on a network or FUSE filesystem unless it was asked for by
+    name (``explicit``: ``index=sqlite`` in the options)."""
+    if fs is None or not fs.network or explicit:
+        return
+    raise UnsafeIndexError(
+        f"{root} is on {fs}: the default index (SQLite with a write-ahead log, shared memory "
+        "between the processes of one host) is not safe there. A root several hosts use takes "
+        "index=none (file:///...?index=none, for every process of the root); a root only this "
+        "host uses may keep the index by asking for it: index=sqlite",
+        backend="file", operation="open",
+    )
+
+
+# -- the host ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Host:
+    """This process's kernel: boot id, boot time (unix seconds), host name."""
+
+    boot_id: str
+    boot_time: int
+    hostname: str
+
+
+def this_host() -> Host:
+    """The host this process runs on (boot id ``""`` where the kernel has none to give)."""
+    try:
+        with open(BOOT_ID_PATH) as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    return Host(boot_id, _boot_time(), socket.gethostname())
+
+
+def _boot_time() -> int:
+    with contextlib.suppress(OSError, ValueError), open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("btime "):
+                return int(line.split()[1])
+    return 0
+
+
+@dataclass(frozen=True)
+class HostRecord:
+    """The content of ``index/host.json``: the kernel that uses the index."""
+
+    boot_id: str
+    boot_time: int
+    hostnames: tuple[str, ...]
+    since: float  # when this kernel first opened the index (unix seconds)
+
+    def to_json(self) -> dict[str, object]:
+        return {"boot_id": self.boot_id, "boot_time": self.boot_time,
+                "hostnames": list(self.hostnames), "since": self.since}
+
+    @classmethod
+    def from_json(cls, data: object) -> HostRecord:
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+        names = data["hostnames"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError("hostnames is not a list of strings")
+        return cls(str(data["boot_id"]), int(data["boot_time"]), tuple(names),
+                   float(data["since"]))
+
+    def describe(self) -> str:
+        booted = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.boot_time))
+        return f"{', '.join(self.hostnames) or '?'} (boot id {self.boot_id}, booted {booted})"
+
+
+def read_host_record(index_dir: str) -> HostRecord | None:
+    """The record in ``index_dir``; None when there is none. An unreadable record raises
+    ``UnsafeIndexError`` (it is never taken for an absent one: that would let any host in)."""
+    path = os.path.join(index_dir, HOST_RECORD)
+    try:
+        with open(path, "rb") as f:
+            text = f.read(65536)
+    except FileNotFoundError:
+        return None
+    try:
+        return HostRecord.from_json(json.loads(text))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UnsafeIndexError(
+            f"{path} is unreadable ({exc}): it names the host that uses this root's index. "
+            "Remove it once you know that one host only uses the root",
+            backend="file", operation="open",
+        ) from exc
+
+
+class HostClaim:
+    """This process's claim on a root's index for its kernel (see the module docstring)."""
+
+    def __init__(self, index_dir: str, tmp_dir: str, token: str, host: Host | None = None) -> None:
+        self.index_dir = index_dir
+        self.path = os.path.join(index_dir, HOST_RECORD)
+        self._tmp_dir = tmp_dir
+        self._token = token
+        self.host = this_host() if host is None else host
+        self.record: HostRecord | None = None
+        self._file: tuple[int, int, int] | None = None
+
+    def claim(self) -> HostRecord:
+        """Make sure the record names this kernel (writing it if needed) or raise
+        ``UnsafeIndexError``. One read of the record when it is this kernel's already."""
+        for _ in range(8):  # a lost race for a write re-reads; only writers race
+            found = read_host_record(self.index_dir)
+            if found is None:
+                if self._publish(self._new_record(), replace=False):
+                    continue  # read back what won
+            elif found.boot_id == self.host.boot_id:
+                if self.host.hostname in found.hostnames:
+                    self.record, self._file = found, _file_id(self.path)
+                    return found
+                names = (*found.hostnames, self.host.hostname)
+                self._publish(HostRecord(found.boot_id, found.boot_time, names, found.since),
+                              replace=True)
+            elif self._previous_boot(found):
+                self._publish(self._new_record(), replace=True)
+            else:
+                raise self._foreign(found)
+        raise UnsafeIndexError(
+            f"{self.path} kept changing while this process opened the index: processes of "
+            "more than one host are opening this root", backend="file", operation="open",
+        )
+
+    def check(self) -> None:
+        """While open: the record is still this kernel's (one ``stat`` when it is unchanged).
+        A replaced record is read again; one of another kernel raises ``UnsafeIndexError``,
+        whatever its host names (this kernel is running, so it is no previous boot)."""
+        if _file_id(self.path) == self._file:
+            return
+        found = read_host_record(self.index_dir)
+        if found is not None and found.boot_id != self.host.boot_id:
+            raise self._foreign(found, took_over=True)
+        self.claim()  # removed (with index/ or by hand), or another of our containers' names
+
+    def _previous_boot(self, found: HostRecord) -> bool:
+        return (self.host.hostname in found.hostnames
+                and found.boot_time + _BOOT_TIME_SLACK < self.host.boot_time)
+
+    def _new_record(self) -> HostRecord:
+        return HostRecord(self.host.boot_id, self.host.boot_time, (self.host.hostname,),
+                          time.time())
+
+    def _publish(self, record: HostRecord, *, replace: bool) -> bool:
+        """Write ``record`` as the record: ``rename`` over it (``replace``) or ``link``
+        (created only if there is none; False when another opener's is there)."""
+        tmp = os.path.join(self._tmp_dir, f"{os.getpid()}-{self._token}-host.tmp")
+        with open(tmp, "w") as f:
+            json.dump(record.to_json(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            if replace:
+                os.rename(tmp, self.path)
+                return True
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def _foreign(self, found: HostRecord, *, took_over: bool = False) -> UnsafeIndexError:
+        me = f"{self.host.hostname} (boot id {self.host.boot_id})"
+        when = ("was taken over, since this process opened it, by" if took_over
+                else "is used by")
+        root = os.path.dirname(self.index_dir)
+        return UnsafeIndexError(
+            f"the index of {root} {when} another host: {found.describe()}; this process runs "
+            f"on {me}. The default index serves the processes of one host only; a root "
+            "several hosts use takes index=none (file:///...?index=none, for every process "
+            f"of the root: stop them, remove {self.index_dir} and {root}/layout.json, then "
+            f"open with index=none). If that host no longer uses this root, remove "
+            f"{self.path} and open again",
+            backend="file", operation="open",
+        )
+
+
+@dataclass(frozen=True)
+class RootSite:
+    """Where a file-layout root lives, read without opening it (``hicache-store doctor``):
+    its filesystem, the index its layout marker names, the host its index records."""
+
+    root: str
+    filesystem: Filesystem | None
+    index: str | None  # from layout.json; None: no marker (a new root)
+    host_record: HostRecord | None
+    record_error: str | None  # the record exists but cannot be read
+    this_host: Host
+
+    @property
+    def this_host_recorded(self) -> bool:
+        return self.host_record is not None and self.host_record.boot_id == self.this_host.boot_id
+
+
+def root_site(root: str) -> RootSite:
+    """Look at ``root`` (or, for a root not made yet, the directory it would be made in)."""
+    path = os.path.abspath(os.path.expanduser(root))
+    probe = path
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        fs = filesystem_of(probe)
+    except OSError:
+        fs = None
+    index: str | None = None
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(path, "layout.json")) as f:
+        marker = json.load(f)
+        if isinstance(marker, dict):
+            index = str(marker.get("index", "sqlite"))  # version 1 had none: indexed at open
+    record, error = None, None
+    try:
+        record = read_host_record(os.path.join(path, "index"))
+    except UnsafeIndexError as exc:
+        error = exc.message
+    except OSError as exc:
+        error = str(exc)
+    return RootSite(path, fs, index, record, error, this_host())
+
+
+def _file_id(path: str) -> tuple[int, int, int] | None:
+    """``(device, inode, mtime)`` of a file (a replaced record is a new inode); None if none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+__all__ = [
+    "NETWORK_FILESYSTEMS", "Filesystem", "Host", "HostClaim", "HostRecord", "RootSite",
+    "UnsafeIndexError", "check_filesystem", "describe_filesystem", "filesystem_of",
+    "read_host_record", "root_site", "statfs_type", "this_host",
+]

@@ -1,0 +1,314 @@
+"""Where the file backend's shared index may be used (``backends/_file_site.py``): one host
+(kernel) per root's index, recorded in ``index/host.json``, and no default index on a network
+or FUSE filesystem.
+
+"Another host" is a process in its own UTS and mount namespaces with another host name and,
+bind-mounted over ``/proc/sys/kernel/random/boot_id``, another boot id: what a second machine
+on a shared mount looks like to the root (we run as root; without ``unshare`` those tests skip).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache_store.backends import UnsafeIndexError, open_backend
+from hicache_store.backends import _file_site as site
+from hicache_store.backends.file import FileBackend
+
+OTHER_BOOT_ID = "0badc0de-0000-4000-8000-000000000001"
+
+OPEN_IN_CHILD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from hicache_store.backends import UnsafeIndexError, open_backend
+
+    async def main(url):
+        try:
+            store = open_backend(url)
+        except UnsafeIndexError as exc:
+            print("REFUSED", exc)
+            return
+        await store.put(["aa11_c"], [b"from-child"])
+        got = await store.get_bytes("aa11_c")
+        hits = await store.exists(["aa11_b"])
+        await store.close()
+        print("OPENED", got.decode() if got else None, hits)
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+def _can_unshare() -> str | None:
+    if shutil.which("unshare") is None:
+        return "no unshare(1)"
+    probe = subprocess.run(["unshare", "-m", "-u", "true"], capture_output=True, text=True,
+                           check=False)
+    if probe.returncode != 0:
+        return f"unshare -m -u is not permitted here: {probe.stderr.strip()}"
+    return None
+
+
+NO_UNSHARE = _can_unshare()
+needs_unshare = pytest.mark.skipif(NO_UNSHARE is not None, reason=NO_UNSHARE or "")
+
+
+def on_host(tmp_path: Path, argv: list[str], *, hostname: str,
+            boot_id: str | None) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` as a process of another host: its own host name and (unless None, for a
+    container of this kernel) its own boot id."""
+    script = 'hostname "$1" && shift && exec "$@"'
+    args = [hostname]
+    if boot_id is not None:
+        boot = tmp_path / f"boot-{boot_id}"
+        boot.write_text(boot_id + "\n")
+        script = 'mount --bind "$1" /proc/sys/kernel/random/boot_id && shift && ' + script
+        args = [str(boot), *args]
+    return subprocess.run(
+        ["unshare", "-m", "-u", "sh", "-c", script, "sh", *args, *argv],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+
+
+def open_on_host(tmp_path: Path, url: str, **where: str | None) -> str:
+    where.setdefault("hostname", "other-host")
+    where.setdefault("boot_id", OTHER_BOOT_ID)
+    done = on_host(tmp_path, [sys.executable, "-c", OPEN_IN_CHILD, url], **where)  # type: ignore[arg-type]
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def make_root(root: Path, **options: object) -> None:
+    async def go() -> None:
+        store = FileBackend(root, **options)  # type: ignore[arg-type]
+        await store.put(["aa11_b"], [b"from-parent"])
+        await store.close()
+    asyncio.run(go())
+
+
+def record(root: Path) -> dict[str, object]:
+    return json.loads((root / "index" / "host.json").read_text())  # type: ignore[no-any-return]
+
+
+# -- the host -----------------------------------------------------------------------------------
+
+
+@needs_unshare
+def test_a_process_of_another_host_is_refused_and_index_none_works_from_it(tmp_path: Path) -> None:
+    root = tmp_path / "shared"
+    make_root(root)
+    out = open_on_host(tmp_path, f"file://{root}")
+    assert out.startswith("REFUSED"), out
+    me = site.this_host()
+    assert "index=none" in out
+    assert me.hostname in out and me.boot_id in out  # the host recorded
+    assert "other-host" in out and OTHER_BOOT_ID in out  # and the one refused
+    assert record(root)["boot_id"] == me.boot_id  # the refused process recorded nothing
+    # A root that several hosts use with index=none: both write and read, nothing is refused.
+    loose = tmp_path / "loose"
+    make_root(loose, index="none")
+    out = open_on_host(tmp_path, f"file://{loose}?index=none")
+    assert out == "OPENED from-child [True]", out
+    assert not (loose / "index").exists()
+
+    async def check() -> None:
+        store = FileBackend(loose, index="none")
+        assert await store.get_bytes("aa11_c") == b"from-child"
+        await store.close()
+    asyncio.run(check())
+
+
+@needs_unshare
+def test_a_container_of_this_kernel_is_this_host(tmp_path: Path) -> None:
+    """Another host name on the same kernel (a UTS namespace: a container) shares the memory
+    SQLite needs: it opens the index, and its name is recorded beside the first one."""
+    root = tmp_path / "s"
+    make_root(root)
+    out = open_on_host(tmp_path, f"file://{root}", hostname="pod-7", boot_id=None)
+    assert out == "OPENED from-child [True]", out
+    found = record(root)
+    assert found["hostnames"] == [socket.gethostname(), "pod-7"]
+    assert found["boot_id"] == site.this_host().boot_id
+
+
+def test_the_same_host_reopens_without_writing_its_record(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    make_root(root)
+    path = root / "index" / "host.json"
+    before = os.stat(path)
+    for _ in range(3):
+        make_root(root)
+    after = os.stat(path)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    me = site.this_host()
+    assert record(root)["hostnames"] == [me.hostname]
+    assert record(root)["boot_id"] == me.boot_id
+    assert os.listdir(root / "tmp") == []  # no temp file left behind
+
+
+def _write_record(root: Path, **fields: object) -> None:
+    me = site.this_host()
+    data = {"boot_id": OTHER_BOOT_ID, "boot_time": me.boot_time, "hostnames": [me.hostname],
+            "since": time.time(), **fields}
+    (root / "index" / "host.json").write_text(json.dumps(data))
+
+
+def test_a_record_of_a_previous_boot_of_this_host_is_replaced(tmp_path: Path) -> None:
+    """Same host name, another boot id of a kernel that booted before this one: the host
+    rebooted, its processes are gone, the record becomes this boot's."""
+    root = tmp_path / "s"
+    make_root(root)
+    me = site.this_host()
+    _write_record(root, boot_time=me.boot_time - 86400)
+    make_root(root)
+    assert record(root)["boot_id"] == me.boot_id
+    assert record(root)["hostnames"] == [me.hostname]
+
+
+def test_a_later_boot_with_this_host_name_is_another_host(tmp_path: Path) -> None:
+    """Same host name, a kernel that booted after this one: not a previous boot of it but a
+    second machine with the same name (a container image's fixed host name): refused."""
+    root = tmp_path / "s"
+    make_root(root)
+    _write_record(root, boot_time=site.this_host().boot_time + 3600)
+    with pytest.raises(UnsafeIndexError, match="index=none") as caught:
+        make_root(root)
+    assert OTHER_BOOT_ID in str(caught.value)
+    assert record(root)["boot_id"] == OTHER_BOOT_ID  # left as it was
+
+
+def test_an_unreadable_record_is_refused_not_taken_for_none(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    make_root(root)
+    (root / "index" / "host.json").write_text("{not json")
+    with pytest.raises(UnsafeIndexError, match="host.json is unreadable"):
+        make_root(root)
+
+
+async def test_a_record_taken_over_while_open_fails_the_next_index_call(tmp_path: Path) -> None:
+    """Another kernel's record replacing this one's while a process has the index open (a
+    second machine with the same host name opened it): that process's next index call fails,
+    instead of going on with a database another host now writes."""
+    root = tmp_path / "s"
+    store = FileBackend(root)
+    try:
+        await store.put(["aa11_b"], [b"x"])
+        _write_record(root, boot_time=site.this_host().boot_time + 3600)
+        await asyncio.sleep(1.1)  # the index looks again at most once a second
+        with pytest.raises(UnsafeIndexError, match="taken over"):
+            await store.exists(["aa11_b"])
+    finally:
+        await store.close()
+
+
+async def test_a_removed_index_is_claimed_again_when_rebuilt(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    store = FileBackend(root)
+    try:
+        await store.put(["aa11_b"], [b"x"])
+        shutil.rmtree(root / "index")
+        await asyncio.sleep(1.1)
+        assert await store.exists(["aa11_b"]) == [True]
+        assert record(root)["boot_id"] == site.this_host().boot_id
+    finally:
+        await store.close()
+
+
+# -- the filesystem -----------------------------------------------------------------------------
+
+
+def _mountinfo_type(mount_point: str) -> str | None:
+    """The fs type of the mount at exactly ``mount_point``, from /proc/self/mountinfo (an
+    oracle independent of statfs)."""
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            if fields[4] == mount_point:
+                found = fields[sep + 1]  # the last mount there is the visible one
+    return found
+
+
+def test_statfs_type_of_real_mounts(tmp_path: Path) -> None:
+    assert _mountinfo_type("/proc") == "proc"
+    fs = site.filesystem_of("/proc")
+    assert fs == site.Filesystem(0x9FA0, "proc", network=False)
+    if _mountinfo_type("/dev/shm") == "tmpfs":
+        assert site.filesystem_of("/dev/shm") == site.Filesystem(0x01021994, "tmpfs", False)
+    # Any path, against coreutils' own statfs (stat -f): the same type.
+    shown = subprocess.run(["stat", "-f", "-c", "%t", str(tmp_path)], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    assert site.statfs_type(str(tmp_path)) == int(shown, 16)
+    with pytest.raises(FileNotFoundError):
+        site.statfs_type(str(tmp_path / "missing"))
+
+
+@needs_unshare
+def test_statfs_type_of_a_fresh_tmpfs_mount(tmp_path: Path) -> None:
+    """A tmpfs mounted for the test (in a mount namespace of its own): the root on it, not
+    the filesystem of the directory it was mounted on, is what is found."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    code = ("import sys; from hicache_store.backends import _file_site as s; "
+            "print(hex(s.statfs_type(sys.argv[1] + '/deep/er')))")
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         'mount -t tmpfs none "$1" && mkdir -p "$1/deep/er" && exec "$2" -c "$3" "$1"',
+         "sh", str(mnt), sys.executable, code],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0x1021994"
+    assert site.statfs_type(str(mnt)) != 0x01021994 or _mountinfo_type(str(mnt)) == "tmpfs"
+
+
+@pytest.mark.parametrize(("magic", "name"), [
+    (0x6969, "nfs"), (0x65735546, "fuse"), (0x0BD00BD0, "lustre"), (0xFE534D42, "smb2"),
+    (0xFF534D42, "cifs"), (0x01021997, "9p"), (0x00C36400, "ceph"), (0x517B, "smb"),
+])
+def test_the_default_index_is_refused_on_a_network_filesystem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, magic: int, name: str
+) -> None:
+    """The refusal, with the ``statfs`` type injected (no network filesystem mounts here)."""
+    monkeypatch.setattr(site, "statfs_type", lambda path: magic)
+    root = tmp_path / "nfs" / "kv"
+    with pytest.raises(UnsafeIndexError, match="index=none") as caught:
+        open_backend(f"file://{root}")
+    assert f"{name} (f_type {magic:#x}, network or FUSE filesystem)" in str(caught.value)
+    assert not root.parent.exists()  # refused before anything was created
+    # Asked for by name, the index is taken (one host); index=none always.
+    asyncio.run(open_backend(f"file://{root}?index=sqlite").close())
+    asyncio.run(open_backend(f"file://{tmp_path / 'other'}?index=none").close())
+    # A root already indexed is refused all the same when reopened with the default.
+    with pytest.raises(UnsafeIndexError):
+        open_backend(f"file://{root}")
+
+
+def test_local_and_unknown_filesystems_are_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for magic in (0xEF53, 0x58465342, 0x01021994, 0x12345678):
+        assert not site.describe_filesystem(magic).network
+        monkeypatch.setattr(site, "statfs_type", lambda path, m=magic: m)
+        asyncio.run(FileBackend(tmp_path / f"r{magic:x}").close())
+    site.check_filesystem("/x", None, explicit=False)  # no statfs: nothing to refuse on
+
+
+def test_hf3fs_keeps_index_none_by_default_on_fuse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(site, "statfs_type", lambda path: 0x65735546)
+    store = open_backend(f"hf3fs://{tmp_path / 'kv'}?engine=posix")
+    assert store.index_kind == "none"  # type: ignore[attr-defined]
+    asyncio.run(store.close())
