@@ -17,7 +17,7 @@ default index only when the options ask for it by name (``index=sqlite``: "only 
 uses this root"); otherwise the open raises ``UnsafeIndexError``. Where ``statfs`` is not
 available (not Linux) the type is unknown and nothing is refused.
 
-**The host** (``claim_host``): ``index/host.json`` names the kernel that uses the index: its
+**The host** (``HostClaim.claim``): ``index/host.json`` names the kernel that uses the index: its
 boot id (``/proc/sys/kernel/random/boot_id``), its boot time, and the host names its processes
 had when they opened the root. Every open reads it (one small file) and:
 
@@ -29,12 +29,14 @@ had when they opened the root. Every open reads it (one small file) and:
 - anything else: another host uses the root, ``UnsafeIndexError`` naming ``index=none`` and
   the host recorded.
 
-Why the boot id decides, not the host name: it is what SQLite's shared memory needs (one
-kernel), containers on one kernel have host names of their own (UTS namespaces) and may share
-a root legitimately, and two hosts are two kernels. Host names serve to recognise a reboot and
-to tell an operator which host it is. The boot-time condition keeps two machines that share
-a host name (a container image's fixed one) from passing for reboots of each other: the one
-that booted first is refused.
+Why a file and not a row of the database: another host may not see rows still in the first
+one's write-ahead log (finding them takes the shared memory that does not cross hosts), and
+opening the database from there is the hazard itself. Why the boot id decides, not the host
+name: it is what SQLite's shared memory needs (one kernel), containers on one kernel have host
+names of their own (UTS namespaces) and may share a root legitimately, and two hosts are two
+kernels. Host names serve to recognise a reboot and to tell an operator which host it is.
+The boot-time condition keeps two machines that share a host name (a container image's fixed
+one) from passing for reboots of each other: the one that booted first is refused.
 
 **While open** (``HostClaim.check``, run with the index's own check that its database is still
 the one at ``index/``, at most once a second, one ``stat``): if the record was replaced, it is
@@ -54,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import json
 import os
 import socket
@@ -141,8 +142,8 @@ def _statfs() -> Any:
     if not _STATFS:
         function = None
         if sys.platform.startswith("linux"):
-            try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            try:  # libc is in the process already (no find_library: it runs ldconfig)
+                libc = ctypes.CDLL(None, use_errno=True)
                 function = libc.statfs
                 function.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
                 function.restype = ctypes.c_int

@@ -113,6 +113,8 @@ async def diagnose(
 
 def site_of(url: str) -> RootSite | None:
     """Where the root of a file-layout URL lives (``FileBackend.site``); None for the others."""
+    if "://" not in url:
+        return None  # a bare backend name: not a file-layout root
     parsed = BackendURL.parse(url)
     cls = get_backend_class(parsed.scheme)
     if not issubclass(cls, FileBackend):
