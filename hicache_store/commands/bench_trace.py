@@ -105,6 +105,11 @@ def register(subparsers: Any) -> None:
         help="store a prompt's partial last block as an engine does (its full pages only) "
         "instead of padding it to a whole block as the published reference counts it",
     )
+    parser.add_argument(
+        "--belady",
+        help="with --replay sim: the capacities to compute the Belady bound at, comma-separated "
+        "(default: every one; 'none': none; it is the slowest reference)",
+    )
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
     parser.add_argument("--chart", type=Path, metavar="PNG", help="write a PNG chart")
@@ -281,6 +286,12 @@ def run_simulated(args: argparse.Namespace, policies: list[str]) -> int:
             raise ValueError(f"{args.trace}: the trace has no requests")
         distinct = len({b for r in trace.requests for b in r.hash_ids})
         capacities = sim_capacities(args.capacities, distinct)
+        if args.belady is None:
+            with_bound = set(capacities)
+        elif args.belady.strip() == "none":
+            with_bound = set()
+        else:
+            with_bound = set(sim_capacities(args.belady, distinct))
     except (OSError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     sessions = len({r.session.session for r in trace.requests if r.session is not None})
@@ -293,14 +304,15 @@ def run_simulated(args: argparse.Namespace, policies: list[str]) -> int:
     results: list[dict[str, Any]] = []
     for blocks in capacities:
         clock = time.monotonic()
-        lru, bound = lru_reference(trace, blocks), belady(trace, blocks)
-        references = {
+        lru = lru_reference(trace, blocks)
+        bound = belady(trace, blocks) if blocks in with_bound else None
+        references: dict[str, Any] = {
             "lru_reference": lru.hit_rate,
             "lru_reference_second_half": lru.second_half_hit_rate,
             "lru_reference_by_kind": lru.kind_hit_rates,
-            "belady": bound.hit_rate,
-            "belady_second_half": bound.second_half_hit_rate,
-            "belady_by_kind": bound.kind_hit_rates,
+            "belady": None if bound is None else bound.hit_rate,
+            "belady_second_half": None if bound is None else bound.second_half_hit_rate,
+            "belady_by_kind": None if bound is None else bound.kind_hit_rates,
         }
         if not args.no_progress:
             print(f"  {blocks} blocks: references in {time.monotonic() - clock:.0f} s",
@@ -355,11 +367,13 @@ def render_sim_table(results: list[dict[str, Any]]) -> str:
     for r in results:
         closed = gap_closed(r)
         blocks = "unbounded" if r["unbounded"] else f"{r['capacity_blocks']}"
+        bound = "-" if r["belady"] is None else f"{100 * r['belady']:.2f}"
         lines.append(
             f"{blocks:>9} {r['policy']:<8} {100 * r['hit_rate']:>6.2f} "
             f"{100 * r['hit_rate_second_half']:>8.2f} "
             + "".join(f"{100 * r['hit_rate_by_kind'].get(k, 0.0):>9.2f}" for k in kinds)
-            + f" {100 * r['lru_reference']:>7.2f} {100 * r['belady']:>6.2f} "
+            + f" {100 * r['lru_reference']:>7.2f} "
+            f"{bound:>6} "
             f"{'-' if closed is None else f'{100 * closed:.0f}%':>5} {r['wall_s']:>6.1f}"
         )
     return "\n".join(lines)
@@ -379,7 +393,9 @@ def _progress(label: str, total: int, quiet: bool) -> Any:
 
 def gap_closed(result: dict[str, Any]) -> float | None:
     """Share of the LRU-to-Belady gap the replay closed (None when the gap is under a point:
-    a share of nothing says nothing)."""
+    a share of nothing says nothing, or there is no bound)."""
+    if result["belady"] is None:
+        return None
     gap = result["belady"] - result["lru_reference"]
     if gap < 0.01:
         return None

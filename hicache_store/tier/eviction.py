@@ -556,7 +556,7 @@ class SessionEviction(Generic[N]):
             self._rank(stream)
 
     def _current_entry(self, entry: tuple[int, int, int, object], stream: _Stream) -> bool:
-        owned = self._owned.get(entry[3])  # type: ignore[call-overload]
+        owned = self._owned.get(entry[3])  # type: ignore[arg-type]
         return (
             owned is not None
             and owned.stream is stream
