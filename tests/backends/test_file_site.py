@@ -5,6 +5,8 @@ or FUSE filesystem.
 "Another host" is a process in its own UTS and mount namespaces with another host name and,
 bind-mounted over ``/proc/sys/kernel/random/boot_id``, another boot id: what a second machine
 on a shared mount looks like to the root (we run as root; without ``unshare`` those tests skip).
+A real FUSE mount comes from ``bindfs`` (Debian package ``bindfs``; skipped without it); other
+network filesystems cannot be mounted here, so their ``statfs`` type is injected.
 """
 
 from __future__ import annotations
@@ -271,6 +273,51 @@ def test_statfs_type_of_a_fresh_tmpfs_mount(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "0x1021994"
     assert site.statfs_type(str(mnt)) != 0x01021994 or _mountinfo_type(str(mnt)) == "tmpfs"
+
+
+FUSE_CHILD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from hicache_store.backends import UnsafeIndexError, open_backend
+    from hicache_store.backends import _file_site as site
+
+    async def main(mnt):
+        print(hex(site.statfs_type(mnt)))
+        try:
+            open_backend(f"file://{mnt}/kv")
+        except UnsafeIndexError as exc:
+            print("REFUSED", exc)
+        store = open_backend(f"file://{mnt}/loose?index=none")
+        await store.put(["aa11_b"], [b"on-fuse"])
+        print("READ", (await store.get_bytes("aa11_b")).decode())
+        await store.close()
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+@pytest.mark.skipif(shutil.which("bindfs") is None or NO_UNSHARE is not None,
+                    reason="needs bindfs (Debian package bindfs: a FUSE mount) and unshare -m")
+def test_a_real_fuse_mount_refuses_the_default_index(tmp_path: Path) -> None:
+    """bindfs mounts a directory through FUSE (as a 3FS, JuiceFS or sshfs mount would be):
+    the detection sees FUSE, the default index is refused there, index=none works."""
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    done = subprocess.run(
+        ["unshare", "-m", "sh", "-c",
+         'bindfs "$1" "$2" || exit 99; "$3" -c "$4" "$2"; rc=$?; umount "$2"; exit $rc',
+         "sh", str(src), str(mnt), sys.executable, FUSE_CHILD],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "0x65735546", lines
+    assert lines[1].startswith(f"REFUSED {mnt}/kv is on fuse (f_type 0x65735546"), lines
+    assert "index=none" in lines[1]
+    assert lines[2] == "READ on-fuse"
+    assert not (src / "kv").exists()  # refused before anything was created
+    assert (src / "loose" / "layout.json").exists()  # written through the mount
 
 
 @pytest.mark.parametrize(("magic", "name"), [
