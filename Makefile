@@ -2,6 +2,7 @@
 #   make run   - set everything up, then run the main job on the embedded default
 #   make test  - set everything up, then run ruff, mypy and the whole test suite (the vLLM
 #                tests with the vLLM environment, .venv-vllm)
+# and the inner loop, make test-fast: ruff, mypy and every test not marked slow.
 # Both are idempotent: the virtual environments are (re)built only when pyproject.toml changes.
 
 PYTHON ?= python3
@@ -20,7 +21,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: setup setup-vllm run plan test lint typecheck pytest pytest-vllm clean
+.PHONY: setup setup-vllm run plan test test-fast lint typecheck pytest pytest-vllm clean
 
 setup: $(STAMP) $(CHAIN_STAMP)
 
@@ -92,10 +93,15 @@ typecheck: setup
 # address a binary binds.
 pytest: setup
 	@if unshare -n true 2>/dev/null; then \
-		unshare -n sh -c 'ip link set lo up 2>/dev/null; exec $(PY) -m pytest -q'; \
+		unshare -n sh -c 'ip link set lo up 2>/dev/null; exec $(PY) -m pytest -q $(PYTEST_ARGS)'; \
 	else \
-		$(PY) -m pytest -q; \
+		$(PY) -m pytest -q $(PYTEST_ARGS); \
 	fi
+
+# The fast loop: lint, types and every test not marked slow (a test over 10 s here is marked
+# @pytest.mark.slow; the ten slowest that run are listed, so one that has grown shows).
+test-fast: lint typecheck
+	@$(MAKE) --no-print-directory pytest PYTEST_ARGS='-m "not slow" --durations=10'
 
 # The vLLM tests (the main pytest run reports them skipped), in the same network namespace.
 pytest-vllm: setup-vllm

@@ -240,6 +240,7 @@ async def test_unreachable_master_fails_fast() -> None:
 # -- failures of the deployment ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_holder_killed_mid_batch_then_restarted(own_deployment: LocalMooncake) -> None:
     store = open_mooncake(own_deployment.url, timeout=15, bounce="16MiB", threads=2)
     try:

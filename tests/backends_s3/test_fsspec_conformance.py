@@ -68,6 +68,8 @@ class TestFsspecFile(FsspecOracle, BackendTests):
         await store.close()
 
 
+# The whole suite against a real server: minutes (its fsspec+file twin runs in the fast loop).
+@pytest.mark.slow
 @pytest.mark.s3
 class TestFsspecS3(FsspecOracle, BackendTests):
     stateful_max_examples = 5

@@ -14,7 +14,9 @@ from hicache_store.testing import BackendTests
 
 from .seaweed import SeaweedServer
 
-pytestmark = pytest.mark.s3
+# The whole suite against a real server: about 3 minutes (the same suite runs in the fast loop
+# against the memory, file and hf3fs backends).
+pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
 
 class S3Oracle:

@@ -10,6 +10,7 @@ from _dist_tasks import fail_on_rank
 from hicache_store.demo.launch import RankPool, RankTaskError
 
 
+@pytest.mark.slow
 def test_failure_kills_stuck_peers_instead_of_hanging() -> None:
     with RankPool(2) as pool:
         started = time.monotonic()

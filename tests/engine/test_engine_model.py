@@ -124,6 +124,7 @@ def test_any_split_point_is_exact(model32: MiniLlama, start: int, n_new: int) ->
     assert torch.equal(model32.prefill(toks[start:], start, slots, pool, last_only=True), ref[-1:])
 
 
+@pytest.mark.slow
 def test_bench_preset_is_exact_and_bf16_tracks_float32() -> None:
     cfg = MiniLlamaConfig.preset("bench")
     toks = tokens_of(150, vocab=cfg.vocab_size)

@@ -68,6 +68,7 @@ def replay(model: HybridMiniLlama, policy: str, tier: Tier) -> list[set[str]]:
     return kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", [Tier.L1, Tier.L2], ids=["L1", "L2"])
 def test_components_evict_in_the_kv_order(model: HybridMiniLlama, tier: Tier) -> None:
     kept = {policy: replay(model, policy, tier) for policy in EVICTION_POLICIES}

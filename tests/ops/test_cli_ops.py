@@ -35,6 +35,7 @@ def one_line(stderr: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_prepopulate_inspect_verify_gc(tiny_llama: Path, tmp_path: Path) -> None:
     prompts = write_jsonl(tmp_path / "p.jsonl", [
         {"text": sentence(0, 30)},

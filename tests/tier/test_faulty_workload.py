@@ -7,6 +7,7 @@ and the host pool must come back to its baseline (no leaked slots) once transfer
 
 from __future__ import annotations
 
+import pytest
 from _serve import serve_checked
 
 from hicache_store.backends import open_backend
@@ -50,6 +51,7 @@ def assert_idle(tier: HiCache) -> None:
     assert all(n.host_lock == 0 and n.lock == 0 for n in tier.tree.nodes())
 
 
+@pytest.mark.slow
 def test_failing_l3_degrades_to_recompute_and_never_serves_corruption() -> None:
     model = MiniLlama(MiniLlamaConfig(dtype="float32"))
     spec = WorkloadSpec(
