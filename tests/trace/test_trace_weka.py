@@ -143,3 +143,29 @@ def test_rejects_what_is_no_set_of_sessions(tmp_path: Path) -> None:
     plain.write_text("{}")
     with pytest.raises(TraceFormatError, match="not a folder or a tar archive"):
         read_trace(plain, "weka")
+
+
+def test_bench_trace_weka_command(
+    hand_set: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hicache_store.cli import main
+
+    out = tmp_path / "r.json"
+    code = main([
+        "bench", "trace", "--format", "weka", str(hand_set), "--capacities", "3,unbounded",
+        "--belady", "3", "--policy", "lru,session", "--json", str(out), "--no-progress",
+    ])
+    assert code == 0
+    document = json.loads(out.read_text())
+    assert (document["format"], document["replay"], document["sessions"]) == ("weka", "sim", 2)
+    rows = {(r["capacity_blocks"], r["policy"]): r for r in document["results"]}
+    small, everything = rows[(3, "session")], rows[(8, "session")]  # 8 distinct blocks
+    assert small["lru_reference"] == pytest.approx(128 / 906)
+    assert small["belady"] is not None and everything["belady"] is None
+    assert everything["unbounded"]
+    for policy in ("lru", "session"):
+        row = rows[(8, policy)]
+        assert row["hit_rate"] == pytest.approx(384 / 906)
+        assert row["hit_rate_by_kind"] == pytest.approx({"main": 320 / 714, "subagent": 64 / 192})
+    table = capsys.readouterr().out
+    assert "subagent" in table and "unbounded" in table
