@@ -227,6 +227,7 @@ class FileIndex:
         durable: bool = False,
         lock_timeout: float = 30.0,
         walk: Callable[[], Iterable[tuple[str, int, float]]] | None = None,
+        index_hosts: str = "name",
     ) -> None:
         self.dir = os.path.join(root, "index")
         self.db_path = os.path.join(self.dir, DB_NAME)
@@ -259,8 +260,10 @@ class FileIndex:
         self._stopping = threading.Event()
         self.rebuilt = False
         os.makedirs(self.dir, exist_ok=True)
-        #: the kernel that uses this index (``_file_site``): claimed before SQLite opens it.
-        self.host = HostClaim(self.dir, os.path.join(root, "tmp"), token)
+        #: the host that uses this index (``_file_site``; ``index_hosts``: what a host is):
+        #: claimed before SQLite opens it.
+        self.host = HostClaim(self.dir, os.path.join(root, "tmp"), token,
+                              index_hosts=index_hosts)
         self.host.claim()
         self._open(walk)
         self._db_id = _file_id(self.db_path)

@@ -1,4 +1,4 @@
-"""Where the file backend's shared index may be used: one running kernel, a local filesystem.
+"""Where the file backend's shared index may be used: one host, a local filesystem.
 
 The index (``_file_index``) is SQLite with a write-ahead log plus a fingerprint map. SQLite
 keeps the WAL's lock state in memory shared between the processes that have the database
@@ -17,32 +17,47 @@ default index only when the options ask for it by name (``index=sqlite``: "only 
 uses this root"); otherwise the open raises ``UnsafeIndexError``. Where ``statfs`` is not
 available (not Linux) the type is unknown and nothing is refused.
 
-**The host** (``HostClaim.claim``): ``index/host.json`` names the kernel that uses the index: its
-boot id (``/proc/sys/kernel/random/boot_id``), its boot time, and the host names its processes
-had when they opened the root. Every open reads it (one small file) and:
+**The host** (``HostClaim.claim``): ``index/host.json`` names the host that uses the index:
+its kernel's boot id (``/proc/sys/kernel/random/boot_id``) and boot time, and the host names
+of the processes that opened the root. What a host is comes from the opener's ``index_hosts``
+option (``INDEX_HOSTS``):
+
+- ``name`` (the default): a host is a host name *and* a boot id. A process whose host name the
+  record does not list is another host, even on the same kernel (another UTS namespace: a
+  container, a pod), and is refused;
+- ``kernel``: a host is a boot id; the containers of one kernel are one host, and a host name
+  not listed yet is added to the record. SQLite's shared memory is coherent between all the
+  processes of one kernel, so this is safe where those containers see the same root; it is
+  asked for by name because a host name is how the operator (and the default) tells hosts
+  apart.
+
+Every open reads the record (one small file) and:
 
 - no record: writes one (temp file, then ``link``: of openers racing on a new root exactly
   one wins, the others read its record);
-- the same boot id: this kernel's (a host name not listed yet, another container's, is added);
+- the same boot id and this process's host name listed: this host's;
+- the same boot id, this host name not listed: with ``index_hosts=kernel`` the name is added;
+  by default, ``UnsafeIndexError`` naming ``index=none`` and ``index_hosts=kernel``;
 - another boot id whose kernel booted before this one and whose host names include this
   process's: a previous boot of this host, whose processes are all gone: replaced;
 - anything else: another host uses the root, ``UnsafeIndexError`` naming ``index=none`` and
-  the host recorded.
+  the host recorded (``index_hosts`` changes nothing here: another kernel shares no memory).
 
 Why a file and not a row of the database: another host may not see rows still in the first
 one's write-ahead log (finding them takes the shared memory that does not cross hosts), and
-opening the database from there is the hazard itself. Why the boot id decides, not the host
-name: it is what SQLite's shared memory needs (one kernel), containers on one kernel have host
-names of their own (UTS namespaces) and may share a root legitimately, and two hosts are two
-kernels. Host names serve to recognise a reboot and to tell an operator which host it is.
+opening the database from there is the hazard itself. The boot id is what SQLite's shared
+memory needs (one kernel) and two machines are two kernels; host names recognise a reboot,
+tell an operator which host it is, and, by default, tell the containers of one kernel apart.
 The boot-time condition keeps two machines that share a host name (a container image's fixed
 one) from passing for reboots of each other: the one that booted first is refused.
 
 **While open** (``HostClaim.check``, run with the index's own check that its database is still
 the one at ``index/``, at most once a second, one ``stat``): if the record was replaced, it is
-read again, and a record of another kernel fails this process's index call with
-``UnsafeIndexError`` (two machines with one host name, the later one's first open took the
-record over), instead of going on with a database another host now writes.
+read again, and a record that no longer names this host (another kernel's: two machines with
+one host name, the later one's first open took the record over; or, by default, one of this
+kernel without this host name: the index was removed and rebuilt from another container)
+fails this process's index call with ``UnsafeIndexError``, instead of going on with a database
+another host now writes.
 
 **Stale records and crashes.** A record is one file replaced atomically (temp in ``tmp/``,
 removed at open when its writer is dead, then ``rename`` or ``link``): a crash leaves the old
@@ -64,9 +79,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from hicache_store.layout.errors import ConfigError
+
 from .errors import UnsafeIndexError
 
 HOST_RECORD = "host.json"
+#: values of the file backend's ``index_hosts`` option: what identifies a host in the record.
+#: ``name``: host name and boot id (the default); ``kernel``: the boot id alone.
+INDEX_HOSTS: tuple[str, ...] = ("name", "kernel")
+DEFAULT_INDEX_HOSTS = "name"
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 #: a kernel that booted this many seconds or less before another, with one host name, is not
 #: taken for a previous boot of it (btime is wall-clock and moves a little with the clock).
@@ -257,21 +278,39 @@ def read_host_record(index_dir: str) -> HostRecord | None:
         ) from exc
 
 
-class HostClaim:
-    """This process's claim on a root's index for its kernel (see the module docstring)."""
+def is_this_host(record: HostRecord, host: Host, index_hosts: str = DEFAULT_INDEX_HOSTS) -> bool:
+    """Whether ``record`` names ``host`` as it stands: its boot id and, unless ``index_hosts``
+    is ``kernel``, its host name too."""
+    return record.boot_id == host.boot_id and (
+        index_hosts == "kernel" or host.hostname in record.hostnames)
 
-    def __init__(self, index_dir: str, tmp_dir: str, token: str, host: Host | None = None) -> None:
+
+def check_index_hosts(index_hosts: str) -> None:
+    """Raise ``ConfigError`` unless ``index_hosts`` is one of ``INDEX_HOSTS``."""
+    if index_hosts not in INDEX_HOSTS:
+        raise ConfigError(
+            f"index_hosts must be one of {INDEX_HOSTS} (name: a host is its host name and boot "
+            f"id; kernel: the containers of one kernel are one host), got {index_hosts!r}")
+
+
+class HostClaim:
+    """This process's claim on a root's index for its host (see the module docstring)."""
+
+    def __init__(self, index_dir: str, tmp_dir: str, token: str, host: Host | None = None,
+                 index_hosts: str = DEFAULT_INDEX_HOSTS) -> None:
+        check_index_hosts(index_hosts)
         self.index_dir = index_dir
         self.path = os.path.join(index_dir, HOST_RECORD)
         self._tmp_dir = tmp_dir
         self._token = token
         self.host = this_host() if host is None else host
+        self.index_hosts = index_hosts
         self.record: HostRecord | None = None
         self._file: tuple[int, int, int] | None = None
 
     def claim(self) -> HostRecord:
-        """Make sure the record names this kernel (writing it if needed) or raise
-        ``UnsafeIndexError``. One read of the record when it is this kernel's already."""
+        """Make sure the record names this host (writing it if needed) or raise
+        ``UnsafeIndexError``. One read of the record when it is this host's already."""
         for _ in range(8):  # a lost race for a write re-reads; only writers race
             found = read_host_record(self.index_dir)
             if found is None:
@@ -281,6 +320,8 @@ class HostClaim:
                 if self.host.hostname in found.hostnames:
                     self.record, self._file = found, _file_id(self.path)
                     return found
+                if self.index_hosts != "kernel":
+                    raise self._foreign(found)
                 names = (*found.hostnames, self.host.hostname)
                 self._publish(HostRecord(found.boot_id, found.boot_time, names, found.since),
                               replace=True)
@@ -294,15 +335,16 @@ class HostClaim:
         )
 
     def check(self) -> None:
-        """While open: the record is still this kernel's (one ``stat`` when it is unchanged).
+        """While open: the record is still this host's (one ``stat`` when it is unchanged).
         A replaced record is read again; one of another kernel raises ``UnsafeIndexError``,
-        whatever its host names (this kernel is running, so it is no previous boot)."""
+        whatever its host names (this kernel is running, so it is no previous boot), and so,
+        unless ``index_hosts`` is ``kernel``, does one of this kernel without this host name."""
         if _file_id(self.path) == self._file:
             return
         found = read_host_record(self.index_dir)
-        if found is not None and found.boot_id != self.host.boot_id:
+        if found is not None and not is_this_host(found, self.host, self.index_hosts):
             raise self._foreign(found, took_over=True)
-        self.claim()  # removed (with index/ or by hand), or another of our containers' names
+        self.claim()  # removed (with index/ or by hand), or names added by other containers
 
     def _previous_boot(self, found: HostRecord) -> bool:
         return (self.host.hostname in found.hostnames
@@ -338,12 +380,19 @@ class HostClaim:
         when = ("was taken over, since this process opened it, by" if took_over
                 else "is used by")
         root = os.path.dirname(self.index_dir)
+        kernel = ""
+        if found.boot_id == self.host.boot_id:  # another host name on this kernel
+            kernel = (
+                " That host runs on this kernel (same boot id) under another host name (a "
+                "container or another UTS namespace): if the containers of this kernel share "
+                "this root, open it in every one of them with index_hosts=kernel "
+                "(file:///...?index_hosts=kernel: the boot id alone identifies a host).")
         return UnsafeIndexError(
             f"the index of {root} {when} another host: {found.describe()}; this process runs "
             f"on {me}. The default index serves the processes of one host only; a root "
             "several hosts use takes index=none (file:///...?index=none, for every process "
             f"of the root: stop them, remove {self.index_dir} and {root}/layout.json, then "
-            f"open with index=none). If that host no longer uses this root, remove "
+            f"open with index=none).{kernel} If that host no longer uses this root, remove "
             f"{self.path} and open again",
             backend="file", operation="open",
         )
@@ -360,14 +409,20 @@ class RootSite:
     host_record: HostRecord | None
     record_error: str | None  # the record exists but cannot be read
     this_host: Host
+    index_hosts: str = DEFAULT_INDEX_HOSTS  # the rule the open would apply (``INDEX_HOSTS``)
 
     @property
     def this_host_recorded(self) -> bool:
-        return self.host_record is not None and self.host_record.boot_id == self.this_host.boot_id
+        """Whether the record names this host by ``index_hosts``' rule (by default its host
+        name and boot id; with ``kernel``, its boot id)."""
+        return self.host_record is not None and is_this_host(
+            self.host_record, self.this_host, self.index_hosts)
 
 
-def root_site(root: str) -> RootSite:
-    """Look at ``root`` (or, for a root not made yet, the directory it would be made in)."""
+def root_site(root: str, index_hosts: str = DEFAULT_INDEX_HOSTS) -> RootSite:
+    """Look at ``root`` (or, for a root not made yet, the directory it would be made in), for
+    an opener with ``index_hosts`` (``ConfigError`` for a value not in ``INDEX_HOSTS``)."""
+    check_index_hosts(index_hosts)
     path = os.path.abspath(os.path.expanduser(root))
     probe = path
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:
@@ -388,7 +443,7 @@ def root_site(root: str) -> RootSite:
         error = exc.message
     except OSError as exc:
         error = str(exc)
-    return RootSite(path, fs, index, record, error, this_host())
+    return RootSite(path, fs, index, record, error, this_host(), index_hosts)
 
 
 def _file_id(path: str) -> tuple[int, int, int] | None:
@@ -401,7 +456,8 @@ def _file_id(path: str) -> tuple[int, int, int] | None:
 
 
 __all__ = [
-    "NETWORK_FILESYSTEMS", "Filesystem", "Host", "HostClaim", "HostRecord", "RootSite",
-    "UnsafeIndexError", "check_filesystem", "describe_filesystem", "filesystem_of",
+    "DEFAULT_INDEX_HOSTS", "INDEX_HOSTS", "NETWORK_FILESYSTEMS", "Filesystem", "Host",
+    "HostClaim", "HostRecord", "RootSite", "UnsafeIndexError", "check_filesystem",
+    "check_index_hosts", "describe_filesystem", "filesystem_of", "is_this_host",
     "read_host_record", "root_site", "statfs_type", "this_host",
 ]

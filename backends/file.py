@@ -51,8 +51,10 @@ per-object state lives in process memory, and objects other processes wrote a mo
 found at index speed. Reads and stats go to the files themselves (a read that finds no file is
 a miss, and fixes the index). All processes using one root must run on one host (SQLite's
 write-ahead log shares memory between them), and the open checks it (``_file_site``): a
-process on another host than the one recorded in ``index/host.json`` is refused, and so is
-the default index on a network or FUSE filesystem unless ``index=sqlite`` is given by name.
+process on another host than the one recorded in ``index/host.json`` is refused (a host is a
+host name and boot id; ``index_hosts=kernel`` makes the containers of one kernel one host),
+and so is the default index on a network or FUSE filesystem unless ``index=sqlite`` is given
+by name.
 A root written before the index existed gets one at its first open (one walk of
 ``objects/``).
 
@@ -102,7 +104,13 @@ from hicache_store.layout.keys import validate_storage_key
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer, is_aligned, scratch_block
 from ._file_index import FileIndex, ObjectIndex, Reservation, pid_alive
 from ._file_noindex import NoIndex
-from ._file_site import RootSite, check_filesystem, filesystem_of, root_site
+from ._file_site import (
+    RootSite,
+    check_filesystem,
+    check_index_hosts,
+    filesystem_of,
+    root_site,
+)
 from ._pagecache import SecondTouch, is_cached
 from .base import Backend, abandonable, gather_settled, reads_are_uses, scatter_views
 from .errors import (
@@ -117,6 +125,7 @@ Durability = Literal["none", "data", "full"]
 DirectIO = Literal["auto", "never"]
 PageCache = Literal["second", "never", "always"]
 IndexKind = Literal["sqlite", "none"]
+IndexHosts = Literal["name", "kernel"]
 DURABILITY_MODES: tuple[str, ...] = ("none", "data", "full")
 DIRECT_IO_MODES: tuple[str, ...] = ("auto", "never")
 PAGE_CACHE_MODES: tuple[str, ...] = ("second", "never", "always")
@@ -159,7 +168,11 @@ class FileBackend(Backend):
     before ``BackendUnavailableError``, default 30), ``index`` (``sqlite``: the shared index,
     processes on one host; ``none``: no index, for a root several hosts write, see
     ``_file_noindex``; given as ``sqlite`` explicitly, it is also taken on a network or FUSE
-    filesystem, which the default refuses: ``_file_site``).
+    filesystem, which the default refuses: ``_file_site``), ``index_hosts`` (what the shared
+    index takes for one host, ``_file_site``: ``name``, the default, a host name and boot id,
+    so a process with another host name is refused even on the same kernel, such as another
+    container; ``kernel``, the boot id alone: containers of one kernel share the index, each
+    host name added to ``index/host.json``; another kernel is refused either way).
     """
 
     #: the index a root gets when ``index`` is not given.
@@ -190,12 +203,14 @@ class FileBackend(Backend):
         create: bool = True,
         lock_timeout: float = 30.0,
         index: IndexKind | None = None,
+        index_hosts: IndexHosts = "name",
     ) -> None:
         super().__init__()
         explicit_index = index is not None
         index = self.default_index if index is None else index
         if index not in INDEX_KINDS:
             raise ConfigError(f"index must be one of {INDEX_KINDS}, got {index!r}")
+        check_index_hosts(index_hosts)
         if durability not in DURABILITY_MODES:
             raise ConfigError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         if direct_io not in DIRECT_IO_MODES:
@@ -237,6 +252,7 @@ class FileBackend(Backend):
                 self._index = FileIndex(
                     str(self.root), str(self._objects), self._final_path, token=self._token,
                     durable=durability == "full", lock_timeout=lock_timeout, walk=self._walk,
+                    index_hosts=index_hosts,
                 )
             if upgrade:
                 self._write_layout()
@@ -262,11 +278,12 @@ class FileBackend(Backend):
         )
 
     @staticmethod
-    def site(root: str | os.PathLike[str]) -> RootSite:
+    def site(root: str | os.PathLike[str], index_hosts: str = "name") -> RootSite:
         """Where ``root`` lives, read without opening it (nothing is created or claimed): its
-        filesystem, the index its marker names, the host its index records (``_file_site``;
-        ``hicache-store doctor`` reports it)."""
-        return root_site(str(root))
+        filesystem, the index its marker names, the host its index records and whether that
+        is this host by ``index_hosts``' rule (``_file_site``; ``hicache-store doctor``
+        reports it)."""
+        return root_site(str(root), index_hosts)
 
     def __repr__(self) -> str:
         return f"FileBackend({str(self.root)!r}, durability={self.durability!r})"

@@ -119,7 +119,7 @@ def site_of(url: str) -> RootSite | None:
     cls = get_backend_class(parsed.scheme)
     if not issubclass(cls, FileBackend):
         return None
-    return cls.site(parsed.local_path())
+    return cls.site(parsed.local_path(), parsed.query.get("index_hosts", "name"))
 
 
 async def _prompt_hits(

@@ -5,6 +5,9 @@ or FUSE filesystem.
 "Another host" is a process in its own UTS and mount namespaces with another host name and,
 bind-mounted over ``/proc/sys/kernel/random/boot_id``, another boot id: what a second machine
 on a shared mount looks like to the root (we run as root; without ``unshare`` those tests skip).
+A process in its own UTS namespace only (``unshare -u``: another host name, this kernel's boot
+id) is a container of this kernel: another host by default, this host with
+``index_hosts=kernel``.
 A real FUSE mount comes from ``bindfs`` (Debian package ``bindfs``; skipped without it); other
 network filesystems cannot be mounted here, so their ``statfs`` type is injected.
 """
@@ -27,6 +30,7 @@ import pytest
 from hicache_store.backends import UnsafeIndexError, open_backend
 from hicache_store.backends import _file_site as site
 from hicache_store.backends.file import FileBackend
+from hicache_store.layout.errors import ConfigError
 
 OTHER_BOOT_ID = "0badc0de-0000-4000-8000-000000000001"
 
@@ -132,16 +136,82 @@ def test_a_process_of_another_host_is_refused_and_index_none_works_from_it(tmp_p
 
 
 @needs_unshare
-def test_a_container_of_this_kernel_is_this_host(tmp_path: Path) -> None:
-    """Another host name on the same kernel (a UTS namespace: a container) shares the memory
-    SQLite needs: it opens the index, and its name is recorded beside the first one."""
+def test_another_host_name_on_this_kernel_is_refused_by_default(tmp_path: Path) -> None:
+    """A second UTS namespace (``unshare -u``: another host name, the same boot id, as a
+    container has) opening the same root with the default options is another host: refused,
+    with the error naming index=none and the opt-in for containers of one kernel."""
     root = tmp_path / "s"
     make_root(root)
+    me = site.this_host()
     out = open_on_host(tmp_path, f"file://{root}", hostname="pod-7", boot_id=None)
-    assert out == "OPENED from-child [True]", out
+    assert out.startswith("REFUSED"), out
+    assert "index=none" in out and "index_hosts=kernel" in out
+    assert f"pod-7 (boot id {me.boot_id})" in out  # the process refused: this kernel's
+    assert me.hostname in out  # the host recorded
+    assert record(root)["hostnames"] == [me.hostname]  # the refused process recorded nothing
+    assert record(root)["boot_id"] == me.boot_id
+
+
+@needs_unshare
+def test_with_index_hosts_kernel_a_container_of_this_kernel_shares_the_index(
+    tmp_path: Path,
+) -> None:
+    """``index_hosts=kernel``: the boot id alone is the host. A second UTS namespace opens the
+    root the first process has open, its name is recorded beside the first one, and both read
+    and write one store (the same shared index: each finds the other's writes)."""
+    root = tmp_path / "s"
+
+    async def go() -> None:
+        store = FileBackend(root, index_hosts="kernel")
+        try:
+            await store.put(["aa11_b"], [b"from-parent"])
+            done = await asyncio.to_thread(
+                open_on_host, tmp_path, f"file://{root}?index_hosts=kernel",
+                hostname="pod-7", boot_id=None)
+            assert done == "OPENED from-child [True]", done  # read the parent's, wrote its own
+            await asyncio.sleep(1.1)  # the host record is looked at again at most once a second
+            assert await store.exists(["aa11_c", "aa11_b"]) == [True, True]
+            assert await store.get_bytes("aa11_c") == b"from-child"
+            await store.put(["aa11_d"], [b"after"])
+        finally:
+            await store.close()
+    asyncio.run(go())
     found = record(root)
     assert found["hostnames"] == [socket.gethostname(), "pod-7"]
     assert found["boot_id"] == site.this_host().boot_id
+    # Another kernel is refused all the same: the option is about host names only.
+    out = open_on_host(tmp_path, f"file://{root}?index_hosts=kernel", hostname="pod-7")
+    assert out.startswith("REFUSED") and "index=none" in out, out
+    assert "index_hosts=kernel" not in out  # it would not help there
+
+
+def test_another_host_name_of_this_boot_in_the_record(tmp_path: Path) -> None:
+    """The rule without namespaces: a record of this boot id listing only another host name
+    refuses a default open (index=none and index_hosts=kernel named), and is this host's with
+    index_hosts=kernel, which adds this process's name."""
+    root = tmp_path / "s"
+    make_root(root)
+    me = site.this_host()
+    _write_record(root, boot_id=me.boot_id, hostnames=["pod-x"])
+    with pytest.raises(UnsafeIndexError, match="index=none") as caught:
+        make_root(root)
+    assert "index_hosts=kernel" in str(caught.value)
+    assert "pod-x" in str(caught.value)
+    assert record(root)["hostnames"] == ["pod-x"]  # left as it was
+    asyncio.run(open_backend(f"file://{root}?index_hosts=kernel").close())
+    assert record(root)["hostnames"] == ["pod-x", me.hostname]
+    assert record(root)["boot_id"] == me.boot_id
+    make_root(root)  # listed now: the default rule finds this host too
+
+
+def test_index_hosts_is_validated(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with pytest.raises(ConfigError, match="index_hosts must be one of"):
+        open_backend(f"file://{root}?index_hosts=boot")
+    assert not root.exists()  # refused before anything was created
+    with pytest.raises(ConfigError, match="index_hosts"):
+        FileBackend(root, index_hosts="hostname")  # type: ignore[arg-type]
+    assert not root.exists()
 
 
 def test_the_same_host_reopens_without_writing_its_record(tmp_path: Path) -> None:
@@ -180,14 +250,28 @@ def test_a_record_of_a_previous_boot_of_this_host_is_replaced(tmp_path: Path) ->
 
 def test_a_later_boot_with_this_host_name_is_another_host(tmp_path: Path) -> None:
     """Same host name, a kernel that booted after this one: not a previous boot of it but a
-    second machine with the same name (a container image's fixed host name): refused."""
+    second machine with the same name (a container image's fixed host name): refused, with
+    index_hosts=kernel too (another kernel)."""
     root = tmp_path / "s"
     make_root(root)
     _write_record(root, boot_time=site.this_host().boot_time + 3600)
     with pytest.raises(UnsafeIndexError, match="index=none") as caught:
         make_root(root)
     assert OTHER_BOOT_ID in str(caught.value)
+    assert "index_hosts=kernel" not in str(caught.value)
+    with pytest.raises(UnsafeIndexError, match="index=none"):
+        make_root(root, index_hosts="kernel")
     assert record(root)["boot_id"] == OTHER_BOOT_ID  # left as it was
+
+
+def test_a_previous_boot_is_replaced_with_index_hosts_kernel_too(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    make_root(root)
+    me = site.this_host()
+    _write_record(root, boot_time=me.boot_time - 86400, hostnames=[me.hostname, "pod-x"])
+    make_root(root, index_hosts="kernel")
+    assert record(root)["boot_id"] == me.boot_id
+    assert record(root)["hostnames"] == [me.hostname]
 
 
 def test_an_unreadable_record_is_refused_not_taken_for_none(tmp_path: Path) -> None:
@@ -212,6 +296,31 @@ async def test_a_record_taken_over_while_open_fails_the_next_index_call(tmp_path
             await store.exists(["aa11_b"])
     finally:
         await store.close()
+
+
+async def test_a_record_of_this_kernel_without_this_host_name_fails_the_next_index_call(
+    tmp_path: Path,
+) -> None:
+    """By default a record replaced, while open, by one of this boot id that does not list
+    this host name (index/ rebuilt from another container) is another host's; with
+    index_hosts=kernel this process's name is added to it and the call goes on."""
+    me = site.this_host()
+    for index_hosts, fails in (("name", True), ("kernel", False)):
+        root = tmp_path / index_hosts
+        store = FileBackend(root, index_hosts=index_hosts)  # type: ignore[arg-type]
+        try:
+            await store.put(["aa11_b"], [b"x"])
+            _write_record(root, boot_id=me.boot_id, hostnames=["pod-x"])
+            await asyncio.sleep(1.1)
+            if fails:
+                with pytest.raises(UnsafeIndexError, match="taken over") as caught:
+                    await store.exists(["aa11_b"])
+                assert "index_hosts=kernel" in str(caught.value)
+            else:
+                assert await store.exists(["aa11_b"]) == [True]
+                assert record(root)["hostnames"] == ["pod-x", me.hostname]
+        finally:
+            await store.close()
 
 
 async def test_a_removed_index_is_claimed_again_when_rebuilt(tmp_path: Path) -> None:

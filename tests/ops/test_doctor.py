@@ -238,6 +238,31 @@ def test_a_store_another_host_uses_is_described_and_refused(
     assert "refused:" in out and "index=none" in out
 
 
+def test_another_host_name_on_this_kernel_is_not_this_host_by_default(
+    store: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process of this kernel under another host name (a container): by default not the
+    host recorded (doctor says so and exits 1 with the refusal naming index_hosts=kernel);
+    with ?index_hosts=kernel it is (the boot id alone is the host)."""
+    me = _file_site.this_host()
+    pod = _file_site.Host(me.boot_id, me.boot_time, "pod-9")
+    monkeypatch.setattr(_file_site, "this_host", lambda: pod)
+    code, out, _ = cli(["doctor", store], capsys)
+    assert code == 1
+    assert f"host recorded: {me.hostname} (boot id {me.boot_id}" in out
+    assert f"NOT this host: pod-9 (boot id {me.boot_id})" in out
+    assert "refused:" in out and "index=none" in out and "index_hosts=kernel" in out
+    code, out, _ = cli(["doctor", store, "--json"], capsys)
+    assert code == 1 and json.loads(out)["site"]["this_host_recorded"] is False
+    code, out, _ = cli(["doctor", f"{store}?index_hosts=kernel", "--json"], capsys)
+    assert code == 0
+    found = json.loads(out)["site"]
+    assert found["this_host_recorded"] is True
+    assert found["host_record"]["hostnames"] == [me.hostname, "pod-9"]  # the open added it
+    code, out, _ = cli(["doctor", f"{store}?index_hosts=kernel"], capsys)
+    assert code == 0 and out.splitlines()[2].endswith("; this host")
+
+
 def test_a_root_on_a_network_filesystem_is_described_and_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
