@@ -40,6 +40,9 @@ from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 from vllm_support import close_llm, make_llm, sentence
 
+#: every test here starts or drives a real engine (the module takes ~3-4 minutes on 2 cores).
+pytestmark = pytest.mark.slow
+
 TIER = "HiCacheStoreTier"
 TIER_LABEL = f"1:{TIER}"
 PRIMARY_BYTES = 4 << 20  # 8 chunks of 512 KiB (128 tokens x 4 KiB)
