@@ -249,6 +249,7 @@ def test_corrupt_draft_object_is_a_miss(models: tuple[MiniLlama, MiniLlama]) -> 
     reader.tier.close()
 
 
+@pytest.mark.slow
 def test_window_recurrent_and_draft_in_one_cache(tmp_path: Path) -> None:
     """Every component kind at once: the hybrid model's window KV and recurrent checkpoints and a
     sidecar draft model's KV, restored together from L1, L2 and L3; both models exact."""

@@ -315,6 +315,7 @@ def test_timeout_prefetch_gives_up_on_a_slow_l3_and_recomputes(model: MiniLlama)
     reader.check_invariants()
 
 
+@pytest.mark.slow
 def test_the_tree_stays_bounded_and_l3_is_probed_again(model: MiniLlama) -> None:
     backend = open_backend("memory://")
     tier = make_tier(l1_pages=12, l2_pages=12, backend=backend, prefetch_policy="wait_complete")
