@@ -58,7 +58,10 @@ Policies (``EVICTION_POLICIES``; measured in BENCHMARKS.md, "Production traces")
     gaps are heavy tailed, and a session that stopped is the limit). A subagent whose response
     ended its turn has finished: it goes before any live session. Pages used without a session
     are ordered by the fallback policy (``arc``); when both kinds compete, a fallback page's next
-    use is estimated as ``now + its age``. Without any session signal it *is* its fallback.
+    use is estimated as ``now + its age``. Without any session signal it *is* its fallback. Of
+    the hint actions it reads ``session_end`` (the session's pages go first, like a finished
+    subagent's, unless the session sends another request); pins, retention and prefetch are
+    the tier's to honour.
 """
 
 from __future__ import annotations
@@ -399,8 +402,7 @@ class _Stream:
     """One session's state in ``SessionEviction``: its history and its evictable leaves."""
 
     __slots__ = (
-        "arrival_s", "end_s", "finished_rank", "gaps", "heap", "kind", "live", "name", "ranked",
-        "stop",
+        "arrival_s", "end_s", "ended", "gaps", "heap", "kind", "live", "name", "ranked", "stop",
     )
 
     def __init__(self, name: str, kind: str) -> None:
@@ -413,7 +415,7 @@ class _Stream:
         self.heap: list[tuple[int, int, int, object]] = []  # (stamp, -depth, version, node)
         self.live = 0  # evictable leaves
         self.ranked = -1  # the ranking epoch this stream was last pushed in
-        self.finished_rank = 0.0
+        self.ended = False  # its last request said the session ends (``session_end``)
 
     @property
     def in_flight(self) -> bool:
@@ -508,6 +510,7 @@ class SessionEviction(Generic[N]):
         if stream.stop is not None and stream.end_s is not None and not stream.in_flight:
             self._observe_gap(stream, stream.stop, hints.now_s - stream.end_s)
         stream.arrival_s = hints.now_s
+        stream.ended = any(a.action == "session_end" for a in hints.actions)
         self._current = stream
 
     def hint_response(self, end: ResponseEnd) -> None:
@@ -534,6 +537,8 @@ class SessionEviction(Generic[N]):
 
     def _predict(self, stream: _Stream) -> float:
         now = self._now
+        if stream.ended:
+            return math.inf
         if stream.in_flight or stream.stop is None or stream.end_s is None:
             return now + self._gap(stream, STOP_TOOL_USE)
         if stream.kind == "subagent" and stream.stop == STOP_END_TURN:

@@ -101,6 +101,17 @@ def test_a_finished_subagent_goes_before_live_sessions() -> None:
     assert drain(p) == ["q", "a", "x"]
 
 
+def test_a_session_that_said_it_ends_goes_first() -> None:
+    p = policy()
+    serve(p, RequestHints(0.0, "done", actions=(HintAction("session_end"),)), "a")
+    serve(p, RequestHints(1.0, "human"), "x")
+    p.hint_response(ResponseEnd("human", "end_turn", 2.0))
+    p.hint_response(ResponseEnd("done", "tool_use", 2.0))
+    serve(p, RequestHints(3.0, "t"), "m")
+    assert p.predicted_return("done") == float("inf")
+    assert drain(p) == ["a", "x", "m"]
+
+
 def test_gaps_are_learned_from_the_sessions_own_history() -> None:
     p = policy()
     for n in range(3):  # tool_use responses ending at 10n + 1, next request at 10n + 10
