@@ -272,6 +272,7 @@ class _Tracked:
     request: Request
     hashes: list[str] = field(default_factory=list)
     stored_pages: int = 0  # leading pages the last lookup found
+    local_pages: int = 0  # pages vLLM had itself at the last lookup
     planned: int = 0  # pages up to which saves have been planned
     skip: str = ""  # why this request is neither loaded nor saved
 
@@ -373,6 +374,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[int | None, bool]:
         tracked = self._track(request)
         tracked.stored_pages = 0
+        tracked.local_pages = num_computed_tokens // self.block_size
         if tracked.skip or not self.loads_enabled:
             return 0, False
         # The page holding the last token is never offered: vLLM must compute at least one.
@@ -407,14 +409,17 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if num_external_tokens <= 0:
             return
         (block_ids,) = blocks.get_block_ids()
-        # The external tokens are the last pages of the stored prefix the lookup found.
-        count = num_external_tokens // self.block_size
-        first = tracked.stored_pages - count
-        if first < 0 or count * self.block_size != num_external_tokens:
-            log.warning("hicache-store: vLLM allocated %d external tokens for %d stored pages",
-                        num_external_tokens, tracked.stored_pages)
-            return
+        # The external tokens are the stored pages after vLLM's own (what the lookup offered).
+        first = tracked.local_pages
+        count = -(-num_external_tokens // self.block_size)
         hashes = tracked.hashes[first:first + count]
+        if first + count > tracked.stored_pages or count * self.block_size != num_external_tokens:
+            # Not what was offered: never leave vLLM with blocks it thinks were loaded. Names
+            # that match no object make every page fail, so vLLM recomputes them.
+            log.error("hicache-store: vLLM took %d external tokens after %d pages of its own, "
+                      "%d pages were offered; recomputing them",
+                      num_external_tokens, first, tracked.stored_pages - first)
+            hashes = [""] * count
         self._pending_loads[request.request_id] = PageLoad(
             request.request_id, list(block_ids[first:first + count]), list(hashes)
         )
