@@ -33,6 +33,9 @@ from vllm_support import close_llm, connector_config, make_llm, sentence
 from hicache_store.backends.faulty import FaultConfig
 from hicache_store.layout.hashing import page_hashes
 
+#: real engines, a minute or more on 2 cores
+pytestmark = pytest.mark.slow
+
 BLOCK = 128  # vLLM's CPU block size for this model (checked in a test)
 TURNS = 4
 CONVERSATIONS = 3

@@ -33,6 +33,9 @@ from hicache_store.objects import ObjectIO
 from hicache_store.ops.prepopulate import prepopulate
 from hicache_store.ops.sources import HFSource
 
+#: real engines, a minute or more on 2 cores
+pytestmark = pytest.mark.slow
+
 BLOCK = 128
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 

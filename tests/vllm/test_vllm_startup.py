@@ -28,6 +28,7 @@ def test_unknown_and_bad_keys_are_refused() -> None:
     assert ConnectorConfig.from_extra({"grid": "2x1"}).grid is not None
 
 
+@pytest.mark.slow  # an engine start each
 @pytest.mark.parametrize(
     ("transfer", "engine", "message"),
     [

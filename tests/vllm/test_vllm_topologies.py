@@ -21,6 +21,9 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_support import close_llm, connector_config, make_llm, sentence
 
+#: real engines, a minute or more on 2 cores
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).parent
 
 
