@@ -143,8 +143,11 @@ class FirstRun:
 
 @pytest.fixture(scope="module")
 def first_run(
-    tiny_llama: Path, workload: Workload, tmp_path_factory: pytest.TempPathFactory
+    tiny_llama: Path, workload: Workload, tmp_path_factory: pytest.TempPathFactory,
+    reference: Reference,
 ) -> FirstRun:
+    # ``reference`` first: vLLM keeps one worker-side connector per process, so an engine
+    # without a connector cannot start while one with it is open (``second_engine``).
     root = tmp_path_factory.mktemp("store")
     llm = make_llm(tiny_llama, kv_transfer_config=connector_config({"url": f"file://{root}"}))
     try:
@@ -329,3 +332,23 @@ def test_salted_requests_are_neither_loaded_nor_saved(engine: Any, reference: Re
     assert sched.metrics["skipped_cache_salt"] >= 1
     assert counter(engine, "vllm:external_prefix_cache_hits") == before
     assert worker.metrics["pages_saved"] == saved
+
+
+def test_namespace_is_the_sglang_adapters_and_prepopulates(
+    engine: Any, tiny_llama: Path, reference: Reference
+) -> None:
+    """The connector derives its namespace by the rule the SGLang adapter uses
+    (``ops.deployment.Deployment``, no SGLang needed) and names pages with the same chain: an
+    SGLang deployment of this model path, dtype, page size and TP1 looks for the very objects."""
+    from hicache_store.layout.namespace import ModelShape
+    from hicache_store.layout.topology import Topology
+    from hicache_store.ops.deployment import Deployment
+
+    sglang = Deployment(model_id=str(tiny_llama), dtype="float32", page_size=BLOCK,
+                        topology=Topology(1, 1), shape=ModelShape.mha(4, 2, 64)).namespace()
+    for conn in (scheduler_connector(engine), worker_connector()):
+        assert conn.namespace == sglang
+        assert conn.namespace.digest == sglang.digest
+    prompt = reference.prompts[0]
+    tracked_hashes = page_hashes(prompt, BLOCK)
+    assert tracked_hashes == page_hashes(prompt, BLOCK, accelerate=False)  # SGLang's chain
