@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hicache_store.demo.bench.pd_worker import WorkerSetup
+from hicache_store.demo.bench.pd_worker import PrefillProcess, WorkerSetup, start_prefill
 from hicache_store.demo.engine.config import MiniLlamaConfig
 from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.pd import DecodeWorker, Served
@@ -21,6 +21,13 @@ TRANSPORTS = ["tcp", pytest.param("mooncake", marks=pytest.mark.mooncake)]
 def setup_for(transport: str, **options: object) -> WorkerSetup:
     options.setdefault("model", CONFIG.to_dict())
     return WorkerSetup(page_size=PAGE, transport=transport, **options)  # type: ignore[arg-type]
+
+
+def start(transport: str, **options: object) -> PrefillProcess:
+    """A prefill worker process on ``transport`` (256 L1 pages unless ``options`` say)."""
+    if transport == "mooncake":
+        pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine is not installed")
+    return start_prefill(setup_for(transport, **{"l1_pages": 256, **options}))
 
 
 ROW = 4 * 2 * PAGE * 2 * 16 * 4  # bytes of one page: layers x K/V x tokens x heads x dim x 4

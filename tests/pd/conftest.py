@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _pd_support import CONFIG, TRANSPORTS, setup_for
+from _pd_support import CONFIG, TRANSPORTS, start
 
-from hicache_store.demo.bench.pd_worker import PrefillProcess, start_prefill
+from hicache_store.demo.bench.pd_worker import PrefillProcess
 from hicache_store.demo.engine.model import MiniLlama
 
 
@@ -25,12 +25,6 @@ def _one_thread() -> None:
 @pytest.fixture(scope="module")
 def model() -> MiniLlama:
     return MiniLlama(CONFIG)
-
-
-def start(transport: str, **options: object) -> PrefillProcess:
-    if transport == "mooncake":
-        pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine is not installed")
-    return start_prefill(setup_for(transport, **{"l1_pages": 256, **options}))
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)

@@ -25,7 +25,7 @@ from hicache_store.pd import DecodeFailed
 @pytest.fixture(scope="module")
 def small_prefill() -> Iterator[PrefillProcess]:
     """A prefill worker whose device pool holds 8 pages: a longer prompt fails there."""
-    from conftest import start
+    from _pd_support import start
 
     process = start("tcp", l1_pages=8)
     try:
@@ -96,7 +96,7 @@ def test_a_request_prefill_cannot_serve_fails_cleanly(
 def test_a_stalled_prefill_times_out_and_its_landing_rows_stay_quarantined(
     model: MiniLlama,
 ) -> None:
-    from conftest import start
+    from _pd_support import start
 
     process = start("tcp")
     setup = setup_for("tcp", l1_pages=64, l2_pages=32, timeout_s=2.0, landing_rows=32)
@@ -125,7 +125,7 @@ def test_a_stalled_prefill_times_out_and_its_landing_rows_stay_quarantined(
 
 
 def test_a_dead_prefill_fails_requests_in_bounded_time(model: MiniLlama) -> None:
-    from conftest import start
+    from _pd_support import start
 
     process = start("tcp")
     setup = setup_for("tcp", l1_pages=64, l2_pages=32, timeout_s=5.0)
