@@ -12,7 +12,8 @@ happens; the policy decides the order. Calls, all from one thread:
     victim() -> node | None    # the next evictable leaf to evict (not removed by this call)
     evict(node)                # node left the pool (the tree calls it for every removal)
 
-Every call is O(log n) or O(1) amortised (heaps with lazy deletion; a stale heap entry is
+Each policy here also has ``touch_path(nodes)``: ``touch`` of each node in order, in one call
+(the simulator uses it for a request's cached prefix). Every call is O(log n) or O(1) amortised (heaps with lazy deletion; a stale heap entry is
 skipped when it surfaces, and the heaps are rebuilt when stale entries outnumber live ones, so
 memory stays O(resident pages)). Nodes are any hashable handle with a depth (the position of
 the page in its chain) and a ghost key (what identifies the page after it left: its hash); the
