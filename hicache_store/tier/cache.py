@@ -89,8 +89,8 @@ from hicache_store.objects import L3Link
 from hicache_store.objects.manifest import ensure_manifest
 from hicache_store.tenant import KeyRing
 
+from . import checks, restore
 from . import prefix as prefixes
-from . import restore
 from .components import KV, Component, Placement
 from .config import TierConfig
 from .eviction import EvictionPolicy, make_eviction_policy
@@ -693,35 +693,11 @@ class HiCache:
         agree with a full scan; every host row in use is referenced by the tree or a prefetch,
         and every component slot is free or referenced.
         """
-        tiers = (Tier.L1,) if self.config.host_mode == "buffer_only" else (Tier.L1, Tier.L2)
-        filled = {id(n): n for n in self.tree.nodes()}
-        for key in self._filling:
-            node = filled.get(key)
-            assert node is not None, "a load is recorded for a page not in the tree"
-            held = node.held(KV.tag)
-            assert held is not None, "a load is recorded for a page without KV"
-            assert held.l1 is not None, "a load is recorded for a page not in L1"
-            assert held.lock, "a load is recorded for a page no request holds"
-        self.tree.check_prefix_closed(tiers)
-        self.tree.check_queues()
-        for part in self.parts.values():
-            used, referenced = part.host.used, self._rows_referenced(part.tag)
-            if used != referenced:
-                raise AssertionError(f"{part.name}: {used} host rows in use, {referenced} held")
-            if isinstance(part.slots, SlotList):
-                slots = [
-                    h.l1 for n in self.tree.nodes() if (h := n.held(part.tag)) and h.l1 is not None
-                ]
-                assert len(set(slots)) == len(slots), f"{part.name}: a slot held twice"
-                assert not set(slots) & set(part.slots.free_slots), f"{part.name}: a held slot is free"
+        checks.check_tier(self)
 
     def host_pages_referenced(self) -> int:
         """KV host rows the tree or a prefetch holds (must always equal ``host.used``)."""
-        return self._rows_referenced(KV.tag)
-
-    def _rows_referenced(self, tag: int) -> int:
-        in_tree = sum(1 for n in self.tree.nodes() if (h := n.held(tag)) and h.l2 is not None)
-        return in_tree + self.prefetcher.rows_held(tag)
+        return checks.rows_referenced(self, KV.tag)
 
     def quarantined_host_pages(self) -> int:
         """Host rows held by abandoned prefetch reads that have not ended yet; they return to
