@@ -20,23 +20,15 @@ COMPONENT_COUNTERS = (
     "backups_dropped",
     "evictions_l1",
     "evictions_l2",
+    "bytes_l1_to_l2",
     "restored_l2",
     "restored_l3",
     "produced",
     "produce_dropped",
     "fetch_failed",
-    "bytes_l1_to_l2",
 )
-#: the counters the KV's read under their plain names.
-_PLAIN_COUNTERS = (
-    "backups_l2",
-    "backups_l3",
-    "backups_l3_failed",
-    "backups_dropped",
-    "evictions_l1",
-    "evictions_l2",
-    "bytes_l1_to_l2",
-)
+#: the counters the KV's read under their plain names (the KV's own fields once).
+_PLAIN_COUNTERS = COMPONENT_COUNTERS[:7]
 #: the component whose counters keep their plain names (``backups_l2``, not ``backups_l2_kv``)
 #: in ``to_dict`` and as attributes; Prometheus labels it like every other.
 _PLAIN = "kv"
