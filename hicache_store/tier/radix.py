@@ -293,8 +293,10 @@ class PageTree:
     def begin_request(self) -> None:
         """A request starts: every pool's policy and the tree's clock tick once."""
         self._clock += 1
-        for policy in self.policies.values():
-            policy.begin_request()
+        for pool in self._pools.values():
+            if pool.l1 is not None:
+                pool.l1.begin_request()
+            pool.l2.begin_request()
 
     # -- structure ------------------------------------------------------------------------
 
