@@ -160,14 +160,20 @@ class PageNode:
     @property
     def in_memory(self) -> bool:
         """Some copy of this page (of any component) is in L1 or L2."""
-        return self.copies is not None and any(h.in_memory for h in self.copies.values())
+        if self.copies is not None:
+            for h in self.copies.values():
+                if h.l1 is not None or h.l2 is not None:
+                    return True
+        return False
 
     @property
     def busy(self) -> bool:
         """Something uses or writes this page's copies now (locks, pending backups)."""
-        return self.copies is not None and any(
-            h.lock or h.host_lock or h.l3_pending for h in self.copies.values()
-        )
+        if self.copies is not None:
+            for h in self.copies.values():
+                if h.lock or h.host_lock or h.l3_pending:
+                    return True
+        return False
 
     def path(self) -> list[PageNode]:
         """Nodes from the first page down to this one."""
@@ -391,12 +397,13 @@ class PageTree:
 
     @staticmethod
     def _removable(node: PageNode) -> bool:
-        return (
-            node.depth >= 0
-            and node.parent is not None
-            and not node.children
-            and (node.copies is None or all(h.empty for h in node.copies.values()))
-        )
+        if node.children or node.depth < 0 or node.parent is None:
+            return False
+        if node.copies is not None:
+            for h in node.copies.values():
+                if not h.empty:
+                    return False
+        return True
 
     # -- residency and locks: one set for every component (each keeps the pools exact) ----
 
@@ -415,7 +422,10 @@ class PageTree:
         """Set where ``node``'s copy of component ``tag`` is: ``tier`` L1 / L2 take a page,
         slot or row (None drops the copy; an L1 copy that moves or goes takes the L1 copies of
         the components following its pages with it), L3 takes whether a copy is known."""
-        held = self.held(node, tag)
+        copies = node.copies
+        held = None if copies is None else copies.get(tag)
+        if held is None:
+            held = self.held(node, tag)
         was_in_memory = node.in_memory
         if tier is Tier.L3:
             held.in_l3 = bool(value)
@@ -444,7 +454,9 @@ class PageTree:
                         policy.evict(node)
                 parent = node.parent
                 if pool.prefix_closed and parent is not None and parent.depth >= 0:
-                    above = self.held(parent, tag)
+                    above = parent.copies.get(tag) if parent.copies is not None else None
+                    if above is None:
+                        above = self.held(parent, tag)
                     step = 1 if slot is not None else -1
                     if tier is Tier.L1:
                         above.l1_children += step
@@ -497,12 +509,24 @@ class PageTree:
             self._changed(node)
 
     def _update(self, node: PageNode, tag: int, tier: Tier) -> None:
-        """Tell ``tag``'s ``tier`` policy whether ``node``'s copy there may go now."""
+        """Tell ``tag``'s ``tier`` policy whether ``node``'s copy there may go now (the test of
+        ``is_evictable``, inlined: this runs for every change)."""
+        copies = node.copies
+        if copies is None or node.depth < 0:
+            return
+        held = copies.get(tag)
+        if held is None:
+            return
         pool = self._pools[tag]
-        policy = pool.l1 if tier is Tier.L1 else pool.l2
-        held = node.held(tag)
-        if policy is not None and held is not None and node.depth >= 0 and held.resident(tier):
-            policy.set_evictable(node, self.is_evictable(node, tier, tag))
+        if tier is Tier.L1:
+            if pool.l1 is not None and held.l1 is not None:
+                pool.l1.set_evictable(
+                    node, held.lock == 0 and not (pool.prefix_closed and held.l1_children)
+                )
+        elif held.l2 is not None:
+            pool.l2.set_evictable(
+                node, held.host_lock == 0 and not (pool.prefix_closed and held.l2_children)
+            )
 
     def _changed(self, node: PageNode) -> None:
         """After a change to ``node``'s copies or locks: requeue it in the record, and remove
@@ -540,14 +564,14 @@ class PageTree:
     def record_leaf(node: PageNode) -> bool:
         """Whether the record may forget ``node``: a leaf known in L3 (for some component),
         with nothing in memory or in use."""
-        return (
-            node.depth >= 0
-            and not node.children
-            and node.copies is not None
-            and not node.in_memory
-            and not node.busy
-            and any(h.in_l3 for h in node.copies.values())
-        )
+        if node.children or node.depth < 0 or node.copies is None:
+            return False
+        known = False
+        for h in node.copies.values():
+            if h.l1 is not None or h.l2 is not None or h.lock or h.host_lock or h.l3_pending:
+                return False
+            known = known or h.in_l3
+        return known
 
     def pop_victim(self, tier: Tier, tag: int) -> PageNode | None:
         """The node whose copy of component ``tag`` ``tier`` (L1 or L2) should give up next, as
