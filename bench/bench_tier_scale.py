@@ -38,6 +38,7 @@ import torch
 from hicache_store.demo.engine.kv_pool import DeviceKVPool
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.tier.cache import HiCache
+from hicache_store.tier.components import KV_TAG
 from hicache_store.tier.config import TierConfig
 from hicache_store.tier.radix import Tier
 
@@ -82,13 +83,15 @@ def victim_seconds(t: HiCache, samples: int) -> float:
     times = []
     for _ in range(samples):
         started = time.perf_counter()
-        node = t.tree.pop_victim(Tier.L1)
+        node = t.tree.pop_victim(Tier.L1, KV_TAG)
         times.append(time.perf_counter() - started)
         assert node is not None
-        page = node.device_page
+        page = node.copy(KV_TAG).l1
         t.tree.begin_request()
-        t.tree.set_device(node, None)
-        t.tree.set_device(node, page)
+        t.tree.lock(node, KV_TAG)  # holding nothing for a moment, it would leave the tree
+        t.tree.set_copy(node, KV_TAG, Tier.L1, None)
+        t.tree.set_copy(node, KV_TAG, Tier.L1, page)
+        t.tree.unlock(node, KV_TAG)
     return statistics.median(times)
 
 

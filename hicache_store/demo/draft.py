@@ -32,10 +32,9 @@ from hicache_store.demo.engine.config import MiniLlamaConfig
 from hicache_store.demo.engine.kv_pool import DeviceKVPool
 from hicache_store.kernels.pools import DevicePool
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
-from hicache_store.tier.components import Component, ComponentSpec, HitRule
+from hicache_store.tier.components import DRAFT_TAG, Component, ComponentSpec, HitRule
 
-#: the component tag of a sidecar draft's objects (``_C3`` in keys).
-DRAFT_TAG = 3
+#: a sidecar draft's objects are tagged DRAFT_TAG (``_C3`` in keys; ``tier.components.TAGS``).
 
 
 def draft_config(target: MiniLlamaConfig, *, num_layers: int = 2, seed: int = 1) -> MiniLlamaConfig:

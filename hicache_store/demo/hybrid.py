@@ -38,6 +38,8 @@ from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.topology import Shard, Topology, shard_of
 from hicache_store.tier.cache import HiCache, Prepared, Request
 from hicache_store.tier.components import (
+    RECURRENT_TAG,
+    WINDOW_TAG,
     Component,
     ComponentSpec,
     HitRule,
@@ -45,9 +47,8 @@ from hicache_store.tier.components import (
     component_namespace,
 )
 
-#: component tags of the hybrid model's objects (``_C1``, ``_C2`` in keys).
-WINDOW_TAG = 1
-RECURRENT_TAG = 2
+#: component tags of the hybrid model's objects (``_C1``, ``_C2`` in keys): WINDOW_TAG and
+#: RECURRENT_TAG, from the one table of tags (``tier.components.TAGS``).
 
 
 class WindowPool:

@@ -58,7 +58,13 @@ from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import IOStats, L3Link
 from hicache_store.tenant import KeyRing
-from hicache_store.tier.components import ComponentSpec, HitRule, component_namespace
+from hicache_store.tier.components import (
+    RECURRENT_TAG,
+    WINDOW_TAG,
+    ComponentSpec,
+    HitRule,
+    component_namespace,
+)
 
 from ._sglang_config import AdapterConfig
 from ._sglang_pool import Registered, describe_host_pool, host_slots
@@ -68,8 +74,8 @@ KV_POOL = "kv"
 SWA_POOL = "swa"
 MAMBA_POOL = "mamba"
 #: component tags in object keys (``_C{tag}``), the tier's window and recurrent tags.
-SWA_TAG = 1
-MAMBA_TAG = 2
+SWA_TAG = WINDOW_TAG
+MAMBA_TAG = RECURRENT_TAG
 #: one row of a state object at most (the namespace's ``head_dim`` limit).
 _STATE_ROW_LIMIT = 1 << 20
 _STATE_ROWS_LIMIT = 1024  # one object: at most MAX_LAYERS_PER_OBJECT rows
@@ -201,16 +207,9 @@ def make_sidecar(label: str, host_pool: Any, d: Deployment) -> Sidecar:
 
 def _link(d: Deployment, namespace: Namespace, topology: Topology, rank: int, tag: int,
           *, read_only: bool) -> L3Link:
-    return L3Link(
-        d.backend,
-        namespace,
-        topology,
-        rank,
-        max_inflight_bytes=d.config.max_inflight_bytes,
-        io_timeout_s=d.config.io_timeout_s,
+    return L3Link.for_component(
+        d.backend, namespace, topology, rank, d.config, keys=d.keys, component=tag,
         min_bandwidth_mib_s=d.config.min_bandwidth_mib_s,
-        keys=d.keys if namespace.sealed else None,
-        component=tag,
         read_only=read_only,
     )
 

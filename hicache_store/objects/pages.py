@@ -27,7 +27,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -55,6 +55,16 @@ from .sealed import SealedFormat
 
 log = logging.getLogger(__name__)
 Row = npt.NDArray[np.uint8]
+
+
+class TransferLimits(Protocol):
+    """The two limits every link takes from its owner's configuration."""
+
+    @property
+    def max_inflight_bytes(self) -> int: ...
+
+    @property
+    def io_timeout_s(self) -> float: ...
 
 
 class L3Link:
@@ -127,6 +137,37 @@ class L3Link:
         self.trusted_hashes = False
         self._frames: dict[int, Arena] = {}  # write staging by frame size
         self._scratch: dict[int, Arena] = {}  # head-subset reads by fetch size
+
+    @classmethod
+    def for_component(
+        cls,
+        backend: Backend,
+        namespace: Namespace,
+        topology: Topology,
+        rank: int,
+        limits: TransferLimits,
+        *,
+        keys: KeyRing | None,
+        component: int,
+        read_only: bool,
+        min_bandwidth_mib_s: float = DEFAULT_MIN_BANDWIDTH_MIB_S,
+    ) -> L3Link:
+        """The link of one cache component (``component``: its tag) of a deployment: its
+        owner's limits, and the deployment's tenant key ring when ``namespace`` is sealed (a
+        component of a sealed model is sealed with it). The tier's links and the SGLang
+        adapter's component links are all made here."""
+        return cls(
+            backend,
+            namespace,
+            topology,
+            rank,
+            max_inflight_bytes=limits.max_inflight_bytes,
+            io_timeout_s=limits.io_timeout_s,
+            min_bandwidth_mib_s=min_bandwidth_mib_s,
+            keys=keys if namespace.sealed else None,
+            component=component,
+            read_only=read_only,
+        )
 
     @property
     def io_timeout_s(self) -> float:

@@ -40,7 +40,13 @@ Every state change is prepare-then-complete: pages and objects are locked from `
 or ``prepare`` (components) until ``complete``, and L2 copies an L3 transfer reads or fills are
 locked until its completion is applied in ``poll``, so nothing is evicted or reused in flight.
 Policy (what to keep, when to wait) lives here; bytes move in ``kernels`` (L1 <-> L2, through
-``tier.pools``) and ``objects`` (L2 <-> L3, through ``tier.transfers``).
+``tier.pools``) and ``objects`` (L2 <-> L3, through ``tier.transfers``). Its collaborators:
+``tier.prefetch`` (the prefetch protocol), ``tier.prefix`` (the prefix over every component
+and across ranks), ``tier.restore`` (component objects on the request path). Every copy of
+every component is one ``Held`` on the page tree (``tier.radix``), and the tier's primitives
+(``_make_room`` / ``_evict``, ``_alloc_rows`` / ``_drop``, ``_backup`` / ``_queue_l3`` /
+``_apply_backup``) are written once for all of them; what is special about the KV is two
+properties of its pools (``Pools.prefix_closed``, ``Pools.ordered``).
 
 **Ranks** (``group``, e.g. ``distributed.TorchGroup``): every number that changes what is
 computed is agreed as the minimum over ranks at the same point on every rank, and every request
@@ -64,13 +70,10 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import hashlib
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -82,12 +85,14 @@ from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology, shard_of
-from hicache_store.objects import IOStats, L3Link
+from hicache_store.objects import L3Link
 from hicache_store.objects.manifest import ensure_manifest
 from hicache_store.tenant import KeyRing
 
-from .components import KV, Component, ComponentMatch, HitRule, Placement, match_components
-from .config import TierConfig, prefetch_timeout
+from . import checks, restore
+from . import prefix as prefixes
+from .components import KV, Component, Placement
+from .config import TierConfig
 from .eviction import EvictionPolicy, make_eviction_policy
 from .group import (
     NO_VOTE,
@@ -100,131 +105,38 @@ from .group import (
 )
 from .host_pool import HostPagePool
 from .metrics import TierMetrics
-from .pools import LayerLoad, Pools
-from .radix import PageNode, PageTree, Tier
-from .transfers import BackupDone, BackupEvent, Fetch, Prefetch, ReadEnded, Transfers
+from .pools import LayerLoad, Pools, SlotList
+from .prefetch import Prefetcher, _timed
+from .prefix import LIMITED_BY_PREFETCH, LIMITED_BY_RANKS
+from .radix import Held, PageNode, PageTree, Tier
+from .request import (
+    ComponentSlots,
+    DevicePagePool,
+    Prepared,
+    Request,
+    TierCapacityError,
+    page_slots,
+    tokens_digest,
+)
+from .transfers import BackupDone, BackupEvent, BackupItem, ReadEnded, Transfers
+
+__all__ = [
+    "ComponentSlots",
+    "DevicePagePool",
+    "HiCache",
+    "Prepared",
+    "Request",
+    "TierCapacityError",
+    "page_slots",
+]
 
 log = logging.getLogger(__name__)
 
-#: ``metrics.extra`` counters of requests with components that resumed before the prefix every
-#: component allowed (``limited_by_<component>`` count the components that shortened it):
-#: because what L3 holds was not in L2 at ``prepare`` (not fetched: the prefetch threshold, its
-#: policy's wait, no free row; or a memory copy went meanwhile) ...
-LIMITED_BY_PREFETCH = "limited_by_prefetch"
-#: ... or because another rank could resume less.
-LIMITED_BY_RANKS = "limited_by_ranks"
-
-
-def page_slots(pages: Sequence[int], page_size: int) -> torch.Tensor:
-    """Token slots of device ``pages`` in order: page ``p`` holds slots
-    ``p * page_size .. p * page_size + page_size - 1``."""
-    return (
-        torch.tensor(list(pages), dtype=torch.int64).repeat_interleave(page_size) * page_size
-        + torch.arange(page_size, dtype=torch.int64).repeat(len(pages))
-    )
-
-
-@contextlib.contextmanager
-def _timed(req: Request) -> Iterator[None]:
-    """Count the enclosed time as the request's I/O (data movement), not bookkeeping."""
-    started = time.perf_counter()
-    try:
-        yield
-    finally:
-        req.io_s += time.perf_counter() - started
-
-
-class TierCapacityError(RuntimeError):
-    """L1 cannot hold what one request needs, even after evicting everything unlocked."""
-
-
-class DevicePagePool(Protocol):
-    """What the tier needs from an engine's KV pool (L1): paged K/V buffers and an allocator."""
-
-    page_size: int
-    num_pages: int
-
-    @property
-    def k_buffers(self) -> Sequence[torch.Tensor]: ...
-
-    @property
-    def v_buffers(self) -> Sequence[torch.Tensor]: ...
-
-    @property
-    def num_free_pages(self) -> int: ...
-
-    def alloc(self, count: int) -> list[int]: ...
-
-    def free(self, pages: Sequence[int]) -> None: ...
-
-
-@dataclass(frozen=True)
-class ComponentSlots:
-    """A component's L1 slots for one request (page indices count from the prompt's start).
-
-    ``restored``: (page index, slot) of the objects the resume needs, in L1 now (for a
-    checkpoint: the snapshot after that page). ``produce``: (page index, slot) the engine fills
-    while computing (a checkpoint after that page; a window or draft page).
-    """
-
-    restored: tuple[tuple[int, int], ...] = ()
-    produce: tuple[tuple[int, int], ...] = ()
-
-
-@dataclass
-class Request:
-    """One request's state between ``match`` and ``complete``.
-
-    ``bookkeeping_s``: time the tier spent on the engine thread deciding (matching, planning,
-    scheduling), excluding ``io_s``: time spent moving data or waiting for the backend
-    (existence checks, L1 <-> L2 copies), and excluding prefetch waits.
-    """
-
-    tokens: torch.Tensor
-    hashes: list[str]
-    nodes: list[PageNode]
-    l1_pages: int
-    l2_pages: int
-    need: tuple[int, ...] = ()
-    branches: tuple[int, ...] = ()
-    prefetch: Prefetch | None = None
-    l3_pages: int = 0
-    prefix_pages: int = 0
-    new_device_pages: list[int] = field(default_factory=list)
-    loading: list[PageNode] = field(default_factory=list)
-    host_locked: list[PageNode] = field(default_factory=list)
-    load: LayerLoad | None = None
-    borrowed: list[tuple[PageNode, LayerLoad]] = field(default_factory=list)
-    components: dict[str, ComponentSlots] = field(default_factory=dict)
-    held: list[tuple[PageNode, int]] = field(default_factory=list)
-    pinned: list[tuple[PageNode, int]] = field(default_factory=list)
-    l3_found: dict[int, list[bool]] = field(default_factory=dict)
-    l3_kv_pages: int = 0
-    rounds: int = 0
-    bookkeeping_s: float = 0.0
-    io_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What the engine needs to compute a request: where to start, where KV lives, and each
-    component's slots."""
-
-    start: int
-    slots: torch.Tensor
-    wait_layer: Callable[[int], None] | None
-    components: Mapping[str, ComponentSlots] = field(default_factory=dict)
 
 
 def _policy(name: str, capacity: int) -> EvictionPolicy[PageNode]:
     """An eviction policy for a pool of ``capacity`` pages (``TierConfig.eviction_policy``)."""
     return make_eviction_policy(name, max(capacity, 1), lambda n: n.depth, lambda n: n.page_hash)
-
-
-def tokens_digest(tokens: torch.Tensor) -> str:
-    """A short digest of a request's tokens (an argument of its logged decisions)."""
-    data = tokens.to(torch.int64).numpy().astype("<u4").tobytes()
-    return hashlib.sha256(data).hexdigest()[:12]
 
 
 class HiCache:
@@ -290,21 +202,24 @@ class HiCache:
         self._backend = backend
         self._keys = keys
         if backend is not None:
-            self.l3 = self._link(namespace, self.topology, rank, 0, read_only=False)
-            if self.l3.can_write:
-                self._write_manifest(namespace)
+            self.l3 = self._link(namespace, self.topology, rank, KV.tag, read_only=False)
             self._registered = self._register_host_pool(backend)
-        kv = Pools(KV, namespace, self.layout, self.device, self.host, self.l3, kernel_backend)
-        self.parts: dict[int, Pools] = {0: kv}
+        # The KV's pools: prefix-closed, their backups acknowledged in the deciding stage's
+        # order (``Pools``); L1 is the engine's page pool.
+        self.kv = Pools(
+            KV, namespace, self.layout, self.device, self.host, self.l3, kernel_backend,
+            slots=device_pool, prefix_closed=True, ordered=True,
+        )
+        self.parts: dict[int, Pools] = {KV.tag: self.kv}
         self.components: dict[str, Component] = {}
         for component in components:
             self._add_component(component)
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hicache-load")
         self._closed = False  # set by ``close``: requests are refused from then on
         self._transfers = Transfers(submit)
-        self._ready_kv: list[BackupDone] = []
-        self._kv_in_flight = 0
-        self._prefetches: list[Prefetch] = []
+        self.prefetcher = Prefetcher(self)
+        self._ready: list[BackupDone] = []  # ordered completions awaiting the agreement
+        self._ordered_in_flight = 0
         # Bounded: an engine that never drains them cannot grow it (the oldest go first).
         self._events: collections.deque[BackupEvent] = collections.deque(maxlen=1 << 16)
         self._last_rounds = 0
@@ -323,19 +238,15 @@ class HiCache:
     def _link(
         self, namespace: Namespace, topology: Topology, rank: int, tag: int, *, read_only: bool
     ) -> L3Link:
+        """An L3 link of one component (its manifest written when the link writes)."""
         assert self._backend is not None
-        link = L3Link(
-            self._backend,
-            namespace,
-            topology,
-            rank,
-            max_inflight_bytes=self.config.max_inflight_bytes,
-            io_timeout_s=self.config.io_timeout_s,
-            keys=self._keys if namespace.sealed else None,
-            component=tag,
-            read_only=read_only,
+        link = L3Link.for_component(
+            self._backend, namespace, topology, rank, self.config, keys=self._keys,
+            component=tag, read_only=read_only,
         )
         link.trusted_hashes = True  # the tier hashes tokens itself
+        if link.can_write:
+            self._write_manifest(namespace)
         return link
 
     def _add_component(self, component: Component) -> None:
@@ -358,20 +269,11 @@ class HiCache:
         link = None
         if self._backend is not None and host.num_pages:
             link = self._link(ns, topology, rank, spec.tag, read_only=read_only)
-            if link.can_write:
-                self._write_manifest(ns)
-        slots = component.slots
+        count = component.slots
         self.parts[spec.tag] = Pools(
-            spec,
-            ns,
-            layout,
-            component.device,
-            host,
-            link,
-            self.kernel_backend,
-            free=None if slots is None else list(range(slots - 1, -1, -1)),
-            num_slots=slots or 0,
-            follows_kv=component.follows_kv,
+            spec, ns, layout, component.device, host, link, self.kernel_backend,
+            slots=None if count is None else SlotList(count),
+            follows=KV.tag if count is None else None,
         )
         # The KV's policy, one instance per pool: one eviction order across components
         # (``tier.radix``, "One eviction order").
@@ -379,7 +281,8 @@ class HiCache:
         self.tree.add_component(
             spec.tag,
             _policy(name, host.num_pages),
-            None if slots is None else _policy(name, slots),
+            None if count is None else _policy(name, count),
+            follows=KV.tag,
         )
         self.components[component.name] = component
 
@@ -440,10 +343,11 @@ class HiCache:
         )
         self.tree.begin_request()
         nodes = self.tree.match(hashes) if reuse else []
-        l1 = PageTree.resident_prefix(nodes, Tier.L1)
+        l1 = PageTree.resident_prefix(nodes, Tier.L1, KV.tag)
         in_memory = 0
         for node in nodes:
-            if node.device_page is None and node.host_page is None:
+            held = node.held(KV.tag)
+            if held is None or not held.in_memory:
                 break
             in_memory += 1
         wanted = self.components if need is None else need
@@ -452,11 +356,11 @@ class HiCache:
             raise ValueError(f"need: no component named {sorted(unknown)}")
         tags = tuple(self.components[name].tag for name in wanted)
         req = Request(token_tensor, hashes, [], l1, in_memory - l1, tags, _branches(nodes))
-        held = nodes[:in_memory]
-        self._hold(req, held)
-        self.tree.touch(held)
+        held_nodes = nodes[:in_memory]
+        self._hold(req, held_nodes)
+        self.tree.touch(held_nodes)
         if reuse and self.l3 is not None and (in_memory < len(hashes) or tags):
-            self._start_prefetch(req)
+            self.prefetcher.start(req)
         if self.group.size > 1:
             note(self.group, (req.l1_pages, req.l2_pages), "match_l1_l2_pages")
         req.bookkeeping_s += time.perf_counter() - started - req.io_s
@@ -473,7 +377,7 @@ class HiCache:
         waited = 0.0
         io_before = req.io_s
         if req.prefetch is not None:
-            waited = self._settle_prefetch(req)
+            waited = self.prefetcher.settle(req)
         else:
             # Every rank must reach every agreement, in the same order: a rank that started no
             # prefetch (nothing in L3, or its existence check failed) joins with 0, so the
@@ -482,26 +386,26 @@ class HiCache:
             self.group.agree_min(0, "prefetch_pages")
         # A prompt must leave at least one token to compute (its logits are the output).
         usable = min(len(req.nodes), (len(req.tokens) - 1) // page)
-        prefix = self._agree_prefix(req, usable)
+        prefix = prefixes.agree(self, req, usable)
         self._release(req, req.nodes[prefix:])
         del req.nodes[prefix:]
         req.prefix_pages = prefix
-        req.loading = [n for n in req.nodes if n.device_page is None]
+        req.loading = [n for n in req.nodes if _l1(n, KV.tag) is None]
         # L1 copies another request's load is still filling: this request waits for it too.
         req.borrowed = [(n, load) for n in req.nodes if (load := self._filling.get(id(n)))]
         new_pages = math.ceil(len(req.tokens) / page) - prefix
-        self._make_room_l1(len(req.loading) + new_pages)
+        self._make_room(self.kv, len(req.loading) + new_pages)
         for node, device_page in zip(req.loading, self.pool.alloc(len(req.loading)), strict=True):
-            self.tree.set_device(node, device_page)
+            self.tree.set_copy(node, KV.tag, Tier.L1, device_page)
         req.new_device_pages = self.pool.alloc(new_pages)
         if req.loading:
             self._start_load(req)
         wait_layer = _wait_for(self._loads(req))
         with _timed(req):
-            restored = self._restore_components(req)
+            restored = restore.restore(self, req)
         for tag in req.need:
             part = self.parts[tag]
-            req.components[part.name] = ComponentSlots(restored[tag], self._produce(req, part))
+            req.components[part.name] = ComponentSlots(restored[tag], restore.produce(self, req, part))
         slots = self._slots(req)
         self._count_hits(req)
         if self.group.size > 1:
@@ -538,7 +442,7 @@ class HiCache:
         )
         needed = math.ceil(len(req.tokens) / page) - req.prefix_pages - len(req.new_device_pages)
         if needed > 0:
-            self._make_room_l1(needed)
+            self._make_room(self.kv, needed)
             req.new_device_pages.extend(self.pool.alloc(needed))
         return self._slots(req)
 
@@ -557,51 +461,45 @@ class HiCache:
         Prefetched L2 pages and objects stay cached (their reads were verified). Afterwards the
         request is dead: neither ``complete`` nor ``extend`` it.
         """
-        op = req.prefetch
-        if op is not None and not op.settled:  # matched, never prepared
-            for fetch in op.fetches():  # rows return now, or when their reads end
-                self._abandon(fetch)
-            op.settled = True
+        self.prefetcher.drop(req)
         for load in self._loads(req):
             with contextlib.suppress(Exception):
                 load.wait_all()
         for node in req.host_locked:
-            self.tree.release_host(node)
+            self.tree.release_host(node, KV.tag)
         req.host_locked.clear()
-        self._unpin(req)
-        self._release_components(req)
+        self.prefetcher.unpin(req)
+        restore.release(self, req)
         for name, slots in req.components.items():  # slots taken for objects never produced
             part = self.parts[self.components[name].tag]
-            if part.free is not None:
-                part.free.extend(slot for _, slot in slots.produce)
+            if part.slots is not None:
+                part.slots.free([slot for _, slot in slots.produce])
         req.components.clear()
         self.pool.free(req.new_device_pages)
         req.new_device_pages = []
-        held = list(req.nodes)
-        self._release(req, held)
+        self._release(req, list(req.nodes))
         # Its own load's L1 copies, and copies another request's failed load filled. One that
         # another request still holds stays (that request waits for the same load: it fails
         # with it, or the copy is good) and so does its failed load's entry, so that a later
         # request using the copy fails too rather than trusting it.
         suspect = [*req.loading, *(n for n, load in req.borrowed if load.failed)]
         for node in sorted(suspect, key=lambda n: -n.depth):  # deepest first: prefix-closed
-            if node.device_page is None or node.lock or node.l1_children:
+            held = node.held(KV.tag)
+            if held is None or held.l1 is None or held.lock or held.l1_children:
                 continue
-            self.pool.free([node.device_page])
-            self.tree.set_device(node, None)  # drops the objects restored beside it too
+            self.pool.free([held.l1])
+            self.tree.set_copy(node, KV.tag, Tier.L1, None)  # drops objects restored beside it
             self._filling.pop(id(node), None)
         if req.load is not None and not req.load.failed:  # copies others hold are good
             for node in req.loading:
                 if self._filling.get(id(node)) is req.load:
                     del self._filling[id(node)]
         req.load, req.borrowed, req.loading, req.nodes = None, [], [], []
-        for node in reversed(held):
-            self.tree.prune(node)
         self.poll()
 
     def _slots(self, req: Request) -> torch.Tensor:
         """Token slots of ``req``'s whole sequence: its prefix pages, then its new pages."""
-        device_pages = [n.device_page for n in req.nodes] + req.new_device_pages
+        device_pages = [_l1(n, KV.tag) for n in req.nodes] + req.new_device_pages
         return page_slots(device_pages, self.namespace.page_size)[: len(req.tokens)]  # type: ignore[arg-type]
 
     def complete(self, req: Request) -> None:
@@ -621,26 +519,26 @@ class HiCache:
                     del self._filling[id(node)]
         req.borrowed = []
         for node in req.host_locked:
-            self.tree.release_host(node)
+            self.tree.release_host(node, KV.tag)
         req.host_locked.clear()
         if self.config.host_mode == "buffer_only":
             for node in req.loading:
-                self._drop_host_copy(node)
+                self._drop(node, self.kv)
         full = len(req.tokens) // page
         path = self.tree.insert(req.hashes[:full])
         new_nodes = path[req.prefix_pages :]
         spare = req.new_device_pages[len(new_nodes) :]  # the partial last page
         for node, device_page in zip(new_nodes, req.new_device_pages, strict=False):
-            if node.device_page is None:
-                self.tree.set_device(node, device_page)
+            if _l1(node, KV.tag) is None:
+                self.tree.set_copy(node, KV.tag, Tier.L1, device_page)
                 node.hits = max(node.hits, 1)
             else:  # cached meanwhile by another request: keep that copy
                 spare.append(device_page)
-        produced = self._keep_produced(req, path)
+        produced = restore.keep_produced(self, req, path)
         self.pool.free(spare)
         self.tree.touch(path)
         self._release(req, req.nodes)
-        self._release_components(req)
+        restore.release(self, req)
         threshold = self.config.backup_threshold
         if threshold and self.config.l2_pages:
             hot = [n for n in path if n.hits >= threshold]
@@ -651,23 +549,21 @@ class HiCache:
             ]
             with _timed(req):  # the L1 -> L2 copies are data movement, not bookkeeping
                 if hot:
-                    self._backup_to_host(hot[-1])
+                    self._backup(hot[-1], self.kv)
                 # New objects, and used ones a backup missed (only what is missing moves).
                 for node, tag in [*produced, *restored]:
                     if node.hits >= threshold:
-                        self._backup_held(node, tag)
+                        self._backup(node, self.parts[tag])
         self.poll()
         req.bookkeeping_s += time.perf_counter() - started - (req.io_s - io_before)
 
     def evict_device(self) -> None:
         """Evict every unlocked copy from L1 (KV and components; lower tiers keep theirs;
         write-back backs up first). For tools and tests that need a cold L1."""
-        with contextlib.suppress(TierCapacityError):  # locked pages cannot go: that is fine
-            self._make_room_l1(self.pool.num_pages)
         for part in self.parts.values():
-            if part.free is not None:
+            if part.slots is not None:
                 while (node := self.tree.pop_victim(Tier.L1, part.tag)) is not None:
-                    self._evict_held_l1(node, part)
+                    self._evict(node, part)
 
     def drop(self, page_hash: str, component: str) -> bool:
         """Drop this rank's L1 and L2 copies of one component object (a rank that lost state;
@@ -677,58 +573,56 @@ class HiCache:
         held = None if node is None else node.held(part.tag)
         if node is None or held is None or not held.in_memory or held.lock or held.host_lock:
             return False
-        if held.l1 is not None and part.free is not None:
-            part.free.append(held.l1)
-            self.tree.set_held(node, part.tag, Tier.L1, None)
-        if held.l2 is not None:
-            part.host.free([held.l2])
-            self.tree.set_held(node, part.tag, Tier.L2, None)
-        self.tree.prune(node)
+        if held.l1 is not None and part.slots is not None:
+            part.slots.free([held.l1])
+            self.tree.set_copy(node, part.tag, Tier.L1, None)
+        self._drop(node, part)
         return True
 
     # == background work =====================================================================
 
     def poll(self) -> None:
-        """Apply completed L3 transfers (engine thread only). With several ranks, KV backup
-        completions are applied in the order and number the first PP stage decides."""
+        """Apply completed L3 transfers (engine thread only). With several ranks, ordered
+        backup completions (the KV's) are applied in the order and number the first PP stage
+        decides."""
         self._drain()
         if self.group.size > 1:
-            vote = len(self._ready_kv) if self._decides_acks else NO_VOTE
+            vote = len(self._ready) if self._decides_acks else NO_VOTE
             agreed = self.group.agree_min(vote, "backup_acks")
             agreed = 0 if agreed == NO_VOTE else agreed
             self._await_ready(agreed)
         else:
-            agreed = len(self._ready_kv)
-        for done in self._ready_kv[:agreed]:
+            agreed = len(self._ready)
+        for done in self._ready[:agreed]:
             self._apply_backup(done)
-        del self._ready_kv[:agreed]
-        self._prefetches = [op for op in self._prefetches if not op.retired()]
+        del self._ready[:agreed]
+        self.prefetcher.retire()
         self.tree.trim_l3_record()
 
     def _drain(self) -> None:
-        """Take completions off the I/O queue: KV backups wait for the agreement; component
+        """Take completions off the I/O queue: ordered backups wait for the agreement; other
         backups and returns of abandoned rows are rank-local and applied at once."""
         acks = self._transfers.acks
         while acks:
             ack = acks.popleft()
             if isinstance(ack, ReadEnded):
-                self._return_row(ack.fetch)
-            elif ack.tag == 0:
-                self._ready_kv.append(ack)
+                self.prefetcher.return_row(ack.fetch)
+            elif self.parts[ack.tag].ordered:
+                self._ready.append(ack)
             else:
                 self._apply_backup(ack)
 
     def _await_ready(self, agreed: int) -> None:
         deadline = time.monotonic() + self.ack_wait_s
-        while len(self._ready_kv) < agreed:
-            if self._kv_in_flight < agreed:
+        while len(self._ready) < agreed:
+            if self._ordered_in_flight < agreed:
                 raise CacheEventDivergenceError(
                     f"rank {self.rank}: the first stage applied {agreed} backup completions "
-                    f"but this rank has only {self._kv_in_flight} backups queued"
+                    f"but this rank has only {self._ordered_in_flight} backups queued"
                 )
             if time.monotonic() > deadline:
                 raise CacheEventDivergenceError(
-                    f"rank {self.rank}: {agreed - len(self._ready_kv)} backups did not "
+                    f"rank {self.rank}: {agreed - len(self._ready)} backups did not "
                     f"complete within {self.ack_wait_s}s"
                 )
             time.sleep(0.0005)
@@ -742,7 +636,7 @@ class HiCache:
         return events
 
     def _idle(self) -> bool:
-        return not self._transfers.in_flight and all(p.finished.is_set() for p in self._prefetches)
+        return not self._transfers.in_flight and self.prefetcher.idle()
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every queued L3 transfer has finished, then ``poll`` (every rank the same
@@ -794,54 +688,21 @@ class HiCache:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the tier's bookkeeping is inconsistent (tests, debugging).
 
-        L1 is prefix-closed; so is L2 in ``cache`` mode (in ``buffer_only`` mode L2 holds only
-        pages in transit); the tree's policies and counters agree with a full scan; every host
-        row in use is referenced by the tree or a prefetch, and every component slot is free
-        or referenced.
+        Prefix-closed pools are prefix-closed in L1, and in L2 in ``cache`` mode (in
+        ``buffer_only`` mode L2 holds only pages in transit); the tree's policies and counters
+        agree with a full scan; every host row in use is referenced by the tree or a prefetch,
+        and every component slot is free or referenced.
         """
-        tiers = (Tier.L1,) if self.config.host_mode == "buffer_only" else (Tier.L1, Tier.L2)
-        filled = {id(n): n for n in self.tree.nodes()}
-        for key in self._filling:
-            node = filled.get(key)
-            assert node is not None, "a load is recorded for a page not in the tree"
-            assert node.device_page is not None, "a load is recorded for a page not in L1"
-            assert node.lock, "a load is recorded for a page no request holds"
-        self.tree.check_prefix_closed(tiers)
-        self.tree.check_queues()
-        for part in self.parts.values():
-            used, referenced = part.host.used, self._rows_referenced(part.tag)
-            if used != referenced:
-                raise AssertionError(f"{part.name}: {used} host rows in use, {referenced} held")
-            if part.free is not None:
-                slots = [h.l1 for n in self.tree.nodes() if (h := n.held(part.tag)) and h.l1 is not None]
-                assert len(set(slots)) == len(slots), f"{part.name}: a slot held twice"
-                assert not set(slots) & set(part.free), f"{part.name}: a held slot is free"
+        checks.check_tier(self)
 
     def host_pages_referenced(self) -> int:
         """KV host rows the tree or a prefetch holds (must always equal ``host.used``)."""
-        return self._rows_referenced(0)
-
-    def _rows_referenced(self, tag: int) -> int:
-        if tag == 0:
-            in_tree = sum(1 for n in self.tree.nodes() if n.host_page is not None)
-        else:
-            in_tree = sum(
-                1 for n in self.tree.nodes() if (h := n.held(tag)) and h.l2 is not None
-            )
-        in_flight = sum(
-            1 for op in self._prefetches for f in op.fetches() if f.tag == tag and f.row >= 0
-        )
-        return in_tree + in_flight
+        return checks.rows_referenced(self, KV.tag)
 
     def quarantined_host_pages(self) -> int:
         """Host rows held by abandoned prefetch reads that have not ended yet; they return to
         their pools as each read ends."""
-        return sum(
-            1
-            for op in self._prefetches
-            for f in op.fetches()
-            if f.abandoned and f.done is None and f.row >= 0
-        )
+        return self.prefetcher.quarantined()
 
     @property
     def agreement_rounds(self) -> int:
@@ -849,24 +710,24 @@ class HiCache:
         further one: some rank could not resume at the previous value and lowered it)."""
         return self._last_rounds
 
-    # == internals: KV ========================================================================
+    # == internals: the request's KV pages ===================================================
 
     def _hold(self, req: Request, nodes: Sequence[PageNode]) -> None:
         """Lock ``nodes`` for ``req``: their L1 copy, and their L2 copy when it must be loaded."""
         for node in nodes:
-            self.tree.lock(node)
+            self.tree.lock(node, KV.tag)
             node.hits += 1
-            if node.device_page is None:
-                self.tree.hold_host(node)
+            if _l1(node, KV.tag) is None:
+                self.tree.hold_host(node, KV.tag)
                 req.host_locked.append(node)
         req.nodes.extend(nodes)
 
     def _release(self, req: Request, nodes: Sequence[PageNode]) -> None:
         released = set(map(id, nodes))
         for node in nodes:
-            self.tree.unlock(node)
+            self.tree.unlock(node, KV.tag)
         for node in [n for n in req.host_locked if id(n) in released]:
-            self.tree.release_host(node)
+            self.tree.release_host(node, KV.tag)
         req.host_locked = [n for n in req.host_locked if id(n) not in released]
 
     def _count_hits(self, req: Request) -> None:
@@ -882,33 +743,6 @@ class HiCache:
         m.hit_tokens_l3 += l3 * page
         m.computed_tokens += len(req.tokens) - req.prefix_pages * page
 
-    def _make_room_l1(self, needed: int) -> None:
-        if self.pool.num_free_pages >= needed:
-            return
-        write_back = self.config.write_policy == "write_back" and self.config.l2_pages
-        writes_l3 = self.l3 is not None and self.l3.can_write
-        while (node := self.tree.pop_victim(Tier.L1)) is not None:
-            if write_back:
-                # An L2 copy alone is not a backup: its L3 write may have failed or been
-                # dropped (a full queue), and L2 would then evict the only copy.
-                dirty = writes_l3 and not (node.in_l3 or node.l3_pending)
-                if node.host_page is None or dirty:
-                    self._backup_to_host(node)
-                for tag, held in (node.comps or {}).items():
-                    if held.l1 is not None and self.parts[tag].follows_kv:
-                        self._backup_held(node, tag)  # it loses its L1 copy with the page
-            assert node.device_page is not None
-            self.pool.free([node.device_page])
-            self.tree.set_device(node, None)
-            self.metrics.evictions_l1 += 1
-            self.tree.prune(node)
-            if self.pool.num_free_pages >= needed:
-                return
-        raise TierCapacityError(
-            f"L1 holds {self.pool.num_free_pages} free pages after eviction; the request needs "
-            f"{needed}: give the device pool more pages than the longest request"
-        )
-
     def _loads(self, req: Request) -> list[LayerLoad]:
         """The L2 -> L1 loads ``req`` computes with: other requests' it borrows, then its own."""
         loads = list({id(load): load for _, load in req.borrowed}.values())
@@ -916,10 +750,10 @@ class HiCache:
 
     def _start_load(self, req: Request) -> None:
         nodes = req.loading
-        kv = self.parts[0]
+        kv = self.kv
         with _timed(req):
-            rows = kv.host_runs([n.host_page for n in nodes])  # type: ignore[misc]
-        slots = [n.device_page for n in nodes]
+            rows = kv.host_runs([n.held(KV.tag).l2 for n in nodes])  # type: ignore[union-attr,misc]
+        slots = [_l1(n, KV.tag) for n in nodes]
 
         def copy(layers: tuple[int, int] | None) -> None:
             kv.unpack(rows, slots, layers)  # type: ignore[arg-type]
@@ -934,693 +768,174 @@ class HiCache:
         for node in nodes:
             self._filling[id(node)] = req.load
 
-    def _alloc_host(self, count: int) -> list[int] | None:
-        pages = self.host.alloc(count)
-        if pages is not None or self.config.host_mode == "buffer_only":
-            return pages
-        while self.host.free_pages < count and (node := self.tree.pop_victim(Tier.L2)):
-            self._drop_host_copy(node)
-            self.metrics.evictions_l2 += 1
-        return self.host.alloc(count)
+    # == internals: copies of every component ================================================
 
-    def _drop_host_copy(self, node: PageNode) -> None:
-        if node.host_page is None or node.host_lock > 0:
+    def _make_room(self, part: Pools, needed: int) -> None:
+        """Evict ``part``'s L1 copies (its policy's victims) until ``needed`` pages or slots
+        are free; ``TierCapacityError`` when every other copy is locked."""
+        slots = part.slots
+        assert slots is not None
+        if slots.num_free_pages >= needed:
             return
-        self.host.free([node.host_page])
-        self.tree.set_host(node, None)
-        self.tree.prune(node)
+        while (node := self.tree.pop_victim(Tier.L1, part.tag)) is not None:
+            self._evict(node, part)
+            if slots.num_free_pages >= needed:
+                return
+        raise TierCapacityError(
+            f"{part.name}: L1 holds {slots.num_free_pages} free pages after eviction; the "
+            f"request needs {needed}: give the device pool more pages than the longest request"
+        )
 
-    def _backup_to_host(self, node: PageNode) -> None:
-        """Copy ``node`` and every ancestor without an L2 copy from L1 to L2, then queue L3.
+    def _alloc(self, part: Pools, *, required: bool = True) -> int | None:
+        """A free L1 slot of ``part`` (evicting if needed); None when every copy is locked and
+        the slot is not ``required``."""
+        assert part.slots is not None
+        try:
+            self._make_room(part, 1)
+        except TierCapacityError:
+            if required:
+                raise
+            return None
+        return part.slots.alloc(1)[0]
 
-        Ancestors first, so L2 stays prefix-closed. Stops (and counts) when L2 is full.
-        """
-        buffer_only = self.config.host_mode == "buffer_only"
-        path = node.path()
-        missing = [
-            n
-            for n in path
-            if n.host_page is None
-            and n.device_page is not None
+    def _evict(self, node: PageNode, part: Pools) -> None:
+        """Give up ``node``'s L1 copy of ``part`` (and of the components following its pages).
+        Write-back backs it up first: a copy that L2 lacks, or that L3 lacks where this rank
+        writes (an L2 copy alone is not a backup: its L3 write may have failed or been dropped,
+        and L2 would then evict the only copy); a chain only from the copy that needs it."""
+        held = node.held(part.tag)
+        assert held is not None
+        assert held.l1 is not None
+        assert part.slots is not None
+        if self.config.write_policy == "write_back" and self.config.l2_pages:
+            dirty = part.writes and not (held.in_l3 or held.l3_pending)
+            if not part.prefix_closed or held.l2 is None or dirty:
+                self._backup(node, part)
+            for tag, other in (node.copies or {}).items():
+                if other.l1 is not None and self.parts[tag].follows == part.tag:
+                    self._backup(node, self.parts[tag])  # it loses its L1 copy with the page
+        part.slots.free([held.l1])
+        self.tree.set_copy(node, part.tag, Tier.L1, None)
+        self.metrics.count(part.name, "evictions_l1")
+
+    def _alloc_rows(self, part: Pools, count: int) -> list[int] | None:
+        """``count`` host rows of ``part`` (in ``cache`` mode evicting its L2 victims)."""
+        rows = part.host.alloc(count)
+        if rows is not None or self.config.host_mode == "buffer_only":
+            return rows
+        while part.host.free_pages < count and (node := self.tree.pop_victim(Tier.L2, part.tag)):
+            self._drop(node, part)
+            self.metrics.count(part.name, "evictions_l2")
+        return part.host.alloc(count)
+
+    def _drop(self, node: PageNode, part: Pools) -> None:
+        """Give up ``node``'s L2 copy of ``part`` unless a transfer holds it."""
+        held = node.held(part.tag)
+        if held is None or held.l2 is None or held.host_lock:
+            return
+        part.host.free([held.l2])
+        self.tree.set_copy(node, part.tag, Tier.L2, None)
+
+    def _backup(self, node: PageNode, part: Pools) -> None:
+        """Copy ``node``'s object of ``part`` to the tiers below that miss it: L1 -> L2 if L2
+        has none, then L2 -> L3 if L3 has none (only what is missing moves). For a
+        prefix-closed pool the unit is the chain up to ``node``: ancestors first (L2 stays
+        prefix-closed), as long a prefix as L2 can take (the rest counted), none past a hole."""
+        if not part.host.num_pages:
+            return
+        tag, buffer_only = part.tag, self.config.host_mode == "buffer_only"
+        chain = node.path() if part.prefix_closed else [node]
+        missing: list[PageNode] = []
+        for n in chain:
+            held = n.held(tag)
+            if held is None or not held.in_memory:
+                return  # a hole: the chain cannot be backed up as a prefix
             # In buffer-only mode L2 is only a staging area on the way to L3.
-            and not (buffer_only and (n.in_l3 or n.l3_pending))
-        ]
-        if any(n.host_page is None and n.device_page is None for n in path):
-            return  # a hole above: this chain cannot be backed up as a prefix
+            if held.l2 is None and not (buffer_only and (held.in_l3 or held.l3_pending)):
+                missing.append(n)
         if missing:
             # Pin the chain's existing L2 copies: evicting one to make room would leave a hole.
-            pinned = [n for n in path if n.host_page is not None]
+            pinned = [n for n in chain if _l2(n, tag) is not None]
             for n in pinned:
-                self.tree.hold_host(n)
+                self.tree.hold_host(n, tag)
             try:
-                pages = self._alloc_host(len(missing))
+                rows = self._alloc_rows(part, len(missing))
             finally:
                 for n in pinned:
-                    self.tree.release_host(n)
-            if pages is None:  # L2 cannot take the whole chain: keep as long a prefix as fits
-                fit = self.host.free_pages
-                pages = self.host.alloc(fit) if fit else None
-                self.metrics.backups_dropped += len(missing) - fit
-                if pages is None:
+                    self.tree.release_host(n, tag)
+            if rows is None:  # L2 cannot take them all: keep as long a prefix as fits
+                fit = part.host.free_pages
+                rows = part.host.alloc(fit) if fit else None
+                self.metrics.count(part.name, "backups_dropped", len(missing) - fit)
+                if rows is None:
                     return
                 missing = missing[:fit]
-            self.parts[0].pack([n.device_page for n in missing], pages)  # type: ignore[misc]
-            for n, host_page in zip(missing, pages, strict=True):
-                self.tree.set_host(n, host_page)
-            self.metrics.backups_l2 += len(missing)
-            self.metrics.bytes_l1_to_l2 += len(missing) * self.layout.page_bytes
-        self._queue_l3_backup(path)
+            part.pack([_l1(n, tag) for n in missing], rows)  # type: ignore[misc]
+            for n, row in zip(missing, rows, strict=True):
+                self.tree.set_copy(n, tag, Tier.L2, row)
+            self.metrics.count(part.name, "backups_l2", len(missing))
+            self.metrics.count(part.name, "bytes_l1_to_l2", len(missing) * part.layout.page_bytes)
+        self._queue_l3(chain, part)
 
-    def _queue_l3_backup(self, path: Sequence[PageNode]) -> None:
-        link = self.l3
-        if link is None or not link.can_write:
-            if self.config.host_mode == "buffer_only":
-                for node in path:
-                    self._drop_host_copy(node)
+    def _queue_l3(self, chain: Sequence[PageNode], part: Pools) -> None:
+        """Queue L3 backups of ``chain``'s L2 copies of ``part`` that L3 lacks (up to the first
+        without an L2 copy, as many as the queue has room for); in ``buffer_only`` mode the
+        L2 copies not queued are dropped."""
+        tag, buffer_only = part.tag, self.config.host_mode == "buffer_only"
+        if not part.writes:
+            if buffer_only:
+                for node in chain:
+                    self._drop(node, part)
             return
-        todo: list[PageNode] = []
-        for node in path:
-            if node.in_l3 or node.l3_pending:
+        todo: list[tuple[PageNode, Held]] = []
+        for node in chain:
+            held = node.held(tag)
+            assert held is not None
+            if held.in_l3 or held.l3_pending:
                 continue
-            if node.host_page is None:
+            if held.l2 is None:
                 break
-            todo.append(node)
+            todo.append((node, held))
         room = max(0, self.config.max_queued_backup_pages - self._transfers.in_flight)
-        if len(todo) > room:  # the queue is full: the chain's tail waits for a later backup
-            self.metrics.backups_dropped += len(todo) - room
+        if len(todo) > room:  # the queue is full: the tail waits for a later backup
+            self.metrics.count(part.name, "backups_dropped", len(todo) - room)
             del todo[room:]
-        if self.config.host_mode == "buffer_only":
-            queued = {id(n) for n in todo}
-            for node in path:
+        if buffer_only:
+            queued = {id(n) for n, _ in todo}
+            for node in chain:
                 if id(node) not in queued:
-                    self._drop_host_copy(node)
+                    self._drop(node, part)
         if not todo:
             return
         items = []
-        for node in todo:
-            self.tree.set_l3_pending(node, True)
-            self.tree.hold_host(node)
-            items.append((node, 0, self.host.row(node.host_page), _parent(node)))  # type: ignore[arg-type]
-        self._kv_in_flight += len(todo)
+        for node, held in todo:
+            self.tree.set_pending(node, tag, True)
+            self.tree.hold_host(node, tag)
+            row = part.host.row(held.l2)  # type: ignore[arg-type]
+            items.append(BackupItem(node, tag, held, row, _parent(node), part.prefix_closed))
+        if part.ordered:
+            self._ordered_in_flight += len(todo)
         self._transfers.queue_backups(items, self._links())
 
     def _apply_backup(self, done: BackupDone) -> None:
         self._transfers.in_flight -= 1
         node, tag, ok = done.node, done.tag, done.ok
-        m = self.metrics
-        if ok:
-            m.bytes_l2_to_l3 += done.io.bytes_moved
         part = self.parts[tag]
-        self._events.append(BackupEvent(node.page_hash, part.name, ok))
-        if tag:
-            self.tree.release_held_host(node, tag)
-            if ok:
-                self.tree.set_held(node, tag, Tier.L3, True)
-            self.tree.set_held_pending(node, tag, False)
-            self._count(f"backups_l3_{part.name}" if ok else f"backups_l3_failed_{part.name}")
-            if self.config.host_mode == "buffer_only":
-                self._drop_held_host(node, tag)
-            self.tree.prune(node)
-            return
-        self._kv_in_flight -= 1
-        self.tree.release_host(node)
         if ok:
-            self.tree.set_in_l3(node, True)
-            m.backups_l3 += 1
-        else:
-            m.backups_l3_failed += 1
-        self.tree.set_l3_pending(node, False)
+            self.metrics.bytes_l2_to_l3 += done.io.bytes_moved
+        self._events.append(BackupEvent(node.page_hash, part.name, ok))
+        if part.ordered:
+            self._ordered_in_flight -= 1
+        self.tree.release_host(node, tag)
+        if ok:
+            self.tree.set_copy(node, tag, Tier.L3, True)
+        self.metrics.count(part.name, "backups_l3" if ok else "backups_l3_failed")
+        self.tree.set_pending(node, tag, False)
         if self.config.host_mode == "buffer_only":
-            self._drop_host_copy(node)
-        else:
-            self.tree.prune(node)
+            self._drop(node, part)
 
     def _links(self) -> dict[int, L3Link]:
         return {tag: part.link for tag, part in self.parts.items() if part.link is not None}
-
-    def _count(self, name: str, n: int = 1) -> None:
-        self.metrics.extra[name] = self.metrics.extra.get(name, 0) + n
-
-    # == internals: the prefix over every component =========================================
-
-    def _best(
-        self,
-        req: Request,
-        cap: int,
-        kv_pages: int,
-        l3: Mapping[int, Sequence[bool]] | None = None,
-        *,
-        known_l3: bool = True,
-    ) -> ComponentMatch:
-        """The longest prefix ``<= cap`` at which the KV (present for its first ``kv_pages``
-        pages) and every component ``req`` needs can resume: objects in L1/L2 count, and with
-        ``l3`` (tag -> per page, from a probe) those L3 holds (and, with ``known_l3``, those the
-        tree knows it holds)."""
-        avail: dict[str, list[Tier | None]] = {
-            KV.name: [Tier.L1 if i < kv_pages else None for i in range(cap)]
-        }
-        nodes = self.tree.match(req.hashes[:cap])
-        for tag in req.need:
-            part = self.parts[tag]
-            probed = () if l3 is None else l3.get(tag, ())
-            where: list[Tier | None] = []
-            for i in range(cap):
-                held = nodes[i].held(tag) if i < len(nodes) else None
-                here = None if held is None else held.where()
-                if here is Tier.L3 and (l3 is None or not known_l3):
-                    here = None  # memory only, or the probe's word only
-                if here is None and i < len(probed) and probed[i]:
-                    here = Tier.L3
-                where.append(here)
-            avail[part.name] = where
-        specs = [KV, *(self.parts[t].spec for t in req.need)]
-        return match_components(specs, avail, self.namespace.page_size, max_pages=cap)
-
-    def _local_prefix(self, req: Request, cap: int) -> int:
-        """The longest prefix ``<= cap`` (KV pages held) this rank can resume at from L1/L2."""
-        return self._best(req, cap, cap).prefix_pages if req.need else cap
-
-    def _agree_prefix(self, req: Request, usable: int) -> int:
-        """The prefix every rank can resume at: the minimum over ranks, lowered with
-        components until no rank needs to go lower (the same rounds on every rank)."""
-        best = usable
-        if req.need:
-            best = self._local_prefix(req, usable)
-            # Per-component hit rates on what is there (L3 included, failed reads not).
-            limit = min(
-                max(len(req.nodes), req.l3_kv_pages),
-                (len(req.tokens) - 1) // self.namespace.page_size,
-            )
-            found = self._best(req, limit, limit, req.l3_found)
-            self._count_components(found)
-            if best < found.prefix_pages:  # short of what every component allowed
-                self._count(LIMITED_BY_PREFETCH)
-        agreed = self.group.agree_min(best, "prefix_pages")
-        rounds = 1
-        if req.need and self.group.size > 1:
-            while True:
-                lowered = self.group.agree_min(
-                    self._local_prefix(req, agreed), "prefix_pages:components"
-                )
-                if lowered == agreed:
-                    break
-                agreed = lowered
-                rounds += 1
-        if req.need and agreed < best:
-            self._count(LIMITED_BY_RANKS)
-        self._last_rounds = rounds
-        return agreed
-
-    def _count_components(self, found: ComponentMatch) -> None:
-        page = self.namespace.page_size
-        for name, pages in found.alone.items():
-            self._count(f"component_hit_tokens_{name}", pages * page)
-        for name in found.limited_by:
-            self._count(f"limited_by_{name}")
-
-    # == internals: component objects =======================================================
-
-    def _restore_components(self, req: Request) -> dict[int, tuple[tuple[int, int], ...]]:
-        """Bring the component objects the resume at ``req.prefix_pages`` needs into L1 and
-        lock them; per component tag, their (page index, slot). Then release the plan's pins.
-
-        Every object the resume needs is locked in L1 and its L2 copy held *before* any slot is
-        taken: making room for one object (evicting an L1 copy, which write-back first backs
-        up to L2, which may evict an L2 copy) must not evict another object of the same resume
-        (it would be restored again, or, without an L2 copy, be lost)."""
-        page = self.namespace.page_size
-        needed = [
-            (self.parts[tag], i, req.nodes[i])
-            for tag in req.need
-            for i in self.parts[tag].spec.pages_needed(req.prefix_pages, page)
-        ]
-        held_host: list[tuple[PageNode, int]] = []
-        for part, i, node in needed:
-            held = node.held(part.tag)
-            assert held is not None, f"{part.name}: page {i} has no object to restore"
-            assert held.in_memory, f"{part.name}: page {i}'s object is not in L1 or L2"
-            self.tree.lock_held(node, part.tag)
-            req.held.append((node, part.tag))
-            if held.l2 is not None:
-                self.tree.hold_held_host(node, part.tag)
-                held_host.append((node, part.tag))
-        out: dict[int, list[tuple[int, int]]] = {tag: [] for tag in req.need}
-        from_l2: list[tuple[PageNode, int]] = []
-        try:
-            for part, i, node in needed:
-                held = node.held(part.tag)
-                assert held is not None
-                if held.l1 is None:
-                    slot = node.device_page if part.follows_kv else self._alloc_slot(part)
-                    assert slot is not None
-                    assert held.l2 is not None
-                    part.unpack(part.host_runs([held.l2]), [slot])
-                    self.tree.set_held(node, part.tag, Tier.L1, slot)
-                    self._count(f"restored_l2_{part.name}")
-                    from_l2.append((node, part.tag))
-                out[part.tag].append((i, held.l1))  # type: ignore[arg-type]
-        finally:
-            for node, tag in held_host:
-                self.tree.release_held_host(node, tag)
-            self._unpin(req)
-        if self.config.host_mode == "buffer_only":
-            for node, tag in from_l2:
-                self._drop_held_host(node, tag)
-        return {tag: tuple(slots) for tag, slots in out.items()}
-
-    def _produce(self, req: Request, part: Pools) -> tuple[tuple[int, int], ...]:
-        """The (page index, slot) the engine fills with ``part``'s new objects: slots taken now,
-        kept by the request until ``complete``. A slot that cannot be had (every one locked)
-        drops that object (counted)."""
-        page = self.namespace.page_size
-        prefix, full = req.prefix_pages, len(req.tokens) // page
-        spec = part.spec
-        if spec.rule is HitRule.CHECKPOINT:
-            indices = [e - 1 for e in self._checkpoint_ends(req, part)]
-        elif spec.rule is HitRule.WINDOW and (ends := self._all_checkpoint_ends(req)):
-            # A resume happens only at a checkpoint: keep the window pages before new ones.
-            indices = sorted(
-                {i for e in ends for i in spec.pages_needed(e, page) if i >= prefix}
-            )
-        else:
-            indices = list(range(prefix, full))
-        out: list[tuple[int, int]] = []
-        for i in indices:
-            if part.follows_kv:
-                out.append((i, req.new_device_pages[i - prefix]))
-                continue
-            slot = self._alloc_slot(part, required=False)
-            if slot is None:
-                self._count(f"produce_dropped_{part.name}")
-                continue
-            out.append((i, slot))
-        return tuple(out)
-
-    def _checkpoint_ends(self, req: Request, part: Pools) -> list[int]:
-        """Page counts after which the request takes a checkpoint: its last full page, the
-        branch points it computes past (``_branches``) and every ``checkpoint_every`` pages of
-        the computed range."""
-        page = self.namespace.page_size
-        prefix, full = req.prefix_pages, len(req.tokens) // page
-        ends = {full}
-        ends.update(b for b in req.branches if prefix < b <= full)
-        step = self.components[part.name].checkpoint_every
-        if step:
-            ends.update(range(step * (prefix // step + 1), full, step))
-        return sorted(e for e in ends if e > prefix)
-
-    def _all_checkpoint_ends(self, req: Request) -> list[int]:
-        ends: set[int] = set()
-        for tag in req.need:
-            part = self.parts[tag]
-            if part.spec.rule is HitRule.CHECKPOINT:
-                ends.update(self._checkpoint_ends(req, part))
-        return sorted(ends)
-
-    def _keep_produced(
-        self, req: Request, path: Sequence[PageNode]
-    ) -> list[tuple[PageNode, int]]:
-        """Record the objects the engine wrote into its produce slots on their pages; an object
-        the page already has keeps its copy (the new slot is freed)."""
-        kept: list[tuple[PageNode, int]] = []
-        for name, slots in req.components.items():
-            part = self.parts[self.components[name].tag]
-            for i, slot in slots.produce:
-                node = path[i] if i < len(path) else None
-                held = None if node is None else node.held(part.tag)
-                if part.follows_kv:
-                    assert node is not None
-                    if held is not None and held.l1 is not None:
-                        continue  # the page's copy is there already
-                    if node.device_page != slot:
-                        # The KV page was cached by another request meanwhile: the tier keeps
-                        # that copy and frees ``slot``; the draft's rows are still in ``slot``
-                        # (nothing ran since): copy them beside the kept KV.
-                        part.copy_slot(slot, node.device_page)  # type: ignore[arg-type]
-                    self.tree.set_held(node, part.tag, Tier.L1, node.device_page)
-                elif node is None or (held is not None and held.l1 is not None):
-                    assert part.free is not None
-                    part.free.append(slot)
-                    continue
-                else:
-                    self.tree.set_held(node, part.tag, Tier.L1, slot)
-                kept.append((node, part.tag))
-                self._count(f"produced_{part.name}")
-        return kept
-
-    def _release_components(self, req: Request) -> None:
-        for node, tag in req.held:
-            self.tree.unlock_held(node, tag)
-        req.held.clear()
-
-    def _alloc_slot(self, part: Pools, *, required: bool = True) -> int | None:
-        """A free L1 slot of ``part`` (evicting its least valuable unlocked copy if needed)."""
-        assert part.free is not None
-        if not part.free:
-            node = self.tree.pop_victim(Tier.L1, part.tag)
-            if node is not None:
-                self._evict_held_l1(node, part)
-        if part.free:
-            return part.free.pop()
-        if required:
-            raise TierCapacityError(f"{part.name}: every L1 slot is locked")
-        return None
-
-    def _evict_held_l1(self, node: PageNode, part: Pools) -> None:
-        held = node.held(part.tag)
-        assert held is not None
-        assert held.l1 is not None
-        assert part.free is not None
-        if self.config.write_policy == "write_back" and self.config.l2_pages:
-            self._backup_held(node, part.tag)
-        part.free.append(held.l1)
-        self.tree.set_held(node, part.tag, Tier.L1, None)
-        self._count(f"evictions_l1_{part.name}")
-        self.tree.prune(node)
-
-    def _alloc_row(self, part: Pools) -> int | None:
-        rows = part.host.alloc(1)
-        if rows is None and self.config.host_mode != "buffer_only":
-            node = self.tree.pop_victim(Tier.L2, part.tag)
-            if node is not None:
-                self._drop_held_host(node, part.tag)
-                self._count(f"evictions_l2_{part.name}")
-            rows = part.host.alloc(1)
-        return None if rows is None else rows[0]
-
-    def _drop_held_host(self, node: PageNode, tag: int) -> None:
-        held = node.held(tag)
-        if held is None or held.l2 is None or held.host_lock:
-            return
-        self.parts[tag].host.free([held.l2])
-        self.tree.set_held(node, tag, Tier.L2, None)
-        self.tree.prune(node)
-
-    def _backup_held(self, node: PageNode, tag: int) -> None:
-        """Copy ``node``'s object of component ``tag`` to the tiers below that miss it: L1 ->
-        L2 if L2 has none, then L2 -> L3 if L3 has none (only what is missing moves)."""
-        part = self.parts[tag]
-        held = node.held(tag)
-        if held is None or not part.host.num_pages:
-            return
-        if held.l2 is None and held.l1 is not None:
-            if self.config.host_mode == "buffer_only" and (held.in_l3 or held.l3_pending):
-                return
-            row = self._alloc_row(part)
-            if row is None:
-                self._count(f"backups_dropped_{part.name}")
-                return
-            part.pack([held.l1], [row])
-            self.tree.set_held(node, tag, Tier.L2, row)
-            self._count(f"backups_l2_{part.name}")
-        if held.l2 is None or held.in_l3 or held.l3_pending or not part.writes:
-            if self.config.host_mode == "buffer_only":
-                self._drop_held_host(node, tag)
-            return
-        if self._transfers.in_flight >= self.config.max_queued_backup_pages:
-            self._count(f"backups_dropped_{part.name}")
-            return
-        self.tree.set_held_pending(node, tag, True)
-        self.tree.hold_held_host(node, tag)
-        row_view = part.host.row(held.l2)
-        self._transfers.queue_backups([(node, tag, row_view, _parent(node))], self._links())
-
-    # == internals: prefetch ==================================================================
-
-    def _start_prefetch(self, req: Request) -> None:
-        """Probe L3 beyond what memory holds, pick the prefix every needed component can
-        resume at, and read its missing KV pages and component objects into L2."""
-        link = self.l3
-        assert link is not None
-        page = self.namespace.page_size
-        start = len(req.nodes)
-        usable = (len(req.tokens) - 1) // page
-        available = 0
-        found: dict[int, list[bool]] = {}
-        try:
-            with _timed(req):  # round trips to the backend: I/O, not bookkeeping
-                if start < len(req.hashes):
-                    available = run_sync(
-                        link.exists_prefix(req.hashes[start:]), timeout=self.config.io_timeout_s
-                    )
-                if req.need:
-                    found = self._probe_components(req, min(start + available, usable))
-        except Exception as exc:
-            log.warning("L3 existence check failed, recomputing instead: %s", exc)
-            available, found = 0, {}
-        else:
-            if start + available < len(req.hashes):  # the first page L3 says it lacks
-                self._refute_l3(req.hashes[start + available])
-        kv_end = start + available
-        req.l3_found, req.l3_kv_pages = found, kv_end
-        plans: list[ComponentMatch] = []
-        if req.need:
-            cap = min(kv_end, usable)
-            plans = self._plans(req, cap, found)
-            kv_end = max(start, plans[0].prefix_pages)
-        if (kv_end - start) * page < self.config.prefetch_threshold_tokens:
-            kv_end = start  # too little KV to fetch: resume where memory allows
-            if req.need:
-                plans = self._plans(req, min(start, usable), found)
-        try:
-            op = self._prefetch_op(req, start, kv_end, plans)
-        except BaseException:
-            self._unpin(req)
-            raise
-        if op is None:
-            return
-        self.metrics.prefetch_started += 1
-        self._transfers.start_prefetch(
-            op, self._links(), lambda f: self.parts[f.tag].host.row(f.row)
-        )
-        self._prefetches.append(op)
-        req.prefetch = op
-
-    def _unpin(self, req: Request) -> None:
-        """Release the plan's pins (``_pin_planned``)."""
-        for node, tag in req.pinned:
-            self.tree.release_held_host(node, tag)
-        req.pinned = []
-
-    def _pin_planned(self, req: Request, plan: ComponentMatch) -> None:
-        """Hold the L2 copies of the component objects ``plan`` restores (``req.pinned``)."""
-        nodes = self.tree.match(req.hashes)
-        pinned = {(id(node), tag) for node, tag in req.pinned}
-        for tag in req.need:
-            for i, _ in plan.restore[self.parts[tag].name]:
-                held = nodes[i].held(tag) if i < len(nodes) else None
-                if held is not None and held.l2 is not None and (id(nodes[i]), tag) not in pinned:
-                    self.tree.hold_held_host(nodes[i], tag)
-                    req.pinned.append((nodes[i], tag))
-
-    def _prefetch_op(
-        self, req: Request, start: int, kv_end: int, plans: Sequence[ComponentMatch]
-    ) -> Prefetch | None:
-        """Rows for the KV pages ``[start, kv_end)`` and the L3 objects ``plans`` restore, as
-        one prefetch (None: nothing to fetch)."""
-        kv_fetch: list[Fetch] = []
-        if kv_end > start:
-            host_pages = self._alloc_host(kv_end - start)
-            count = kv_end - start
-            while host_pages is None and count > 0:
-                count = min(count - 1, self.host.free_pages)
-                host_pages = self.host.alloc(count) if count else None
-            kv_fetch = [
-                Fetch(0, start + i, req.hashes[start + i], row)
-                for i, row in enumerate(host_pages or [])
-            ]
-        extra: list[Fetch] = []
-        wanted: set[tuple[int, int]] = set()
-        # Plan by plan (the fallback gets rows only once the first has its own): pin the L2
-        # copies of the objects it resumes with until ``prepare`` has restored them (or
-        # ``abort``), so that neither making room for what is fetched nor other requests
-        # served in between evict them (the prefix would fall short of the plan, to an earlier
-        # checkpoint or to 0); then take rows for its objects in L3.
-        for plan in plans:
-            self._pin_planned(req, plan)
-            for tag in req.need:
-                part = self.parts[tag]
-                for i, where in plan.restore[part.name]:
-                    if where is not Tier.L3 or part.link is None or (tag, i) in wanted:
-                        continue
-                    wanted.add((tag, i))
-                    row = self._alloc_row(part)
-                    if row is None:
-                        continue  # the prefix will end before this object (prepare recomputes)
-                    extra.append(Fetch(tag, i, req.hashes[i], row))
-        if not kv_fetch and not extra:
-            return None
-        return Prefetch(kv_fetch, extra)
-
-    def _plans(
-        self, req: Request, cap: int, found: Mapping[int, Sequence[bool]]
-    ) -> list[ComponentMatch]:
-        """The prefix to prefetch for (L1, L2 and L3 objects count), and the one to fall back to
-        if the L3 component objects it reads fail (corrupt or gone): fetching both keeps a
-        failed read from sending the request back to what memory holds."""
-        first = self._best(req, cap, cap, found)
-        fetched = {
-            (self.components[name].tag, i)
-            for name, objects in first.restore.items()
-            if name != KV.name
-            for i, where in objects
-            if where is Tier.L3
-        }
-        if not fetched:
-            return [first]
-        without = {
-            tag: [hit and (tag, i) not in fetched for i, hit in enumerate(flags)]
-            for tag, flags in found.items()
-        }
-        return [first, self._best(req, cap, cap, without, known_l3=False)]
-
-    def _probe_components(self, req: Request, pages: int) -> dict[int, list[bool]]:
-        """Per needed component: which of the first ``pages`` pages' objects L3 holds (pages
-        whose object is in memory are not probed)."""
-        nodes = self.tree.match(req.hashes[:pages])
-        out: dict[int, list[bool]] = {}
-        for tag in req.need:
-            link = self.parts[tag].link
-            if link is None:
-                continue
-            todo = [
-                i
-                for i in range(pages)
-                if i >= len(nodes) or (h := nodes[i].held(tag)) is None or not h.in_memory
-            ]
-            hits: list[bool] = []
-            if todo:  # everything in memory: no round trip
-                hits = run_sync(
-                    link.exists_pages([req.hashes[i] for i in todo]),
-                    timeout=self.config.io_timeout_s,
-                )
-            flags = [False] * pages
-            for i, hit in zip(todo, hits, strict=True):
-                flags[i] = hit
-            out[tag] = flags
-        return out
-
-    def _settle_prefetch(self, req: Request) -> float:
-        """Wait as the policy says, take what arrived, and return the seconds waited."""
-        op = req.prefetch
-        assert op is not None
-        policy = self.config.prefetch_policy
-        started = time.perf_counter()
-        timed_out = False
-        if policy == "wait_complete":
-            timed_out = not op.finished.wait(self.config.io_timeout_s)
-        elif policy == "timeout":
-            limit = prefetch_timeout(self.config, len(op.kv) * self.namespace.page_size)
-            timed_out = not op.finished.wait(limit)
-        waited = time.perf_counter() - started
-        done = op.completed_prefix()
-        agreed = self.group.agree_min(done, "prefetch_pages")
-        m = self.metrics
-        if agreed == len(op.kv):
-            m.prefetch_complete += 1
-        elif timed_out:
-            m.prefetch_timed_out += 1
-        else:
-            m.prefetch_partial += 1
-        m.prefetch_failed_pages += sum(1 for f in op.kv if f.done is False)
-        io, op.io = op.io, IOStats()
-        m.corruptions += io.corruptions
-        m.tampered += io.tampered
-        m.bytes_l3_to_l2 += io.bytes_moved
-        m.l3_fetched_bytes += io.bytes_fetched
-        m.l3_needed_bytes += io.bytes_needed
-        self._forget_failed_read(op, done)
-        # KV pages past the agreed prefix are abandoned, and so are component objects whose
-        # read has not ended: their rows come back once the reads have ended (now, or when
-        # the read's completion is polled: quarantined until then).
-        for fetch in op.kv[agreed:]:
-            self._abandon(fetch)
-        nodes = self.tree.insert(req.hashes[: len(req.nodes) + agreed])[len(req.nodes) :]
-        for node, fetch in zip(nodes, op.kv[:agreed], strict=True):
-            if node.host_page is None:
-                self.tree.set_host(node, fetch.row)
-            else:
-                self.host.free([fetch.row])
-            fetch.row = -1  # owned by the tree now
-            self.tree.set_in_l3(node, True)
-        self._hold(req, nodes)
-        self.tree.touch(nodes)
-        req.l3_pages = agreed
-        op.settled = True
-        known = self.tree.match(req.hashes)
-        refuted: list[PageNode] = []
-        for fetch in op.extra:
-            if fetch.done is False:  # a corrupt or vanished object: absent from now on
-                req.l3_found[fetch.tag][fetch.index] = False
-                self._count(f"fetch_failed_{self.parts[fetch.tag].name}")
-                if fetch.index < len(known):  # so that its next backup replaces it (KV: above)
-                    self.tree.set_held(known[fetch.index], fetch.tag, Tier.L3, False)
-                    refuted.append(known[fetch.index])
-            if fetch.done is not True or fetch.index >= len(known):
-                self._abandon(fetch)
-                continue
-            node, part = known[fetch.index], self.parts[fetch.tag]
-            held = node.held(fetch.tag)
-            if held is not None and held.in_memory:
-                part.host.free([fetch.row])  # a copy arrived meanwhile
-            else:
-                self.tree.set_held(node, fetch.tag, Tier.L2, fetch.row)
-            self.tree.set_held(node, fetch.tag, Tier.L3, True)
-            fetch.row = -1
-            self._count(f"restored_l3_{part.name}")
-        for node in refuted:  # after the loop: a later fetch may land on the same page
-            self.tree.prune(node)
-        if self.group.size > 1:
-            # Rows of abandoned reads come back before the request computes, so L2 free space
-            # (and with it L2 eviction) does not depend on read timing (at most the reads in
-            # flight remain: reads past the agreed prefix are skipped).
-            if not op.finished.wait(self.ack_wait_s):
-                raise CacheEventDivergenceError(
-                    f"rank {self.rank}: a prefetch did not end within {self.ack_wait_s}s"
-                )
-            self._drain()
-        return waited
-
-    def _forget_failed_read(self, op: Prefetch, done: int) -> None:
-        """Stop taking for stored the KV page whose L3 read failed (corrupt, torn, vanished,
-        timed out). Only the first KV page not read (``done``: every one before it read well)
-        was read and failed; those past it were skipped."""
-        if done < len(op.kv) and op.kv[done].done is False:
-            self._refute_l3(op.kv[done].page_hash)
-
-    def _refute_l3(self, page_hash: str) -> None:
-        """L3 answered that it does not hold this KV page (a failed read, a miss of the
-        existence check): ``in_l3`` is an acknowledged write or a confirmed read, and this
-        refutes it. Kept, it made every backup skip the page (``_queue_l3_backup``), so an
-        object that went bad or went away (evicted by the backend, deleted) was never written
-        again by this instance, and every request of every instance recomputed from there on.
-
-        One rank only: with several, ``in_l3`` decides which backups each rank queues, and the
-        ranks must queue alike (the backup-ack agreement), so a rank-local refutation would
-        make them diverge.
-        """
-        if self.group.size > 1:
-            return
-        node = self.tree.get(page_hash)
-        if node is not None and node.in_l3:
-            self.tree.set_in_l3(node, False)
-            self.tree.prune(node)
-
-    def _abandon(self, fetch: Fetch) -> None:
-        """The engine stops waiting for ``fetch``: its row returns now if its read has ended,
-        else when it ends (``ReadEnded``): quarantined until then."""
-        fetch.abandoned = True
-        if fetch.done is not None:
-            self._return_row(fetch)
-        elif fetch.row >= 0:
-            self.metrics.host_pages_quarantined += 1
-
-    def _return_row(self, fetch: Fetch) -> None:
-        """Free an abandoned fetch's row (once: row -1 afterwards); its read has ended."""
-        assert fetch.done is not None, "a row freed while its read may still write into it"
-        if fetch.row >= 0:
-            self.parts[fetch.tag].host.free([fetch.row])
-            fetch.row = -1
 
 
 def _wait_for(loads: Sequence[LayerLoad]) -> Callable[[int], None] | None:
@@ -1657,3 +972,15 @@ def _branches(nodes: Sequence[PageNode]) -> tuple[int, ...]:
 def _parent(node: PageNode) -> str | None:
     parent = node.parent
     return parent.page_hash if parent is not None and parent.depth >= 0 else None
+
+
+def _l1(node: PageNode, tag: int) -> int | None:
+    """``node``'s L1 page or slot of component ``tag``, if any."""
+    held = node.held(tag)
+    return None if held is None else held.l1
+
+
+def _l2(node: PageNode, tag: int) -> int | None:
+    """``node``'s host row of component ``tag``, if any."""
+    held = node.held(tag)
+    return None if held is None else held.l2

@@ -32,11 +32,27 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from hicache_store.kernels.pools import DevicePool
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 
-from .radix import Tier
+
+class Tier(enum.IntEnum):
+    L1 = 1  # device pool
+    L2 = 2  # host pool
+    L3 = 3  # external storage (for the tree: the record of pages only L3 is known to hold)
+
+
+#: The component tags this library uses, by role: the one table of them. A tag names a
+#: component's objects in L3 (``_C{tag}``; the KV's objects carry none) and its pools on the
+#: page tree, so a tag, once its objects are stored, keeps its meaning. Engines plugging in a
+#: component of their own take a tag not in this table.
+TAGS: Mapping[str, int] = MappingProxyType({"kv": 0, "window": 1, "recurrent": 2, "draft": 3})
+KV_TAG = TAGS["kv"]  # full-attention KV: the tier's own component
+WINDOW_TAG = TAGS["window"]  # sliding-window KV (a hybrid model's local-attention layers)
+RECURRENT_TAG = TAGS["recurrent"]  # recurrent-state checkpoints (linear attention, Mamba)
+DRAFT_TAG = TAGS["draft"]  # a sidecar draft model's KV (speculative decoding)
 
 
 class HitRule(enum.Enum):
@@ -90,7 +106,7 @@ class ComponentSpec:
 
 
 #: the tier's own component: full-attention KV.
-KV = ComponentSpec("kv", 0, HitRule.FULL)
+KV = ComponentSpec("kv", KV_TAG, HitRule.FULL)
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,8 +133,8 @@ class Component:
     checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
-        if self.spec.tag == 0:
-            raise ValueError("component tag 0 is the tier's own KV")
+        if self.spec.tag == KV.tag:
+            raise ValueError(f"component tag {KV.tag} is the tier's own KV")
         if self.slots is not None and self.slots < 1:
             raise ValueError(f"{self.spec.name}: slots must be positive (or None)")
         if self.l2_slots < 0 or self.checkpoint_every < 0:

@@ -2,8 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+#: What the tier counts for every component, the KV's included (``TierMetrics.count``):
+#: copies made L1 -> L2 (``backups_l2``) and L2 -> L3 (``backups_l3``, ``backups_l3_failed``),
+#: objects whose backup was not attempted (``backups_dropped``: L2 could not take them, or the
+#: L3 backup queue was full; a later use backs them up), copies given up (``evictions_l1`` /
+#: ``evictions_l2``), objects restored from L2 / L3 (``restored_l2`` / ``restored_l3``), new
+#: objects kept (``produced``) or dropped for want of a slot (``produce_dropped``), reads
+#: of L3 objects that failed (``fetch_failed``), and bytes copied L1 -> L2 (``bytes_l1_to_l2``).
+COMPONENT_COUNTERS = (
+    "backups_l2",
+    "backups_l3",
+    "backups_l3_failed",
+    "backups_dropped",
+    "evictions_l1",
+    "evictions_l2",
+    "bytes_l1_to_l2",
+    "restored_l2",
+    "restored_l3",
+    "produced",
+    "produce_dropped",
+    "fetch_failed",
+)
+#: the counters the KV's read under their plain names (the KV's own fields once).
+_PLAIN_COUNTERS = COMPONENT_COUNTERS[:7]
+#: the component whose counters keep their plain names (``backups_l2``, not ``backups_l2_kv``)
+#: in ``to_dict`` and as attributes; Prometheus labels it like every other.
+_PLAIN = "kv"
+
+
+class _PlainCounter:
+    """A KV counter read as an attribute of ``TierMetrics`` under its plain name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, metrics: TierMetrics, owner: type | None = None) -> int:
+        return metrics._plain(self.name)
 
 
 @dataclass
@@ -15,19 +53,21 @@ class TierMetrics:
     direction: ``bytes_l1_to_l2`` (backup), ``bytes_l2_to_l1`` (load), ``bytes_l2_to_l3``
     (backup), ``bytes_l3_to_l2`` (prefetch). Prefetch outcomes: ``prefetch_complete``,
     ``prefetch_partial``, ``prefetch_timed_out``, ``prefetch_failed_pages``.
-    ``backups_dropped``: KV pages whose backup was not attempted: L2 could not take them
-    (L1 -> L2), or the L3 backup queue was full (L2 -> L3; a later use of the page backs it up).
     ``corruptions``: objects that failed verification (served as misses).
     ``tampered``: objects of a sealed namespace that failed authentication (served as misses).
     ``host_pages_quarantined``: host rows whose prefetch was abandoned while their read was
     still in flight, held back from reuse until it ended (``HiCache.quarantined_host_pages``).
-    ``extra``: per-component counters (``component_hit_tokens_<name>``: prompt tokens that
-    component alone could have resumed after; ``limited_by_<name>``: requests it shortened;
-    ``limited_by_prefetch`` / ``limited_by_ranks``: requests that resumed before what every
-    component allowed, for want of a transfer / because another rank could resume less
-    (``tier.cache.LIMITED_BY_PREFETCH``); ``backups_dropped_<name>``: objects not backed up;
-    ``restored_l2_<name>``, ``restored_l3_<name>``, ``produced_<name>``, ``backups_l2_<name>``,
-    ``backups_l3_<name>``, ``fetch_failed_<name>``, ``evictions_l1_<name>`` ...).
+
+    ``by_component[name][counter]``: the counters of ``COMPONENT_COUNTERS``, one schema for
+    every component (``count``). The KV's read as attributes under their plain names
+    (``backups_l2``, ``evictions_l1`` ...), every other component's in ``extra`` with its name
+    as suffix (``backups_l2_window``); Prometheus labels them all the same way
+    (``hicache_store_backups_l2{component="kv"}``).
+    ``extra``: those, and the tier's other named counters (``others``):
+    ``component_hit_tokens_<name>``: prompt tokens that component alone could have resumed
+    after; ``limited_by_<name>``: requests it shortened; ``limited_by_prefetch`` /
+    ``limited_by_ranks``: requests that resumed before what every component allowed, for want
+    of a transfer / because another rank could resume less (``tier.prefix.LIMITED_BY_PREFETCH``).
     """
 
     requests: int = 0
@@ -36,7 +76,6 @@ class TierMetrics:
     hit_tokens_l2: int = 0
     hit_tokens_l3: int = 0
     computed_tokens: int = 0
-    bytes_l1_to_l2: int = 0
     bytes_l2_to_l1: int = 0
     bytes_l2_to_l3: int = 0
     bytes_l3_to_l2: int = 0
@@ -47,16 +86,40 @@ class TierMetrics:
     prefetch_partial: int = 0
     prefetch_timed_out: int = 0
     prefetch_failed_pages: int = 0
-    backups_l2: int = 0
-    backups_l3: int = 0
-    backups_l3_failed: int = 0
-    backups_dropped: int = 0
     corruptions: int = 0
     tampered: int = 0
-    evictions_l1: int = 0
-    evictions_l2: int = 0
     host_pages_quarantined: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+    by_component: dict[str, dict[str, int]] = field(default_factory=dict)
+    others: dict[str, float] = field(default_factory=dict)
+
+    def count(self, component: str, counter: str, n: int = 1) -> None:
+        """Add ``n`` to ``component``'s ``counter`` (one of ``COMPONENT_COUNTERS``)."""
+        counters = self.by_component.setdefault(component, {})
+        counters[counter] = counters.get(counter, 0) + n
+
+    def note(self, name: str, n: float = 1) -> None:
+        """Add ``n`` to the named counter ``name`` of ``others``."""
+        self.others[name] = self.others.get(name, 0) + n
+
+    def _plain(self, counter: str) -> int:
+        return self.by_component.get(_PLAIN, {}).get(counter, 0)
+
+    backups_l2 = _PlainCounter()
+    backups_l3 = _PlainCounter()
+    backups_l3_failed = _PlainCounter()
+    backups_dropped = _PlainCounter()
+    evictions_l1 = _PlainCounter()
+    evictions_l2 = _PlainCounter()
+    bytes_l1_to_l2 = _PlainCounter()
+
+    @property
+    def extra(self) -> Mapping[str, float]:
+        """The other components' counters (``<counter>_<name>``) and ``others`` (a copy)."""
+        out: dict[str, float] = dict(self.others)
+        for name, counters in self.by_component.items():
+            if name != _PLAIN:
+                out.update((f"{counter}_{name}", value) for counter, value in counters.items())
+        return out
 
     @property
     def read_amplification(self) -> float:
@@ -70,8 +133,9 @@ class TierMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        extra = data.pop("extra")
-        data.update(extra)
+        del data["by_component"], data["others"]
+        data.update((counter, self._plain(counter)) for counter in _PLAIN_COUNTERS)
+        data.update(self.extra)
         data["read_amplification"] = self.read_amplification
         data["token_hit_rate"] = self.token_hit_rate
         return data
@@ -81,8 +145,22 @@ class TierMetrics:
         from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
         registry = CollectorRegistry()
-        for name, value in self.to_dict().items():
-            gauge = Gauge(f"{prefix}_{name}", name.replace("_", " "), registry=registry)
-            gauge.set(float(value))
+        data = self.to_dict()
+        labelled = {
+            f"{counter}_{name}" if name != _PLAIN else counter
+            for name, counters in self.by_component.items()
+            for counter in counters
+        } | set(_PLAIN_COUNTERS)
+        for name, value in data.items():
+            if name not in labelled:
+                gauge = Gauge(f"{prefix}_{name}", name.replace("_", " "), registry=registry)
+                gauge.set(float(value))
+        components = {_PLAIN: {}, **self.by_component}
+        for counter in COMPONENT_COUNTERS:
+            family = Gauge(
+                f"{prefix}_{counter}", counter.replace("_", " "), ["component"], registry=registry
+            )
+            for name, counters in components.items():
+                family.labels(component=name).set(float(counters.get(counter, 0)))
         text: bytes = generate_latest(registry)
         return text.decode()

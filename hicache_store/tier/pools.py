@@ -15,6 +15,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -95,12 +96,47 @@ class LayerLoad:
         return self._error is not None
 
 
+class Slots(Protocol):
+    """An allocator of L1 pages or slots: the engine's KV pool, or a component's ``SlotList``."""
+
+    @property
+    def num_free_pages(self) -> int: ...
+
+    def alloc(self, count: int) -> list[int]: ...
+
+    def free(self, pages: Sequence[int]) -> None: ...
+
+
+class SlotList:
+    """A component's own L1 slots: a free list, the last freed taken first."""
+
+    def __init__(self, count: int) -> None:
+        self.free_slots = list(range(count - 1, -1, -1))
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, count: int) -> list[int]:
+        if count > len(self.free_slots):
+            raise RuntimeError(f"{count} slots asked, {len(self.free_slots)} free")
+        return [self.free_slots.pop() for _ in range(count)]
+
+    def free(self, pages: Sequence[int]) -> None:
+        self.free_slots.extend(pages)
+
+
 @dataclass
 class Pools:
-    """One component's L1, L2 and L3 on this rank.
+    """One component's L1, L2 and L3 on this rank, and the two properties of its pools.
 
-    ``free``: its own free L1 slots (None for the KV, whose pages the engine's pool allocates,
-    and for a component that follows the KV pages). ``writes``: this rank backs it up to L3.
+    ``slots``: its L1 allocator (the engine's pool for the KV; None for a component that
+    follows the pages of component ``follows``: its L1 copy is at that component's page). ``writes``: this rank
+    backs it up to L3. ``prefix_closed``: a page's L1 / L2 copy needs its parent's, so copies
+    are made ancestors first, evicted leaves first and backed up as chains (the KV).
+    ``ordered``: its backup completions are applied in the order and number the first PP stage
+    decides, the same on every rank (the KV: its L3 knowledge decides what every rank backs
+    up); other components' completions are rank-local.
     """
 
     spec: ComponentSpec
@@ -110,9 +146,10 @@ class Pools:
     host: HostPagePool
     link: L3Link | None
     kernel: KernelBackend
-    free: list[int] | None = None
-    num_slots: int = 0
-    follows_kv: bool = False
+    slots: Slots | None = None
+    follows: int | None = None
+    prefix_closed: bool = False
+    ordered: bool = False
 
     @property
     def tag(self) -> int:

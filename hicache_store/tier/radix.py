@@ -6,32 +6,35 @@ hash covers every token before it, so it names a whole prefix, and the tree is o
 hash to node plus parent links (no per-node child tables). Matching a request is a walk over
 its page hashes; each node is one full page.
 
-Invariant kept by the tier (and checked by the tests): for L1 and L2, the set of nodes whose KV
-is resident is *prefix-closed* — if a node is resident, so is its parent. Eviction therefore
-only takes a pool's *evictable leaves* (resident, unlocked, no resident child), so a cached
-chain loses its tail, never a page in its middle. (``in_l3`` only records what this instance
-*knows*: a page fetched from L3 may have a parent whose L3 copy it never checked, so it is not
-checked for closure.)
+**One residency record.** A node is only its place in the tree (hash, parent, depth, child
+count, last use). What a page holds is one ``Held`` per component (``node.copies[tag]``; the
+full-attention KV is the component ``KV_TAG``): its L1 copy, its L2 copy, whether L3 holds one,
+whether a backup is pending, and the locks on its L1 and L2 copies. Every component's copies
+change through one set of mutators (``set_copy``, ``set_pending``, ``lock`` / ``unlock``,
+``hold_host`` / ``release_host``), and the tree removes a node itself once it holds no copy
+anywhere and nothing uses it (``prune`` remains for nodes ``insert`` made and nobody filled).
 
-**Components.** Besides its KV (the node's own fields), a page may hold an object of each cache
-component (``tier.components``: sliding-window KV, a recurrent checkpoint, a draft's KV), with
-its own residency and locks in a ``Held`` (``node.comps[tag]``). Component copies are not
-prefix-closed (a resume needs only some of them; ``match_components`` says which), so any
-unlocked copy may go; a component that follows the KV pages (``follows_kv``) keeps its L1 copy
-in the KV's device page and loses it with that page.
+What differs between components is a property of their pools, given when they are added
+(``add_component``), never a test of the tag:
+
+* *prefix-closed* pools (the KV's): a page's L1 or L2 copy needs its parent's, so eviction
+  takes only *evictable leaves* (resident, unlocked, no child resident there) and a cached
+  chain loses its tail, never a page in its middle. (``in_l3`` records only what this instance
+  *knows*: a page fetched from L3 may have a parent whose L3 copy it never checked, so L3 is not
+  checked for closure.) Other components' copies are not prefix-closed (a resume needs only
+  some of them; ``match_components`` says which), so any unlocked copy may go;
+* a component that *follows* another's pages (a sidecar draft's KV, written at the KV's device
+  pages) has no L1 pool of its own: its L1 copy is the leader's page and goes with it.
 
 **Bounded.** The tree holds the pages L1 and L2 hold, pages in use or in transit, and a bounded
 *record* of pages only L3 holds (``l3_record_limit`` nodes without an L1/L2 copy). Past the
 bound the least recently used record leaves are forgotten (``trim_l3_record``): L3 is probed
 again when a request needs them, so forgetting costs at most a probe or a redundant backup.
 
-**Incremental.** Every residency or lock change goes through the tree (``set_device``,
-``set_host``, ``set_in_l3``, ``set_l3_pending``, ``lock`` / ``unlock``, ``hold_host`` /
-``release_host``; ``set_held``, ``lock_held`` ... for components). Each pool (the KV's L1 and
-L2, and each component's) has an eviction policy (``tier.eviction``: it owns the order, the
-tree tells it which nodes are evictable as that changes and asks it for ``victim()``), so a
-victim costs O(log n) and every change O(log n) for the node and its parent. The record keeps
-its own heap, least recently used first.
+**Incremental.** Each pool (every component's L1 and L2) has an eviction policy
+(``tier.eviction``: it owns the order, the tree tells it which nodes are evictable as that
+changes and asks it for ``victim()``), so a victim costs O(log n) and every change O(log n) for
+the node and its parent. The record keeps its own heap, least recently used first.
 
 **One eviction order across components.** Every pool orders its copies with the same policy
 (``TierConfig.eviction_policy``; one instance per pool), and the tree gives every pool the same
@@ -57,20 +60,15 @@ The tree only does bookkeeping; it moves no bytes and is used from one thread (t
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from .components import KV_TAG, Tier
 from .eviction import EvictionPolicy, LRUEviction
 
-
-class Tier(enum.IntEnum):
-    L1 = 1  # device pool
-    L2 = 2  # host pool
-    L3 = 3  # external storage (for the tree: the record of pages only L3 is known to hold)
-
+__all__ = ["Held", "PageNode", "PageTree", "Tier"]
 
 #: the record's heap is compacted when its stale entries exceed the live ones by this many.
 _COMPACT_SLACK = 1024
@@ -78,9 +76,15 @@ _COMPACT_SLACK = 1024
 
 @dataclass(eq=False, slots=True)
 class Held:
-    """A component's object of one page: ``l1`` its L1 slot (for a component that follows the
-    KV pages: the KV's device page), ``l2`` its host row, ``in_l3`` / ``l3_pending`` as for KV,
-    ``lock`` requests using its L1 copy, ``host_lock`` transfers using its L2 copy."""
+    """One component's copies of one page (the KV's included): ``l1`` its L1 page or slot (for
+    a component that follows another's pages: that component's page), ``l2`` its host row,
+    ``in_l3`` an L3 copy is known (an acknowledged write or a confirmed read), ``l3_pending``
+    an L3 backup of it is queued or in flight, ``lock`` requests using its L1 copy (not
+    evictable from L1 while > 0), ``host_lock`` transfers reading or filling its L2 copy (not
+    evictable from L2 while > 0). For a prefix-closed pool, ``l1_children`` / ``l2_children``
+    count the page's children whose copy of the same component is in L1 / L2 (leaf tests in
+    O(1)), and ``write_ok`` is the outcome of this instance's last L3 write of it (the backup
+    worker's: a chain's write waits for its parent's)."""
 
     l1: int | None = None
     l2: int | None = None
@@ -88,6 +92,9 @@ class Held:
     l3_pending: bool = False
     lock: int = 0
     host_lock: int = 0
+    l1_children: int = 0
+    l2_children: int = 0
+    write_ok: bool = False
 
     @property
     def in_memory(self) -> bool:
@@ -95,7 +102,16 @@ class Held:
 
     @property
     def empty(self) -> bool:
+        """No copy, none known, none pending and none in use."""
         return not (self.in_memory or self.in_l3 or self.l3_pending or self.lock or self.host_lock)
+
+    def resident(self, tier: Tier) -> bool:
+        """Whether ``tier`` holds this copy (L3: one is known)."""
+        if tier is Tier.L1:
+            return self.l1 is not None
+        if tier is Tier.L2:
+            return self.l2 is not None
+        return self.in_l3
 
     def where(self) -> Tier | None:
         """The closest tier holding this object (L3: one is known), or None."""
@@ -108,66 +124,56 @@ class Held:
 
 @dataclass(eq=False, slots=True)
 class PageNode:
-    """One cached page. Change residency and locks only through ``PageTree``'s methods.
+    """One cached page: its place in the tree. Its copies are ``copies[tag]`` (a ``Held`` per
+    component it holds anything of, the KV's under ``KV_TAG``); change them and the locks
+    only through ``PageTree``'s methods.
 
-    ``device_page`` / ``host_page``: its KV's page index in the L1 / L2 pool, or None.
-    ``in_l3``: an L3 copy of its KV is known to exist (acknowledged write or confirmed read).
-    ``lock``: requests using its L1 copy (not evictable from L1 while > 0).
-    ``host_lock``: transfers reading or writing its L2 copy (not evictable from L2 while > 0).
-    ``hits``: how many requests matched it (write-through-selective counts these).
-    ``l3_pending``: an L3 backup of its KV is queued or in flight.
-    ``l3_write_ok``: outcome of this instance's last L3 write of it (the backup worker's).
-    ``children``: how many nodes have this one as parent; ``l1_children`` / ``l2_children``:
-    how many of them have an L1 / L2 copy (leaf tests in O(1)). ``comps``: the objects of other
-    components this page holds, by tag (None: none). ``last_access``: the request clock at its
-    last use (the record's order).
+    ``children``: how many nodes have this one as parent. ``hits``: how many requests matched
+    it (write-through-selective counts these). ``last_access``: the request clock at its last
+    use (the record's order). ``record_seq``: its entry in the record's heap (0: none).
     """
 
     page_hash: str
     parent: PageNode | None
     depth: int
     children: int = 0
-    device_page: int | None = None
-    host_page: int | None = None
-    in_l3: bool = False
-    l3_pending: bool = False
-    l3_write_ok: bool = False
-    lock: int = 0
-    host_lock: int = 0
     hits: int = 0
     last_access: int = 0
-    l1_children: int = 0
-    l2_children: int = 0
     record_seq: int = 0
-    comps: dict[int, Held] | None = None
+    copies: dict[int, Held] | None = None
 
     def held(self, tag: int) -> Held | None:
-        """This page's object of component ``tag``, if it has one."""
-        return None if self.comps is None else self.comps.get(tag)
+        """This page's copies of component ``tag``, if it has a record of them."""
+        return None if self.copies is None else self.copies.get(tag)
 
-    def resident(self, tier: Tier) -> bool:
-        """Whether this node's KV has a copy in ``tier`` (L3: one is known)."""
-        if tier is Tier.L1:
-            return self.device_page is not None
-        if tier is Tier.L2:
-            return self.host_page is not None
-        return self.in_l3
+    def copy(self, tag: int) -> Held:
+        """This page's copies of component ``tag``, an empty record if it has none (to read:
+        a record made here is not the page's)."""
+        held = self.held(tag)
+        return Held() if held is None else held
+
+    def resident(self, tier: Tier, tag: int) -> bool:
+        """Whether ``tier`` holds this page's copy of component ``tag`` (L3: one is known)."""
+        held = self.held(tag)
+        return held is not None and held.resident(tier)
 
     @property
     def in_memory(self) -> bool:
-        """Some copy of this page (KV or a component's) is in L1 or L2."""
-        if self.device_page is not None or self.host_page is not None:
-            return True
-        return self.comps is not None and any(h.in_memory for h in self.comps.values())
+        """Some copy of this page (of any component) is in L1 or L2."""
+        if self.copies is not None:
+            for h in self.copies.values():
+                if h.l1 is not None or h.l2 is not None:
+                    return True
+        return False
 
     @property
     def busy(self) -> bool:
         """Something uses or writes this page's copies now (locks, pending backups)."""
-        if self.lock or self.host_lock or self.l3_pending:
-            return True
-        return self.comps is not None and any(
-            h.lock or h.host_lock or h.l3_pending for h in self.comps.values()
-        )
+        if self.copies is not None:
+            for h in self.copies.values():
+                if h.lock or h.host_lock or h.l3_pending:
+                    return True
+        return False
 
     def path(self) -> list[PageNode]:
         """Nodes from the first page down to this one."""
@@ -180,10 +186,24 @@ class PageNode:
         return nodes
 
     def __repr__(self) -> str:
-        return (
-            f"PageNode({self.page_hash[:8]}.., depth={self.depth}, L1={self.device_page}, "
-            f"L2={self.host_page}, L3={self.in_l3})"
-        )
+        where = {
+            tag: "".join(f"{t.name}" for t in Tier if h.resident(t))
+            for tag, h in (self.copies or {}).items()
+        }
+        return f"PageNode({self.page_hash[:8]}.., depth={self.depth}, copies={where})"
+
+
+@dataclass(slots=True)
+class _Pool:
+    """One component's pools as the tree sees them: their eviction policies (``l1`` None: its
+    L1 copies live in the pages of component ``follows`` and go with them), whether they are
+    prefix-closed, and the components that follow its L1 pages."""
+
+    l1: EvictionPolicy[PageNode] | None
+    l2: EvictionPolicy[PageNode]
+    prefix_closed: bool
+    follows: int | None = None
+    followers: tuple[int, ...] = ()
 
 
 def _lru() -> EvictionPolicy[PageNode]:
@@ -193,9 +213,10 @@ def _lru() -> EvictionPolicy[PageNode]:
 class PageTree:
     """The page radix tree. See the module docstring for its invariants and costs.
 
-    ``l1_policy`` / ``l2_policy``: the eviction policies of the KV's pools (LRU by default;
-    ``tier.eviction.make_eviction_policy``). ``l3_record_limit``: how many nodes without an
-    L1/L2 copy the tree keeps (None: unbounded).
+    Built with the KV's pools (``KV_TAG``, prefix-closed): ``l1_policy`` / ``l2_policy`` their
+    eviction policies (LRU by default; ``tier.eviction.make_eviction_policy``); every other
+    component's pools are added with ``add_component``. ``l3_record_limit``: how many nodes
+    without an L1/L2 copy the tree keeps (None: unbounded).
     """
 
     def __init__(
@@ -209,13 +230,7 @@ class PageTree:
             raise ValueError("l3_record_limit must not be negative")
         self.root = PageNode(page_hash="", parent=None, depth=-1)
         self._index: dict[str, PageNode] = {}
-        #: eviction policies by (component tag, tier); tag 0 is the KV.
-        self.policies: dict[tuple[int, Tier], EvictionPolicy[PageNode]] = {
-            # ``is None``, not ``or``: a policy with no pages yet has len() 0, so it is falsy.
-            (0, Tier.L1): _lru() if l1_policy is None else l1_policy,
-            (0, Tier.L2): _lru() if l2_policy is None else l2_policy,
-        }
-        self._follows_kv: set[int] = set()
+        self._pools: dict[int, _Pool] = {}
         self.l3_record_limit = l3_record_limit
         self._clock = 0
         self._seq = itertools.count(1)
@@ -223,29 +238,57 @@ class PageTree:
         self._in_memory = 0
         self._record: list[tuple[int, int, int, PageNode]] = []
         self._record_queued = 0
+        # ``is None``, not ``or``: a policy with no pages yet has len() 0, so it is falsy.
+        self.add_component(
+            KV_TAG,
+            _lru() if l2_policy is None else l2_policy,
+            _lru() if l1_policy is None else l1_policy,
+            prefix_closed=True,
+        )
 
     def add_component(
         self,
         tag: int,
         l2_policy: EvictionPolicy[PageNode],
         l1_policy: EvictionPolicy[PageNode] | None,
+        *,
+        prefix_closed: bool = False,
+        follows: int = KV_TAG,
     ) -> None:
-        """Track copies of component ``tag`` (before any is set); ``l1_policy`` None: the
-        component follows the KV pages (its L1 copies go with theirs)."""
-        if tag == 0 or (tag, Tier.L2) in self.policies:
+        """Track copies of component ``tag`` (before any is set). ``l1_policy`` None: its L1
+        copies live in component ``follows``'s pages and go with them. ``prefix_closed``: its
+        L1 and L2 copies of a page need its parent's (eviction takes leaves only)."""
+        if tag in self._pools:
             raise ValueError(f"component tag {tag} is taken")
-        self.policies[(tag, Tier.L2)] = l2_policy
         if l1_policy is None:
-            self._follows_kv.add(tag)
-        else:
-            self.policies[(tag, Tier.L1)] = l1_policy
+            leader = self._pools.get(follows)
+            if leader is None or leader.l1 is None:
+                raise ValueError(f"component {tag} cannot follow the pages of {follows}")
+            leader.followers = (*leader.followers, tag)
+        self._pools[tag] = _Pool(
+            l1_policy, l2_policy, prefix_closed, None if l1_policy is not None else follows
+        )
+
+    @property
+    def policies(self) -> dict[tuple[int, Tier], EvictionPolicy[PageNode]]:
+        """Every pool's eviction policy, by (component tag, tier)."""
+        out: dict[tuple[int, Tier], EvictionPolicy[PageNode]] = {}
+        for tag, pool in self._pools.items():
+            if pool.l1 is not None:
+                out[(tag, Tier.L1)] = pool.l1
+            out[(tag, Tier.L2)] = pool.l2
+        return out
+
+    def prefix_closed(self, tag: int) -> bool:
+        """Whether component ``tag``'s L1 and L2 copies are prefix-closed."""
+        return self._pools[tag].prefix_closed
 
     def __len__(self) -> int:
         return self._size
 
     @property
     def in_memory(self) -> int:
-        """Nodes with an L1 or L2 copy (of KV or of a component)."""
+        """Nodes with an L1 or L2 copy (of any component)."""
         return self._in_memory
 
     @property
@@ -256,8 +299,10 @@ class PageTree:
     def begin_request(self) -> None:
         """A request starts: every pool's policy and the tree's clock tick once."""
         self._clock += 1
-        for policy in self.policies.values():
-            policy.begin_request()
+        for pool in self._pools.values():
+            if pool.l1 is not None:
+                pool.l1.begin_request()
+            pool.l2.begin_request()
 
     # -- structure ------------------------------------------------------------------------
 
@@ -275,7 +320,8 @@ class PageTree:
         return nodes
 
     def insert(self, page_hashes: Sequence[str]) -> list[PageNode]:
-        """The nodes of ``page_hashes``, creating the missing ones (with no residency).
+        """The nodes of ``page_hashes``, creating the missing ones (with no copies: the caller
+        gives them one, or ``prune``s them).
 
         The hashes must be a chain from the first page (``layout.hashing``): a hash already
         known under another parent raises ``ValueError`` (it cannot come from a chain)."""
@@ -305,18 +351,16 @@ class PageTree:
         """The current request used ``nodes`` (path order): every pool holding a copy of one
         is told (``begin_request`` starts the request)."""
         now = self._clock
+        pools = self._pools
         for node in nodes:
             node.last_access = now
-            if node.device_page is not None:
-                self.policies[(0, Tier.L1)].touch(node)
-            if node.host_page is not None:
-                self.policies[(0, Tier.L2)].touch(node)
-            if node.comps is not None:
-                for tag, held in node.comps.items():
-                    if held.l1 is not None and tag not in self._follows_kv:
-                        self.policies[(tag, Tier.L1)].touch(node)
+            if node.copies is not None:
+                for tag, held in node.copies.items():
+                    pool = pools[tag]
+                    if held.l1 is not None and pool.l1 is not None:
+                        pool.l1.touch(node)
                     if held.l2 is not None:
-                        self.policies[(tag, Tier.L2)].touch(node)
+                        pool.l2.touch(node)
             if node.record_seq:
                 self._update_record(node, reprioritize=True)
 
@@ -325,18 +369,19 @@ class PageTree:
         yield from list(self._index.values())
 
     @staticmethod
-    def resident_prefix(nodes: Sequence[PageNode], tier: Tier) -> int:
-        """How many leading ``nodes`` have their KV resident in ``tier``."""
+    def resident_prefix(nodes: Sequence[PageNode], tier: Tier, tag: int) -> int:
+        """How many leading ``nodes`` have their copy of component ``tag`` in ``tier``."""
         for i, node in enumerate(nodes):
-            if not node.resident(tier):
+            if not node.resident(tier, tag):
                 return i
         return len(nodes)
 
     def prune(self, node: PageNode) -> None:
-        """Remove ``node`` and its now-empty ancestors once they hold no copy anywhere (KV or
-        component) and nothing uses them."""
+        """Remove ``node`` and its ancestors while they hold no copy anywhere and nothing uses
+        them. Every mutator below does this itself; this is for nodes ``insert`` made that
+        were given no copy (a no-op on a node no longer in the tree)."""
         current: PageNode | None = node
-        while current is not None and current.depth >= 0 and self._removable(current):
+        while current is not None and self._removable(current):
             parent = current.parent
             assert parent is not None
             del self._index[current.page_hash]
@@ -352,220 +397,191 @@ class PageTree:
 
     @staticmethod
     def _removable(node: PageNode) -> bool:
-        return (
-            not node.children
-            and node.device_page is None
-            and node.host_page is None
-            and not node.in_l3
-            and not node.l3_pending
-            and node.lock == 0
-            and node.host_lock == 0
-            and (node.comps is None or all(h.empty for h in node.comps.values()))
-        )
+        if node.children or node.depth < 0 or node.parent is None:
+            return False
+        if node.copies is not None:
+            for h in node.copies.values():
+                if not h.empty:
+                    return False
+        return True
 
-    # -- KV residency and locks (each keeps the pools' policies exact) -------------------
-
-    def set_device(self, node: PageNode, page: int | None) -> None:
-        """Give ``node``'s KV an L1 copy at ``page``, or drop it (``None``; components that
-        follow the KV pages lose their L1 copy with it)."""
-        self._set_kv(node, Tier.L1, page)
-
-    def set_host(self, node: PageNode, page: int | None) -> None:
-        """Give ``node``'s KV an L2 copy at ``page``, or drop it (``None``)."""
-        self._set_kv(node, Tier.L2, page)
-
-    def _set_kv(self, node: PageNode, tier: Tier, page: int | None) -> None:
-        was_in_memory = node.in_memory
-        had = (node.device_page if tier is Tier.L1 else node.host_page) is not None
-        if tier is Tier.L1:
-            moved = page != node.device_page
-            node.device_page = page
-            if moved and node.comps is not None:  # rows at the old page are not at the new
-                for tag in self._follows_kv:
-                    held = node.comps.get(tag)
-                    if held is not None:
-                        held.l1 = None
-        else:
-            node.host_page = page
-        now = page is not None
-        if had != now:
-            policy = self.policies[(0, tier)]
-            if now:
-                policy.admit(node)
-                policy.touch(node)
-            else:
-                policy.evict(node)
-            parent = node.parent
-            if parent is not None and parent.depth >= 0:
-                if tier is Tier.L1:
-                    parent.l1_children += 1 if now else -1
-                else:
-                    parent.l2_children += 1 if now else -1
-                self._update_kv(parent, tier)
-            self._update_kv(node, tier)
-        self._memory_changed(node, was_in_memory)
-
-    def set_in_l3(self, node: PageNode, known: bool) -> None:
-        node.in_l3 = known
-        self._update_record(node)
-
-    def set_l3_pending(self, node: PageNode, pending: bool) -> None:
-        node.l3_pending = pending
-        self._update_record(node)
-
-    def lock(self, node: PageNode) -> None:
-        """A request uses ``node``'s L1 copy (or will): not evictable from L1."""
-        node.lock += 1
-        if node.lock == 1:
-            self._update_kv(node, Tier.L1)
-            self._update_record(node)
-
-    def unlock(self, node: PageNode) -> None:
-        if node.lock <= 0:
-            raise RuntimeError(f"{node}: unlock without lock")
-        node.lock -= 1
-        if node.lock == 0:
-            self._update_kv(node, Tier.L1)
-            self._update_record(node)
-
-    def hold_host(self, node: PageNode) -> None:
-        """A transfer reads or fills ``node``'s L2 copy: not evictable from L2."""
-        node.host_lock += 1
-        if node.host_lock == 1:
-            self._update_kv(node, Tier.L2)
-            self._update_record(node)
-
-    def release_host(self, node: PageNode) -> None:
-        if node.host_lock <= 0:
-            raise RuntimeError(f"{node}: release_host without hold_host")
-        node.host_lock -= 1
-        if node.host_lock == 0:
-            self._update_kv(node, Tier.L2)
-            self._update_record(node)
-
-    def _update_kv(self, node: PageNode, tier: Tier) -> None:
-        if node.depth >= 0 and node.resident(tier):
-            self.policies[(0, tier)].set_evictable(node, self.is_evictable(node, tier))
-
-    def _memory_changed(self, node: PageNode, was_in_memory: bool) -> None:
-        in_memory = node.in_memory
-        if in_memory != was_in_memory:
-            self._in_memory += 1 if in_memory else -1
-        self._update_record(node)
-
-    # -- component residency and locks ----------------------------------------------------
+    # -- residency and locks: one set for every component (each keeps the pools exact) ----
 
     def held(self, node: PageNode, tag: int) -> Held:
-        """``node``'s object of component ``tag``, made (empty) if it has none."""
-        if (tag, Tier.L2) not in self.policies:
+        """``node``'s copies of component ``tag``, their record made (empty) if it has none."""
+        if tag not in self._pools:
             raise ValueError(f"component tag {tag} was not added to the tree")
-        if node.comps is None:
-            node.comps = {}
-        held = node.comps.get(tag)
+        if node.copies is None:
+            node.copies = {}
+        held = node.copies.get(tag)
         if held is None:
-            held = node.comps[tag] = Held()
+            held = node.copies[tag] = Held()
         return held
 
-    def set_held(self, node: PageNode, tag: int, tier: Tier, value: int | bool | None) -> None:
-        """Set where ``node``'s object of component ``tag`` is: ``tier`` L1 / L2 take a slot or
-        row (None drops the copy), L3 takes whether a copy is known."""
-        held = self.held(node, tag)
+    def set_copy(self, node: PageNode, tag: int, tier: Tier, value: int | bool | None) -> None:
+        """Set where ``node``'s copy of component ``tag`` is: ``tier`` L1 / L2 take a page,
+        slot or row (None drops the copy; an L1 copy that moves or goes takes the L1 copies of
+        the components following its pages with it), L3 takes whether a copy is known."""
+        copies = node.copies
+        held = None if copies is None else copies.get(tag)
+        if held is None:
+            held = self.held(node, tag)
         was_in_memory = node.in_memory
         if tier is Tier.L3:
             held.in_l3 = bool(value)
         else:
+            pool = self._pools[tag]
             slot = None if value is None else int(value)
-            old = held.l1 if tier is Tier.L1 else held.l2
             if tier is Tier.L1:
+                old = held.l1
                 held.l1 = slot
+                if slot != old and pool.followers and node.copies is not None:
+                    for follower in pool.followers:  # rows at the old page are not at the new
+                        other = node.copies.get(follower)
+                        if other is not None:
+                            other.l1 = None
+                policy = pool.l1
             else:
+                old = held.l2
                 held.l2 = slot
-            policy = self.policies.get((tag, tier))
-            if policy is not None and (old is None) != (slot is None):
-                if slot is not None:
-                    policy.admit(node)
-                    policy.touch(node)
-                else:
-                    policy.evict(node)
-            self._update_held(node, tag, tier)
-        self._memory_changed(node, was_in_memory)
+                policy = pool.l2
+            if (old is None) != (slot is None):
+                if policy is not None:
+                    if slot is not None:
+                        policy.admit(node)
+                        policy.touch(node)
+                    else:
+                        policy.evict(node)
+                parent = node.parent
+                if pool.prefix_closed and parent is not None and parent.depth >= 0:
+                    above = parent.copies.get(tag) if parent.copies is not None else None
+                    if above is None:
+                        above = self.held(parent, tag)
+                    step = 1 if slot is not None else -1
+                    if tier is Tier.L1:
+                        above.l1_children += step
+                    else:
+                        above.l2_children += step
+                    self._update(parent, tag, tier)
+            self._update(node, tag, tier)
+        in_memory = node.in_memory
+        if in_memory != was_in_memory:
+            self._in_memory += 1 if in_memory else -1
+        self._changed(node)
 
-    def set_held_pending(self, node: PageNode, tag: int, pending: bool) -> None:
+    def set_pending(self, node: PageNode, tag: int, pending: bool) -> None:
+        """Whether an L3 backup of ``node``'s copy of component ``tag`` is queued or running."""
         self.held(node, tag).l3_pending = pending
-        self._update_record(node)
+        self._changed(node)
 
-    def lock_held(self, node: PageNode, tag: int) -> None:
-        self.held(node, tag).lock += 1
-        self._update_held(node, tag, Tier.L1)
-        self._update_record(node)
+    def lock(self, node: PageNode, tag: int) -> None:
+        """A request uses ``node``'s L1 copy of component ``tag`` (or will): not evictable."""
+        held = self.held(node, tag)
+        held.lock += 1
+        if held.lock == 1:
+            self._update(node, tag, Tier.L1)
+            self._update_record(node)
 
-    def unlock_held(self, node: PageNode, tag: int) -> None:
+    def unlock(self, node: PageNode, tag: int) -> None:
         held = self.held(node, tag)
         if held.lock <= 0:
             raise RuntimeError(f"{node} component {tag}: unlock without lock")
         held.lock -= 1
-        self._update_held(node, tag, Tier.L1)
-        self._update_record(node)
+        if held.lock == 0:
+            self._update(node, tag, Tier.L1)
+            self._changed(node)
 
-    def hold_held_host(self, node: PageNode, tag: int) -> None:
-        self.held(node, tag).host_lock += 1
-        self._update_held(node, tag, Tier.L2)
-        self._update_record(node)
+    def hold_host(self, node: PageNode, tag: int) -> None:
+        """A transfer reads or fills ``node``'s L2 copy of component ``tag``: not evictable."""
+        held = self.held(node, tag)
+        held.host_lock += 1
+        if held.host_lock == 1:
+            self._update(node, tag, Tier.L2)
+            self._update_record(node)
 
-    def release_held_host(self, node: PageNode, tag: int) -> None:
+    def release_host(self, node: PageNode, tag: int) -> None:
         held = self.held(node, tag)
         if held.host_lock <= 0:
-            raise RuntimeError(f"{node} component {tag}: release without hold")
+            raise RuntimeError(f"{node} component {tag}: release_host without hold_host")
         held.host_lock -= 1
-        self._update_held(node, tag, Tier.L2)
-        self._update_record(node)
+        if held.host_lock == 0:
+            self._update(node, tag, Tier.L2)
+            self._changed(node)
 
-    def _update_held(self, node: PageNode, tag: int, tier: Tier) -> None:
-        policy = self.policies.get((tag, tier))
-        held = node.held(tag)
-        if policy is None or held is None:
+    def _update(self, node: PageNode, tag: int, tier: Tier) -> None:
+        """Tell ``tag``'s ``tier`` policy whether ``node``'s copy there may go now (the test of
+        ``is_evictable``, inlined: this runs for every change)."""
+        copies = node.copies
+        if copies is None or node.depth < 0:
             return
-        if (held.l1 if tier is Tier.L1 else held.l2) is not None:
-            policy.set_evictable(node, self.is_evictable(node, tier, tag))
+        held = copies.get(tag)
+        if held is None:
+            return
+        pool = self._pools[tag]
+        if tier is Tier.L1:
+            if pool.l1 is not None and held.l1 is not None:
+                pool.l1.set_evictable(
+                    node, held.lock == 0 and not (pool.prefix_closed and held.l1_children)
+                )
+        elif held.l2 is not None:
+            pool.l2.set_evictable(
+                node, held.host_lock == 0 and not (pool.prefix_closed and held.l2_children)
+            )
+
+    def _changed(self, node: PageNode) -> None:
+        """After a change to ``node``'s copies or locks: requeue it in the record, and remove
+        it (and its ancestors) once it holds nothing and nothing uses it."""
+        self._update_record(node)
+        if self._removable(node):
+            self.prune(node)
 
     # -- eviction -------------------------------------------------------------------------
 
-    def is_evictable(self, node: PageNode, tier: Tier, tag: int = 0) -> bool:
-        """Whether ``tier`` may give up ``node``'s copy of component ``tag`` now (for L3: forget
-        the record node)."""
-        if tag:
-            held = node.held(tag)
-            if held is None:
-                return False
-            if tier is Tier.L1:
-                return held.l1 is not None and held.lock == 0 and tag not in self._follows_kv
-            if tier is Tier.L2:
-                return held.l2 is not None and held.host_lock == 0
+    def is_evictable(self, node: PageNode, tier: Tier, tag: int) -> bool:
+        """Whether ``tier`` (L1 or L2) may give up ``node``'s copy of component ``tag`` now: it
+        is there and unlocked, its L1 copy is its own (not in another component's page), and
+        for a prefix-closed pool no child has one there."""
+        held = node.held(tag)
+        if held is None:
             return False
+        pool = self._pools[tag]
         if tier is Tier.L1:
-            return node.device_page is not None and node.lock == 0 and node.l1_children == 0
-        if tier is Tier.L2:
-            return node.host_page is not None and node.host_lock == 0 and node.l2_children == 0
-        # The record: a leaf known in L3 (KV or a component), with nothing in memory or in use.
-        return (
-            node.depth >= 0
-            and not node.children
-            and not node.in_memory
-            and not node.busy
-            and (
-                node.in_l3
-                or (node.comps is not None and any(h.in_l3 for h in node.comps.values()))
+            return (
+                held.l1 is not None
+                and held.lock == 0
+                and pool.l1 is not None
+                and not (pool.prefix_closed and held.l1_children)
             )
-        )
+        if tier is Tier.L2:
+            return (
+                held.l2 is not None
+                and held.host_lock == 0
+                and not (pool.prefix_closed and held.l2_children)
+            )
+        raise ValueError("the record is tested with record_leaf")
 
-    def pop_victim(self, tier: Tier, tag: int = 0) -> PageNode | None:
-        """The node whose copy of component ``tag`` (0: KV) ``tier`` (L1 or L2) should give up
-        next, as its pool's policy decides; None when nothing is evictable. The caller must
-        drop that copy (``set_device(node, None)``, ``set_held(node, tag, tier, None)`` ...)
-        before asking again."""
+    @staticmethod
+    def record_leaf(node: PageNode) -> bool:
+        """Whether the record may forget ``node``: a leaf known in L3 (for some component),
+        with nothing in memory or in use."""
+        if node.children or node.depth < 0 or node.copies is None:
+            return False
+        known = False
+        for h in node.copies.values():
+            if h.l1 is not None or h.l2 is not None or h.lock or h.host_lock or h.l3_pending:
+                return False
+            known = known or h.in_l3
+        return known
+
+    def pop_victim(self, tier: Tier, tag: int) -> PageNode | None:
+        """The node whose copy of component ``tag`` ``tier`` (L1 or L2) should give up next, as
+        its pool's policy decides; None when nothing is evictable. The caller must drop that
+        copy (``set_copy(node, tag, tier, None)``) before asking again."""
         if tier is Tier.L3:
             raise ValueError("the record is trimmed with trim_l3_record")
-        return self.policies[(tag, tier)].victim()
+        pool = self._pools[tag]
+        policy = pool.l1 if tier is Tier.L1 else pool.l2
+        return None if policy is None else policy.victim()
 
     def trim_l3_record(self) -> int:
         """Forget least recently used record leaves until the record fits its bound; returns
@@ -579,8 +595,7 @@ class PageTree:
                 continue  # stale
             node.record_seq = 0
             self._record_queued -= 1
-            node.in_l3 = False
-            node.comps = None  # nothing in memory or in use: only L3 knowledge is lost
+            node.copies = None  # nothing in memory or in use: only L3 knowledge is lost
             self.prune(node)
             dropped += 1
         return dropped
@@ -589,7 +604,7 @@ class PageTree:
         if node.depth < 0:
             return
         queued = node.record_seq != 0
-        if not self.is_evictable(node, Tier.L3):
+        if not self.record_leaf(node):
             if queued:
                 node.record_seq = 0
                 self._record_queued -= 1
@@ -609,14 +624,19 @@ class PageTree:
     # -- checks ---------------------------------------------------------------------------
 
     def check_prefix_closed(self, tiers: tuple[Tier, ...] = (Tier.L1, Tier.L2)) -> None:
-        """Raise ``AssertionError`` if one of ``tiers`` holds a page's KV without its parent's."""
+        """Raise ``AssertionError`` if one of ``tiers`` holds a page's copy of a prefix-closed
+        component without its parent's."""
+        closed = [tag for tag, pool in self._pools.items() if pool.prefix_closed]
         for node in self.nodes():
             parent = node.parent
             if parent is None or parent.depth < 0:
                 continue
-            for tier in tiers:
-                if node.resident(tier) and not parent.resident(tier):
-                    raise AssertionError(f"{node} is in {tier.name} without its parent {parent}")
+            for tag in closed:
+                for tier in tiers:
+                    if node.resident(tier, tag) and not parent.resident(tier, tag):
+                        raise AssertionError(
+                            f"{node} is in {tier.name} without its parent {parent}"
+                        )
 
     def check_queues(self) -> None:
         """Raise ``AssertionError`` unless the counters, the record and each pool's policy say
@@ -624,36 +644,38 @@ class PageTree:
         nodes = list(self.nodes())
         assert len(nodes) == self._size, f"{len(nodes)} nodes, size says {self._size}"
         assert sum(n.in_memory for n in nodes) == self._in_memory
-        counts: dict[int, list[int]] = {id(n): [0, 0, 0] for n in nodes}
+        children: dict[int, int] = {id(n): 0 for n in nodes}
+        resident: dict[tuple[int, int], list[int]] = {}
         for node in nodes:
             parent = node.parent
             assert parent is not None
-            if parent.depth >= 0:
-                c = counts[id(parent)]
-                c[0] += 1
-                c[1] += node.device_page is not None
-                c[2] += node.host_page is not None
+            if parent.depth < 0:
+                continue
+            children[id(parent)] += 1
+            for tag, copy in (node.copies or {}).items():
+                if self._pools[tag].prefix_closed:
+                    c = resident.setdefault((id(parent), tag), [0, 0])
+                    c[0] += copy.l1 is not None
+                    c[1] += copy.l2 is not None
         for node in nodes:
-            assert [node.children, node.l1_children, node.l2_children] == counts[id(node)], node
-            for tag in self._follows_kv:
+            assert node.children == children[id(node)], node
+            for tag, pool in self._pools.items():
                 held = node.held(tag)
-                if held is not None and held.l1 is not None:
-                    assert held.l1 == node.device_page, f"{node}: component {tag} off its page"
-        record = {id(n) for n in nodes if self.is_evictable(n, Tier.L3)}
+                if pool.prefix_closed:
+                    counts = [0, 0] if held is None else [held.l1_children, held.l2_children]
+                    assert counts == resident.get((id(node), tag), [0, 0]), (node, tag)
+                if pool.follows is not None and held is not None and held.l1 is not None:
+                    leader = node.held(pool.follows)
+                    assert leader is not None, f"{node}: component {tag} follows nothing"
+                    assert held.l1 == leader.l1, f"{node}: component {tag} off its page"
+        record = {id(n) for n in nodes if self.record_leaf(n)}
         assert {id(n) for n in nodes if n.record_seq} == record, "record out of step"
         assert self._record_queued == len(record)
         for (tag, tier), policy in self.policies.items():
-            resident = [n for n in nodes if _copy_in(n, tag, tier)]
-            assert len(policy) == len(resident), f"{tag}/{tier.name}: policy holds {len(policy)}"
+            holding = [n for n in nodes if n.resident(tier, tag)]
+            assert len(policy) == len(holding), f"{tag}/{tier.name}: policy holds {len(policy)}"
             victim = policy.victim()
-            evictable = [n for n in resident if self.is_evictable(n, tier, tag)]
+            evictable = [n for n in holding if self.is_evictable(n, tier, tag)]
             assert (victim is None) == (not evictable), f"{tag}/{tier.name}: victim {victim}"
             if victim is not None:
                 assert self.is_evictable(victim, tier, tag), f"{tag}/{tier.name}: {victim}"
-
-
-def _copy_in(node: PageNode, tag: int, tier: Tier) -> bool:
-    if tag == 0:
-        return node.resident(tier)
-    held = node.held(tag)
-    return held is not None and (held.l1 if tier is Tier.L1 else held.l2) is not None

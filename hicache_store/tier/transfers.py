@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 from hicache_store.objects import IOStats, L3Link
 
 if TYPE_CHECKING:
-    from .radix import PageNode
+    from .radix import Held, PageNode
+
+log = logging.getLogger(__name__)
 
 #: L3 backups written concurrently in one batch of the backup worker.
 BACKUP_BATCH = 16
@@ -59,7 +62,7 @@ class Fetch:
 @dataclass
 class Prefetch:
     """An L3 -> L2 read of a request's KV pages ``kv`` (consecutive, from the first page not in
-    memory) and component objects ``extra``."""
+    memory: the prefix-closed chain, read in order) and component objects ``extra``."""
 
     kv: list[Fetch]
     extra: list[Fetch]
@@ -104,12 +107,19 @@ class ReadEnded:
 Completion = BackupDone | ReadEnded
 
 
-@dataclass
-class _Backup:
+@dataclass(frozen=True)
+class BackupItem:
+    """One object to back up: ``node``'s copy ``held`` of component ``tag``, from its host
+    ``row`` (a numpy view, locked by the node until the completion is applied). ``chained``:
+    the component's pools are prefix-closed, so the write waits for its parent's (and is
+    skipped if that failed): what this instance writes of a chain is a prefix of it."""
+
     node: PageNode
     tag: int
-    row: Any  # the host row (numpy view), locked by the node until the completion is applied
+    held: Held
+    row: Any
     parent_hash: str | None
+    chained: bool
 
 
 class Transfers:
@@ -119,7 +129,7 @@ class Transfers:
     def __init__(self, submit: Callable[[Any], concurrent.futures.Future[Any]]) -> None:
         self._submit = submit
         self.acks: collections.deque[Completion] = collections.deque()
-        self._queue: collections.deque[_Backup] = collections.deque()
+        self._queue: collections.deque[BackupItem] = collections.deque()
         self._lock = threading.Lock()
         self._running = False
         self.in_flight = 0  # backups queued or running (engine thread's count)
@@ -166,14 +176,11 @@ class Transfers:
 
     # -- backups ----------------------------------------------------------------------------
 
-    def queue_backups(
-        self, items: Sequence[tuple[PageNode, int, Any, str | None]], links: dict[int, L3Link]
-    ) -> None:
-        """Queue L3 backups of (node, tag, host row, parent hash); each one's ``BackupDone``
-        comes back in FIFO order."""
+    def queue_backups(self, items: Sequence[BackupItem], links: dict[int, L3Link]) -> None:
+        """Queue L3 backups; each one's ``BackupDone`` comes back in FIFO order."""
         self.in_flight += len(items)
         with self._lock:
-            self._queue.extend(_Backup(*item) for item in items)
+            self._queue.extend(items)
             if not self._running:
                 self._running = True
                 self._submit(self._worker(links))
@@ -181,10 +188,10 @@ class Transfers:
     async def _worker(self, links: dict[int, L3Link]) -> None:
         """Drain the backup queue in FIFO batches, one batch at a time.
 
-        Objects of a batch are written concurrently; a KV page's write starts only after its
-        parent's succeeded (and is skipped if the parent's failed), so what this instance
-        writes to L3 of a chain is always a prefix of it. Outcomes go to ``node.l3_write_ok``
-        (KV; touched only here) and to ``acks``, in queue order.
+        Objects of a batch are written concurrently; a chained object's write starts only
+        after its parent's succeeded (and is skipped if the parent's failed), so what this
+        instance writes to L3 of a chain is always a prefix of it. Outcomes go to
+        ``held.write_ok`` (chained objects; touched only here) and to ``acks``, in queue order.
         """
         while True:
             with self._lock:
@@ -192,30 +199,44 @@ class Transfers:
                     self._running = False
                     return
                 batch = [self._queue.popleft() for _ in range(min(len(self._queue), BACKUP_BATCH))]
-            tasks: dict[int, asyncio.Task[bool]] = {}
+            tasks: dict[tuple[int, int], asyncio.Task[bool]] = {}
             ios = [IOStats() for _ in batch]
 
             async def write(
-                item: _Backup, io: IOStats, tasks: dict[int, asyncio.Task[bool]] = tasks
+                item: BackupItem,
+                io: IOStats,
+                tasks: dict[tuple[int, int], asyncio.Task[bool]] = tasks,
             ) -> bool:
                 parent = item.node.parent
-                if item.tag == 0 and parent is not None and parent.depth >= 0 and not parent.in_l3:
-                    before = tasks.get(id(parent))
-                    parent_ok = await before if before is not None else parent.l3_write_ok
-                    if not parent_ok:
-                        return False
+                if item.chained and parent is not None and parent.depth >= 0:
+                    above = parent.held(item.tag)
+                    if above is None or not above.in_l3:
+                        before = tasks.get((item.tag, id(parent)))
+                        parent_ok = (
+                            await before
+                            if before is not None
+                            else above is not None and above.write_ok
+                        )
+                        if not parent_ok:
+                            return False
                 try:
                     return await links[item.tag].write_page(
                         item.node.page_hash, item.row, io, item.parent_hash
                     )
-                except Exception:  # write_page reports failures; this is belt and braces
+                except Exception:
+                    # write_page reports failures as False; anything else is a bug below it.
+                    # It is logged and the backup counted as failed (``backups_l3_failed``).
+                    log.warning(
+                        "L3 backup of %s (component %d) raised", item.node.page_hash[:16],
+                        item.tag, exc_info=True,
+                    )
                     return False
 
-            for item, io in zip(batch, ios, strict=True):
-                key = id(item.node) if item.tag == 0 else -id(item)
+            keys = [(i.tag, id(i.node)) if i.chained else (i.tag, -id(i)) for i in batch]
+            for item, io, key in zip(batch, ios, keys, strict=True):
                 tasks[key] = asyncio.ensure_future(write(item, io))
-            for item, io in zip(batch, ios, strict=True):
-                ok = await tasks[id(item.node) if item.tag == 0 else -id(item)]
-                if item.tag == 0:
-                    item.node.l3_write_ok = ok
+            for item, io, key in zip(batch, ios, keys, strict=True):
+                ok = await tasks[key]
+                if item.chained:
+                    item.held.write_ok = ok
                 self.acks.append(BackupDone(item.node, item.tag, ok, io))

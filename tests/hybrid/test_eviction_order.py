@@ -11,6 +11,7 @@ from _hybrid_helpers import Hybrid, make_hybrid
 
 from hicache_store.demo.engine.config import MiniLlamaConfig
 from hicache_store.demo.hybrid import RECURRENT_TAG, WINDOW_TAG, HybridMiniLlama
+from hicache_store.tier.components import KV_TAG
 from hicache_store.tier.eviction import EVICTION_POLICIES
 from hicache_store.tier.radix import Tier
 
@@ -30,7 +31,7 @@ def model() -> HybridMiniLlama:
 def resident(cache: Hybrid, tier: Tier) -> dict[str, set[str]]:
     """Per pool (kv, window, recurrent): the pages whose copy ``tier`` holds."""
     nodes = list(cache.tier.tree.nodes())
-    out = {"kv": {n.page_hash for n in nodes if n.resident(tier)}}
+    out = {"kv": {n.page_hash for n in nodes if n.resident(tier, KV_TAG)}}
     for name, tag in (("window", WINDOW_TAG), ("recurrent", RECURRENT_TAG)):
         out[name] = {
             n.page_hash

@@ -17,6 +17,7 @@ from hicache_store.backends.base import Backend
 from hicache_store.demo.engine.config import MiniLlamaConfig
 from hicache_store.demo.hybrid import WINDOW_TAG, HybridMiniLlama, WindowPool, prefill_prepared
 from hicache_store.layout.keys import ObjectCoords, object_key
+from hicache_store.tier.components import KV_TAG
 
 PAGE = 4
 WINDOW = 8  # a resume at s needs tokens (s - 8, s): the last two pages
@@ -179,7 +180,7 @@ def test_a_prefetch_does_not_evict_the_objects_its_plan_resumes_with(
     reader.tier.evict_device()
     page4, page5 = (reader.tier.tree.get(h) for h in hashes(doc, PAGE)[4:6])
     assert page4 is not None and page5 is not None
-    assert page4.host_page is None and page5.host_page is None and page4.in_l3
+    assert page4.copy(KV_TAG).l2 is None and page5.copy(KV_TAG).l2 is None and page4.copy(KV_TAG).in_l3
     w4, w5 = page4.held(WINDOW_TAG), page5.held(WINDOW_TAG)
     assert w4 is not None and w4.l2 is not None and w4.l1 is None
     assert w5 is None or not w5.in_memory
@@ -221,7 +222,7 @@ def test_a_plan_keeps_its_objects_until_prepare_or_abort(model: HybridMiniLlama)
     assert any(h.host_lock for n in reader.tier.tree.nodes() if (h := n.held(WINDOW_TAG)))
     reader.tier.abort(req)
     assert not any(
-        h.host_lock or h.lock for n in reader.tier.tree.nodes() for h in (n.comps or {}).values()
+        h.host_lock or h.lock for n in reader.tier.tree.nodes() for h in (n.copies or {}).values()
     )
     reader.tier.check_invariants()
     reader.close()

@@ -20,6 +20,7 @@ import hicache_store.tier.pools as tier_pools
 from hicache_store.demo.bench.pd_worker import PrefillProcess, close_decode_side, decode_side
 from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.pd import DecodeFailed
+from hicache_store.tier.components import KV_TAG
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def test_a_promised_prefix_that_fails_to_restore_is_retried_without_reuse(
             decode_step(model, worker, served, tokens(rng, 3))
         tier.check_invariants()
         assert worker.landing.pool.used == 0
-        assert all(n.lock == 0 and n.host_lock == 0 for n in tier.tree.nodes())
+        assert all(n.copy(KV_TAG).lock == 0 and n.copy(KV_TAG).host_lock == 0 for n in tier.tree.nodes())
     finally:
         close_decode_side(worker)
 

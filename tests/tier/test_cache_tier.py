@@ -277,6 +277,8 @@ def test_metrics_as_dict_and_prometheus_text(model: MiniLlama) -> None:
     text = tier.metrics.to_prometheus()
     assert "hicache_store_hit_tokens_l1 24.0" in text
     assert "# TYPE hicache_store_token_hit_rate gauge" in text
+    # every component's counters under one name, labelled (the KV's too)
+    assert 'hicache_store_evictions_l1{component="kv"} 0.0' in text
     tier.close()
 
 

@@ -18,6 +18,7 @@ from hicache_store.demo.engine.config import MiniLlamaConfig
 from hicache_store.demo.engine.kv_pool import DeviceKVPool
 from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.tier.cache import HiCache
+from hicache_store.tier.components import KV_TAG
 from hicache_store.tier.config import TierConfig
 
 PAGE = 4
@@ -47,8 +48,8 @@ def new_tier(model: MiniLlama, backend: FaultyBackend, policy: str) -> HiCache:
 def assert_idle(tier: HiCache) -> None:
     """Host-pool accounting is back to the tree's references, with nothing in flight."""
     assert tier.host.used == tier.host_pages_referenced()
-    assert not tier._prefetches
-    assert all(n.host_lock == 0 and n.lock == 0 for n in tier.tree.nodes())
+    assert not tier.prefetcher.ops
+    assert all(n.copy(KV_TAG).host_lock == 0 and n.copy(KV_TAG).lock == 0 for n in tier.tree.nodes())
 
 
 @pytest.mark.slow

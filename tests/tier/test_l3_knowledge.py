@@ -26,6 +26,7 @@ from hicache_store.demo.engine.kv_pool import DeviceKVPool
 from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.tier.cache import HiCache
+from hicache_store.tier.components import KV_TAG
 from hicache_store.tier.config import TierConfig
 
 PAGE = 4
@@ -50,7 +51,7 @@ def serve(tier: HiCache, model: MiniLlama, tokens: list[int]) -> int:
     full recompute; return the tokens it reused."""
     tier.evict_device()
     for node in list(tier.tree.nodes()):  # a cold L2: what the tier knows of L3 stays
-        tier._drop_host_copy(node)
+        tier._drop(node, tier.kv)
     served = serve_checked(tier, model, tokens, message="wrong KV reached the engine",
                            invariants=False)
     tier.flush(timeout=30)
@@ -70,7 +71,7 @@ def test_a_page_whose_l3_object_reads_corrupt_is_backed_up_again(tmp_path: Path)
         assert serve(tier, model, doc) == 0
         assert backend.injected["torn_write"] == PAGES
         first = tier.tree.get(page_hashes(doc, PAGE, algo=tier.namespace.hash_algo)[0])
-        assert first is not None and first.in_l3 and tier.metrics.backups_l3 == PAGES
+        assert first is not None and first.copy(KV_TAG).in_l3 and tier.metrics.backups_l3 == PAGES
         # 2. The store works again. The first page's object reads corrupt: the request
         #    recomputes everything, and its backup must replace that object.
         backend.faults = FaultConfig()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from hicache_store.tier.components import KV_TAG
 from hicache_store.tier.config import TierConfig, prefetch_timeout
 from hicache_store.tier.eviction import ARCEviction
 from hicache_store.tier.radix import PageNode, PageTree, Tier
@@ -33,12 +34,12 @@ def test_branches_share_their_prefix() -> None:
 def drain(tree: PageTree, tier: Tier) -> list[str]:
     """Evict everything ``tier`` offers, in order (dropping each copy as the tier would)."""
     order = []
-    while (node := tree.pop_victim(tier)) is not None:
+    while (node := tree.pop_victim(tier, KV_TAG)) is not None:
         order.append(node.page_hash)
         if tier is Tier.L1:
-            tree.set_device(node, None)
+            tree.set_copy(node, KV_TAG, Tier.L1, None)
         else:
-            tree.set_host(node, None)
+            tree.set_copy(node, KV_TAG, Tier.L2, None)
     return order
 
 
@@ -53,7 +54,7 @@ def test_eviction_offers_lru_leaves_and_then_their_parents() -> None:
     old = tree.insert(chain("a", 3))
     new = tree.insert(chain("b", 2))
     for i, node in enumerate(old + new):
-        tree.set_device(node, i)
+        tree.set_copy(node, KV_TAG, Tier.L1, i)
     use(tree, old)
     use(tree, new)
     assert drain(tree, Tier.L1) == ["a2", "a1", "a0", "b1", "b0"]
@@ -64,7 +65,7 @@ def test_use_moves_a_chain_to_the_back() -> None:
     tree = PageTree()
     first, second = tree.insert(chain("a", 2)), tree.insert(chain("b", 2))
     for i, node in enumerate(first + second):
-        tree.set_device(node, i)
+        tree.set_copy(node, KV_TAG, Tier.L1, i)
     use(tree, first)
     use(tree, second)
     use(tree, first)  # used again: now the most recent
@@ -75,37 +76,37 @@ def test_locked_nodes_and_their_ancestors_stay() -> None:
     tree = PageTree()
     nodes = tree.insert(chain("a", 3))
     for i, node in enumerate(nodes):
-        tree.set_device(node, i)
-    tree.lock(nodes[2])
-    assert tree.pop_victim(Tier.L1) is None
-    tree.unlock(nodes[2])
-    tree.set_host(nodes[0], 5)
-    tree.set_host(nodes[1], 6)
-    tree.set_host(nodes[2], 7)
-    tree.hold_host(nodes[2])
-    assert tree.pop_victim(Tier.L2) is None
+        tree.set_copy(node, KV_TAG, Tier.L1, i)
+    tree.lock(nodes[2], KV_TAG)
+    assert tree.pop_victim(Tier.L1, KV_TAG) is None
+    tree.unlock(nodes[2], KV_TAG)
+    tree.set_copy(nodes[0], KV_TAG, Tier.L2, 5)
+    tree.set_copy(nodes[1], KV_TAG, Tier.L2, 6)
+    tree.set_copy(nodes[2], KV_TAG, Tier.L2, 7)
+    tree.hold_host(nodes[2], KV_TAG)
+    assert tree.pop_victim(Tier.L2, KV_TAG) is None
     tree.check_queues()
     assert drain(tree, Tier.L1) == ["a2", "a1", "a0"]
-    tree.release_host(nodes[2])
+    tree.release_host(nodes[2], KV_TAG)
     assert drain(tree, Tier.L2) == ["a2", "a1", "a0"]
     with pytest.raises(RuntimeError, match="without"):
-        tree.unlock(nodes[0])
+        tree.unlock(nodes[0], KV_TAG)
 
 
 def test_prefix_closed_check_catches_a_hole() -> None:
     tree = PageTree()
     nodes = tree.insert(chain("a", 2))
-    tree.set_host(nodes[1], 0)
+    tree.set_copy(nodes[1], KV_TAG, Tier.L2, 0)
     with pytest.raises(AssertionError, match="without its parent"):
         tree.check_prefix_closed()
-    tree.set_host(nodes[0], 1)
+    tree.set_copy(nodes[0], KV_TAG, Tier.L2, 1)
     tree.check_prefix_closed()
 
 
 def test_prune_removes_empty_tails_only() -> None:
     tree = PageTree()
     nodes = tree.insert(chain("a", 3))
-    tree.set_in_l3(nodes[0], True)
+    tree.set_copy(nodes[0], KV_TAG, Tier.L3, True)
     tree.prune(nodes[2])
     assert len(tree) == 1
     assert tree.match(chain("a", 3)) == [nodes[0]]
@@ -116,12 +117,12 @@ def test_the_l3_record_is_bounded_and_forgets_the_oldest_tails() -> None:
     tree = PageTree(l3_record_limit=4)
     old, new = tree.insert(chain("a", 3)), tree.insert(chain("b", 3))
     for node in old + new:
-        tree.set_in_l3(node, True)
+        tree.set_copy(node, KV_TAG, Tier.L3, True)
     use(tree, old)
     use(tree, new)
     resident = tree.insert(chain("c", 2))
     for i, node in enumerate(resident):
-        tree.set_device(node, i)
+        tree.set_copy(node, KV_TAG, Tier.L1, i)
     assert len(tree) == 8 and tree.l3_record == 6
     assert tree.trim_l3_record() == 2
     assert tree.l3_record == 4
@@ -136,10 +137,10 @@ def test_a_page_in_use_is_not_forgotten() -> None:
     tree = PageTree(l3_record_limit=0)
     nodes = tree.insert(chain("a", 2))
     for node in nodes:
-        tree.set_in_l3(node, True)
-    tree.lock(nodes[1])
+        tree.set_copy(node, KV_TAG, Tier.L3, True)
+    tree.lock(nodes[1], KV_TAG)
     assert tree.trim_l3_record() == 0
-    tree.unlock(nodes[1])
+    tree.unlock(nodes[1], KV_TAG)
     assert tree.trim_l3_record() == 2
     assert len(tree) == 0
 
@@ -156,8 +157,8 @@ def test_a_policy_decides_the_order_among_evictable_leaves() -> None:
     def request(nodes: list[PageNode]) -> None:  # cached by the request that computed them
         tree.begin_request()
         for node in nodes:
-            if node.device_page is None:
-                tree.set_device(node, next(pages))
+            if node.copy(KV_TAG).l1 is None:
+                tree.set_copy(node, KV_TAG, Tier.L1, next(pages))
         tree.touch(nodes)
 
     reused, once = tree.insert(chain("a", 2)), tree.insert(chain("b", 2))

@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from hicache_store.tier.components import KV_TAG
 from hicache_store.tier.eviction import LRUEviction
 from hicache_store.tier.radix import PageNode, PageTree, Tier
 
@@ -47,15 +48,15 @@ class TreeMachine(RuleBasedStateMachine):
         if node is None:
             return
         self.pages += 1
-        if not node.resident(tier):
+        if not node.resident(tier, KV_TAG):
             self.stamps[(id(node), tier)] = self.clock
-        (self.tree.set_device if tier is Tier.L1 else self.tree.set_host)(node, self.pages)
+        self.tree.set_copy(node, KV_TAG, tier, self.pages)
 
     @rule(index=st.integers(0, 99), tier=st.sampled_from([Tier.L1, Tier.L2]))
     def drop_copy(self, index: int, tier: Tier) -> None:
         node = self._pick(index)
         if node is not None:
-            (self.tree.set_device if tier is Tier.L1 else self.tree.set_host)(node, None)
+            self.tree.set_copy(node, KV_TAG, tier, None)
             self.tree.prune(node)
 
     @rule(
@@ -69,7 +70,7 @@ class TreeMachine(RuleBasedStateMachine):
         if node is None:
             return
         if tier is Tier.L1 and tag == FOLLOWS:
-            value: int | bool | None = node.device_page if keep else None
+            value: int | bool | None = node.copy(KV_TAG).l1 if keep else None
             if value is None and keep:
                 return  # no KV page to follow
         elif tier is Tier.L3:
@@ -77,14 +78,14 @@ class TreeMachine(RuleBasedStateMachine):
         else:
             self.pages += 1
             value = self.pages if keep else None
-        self.tree.set_held(node, tag, tier, value)
+        self.tree.set_copy(node, tag, tier, value)
         self.tree.prune(node)
 
     @rule(index=st.integers(0, 99), tag=st.sampled_from([OWN, FOLLOWS]), host=st.booleans())
     def component_lock(self, index: int, tag: int, host: bool) -> None:
         node = self._pick(index)
         if node is not None:
-            (self.tree.hold_held_host if host else self.tree.lock_held)(node, tag)
+            (self.tree.hold_host if host else self.tree.lock)(node, tag)
 
     @rule(tag=st.sampled_from([OWN, FOLLOWS]), tier=st.sampled_from([Tier.L1, Tier.L2]))
     def component_evict(self, tag: int, tier: Tier) -> None:
@@ -95,15 +96,15 @@ class TreeMachine(RuleBasedStateMachine):
             assert not any(self.tree.is_evictable(n, tier, tag) for n in self._nodes())
             return
         assert self.tree.is_evictable(victim, tier, tag)
-        self.tree.set_held(victim, tag, tier, None)
+        self.tree.set_copy(victim, tag, tier, None)
         self.tree.prune(victim)
 
     @rule(index=st.integers(0, 99), known=st.booleans(), pending=st.booleans())
     def l3(self, index: int, known: bool, pending: bool) -> None:
         node = self._pick(index)
         if node is not None:
-            self.tree.set_in_l3(node, known)
-            self.tree.set_l3_pending(node, pending)
+            self.tree.set_copy(node, KV_TAG, Tier.L3, known)
+            self.tree.set_pending(node, KV_TAG, pending)
             self.tree.prune(node)
 
     @rule(index=st.integers(0, 99), host=st.booleans())
@@ -112,22 +113,18 @@ class TreeMachine(RuleBasedStateMachine):
         if node is None:
             return
         if host:
-            self.tree.hold_host(node)
+            self.tree.hold_host(node, KV_TAG)
         else:
-            self.tree.lock(node)
+            self.tree.lock(node, KV_TAG)
 
     @rule()
     def unlock_all(self) -> None:
         for node in self._nodes():
-            while node.lock:
-                self.tree.unlock(node)
-            while node.host_lock:
-                self.tree.release_host(node)
-            for tag, held in list((node.comps or {}).items()):
+            for tag, held in list((node.copies or {}).items()):
                 while held.lock:
-                    self.tree.unlock_held(node, tag)
+                    self.tree.unlock(node, tag)
                 while held.host_lock:
-                    self.tree.release_held_host(node, tag)
+                    self.tree.release_host(node, tag)
 
     @rule(index=st.integers(0, 99))
     def use(self, index: int) -> None:
@@ -138,13 +135,13 @@ class TreeMachine(RuleBasedStateMachine):
             self.tree.touch(node.path())
             for used in node.path():
                 for tier in (Tier.L1, Tier.L2):
-                    if used.resident(tier):
+                    if used.resident(tier, KV_TAG):
                         self.stamps[(id(used), tier)] = self.clock
 
     @rule(tier=st.sampled_from([Tier.L1, Tier.L2]))
     def evict(self, tier: Tier) -> None:
-        candidates = [n for n in self._nodes() if self.tree.is_evictable(n, tier)]
-        victim = self.tree.pop_victim(tier)
+        candidates = [n for n in self._nodes() if self.tree.is_evictable(n, tier, KV_TAG)]
+        victim = self.tree.pop_victim(tier, KV_TAG)
         if not candidates:
             assert victim is None
             return
@@ -157,15 +154,15 @@ class TreeMachine(RuleBasedStateMachine):
             "the victim is not the least recently used evictable leaf"
         )
         if tier is Tier.L1:
-            self.tree.set_device(victim, None)
+            self.tree.set_copy(victim, KV_TAG, Tier.L1, None)
         else:
-            self.tree.set_host(victim, None)
+            self.tree.set_copy(victim, KV_TAG, Tier.L2, None)
         self.tree.prune(victim)
 
     @rule()
     def trim(self) -> None:
         self.tree.trim_l3_record()
-        evictable = sum(self.tree.is_evictable(n, Tier.L3) for n in self._nodes())
+        evictable = sum(self.tree.record_leaf(n) for n in self._nodes())
         assert self.tree.l3_record <= 6 or evictable == 0
 
     @invariant()

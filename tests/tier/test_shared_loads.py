@@ -13,6 +13,7 @@ from test_tier_extend_abort import CONFIG, make_tier, serve, tokens
 import hicache_store.tier.pools as tier_pools
 from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.tier.cache import HiCache
+from hicache_store.tier.components import KV_TAG
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def test_a_failed_load_fails_every_request_using_it_and_leaves_no_copy(
     tier.abort(second)
     monkeypatch.setattr(tier_pools, "unpack_pages", real)
     nodes = [tier.tree.get(h) for h in a.hashes[:4]]
-    assert all(n is not None and n.device_page is None and n.lock == 0 for n in nodes), (
+    assert all(n is not None and n.copy(KV_TAG).l1 is None and n.copy(KV_TAG).lock == 0 for n in nodes), (
         "an untrusted L1 copy survived"
     )
     tier.check_invariants()

@@ -15,6 +15,7 @@ from hicache_store.demo.engine.kv_pool import DeviceKVPool
 from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.tier.cache import HiCache, TierCapacityError
+from hicache_store.tier.components import KV_TAG
 from hicache_store.tier.config import TierConfig
 
 PAGE = 4
@@ -80,7 +81,7 @@ def test_extend_evicts_unlocked_pages_and_refuses_when_all_are_locked(model: Min
     tier.abort(req)
     tier.check_invariants()
     assert tier.pool.num_free_pages == 6 - sum(
-        1 for n in tier.tree.nodes() if n.device_page is not None
+        1 for n in tier.tree.nodes() if n.copy(KV_TAG).l1 is not None
     )
 
 
@@ -104,9 +105,9 @@ def test_abort_after_an_l2_load_gives_everything_back(model: MiniLlama) -> None:
     tier.abort(req)
     assert tier.pool.num_free_pages == free_before
     nodes = list(tier.tree.nodes())
-    assert all(n.lock == 0 and n.host_lock == 0 for n in nodes)
-    assert all(n.device_page is None for n in nodes), "an aborted load left an L1 copy"
-    assert sum(n.host_page is not None for n in nodes) == 6
+    assert all(n.copy(KV_TAG).lock == 0 and n.copy(KV_TAG).host_lock == 0 for n in nodes)
+    assert all(n.copy(KV_TAG).l1 is None for n in nodes), "an aborted load left an L1 copy"
+    assert sum(n.copy(KV_TAG).l2 is not None for n in nodes) == 6
     tier.check_invariants()
     # The L2 copies are still good: the next request restores them and computes exactly.
     assert serve(tier, model, doc + tokens(12, 3)) == 24
@@ -143,7 +144,7 @@ def test_abort_after_a_failed_load_never_trusts_its_l1_copies(
         wait_all()
     tier.abort(req)
     monkeypatch.setattr(tier_pools, "unpack_pages", real_unpack)
-    assert all(n.device_page is None and n.lock == 0 for n in tier.tree.nodes())
+    assert all(n.copy(KV_TAG).l1 is None and n.copy(KV_TAG).lock == 0 for n in tier.tree.nodes())
     tier.check_invariants()
     assert serve(tier, model, [*doc, 2, 3]) == 16
 
@@ -168,7 +169,7 @@ def test_match_without_reuse_ignores_the_cache(model: MiniLlama) -> None:
     tier = make_tier(l1_pages=32)
     doc = tokens(15, 20)
     serve(tier, model, doc)
-    cached = {n.page_hash: n.device_page for n in tier.tree.nodes()}
+    cached = {n.page_hash: n.copy(KV_TAG).l1 for n in tier.tree.nodes()}
     req = tier.match([*doc, 7], reuse=False)
     prep = tier.prepare(req)
     assert prep.start == 0
@@ -176,6 +177,6 @@ def test_match_without_reuse_ignores_the_cache(model: MiniLlama) -> None:
     assert torch.equal(logits, model.forward_full(torch.tensor([*doc, 7])))
     tier.complete(req)
     # The existing copies were kept, the duplicates freed.
-    assert {n.page_hash: n.device_page for n in tier.tree.nodes()} == cached
+    assert {n.page_hash: n.copy(KV_TAG).l1 for n in tier.tree.nodes()} == cached
     assert tier.pool.num_free_pages == 32 - len(cached)
     tier.check_invariants()

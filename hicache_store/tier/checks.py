@@ -1,0 +1,44 @@
+"""The tier's bookkeeping checked against a full scan (``HiCache.check_invariants``: tests,
+debugging, the leak check)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .components import KV, Tier
+from .pools import SlotList
+
+if TYPE_CHECKING:
+    from .cache import HiCache
+
+
+def check_tier(tier: HiCache) -> None:
+    """Raise ``AssertionError`` if ``tier``'s bookkeeping is inconsistent (see
+    ``HiCache.check_invariants``)."""
+    tiers = (Tier.L1,) if tier.config.host_mode == "buffer_only" else (Tier.L1, Tier.L2)
+    filled = {id(n): n for n in tier.tree.nodes()}
+    for key in tier._filling:
+        node = filled.get(key)
+        assert node is not None, "a load is recorded for a page not in the tree"
+        held = node.held(KV.tag)
+        assert held is not None, "a load is recorded for a page without KV"
+        assert held.l1 is not None, "a load is recorded for a page not in L1"
+        assert held.lock, "a load is recorded for a page no request holds"
+    tier.tree.check_prefix_closed(tiers)
+    tier.tree.check_queues()
+    for part in tier.parts.values():
+        used, referenced = part.host.used, rows_referenced(tier, part.tag)
+        if used != referenced:
+            raise AssertionError(f"{part.name}: {used} host rows in use, {referenced} held")
+        if isinstance(part.slots, SlotList):
+            slots = [
+                h.l1 for n in tier.tree.nodes() if (h := n.held(part.tag)) and h.l1 is not None
+            ]
+            assert len(set(slots)) == len(slots), f"{part.name}: a slot held twice"
+            assert not set(slots) & set(part.slots.free_slots), f"{part.name}: a held slot is free"
+
+
+def rows_referenced(tier: HiCache, tag: int) -> int:
+    """Host rows of component ``tag`` the tree or a prefetch holds."""
+    in_tree = sum(1 for n in tier.tree.nodes() if (h := n.held(tag)) and h.l2 is not None)
+    return in_tree + tier.prefetcher.rows_held(tag)
