@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(document, indent=2))
     if args.chart:
         args.chart.parent.mkdir(parents=True, exist_ok=True)
-        write_chart(trace.name, results, args.chart)
+        write_chart(trace.name, results, args.chart, trace.block_tokens)
     return 0
 
 
@@ -351,7 +351,7 @@ def run_simulated(args: argparse.Namespace, policies: list[str]) -> int:
         args.json.write_text(json.dumps(document, indent=2))
     if args.chart:
         args.chart.parent.mkdir(parents=True, exist_ok=True)
-        write_chart(trace.name, results, args.chart)
+        write_chart(trace.name, results, args.chart, trace.block_tokens)
     return 0
 
 
@@ -424,7 +424,9 @@ def render_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_chart(name: str, results: list[dict[str, Any]], path: Path) -> None:
+def write_chart(
+    name: str, results: list[dict[str, Any]], path: Path, block_tokens: int
+) -> None:
     """Token hit rate against capacity: each replayed policy, the LRU reference, Belady."""
     import matplotlib
 
@@ -445,7 +447,7 @@ def write_chart(name: str, results: list[dict[str, Any]], path: Path) -> None:
         ax.plot([r["capacity_blocks"] for r in rows], [100 * r["hit_rate"] for r in rows], "o-",
                 label=f"tier, {policy}")
     ax.set_xscale("log")
-    ax.set_xlabel("L2 capacity (blocks of 512 tokens)")
+    ax.set_xlabel(f"L2 capacity (blocks of {block_tokens} tokens)")
     ax.set_ylabel("token hit rate (%)")
     ax.set_title(f"{name}: replay through the tier")
     ax.grid(True, alpha=0.3)
