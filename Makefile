@@ -29,6 +29,10 @@ $(STAMP): pyproject.toml tests/plugins/example_backend/pyproject.toml
 	# Mooncake's binaries need libibverbs even for TCP (Debian package; needs root).
 	dpkg -s libibverbs1 >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libibverbs1) \
 		|| echo "warning: libibverbs1 not installed; the Mooncake tests will fail" >&2
+	# bindfs: a real FUSE mount for the file backend's network/FUSE filesystem check (its test
+	# skips, saying so, without it).
+	dpkg -s bindfs >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq bindfs) \
+		|| echo "warning: bindfs not installed; the FUSE-mount test of the file backend skips" >&2
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
