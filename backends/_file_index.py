@@ -48,8 +48,10 @@ is announced, done, then settled:
 - A key with a pending change by another owner is never chosen for eviction, a delete waits
   for it, and a put waits for a pending delete: an unlink never races a rename of one key.
 - A process killed between T1 and T2 leaves pending rows. Whoever finds them (every open, and
-  every eviction that runs short) with their owner dead *reconciles* each key: its row is set
-  from its file (present with the file's size, or absent). Nothing is lost or invented.
+  every eviction that runs short) with their owner dead *reconciles* each key: a dead delete is
+  finished (its file unlinked: the room it freed may be taken), then every key's row is set
+  from its file (present with the file's size, or absent). Nothing is invented, and the bound
+  holds.
 
 **What the index trusts.** Objects are added and removed through the backend. A file that
 vanishes behind its back (an operator's ``rm``) is reported present until a read misses it
@@ -825,11 +827,17 @@ class FileIndex:
                 return 0  # the common case, without taking the write lock
         with self._write() as con:
             rows = con.execute(
-                "SELECT rowid, key, pid, pidns, token, since FROM pending"
+                "SELECT rowid, key, pid, pidns, token, since, op FROM pending"
             ).fetchall()
             dead = [r for r in rows if not self._alive(r[2], r[3], r[4], r[5])]
             if not dead:
                 return 0
+            # A dead delete (or eviction) is finished, not undone: its rows went at T1 and the
+            # room they freed may already be another put's, so giving a file that stayed its
+            # row back would put the store over its bound. No live put can be writing such a
+            # key (a put waits for pending deletes). A file that cannot be removed keeps its
+            # row, as in a live delete.
+            self._unlink_all(sorted({r[1] for r in dead if r[6] == "del"}))
             for start in range(0, len(dead), _SQL_CHUNK):
                 chunk = [r[0] for r in dead[start : start + _SQL_CHUNK]]
                 con.execute(  # only "?" placeholders are formatted in

@@ -247,3 +247,52 @@ async def test_sigkill_during_index_updates_loses_and_invents_nothing(tmp_path: 
     store = FileBackend(root)  # recovery: dead writers' temp files and pending changes
     await store.close()
     _check_store(root)
+
+
+DIE_IN_DELETE = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    from hicache_store.backends.file import FileBackend
+
+    async def main(root, key):
+        store = FileBackend(root, durability="none", capacity_bytes=int(sys.argv[3]))
+        # killed between the two halves of the delete: its row is gone, its file is not
+        os.unlink = lambda path, *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        await store.delete([key])
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+async def test_a_delete_killed_before_its_unlink_is_finished_not_undone(tmp_path: Path) -> None:
+    """A writer killed after a delete (or an eviction) removed its rows, before it unlinked the
+    files: the room it freed may already be someone else's. Recovery finishes the delete (the
+    file goes) instead of giving the row back, which would put the store over its bound."""
+    root = tmp_path / "s"
+    capacity = 20_000
+    store = FileBackend(root, durability="none", capacity_bytes=capacity)
+    await store.put(["00aa"], [_blob("00aa", 12_000)])
+    # open while the child deletes: this process recovered at its open, before the kill
+    child = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-c", DIE_IN_DELETE, str(root), "00aa", str(capacity)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert next((root / "objects").glob("*/*/00aa"))  # the file stayed
+    try:
+        # the freed room is taken (the dead deleter's row is gone, so nothing needs evicting)
+        await store.put(["00bb"], [_blob("00bb", 12_000)])
+        assert await store.exists(["00bb"]) == [True]
+    finally:
+        await store.close()
+    store = FileBackend(root, durability="none", capacity_bytes=capacity)  # recovery at open
+    try:
+        assert await store.exists(["00aa", "00bb"]) == [False, True]
+        assert store.used_bytes <= capacity
+    finally:
+        await store.close()
+    report = audit(root)
+    assert report.ok, report.problems
+    assert report.total_bytes <= capacity
+    assert sorted(report.files) == ["00bb"]
