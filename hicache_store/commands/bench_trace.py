@@ -28,9 +28,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache_store.cli import UsageError
+
+if TYPE_CHECKING:
+    from hicache_store.demo.bench.trace_format import Trace
 
 #: the ``--json`` schema version (bump when a field changes meaning).
 SCHEMA = 1
@@ -137,9 +140,24 @@ def resolve_policies(text: str) -> list[str]:
     return names
 
 
+def load_trace(args: argparse.Namespace) -> Trace:
+    """The trace of ``args`` (path, format), checked, cut to ``--max-requests``: both replay
+    modes start from it. Raises ``ValueError`` for a bad limit or an empty trace."""
+    from hicache_store.demo.bench.trace_format import Trace, check_chains, read_trace
+
+    trace = read_trace(args.trace, args.format)
+    check_chains(trace)
+    if args.max_requests is not None:
+        if args.max_requests < 1:
+            raise ValueError("--max-requests must be at least 1")
+        trace = Trace(trace.name, trace.block_tokens, trace.requests[: args.max_requests])
+    if not trace.requests:
+        raise ValueError(f"{args.trace}: the trace has no requests")
+    return trace
+
+
 def run(args: argparse.Namespace) -> int:
     from hicache_store.demo.bench.multiturn import fresh_directory
-    from hicache_store.demo.bench.trace_format import Trace, check_chains, read_trace
     from hicache_store.demo.bench.trace_replay import (
         KVShape,
         ReplaySetup,
@@ -158,14 +176,7 @@ def run(args: argparse.Namespace) -> int:
     if replay_mode == "sim":
         return run_simulated(args, policies)
     try:
-        trace = read_trace(args.trace, args.format)
-        check_chains(trace)
-        if args.max_requests is not None:
-            if args.max_requests < 1:
-                raise ValueError("--max-requests must be at least 1")
-            trace = Trace(trace.name, trace.block_tokens, trace.requests[: args.max_requests])
-        if not trace.requests:
-            raise ValueError(f"{args.trace}: the trace has no requests")
+        trace = load_trace(args)
         page = args.page_size
         if page < 1 or trace.block_tokens % page:
             raise ValueError(
@@ -271,19 +282,11 @@ def run_simulated(args: argparse.Namespace, policies: list[str]) -> int:
     import resource
     import time
 
-    from hicache_store.demo.bench.trace_format import Trace, check_chains, read_trace
     from hicache_store.demo.bench.trace_sim import belady, block_policy, lru_reference, simulate
 
     started = time.monotonic()
     try:
-        trace = read_trace(args.trace, args.format)
-        check_chains(trace)
-        if args.max_requests is not None:
-            if args.max_requests < 1:
-                raise ValueError("--max-requests must be at least 1")
-            trace = Trace(trace.name, trace.block_tokens, trace.requests[: args.max_requests])
-        if not trace.requests:
-            raise ValueError(f"{args.trace}: the trace has no requests")
+        trace = load_trace(args)
         distinct = len({b for r in trace.requests for b in r.hash_ids})
         capacities = sim_capacities(args.capacities, distinct)
         if args.belady is None:
