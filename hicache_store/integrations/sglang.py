@@ -42,7 +42,7 @@ A staging row is reused for the next page only once ``read_page`` has returned, 
 ``Backend`` buffer-lifetime contract makes the moment no read into the row is in flight (also
 after a page's deadline passed: the row stays out of use until its I/O ended). When I/O
 outlives a whole call, this thread's staging is dropped, never reused, so a read still in
-flight lands in memory nobody uses (issue 17).
+flight lands in memory nobody uses.
 
 Writes cut batches into chunks of ``staging_mib`` with two buffers per thread, so the relayout
 of one chunk overlaps the puts of the previous one. Reads keep a window of up to 16 pages in
@@ -57,7 +57,7 @@ it passes, the batch ends with what it moved: a page whose objects were all stor
 by then is True, a page read and verified by then is True and in the pool; the rest are
 False, and reads not begun are never begun. Puts go out in batch order (``PUT_WINDOW``), so
 on a slow store the leading pages finish first and SGLang's next hit query finds them: a
-slow disk gives fewer backups, not none (issue 31). The calling thread waits past a
+slow disk gives fewer backups, not none. The calling thread waits past a
 deadline at most ``io_timeout_s + 5`` s for I/O that cannot end (a hung mount).
 
 **Threads and failures.** SGLang calls from its prefetch, I/O and backup threads at once.

@@ -62,7 +62,7 @@ Failure model: an L3 error, timeout, miss or corrupt object shortens the prefix 
 counted; the request then recomputes more. Nothing in the engine's path raises because of L3,
 nothing waits longer than the prefetch policy allows, and every host row taken for a transfer is
 returned when the transfer ends; rows of reads the engine stopped waiting for are *quarantined*
-until the read has ended (issue 17: ``quarantined_host_pages``).
+until the read has ended (counted in ``quarantined_host_pages``).
 """
 
 from __future__ import annotations

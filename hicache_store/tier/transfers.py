@@ -7,7 +7,7 @@ needs, each into a host row of its component's pool, through that component's ``
 the sync bridge's loop; what they finish is reported to the engine's thread as typed records
 on a queue (``BackupDone``, ``ReadEnded``) that the tier applies in ``poll``, in FIFO order.
 
-Row lifetime (issue 17): a fetch's row is returned to its pool only once its read has ended
+Row lifetime: a fetch's row is returned to its pool only once its read has ended
 (``done`` set); a fetch the engine stops waiting for is *abandoned* and its row is returned by
 ``ReadEnded`` when the read ends, never earlier (the backend contract makes "ended" mean no I/O
 into the row is in flight).
