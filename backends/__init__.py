@@ -32,6 +32,7 @@ from .errors import (
     NotFoundError,
     NotSupportedError,
     OutOfSpaceError,
+    PinBudgetError,
     UnknownBackendError,
     UnsafeIndexError,
 )
@@ -45,6 +46,7 @@ from .registry import (
     register_backend,
     unregister_backend,
 )
+from .retention import Retention
 from .types import BackendStats, BackendURL, ByteRange, Capabilities, ObjectStat
 
 __all__ = [
@@ -62,6 +64,8 @@ __all__ = [
     "ByteRange",
     "Capabilities",
     "CapacityError",
+    "PinBudgetError",
+    "Retention",
     "ConfigError",
     "DuplicateBackendError",
     "InvalidRangeError",

@@ -11,6 +11,7 @@ Public API (what callers use; implemented here, once, for every backend)::
     list_prefix(prefix)               -> async iterator of keys
     list_entries(prefix)              -> async iterator of ObjectStat (key, size, mtime)
     close()
+    retain(keys, retention) / release(keys, owner) / retention_of(keys)   (``retention``)
 
     helpers: exists_prefix_length, exists_prefix_pages, get_ranges, put_if_absent, get_bytes,
              put_bytes, get_object
@@ -82,6 +83,7 @@ from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT
 
 from .errors import BackendClosedError, InvalidRangeError, NotSupportedError
 from .prefix import DEFAULT_FANOUT, search_prefix
+from .retention import Retention
 from .types import BackendStats, BackendURL, ByteRange, Capabilities, ObjectStat, validate_prefix
 
 if TYPE_CHECKING:
@@ -706,6 +708,51 @@ class Backend(abc.ABC):
         validate_prefix(prefix)
         async for st in self._list_entries(prefix):
             yield st
+
+    async def retain(self, keys: Sequence[str], retention: Retention) -> None:
+        """Hold each stored key of ``keys`` as ``retention`` says (see ``backends.retention``).
+
+        Replaces ``retention.owner``'s own entry on each key, beside other owners' entries.
+        Keys not stored are ignored (``retention_of`` reports ``()`` for them): a hold is on
+        an object, never on a name. A pin past the pin budget raises ``PinBudgetError`` and
+        applies nothing. ``NotSupportedError`` unless ``capabilities.retention``.
+        """
+        self._check_open("retain")
+        keys = self._check_keys(keys, "retain")
+        if not isinstance(retention, Retention):
+            raise TypeError(f"retain: retention must be a Retention, not {type(retention)!r}")
+        self._check_retention("retain")
+        await self._retain(keys, retention)
+
+    async def release(self, keys: Sequence[str], owner: str) -> None:
+        """Drop ``owner``'s entry on each key (others' entries stay; absent ones: nothing)."""
+        self._check_open("release")
+        keys = self._check_keys(keys, "release")
+        self._check_retention("release")
+        await self._release(keys, owner)
+
+    async def retention_of(self, keys: Sequence[str]) -> list[tuple[Retention, ...]]:
+        """The entries holding on each key now, ordered by owner (``()``: none, or absent)."""
+        self._check_open("retention_of")
+        keys = self._check_keys(keys, "retention_of")
+        self._check_retention("retention_of")
+        return await self._retention_of(keys)
+
+    def _check_retention(self, operation: str) -> None:
+        if not self.capabilities.retention:
+            raise NotSupportedError(
+                f"{self.name} does not support retention (capability not declared)",
+                backend=self.name, operation=operation,
+            )
+
+    async def _retain(self, keys: Sequence[str], retention: Retention) -> None:
+        raise NotSupportedError("retain", backend=self.name, operation="retain")
+
+    async def _release(self, keys: Sequence[str], owner: str) -> None:
+        raise NotSupportedError("release", backend=self.name, operation="release")
+
+    async def _retention_of(self, keys: Sequence[str]) -> list[tuple[Retention, ...]]:
+        raise NotSupportedError("retention_of", backend=self.name, operation="retention_of")
 
     async def close(self) -> None:
         """Release resources. Idempotent; every other call afterwards raises

@@ -19,6 +19,7 @@ so the original stays in ``__cause__``.
         +-- UnsafeIndexError               file backend: the shared index, from another host
         +-- CapacityError
         |   +-- OutOfSpaceError            also OSError(ENOSPC)
+        |   +-- PinBudgetError             a pin past the pin budget (refused whole)
         +-- BackendIOError                 any other I/O failure, .retryable
         +-- UnknownBackendError            also LookupError (registry)
         +-- MissingDependencyError         also ImportError (registry), .install_hint
@@ -97,6 +98,11 @@ class UnsafeIndexError(BackendError):
 
 class CapacityError(BackendError):
     """The store is full and could not make room for a write."""
+
+
+class PinBudgetError(CapacityError):
+    """A pin would take the pinned bytes past the backend's pin budget. The message says the
+    budget, the bytes pinned already and the bytes asked; nothing of the call was applied."""
 
 
 class OutOfSpaceError(CapacityError, OSError):

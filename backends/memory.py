@@ -12,7 +12,7 @@ never aliased.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from hicache_store.layout.errors import ConfigError
@@ -20,6 +20,15 @@ from hicache_store.layout.errors import ConfigError
 from ._lru import ChainLRU
 from .base import Backend
 from .errors import CapacityError, InvalidRangeError
+from .retention import (
+    DEFAULT_PIN_FRACTION,
+    Retention,
+    check_pin_budget,
+    eviction_class,
+    holding,
+    is_pinned,
+    pin_budget_bytes,
+)
 from .types import BackendURL, ByteRange, Capabilities, ObjectStat, parse_size
 
 #: default bound: 1 GiB.
@@ -29,18 +38,31 @@ DEFAULT_CAPACITY_BYTES = 1 << 30
 class MemoryBackend(Backend):
     """Objects in a dict, at most ``capacity_bytes`` in total, chain-aware LRU eviction.
 
-    Options: ``capacity_bytes`` (int or a size string such as ``256MiB``; default 1 GiB).
-    An object larger than the capacity raises ``CapacityError``.
+    Options: ``capacity_bytes`` (int or a size string such as ``256MiB``; default 1 GiB),
+    ``pin_fraction`` (share of the capacity pins may hold, default 0.25), ``clock`` (unix
+    seconds, for retention deadlines; default ``time.time``).
+    An object larger than the capacity raises ``CapacityError``, as does a put that could
+    only make room by evicting a pin. Retention (``backends.retention``): an overwrite keeps
+    the key's entries; a delete removes them with the object.
     """
 
     name = "memory"
     capabilities = Capabilities(
-        ranged_reads=True, listing=True, atomic_put=True, eviction=True, mtime=True
+        ranged_reads=True, listing=True, atomic_put=True, eviction=True, mtime=True,
+        retention=True,
     )
 
-    def __init__(self, capacity_bytes: int | str = DEFAULT_CAPACITY_BYTES) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int | str = DEFAULT_CAPACITY_BYTES,
+        pin_fraction: float | str = DEFAULT_PIN_FRACTION,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         super().__init__()
         self.capacity_bytes = parse_size(capacity_bytes, option="capacity_bytes")
+        self.pin_budget_bytes = pin_budget_bytes(self.capacity_bytes, float(pin_fraction))
+        self._clock = clock
+        self._holds: dict[str, dict[str, Retention]] = {}
         self._data: dict[str, bytes] = {}
         self._mtimes: dict[str, float] = {}
         self._lru = ChainLRU()
@@ -108,15 +130,53 @@ class MemoryBackend(Backend):
         self._lru.add_batch([(key, len(data)) for key, data in copies if latest[key] is data])
 
     def _make_room(self, incoming: int, keep: Any) -> None:
-        for victim, _size in self._lru.victims():
+        now = self._clock()
+        ranked: list[tuple[tuple[int, int], int, str]] = []
+        for order, (victim, _size) in enumerate(self._lru.victims()):
+            cls = eviction_class(self._holds.get(victim, {}).values(), now)
+            if cls is not None:  # a pinned object is never a victim
+                ranked.append((cls, order, victim))
+        ranked.sort()  # unretained in LRU order, then retained by priority, LRU within
+        for _cls, _order, victim in ranked:
             if self._lru.total_bytes + incoming <= self.capacity_bytes:
                 return
             if victim in keep:
                 continue  # being rewritten by this very batch: its old size goes away anyway
             del self._data[victim]
             self._mtimes.pop(victim, None)
+            self._holds.pop(victim, None)
             self._lru.discard(victim)
             self.stats.evictions += 1
+        if self._lru.total_bytes + incoming > self.capacity_bytes:
+            raise CapacityError(
+                f"cannot make room for {incoming} bytes: what remains is pinned",
+                backend=self.name, operation="put",
+            )
+
+    async def _retain(self, keys: Sequence[str], retention: Retention) -> None:
+        now = self._clock()
+        present = list(dict.fromkeys(k for k in keys if k in self._data))
+        if retention.pinned and retention.holds(now):
+            pinned = {k for k, h in self._holds.items() if is_pinned(h.values(), now)}
+            used = sum(len(self._data[k]) for k in pinned if k in self._data)
+            asked = sum(len(self._data[k]) for k in present if k not in pinned)
+            check_pin_budget(
+                budget=self.pin_budget_bytes, used=used, asked=asked, backend=self.name
+            )
+        for key in present:
+            self._holds.setdefault(key, {})[retention.owner] = retention
+
+    async def _release(self, keys: Sequence[str], owner: str) -> None:
+        for key in keys:
+            held = self._holds.get(key)
+            if held is not None:
+                held.pop(owner, None)
+                if not held:
+                    del self._holds[key]
+
+    async def _retention_of(self, keys: Sequence[str]) -> list[tuple[Retention, ...]]:
+        now = self._clock()
+        return [holding(self._holds.get(k, {}).values(), now) for k in keys]
 
     async def _delete(self, keys: Sequence[str]) -> list[bool]:
         # docstring inherited
@@ -124,6 +184,7 @@ class MemoryBackend(Backend):
         for key in keys:
             removed.append(self._data.pop(key, None) is not None)
             self._mtimes.pop(key, None)
+            self._holds.pop(key, None)
             self._lru.discard(key)
         return removed
 
@@ -151,6 +212,7 @@ class MemoryBackend(Backend):
     async def _close(self) -> None:
         self._data.clear()
         self._mtimes.clear()
+        self._holds.clear()
         self._lru = ChainLRU()
 
     # -- oracle access for tests (bypasses the API: no validation, no stats, no LRU) ---------

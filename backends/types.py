@@ -81,6 +81,8 @@ class Capabilities:
     - ``mtime``: ``stat`` reports each object's last write time (``ObjectStat.mtime``, seconds
       since the epoch). Tools that age objects out (``hicache-store gc --max-age``) need it;
       without the flag ``mtime`` may be None.
+    - ``retention``: ``retain`` / ``release`` / ``retention_of`` work and eviction honours
+      them (``hicache_store.backends.retention``); otherwise they raise ``NotSupportedError``.
     """
 
     ranged_reads: bool = False
@@ -91,6 +93,7 @@ class Capabilities:
     persistent: bool = False
     shared: bool = False
     mtime: bool = False
+    retention: bool = False
 
     def replace(self, **changes: bool) -> Capabilities:
         return dataclasses.replace(self, **changes)
