@@ -40,6 +40,7 @@ import numpy as np
 from hicache_store import _sync
 from hicache_store.backends import Backend, aligned_buffer, open_backend
 from hicache_store.layout.hashing import page_hashes
+from hicache_store.layout.keys import validate_page_hash
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import IOStats, L3Link
@@ -126,6 +127,13 @@ class KVReader:
         ns = link.namespace
         return await link.exists_prefix(page_hashes(list(tokens), ns.page_size, algo=ns.hash_algo))
 
+    async def astored_pages_of_hashes(self, hashes: Sequence[str]) -> int:
+        """How many leading pages of these chain page hashes (``layout.hashing.page_hashes``,
+        unkeyed) the store holds for this rank; a sealed namespace keys them here. A hash that
+        is not one raises ``InvalidKeyError``."""
+        link = await self._get_link()
+        return await link.exists_prefix([validate_page_hash(h) for h in hashes])
+
     async def aread(self, tokens: Sequence[int]) -> StoredKV:
         """The KV of the longest stored, verified prefix of ``tokens`` (whole pages)."""
         link = await self._get_link()
@@ -143,6 +151,10 @@ class KVReader:
     def stored_pages(self, tokens: Sequence[int]) -> int:
         """``astored_pages`` from synchronous code."""
         return _sync.run_sync(self.astored_pages(tokens))
+
+    def stored_pages_of_hashes(self, hashes: Sequence[str]) -> int:
+        """``astored_pages_of_hashes`` from synchronous code."""
+        return _sync.run_sync(self.astored_pages_of_hashes(hashes))
 
     def read(self, tokens: Sequence[int]) -> StoredKV:
         """``aread`` from synchronous code."""
