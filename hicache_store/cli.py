@@ -27,6 +27,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "hicache_store.commands.inspect",
     "hicache_store.commands.doctor",
     "hicache_store.commands.tenant_key",
+    "hicache_store.commands.serve_query",
 )
 
 EXIT_OK = 0

@@ -53,7 +53,7 @@ def test_answers_equal_the_backend_search_for_random_prompts(served: Any) -> Non
     server, reader, base, namespace = served
     rng = random.Random(1)
     hits = set()
-    for _ in range(200):
+    for _ in range(1000):
         cut = rng.randrange(len(base) + 1)
         prompt = base[:cut] + [rng.randrange(500) for _ in range(rng.randrange(3 * PAGE))]
         status, reply = post(server.url, json.dumps({"tokens": prompt}).encode())
