@@ -1,0 +1,29 @@
+"""KV events in vLLM's wire format (``kv_events``, vLLM 0.32+ map encoding).
+
+``wire`` encodes events and batches (pure functions, no I/O). No publisher socket exists yet
+(issue 35 items 1, 2, 4, 5 are open beyond this encoding).
+"""
+
+from __future__ import annotations
+
+from hicache_store.events.wire import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    encode_batch,
+)
+
+__all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "Event",
+    "encode_batch",
+]
