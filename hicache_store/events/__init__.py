@@ -1,7 +1,7 @@
 """KV events in vLLM's wire format (``kv_events``, vLLM 0.32+ map encoding).
 
-``wire`` encodes events and batches (pure functions, no I/O). No publisher socket exists yet
-(issue 35 items 1, 2, 4, 5 are open beyond this encoding).
+``wire`` encodes events and batches (pure functions, no I/O). The publisher (ZMQ sockets,
+replay) is not built yet: nothing in the tier emits these events today.
 """
 
 from __future__ import annotations
