@@ -36,8 +36,15 @@ def test_layout_is_where_vllm_writes(
                           indexing="ij")
     flat = cache.reshape(-1)
     written = torch.zeros(flat.numel(), dtype=torch.bool)
+    matches = []
     for plane, expected in ((0, key), (1, value)):
         at = torch.from_numpy(layout.element_offsets(plane, block_size + t, 0, h, d))
-        assert torch.equal(flat[at], expected), (isa, plane)
+        matches.append(torch.equal(flat[at], expected))
         written[at] = True
+    if isa == "amx":
+        # AMX (bf16 on CPUs that have it) tiles the cache another way: the layout does not hold,
+        # which is exactly what the connector's start-up check finds before refusing this ISA.
+        assert not all(matches), isa
+        return
+    assert all(matches), (isa, matches)
     assert not flat[~written].any()  # blocks 0 and 2 untouched
