@@ -130,14 +130,7 @@ class MemoryBackend(Backend):
         self._lru.add_batch([(key, len(data)) for key, data in copies if latest[key] is data])
 
     def _make_room(self, incoming: int, keep: Any) -> None:
-        now = self._clock()
-        ranked: list[tuple[tuple[int, int], int, str]] = []
-        for order, (victim, _size) in enumerate(self._lru.victims()):
-            cls = eviction_class(self._holds.get(victim, {}).values(), now)
-            if cls is not None:  # a pinned object is never a victim
-                ranked.append((cls, order, victim))
-        ranked.sort()  # unretained in LRU order, then retained by priority, LRU within
-        for _cls, _order, victim in ranked:
+        for victim in self._victims():
             if self._lru.total_bytes + incoming <= self.capacity_bytes:
                 return
             if victim in keep:
@@ -152,6 +145,21 @@ class MemoryBackend(Backend):
                 f"cannot make room for {incoming} bytes: what remains is pinned",
                 backend=self.name, operation="put",
             )
+
+    def _victims(self) -> Any:
+        """Eviction candidates in order: lazily in LRU order while nothing is retained (the
+        usual case: no ranking of the whole store per put); else unretained in LRU order, then
+        retained by priority (LRU within), never a pinned object."""
+        if not self._holds:
+            return (victim for victim, _size in self._lru.victims())
+        now = self._clock()
+        ranked: list[tuple[tuple[int, int], int, str]] = []
+        for order, (victim, _size) in enumerate(self._lru.victims()):
+            cls = eviction_class(self._holds.get(victim, {}).values(), now)
+            if cls is not None:
+                ranked.append((cls, order, victim))
+        ranked.sort()
+        return (victim for _cls, _order, victim in ranked)
 
     async def _retain(self, keys: Sequence[str], retention: Retention) -> None:
         now = self._clock()
