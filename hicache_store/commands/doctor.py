@@ -13,7 +13,8 @@ For a file-layout root (``file://``, ``hf3fs://``) it also reports the root's fi
 and the host its index records, even when the store's open is refused (another host uses the
 index, or the default index on a network filesystem).
 Exit code 0 when no deployment is given or the store holds its namespace, 1 when it does not
-or the store cannot be opened from here.
+or the store cannot be opened from here; a store that does not exist is said in one line and
+is never created.
 Library: ``hicache_store.ops.doctor``.
 """
 
@@ -109,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
     async def go() -> Any:
         try:
-            backend = open_store(url)
+            # existing=True: a diagnosis never creates the store it was asked about.
+            backend = open_store(url, existing=True)
         except UnsafeIndexError as exc:
             return Diagnosis(site=site, refused=str(exc))
         try:

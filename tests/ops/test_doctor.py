@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache_store.backends import _file_site
+from hicache_store._sync import run_sync
+from hicache_store.backends import _file_site, open_backend
 from hicache_store.cli import main
 
 from .conftest import write_jsonl
@@ -272,8 +273,22 @@ def test_a_root_on_a_network_filesystem_is_described_and_refused(
     assert "  filesystem: nfs (f_type 0x6969, network or FUSE filesystem)" in out
     assert "warning: the default index on a network or FUSE filesystem" in out
     assert "refused:" in out and "index=none" in out
+    # a store made as the refusal says (doctor itself never creates one)
+    run_sync(open_backend(f"file://{tmp_path / 'kv'}?index=none").close())
     code, out, _ = cli(["doctor", f"file://{tmp_path / 'kv'}?index=none", "--json"], capsys)
     assert code == 0
     found = json.loads(out)["site"]
     assert found["filesystem"] == {"name": "nfs", "f_type": 0x6969, "network": True}
     assert found["index"] == "none" and found["host_record"] is None
+
+
+def test_a_store_that_does_not_exist_is_said_and_not_created(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "nowhere" / "kv"
+    code, out, err = cli(["doctor", f"file://{root}"], capsys)
+    assert code == 1
+    assert out == ""
+    assert "no hicache-store store at" in err and str(root) in err
+    assert "nothing was created" in err
+    assert not root.exists() and not root.parent.exists()
