@@ -90,7 +90,7 @@ def _canonical_plan(ref: CanonicalKVCacheRef, engine_page: int, host_page: int) 
             or run.canonical_offset + last * run.canonical_stride + run.fragment_size > host_page
         ):
             raise RuntimeError(
-                f"canonical_layout: copy run {run} falls outside the engine page "
+                f"canonical_layout: copy run {run} is empty or falls outside the engine page "
                 f"({engine_page} bytes) or the canonical page ({host_page} bytes)"
             )
     return _RefPlan(ref.tensor_idx, tuple(mapping.runs), mapping.num_writers,
