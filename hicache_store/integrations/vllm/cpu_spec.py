@@ -68,6 +68,13 @@ class _RefPlan:
     writers: int = 1
     writer: int = 0
 
+    @property
+    def whole_page(self) -> bool:
+        """One run copying a page prefix as it is, by this rank alone (the direct layout)."""
+        (first, *rest) = self.runs
+        return (not rest and self.writers == 1 and first.num_fragments == 1
+                and first.local_offset == 0 and first.canonical_offset == 0)
+
 
 def _direct_plan(ref: CanonicalKVCacheRef) -> _RefPlan:
     """vLLM's direct layout: the engine page as it is, at the start of this rank's slot."""
@@ -180,6 +187,15 @@ class TorchCopyWorker(OffloadingWorker):  # type: ignore[misc]
                   chunks: np.ndarray[Any, Any], subs: np.ndarray[Any, Any], *,
                   store: bool) -> int:
         host, engine = self._host[plan.tensor_idx], self._engine[plan.tensor_idx]
+        if plan.whole_page:
+            # The direct layout: one indexed copy of every block's page (no loop per block).
+            n = plan.runs[0].fragment_size
+            b, c, s = (torch.from_numpy(a) for a in (blocks, chunks, subs))
+            if store:
+                host[c, s, :n] = engine[b, :n]
+            else:
+                engine[b, :n] = host[c, s, :n]
+            return int(len(blocks)) * int(n)
         moved = 0
         for block, chunk, sub in zip(blocks.tolist(), chunks.tolist(), subs.tolist(),
                                      strict=True):
