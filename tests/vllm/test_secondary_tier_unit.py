@@ -49,7 +49,8 @@ class _Spec(OffloadingSpec):
 
 
 def offloading_config(*, dtype: str = "float32", tp: int = 1, tokens_per_block: int = 16,
-                      events: bool = False) -> OffloadingConfig:
+                      events: bool = False, canonical: bool = False,
+                      agnostic: bool = False) -> OffloadingConfig:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block, ("l0", "l1"), 0),),
         worker_kv_bytes_per_block=ROW // tp,
@@ -61,7 +62,9 @@ def offloading_config(*, dtype: str = "float32", tp: int = 1, tokens_per_block: 
         parallel=OffloadingParallelConfig(
             rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
             data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=False),
+            is_parallelism_agnostic=agnostic),
+        canonical_layout=canonical,
+        kv_cache_layout="LBHNC",
     )
 
 
@@ -218,6 +221,21 @@ def test_another_deployment_never_reads_these_rows(
     reader = make(config=offloading_config(**change))
     assert reader.tier.namespace.digest != writer.tier.namespace.digest
     assert reader.lookup(key(0))[0] is LookupResult.MISS
+
+
+def test_only_portable_canonical_rows_are_shared_across_tp_sizes() -> None:
+    """vLLM's canonical rows it certified parallelism-agnostic are the same bytes under every
+    TP size: one namespace. Direct rows (per-rank slots) and canonical rows vLLM did not
+    certify keep the topology in theirs, and canonical never meets direct."""
+    def digest(**change: Any) -> str:
+        return row_namespace(_Spec(offloading_config(**change)), ROW).digest
+
+    shared = digest(canonical=True, agnostic=True, tp=1)
+    assert digest(canonical=True, agnostic=True, tp=2) == shared
+    assert digest(canonical=True, agnostic=False, tp=1) != digest(canonical=True, tp=2)
+    assert digest(agnostic=True, tp=1) != digest(agnostic=True, tp=2)
+    assert digest(agnostic=True, tp=1) != shared
+    assert digest(canonical=True, agnostic=True, dtype="bfloat16") != shared
 
 
 def test_model_revision_and_tenant_salt_are_part_of_the_namespace() -> None:

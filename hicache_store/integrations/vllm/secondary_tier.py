@@ -21,7 +21,10 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   release line, the KV dtype, TP / PP / PCP / DCP sizes, tokens per block, blocks per chunk,
   canonical or direct layout, replicated layout, the KV cache layout, the KV groups' token
   spans and the row size), plus ``model_revision`` and ``tenant_salt``. A deployment that
-  differs in any of them misses; it never reads another's bytes as its own.
+  differs in any of them misses; it never reads another's bytes as its own. The one
+  exception is by design: vLLM's canonical rows that vLLM certified parallelism-agnostic
+  leave the topology out (they are the same bytes under every TP size), so deployments of
+  different TP sizes share them.
 * **Bounded.** The backend's own capacity and eviction: ``file:///path?capacity_bytes=64GiB``
   (least recently used first; the file backend's default is 90% of the filesystem).
 * **Non-blocking.** ``lookup`` answers ``RETRY`` while the existence check of its key runs
@@ -106,24 +109,37 @@ def default_url() -> str:
 
 
 def row_descriptor(spec: OffloadingSpec, row_bytes: int) -> str:
-    """What decides a row's bytes, as one canonical line (its digest names the namespace)."""
+    """What decides a row's bytes, as one canonical line (its digest names the namespace).
+
+    The topology (TP / PP / PCP / DCP and world sizes, and the bytes each worker holds per
+    block) is part of it, except for vLLM's canonical layout where vLLM certified every layer
+    parallelism-agnostic (``is_parallelism_agnostic``): a canonical row is then the model's
+    KV of the chunk as if there were no parallelism, the same bytes under every topology, so
+    deployments of different TP sizes share rows."""
     config = spec.config
     par = config.parallel
     groups = ",".join(str(g.tokens_per_block) for g in config.groups)
+    if config.canonical_layout and par.is_parallelism_agnostic:
+        topology: dict[str, object] = {"topology": "agnostic"}
+    else:
+        topology = {
+            "tp": par.tp_size, "pp": par.pp_size, "pcp": par.pcp_size, "dcp": par.dcp_size,
+            "world": par.world_size,
+        }
     parts = {
         "vllm": ".".join(vllm.__version__.split(".")[:2]),
         "dtype": config.model.dtype,
-        "tp": par.tp_size, "pp": par.pp_size, "pcp": par.pcp_size, "dcp": par.dcp_size,
-        "world": par.world_size,
+        **topology,
         "tokens_per_hash": config.cache.tokens_per_hash,
         "blocks_per_chunk": config.cache.blocks_per_chunk,
         "groups": groups,
         "canonical": int(config.canonical_layout),
         "replicated": int(spec.replicated_layout),
         "kv_layout": config.kv_cache_layout or "",
-        "worker_bytes_per_block": config.worker_kv_bytes_per_block,
         "row_bytes": row_bytes,
     }
+    if "topology" not in topology:
+        parts["worker_bytes_per_block"] = config.worker_kv_bytes_per_block
     return ";".join(f"{k}={v}" for k, v in parts.items())
 
 
