@@ -34,7 +34,8 @@ in 10^11 lookups at 100 M objects); reads are exact (a miss).
 **Tables.** ``objects(key, fp, size, rank)`` (rank: ``_lru.chain_ranks``; smallest is
 evicted first), ``pending(key, op, size, owner...)`` (changes in flight), ``feed(seq, recs)``
 (the changes, packed), ``meta(name, value)`` (total bytes, object count, snapshot change
-number, compaction lease).
+number, compaction lease), ``retention(key, owner, ...)`` (pins and retained objects, which
+eviction honours: ``_file_retention``).
 
 **Protocol.** The file system and the index cannot change in one transaction, so every change
 is announced, done, then settled:
