@@ -1025,22 +1025,24 @@ class FileIndex:
         victims: list[tuple[str, int]] = []
         freed = 0
         after: tuple[int, str] | None = None
+        # while entries exist, held rows are passed over inside SQLite (one primary-key probe
+        # of ``retention`` per row), never handed to Python
+        unheld = f" AND {holds.UNHELD}" if retained else ""
         while freed < need:
             if after is None:
                 page = con.execute(
-                    "SELECT key, size, rank FROM objects ORDER BY rank, key LIMIT ?",
-                    (_VICTIM_PAGE,),
+                    f"SELECT key, size, rank FROM objects WHERE 1{unheld} "  # noqa: S608
+                    "ORDER BY rank, key LIMIT ?", (_VICTIM_PAGE,),
                 ).fetchall()
             else:
                 page = con.execute(
-                    "SELECT key, size, rank FROM objects WHERE (rank, key) > (?, ?) "
-                    "ORDER BY rank, key LIMIT ?", (*after, _VICTIM_PAGE),
+                    "SELECT key, size, rank FROM objects WHERE (rank, key) > (?, ?)"  # noqa: S608
+                    f"{unheld} ORDER BY rank, key LIMIT ?", (*after, _VICTIM_PAGE),
                 ).fetchall()
             if not page:
                 break
-            kept = holds.held_among(con, [key for key, _, _ in page]) if retained else set()
             for key, size, _rank in page:
-                if key in busy or key in skip or key in kept:
+                if key in busy or key in skip:
                     continue
                 victims.append((key, size))
                 freed += size

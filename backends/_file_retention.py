@@ -11,7 +11,7 @@ crash. An index rebuilt from ``objects/`` (``index/`` removed) starts with no ho
 Every function here runs inside a transaction its caller opened (``FileIndex._read`` or
 ``_write``); none commits.
 
-**Eviction order** (``unretained_among``, ``retained_victims``), the one of
+**Eviction order** (``UNHELD``, ``retained_victims``), the one of
 ``backends.retention``: rows with no holding entry in the index's usual rank order, then
 retained rows by ascending effective priority (the highest of their entries), by rank within
 one priority, never a row with a holding pin. Entries past their deadline are deleted first
@@ -77,15 +77,8 @@ def _marks(n: int) -> str:
     return ",".join("?" * n)
 
 
-def held_among(con: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
-    """The keys of ``keys`` with any entry (after ``expire``: any entry that holds)."""
-    held: set[str] = set()
-    for chunk in _chunks(keys):
-        held.update(k for (k,) in con.execute(
-            f"SELECT DISTINCT key FROM retention WHERE key IN ({_marks(len(chunk))})",  # noqa: S608
-            chunk,
-        ))
-    return held
+#: SQL condition on a row of ``objects``: no entry holds it (after ``expire``: no entry).
+UNHELD = "NOT EXISTS (SELECT 1 FROM retention r WHERE r.key = objects.key)"
 
 
 def retained_victims(con: sqlite3.Connection) -> Iterator[tuple[str, int]]:
