@@ -207,3 +207,41 @@ async def test_pin_fraction_is_a_url_option(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="pin_fraction"):
         open_backend(f"file://{tmp_path}/t?capacity_bytes=1000&pin_fraction=1.5")
     assert not (tmp_path / "t").exists()  # a refused option creates nothing
+
+
+PIN_TWO = textwrap.dedent(
+    """
+    import asyncio, sys
+    from hicache_store.backends import PinBudgetError, Retention
+    from hicache_store.backends.file import FileBackend
+
+    async def main(root, owner, *keys):
+        store = FileBackend(root, durability="none", direct_io="never", capacity_bytes=10_000)
+        try:
+            await store.retain(list(keys), Retention(owner, None, pinned=True))
+            print("pinned")
+        except PinBudgetError as exc:
+            print("refused", exc)
+        await store.close()
+
+    asyncio.run(main(*sys.argv[1:]))
+    """
+)
+
+
+async def test_the_pin_budget_holds_across_racing_processes(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    store = _store(root, capacity=10_000, pin_fraction=0.25)  # 2,500 bytes of pins
+    try:
+        await store.put(["B000", "B001", "B002", "B003"], [_blob(i) for i in range(4)])
+        first, second = await asyncio.gather(
+            _run_child(PIN_TWO, str(root), "one", "B000", "B001"),
+            _run_child(PIN_TWO, str(root), "two", "B002", "B003"),
+        )
+        outcomes = sorted(child.stdout.split()[0] for child in (first, second))
+        assert outcomes == ["pinned", "refused"], (first.stderr, second.stderr)
+        assert store.pinned_bytes() == 2 * OBJECT
+        owners = {r.owner for h in await store.retention_of(["B000", "B002"]) for r in h}
+        assert len(owners) == 1
+    finally:
+        await store.close()
