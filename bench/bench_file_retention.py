@@ -153,8 +153,8 @@ def main() -> None:
         "objects and retains another tenth. While nothing is retained an eviction asks one "
         "more question of the index (is the retention table empty), lost in the spread of a "
         "loaded machine; with holds, every eviction walks past the held rows (they are the "
-        "oldest here, so first in rank order) and asks which of each page of candidates are "
-        "held.",
+        "oldest here, so first in rank order), one primary-key probe of the retention table "
+        "per row inside SQLite.",
         "",
     ])
     print(section)
