@@ -34,7 +34,8 @@ in 10^11 lookups at 100 M objects); reads are exact (a miss).
 **Tables.** ``objects(key, fp, size, rank)`` (rank: ``_lru.chain_ranks``; smallest is
 evicted first), ``pending(key, op, size, owner...)`` (changes in flight), ``feed(seq, recs)``
 (the changes, packed), ``meta(name, value)`` (total bytes, object count, snapshot change
-number, compaction lease).
+number, compaction lease), ``retention(key, owner, ...)`` (pins and retained objects, which
+eviction honours: ``_file_retention``).
 
 **Protocol.** The file system and the index cannot change in one transaction, so every change
 is announced, done, then settled:
@@ -79,6 +80,7 @@ from typing import Protocol
 
 import numpy as np
 
+from . import _file_retention as holds
 from ._file_site import HostClaim
 from ._fingerprints import (
     FEED_RECORD,
@@ -92,6 +94,7 @@ from ._fingerprints import (
 )
 from ._lru import chain_ranks, now_ms, rank_at, rank_seconds
 from .errors import BackendError, BackendIOError, BackendUnavailableError, CapacityError
+from .retention import Retention
 
 DB_NAME = "index.sqlite3"
 LOCK_NAME = "build.lock"
@@ -230,12 +233,14 @@ class FileIndex:
         lock_timeout: float = 30.0,
         walk: Callable[[], Iterable[tuple[str, int, float]]] | None = None,
         index_hosts: str = "name",
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.dir = os.path.join(root, "index")
         self.db_path = os.path.join(self.dir, DB_NAME)
         self._objects_dir = objects_dir
         self._path_of = path_of
         self._durable = durable
+        self._clock = clock
         self.lock_timeout = lock_timeout
         self._owner = _Owner(os.getpid(), _pid_namespace(), token)
         self._batches = iter(range(1, 1 << 62))
@@ -270,6 +275,7 @@ class FileIndex:
         self._open(walk)
         self._db_id = _file_id(self.db_path)
         self._upgrade_feed()
+        self._add_retention()
         self.recovered = self.recover()
 
     # -- connections and transactions -----------------------------------------------------------
@@ -390,6 +396,7 @@ class FileIndex:
                 con = self._con()
                 con.execute("PRAGMA journal_mode=WAL")
                 con.executescript(_SCHEMA)
+                holds.create(con)
             if walk is not None:
                 self._build(walk())
             with self._write() as con:
@@ -422,6 +429,15 @@ class FileIndex:
             elif last:
                 con.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('feed', ?)", (last,))
             con.execute("DROP TABLE changes")
+
+    def _add_retention(self) -> None:
+        """Create the retention table (``_file_retention``) if this index has none yet: a new
+        one, or one written before retention existed."""
+        with self._read() as con:
+            if holds.has_table(con):
+                return
+        with self._write() as con:
+            holds.create(con)
 
     def _ready(self) -> bool:
         if not os.path.exists(self.db_path):
@@ -708,7 +724,8 @@ class FileIndex:
                     continue
                 raise CapacityError(
                     f"no room: {need} bytes over a capacity of {capacity} bytes and nothing "
-                    f"more can be evicted ({counts.failed} eviction failures)",
+                    f"more can be evicted ({counts.failed} eviction failures; what remains is "
+                    "pinned, or busy in a call in flight)",
                     backend="file", operation="put",
                 )
             failed = self._unlink_all([key for key, _ in victims])
@@ -778,6 +795,27 @@ class FileIndex:
             except OSError:
                 failed.append(key)
         return failed
+
+    # -- retention (``_file_retention``) ----------------------------------------------------------
+
+    def retain(self, keys: Sequence[str], retention: Retention, pin_budget: int) -> None:
+        """Set ``retention.owner``'s entry on each indexed key (one transaction); a holding
+        pin past ``pin_budget`` bytes raises ``PinBudgetError`` and sets nothing."""
+        with self._write() as con:
+            holds.retain(con, keys, retention, now=self._clock(), budget=pin_budget)
+
+    def release(self, keys: Sequence[str], owner: str) -> None:
+        with self._write() as con:
+            holds.release(con, keys, owner)
+
+    def retention_of(self, keys: Sequence[str]) -> list[tuple[Retention, ...]]:
+        with self._read() as con:
+            return holds.entries_of(con, keys, self._clock())
+
+    def pinned_bytes(self) -> int:
+        """Bytes of the indexed objects pinned now."""
+        with self._read() as con:
+            return holds.pinned_bytes(con, self._clock())
 
     # -- reads: recency and repairs ----------------------------------------------------------------
 
@@ -934,6 +972,8 @@ class FileIndex:
         if not rows:
             return
         con.executemany("DELETE FROM objects WHERE key = ?", [(key,) for key, _ in rows])
+        if holds.any_entries(con):
+            holds.drop(con, [key for key, _ in rows])
         self._append_feed(con, [fingerprint(key) for key, _ in rows], present=False)
         self._add_meta(con, total=-sum(size for _, size in rows), count=-len(rows))
 
@@ -972,22 +1012,32 @@ class FileIndex:
     def _pick_victims(
         self, con: sqlite3.Connection, need: int, skip: set[str]
     ) -> list[tuple[str, int]]:
-        """The lowest-ranked rows worth at least ``need`` bytes (or all there are), less keys
-        with a change in flight and ``skip``."""
+        """The rows worth at least ``need`` bytes (or all there are) first in eviction order,
+        less keys with a change in flight and ``skip``: the lowest-ranked rows, and while any
+        retention entry exists, the unretained ones by rank, then the retained ones
+        (``_file_retention``), never a pinned one; while entries exist, nothing when even
+        all of that is not enough."""
         busy = {key for (key,) in con.execute("SELECT key FROM pending")}
+        retained = holds.any_entries(con)
+        if retained:
+            holds.expire(con, self._clock())
+            retained = holds.any_entries(con)
         victims: list[tuple[str, int]] = []
         freed = 0
         after: tuple[int, str] | None = None
+        # while entries exist, held rows are passed over inside SQLite (one primary-key probe
+        # of ``retention`` per row), never handed to Python
+        unheld = f" AND {holds.UNHELD}" if retained else ""
         while freed < need:
             if after is None:
                 page = con.execute(
-                    "SELECT key, size, rank FROM objects ORDER BY rank, key LIMIT ?",
-                    (_VICTIM_PAGE,),
+                    f"SELECT key, size, rank FROM objects WHERE 1{unheld} "  # noqa: S608
+                    "ORDER BY rank, key LIMIT ?", (_VICTIM_PAGE,),
                 ).fetchall()
             else:
                 page = con.execute(
-                    "SELECT key, size, rank FROM objects WHERE (rank, key) > (?, ?) "
-                    "ORDER BY rank, key LIMIT ?", (*after, _VICTIM_PAGE),
+                    "SELECT key, size, rank FROM objects WHERE (rank, key) > (?, ?)"  # noqa: S608
+                    f"{unheld} ORDER BY rank, key LIMIT ?", (*after, _VICTIM_PAGE),
                 ).fetchall()
             if not page:
                 break
@@ -999,6 +1049,16 @@ class FileIndex:
                 if freed >= need:
                     break
             after = (page[-1][2], page[-1][0])
+        if retained and freed < need:
+            for key, size in holds.retained_victims(con):
+                if key in busy or key in skip:
+                    continue
+                victims.append((key, size))
+                freed += size
+                if freed >= need:
+                    break
+            else:
+                return []  # pins (or calls in flight) hold the rest: evict nothing for nothing
         return victims
 
     @staticmethod

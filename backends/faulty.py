@@ -47,6 +47,7 @@ from hicache_store.layout.errors import ConfigError
 
 from .base import Backend, until_abandoned
 from .errors import BackendTimeoutError, BackendUnavailableError, OutOfSpaceError
+from .retention import Retention
 from .types import (
     BackendURL,
     ByteRange,
@@ -265,6 +266,18 @@ class FaultyBackend(Backend):
         await self._before("list_prefix", writing=False)
         async for key in self.inner.list_prefix(prefix):
             yield key
+
+    async def _retain(self, keys: Sequence[str], retention: Retention) -> None:
+        await self._before("retain", writing=False)  # latency, timeouts, errors; no ENOSPC
+        await self.inner.retain(keys, retention)
+
+    async def _release(self, keys: Sequence[str], owner: str) -> None:
+        await self._before("release", writing=False)
+        await self.inner.release(keys, owner)
+
+    async def _retention_of(self, keys: Sequence[str]) -> list[tuple[Retention, ...]]:
+        await self._before("retention_of", writing=False)
+        return await self.inner.retention_of(keys)
 
     async def _close(self) -> None:
         await self.inner.close()

@@ -67,6 +67,15 @@ tail before its head. The order is an on-disk index read a page at a time. An ob
 cannot be deleted is counted (``stats.eviction_failures``), moved to the back of the line, and
 eviction goes on with the next one; if no room can be made the write raises ``CapacityError``.
 
+**Retention** (``backends.retention``; kept in the index, ``_file_retention``). Pins and
+retained objects are entries of the shared index, so every process of the root honours them
+and they outlive the process that made them: eviction takes unretained objects first (in the
+order above), then retained ones by ascending priority, never an object whose pin holds; room
+that only a pin could give raises ``CapacityError``. Pins may hold at most ``pin_fraction`` of
+``capacity_bytes`` (``PinBudgetError`` otherwise, nothing applied). A delete or an eviction
+drops the key's entries; an entry past its deadline is ordinary data. ``index=none`` keeps no
+entries: the capability is not declared there.
+
 **Crash safety.** A writer killed mid-batch leaves temp files and pending index rows. At open,
 temp files whose writer process is gone (or older than an hour) are removed, and the keys of a
 dead process's pending changes are reconciled with their files: no object is lost or invented.
@@ -117,8 +126,10 @@ from .errors import (
     BackendError,
     BackendIOError,
     InvalidRangeError,
+    NotSupportedError,
     translate_os_error,
 )
+from .retention import DEFAULT_PIN_FRACTION, Retention, pin_budget_bytes
 from .types import BackendURL, ByteRange, Capabilities, ObjectStat, convert_options, parse_size
 
 Durability = Literal["none", "data", "full"]
@@ -172,7 +183,10 @@ class FileBackend(Backend):
     index takes for one host, ``_file_site``: ``name``, the default, a host name and boot id,
     so a process with another host name is refused even on the same kernel, such as another
     container; ``kernel``, the boot id alone: containers of one kernel share the index, each
-    host name added to ``index/host.json``; another kernel is refused either way).
+    host name added to ``index/host.json``; another kernel is refused either way),
+    ``pin_fraction`` (share of ``capacity_bytes`` pins may hold, default 0.25; this process's
+    budget, over every process's pins), ``clock`` (unix seconds for retention deadlines,
+    default ``time.time``; every process of a root must agree on it).
     """
 
     #: the index a root gets when ``index`` is not given.
@@ -189,6 +203,7 @@ class FileBackend(Backend):
         persistent=True,
         shared=True,
         mtime=True,
+        retention=True,
     )
 
     def __init__(
@@ -204,6 +219,8 @@ class FileBackend(Backend):
         lock_timeout: float = 30.0,
         index: IndexKind | None = None,
         index_hosts: IndexHosts = "name",
+        pin_fraction: float | str = DEFAULT_PIN_FRACTION,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__()
         explicit_index = index is not None
@@ -223,6 +240,7 @@ class FileBackend(Backend):
             raise ConfigError(f"lock_timeout must be > 0, got {lock_timeout}")
         # Every option is checked before the root is touched: a refused store creates nothing.
         capacity = None if capacity_bytes is None else parse_size(capacity_bytes, option="capacity_bytes")
+        pin_budget_bytes(0, float(pin_fraction))  # checks the fraction
         self.root = Path(root).expanduser().resolve()
         self.durability: Durability = durability
         self.io_threads = io_threads
@@ -246,13 +264,16 @@ class FileBackend(Backend):
             self.removed_temp_files = self._remove_stale_temps()
             self.index_kind: IndexKind = index
             self._index: ObjectIndex
+            #: the shared index, where retention lives (None: ``index=none``, no retention).
+            self._holds: FileIndex | None = None
             if index == "none":
                 self._index = NoIndex(str(self._objects), self._final_path, _list_dir)
+                self.capabilities = type(self).capabilities.replace(retention=False)
             else:
-                self._index = FileIndex(
+                self._index = self._holds = FileIndex(
                     str(self.root), str(self._objects), self._final_path, token=self._token,
                     durable=durability == "full", lock_timeout=lock_timeout, walk=self._walk,
-                    index_hosts=index_hosts,
+                    index_hosts=index_hosts, clock=clock,
                 )
             if upgrade:
                 self._write_layout()
@@ -262,6 +283,7 @@ class FileBackend(Backend):
             usage = shutil.disk_usage(self.root)
             capacity = int(0.9 * (usage.free + self._index.totals()[0]))
         self.capacity_bytes = capacity
+        self.pin_budget_bytes = pin_budget_bytes(capacity, float(pin_fraction))
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache-file")
 
     @classmethod
@@ -273,7 +295,8 @@ class FileBackend(Backend):
     def _typed_options(options: dict[str, Any]) -> dict[str, Any]:
         """``options`` with the file backend's URL-query strings converted to their types."""
         return convert_options(
-            options, ints=("io_threads",), floats=("lock_timeout",), sizes=("capacity_bytes",),
+            options, ints=("io_threads",), floats=("lock_timeout", "pin_fraction"),
+            sizes=("capacity_bytes",),
             bools=("create",),
         )
 
@@ -689,6 +712,41 @@ class FileBackend(Backend):
     def used_bytes(self) -> int:
         """Bytes of the objects in the store (the shared index's count, all processes')."""
         return self._index.totals()[0]
+
+    # -- retention (``_file_retention``: in the shared index) ------------------------------------
+
+    async def _retain(self, keys: Sequence[str], retention: Retention) -> None:
+        # docstring inherited
+        await self._run(self._translated, "retain", None, self._shared_index().retain, keys,
+                        retention, self.pin_budget_bytes)
+
+    async def _release(self, keys: Sequence[str], owner: str) -> None:
+        # docstring inherited
+        await self._run(self._translated, "release", None, self._shared_index().release, keys,
+                        owner)
+
+    async def _retention_of(self, keys: Sequence[str]) -> list[tuple[Retention, ...]]:
+        # docstring inherited
+        return await self._run(self._translated, "retention_of", None,
+                               self._shared_index().retention_of, keys)
+
+    def pinned_bytes(self) -> int:
+        """Bytes of the store's objects pinned now (every process's pins); 0 with
+        ``index=none``."""
+        return 0 if self._holds is None else self._holds.pinned_bytes()
+
+    def _check_retention(self, operation: str) -> None:
+        if self._holds is None:
+            raise NotSupportedError(
+                f"{self.root} is open with index=none: retention is kept in the shared index "
+                "(index=sqlite), so this store cannot pin or retain objects",
+                backend=self.name, operation=operation,
+            )
+        super()._check_retention(operation)
+
+    def _shared_index(self) -> FileIndex:
+        assert self._holds is not None  # capabilities.retention is False without it
+        return self._holds
 
     # -- core: delete / list / close ---------------------------------------------------------
 

@@ -130,7 +130,17 @@ class MemoryBackend(Backend):
         self._lru.add_batch([(key, len(data)) for key, data in copies if latest[key] is data])
 
     def _make_room(self, incoming: int, keep: Any) -> None:
-        for victim in self._victims():
+        victims = self._victims()
+        if self._holds:
+            # Pins may make room impossible: find out before evicting anything for nothing.
+            victims = list(victims)
+            evictable = sum(len(self._data[v]) for v in victims if v not in keep)
+            if self._lru.total_bytes - evictable + incoming > self.capacity_bytes:
+                raise CapacityError(
+                    f"cannot make room for {incoming} bytes: what remains is pinned",
+                    backend=self.name, operation="put",
+                )
+        for victim in victims:
             if self._lru.total_bytes + incoming <= self.capacity_bytes:
                 return
             if victim in keep:

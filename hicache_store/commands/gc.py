@@ -151,9 +151,12 @@ def _print_text(report: GcReport, retired: bool) -> None:
     if report.undated:
         print(f"{report.undated} objects have no modification time: never aged out by "
               "--max-age; under --max-bytes they go after every dated page")
+    if report.held:
+        print(f"{report.held} objects in {report.held_pages} pages pinned or retained: kept, "
+              "with the pages before them in their chains")
     if report.kept_pages:
-        print(f"{report.kept_pages} planned pages kept: a child's deletion failed, and a "
-              "chain is never holed")
+        print(f"{report.kept_pages} planned pages kept: a child's deletion failed or a page "
+              "was pinned since the scan, and a chain is never holed")
     if report.headers_unreadable:
         print(f"{report.headers_unreadable} pages with an unreadable header counted as "
               "chains of their own")

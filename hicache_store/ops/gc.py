@@ -48,6 +48,14 @@ deletes loses its parent (readers stop before it, as for any miss) and is delete
 run; a resumed run carries its plan over the interruption, so resume soon or start over
 (``fresh=True``, ``gc --fresh``: the parent cache stays).
 
+**Retention** (``backends.retention``). On a backend that declares ``capabilities.retention``
+gc never deletes a pinned or retained object: the scan asks ``retention_of`` for every listed
+key, and a page with a held object is never a tail to delete (so its ancestors stay too: its
+chain stays reachable). Before each ``delete`` call the holds of its keys are asked again, so
+a page pinned after the scan is kept as well (counted as ``kept``, its ancestors too). An
+entry past its deadline holds nothing: the object is collected like any other. The report
+counts the held objects and pages (``held``, ``held_pages``), a dry run too.
+
 Namespace manifests (``M_...``) are never deleted. A page's parent is read from one of its
 objects' headers; when that one is corrupt, unreadable (the store fails on it alone: no read
 permission, a directory under its name) or gone, from the page's next object. Pages none of
@@ -93,7 +101,7 @@ PLAN_BATCH = 4096
 #: SQLite page cache per database file (the working set and the parent cache).
 CACHE_MIB = 16
 #: the working set's schema; a state from another version is discarded.
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 #: ``progress(phase, done, total)``; ``total`` is None while unknown (the listing).
 ProgressFn = Callable[[str, int, "int | None"], None]
@@ -144,7 +152,8 @@ class GcReport:
     """What a run saw and did (a resumed run reports the whole run, not only its last part).
 
     Object counts are objects; ``*_pages`` count pages. ``undated`` objects have no mtime and
-    were never aged out. ``failures`` counts the objects of pages whose deletion failed;
+    were never aged out; ``held`` objects were pinned or retained at the scan (their pages are
+    never deleted). ``failures`` counts the objects of pages whose deletion failed;
     ``kept_pages`` were planned but stayed because a child's deletion failed. ``seconds``
     holds each phase's wall time in this process.
     """
@@ -154,6 +163,8 @@ class GcReport:
     pages: int = 0
     manifests: int = 0
     undated: int = 0
+    held: int = 0
+    held_pages: int = 0
     retired: int = 0
     retired_pages: int = 0
     expired: int = 0
@@ -245,7 +256,8 @@ class GcState:
             """
             DROP TABLE IF EXISTS objects; DROP TABLE IF EXISTS pages; DELETE FROM meta;
             CREATE TABLE objects (page TEXT NOT NULL, tail TEXT NOT NULL,
-                                  size INTEGER NOT NULL, mtime REAL);
+                                  size INTEGER NOT NULL, mtime REAL,
+                                  held INTEGER NOT NULL DEFAULT 0);
             """
         )
         self.set("version", STATE_VERSION)
@@ -410,7 +422,7 @@ def plan_gc(
     try:
         state.reset("plan", now)
         with state.transaction() as db:
-            db.executemany("INSERT INTO objects VALUES (?, ?, ?, ?)", [
+            db.executemany("INSERT INTO objects (page, tail, size, mtime) VALUES (?, ?, ?, ?)", [
                 (page_of(e.key), e.key[len(page_of(e.key)):], e.size, e.mtime)
                 for e in entries if not is_manifest(e.key)])
         _group_pages(state)
@@ -433,13 +445,16 @@ def plan_gc(
 
 async def _scan(backend: Backend, state: GcState, prefix: str,
                 tick: Callable[[int, int | None], None]) -> None:
-    """Stream the listing into ``objects``, one transaction per ``SCAN_BATCH`` objects."""
+    """Stream the listing into ``objects``, one transaction per ``SCAN_BATCH`` objects, each
+    object marked ``held`` when the backend reports a retention entry on it."""
     rows: list[tuple[str, str, int, float | None]] = []
     seen = manifests = 0
 
-    def flush() -> None:
+    async def flush() -> None:
+        held = await _held(backend, [page + tail for page, tail, _, _ in rows])
         with state.transaction() as db:
-            db.executemany("INSERT INTO objects VALUES (?, ?, ?, ?)", rows)
+            db.executemany("INSERT INTO objects VALUES (?, ?, ?, ?, ?)",
+                           [(*row, int(h)) for row, h in zip(rows, held, strict=True)])
         rows.clear()
 
     async for st in backend.list_entries(prefix):
@@ -450,11 +465,18 @@ async def _scan(backend: Backend, state: GcState, prefix: str,
         page = page_of(st.key)
         rows.append((page, st.key[len(page):], st.size, st.mtime))
         if len(rows) >= SCAN_BATCH:
-            flush()
+            await flush()
             tick(seen, None)
-    flush()
+    await flush()
     tick(seen, None)
     state.set("manifests", manifests)
+
+
+async def _held(backend: Backend, keys: Sequence[str]) -> list[bool]:
+    """Whether each key has a retention entry that holds now (never, without the capability)."""
+    if not keys or not backend.capabilities.retention:
+        return [False] * len(keys)
+    return [bool(entries) for entries in await backend.retention_of(keys)]
 
 
 # -- 2. pages -------------------------------------------------------------------------------------
@@ -472,11 +494,12 @@ def _group_pages(state: GcState) -> None:
             undated INTEGER NOT NULL, newest REAL NOT NULL, tail TEXT NOT NULL,
             parent TEXT, key_id TEXT, parent_known INTEGER NOT NULL DEFAULT 0,
             children INTEGER NOT NULL DEFAULT 0, step INTEGER, rule INTEGER,
-            outcome INTEGER, blocked INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;
+            outcome INTEGER, blocked INTEGER NOT NULL DEFAULT 0,
+            held INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;
         BEGIN;
-        INSERT INTO pages (page, size, objects, undated, newest, tail)
+        INSERT INTO pages (page, size, objects, undated, newest, tail, held)
             SELECT page, sum(size), count(*), max(mtime IS NULL), coalesce(max(mtime), 0.0),
-                   min(tail)
+                   min(tail), max(held)
             FROM objects GROUP BY page;
         UPDATE pages SET parent = nullif(c.parent, ''), key_id = c.key_id, parent_known = 1
             FROM cache.parents AS c WHERE c.page = pages.page;
@@ -625,7 +648,7 @@ def _plan(state: GcState, policy: GcPolicy, now: float) -> None:
             WHERE page IN (SELECT parent FROM pages WHERE parent IS NOT NULL);
         COMMIT;
         CREATE INDEX IF NOT EXISTS pages_tails ON pages(undated, newest, page)
-            WHERE children = 0 AND step IS NULL;
+            WHERE children = 0 AND step IS NULL AND held = 0;
         CREATE INDEX IF NOT EXISTS pages_step ON pages(step) WHERE step IS NOT NULL;
         """
     )
@@ -687,12 +710,13 @@ class _Planner:
         self.parents = {}
 
     def _parent(self, page: str) -> list[Any] | None:
-        """``page``'s row as this batch left it; None if it is planned (or not stored)."""
+        """``page``'s row as this batch left it; None if it is planned, not stored or held
+        (a held page never becomes a tail)."""
         if page in self.parents:
             return self.parents[page]
         row = self.db.execute(
             "SELECT children, undated, newest, size, parent FROM pages "
-            "WHERE page = ? AND step IS NULL", (page,)).fetchone()
+            "WHERE page = ? AND step IS NULL AND held = 0", (page,)).fetchone()
         self.parents[page] = entry = None if row is None else list(row)
         return entry
 
@@ -720,7 +744,7 @@ class _Planner:
         while True:
             rows = self.db.execute(
                 "SELECT page, size, parent FROM pages WHERE children = 0 AND step IS NULL "  # noqa: S608
-                f"AND {where} ORDER BY undated, newest, page LIMIT ?",
+                f"AND held = 0 AND {where} ORDER BY undated, newest, page LIMIT ?",
                 (*params, PLAN_BATCH)).fetchall()
             if not rows:
                 return
@@ -733,7 +757,8 @@ class _Planner:
         while self.total > max_bytes:
             rows = self.db.execute(
                 "SELECT undated, newest, page, size, parent FROM pages "
-                "WHERE children = 0 AND step IS NULL ORDER BY undated, newest, page LIMIT ?",
+                "WHERE children = 0 AND step IS NULL AND held = 0 "
+                "ORDER BY undated, newest, page LIMIT ?",
                 (PLAN_BATCH,)).fetchall()
             if not rows:
                 return
@@ -821,6 +846,9 @@ class _DeleteBatch:
         failed, and block their ancestors. Returns the number of pages settled."""
         if not self.pages:
             return 0
+        await self._keep_held(backend, state)
+        if not self.pages:
+            return 0
         failed: set[str] = set()
         try:
             await backend.delete(self.keys)
@@ -839,6 +867,29 @@ class _DeleteBatch:
         count = len(self.pages)
         self.pages, self.keys = [], []
         return count
+
+
+    async def _keep_held(self, backend: Backend, state: GcState) -> None:
+        """Take out of the batch the pages that got a retention entry since the scan, and
+        (children come first) their ancestors in it; all settle as kept."""
+        held = await _held(backend, self.keys)
+        if not any(held):
+            return
+        held_keys = {key for key, h in zip(self.keys, held, strict=True) if h}
+        stay: list[tuple[str, str | None]] = []
+        go: list[tuple[str, str | None, list[str]]] = []
+        blocked: set[str] = set()
+        for page, parent, keys in self.pages:
+            if page in blocked or held_keys.intersection(keys):
+                stay.append((page, parent))
+                if parent is not None:
+                    blocked.add(parent)
+            else:
+                go.append((page, parent, keys))
+        with state.transaction() as db:
+            _settle(db, stay, _KEPT, self.blocked)
+        self.pages = go
+        self.keys = [key for _, _, keys in go for key in keys]
 
 
 def _settle(db: sqlite3.Connection, pages: Sequence[tuple[str, str | None]], outcome: int,
@@ -867,8 +918,9 @@ def _prune_parent_cache(state: GcState) -> None:
 
 def _fill_report(state: GcState, report: GcReport) -> None:
     one = state.db.execute
-    report.scanned, report.scanned_bytes, report.undated = (int(v or 0) for v in one(
-        "SELECT count(*), sum(size), sum(mtime IS NULL) FROM objects").fetchone())
+    report.scanned, report.scanned_bytes, report.undated, report.held = (int(v or 0) for v in one(
+        "SELECT count(*), sum(size), sum(mtime IS NULL), sum(held) FROM objects").fetchone())
+    report.held_pages = state.scalar("SELECT count(*) FROM pages WHERE held = 1")
     report.manifests = int(state.get("manifests") or 0)
     report.scanned += report.manifests
     report.pages = state.scalar("SELECT count(*) FROM pages")

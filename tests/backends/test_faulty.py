@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -21,12 +21,27 @@ from hicache_store.backends.memory import MemoryBackend
 from hicache_store.layout.errors import CorruptObjectError
 from hicache_store.layout.framing import decode_header, verify_blocks
 from hicache_store.layout.keys import format_key
-from hicache_store.testing import BackendTests, framed_object
+from hicache_store.testing import BackendTests, RetentionTests, framed_object
 
 
 def _inner(backend: Backend) -> MemoryBackend:
     assert isinstance(backend, FaultyBackend) and isinstance(backend.inner, MemoryBackend)
     return backend.inner
+
+
+class TestFaultyMemoryRetention(RetentionTests):
+    """Retention calls reach the inner backend (with faults off, exactly as on it)."""
+
+    async def open_retention_backend(
+        self, where: Path, capacity_bytes: int, pin_fraction: float, clock: Callable[[], float]
+    ) -> Backend:
+        return FaultyBackend(MemoryBackend(capacity_bytes, pin_fraction, clock))
+
+
+async def test_retention_calls_get_injected_errors() -> None:
+    store = FaultyBackend(MemoryBackend(), FaultConfig(error_rate=1.0))
+    with pytest.raises(BackendUnavailableError, match="injected"):
+        await store.retention_of(["a0"])
 
 
 class TestFaultyMemoryFaultsOff(BackendTests):

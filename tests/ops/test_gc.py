@@ -134,7 +134,7 @@ def test_a_plan_run_again_on_its_own_state_is_the_same_plan() -> None:
     try:
         state.reset("plan", 100.0)
         with state.transaction() as db:
-            db.executemany("INSERT INTO objects VALUES (?, ?, ?, ?)",
+            db.executemany("INSERT INTO objects (page, tail, size, mtime) VALUES (?, ?, ?, ?)",
                            [(gc_ops.page_of(e.key), e.key[32:], e.size, e.mtime)
                             for e in entries])
         gc_ops._group_pages(state)
