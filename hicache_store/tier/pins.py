@@ -16,7 +16,10 @@ at once is bounded by each tier's budget: ``pin_fraction`` of its capacity (L1 p
 where L2 caches pages). Pages a request will pin are reserved when it arrives (``reserve``:
 ``PinBudgetError`` naming the tier, and nothing reserved, when a budget would be passed) and
 pinned when its pages exist (``hold``), so a pin is refused before the request runs, never
-dropped afterwards.
+dropped afterwards. Pages already pinned when a request arrives cost nothing; one whose pins
+all ended while the request ran is pinned again at its completion without a reservation, so
+the pinned pages can pass a budget by such pages until pins end (new pins are refused
+meanwhile).
 """
 
 from __future__ import annotations

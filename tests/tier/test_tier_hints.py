@@ -19,6 +19,7 @@ from hicache_store.demo.engine.kv_pool import DeviceKVPool
 from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.tier.cache import HiCache
+from hicache_store.tier.components import KV
 from hicache_store.tier.config import TierConfig
 from hicache_store.tier.hints import HintAction, RequestHints, ResponseEnd
 
@@ -88,6 +89,13 @@ def test_a_pinned_prompt_stays_where_an_unpinned_one_is_evicted(
         starts[pin] = serve(tier, model, [*system, 2, 3], hints(20.0, "a"))
         if pin:
             assert tier.metrics.hit_tokens_l1 >= 16  # its L1 copy stayed
+            if l2_pages:
+                assert tier.metrics.evictions_l2 > 0
+                req = tier.match([*system, 1])
+                pinned = tier.tree.match(req.hashes)
+                assert len(pinned) == 4
+                assert all(n.copy(KV.tag).l2 is not None for n in pinned)  # and its L2 copy
+                tier.abort(req)
         tier.close()
     assert starts == {True: 16, False: 0}
 
