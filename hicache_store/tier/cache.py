@@ -367,9 +367,8 @@ class HiCache:
             raise ValueError(f"need: no component named {sorted(unknown)}")
         tags = tuple(self.components[name].tag for name in wanted)
         req = Request(token_tensor, hashes, [], l1, in_memory - l1, tags, _branches(nodes))
-        if hints is not None:
-            req.hints, req.pin_reserved = hints, reserved
-            self.hinting.announce(req)
+        req.hints, req.pin_reserved = hints, reserved
+        self.hinting.announce(req)
         held_nodes = nodes[:in_memory]
         self._hold(req, held_nodes)
         self.tree.touch(held_nodes)
@@ -540,6 +539,7 @@ class HiCache:
         if self.config.host_mode == "buffer_only":
             for node in req.loading:
                 self._drop(node, self.kv)
+        self.hinting.resume(req)
         full = len(req.tokens) // page
         path = self.tree.insert(req.hashes[:full])
         new_nodes = path[req.prefix_pages :]

@@ -6,8 +6,9 @@ response_end(end)`` a ``ResponseEnd``. ``Hinting`` (one per tier) then:
 * **refuses** hints about a namespace the tier does not own (``ValueError``), and an action
   whose token range is not within the prompt;
 * **announces** the request to every pool's eviction policy that takes hints (``session``:
-  ``tier.eviction``), at ``match`` and again at ``complete`` when other requests were announced
-  in between (the pages a request adds belong to its session);
+  ``tier.eviction``), at ``match`` and again at ``complete`` (before its pages are inserted)
+  when other requests were announced in between (the pages a request adds belong to its
+  session);
 * at ``match``, before anything is taken, **expires** pins past their deadline (on the hints'
   clock, ``now_s``) and **reserves** the pages the request's ``pin`` actions will hold: past
   the pin budget the request is refused with ``PinBudgetError`` (``tier.pins``);
@@ -78,6 +79,10 @@ log = logging.getLogger(__name__)
 _PREFIX_ACTIONS = ("pin", "retain")
 
 
+#: what a request without hints tells a policy: no session (the clock does not move).
+_NO_SESSION = RequestHints(0.0)
+
+
 def owner_of(hints: RequestHints) -> str:
     """The owner of a request's pins and holds: its session (``""`` without one)."""
     return hints.session or ""
@@ -127,11 +132,12 @@ class Hinting:
                 )
 
     def announce(self, req: Request) -> None:
-        """Tell the pools' policies which request (and session) is served now."""
+        """Tell the pools' policies which request (and session: none without hints) is served
+        now."""
         self._announced = req
-        assert req.hints is not None
+        hints = req.hints if req.hints is not None else _NO_SESSION
         for policy in self._hinted():
-            policy.hint_request(req.hints)
+            policy.hint_request(hints)
 
     def _hinted(self) -> list[HintedEvictionPolicy[PageNode]]:
         """The pools' policies that take hints."""
@@ -140,6 +146,12 @@ class Hinting:
             for p in self.tier.tree.policies.values()
             if takes_hints(p)
         ]
+
+    def resume(self, req: Request) -> None:
+        """``complete``, before the request's pages are inserted and touched: announce it again
+        if another request was announced since (its pages belong to its own session)."""
+        if self._announced is not req:
+            self.announce(req)
 
     def arrive(self, tokens: int, hashes: Sequence[str], hints: RequestHints) -> int:
         """``match``, before anything is taken: check the hints, expire pins, reserve the
@@ -180,8 +192,6 @@ class Hinting:
         """Apply the request's actions to its pages ``path`` (in the tree now)."""
         hints = req.hints
         assert hints is not None
-        if self._announced is not req:
-            self.announce(req)
         owner = owner_of(hints)
         page = self.tier.namespace.page_size
         wall = time.time()

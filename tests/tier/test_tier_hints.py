@@ -311,3 +311,29 @@ def test_hints_never_change_what_a_hit_returns(model: MiniLlama) -> None:
         "hint_dropped_copies"] > 0
     tier.close()
     plain.close()
+
+
+def test_interleaved_requests_give_their_pages_to_their_own_sessions() -> None:
+    """a and b are in flight together (b said its session ends); a completes first, while b
+    was the last request announced. a's new pages are still a's: under pressure b's go first.
+    Without hints, a third request's pages belong to no session."""
+    tier = make_tier(12, eviction_policy="session")
+    a_doc, b_doc, d_doc = prompts(17, 3, 16)
+    a = tier.match([*a_doc, 1], hints=hints(0.0, "a"))
+    b = tier.match([*b_doc, 1], hints=hints(0.5, "b", HintAction("session_end")))
+    tier.prepare(a)
+    tier.prepare(b)
+    tier.complete(a)
+    tier.complete(b)
+    tier.response_end(ResponseEnd("a", "tool_use", 1.0))
+    d = tier.match([*d_doc, 1, 2, 3])  # no hints: 5 pages, 4 free, so 1 page goes: b's
+    tier.prepare(d)
+    tier.complete(d)
+    again = tier.match([*a_doc, 2], hints=hints(2.0, "a"))
+    assert tier.prepare(again).start == 16
+    tier.complete(again)
+    again = tier.match([*b_doc, 2], hints=hints(3.0, "b"))
+    assert tier.prepare(again).start < 16
+    tier.complete(again)
+    tier.check_invariants()
+    tier.close()
