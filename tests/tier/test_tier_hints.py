@@ -285,7 +285,7 @@ def test_hints_never_change_what_a_hit_returns(model: MiniLlama) -> None:
     tier = make_tier(24, 24, backend, pin_fraction=0.5, eviction_policy="session")
     plain = make_tier(24, 24, MemoryBackend(), pin_fraction=0.5, eviction_policy="session")
     now, most_pinned = 0.0, 0
-    for i in range(24):
+    for i in range(16):
         doc = docs[rng.randrange(len(docs))][: rng.randrange(8, 25)]
         tokens = [*doc, *(rng.randrange(CONFIG.vocab_size) for _ in range(rng.randrange(1, 9)))]
         action = rng.choice(["pin", "retain", "prefetch", "demote", "drop", "session_end", None])
