@@ -45,7 +45,8 @@ error. L3 calls run in the background like backups: pages held (``hint_l3_pinned
 logged; pages not stored in L3 when their hold was due are ``hint_l3_not_stored``. Nothing in
 the engine's path raises because of L3. Deadlines in L3 are wall-clock (they outlive the
 process): ``time.time()`` at the request plus ``duration_s``. Only the KV's objects are held
-(components' objects follow their own eviction).
+(components' objects follow their own eviction). The tier remembers which pages each session
+holds in L3 until the session ends (``session_end``), to release them then.
 
 Hints never change what a hit returns: they change what stays, never which bytes a page holds.
 """
