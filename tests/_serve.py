@@ -24,6 +24,7 @@ from hicache_store.demo.hybrid import (
     prefill_prepared,
 )
 from hicache_store.tier.cache import HiCache, Prepared, Request
+from hicache_store.tier.hints import RequestHints
 
 __all__ = ["Served", "assert_recomputed", "serve", "serve_checked"]
 
@@ -36,15 +37,17 @@ def serve(
     window: WindowPool | None = None,
     recurrent: RecurrentPool | None = None,
     need: Collection[str] | None = None,
+    hints: RequestHints | None = None,
     after_match: Callable[[Request], None] | None = None,
     after_prepare: Callable[[Prepared], None] | None = None,
 ) -> Served:
-    """Serve ``tokens``: match (``need``: the components to resume with, default all),
+    """Serve ``tokens``: match (``need``: the components to resume with, default all;
+    ``hints``: the request's hints),
     ``after_match(request)``, prepare, ``after_prepare(prepared)``, prefill the suffix over
     ``tier.pool``, complete. The two hooks are a test's way in between the phases (to time
     them, let a prefetch run, look at the tier's accounting)."""
     toks = list(tokens)
-    req = tier.match(toks, need=need)
+    req = tier.match(toks, need=need, hints=hints)
     if after_match is not None:
         after_match(req)
     prep = tier.prepare(req)

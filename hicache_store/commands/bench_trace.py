@@ -16,10 +16,11 @@ table; ``--json`` and ``--chart`` write the results and a PNG of hit rate agains
 ``--replay sim`` (the default for ``--format weka``, agent sessions: 47 M block references do
 not go through the tier in minutes) replays at block level instead
 (``trace_sim.simulate``: the tier's own eviction policies over the trace's block ids, a
-prefix-closed cache of the capacity), and is the replay that hands each request's hints to a
-policy that takes them (``session``), as an engine would (``trace_sim.HintFeed``). Its rows
-add the hit rate per request kind (``main``, ``subagent``) where the trace has sessions;
-``unbounded`` is a capacity there.
+prefix-closed cache of the capacity). Both replays hand each request what an engine would know
+(``trace_sim.HintFeed``): the simulator to a policy that takes hints (``session``), the tier
+replay to ``HiCache.match(hints=...)`` and ``HiCache.response_end``, the engine's API. Rows add
+the hit rate per request kind (``main``, ``subagent``) where the trace has sessions (the tier
+replay also the pages pinned at the end); ``unbounded`` is a capacity of the simulator.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--belady",
         help="with --replay sim: the capacities to compute the Belady bound at, comma-separated "
-        "(default: every one; 'none': none; it is the slowest reference)",
+        "(default: every one; 'none': none, also with --replay tier; it is the slowest "
+        "reference)",
     )
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
@@ -207,17 +209,19 @@ def run(args: argparse.Namespace) -> int:
         f"({page_bytes} B of KV), L1 {l1} pages",
         file=sys.stderr,
     )
-    references: dict[int, dict[str, float]] = {}
+    references: dict[int, dict[str, float | None]] = {}
     results: list[dict[str, Any]] = []
+    no_bound = (args.belady or "").strip() == "none"
     for capacity in capacities:
         blocks = max(1, capacity // per_block)
         if blocks not in references:
-            lru, bound = lru_reference(trace, blocks), belady(trace, blocks)
+            lru = lru_reference(trace, blocks)
+            bound = None if no_bound else belady(trace, blocks)
             references[blocks] = {
                 "lru_reference": lru.hit_rate,
                 "lru_reference_second_half": lru.second_half_hit_rate,
-                "belady": bound.hit_rate,
-                "belady_second_half": bound.second_half_hit_rate,
+                "belady": None if bound is None else bound.hit_rate,
+                "belady_second_half": None if bound is None else bound.second_half_hit_rate,
             }
         for policy in policies:
             url = args.backend
@@ -245,6 +249,12 @@ def run(args: argparse.Namespace) -> int:
             summary.update(references[blocks])
             results.append(summary)
     print(render_table(results))
+    peak = max(r["peak_rss_bytes"] for r in results)
+    print(
+        f"replayed in {sum(r['wall_s'] for r in results):.0f} s, peak memory "
+        f"{peak / 2**20:.0f} MiB",
+        file=sys.stderr,
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         document = {"schema": SCHEMA, "trace": str(args.trace), "requests": len(trace),
@@ -406,22 +416,29 @@ def gap_closed(result: dict[str, Any]) -> float | None:
 
 
 def render_table(results: list[dict[str, Any]]) -> str:
+    """The ``--replay tier`` table: hit rates in %, per kind where the trace has sessions, and
+    the pages pinned at the end."""
+    kinds = sorted({k for r in results for k in r["hit_rate_by_kind"]})
     head = (
-        f"{'blocks':>7} {'policy':<6} {'hit':>6} {'2nd half':>8} {'L1':>5} {'L2':>5} {'L3':>5} "
-        f"{'with L3':>7} {'LRU ref':>7} {'Belady':>6} {'gap':>5} {'L3 wr':>8} {'L3 rd':>8} "
-        f"{'book ms':>7} {'wall s':>6}"
+        f"{'blocks':>7} {'policy':<7} {'hit':>6} {'2nd half':>8} "
+        + "".join(f"{k:>9}" for k in kinds)
+        + f" {'L1':>5} {'L2':>5} {'L3':>5} {'with L3':>7} {'LRU ref':>7} {'Belady':>6} "
+        f"{'gap':>5} {'L3 wr':>8} {'L3 rd':>8} {'pins':>5} {'book ms':>7} {'wall s':>6}"
     )
     lines = ["token hit rates in % (hit = L1+L2, the cache of that size)", head]
     for r in results:
         closed = gap_closed(r)
+        bound = "-" if r["belady"] is None else f"{100 * r['belady']:.2f}"
         lines.append(
-            f"{r['capacity_blocks']:>7.0f} {r['policy']:<6} {100 * r['hit_rate']:>6.2f} "
-            f"{100 * r['hit_rate_second_half']:>8.2f} {100 * r['hit_rate_l1']:>5.1f} "
+            f"{r['capacity_blocks']:>7.0f} {r['policy']:<7} {100 * r['hit_rate']:>6.2f} "
+            f"{100 * r['hit_rate_second_half']:>8.2f} "
+            + "".join(f"{100 * r['hit_rate_by_kind'].get(k, 0.0):>9.2f}" for k in kinds)
+            + f" {100 * r['hit_rate_l1']:>5.1f} "
             f"{100 * r['hit_rate_l2']:>5.1f} {100 * r['hit_rate_l3']:>5.1f} "
             f"{100 * r['hit_rate_with_l3']:>7.2f} {100 * r['lru_reference']:>7.2f} "
-            f"{100 * r['belady']:>6.2f} "
+            f"{bound:>6} "
             f"{'-' if closed is None else f'{100 * closed:.0f}%':>5} "
-            f"{r['l3_objects_written']:>8} {r['l3_objects_read']:>8} "
+            f"{r['l3_objects_written']:>8} {r['l3_objects_read']:>8} {r['pinned_pages']:>5} "
             f"{r['bookkeeping_ms']['mean']:>7.3f} {r['wall_s']:>6.1f}"
         )
     return "\n".join(lines)
@@ -439,7 +456,10 @@ def write_chart(
     fig, ax = plt.subplots(figsize=(7, 4.5))
     by_capacity = sorted({r["capacity_blocks"] for r in results})
     first = {c: next(r for r in results if r["capacity_blocks"] == c) for c in by_capacity}
-    ax.plot(by_capacity, [100 * first[c]["belady"] for c in by_capacity], "k--", label="Belady")
+    if all(first[c]["belady"] is not None for c in by_capacity):
+        ax.plot(
+            by_capacity, [100 * first[c]["belady"] for c in by_capacity], "k--", label="Belady"
+        )
     ax.plot(
         by_capacity, [100 * first[c]["lru_reference"] for c in by_capacity], "k:",
         label="LRU reference",

@@ -103,6 +103,8 @@ from .group import (
     context,
     note,
 )
+from .hinting import Hinting
+from .hints import RequestHints, ResponseEnd
 from .host_pool import HostPagePool
 from .metrics import TierMetrics
 from .pools import LayerLoad, Pools, SlotList
@@ -232,6 +234,7 @@ class HiCache:
         # is in flight (or, for a failed load, while a request still holds the copy): a later
         # request using that copy waits for the same load (and fails with it).
         self._filling: dict[int, LayerLoad] = {}
+        self.hinting = Hinting(self)
 
     # == construction ========================================================================
 
@@ -317,13 +320,17 @@ class HiCache:
         *,
         need: Collection[str] | None = None,
         reuse: bool = True,
+        hints: RequestHints | None = None,
     ) -> Request:
         """Find the cached prefix of ``tokens`` in every tier and start an L3 prefetch.
 
         ``need``: the components this request resumes with (default: all; a request that does
         not speculate leaves out a draft model's KV). ``reuse=False``: use no cached page or
         object and start no prefetch (the request computes, or receives, everything;
-        ``complete`` still inserts its pages and produced objects)."""
+        ``complete`` still inserts its pages and produced objects). ``hints``: what the engine
+        knows of the request (``tier.hints``; what the tier does with them: ``tier.hinting``);
+        hints about another namespace, or a range outside the prompt, raise ``ValueError``,
+        pins past the pin budget ``PinBudgetError``, both before anything is taken."""
         self._check_open("match")
         started = time.perf_counter()
         token_tensor = torch.as_tensor(tokens, dtype=torch.int64)
@@ -341,6 +348,9 @@ class HiCache:
             self.namespace.page_size,
             algo=self.namespace.hash_algo,
         )
+        reserved = 0
+        if hints is not None:
+            reserved = self.hinting.arrive(int(token_tensor.numel()), hashes, hints)
         self.tree.begin_request()
         nodes = self.tree.match(hashes) if reuse else []
         l1 = PageTree.resident_prefix(nodes, Tier.L1, KV.tag)
@@ -353,9 +363,12 @@ class HiCache:
         wanted = self.components if need is None else need
         unknown = set(wanted) - set(self.components)
         if unknown:
+            self.hinting.unreserve(reserved)
             raise ValueError(f"need: no component named {sorted(unknown)}")
         tags = tuple(self.components[name].tag for name in wanted)
         req = Request(token_tensor, hashes, [], l1, in_memory - l1, tags, _branches(nodes))
+        req.hints, req.pin_reserved = hints, reserved
+        self.hinting.announce(req)
         held_nodes = nodes[:in_memory]
         self._hold(req, held_nodes)
         self.tree.touch(held_nodes)
@@ -462,6 +475,8 @@ class HiCache:
         request is dead: neither ``complete`` nor ``extend`` it.
         """
         self.prefetcher.drop(req)
+        if req.hints is not None:
+            self.hinting.abort(req)
         for load in self._loads(req):
             with contextlib.suppress(Exception):
                 load.wait_all()
@@ -524,6 +539,7 @@ class HiCache:
         if self.config.host_mode == "buffer_only":
             for node in req.loading:
                 self._drop(node, self.kv)
+        self.hinting.resume(req)
         full = len(req.tokens) // page
         path = self.tree.insert(req.hashes[:full])
         new_nodes = path[req.prefix_pages :]
@@ -554,8 +570,14 @@ class HiCache:
                 for node, tag in [*produced, *restored]:
                     if node.hits >= threshold:
                         self._backup(node, self.parts[tag])
+        if req.hints is not None:
+            self.hinting.complete(req, path)
         self.poll()
         req.bookkeeping_s += time.perf_counter() - started - (req.io_s - io_before)
+
+    def response_end(self, end: ResponseEnd) -> None:
+        """A response of ``end.session`` has ended (hand it over no earlier: ``tier.hints``)."""
+        self.hinting.response_end(end)
 
     def evict_device(self) -> None:
         """Evict every unlocked copy from L1 (KV and components; lower tiers keep theirs;
@@ -567,11 +589,15 @@ class HiCache:
 
     def drop(self, page_hash: str, component: str) -> bool:
         """Drop this rank's L1 and L2 copies of one component object (a rank that lost state;
-        tools and tests). False when it has none or a request or transfer is using one."""
+        tools and tests). False when it has none, a request or transfer is using one, or a
+        hint pins it."""
         part = self.parts[self.components[component].tag]
         node = self.tree.get(page_hash)
         held = None if node is None else node.held(part.tag)
-        if node is None or held is None or not held.in_memory or held.lock or held.host_lock:
+        if (
+            node is None or held is None or not held.in_memory or held.lock or held.host_lock
+            or held.pins
+        ):
             return False
         if held.l1 is not None and part.slots is not None:
             part.slots.free([held.l1])
@@ -597,6 +623,7 @@ class HiCache:
             self._apply_backup(done)
         del self._ready[:agreed]
         self.prefetcher.retire()
+        self.hinting.poll()
         self.tree.trim_l3_record()
 
     def _drain(self) -> None:
@@ -636,7 +663,7 @@ class HiCache:
         return events
 
     def _idle(self) -> bool:
-        return not self._transfers.in_flight and self.prefetcher.idle()
+        return not self._transfers.in_flight and self.prefetcher.idle() and self.hinting.idle()
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every queued L3 transfer has finished, then ``poll`` (every rank the same
@@ -688,7 +715,8 @@ class HiCache:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the tier's bookkeeping is inconsistent (tests, debugging).
 
-        Prefix-closed pools are prefix-closed in L1, and in L2 in ``cache`` mode (in
+        The pages pinned in the tree are the pin table's (``tier.pins``). Prefix-closed pools
+        are prefix-closed in L1, and in L2 in ``cache`` mode (in
         ``buffer_only`` mode L2 holds only pages in transit); the tree's policies and counters
         agree with a full scan; every host row in use is referenced by the tree or a prefetch,
         and every component slot is free or referenced.
@@ -929,6 +957,8 @@ class HiCache:
         self.tree.release_host(node, tag)
         if ok:
             self.tree.set_copy(node, tag, Tier.L3, True)
+        if tag == KV.tag:
+            self.hinting.backed_up(node, ok)
         self.metrics.count(part.name, "backups_l3" if ok else "backups_l3_failed")
         self.tree.set_pending(node, tag, False)
         if self.config.host_mode == "buffer_only":

@@ -24,6 +24,13 @@ def check_tier(tier: HiCache) -> None:
         assert held is not None, "a load is recorded for a page without KV"
         assert held.l1 is not None, "a load is recorded for a page not in L1"
         assert held.lock, "a load is recorded for a page no request holds"
+    pinned = [n for n in filled.values() if (h := n.held(KV.tag)) is not None and h.pins]
+    assert all(n.copy(KV.tag).pins == 1 for n in pinned), "a page pinned twice in the tree"
+    table = tier.hinting.pins
+    assert all(table.is_pinned(n) for n in pinned), "a page pinned in the tree, not in the table"
+    assert len(pinned) == table.pinned, (
+        f"{len(pinned)} pages pinned in the tree, {table.pinned} in the table"
+    )
     tier.tree.check_prefix_closed(tiers)
     tier.tree.check_queues()
     for part in tier.parts.values():

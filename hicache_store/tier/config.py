@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hicache_store.backends.retention import DEFAULT_PIN_FRACTION
 from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
 
 from .eviction import DEFAULT_EVICTION_POLICY
@@ -53,6 +54,8 @@ class TierConfig:
     holds); older ones are forgotten and probed again when needed. None: ``l1_pages +
     l2_pages``, so the tree never holds more than twice the pages of the memory tiers plus
     those in transit.
+    ``pin_fraction``: the share of each memory tier's pages that hint pins may hold at once
+    (``tier.pins``; L3's pin budget is the backend's own).
     """
 
     l1_pages: int
@@ -71,6 +74,7 @@ class TierConfig:
     layerwise_load: bool = True
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     l3_record_pages: int | None = None
+    pin_fraction: float = DEFAULT_PIN_FRACTION
 
     def __post_init__(self) -> None:
         if self.l1_pages < 1:
@@ -92,6 +96,8 @@ class TierConfig:
             raise ValueError("prefetch timeouts must not be negative")
         if self.max_inflight_bytes < 1 or self.max_queued_backup_pages < 0:
             raise ValueError("max_inflight_bytes / max_queued_backup_pages out of range")
+        if not 0.0 <= self.pin_fraction <= 1.0:
+            raise ValueError(f"pin_fraction: must be within [0, 1], got {self.pin_fraction!r}")
         if self.l3_record_pages is not None and self.l3_record_pages < 0:
             raise ValueError("l3_record_pages: must not be negative")
         from .eviction import EVICTION_POLICIES

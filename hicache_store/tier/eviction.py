@@ -504,6 +504,7 @@ class SessionEviction(Generic[N]):
         """The request now being served (after ``begin_request``, before its pages are used)."""
         self._now = max(self._now, hints.now_s)
         if hints.session is None:
+            self._current = None
             return
         stream = self._stream(hints.session, hints.kind)
         if hints.previous_stop is not None and hints.previous_end_s is not None:

@@ -14,7 +14,9 @@ one). Two records carry it, both frozen and validated on construction:
     session's previous response, and ``actions``: per-request ``HintAction`` items with the
     actions of vLLM's per-request hints envelope (``pin``, ``retain``, ``prefetch``,
     ``demote``, ``drop``, ``session_end``), each over a token range of the prompt. A request
-    with no session (``session=None``) carries no session signal at all.
+    with no session (``session=None``) carries no session signal at all. ``namespace``: the
+    digest of the namespace the hints are about (None: the tier's own); a tier refuses hints
+    about a namespace it does not own.
 
 ``ResponseEnd``
     One per response, handed over when the response has ended (never earlier): its session,
@@ -85,6 +87,7 @@ class RequestHints:
     previous_end_s: float | None = None
     session_start: bool = False
     actions: tuple[HintAction, ...] = ()
+    namespace: str | None = None
 
     def __post_init__(self) -> None:
         _check_time("now_s", self.now_s)

@@ -81,7 +81,8 @@ class Held:
     ``in_l3`` an L3 copy is known (an acknowledged write or a confirmed read), ``l3_pending``
     an L3 backup of it is queued or in flight, ``lock`` requests using its L1 copy (not
     evictable from L1 while > 0), ``host_lock`` transfers reading or filling its L2 copy (not
-    evictable from L2 while > 0). For a prefix-closed pool, ``l1_children`` / ``l2_children``
+    evictable from L2 while > 0), ``pins`` hint pins holding the page (``tier.pins``: neither
+    copy evictable while > 0; unlike a lock it keeps no transfer waiting). For a prefix-closed pool, ``l1_children`` / ``l2_children``
     count the page's children whose copy of the same component is in L1 / L2 (leaf tests in
     O(1)), and ``write_ok`` is the outcome of this instance's last L3 write of it (the backup
     worker's: a chain's write waits for its parent's)."""
@@ -92,6 +93,7 @@ class Held:
     l3_pending: bool = False
     lock: int = 0
     host_lock: int = 0
+    pins: int = 0
     l1_children: int = 0
     l2_children: int = 0
     write_ok: bool = False
@@ -103,7 +105,10 @@ class Held:
     @property
     def empty(self) -> bool:
         """No copy, none known, none pending and none in use."""
-        return not (self.in_memory or self.in_l3 or self.l3_pending or self.lock or self.host_lock)
+        return not (
+            self.in_memory or self.in_l3 or self.l3_pending or self.lock or self.host_lock
+            or self.pins
+        )
 
     def resident(self, tier: Tier) -> bool:
         """Whether ``tier`` holds this copy (L3: one is known)."""
@@ -491,6 +496,26 @@ class PageTree:
             self._update(node, tag, Tier.L1)
             self._changed(node)
 
+    def pin(self, node: PageNode, tag: int) -> None:
+        """A hint pins ``node``'s copies of component ``tag``: whatever L1 or L2 copy it has or
+        gets stays until ``unpin`` (the tier bounds how many pages are pinned, ``tier.pins``)."""
+        held = self.held(node, tag)
+        held.pins += 1
+        if held.pins == 1:
+            self._update(node, tag, Tier.L1)
+            self._update(node, tag, Tier.L2)
+            self._update_record(node)
+
+    def unpin(self, node: PageNode, tag: int) -> None:
+        held = self.held(node, tag)
+        if held.pins <= 0:
+            raise RuntimeError(f"{node} component {tag}: unpin without pin")
+        held.pins -= 1
+        if held.pins == 0:
+            self._update(node, tag, Tier.L1)
+            self._update(node, tag, Tier.L2)
+            self._changed(node)
+
     def hold_host(self, node: PageNode, tag: int) -> None:
         """A transfer reads or fills ``node``'s L2 copy of component ``tag``: not evictable."""
         held = self.held(node, tag)
@@ -521,11 +546,17 @@ class PageTree:
         if tier is Tier.L1:
             if pool.l1 is not None and held.l1 is not None:
                 pool.l1.set_evictable(
-                    node, held.lock == 0 and not (pool.prefix_closed and held.l1_children)
+                    node,
+                    held.lock == 0
+                    and held.pins == 0
+                    and not (pool.prefix_closed and held.l1_children),
                 )
         elif held.l2 is not None:
             pool.l2.set_evictable(
-                node, held.host_lock == 0 and not (pool.prefix_closed and held.l2_children)
+                node,
+                held.host_lock == 0
+                and held.pins == 0
+                and not (pool.prefix_closed and held.l2_children),
             )
 
     def _changed(self, node: PageNode) -> None:
@@ -539,7 +570,7 @@ class PageTree:
 
     def is_evictable(self, node: PageNode, tier: Tier, tag: int) -> bool:
         """Whether ``tier`` (L1 or L2) may give up ``node``'s copy of component ``tag`` now: it
-        is there and unlocked, its L1 copy is its own (not in another component's page), and
+        is there, unlocked and unpinned, its L1 copy is its own (not in another component's page), and
         for a prefix-closed pool no child has one there."""
         held = node.held(tag)
         if held is None:
@@ -549,6 +580,7 @@ class PageTree:
             return (
                 held.l1 is not None
                 and held.lock == 0
+                and held.pins == 0
                 and pool.l1 is not None
                 and not (pool.prefix_closed and held.l1_children)
             )
@@ -556,6 +588,7 @@ class PageTree:
             return (
                 held.l2 is not None
                 and held.host_lock == 0
+                and held.pins == 0
                 and not (pool.prefix_closed and held.l2_children)
             )
         raise ValueError("the record is tested with record_leaf")
@@ -568,7 +601,10 @@ class PageTree:
             return False
         known = False
         for h in node.copies.values():
-            if h.l1 is not None or h.l2 is not None or h.lock or h.host_lock or h.l3_pending:
+            if (
+                h.l1 is not None or h.l2 is not None or h.lock or h.host_lock or h.l3_pending
+                or h.pins
+            ):
                 return False
             known = known or h.in_l3
         return known

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from .hints import RequestHints
 from .pools import LayerLoad
 from .radix import PageNode
 from .transfers import Prefetch
@@ -91,6 +92,8 @@ class Request:
     l3_found: dict[int, list[bool]] = field(default_factory=dict)
     l3_kv_pages: int = 0
     rounds: int = 0
+    hints: RequestHints | None = None
+    pin_reserved: int = 0
     bookkeeping_s: float = 0.0
     io_s: float = 0.0
 

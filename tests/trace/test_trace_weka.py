@@ -169,3 +169,38 @@ def test_bench_trace_weka_command(
         assert row["hit_rate_by_kind"] == pytest.approx({"main": 320 / 714, "subagent": 64 / 192})
     table = capsys.readouterr().out
     assert "subagent" in table and "unbounded" in table
+
+
+def test_the_tier_replay_hands_each_request_its_hints(tmp_path: Path) -> None:
+    """Through the real tier, ``session`` keeps the session that went off to run a tool and
+    lets go of those that handed the turn to a human; LRU loses it. Same outcome as the
+    block-level simulator of the same policy: the hints reach the tier as they reach the sim.
+
+    L2 of 4 blocks. a (k=0) sends [1, 2] at 0 s, its response ends in a tool call at 1 s; b (at
+    30 s) and c (at 60 s) each send two blocks and hand the turn to the human. At 60 s LRU
+    evicts a (least recently used); ``session`` expects b back at 31 + 300 s and a, overdue
+    since 11 s, at 60 + 59 s: b goes. a returns at 70 s with [1, 2, 3]: 2 blocks hit.
+    """
+    from hicache_store.demo.bench.trace_replay import ReplaySetup, replay
+    from hicache_store.demo.bench.trace_sim import block_policy, simulate
+
+    sessions = {
+        "trace_a.json": {"id": "a", "block_size": 64, "hash_id_scope": "local", "requests": [
+            request(0.0, [1, 2], api_time=1.0), request(70.0, [1, 2, 3], api_time=1.0)]},
+        "trace_b.json": {"id": "b", "block_size": 64, "hash_id_scope": "local", "requests": [
+            request(0.0, [1, 2], stop="end_turn", api_time=1.0)]},
+        "trace_c.json": {"id": "c", "block_size": 64, "hash_id_scope": "local", "requests": [
+            request(0.0, [1, 2], stop="end_turn", api_time=1.0)]},
+    }
+    trace = read_trace(write_folder(tmp_path / "s", sessions), "weka")
+    hits = {}
+    for policy in ("lru", "arc", "session"):
+        setup = ReplaySetup(page_size=64, l1_pages=3, l2_pages=4, backend_url=None,
+                            eviction_policy=policy, settle=True)
+        result = replay(trace, setup)
+        hits[policy] = result.counts.l2.hit_tokens
+        assert hits[policy] == simulate(trace, 4, block_policy(policy, trace, 4)).hit_tokens
+        summary = result.summary()
+        assert set(summary["hit_rate_by_kind"]) == {"main"}
+        assert summary["pinned_pages"] == 0  # the trace asks for no pins
+    assert hits == {"lru": 0, "arc": 0, "session": 128}

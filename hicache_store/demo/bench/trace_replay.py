@@ -17,6 +17,12 @@ the model, so the KV bytes moved are whatever the small pool holds.
   served before ``(timestamp_i - timestamp_0) * s`` seconds into the replay, so background
   L3 writes and prefetches get the time they would have (a slower replay just runs late, and
   says by how much); 0 serves requests back to back.
+* Each request carries what an engine knows of it, through the same API an engine uses:
+  ``trace_sim.HintFeed`` gives ``tier.match`` the request's ``RequestHints`` (session, kind,
+  the previous response's stop reason and end, on the trace's clock) and ``tier.response_end``
+  each response once it has ended. A policy that takes hints (``session``) orders by them;
+  ``lru`` and ``arc`` ignore them. The trace asks for no pins; the pins the tier held at the end
+  are reported (``pinned_pages``).
 
 Sizes (``parse_capacity``) are given per tier in blocks of the trace (a bare number), pages,
 tokens or bytes of KV; the tier works in pages.
@@ -40,7 +46,7 @@ from hicache_store.backends.types import parse_size
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 
 from .trace_format import Trace
-from .trace_sim import HitCount
+from .trace_sim import HintFeed, HitCount, request_kind
 from .trace_tokens import blocks_tokens, request_tokens
 
 #: model name of the replay's namespace (its objects never mix with a real model's).
@@ -179,6 +185,8 @@ class ReplayResult:
             "hit_rate_l3": c.l3.hit_rate,
             "hit_rate_with_l3": everything.hit_rate,
             "hit_rate_with_l3_second_half": everything.second_half_hit_rate,
+            "hit_rate_by_kind": memory.kind_hit_rates,
+            "pinned_pages": m.get("pinned_pages", 0),
             "input_tokens": memory.input_tokens,
             "pages": {
                 "page_size": self.setup.page_size,
@@ -223,7 +231,7 @@ class ReplayResult:
 
 def _sum_counts(a: HitCount, b: HitCount) -> HitCount:
     """Hits of two tiers together (the same requests: input tokens are counted once)."""
-    return HitCount(
+    total = HitCount(
         a.requests,
         a.block_hits + b.block_hits,
         a.hit_tokens + b.hit_tokens,
@@ -231,6 +239,9 @@ def _sum_counts(a: HitCount, b: HitCount) -> HitCount:
         a.second_half_hit_tokens + b.second_half_hit_tokens,
         a.second_half_input_tokens,
     )
+    for kind, (hits, inputs) in a.by_kind.items():
+        total.by_kind[kind] = [hits + b.by_kind.get(kind, [0, 0])[0], inputs]
+    return total
 
 
 def longest_request_pages(trace: Trace, page_size: int, *, whole_blocks: bool = True) -> int:
@@ -283,6 +294,7 @@ def replay(
         setup, trace.block_tokens, namespace.page_bytes, TierCounts.empty(len(trace))
     )
     metrics = tier.metrics
+    feed = HintFeed(tier.response_end)
     started = time.monotonic()
     first_ms = trace.requests[0].timestamp_ms if trace.requests else 0
     try:
@@ -300,7 +312,8 @@ def replay(
                 else:
                     tokens = request_tokens(request, trace.block_tokens, seed=setup.seed)
                 before = (metrics.hit_tokens_l1, metrics.hit_tokens_l2, metrics.hit_tokens_l3)
-                req = tier.match(torch.from_numpy(tokens.astype(np.int64)))
+                hints = feed.arrive(request)
+                req = tier.match(torch.from_numpy(tokens.astype(np.int64)), hints=hints)
                 tier.prepare(req)
                 tier.complete(req)
                 if not setup.l1_cache:
@@ -318,8 +331,9 @@ def replay(
                     cut = min(excess, hits[tier_index])
                     hits[tier_index] -= cut
                     excess -= cut
+                kind = request_kind(request)
                 for count, hit in zip(counts, hits, strict=True):
-                    count.add(index, hit, request.input_length)
+                    count.add(index, hit, request.input_length, kind=kind)
                 result.bookkeeping_s.append(req.bookkeeping_s)
                 if progress is not None:
                     progress(index + 1)

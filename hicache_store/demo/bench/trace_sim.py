@@ -34,10 +34,16 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
-from hicache_store.tier.eviction import EvictionPolicy, make_eviction_policy, takes_hints
+from hicache_store.tier.eviction import (
+    EvictionPolicy,
+    HintedEvictionPolicy,
+    make_eviction_policy,
+    takes_hints,
+)
 from hicache_store.tier.hints import RequestHints, ResponseEnd
 
 from .trace_format import Trace, TraceRequest
@@ -105,7 +111,8 @@ class HitCount:
         return {k: (h / n if n else 0.0) for k, (h, n) in sorted(self.by_kind.items())}
 
 
-def _kind(request: TraceRequest) -> str | None:
+def request_kind(request: TraceRequest) -> str | None:
+    """The request's kind (``main``, ``subagent``; None: no session)."""
     return None if request.session is None else request.session.kind
 
 
@@ -135,30 +142,29 @@ def request_hints(request: TraceRequest) -> RequestHints:
 
 
 class HintFeed:
-    """Hands a hinted policy what an engine would know, request by request (module docstring):
-    ``arrive(request)`` first gives every response that ended by the request's arrival, in end
-    order, then the request's own hints; the request's response is held back until it ends."""
+    """Hands over what an engine would know, request by request (module docstring):
+    ``arrive(request)`` first gives ``on_response`` every response that ended by the request's
+    arrival, in end order, then returns the request's own hints; the request's response is held
+    back until it ends. The simulator hands both to a hinted policy; the tier replay passes the
+    hints to ``HiCache.match`` and the ends to ``HiCache.response_end``, as an engine does."""
 
-    def __init__(self, policy: EvictionPolicy[int]) -> None:
-        self.policy = policy if takes_hints(policy) else None
+    def __init__(self, on_response: Callable[[ResponseEnd], None]) -> None:
+        self._on_response = on_response
         self._pending: list[tuple[int, int, ResponseEnd]] = []
         self._order = 0
 
-    def arrive(self, request: TraceRequest) -> None:
-        policy = self.policy
-        if policy is None:
-            return
+    def arrive(self, request: TraceRequest) -> RequestHints:
         now_ms = request.timestamp_ms
         pending = self._pending
         while pending and pending[0][0] <= now_ms:
-            policy.hint_response(heapq.heappop(pending)[2])  # type: ignore[attr-defined]
-        policy.hint_request(request_hints(request))  # type: ignore[attr-defined]
+            self._on_response(heapq.heappop(pending)[2])
         info = request.session
         if info is not None:
             end_ms = max(info.end_ms, now_ms)
             self._order += 1
             end = ResponseEnd(info.stream, info.stop, end_ms / 1000)
             heapq.heappush(pending, (end_ms, self._order, end))
+        return request_hints(request)
 
 
 def _cached_prefix(hash_ids: Sequence[int], cached: object) -> int:
@@ -183,7 +189,7 @@ def lru_reference(trace: Trace, capacity: int | None) -> HitCount:
     for index, request in enumerate(trace.requests):
         hit = _cached_prefix(request.hash_ids, cache)
         count.add(index, prefix_hit_tokens(hit, request.input_length, trace.block_tokens),
-                  request.input_length, kind=_kind(request))
+                  request.input_length, kind=request_kind(request))
         for block in request.hash_ids:
             if block in cache:
                 cache.move_to_end(block)
@@ -218,7 +224,7 @@ def belady(trace: Trace, capacity: int | None) -> HitCount:
         hit = _cached_prefix(request.hash_ids, cached)
         blocks_in = sum(1 for block in request.hash_ids if block in cached)
         count.add(index, prefix_hit_tokens(hit, request.input_length, trace.block_tokens),
-                  request.input_length, blocks_in, _kind(request))
+                  request.input_length, blocks_in, request_kind(request))
         for depth, (block, use) in enumerate(zip(request.hash_ids, uses[index], strict=True)):
             cached[block] = (use, depth)
             heapq.heappush(heap, (-use, -depth, block))
@@ -243,15 +249,17 @@ def simulate(trace: Trace, capacity: int, policy: EvictionPolicy[int]) -> HitCou
     children: dict[int, int] = {}  # cached block -> cached children
     parent: dict[int, int] = {}
     count = HitCount(len(trace))
-    feed = HintFeed(policy)
+    hinted = cast("HintedEvictionPolicy[int] | None", policy if takes_hints(policy) else None)
+    feed = None if hinted is None else HintFeed(hinted.hint_response)
     touch_path = getattr(policy, "touch_path", None)
     for index, request in enumerate(trace.requests):
         blocks = request.hash_ids
         hit = _cached_prefix(blocks, children)
         count.add(index, prefix_hit_tokens(hit, request.input_length, trace.block_tokens),
-                  request.input_length, kind=_kind(request))
+                  request.input_length, kind=request_kind(request))
         policy.begin_request()
-        feed.arrive(request)
+        if hinted is not None and feed is not None:
+            hinted.hint_request(feed.arrive(request))
         # The cached blocks are a prefix (the cache is prefix-closed), the rest are new.
         if touch_path is not None:
             touch_path(blocks[:hit])
