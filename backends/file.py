@@ -651,8 +651,6 @@ class FileBackend(Backend):
         """Write ``view`` to a temp file, flush as ``durability`` says, publish it as ``key``.
 
         Returns False only for an exclusive publish that found the key present."""
-        directory = self._shard_dir(key)
-        final = os.path.join(directory, key)
         tmp = self._temp_path()
         direct = self.direct_io and len(view) >= DIRECT_ALIGNMENT and is_aligned(view)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | (_O_DIRECT if direct else 0)
@@ -669,20 +667,33 @@ class FileBackend(Backend):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            self._ensure_dir(directory)
-            if exclusive:
-                try:
-                    os.link(tmp, final)
-                except FileExistsError:
-                    return False
-                finally:
-                    os.unlink(tmp)
-            else:
-                os.rename(tmp, final)
+            return self._publish(key, tmp, exclusive)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+    def _publish(self, key: str, tmp: str, exclusive: bool) -> bool:
+        """Make the written, flushed temp file ``tmp`` the object ``key`` in one step.
+
+        ``rename`` over any previous object, or, ``exclusive``, ``link``, which refuses an
+        existing name: then False, and the temp file is removed either way. Readers see the
+        old object or the new one, never part of one; a crash before this leaves only a temp
+        file (removed at the next open). The caller fsyncs the shard directory when
+        ``durability`` is ``full``. Every writer of the file layout publishes through here.
+        """
+        directory = self._shard_dir(key)
+        final = os.path.join(directory, key)
+        self._ensure_dir(directory)
+        if not exclusive:
+            os.rename(tmp, final)
+            return True
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
         return True
 
     @property
