@@ -175,6 +175,19 @@ def framed_object(page: int = 1, layers: int = 4, block: int = 1024) -> tuple[Ob
     return key, encode_object(key, payload, kv_planes=2)
 
 
+async def assert_corrupt(backend: Backend, key: ObjectKey) -> None:
+    """Both verified reads (``ObjectIO``: the whole object, and every layer block) of the object
+    stored under ``key`` (one of ``framed_object``'s default size) raise
+    ``CorruptObjectError``, and the object stays in place."""
+    io = ObjectIO(backend)
+    name = format_key(key)
+    with pytest.raises(CorruptObjectError):
+        await io.read_object(name)
+    with pytest.raises(CorruptObjectError):
+        await io.read_blocks(key, memoryview(bytearray(4096)), payload_bytes=4096)
+    assert await backend.exists([name]) == [True], "a verified read must not delete"
+
+
 @pytest.mark.asyncio
 class BackendTests(BufferLifetimeTests, abc.ABC):
     """The conformance suite. See the module docstring for what a subclass provides."""
@@ -721,12 +734,7 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
         damaged = bytearray(raw)
         damaged[offset] ^= 0x10
         await self.oracle_set(backend, name, bytes(damaged))
-        io = ObjectIO(backend)
-        with pytest.raises(CorruptObjectError):
-            await io.read_object(name)
-        with pytest.raises(CorruptObjectError):
-            await io.read_blocks(key, memoryview(bytearray(4096)), payload_bytes=4096)
-        assert await backend.exists([name]) == [True], "a verified read must not delete"
+        await assert_corrupt(backend, key)
 
     async def test_range_read_verifies_only_its_layers(self, backend: Backend) -> None:
         key, blob = framed_object()
@@ -750,14 +758,10 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
         _, other_blob = framed_object(page=2)
         name = format_key(key)
         await self.oracle_set(backend, name, other_blob)
-        io = ObjectIO(backend)
-        with pytest.raises(CorruptObjectError):
-            await io.read_object(name)
-        with pytest.raises(CorruptObjectError):
-            await io.read_blocks(key, memoryview(bytearray(4096)), payload_bytes=4096)
+        await assert_corrupt(backend, key)
         await backend.put(["a0"], [other_blob])
         with pytest.raises(CorruptObjectError, match="not an object key"):
-            await io.read_object("a0")  # nothing to check it against
+            await ObjectIO(backend).read_object("a0")  # nothing to check it against
 
     @pytest.mark.parametrize("damage", ["truncated", "extended", "other_key", "empty", "garbage"])
     async def test_malformed_stored_objects_are_corrupt(self, backend: Backend, damage: str) -> None:
@@ -772,12 +776,7 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
             "garbage": pattern(8192, 9),
         }[damage]
         await self.oracle_set(backend, name, planted)
-        io = ObjectIO(backend)
-        with pytest.raises(CorruptObjectError):
-            await io.read_object(name)
-        with pytest.raises(CorruptObjectError):
-            await io.read_blocks(key, memoryview(bytearray(4096)), payload_bytes=4096)
-        assert await backend.exists([name]) == [True], "a verified read must not delete"
+        await assert_corrupt(backend, key)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
