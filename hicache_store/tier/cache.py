@@ -54,7 +54,7 @@ reaches the same agreements (``backup_acks`` in ``match``, ``prefetch_pages`` an
 ``prefix_pages`` in ``prepare``, ``backup_acks`` in ``complete``). With components the prefix
 agreement descends (``prefix_pages:components``) until every rank can resume there, since a
 checkpoint one rank lacks may be below another's best. KV backup completions are applied in the
-order and number the first PP stage decides (seed 000 §2.1: its writing ranks' ready counts, one
+order and number the first PP stage decides (its writing ranks' ready counts, one
 ``agree_min`` in which the other ranks vote ``NO_VOTE``); a rank whose transfer is not finished
 waits for it (bounded). ``flush`` ends on every rank together.
 
