@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from _serve import assert_equals_recompute
 
 from hicache_store.demo.bench.pd_worker import PrefillProcess, WorkerSetup, start_prefill
 from hicache_store.demo.engine.config import MiniLlamaConfig
@@ -42,8 +43,8 @@ def decode_step(model: MiniLlama, worker: DecodeWorker, served: Served, answer: 
     slots = served.extend(answer)
     n = len(served.prompt)
     logits = model.prefill(torch.tensor(answer), n, slots, worker.pool)  # type: ignore[arg-type]
-    full = model.forward_full(torch.tensor(served.prompt + answer))
-    assert torch.equal(logits, full[n:]), "decode logits differ from a single-process recompute"
+    assert_equals_recompute(model, served.prompt + answer, logits, n,
+                            "decode logits differ from a single-process recompute")
     served.finish()
 
 
