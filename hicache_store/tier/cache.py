@@ -811,9 +811,9 @@ class HiCache:
             dirty = part.writes and not (held.in_l3 or held.l3_pending)
             if not part.prefix_closed or held.l2 is None or dirty:
                 self._backup(node, part)
-            for tag, other in (node.copies or {}).items():
-                if other.l1 is not None and self.parts[tag].follows == part.tag:
-                    self._backup(node, self.parts[tag])  # it loses its L1 copy with the page
+            for other in node.records():
+                if other.l1 is not None and self.parts[other.tag].follows == part.tag:
+                    self._backup(node, self.parts[other.tag])  # it loses its L1 copy with the page
         part.slots.free([held.l1])
         self.tree.set_copy(node, part.tag, Tier.L1, None)
         self.metrics.count(part.name, "evictions_l1")

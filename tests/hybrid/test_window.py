@@ -219,7 +219,7 @@ def test_a_plan_keeps_its_objects_until_prepare_or_abort(model: HybridMiniLlama)
     assert any(h.host_lock for n in reader.tier.tree.nodes() if (h := n.held(WINDOW_TAG)))
     reader.tier.abort(req)
     assert not any(
-        h.host_lock or h.lock for n in reader.tier.tree.nodes() for h in (n.copies or {}).values()
+        h.host_lock or h.lock for n in reader.tier.tree.nodes() for h in n.records()
     )
     reader.tier.check_invariants()
     reader.close()
