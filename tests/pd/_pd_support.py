@@ -16,7 +16,11 @@ from hicache_store.pd import DecodeWorker, Served
 PAGE = 4
 CONFIG = MiniLlamaConfig()  # the tiny preset: 4 layers, 2 KV heads of 16, float32
 
-TRANSPORTS = ["tcp", pytest.param("mooncake", marks=pytest.mark.mooncake)]
+#: the transports every P/D test runs over. Mooncake's runs the same checks over a second
+#: transport at about twice the CPU of tcp's (a transfer engine per worker), so it is left to
+#: the full run (``slow``) and the fast loop checks P/D over tcp.
+MOONCAKE_MARKS = (pytest.mark.mooncake, pytest.mark.slow)
+TRANSPORTS = ["tcp", pytest.param("mooncake", marks=MOONCAKE_MARKS)]
 
 
 def setup_for(transport: str, **options: object) -> WorkerSetup:

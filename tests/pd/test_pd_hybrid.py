@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _pd_support import PAGE, setup_for, tokens
+from _pd_support import MOONCAKE_MARKS, PAGE, setup_for, tokens
 from _serve import assert_equals_recompute
 
 from hicache_store.demo.bench.hybrid import hybrid_config
@@ -43,7 +43,7 @@ MODELS = {"window": 0, "window+recurrent": 8}
 PARAMS = [
     pytest.param(("tcp", kind), id=f"tcp-{kind}") for kind in MODELS
 ] + [
-    pytest.param(("mooncake", kind), id=f"mooncake-{kind}", marks=pytest.mark.mooncake)
+    pytest.param(("mooncake", kind), id=f"mooncake-{kind}", marks=MOONCAKE_MARKS)
     for kind in MODELS
 ]
 
