@@ -18,7 +18,7 @@ from __future__ import annotations
 from hicache_store.layout.errors import ConfigError
 
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer
-from .base import Backend, VerifiedObject, reads_are_uses, reads_not_counted
+from .base import Backend, reads_are_uses, reads_not_counted
 from .errors import (
     BackendClosedError,
     BackendError,
@@ -76,7 +76,6 @@ __all__ = [
     "OutOfSpaceError",
     "UnknownBackendError",
     "UnsafeIndexError",
-    "VerifiedObject",
     "aligned_buffer",
     "available_backends",
     "backends",

@@ -20,12 +20,10 @@ DIRECT_ALIGNMENT = 4096
 _local = threading.local()
 
 # ``populate``: transparent huge pages where the kernel gives them, every page faulted in
-# before the first I/O. Measured on this project's VM (256 cold 8 MiB O_DIRECT reads, 16 in
-# flight, into a fresh 128 MiB buffer after 2 GiB of memory was allocated and freed, 4 rounds
-# each, one process): 4 KiB pages populated at mmap 1.0-1.6 GB/s, 4 KiB pages written by
-# the CPU first 1.2-1.7, huge pages written first 2.1-2.75; 4 KiB pages first faulted in by
-# the read itself stay at 1.3-1.5 on every later read. Buffers the CPU fills before any I/O
-# (write staging) fault their own pages in and need not populate.
+# before the first I/O. O_DIRECT reads land faster in huge pages than in 4 KiB ones, and 4 KiB
+# pages first faulted in by the read itself stay slower on every later read (BENCHMARKS.md,
+# "Design figures behind the file backend's index and read policy"). Buffers the CPU fills
+# before any I/O (write staging) fault their own pages in and need not populate.
 _HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 

@@ -4,8 +4,8 @@ Shared by every process that opens the root on one host, persistent, crash-safe,
 constant time, and with no per-object state in process memory.
 
 **Why an embedded database** (SQLite, from the standard library), chosen over the other ways
-to avoid rebuilding an index at every open (the old in-memory index: 18.5 s and 369 bytes per
-object at 1 M objects, rebuilt by every engine rank):
+to avoid rebuilding an index at every open (an in-memory index costs every process that opens
+the root a walk of the store and memory per object):
 
 - an append-only log replayed at open keeps open time proportional to the store;
 - sampled eviction in the style of Redis' approximated LRU (list a few random directories,
@@ -17,8 +17,9 @@ SQLite gives multi-statement transactions, one write lock shared by processes, r
 a killed writer (write-ahead log), and ordered on-disk indexes: the eviction order is the
 index on ``rank``, read a page at a time, never held in memory.
 
-**What SQLite is too slow for: existence.** A point lookup costs about 1.5 us of CPU (0.7 M
-keys/s at 1 M objects, in one ``IN`` query), so ``exists`` reads a *fingerprint set* instead:
+**What SQLite is too slow for: existence.** A point lookup costs microseconds of CPU per key
+even in one ``IN`` query (BENCHMARKS.md, "Design figures behind the file backend's index and
+read policy"), so ``exists`` reads a *fingerprint set* instead:
 a sorted array of the 64-bit xxh3 fingerprints of every key as of change ``S`` (a file in
 ``index/``, mapped read-only and shared through the page cache: 8 bytes per object, none of
 it process-private), plus the changes after ``S``, which every process reads from the

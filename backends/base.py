@@ -14,7 +14,7 @@ Public API (what callers use; implemented here, once, for every backend)::
     retain(keys, retention) / release(keys, owner) / retention_of(keys)   (``retention``)
 
     helpers: exists_prefix_length, exists_prefix_pages, get_ranges, put_if_absent, get_bytes,
-             put_bytes, get_object
+             put_bytes
 
 Core (what a backend implements; the public method has already validated everything):
 ``_exists``, ``_get_into``, ``_put``, ``_delete``, ``_stat``; optionally ``_list_prefix``,
@@ -72,14 +72,11 @@ import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from hicache_store.layout.errors import ConfigError, CorruptObjectError, InvalidKeyError
-from hicache_store.layout.framing import ObjectHeader, decode_header, payload_offset, verify_blocks
-from hicache_store.layout.keys import ObjectKey, parse_key, validate_storage_keys
-from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT
+from hicache_store.layout.errors import ConfigError, InvalidKeyError
+from hicache_store.layout.keys import validate_storage_keys
 
 from .errors import BackendClosedError, InvalidRangeError, NotSupportedError
 from .prefix import DEFAULT_FANOUT, search_prefix
@@ -98,8 +95,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: header bytes fetched first by ``get_object`` (holds the header of objects up to 500 layers).
-_HEADER_PROBE = 4096
 #: keys ``stat``-ed per call by the default ``_list_entries``.
 LIST_STAT_BATCH = 1000
 
@@ -275,20 +270,6 @@ async def _outlast(task: asyncio.Future[Any]) -> None:
             continue  # cancelled again: the I/O is still running, keep waiting for it
     if not task.cancelled():
         task.exception()  # the caller gave up: its outcome is dropped (and marked retrieved)
-
-
-@dataclass(frozen=True)
-class VerifiedObject:
-    """An object read through the framing layer: its header and the verified payload bytes.
-
-    ``payload`` holds the layer blocks that were asked for (all of them by default), and is a
-    view of the caller's ``into`` buffer when one was given.
-    """
-
-    header: ObjectHeader
-    payload: memoryview
-    layer_start: int
-    layer_stop: int
 
 
 def as_byte_view(buffer: BufferLike, *, writable: bool, what: str = "buffer") -> memoryview:
@@ -901,71 +882,3 @@ class Backend(abc.ABC):
     async def put_bytes(self, key: str, data: BufferLike) -> None:
         """Store one object (a one-key ``put``)."""
         await self.put([key], [data])
-
-    async def get_object(
-        self,
-        key: str,
-        *,
-        expected: ObjectKey | None = None,
-        layers: tuple[int, int] | None = None,
-        into: BufferLike | None = None,
-    ) -> VerifiedObject | None:
-        """Read a framed object and verify it (``hicache_store.layout.framing``).
-
-        Reads and checks the header against the key asked for (``expected``, by default the
-        object key ``key`` names: a valid object stored under another page's or namespace's
-        key is corrupt, never verified data), then reads the layer blocks ``layers = (start,
-        stop)`` (all by default) with one range read, into ``into`` when given, and verifies
-        their checksums. A miss returns None. A corrupt object (bad header, wrong key, checksum
-        mismatch, wrong size) also returns None and increments ``stats.corruptions``: wrong
-        bytes are never returned. The object stays in place. ``layers`` outside the object's
-        layer range raise ``ValueError`` and a ``key`` that is not an object key
-        ``InvalidKeyError`` (caller bugs).
-        """
-        if expected is None:
-            expected = parse_key(key)
-        try:
-            return await self._read_verified(key, expected, layers, into)
-        except (CorruptObjectError, InvalidRangeError) as exc:
-            # InvalidRangeError here means the object shrank or its header lies about sizes.
-            self.stats.corruptions += 1
-            log.warning("corrupt object treated as a miss: %s (backend=%s, key=%s)",
-                        exc, self.name, key)
-            return None
-
-    async def _read_verified(
-        self,
-        key: str,
-        expected: ObjectKey | None,
-        layers: tuple[int, int] | None,
-        into: BufferLike | None,
-    ) -> VerifiedObject | None:
-        (st,) = await self.stat([key])
-        if st is None:
-            return None
-        size = st.size
-        probe = min(size, _HEADER_PROBE)
-        if probe == 0:
-            raise CorruptObjectError("object is empty")
-        head = bytearray(probe)
-        if (await self.get_into([key], [head], [ByteRange(0, probe)]))[0] is None:
-            return None
-        try:
-            header = decode_header(head, expected=expected, object_length=size)
-        except CorruptObjectError:
-            longest = min(size, payload_offset(MAX_LAYERS_PER_OBJECT))
-            if longest <= probe:
-                raise
-            head = bytearray(longest)
-            if (await self.get_into([key], [head], [ByteRange(0, longest)]))[0] is None:
-                return None
-            header = decode_header(head, expected=expected, object_length=size)
-        start_layer, stop_layer = layers or (header.coords.layer_start, header.coords.layer_stop)
-        start, stop = header.block_range(start_layer, stop_layer)
-        dest = bytearray(stop - start) if into is None else into
-        view = as_byte_view(dest, writable=True, what="into")
-        if (await self.get_into([key], [view], [ByteRange(start, stop)]))[0] is None:
-            return None
-        payload = view[: stop - start]
-        verify_blocks(header, payload, start_layer, stop_layer)
-        return VerifiedObject(header, payload, start_layer, stop_layer)

@@ -27,13 +27,11 @@ a framed object's header and payload into separate buffers) is one open and one 
 one iovec per buffer. When the caller's buffer addresses and the file offset are 4096-aligned
 (``direct_io=auto``, the default), writes and cold reads use O_DIRECT and bypass the page
 cache; an unaligned tail (< 4 KiB) goes through a per-thread aligned block.
-Why O_DIRECT by default, measured on this project's VM (BENCHMARKS.md "Backends", 512 x 8 MiB
-in one run): a buffered write or a cold buffered read needs fresh page-cache pages, and on this
-VM allocating them costs more than the device transfer. O_DIRECT gave 2.23 GB/s durable write
-and 2.44 GB/s cold read against 0.34 and 1.47 GB/s buffered (an fdatasync after a buffered
-write has all the data still to flush; after an O_DIRECT write almost nothing).
-Buffered I/O wins re-reads of bytes already in the page cache (5.7 against 2.2 GB/s), so a read
-first asks the kernel whether its range is cached (``_pagecache.is_cached``: ``cachestat``, no
+Why O_DIRECT by default: a buffered write or a cold buffered read needs fresh page-cache pages,
+which can cost more than the device transfer, and an fdatasync after a buffered write still has
+all the data to flush, after an O_DIRECT write almost nothing (figures: BENCHMARKS.md,
+"Backends" and "Design figures behind the file backend's index and read policy").
+Buffered I/O wins re-reads of bytes already in the page cache, so a read first asks the kernel whether its range is cached (``_pagecache.is_cached``: ``cachestat``, no
 side effects) and reads warm bytes buffered. A key read cold a second time within a window is
 read buffered too, so that its later reads are warm (``page_cache=second``, the default;
 ``never`` keeps every cold read O_DIRECT, ``always`` reads cold bytes buffered: see
@@ -518,8 +516,7 @@ class FileBackend(Backend):
         self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange | None
     ) -> int | None:
         # docstring inherited. One open and one preadv for all the buffers: a framed object's
-        # header and payload cost one request, not two opens and two reads (measured figure
-        # at the cache tier's call, ``L3Link._read_object``).
+        # header and payload cost one request, not two opens and two reads.
         n: int | None = await self._run_io(
             self._translated, "get_scatter", key, self._read_into, key, list(buffers), byte_range
         )
@@ -674,8 +671,6 @@ class FileBackend(Backend):
         """Write ``view`` to a temp file, flush as ``durability`` says, publish it as ``key``.
 
         Returns False only for an exclusive publish that found the key present."""
-        directory = self._shard_dir(key)
-        final = os.path.join(directory, key)
         tmp = self._temp_path()
         direct = self.direct_io and len(view) >= DIRECT_ALIGNMENT and is_aligned(view)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | (_O_DIRECT if direct else 0)
@@ -692,20 +687,33 @@ class FileBackend(Backend):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            self._ensure_dir(directory)
-            if exclusive:
-                try:
-                    os.link(tmp, final)
-                except FileExistsError:
-                    return False
-                finally:
-                    os.unlink(tmp)
-            else:
-                os.rename(tmp, final)
+            return self._publish(key, tmp, exclusive)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+    def _publish(self, key: str, tmp: str, exclusive: bool) -> bool:
+        """Make the written, flushed temp file ``tmp`` the object ``key`` in one step.
+
+        ``rename`` over any previous object, or, ``exclusive``, ``link``, which refuses an
+        existing name: then False, and the temp file is removed either way. Readers see the
+        old object or the new one, never part of one; a crash before this leaves only a temp
+        file (removed at the next open). The caller fsyncs the shard directory when
+        ``durability`` is ``full``. Every writer of the file layout publishes through here.
+        """
+        directory = self._shard_dir(key)
+        final = os.path.join(directory, key)
+        self._ensure_dir(directory)
+        if not exclusive:
+            os.rename(tmp, final)
+            return True
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
         return True
 
     @property

@@ -38,7 +38,7 @@ answer is an ``InvalidRangeError``.
   then ``mv`` publishes it. That is atomic where the filesystem's rename is (POSIX ``file``,
   HDFS, SFTP's posix-rename); on a filesystem whose ``mv`` is copy-then-delete (FTP, WebDAV,
   some FUSE mounts), a reader may see a partial object: use such stores only with framed
-  objects (``get_object`` verifies checksums and turns a torn object into a miss).
+  objects (``ObjectIO`` verifies checksums: a torn object is corrupt, never served).
 
 **put_if_absent** is check-then-write (not atomic: ``capabilities.atomic_put`` is false); racing
 writers of one key write the same bytes, which is harmless for content-addressed keys.

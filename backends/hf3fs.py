@@ -64,7 +64,7 @@ from ._aligned import address_of, aligned_buffer
 from ._hf3fs_usrbio import IoOp, UsrbioEngine, is_hf3fs_fstype, load_usrbio, mount_of, shm_buf
 from .base import Backend, as_byte_view
 from .errors import BackendError, InvalidRangeError, translate_os_error
-from .file import FileBackend, _fsync_dir
+from .file import FileBackend
 from .types import BackendStats, BackendURL, ByteRange, convert_options, parse_size
 
 log = logging.getLogger(__name__)
@@ -367,23 +367,6 @@ class HF3FSBackend(FileBackend):
                     with contextlib.suppress(OSError):
                         os.unlink(leftover)
         return outcomes
-
-    def _publish(self, key: str, tmp: str, exclusive: bool) -> bool:
-        directory = self._shard_dir(key)
-        final = os.path.join(directory, key)
-        self._ensure_dir(directory)
-        if exclusive:
-            try:
-                os.link(tmp, final)
-            except FileExistsError:
-                return False
-            finally:
-                os.unlink(tmp)
-            if self.durability == "full":
-                _fsync_dir(directory)
-            return True
-        os.rename(tmp, final)
-        return True
 
     # -- helpers -------------------------------------------------------------------------------
 

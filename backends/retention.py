@@ -1,4 +1,4 @@
-"""Retention and pins: how long, and how firmly, a backend keeps an object (issue 34).
+"""Retention and pins: how long, and how firmly, a backend keeps an object.
 
 A key holds at most one ``Retention`` per owner. ``retain`` by an owner replaces that owner's
 own entry (so only the owner can shorten or weaken it); another owner adds its own entry

@@ -110,7 +110,7 @@ class ObjectStat:
 
 @dataclass
 class BackendStats:
-    """Counters a backend keeps; the base class updates the read/write/corruption ones.
+    """Counters a backend keeps; the base class updates the read/write ones.
 
     Monotonic counters only (never reset by the library), safe to export as metrics. Updated
     from the event loop thread, so plain integers suffice.
@@ -122,7 +122,6 @@ class BackendStats:
     writes: int = 0
     bytes_written: int = 0
     deletes: int = 0
-    corruptions: int = 0
     evictions: int = 0
     eviction_failures: int = 0
 

@@ -2,7 +2,7 @@
 
 Two deployments share stored KV exactly when their namespaces are equal, and the namespace
 digest is part of every object key, so a dtype, model, tenant, grid or layout mismatch can never
-produce a hit (SGLang issues #33268 and #26747 are the bugs this prevents).
+produce a hit (one would serve KV computed by another model, or read bytes in another layout).
 
 ``Namespace`` is also the single source of truth for the page geometry derived from the model
 shape and the grid: layer chunks, head groups, block and object sizes. Every other module asks it

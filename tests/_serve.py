@@ -1,64 +1,38 @@
 """One request through a cache tier, the way an engine serves it, checked against recompute.
 
-``serve`` is the documented call order on ``HiCache``'s public API only: ``match`` ->
-``prepare`` -> prefill of the suffix (the demo engine's ``prefill_prepared``: a ``MiniLlama``
-over the tier's pool, a ``HybridMiniLlama`` with its window and recurrent components restored
-and captured) -> ``complete``. ``serve_checked`` adds what every tier, hybrid, distributed and
-P/D test asserts of a served request: the suffix's logits equal a full recompute bit for bit,
-and (unless told not to) the tier's invariants hold afterwards.
+``serve`` (the demo engine's, ``demo.hybrid.serve``) is the documented call order on
+``HiCache``'s public API only: ``match`` -> ``prepare`` -> prefill of the suffix (a
+``MiniLlama`` over the tier's pool, a ``HybridMiniLlama`` with its window and recurrent
+components restored and captured, a sidecar draft model beside it) -> ``complete``.
+``serve_checked`` adds what every tier, hybrid, distributed and P/D test asserts of a served
+request: the suffix's logits equal a full recompute bit for bit (``assert_equals_recompute``,
+which the P/D tests' decode steps use too), and (unless told not to) the tier's invariants
+hold afterwards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from hicache_store.demo.engine.kv_pool import DeviceKVPool
 from hicache_store.demo.engine.model import MiniLlama
-from hicache_store.demo.hybrid import (
-    HybridMiniLlama,
-    RecurrentPool,
-    Served,
-    WindowPool,
-    prefill_prepared,
-)
-from hicache_store.tier.cache import HiCache, Prepared, Request
-from hicache_store.tier.hints import RequestHints
+from hicache_store.demo.hybrid import HybridMiniLlama, Served, serve
+from hicache_store.tier.cache import HiCache
 
-__all__ = ["Served", "assert_recomputed", "serve", "serve_checked"]
+__all__ = ["Served", "assert_equals_recompute", "assert_recomputed", "serve", "serve_checked"]
 
 
-def serve(
-    tier: HiCache,
+def assert_equals_recompute(
     model: MiniLlama | HybridMiniLlama,
     tokens: Sequence[int],
-    *,
-    window: WindowPool | None = None,
-    recurrent: RecurrentPool | None = None,
-    need: Collection[str] | None = None,
-    hints: RequestHints | None = None,
-    after_match: Callable[[Request], None] | None = None,
-    after_prepare: Callable[[Prepared], None] | None = None,
-) -> Served:
-    """Serve ``tokens``: match (``need``: the components to resume with, default all;
-    ``hints``: the request's hints),
-    ``after_match(request)``, prepare, ``after_prepare(prepared)``, prefill the suffix over
-    ``tier.pool``, complete. The two hooks are a test's way in between the phases (to time
-    them, let a prefetch run, look at the tier's accounting)."""
-    toks = list(tokens)
-    req = tier.match(toks, need=need, hints=hints)
-    if after_match is not None:
-        after_match(req)
-    prep = tier.prepare(req)
-    if after_prepare is not None:
-        after_prepare(prep)
-    pool: DeviceKVPool = tier.pool  # type: ignore[assignment]
-    logits, _ = prefill_prepared(
-        model, pool, toks, prep, tier.namespace.page_size, window=window, recurrent=recurrent
-    )
-    tier.complete(req)
-    return Served(logits, prep.start, req, prep)
+    logits: torch.Tensor,
+    start: int,
+    message: str = "logits differ from a full recompute",
+) -> None:
+    """``logits`` of ``tokens[start:]`` equal a full recompute of ``tokens``, bit for bit."""
+    expected = model.forward_full(torch.tensor(list(tokens)))[start:]
+    assert torch.equal(logits, expected), message
 
 
 def assert_recomputed(
@@ -68,8 +42,7 @@ def assert_recomputed(
     message: str = "logits differ from a full recompute",
 ) -> None:
     """The served suffix's logits equal a full recompute of ``tokens``, bit for bit."""
-    expected = model.forward_full(torch.tensor(list(tokens)))[served.start :]
-    assert torch.equal(served.logits, expected), message
+    assert_equals_recompute(model, tokens, served.logits, served.start, message)
 
 
 def serve_checked(
@@ -81,10 +54,17 @@ def serve_checked(
     invariants: bool = True,
     **options: object,
 ) -> Served:
-    """``serve`` (``options`` passed on), then ``assert_recomputed`` and, with
-    ``invariants``, ``tier.check_invariants()``."""
+    """``serve`` (``options`` passed on), then ``assert_recomputed`` (a sidecar draft's
+    logits against the draft model's own recompute too) and, with ``invariants``,
+    ``tier.check_invariants()``."""
     served = serve(tier, model, tokens, **options)  # type: ignore[arg-type]
     assert_recomputed(model, tokens, served, message)
+    draft = options.get("draft")
+    if draft is not None:
+        draft_model, _ = draft  # type: ignore[misc]
+        assert served.draft_logits is not None
+        assert_equals_recompute(draft_model, tokens, served.draft_logits, served.start,
+                                "draft logits differ from a full recompute")
     if invariants:
         tier.check_invariants()
     return served

@@ -25,7 +25,7 @@ def register(subparsers: Any) -> None:
         help="P/D disaggregation: decode-side prefix reuse off vs on, two processes",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
-    add_workload_arguments(parser, "workload (seed 000 §5, scaled to a 2-core CPU)",
+    add_workload_arguments(parser, "workload (multi-turn conversations, scaled to a 2-core CPU)",
                            turns=6, question_tokens=64, answer_tokens=32)
     sizes = parser.add_argument_group("workers")
     sizes.add_argument("--preset", default="bench", help="mini engine preset (tiny, bench)")

@@ -25,7 +25,7 @@ the pool copies restored pages into it before ``prefill`` and the new pages out 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +46,7 @@ from hicache_store.tier.components import (
     Placement,
     component_namespace,
 )
+from hicache_store.tier.hints import RequestHints
 
 #: component tags of the hybrid model's objects (``_C1``, ``_C2`` in keys): WINDOW_TAG and
 #: RECURRENT_TAG, from the one table of tags (``tier.components.TAGS``).
@@ -170,20 +171,32 @@ class Served:
 
 def serve(
     tier: HiCache,
-    model: HybridMiniLlama,
+    model: MiniLlama | HybridMiniLlama,
     tokens: Sequence[int],
     *,
     window: WindowPool | None = None,
     recurrent: RecurrentPool | None = None,
     draft: tuple[MiniLlama, DeviceKVPool] | None = None,
+    need: Collection[str] | None = None,
+    hints: RequestHints | None = None,
+    after_match: Callable[[Request], None] | None = None,
+    after_prepare: Callable[[Prepared], None] | None = None,
 ) -> Served:
-    """One request through ``tier`` and ``model`` in the documented call order: match, prepare,
-    restore the components into the model's inputs, prefill the suffix (and a sidecar draft
+    """One request through ``tier`` and ``model`` in the documented call order: match
+    (``need``: the components to resume with, default all; ``hints``: the request's hints),
+    prepare, restore the components
+    into the model's inputs, prefill the suffix over ``tier.pool`` (and a sidecar draft
     model's, on the draft pool at the same slots), capture the new snapshots and window pages
-    into their slots, complete."""
+    into their slots, complete. ``after_match(request)`` and ``after_prepare(prepared)`` run
+    between the phases (a caller's way in: to time them, let a prefetch run, look at the
+    tier's accounting)."""
     toks = list(tokens)
-    req = tier.match(toks)
+    req = tier.match(toks, need=need, hints=hints)
+    if after_match is not None:
+        after_match(req)
     prep = tier.prepare(req)
+    if after_prepare is not None:
+        after_prepare(prep)
     logits, _ = prefill_prepared(
         model,
         tier.pool,  # type: ignore[arg-type]

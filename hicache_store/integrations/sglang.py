@@ -12,15 +12,15 @@ imports this module, checks that ``HiCacheStoreStorage`` subclasses its ``HiCach
 does whenever SGLang is importable; without SGLang it is a plain class with the same methods),
 builds it as ``cls(storage_config, kwargs)`` and calls ``register_mem_pool_host(host_pool)``.
 
-**What a page becomes.** SGLang's page keys are the sha256 page-hash chain of SPEC §2, used as
-they are. At registration the adapter derives the namespace (model, KV kind, dtype, layers, KV
-heads, head or latent dim, page size, grid, tenant salt, sealed or not) and this rank's shard
-(TP/PP rank and size; MLA and DP-attention pools are replicated across TP, so only TP rank 0
-writes). A page
-moves between SGLang's host pool (``layer_first``, ``page_first``, ``page_first_direct``,
-``page_head``; MHA and MLA) and unified objects through the kernels' host relayouts; object
-keys carry the namespace digest, never a rank, so a deployment with another TP/PP size reads
-the same objects, and another dtype, model, grid or salt never hits.
+**What a page becomes.** SGLang's page keys are the sha256 page-hash chain of
+``layout.hashing``, used as they are. At registration the adapter derives the namespace
+(model, KV kind, dtype, layers, KV heads, head or latent dim, page size, grid, tenant salt,
+sealed or not) and this rank's shard (TP/PP rank and size; MLA and DP-attention pools are
+replicated across TP, so only TP rank 0 writes). A page moves between SGLang's host pool
+(``layer_first``, ``page_first``, ``page_first_direct``, ``page_head``; MHA and MLA) and
+unified objects through the kernels' host relayouts; object keys carry the namespace digest,
+never a rank, so a deployment with another TP/PP size reads the same objects, and another
+dtype, model, grid or salt never hits.
 
 **Tenants.** With a tenant key ring (``tenant_key_file``) the namespace is sealed: SGLang's
 page hashes are keyed with the tenant's secret before they name objects, and every object is
@@ -124,10 +124,7 @@ _ALIGN = 4096
 #: pool as soon as it lands (within ``staging_mib``). A window, not chunks: no read waits for
 #: a slower neighbour of its chunk, and the staging is smaller (16 rows = 128 MiB for 8 MiB
 #: pages, against three 64 MiB chunk buffers). 16 is the file backend's I/O thread count.
-#: Measured on the 2-vCPU VM (256 cold 8 MiB pages, page_first MHA, both on huge-page staging,
-#: alternating in one process, 5 rounds): median 2.43 GB/s against 2.28 for two chunks of 8
-#: pages in flight. Most of the gain over the earlier 1.5-2.0 GB/s is the staging memory
-#: itself (``aligned_buffer(populate=True)``).
+#: Figures: BENCHMARKS.md, "SGLang".
 _READ_WINDOW_PAGES = 16
 
 if TYPE_CHECKING:

@@ -61,9 +61,10 @@ from hicache_store.backends.errors import (
     NotSupportedError,
 )
 from hicache_store.backends.types import ByteRange, Capabilities
-from hicache_store.layout.errors import InvalidKeyError
+from hicache_store.layout.errors import CorruptObjectError, InvalidKeyError
 from hicache_store.layout.framing import decode_header, encode_object, verify_blocks
 from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
+from hicache_store.objects.io import ObjectIO
 
 from .lifetime import BufferLifetimeTests
 from .stateful import run_backend_state_machine
@@ -172,6 +173,19 @@ def framed_object(page: int = 1, layers: int = 4, block: int = 1024) -> tuple[Ob
     )
     payload = b"".join(bytes([i + 1]) * block for i in range(layers))
     return key, encode_object(key, payload, kv_planes=2)
+
+
+async def assert_corrupt(backend: Backend, key: ObjectKey) -> None:
+    """Both verified reads (``ObjectIO``: the whole object, and every layer block) of the object
+    stored under ``key`` (one of ``framed_object``'s default size) raise
+    ``CorruptObjectError``, and the object stays in place."""
+    io = ObjectIO(backend)
+    name = format_key(key)
+    with pytest.raises(CorruptObjectError):
+        await io.read_object(name)
+    with pytest.raises(CorruptObjectError):
+        await io.read_blocks(key, memoryview(bytearray(4096)), payload_bytes=4096)
+    assert await backend.exists([name]) == [True], "a verified read must not delete"
 
 
 @pytest.mark.asyncio
@@ -285,7 +299,7 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
         assert await backend.stat(["d0"]) == [None]
         assert await backend.delete(["d0"]) == [False]
         assert await backend.get_bytes("d0") is None
-        assert await backend.get_object(format_key(framed_object()[0])) is None
+        assert await ObjectIO(backend).read_object(format_key(framed_object()[0])) is None
 
     async def test_mixed_hits_and_misses(self, backend: Backend) -> None:
         await backend.put(["a0", "a1"], [b"x" * 10, b"y" * 20])
@@ -655,7 +669,10 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
             assert value is None or value in versions[key]
 
     async def test_no_partial_object_is_ever_visible(self, backend: Backend) -> None:
+        # The key exists before the readers start, so every read must hit: an overwrite shows
+        # the old or the new object, never a partial one and never a miss.
         a, b = b"\xaa" * (1 << 20), b"\xbb" * ((1 << 20) + 4096)
+        await backend.put(["a0"], [a])
         done = asyncio.Event()
 
         async def writer() -> None:
@@ -664,19 +681,19 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
                 await asyncio.sleep(0)
             done.set()
 
-        async def reader() -> int:
-            seen = 0
-            while not done.is_set():
+        async def reader() -> None:
+            hits = 0
+            while True:  # at least one read, however fast the writer is
                 buf = bytearray(len(b))
                 (n,) = await backend.get_into(["a0"], [buf])
-                if n is not None:
-                    assert bytes(buf[:n]) in (a, b), f"partial object of {n} bytes observed"
-                    seen += 1
+                assert n is not None, f"a miss while a0 was being overwritten ({hits} hits before)"
+                assert bytes(buf[:n]) in (a, b), f"partial object of {n} bytes observed"
+                hits += 1
+                if done.is_set():
+                    return
                 await asyncio.sleep(0)
-            return seen
 
-        results = await asyncio.gather(writer(), reader(), reader())
-        assert sum(r for r in results if isinstance(r, int)) >= 0
+        await asyncio.gather(writer(), reader(), reader())
 
     # -- oracle and corruption ----------------------------------------------------------------
 
@@ -691,24 +708,22 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
         key, blob = framed_object()
         name = format_key(key)
         await backend.put([name], [blob])
-        got = await backend.get_object(name, expected=key)
+        io = ObjectIO(backend)
+        got = await io.read_object(name)
         assert got is not None
-        assert bytes(got.payload) == blob[-4096:]
-        part = await backend.get_object(name, expected=key, layers=(1, 3))
-        assert part is not None
-        assert bytes(part.payload) == b"\x02" * 1024 + b"\x03" * 1024
+        assert bytes(got[1]) == blob[-4096:]
+        part = bytearray(2048)
+        assert await io.read_blocks(key, memoryview(part), payload_bytes=4096,
+                                    layers=(1, 3)) is not None
+        assert bytes(part) == b"\x02" * 1024 + b"\x03" * 1024
         into = bytearray(4096)
-        got = await backend.get_object(name, expected=key, into=into)
-        assert got is not None
+        assert await io.read_blocks(key, memoryview(into), payload_bytes=4096) is not None
         assert bytes(into) == blob[-4096:]
-        assert backend.stats.corruptions == 0
 
     @pytest.mark.parametrize(
         "where", ["payload", "last_byte", "header_magic", "header_field", "checksum_table"]
     )
-    async def test_flipped_byte_is_a_miss_and_a_counted_corruption(
-        self, backend: Backend, where: str
-    ) -> None:
+    async def test_flipped_byte_is_a_corrupt_object(self, backend: Backend, where: str) -> None:
         key, blob = framed_object()
         name = format_key(key)
         await backend.put([name], [blob])
@@ -719,10 +734,7 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
         damaged = bytearray(raw)
         damaged[offset] ^= 0x10
         await self.oracle_set(backend, name, bytes(damaged))
-        before = backend.stats.corruptions
-        assert await backend.get_object(name, expected=key) is None
-        assert backend.stats.corruptions == before + 1
-        assert await backend.exists([name]) == [True], "a verified read must not delete"
+        await assert_corrupt(backend, key)
 
     async def test_range_read_verifies_only_its_layers(self, backend: Backend) -> None:
         key, blob = framed_object()
@@ -730,28 +742,31 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
         damaged = bytearray(blob)
         damaged[4096 + 3 * 1024 + 5] ^= 0xFF  # layer 3 only
         await self.oracle_set(backend, name, bytes(damaged))
-        ok = await backend.get_object(name, expected=key, layers=(0, 2))
-        assert ok is not None
-        assert bytes(ok.payload) == b"\x01" * 1024 + b"\x02" * 1024
-        assert await backend.get_object(name, expected=key, layers=(2, 4)) is None
-        assert backend.stats.corruptions == 1
+        io = ObjectIO(backend)
+        ok = bytearray(2048)
+        assert await io.read_blocks(key, memoryview(ok), payload_bytes=4096,
+                                    layers=(0, 2)) is not None
+        assert bytes(ok) == b"\x01" * 1024 + b"\x02" * 1024
+        with pytest.raises(CorruptObjectError):
+            await io.read_blocks(key, memoryview(bytearray(2048)), payload_bytes=4096,
+                                 layers=(2, 4))
 
     async def test_verified_read_checks_the_key_it_was_asked_for(self, backend: Backend) -> None:
-        # Without expected=, the header is checked against the object key asked for: another
-        # page's valid object stored under this key is corrupt, never verified data.
+        # The header is checked against the object key asked for: another page's valid
+        # object stored under this key is corrupt, never verified data.
         key, _ = framed_object(page=1)
         _, other_blob = framed_object(page=2)
         name = format_key(key)
         await self.oracle_set(backend, name, other_blob)
-        assert await backend.get_object(name) is None
-        assert backend.stats.corruptions == 1
-        with pytest.raises(InvalidKeyError):
-            await backend.get_object("a0")  # not an object key: nothing to check it against
+        await assert_corrupt(backend, key)
+        await backend.put(["a0"], [other_blob])
+        with pytest.raises(CorruptObjectError, match="not an object key"):
+            await ObjectIO(backend).read_object("a0")  # nothing to check it against
 
     @pytest.mark.parametrize("damage", ["truncated", "extended", "other_key", "empty", "garbage"])
-    async def test_malformed_stored_objects_are_misses(self, backend: Backend, damage: str) -> None:
+    async def test_malformed_stored_objects_are_corrupt(self, backend: Backend, damage: str) -> None:
         key, blob = framed_object(page=1)
-        other_key, other_blob = framed_object(page=2)
+        _, other_blob = framed_object(page=2)
         name = format_key(key)
         planted = {
             "truncated": blob[:-100],
@@ -761,9 +776,7 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
             "garbage": pattern(8192, 9),
         }[damage]
         await self.oracle_set(backend, name, planted)
-        assert await backend.get_object(name, expected=key) is None
-        assert backend.stats.corruptions == 1
-        del other_key
+        await assert_corrupt(backend, key)
 
     # -- lifecycle ----------------------------------------------------------------------------
 

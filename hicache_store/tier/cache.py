@@ -54,7 +54,7 @@ reaches the same agreements (``backup_acks`` in ``match``, ``prefetch_pages`` an
 ``prefix_pages`` in ``prepare``, ``backup_acks`` in ``complete``). With components the prefix
 agreement descends (``prefix_pages:components``) until every rank can resume there, since a
 checkpoint one rank lacks may be below another's best. KV backup completions are applied in the
-order and number the first PP stage decides (seed 000 §2.1: its writing ranks' ready counts, one
+order and number the first PP stage decides (its writing ranks' ready counts, one
 ``agree_min`` in which the other ranks vote ``NO_VOTE``); a rank whose transfer is not finished
 waits for it (bounded). ``flush`` ends on every rank together.
 
@@ -839,9 +839,9 @@ class HiCache:
             dirty = part.writes and not (held.in_l3 or held.l3_pending)
             if not part.prefix_closed or held.l2 is None or dirty:
                 self._backup(node, part)
-            for tag, other in (node.copies or {}).items():
-                if other.l1 is not None and self.parts[tag].follows == part.tag:
-                    self._backup(node, self.parts[tag])  # it loses its L1 copy with the page
+            for other in node.records():
+                if other.l1 is not None and self.parts[other.tag].follows == part.tag:
+                    self._backup(node, self.parts[other.tag])  # it loses its L1 copy with the page
         part.slots.free([held.l1])
         self.tree.set_copy(node, part.tag, Tier.L1, None)
         self.metrics.count(part.name, "evictions_l1")

@@ -7,7 +7,7 @@ hash to node plus parent links (no per-node child tables). Matching a request is
 its page hashes; each node is one full page.
 
 **One residency record.** A node is only its place in the tree (hash, parent, depth, child
-count, last use). What a page holds is one ``Held`` per component (``node.copies[tag]``; the
+count, last use). What a page holds is one ``Held`` per component (``node.held(tag)``; the
 full-attention KV is the component ``KV_TAG``): its L1 copy, its L2 copy, whether L3 holds one,
 whether a backup is pending, and the locks on its L1 and L2 copies. Every component's copies
 change through one set of mutators (``set_copy``, ``set_pending``, ``lock`` / ``unlock``,
@@ -85,8 +85,14 @@ class Held:
     copy evictable while > 0; unlike a lock it keeps no transfer waiting). For a prefix-closed pool, ``l1_children`` / ``l2_children``
     count the page's children whose copy of the same component is in L1 / L2 (leaf tests in
     O(1)), and ``write_ok`` is the outcome of this instance's last L3 write of it (the backup
-    worker's: a chain's write waits for its parent's)."""
+    worker's: a chain's write waits for its parent's).
 
+    A page's records form a chain (``tag``, ``next``) in the order they were made, so a page
+    costs one slotted record per component it holds and no table (a few components at most:
+    a lookup walks at most that many links)."""
+
+    tag: int = KV_TAG
+    next: Held | None = None
     l1: int | None = None
     l2: int | None = None
     in_l3: bool = False
@@ -129,9 +135,9 @@ class Held:
 
 @dataclass(eq=False, slots=True)
 class PageNode:
-    """One cached page: its place in the tree. Its copies are ``copies[tag]`` (a ``Held`` per
-    component it holds anything of, the KV's under ``KV_TAG``); change them and the locks
-    only through ``PageTree``'s methods.
+    """One cached page: its place in the tree. Its copies are ``held(tag)`` (a ``Held`` per
+    component it holds anything of, the KV's under ``KV_TAG``; ``records()`` lists them,
+    chained from ``first``); change them and the locks only through ``PageTree``'s methods.
 
     ``children``: how many nodes have this one as parent. ``hits``: how many requests matched
     it (write-through-selective counts these). ``last_access``: the request clock at its last
@@ -145,11 +151,22 @@ class PageNode:
     hits: int = 0
     last_access: int = 0
     record_seq: int = 0
-    copies: dict[int, Held] | None = None
+    first: Held | None = None
 
     def held(self, tag: int) -> Held | None:
         """This page's copies of component ``tag``, if it has a record of them."""
-        return None if self.copies is None else self.copies.get(tag)
+        h = self.first
+        while h is not None and h.tag != tag:
+            h = h.next
+        return h
+
+    def records(self) -> Iterator[Held]:
+        """This page's records, one per component (each names its ``tag``), in the order
+        they were made."""
+        h = self.first
+        while h is not None:
+            yield h
+            h = h.next
 
     def copy(self, tag: int) -> Held:
         """This page's copies of component ``tag``, an empty record if it has none (to read:
@@ -165,19 +182,21 @@ class PageNode:
     @property
     def in_memory(self) -> bool:
         """Some copy of this page (of any component) is in L1 or L2."""
-        if self.copies is not None:
-            for h in self.copies.values():
-                if h.l1 is not None or h.l2 is not None:
-                    return True
+        h = self.first
+        while h is not None:
+            if h.l1 is not None or h.l2 is not None:
+                return True
+            h = h.next
         return False
 
     @property
     def busy(self) -> bool:
         """Something uses or writes this page's copies now (locks, pending backups)."""
-        if self.copies is not None:
-            for h in self.copies.values():
-                if h.lock or h.host_lock or h.l3_pending:
-                    return True
+        h = self.first
+        while h is not None:
+            if h.lock or h.host_lock or h.l3_pending:
+                return True
+            h = h.next
         return False
 
     def path(self) -> list[PageNode]:
@@ -192,8 +211,7 @@ class PageNode:
 
     def __repr__(self) -> str:
         where = {
-            tag: "".join(f"{t.name}" for t in Tier if h.resident(t))
-            for tag, h in (self.copies or {}).items()
+            h.tag: "".join(f"{t.name}" for t in Tier if h.resident(t)) for h in self.records()
         }
         return f"PageNode({self.page_hash[:8]}.., depth={self.depth}, copies={where})"
 
@@ -359,13 +377,14 @@ class PageTree:
         pools = self._pools
         for node in nodes:
             node.last_access = now
-            if node.copies is not None:
-                for tag, held in node.copies.items():
-                    pool = pools[tag]
-                    if held.l1 is not None and pool.l1 is not None:
-                        pool.l1.touch(node)
-                    if held.l2 is not None:
-                        pool.l2.touch(node)
+            held = node.first
+            while held is not None:
+                pool = pools[held.tag]
+                if held.l1 is not None and pool.l1 is not None:
+                    pool.l1.touch(node)
+                if held.l2 is not None:
+                    pool.l2.touch(node)
+                held = held.next
             if node.record_seq:
                 self._update_record(node, reprioritize=True)
 
@@ -404,33 +423,37 @@ class PageTree:
     def _removable(node: PageNode) -> bool:
         if node.children or node.depth < 0 or node.parent is None:
             return False
-        if node.copies is not None:
-            for h in node.copies.values():
-                if not h.empty:
-                    return False
+        h = node.first
+        while h is not None:
+            if not h.empty:
+                return False
+            h = h.next
         return True
 
     # -- residency and locks: one set for every component (each keeps the pools exact) ----
 
     def held(self, node: PageNode, tag: int) -> Held:
         """``node``'s copies of component ``tag``, their record made (empty) if it has none."""
+        held = node.held(tag)
+        if held is not None:
+            return held
         if tag not in self._pools:
             raise ValueError(f"component tag {tag} was not added to the tree")
-        if node.copies is None:
-            node.copies = {}
-        held = node.copies.get(tag)
-        if held is None:
-            held = node.copies[tag] = Held()
+        held = Held(tag)
+        last = node.first
+        if last is None:
+            node.first = held
+        else:
+            while last.next is not None:
+                last = last.next
+            last.next = held
         return held
 
     def set_copy(self, node: PageNode, tag: int, tier: Tier, value: int | bool | None) -> None:
         """Set where ``node``'s copy of component ``tag`` is: ``tier`` L1 / L2 take a page,
         slot or row (None drops the copy; an L1 copy that moves or goes takes the L1 copies of
         the components following its pages with it), L3 takes whether a copy is known."""
-        copies = node.copies
-        held = None if copies is None else copies.get(tag)
-        if held is None:
-            held = self.held(node, tag)
+        held = self.held(node, tag)
         was_in_memory = node.in_memory
         if tier is Tier.L3:
             held.in_l3 = bool(value)
@@ -440,9 +463,9 @@ class PageTree:
             if tier is Tier.L1:
                 old = held.l1
                 held.l1 = slot
-                if slot != old and pool.followers and node.copies is not None:
+                if slot != old and pool.followers:
                     for follower in pool.followers:  # rows at the old page are not at the new
-                        other = node.copies.get(follower)
+                        other = node.held(follower)
                         if other is not None:
                             other.l1 = None
                 policy = pool.l1
@@ -459,9 +482,7 @@ class PageTree:
                         policy.evict(node)
                 parent = node.parent
                 if pool.prefix_closed and parent is not None and parent.depth >= 0:
-                    above = parent.copies.get(tag) if parent.copies is not None else None
-                    if above is None:
-                        above = self.held(parent, tag)
+                    above = self.held(parent, tag)
                     step = 1 if slot is not None else -1
                     if tier is Tier.L1:
                         above.l1_children += step
@@ -536,10 +557,9 @@ class PageTree:
     def _update(self, node: PageNode, tag: int, tier: Tier) -> None:
         """Tell ``tag``'s ``tier`` policy whether ``node``'s copy there may go now (the test of
         ``is_evictable``, inlined: this runs for every change)."""
-        copies = node.copies
-        if copies is None or node.depth < 0:
+        if node.depth < 0:
             return
-        held = copies.get(tag)
+        held = node.held(tag)
         if held is None:
             return
         pool = self._pools[tag]
@@ -597,16 +617,18 @@ class PageTree:
     def record_leaf(node: PageNode) -> bool:
         """Whether the record may forget ``node``: a leaf known in L3 (for some component),
         with nothing in memory or in use."""
-        if node.children or node.depth < 0 or node.copies is None:
+        if node.children or node.depth < 0:
             return False
         known = False
-        for h in node.copies.values():
+        h = node.first
+        while h is not None:
             if (
                 h.l1 is not None or h.l2 is not None or h.lock or h.host_lock or h.l3_pending
                 or h.pins
             ):
                 return False
             known = known or h.in_l3
+            h = h.next
         return known
 
     def pop_victim(self, tier: Tier, tag: int) -> PageNode | None:
@@ -631,7 +653,7 @@ class PageTree:
                 continue  # stale
             node.record_seq = 0
             self._record_queued -= 1
-            node.copies = None  # nothing in memory or in use: only L3 knowledge is lost
+            node.first = None  # nothing in memory or in use: only L3 knowledge is lost
             self.prune(node)
             dropped += 1
         return dropped
@@ -688,9 +710,9 @@ class PageTree:
             if parent.depth < 0:
                 continue
             children[id(parent)] += 1
-            for tag, copy in (node.copies or {}).items():
-                if self._pools[tag].prefix_closed:
-                    c = resident.setdefault((id(parent), tag), [0, 0])
+            for copy in node.records():
+                if self._pools[copy.tag].prefix_closed:
+                    c = resident.setdefault((id(parent), copy.tag), [0, 0])
                     c[0] += copy.l1 is not None
                     c[1] += copy.l2 is not None
         for node in nodes:

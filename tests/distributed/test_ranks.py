@@ -85,6 +85,7 @@ def check_group(outcomes: list[Outcome], reference: Outcome | None = None) -> No
         assert first.digests == reference.digests
 
 
+@pytest.mark.slow  # two groups of rank processes of its own: the module's costliest test
 @pytest.mark.parametrize("topology", [Topology(2, 1), Topology(1, 2)], ids=["tp2", "pp2"])
 def test_group_serves_multi_turn_like_one_process(
     pool: RankPool, tmp_path: Path, topology: Topology

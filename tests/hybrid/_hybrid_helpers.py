@@ -3,6 +3,7 @@ one tier with the hybrid mini engine's window and recurrent components, and a ch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,7 @@ from hicache_store.backends.base import Backend
 from hicache_store.demo.hybrid import HybridMiniLlama, RecurrentPool, WindowPool
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
-from hicache_store.tier.cache import HiCache
+from hicache_store.tier.cache import HiCache, Prepared, Request
 from hicache_store.tier.config import TierConfig
 from hicache_store.tier.group import RankGroup
 
@@ -26,11 +27,18 @@ class Hybrid:
     window: WindowPool | None
     recurrent: RecurrentPool
 
-    def serve(self, tokens: list[int]) -> int:
-        """Serve one request, check its logits against a full recompute and the tier's
-        bookkeeping; return the reused tokens."""
+    def serve(
+        self,
+        tokens: list[int],
+        *,
+        after_match: Callable[[Request], None] | None = None,
+        after_prepare: Callable[[Prepared], None] | None = None,
+    ) -> int:
+        """Serve one request (the hooks as ``serve_checked``'s), check its logits against a
+        full recompute and the tier's bookkeeping; return the reused tokens."""
         return serve_checked(
-            self.tier, self.model, tokens, window=self.window, recurrent=self.recurrent
+            self.tier, self.model, tokens, window=self.window, recurrent=self.recurrent,
+            after_match=after_match, after_prepare=after_prepare,
         ).start
 
     def extra(self, name: str) -> float:

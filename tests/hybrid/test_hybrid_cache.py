@@ -18,6 +18,7 @@ from hicache_store.backends.faulty import FaultConfig, FaultyBackend
 from hicache_store.demo.engine.config import MiniLlamaConfig
 from hicache_store.demo.hybrid import RECURRENT_TAG, HybridMiniLlama
 from hicache_store.layout.keys import ObjectCoords, object_key
+from hicache_store.tier.cache import Prepared, Request
 from hicache_store.tier.radix import Tier
 
 PAGE = 4
@@ -138,20 +139,23 @@ def test_component_objects_are_prefetched_not_read_at_prepare(
     first.serve(doc + rand(rng, 6))
     first.close()
     second = make(model, backend)
-    tokens = doc + rand(rng, 3)
-    req = second.tier.match(tokens)
-    assert req.prefetch is not None
-    assert [f.tag for f in req.prefetch.extra] == [RECURRENT_TAG]  # with the KV pages
-    assert req.prefetch.finished.wait(10)
-    reads = backend.stats.reads
-    prep = second.tier.prepare(req)
-    assert backend.stats.reads == reads, "prepare read from L3"
-    assert prep.start == len(doc)
-    ((index, slot),) = prep.components["recurrent"].restored
-    assert index == 4
-    _, _, snaps = model.prefill(torch.tensor(doc), 0, torch.arange(20), model.make_pool(5, PAGE), None, snapshot_at=(20,))
-    assert torch.equal(second.recurrent.state(slot), snaps[20])
-    second.tier.complete(req)
+    reads: list[int] = []
+
+    def prefetched(req: Request) -> None:
+        assert req.prefetch is not None
+        assert [f.tag for f in req.prefetch.extra] == [RECURRENT_TAG]  # with the KV pages
+        assert req.prefetch.finished.wait(10)
+        reads.append(backend.stats.reads)
+
+    def restored(prep: Prepared) -> None:
+        assert backend.stats.reads == reads[0], "prepare read from L3"
+        assert prep.start == len(doc)
+        ((index, slot),) = prep.components["recurrent"].restored
+        assert index == 4
+        _, _, snaps = model.prefill(torch.tensor(doc), 0, torch.arange(20), model.make_pool(5, PAGE), None, snapshot_at=(20,))
+        assert torch.equal(second.recurrent.state(slot), snaps[20])
+
+    assert second.serve(doc + rand(rng, 3), after_match=prefetched, after_prepare=restored) == 20
     second.close()
 
 

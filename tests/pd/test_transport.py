@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from _pd_peer import SIZE, receiver
+from _pd_support import TRANSPORTS
 
 from hicache_store.pd.transport import (
     Transport,
@@ -20,11 +21,6 @@ from hicache_store.pd.transport import (
     coalesce,
     open_transport,
 )
-
-TRANSPORTS = [
-    "tcp",
-    pytest.param("mooncake", marks=pytest.mark.mooncake),
-]
 
 
 def _available(name: str) -> None:

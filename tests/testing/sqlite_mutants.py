@@ -219,6 +219,16 @@ class WipesOnOpen(SqliteBackend):
         self.db.execute("DELETE FROM objects")
 
 
+class OverwriteDeletesFirst(SqliteBackend):
+    """Overwrites an object by deleting it, then inserting the new bytes (two statements, with
+    the loop free in between): a reader in that gap finds no object at all."""
+
+    async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
+        await self._delete(keys)
+        await asyncio.sleep(0.002)
+        await super()._put(keys, buffers)
+
+
 #: every mutant, by the name of the defect, with the suite test that must catch it.
 MUTANTS: dict[str, tuple[type[SqliteBackend], str]] = {
     "exists_wrong_past_64": (
@@ -233,6 +243,7 @@ MUTANTS: dict[str, tuple[type[SqliteBackend], str]] = {
     "stale_read_cache": (StaleReadCache, "test_reads_after_a_rewrite_or_delete_are_never_stale"),
     "stat_without_mtime": (StatWithoutMtime, "test_stat_reports_the_write_time_when_declared"),
     "wipes_on_open": (WipesOnOpen, "test_objects_survive_a_reopen"),
+    "overwrite_deletes_first": (OverwriteDeletesFirst, "test_no_partial_object_is_ever_visible"),
 }
 
 __all__ = ["MUTANTS", "SqliteBackend"]

@@ -120,11 +120,11 @@ class TreeMachine(RuleBasedStateMachine):
     @rule()
     def unlock_all(self) -> None:
         for node in self._nodes():
-            for tag, held in list((node.copies or {}).items()):
+            for held in list(node.records()):
                 while held.lock:
-                    self.tree.unlock(node, tag)
+                    self.tree.unlock(node, held.tag)
                 while held.host_lock:
-                    self.tree.release_host(node, tag)
+                    self.tree.release_host(node, held.tag)
 
     @rule(index=st.integers(0, 99))
     def use(self, index: int) -> None:

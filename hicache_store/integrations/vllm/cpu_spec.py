@@ -195,7 +195,7 @@ class TorchCopyWorker(OffloadingWorker):  # type: ignore[misc]
                 host[c, s, :n] = engine[b, :n]
             else:
                 engine[b, :n] = host[c, s, :n]
-            return int(len(blocks)) * int(n)
+            return len(blocks) * int(n)
         moved = 0
         for block, chunk, sub in zip(blocks.tolist(), chunks.tolist(), subs.tolist(),
                                      strict=True):
