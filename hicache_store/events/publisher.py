@@ -100,6 +100,7 @@ class EventPublisher:
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self.dropped_batches = 0
+        self.accepted_batches = 0
         self.sent_batches = 0
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
@@ -129,7 +130,9 @@ class EventPublisher:
         if self._closing.is_set():
             return False
         try:
-            self._queue.put_nowait((time.time() if ts is None else ts, tuple(events)))
+            with self._lock:
+                self._queue.put_nowait((time.time() if ts is None else ts, tuple(events)))
+                self.accepted_batches += 1
         except queue.Full:
             with self._lock:
                 self.dropped_batches += 1
@@ -138,6 +141,15 @@ class EventPublisher:
                 log.warning("kv events: the queue is full (%d batches); dropping whole batches",
                             self.config.max_queue)
             return False
+        return True
+
+    def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until every batch accepted so far is sent; False after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.sent_batches < self.accepted_batches:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.002)
         return True
 
     def close(self, timeout: float = 2.0) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from hicache_store.events.publisher import PublisherConfig
 from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
 
 from .eviction import DEFAULT_EVICTION_POLICY
@@ -53,6 +54,10 @@ class TierConfig:
     holds); older ones are forgotten and probed again when needed. None: ``l1_pages +
     l2_pages``, so the tree never holds more than twice the pages of the memory tiers plus
     those in transit.
+    ``events_endpoint``: publish the tier's KV events (pages entering and leaving L2 and L3,
+    vLLM's wire format, ``tier.events``) on this ZMQ address (None: off, the default; needs
+    the ``events`` extra). ``events_replay_endpoint``: the replay socket (None: none);
+    ``events_topic``: the topic frame; ``events_history``: batches held for replay.
     """
 
     l1_pages: int
@@ -71,6 +76,10 @@ class TierConfig:
     layerwise_load: bool = True
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     l3_record_pages: int | None = None
+    events_endpoint: str | None = None
+    events_replay_endpoint: str | None = None
+    events_topic: str = ""
+    events_history: int = 10_000
 
     def __post_init__(self) -> None:
         if self.l1_pages < 1:
@@ -94,6 +103,10 @@ class TierConfig:
             raise ValueError("max_inflight_bytes / max_queued_backup_pages out of range")
         if self.l3_record_pages is not None and self.l3_record_pages < 0:
             raise ValueError("l3_record_pages: must not be negative")
+        if self.events_endpoint is not None:
+            self.events_config()  # validates the addresses and the history now
+        elif self.events_replay_endpoint is not None:
+            raise ValueError("events_replay_endpoint: needs events_endpoint")
         from .eviction import EVICTION_POLICIES
 
         if self.eviction_policy not in EVICTION_POLICIES:
@@ -101,6 +114,15 @@ class TierConfig:
                 f"eviction_policy: {self.eviction_policy!r} is not one of "
                 f"{', '.join(EVICTION_POLICIES)}"
             )
+
+    def events_config(self) -> PublisherConfig:
+        """The KV event publisher's configuration (``events_endpoint`` must be set)."""
+        if self.events_endpoint is None:
+            raise ValueError("events_endpoint: KV events are off")
+        return PublisherConfig(
+            self.events_endpoint, self.events_replay_endpoint, topic=self.events_topic,
+            history=self.events_history,
+        )
 
     @property
     def l3_record_limit(self) -> int:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from _kv_subscriber import Subscriber
 
 from hicache_store.events import publisher as publisher_module
 from hicache_store.events.publisher import EventPublisher, PublisherConfig, binds
@@ -20,8 +21,6 @@ from hicache_store.events.wire import (
     BlockStored,
     Event,
 )
-
-from .subscriber import Subscriber
 
 
 def _batch(i: int) -> list[Event]:

@@ -1,5 +1,5 @@
 """A KV event subscriber as a router would write one, for the tests: a SUB socket for live
-batches and a DEALER for replay, decoding with ``plain_msgpack`` (never with our encoder)."""
+batches and a DEALER for replay, decoding with ``_plain_msgpack`` (never with our encoder)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import time
 from typing import Any
 
 import zmq
-
-from .plain_msgpack import unpack
+from _plain_msgpack import unpack
 
 Batch = tuple[int, list[Any]]  # (seq, [ts, events(, dp_rank)])
 
