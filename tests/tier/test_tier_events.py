@@ -201,3 +201,46 @@ def test_events_are_off_by_default_and_bad_addresses_are_refused(tmp_path: Path)
         TierConfig(l1_pages=1, events_endpoint="udp://127.0.0.1:1")
     with pytest.raises(ValueError, match="needs events_endpoint"):
         TierConfig(l1_pages=1, events_replay_endpoint=f"ipc://{tmp_path}/r")
+
+
+@pytest.mark.slow
+def test_pages_the_tier_finds_gone_from_l3_are_reported_removed(
+        tmp_path: Path, model: MiniLlama) -> None:
+    ns = namespace()
+    backend = open_backend("memory://")
+    pool = DeviceKVPool.for_model(CONFIG, num_pages=8, page_size=PAGE)
+    config = TierConfig(l1_pages=8, l2_pages=4, prefetch_threshold_tokens=PAGE,
+                        l3_record_pages=500, events_endpoint=f"ipc://{tmp_path}/ev",
+                        events_replay_endpoint=f"ipc://{tmp_path}/replay", events_topic="kv")
+    tier = HiCache(ns, config, pool, backend=backend)
+    rng = random.Random(4)
+    prompt = [rng.randrange(CONFIG.vocab_size) for _ in range(3 * PAGE + 2)]
+    serve_checked(tier, model, prompt)
+    tier.flush()
+    for _ in range(6):  # push the prompt's pages out of L1 and L2: L3 alone holds them
+        serve_checked(tier, model, [rng.randrange(CONFIG.vocab_size) for _ in range(5 * PAGE)])
+    tier.flush()
+    hashes = page_hashes(prompt, PAGE)
+    nodes = [tier.tree.get(h) for h in hashes]
+    assert all(n is not None and n.held(KV.tag).in_l3 and not n.held(KV.tag).in_memory
+               for n in nodes)
+
+    async def delete_pages() -> None:
+        doomed = [k async for k in backend.list_prefix("")
+                  if (parts := object_key_parts(k)) is not None and parts[0] in hashes]
+        assert await backend.delete(doomed) == [True] * len(doomed)
+
+    run_sync(delete_pages())
+    serve_checked(tier, model, prompt)  # the prefetch misses: recomputed, reported gone
+    tier.flush()
+    events = events_of(tier)
+    known_l3 = {bytes.fromhex(n.page_hash) for n in tier.tree.nodes()
+                if (h := n.held(KV.tag)) is not None and h.in_l3}
+    tier.close()
+    first = bytes.fromhex(hashes[0])
+    removals = [e for e in events if e["type"] == "BlockRemoved" and e["medium"] == "STORAGE"]
+    assert any(first in e["block_hashes"] for e in removals)
+    # The events follow what the tier knows of L3, exactly: the refuted page was written
+    # again by the recompute's backup (stored once more after its removal).
+    held = page_sets(events)["STORAGE"]
+    assert held == known_l3 and first in held
