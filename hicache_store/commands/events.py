@@ -10,13 +10,14 @@ interrupted::
 This process is a server: it binds ``--pub`` and ``--replay`` whatever their form (routers
 connect to it). The first line on stdout names both addresses (port 0 picks a free one). The
 first batches describe the whole store; then each look at the store's change feed (every
-``--interval`` seconds) is one batch. Needs the file backend's shared index (not
-``index=none``) and the ``events`` extra (pyzmq).
+``--interval`` seconds) is one batch. SIGINT or SIGTERM stops it cleanly. Needs the file
+backend's shared index (not ``index=none``) and the ``events`` extra (pyzmq).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import threading
 from typing import Any
 
@@ -82,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"publishing {publisher.endpoint} replay {publisher.replay_endpoint or '-'}",
           flush=True)
     stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a service manager's stop: clean
     try:
         watcher.run(stop, args.interval)
     except KeyboardInterrupt:

@@ -190,7 +190,7 @@ def test_end_to_end_with_real_processes_the_subscriber_set_equals_the_listing(
                 break
         sub.close()
     finally:
-        events.send_signal(2)  # SIGINT: a clean stop
+        events.terminate()  # SIGTERM: a clean stop
         events.wait(30)
     evictions = sum(r[2] for r in results)
     print(f"\nstore-wide events: writers {results} (puts, deletes, evictions); gc: {before_gc} -> "
