@@ -13,6 +13,8 @@ from test_sglang import StandInPool, adapter, keys_for, random_pages, slots
 
 from hicache_store.integrations._sglang_config import AdapterConfig
 from hicache_store.layout.errors import ConfigError
+from hicache_store.layout.keys import parse_key
+from hicache_store.tenant import KEY_FILE_ENV, KEY_TEXT_ENV, format_key_ring
 
 
 def test_stored_pages_are_published_in_runs_with_their_parents(
@@ -62,3 +64,30 @@ def test_events_are_off_by_default_and_bad_keys_are_refused() -> None:
     with pytest.raises(ConfigError, match="needs events_endpoint"):
         AdapterConfig.from_extra_config({"url": "memory://",
                                          "events_replay_endpoint": "ipc:///tmp/r"})
+
+
+def test_a_sealed_namespace_publishes_the_stored_keyed_names_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(KEY_FILE_ENV, raising=False)
+    monkeypatch.delenv(KEY_TEXT_ENV, raising=False)
+    ring = tmp_path / "tenant.keys"
+    ring.write_text(format_key_ring(b"\x07" * 32))
+    ring.chmod(0o600)
+    pool = StandInPool("page_first")
+    for page, data in enumerate(random_pages(3)):
+        pool.put(page, data)
+    store = adapter(pool, url=f"file://{tmp_path / 'kv'}", tenant_key_file=str(ring),
+                    events_endpoint=f"ipc://{tmp_path}/ev",
+                    events_replay_endpoint=f"ipc://{tmp_path}/r")
+    keys = keys_for(3)
+    assert store.batch_set_v1(keys, slots([0, 1, 2])) == [True] * 3
+    assert store.events is not None and store.events.publisher.drain()
+    sub = Subscriber(store.events.publisher.endpoint, store.events.publisher.replay_endpoint)
+    (event,) = [e for _, batch in sub.replay(0) for e in batch[1]]
+    sub.close()
+    store.close()
+    stored = {parse_key(p.name).page_hash for p in (tmp_path / "kv" / "objects").rglob("*_L*")
+              if p.is_file()}
+    published = {b.hex() for b in event["block_hashes"]}
+    assert event["token_ids"] == [] and published == stored  # the store's own (keyed) names
+    assert not published & set(keys)  # never SGLang's plain page hashes
