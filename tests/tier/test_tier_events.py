@@ -161,7 +161,7 @@ def test_a_sealed_namespace_publishes_keyed_hashes_and_no_tokens(
     keys = KeyRing((TenantKey(os.urandom(32)),))
     backend = open_backend("memory://")
     tier = make_tier(tmp_path, backend, ns, keys)
-    prompts = workload(tier, model, seed=2, n=25)
+    prompts = workload(tier, model, seed=2, n=15)
     events = events_of(tier)
     tier.close()
     plain = {h for p in prompts for h in page_hashes(p, PAGE)}
