@@ -117,9 +117,13 @@ _MASK64 = (1 << 64) - 1
 
 #: The change feed: each row packs the changes of one index write (``_fingerprints``); its
 #: ``seq`` is the number of the last change it holds (changes are counted, not rows).
+#: ``keys``: the keys of those changes, in order, joined by newlines (keys never hold one),
+#: for readers that must name each change (``changes_after``: the store-wide KV events);
+#: NULL in rows written before the column existed. The membership readers never read it.
 _FEED_TABLE = """CREATE TABLE IF NOT EXISTS feed (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    recs BLOB NOT NULL
+    recs BLOB NOT NULL,
+    keys TEXT
 )"""
 
 _SCHEMA = _FEED_TABLE + """;
@@ -170,6 +174,18 @@ class Reservation:
 class EvictionCount:
     evicted: int = 0
     failed: int = 0
+
+
+@dataclass(frozen=True)
+class FeedChanges:
+    """What ``FileIndex.changes_after`` read: ``changes`` (key, present) in order, through
+    change number ``upto``; ``last``: the last change recorded; ``complete``: False when the
+    changes cannot all be named (start again from ``FileIndex.listing``)."""
+
+    last: int
+    upto: int
+    changes: list[tuple[str, bool]]
+    complete: bool
 
 
 class ObjectIndex(Protocol):
@@ -409,6 +425,7 @@ class FileIndex:
         opener comes first. Change numbers are kept, so the current snapshot stays valid. A
         process of the older code still open on this root fails its next index call (no such
         table) instead of reading a feed that nobody writes any more."""
+        self._add_feed_keys()
         find = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'changes'"
         with self._read() as con:
             if not con.execute(find).fetchone():
@@ -439,6 +456,20 @@ class FileIndex:
                 return
         with self._write() as con:
             holds.create(con)
+
+    def _add_feed_keys(self) -> None:
+        """Give a feed written before it named its changes the ``keys`` column (once, by the
+        first opener; older rows keep NULL, which ``changes_after`` reports as unnamed)."""
+        def has_keys(con: sqlite3.Connection) -> bool:
+            rows = con.execute("PRAGMA table_info(feed)").fetchall()
+            return not rows or any(row[1] == "keys" for row in rows)
+
+        with self._read() as con:
+            if has_keys(con):
+                return
+        with self._write() as con:
+            if not has_keys(con):
+                con.execute("ALTER TABLE feed ADD COLUMN keys TEXT")
 
     def _ready(self) -> bool:
         if not os.path.exists(self.db_path):
@@ -964,26 +995,31 @@ class FileIndex:
                 "SET size = excluded.size, rank = excluded.rank", upserts,
             )
         con.executemany("UPDATE objects SET size = ? WHERE key = ?", resized)
-        new = [fp & _MASK64 for key, fp, _, _ in upserts if key not in rows]
-        self._append_feed(con, new, present=True)
-        self._add_meta(con, total=total, count=len(new))
+        added = [(key, fp & _MASK64) for key, fp, _, _ in upserts if key not in rows]
+        self._append_feed(con, [fp for _, fp in added], [key for key, _ in added], present=True)
+        self._add_meta(con, total=total, count=len(added))
         self._remove_rows(con, gone)
 
     def _remove_rows(self, con: sqlite3.Connection, rows: Sequence[tuple[str, int]]) -> None:
         if not rows:
             return
         con.executemany("DELETE FROM objects WHERE key = ?", [(key,) for key, _ in rows])
+        keys = [key for key, _ in rows]
         if holds.any_entries(con):
-            holds.drop(con, [key for key, _ in rows])
-        self._append_feed(con, [fingerprint(key) for key, _ in rows], present=False)
+            holds.drop(con, keys)
+        self._append_feed(con, [fingerprint(key) for key in keys], keys, present=False)
         self._add_meta(con, total=-sum(size for _, size in rows), count=-len(rows))
 
-    def _append_feed(self, con: sqlite3.Connection, fps: list[int], *, present: bool) -> None:
-        """Record in the change feed that ``fps`` became present (absent): one row for them
-        all, numbered by its last change (changes are counted, rows are not)."""
+    def _append_feed(
+        self, con: sqlite3.Connection, fps: list[int], keys: list[str], *, present: bool
+    ) -> None:
+        """Record in the change feed that ``keys`` (their fingerprints ``fps``) became present
+        (absent): one row for them all, numbered by its last change (changes are counted,
+        rows are not)."""
         if fps:
-            con.execute("INSERT INTO feed (seq, recs) VALUES (?, ?)",
-                        (self._feed_seq(con) + len(fps), encode_changes(fps, present)))
+            con.execute("INSERT INTO feed (seq, recs, keys) VALUES (?, ?, ?)",
+                        (self._feed_seq(con) + len(fps), encode_changes(fps, present),
+                         "\n".join(keys)))
 
     @staticmethod
     def _feed_seq(con: sqlite3.Connection) -> int:
@@ -1113,6 +1149,40 @@ class FileIndex:
             snap = self._meta(con, "snapshot_seq")
         if seq - snap > self._delta_bound():
             self._compact_soon()
+
+    # -- the named change feed (store-wide events) ------------------------------------------
+
+    def changes_after(self, seq: int, limit: int = 64) -> FeedChanges:
+        """The changes numbered after ``seq``, named (at most ``limit`` feed rows, oldest
+        first), and the number of the last change. ``complete`` is False when some of them
+        cannot be told: pruned by a compaction, recorded by a version that did not name them,
+        or numbered anew by a rebuilt index (the last number is below ``seq``); the reader
+        then starts again from ``listing``."""
+        with self._read() as con:
+            last = self._feed_seq(con)
+            rows = con.execute("SELECT seq, recs, keys FROM feed WHERE seq > ? ORDER BY seq "
+                               "LIMIT ?", (seq, limit)).fetchall()
+        changes: list[tuple[str, bool]] = []
+        at = seq
+        for row_seq, recs, keys in rows:
+            records = decode_changes(recs)
+            if keys is None or row_seq - len(records) != at:
+                return FeedChanges(last, seq, [], complete=False)
+            names = keys.split("\n")
+            if len(names) != len(records):
+                return FeedChanges(last, seq, [], complete=False)
+            changes.extend(zip(names, (bool(p) for p in records["present"]), strict=True))
+            at = row_seq
+        if not rows and last != seq:
+            return FeedChanges(last, seq, [], complete=False)
+        return FeedChanges(last, at, changes, complete=True)
+
+    def listing(self) -> tuple[int, list[str]]:
+        """Every indexed key and the number of the last change, as of one moment."""
+        with self._read() as con:
+            last = self._feed_seq(con)
+            keys = [key for (key,) in con.execute("SELECT key FROM objects")]
+        return last, keys
 
     # -- listing and totals --------------------------------------------------------------------------
 

@@ -716,6 +716,17 @@ class FileBackend(Backend):
             os.unlink(tmp)
         return True
 
+    def change_feed(self) -> FileIndex:
+        """The shared index, for readers of its named change feed (``FileIndex.changes_after``
+        and ``listing``: the store-wide KV events). ``NotSupportedError`` with ``index=none``
+        (no index, no feed)."""
+        if not isinstance(self._index, FileIndex):
+            raise NotSupportedError(
+                "the change feed needs the shared index; this store was opened with index=none",
+                backend=self.name, operation="change_feed",
+            )
+        return self._index
+
     @property
     def used_bytes(self) -> int:
         """Bytes of the objects in the store (the shared index's count, all processes')."""

@@ -28,6 +28,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "hicache_store.commands.doctor",
     "hicache_store.commands.tenant_key",
     "hicache_store.commands.serve_query",
+    "hicache_store.commands.events",
 )
 
 EXIT_OK = 0
@@ -43,6 +44,7 @@ INSTALL_HINTS = {
     "matplotlib": "pip install 'hicache-store[bench]'",
     "transformers": "pip install 'hicache-store[hf]'",
     "tokenizers": "pip install 'hicache-store[hf]'",
+    "zmq": "pip install 'hicache-store[events]'",
 }
 
 

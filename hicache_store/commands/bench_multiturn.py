@@ -109,6 +109,11 @@ def register(subparsers: Any) -> None:
         help="order of eviction in every pool of the tier, KV and components (lru, arc; "
         "default: the tier's default)",
     )
+    policy.add_argument(
+        "--events", metavar="ADDR",
+        help="publish the tier's KV events on this ZMQ address (e.g. ipc:///tmp/kv; "
+        "TierConfig.events_endpoint), to measure what publishing costs",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", type=Path, metavar="PATH",
                      help="write results as JSON to PATH (- for stdout; the table then goes to "
@@ -180,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.eviction_policy is not None:
         options["eviction_policy"] = args.eviction_policy
+    if args.events is not None:
+        options["events_endpoint"] = args.events
     kinds = (
         f"{len(config.window_layers)} of them sliding-window ({config.sliding_window} tokens) "
         f"+ a recurrent layer"

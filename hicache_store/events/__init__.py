@@ -1,7 +1,8 @@
 """KV events in vLLM's wire format (``kv_events``, vLLM 0.32+ map encoding).
 
-``wire`` encodes events and batches (pure functions, no I/O). The publisher (ZMQ sockets,
-replay) is not built yet: nothing in the tier emits these events today.
+``wire`` encodes events and batches (pure functions, no I/O); ``publisher`` sends them on a
+ZMQ PUB socket with a replay ROUTER, as vLLM's ``ZmqEventPublisher`` does (pyzmq: the
+``events`` extra, imported only when a publisher is built).
 """
 
 from __future__ import annotations

@@ -49,6 +49,11 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
                      the key scheme's (``framed`` for ``hicache``, ``page-unified-v1`` for
                      ``sglang-ukv1``; see ``hicache_store.objects.format`` for what bare
                      objects do not check).
+``events_endpoint``  publish KV events (vLLM's wire format, medium ``STORAGE``) of the pages
+                     this server stores in L3, from TP rank 0 of PP stage 0, on this ZMQ
+                     address (default: off; the ``events`` extra). ``events_replay_endpoint``,
+                     ``events_topic``, ``events_history``: the replay socket, the topic and
+                     the batches held for replay (``hicache_store.events.publisher``).
 ``allow_clear``      ``true`` lets SGLang's ``clear()`` (``POST /hicache/storage-backend/clear``,
                      a P/D role switch) delete this namespace's objects; default ``false``:
                      a shared store is never wiped by one server.
@@ -70,6 +75,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hicache_store.events.publisher import PublisherConfig
 from hicache_store.layout.errors import ConfigError, HiCacheStoreError
 from hicache_store.layout.namespace import Grid, ModelShape
 from hicache_store.layout.plans import suggest_grid
@@ -115,6 +121,10 @@ ADAPTER_KEYS = frozenset(
         "allow_clear",
         "key_scheme",
         "object_format",
+        "events_endpoint",
+        "events_replay_endpoint",
+        "events_topic",
+        "events_history",
     }
 )
 
@@ -157,6 +167,7 @@ class AdapterConfig:
     max_inflight_bytes: int = 1 << 30
     allow_clear: bool = False
     key_scheme: str = "hicache"
+    events: PublisherConfig | None = None
 
     def grid_for(self, shape: ModelShape, topology: Topology, replication: str) -> Grid:
         """The deployment's grid: ``grid`` if set, else the coarsest grid ``topology`` and every
@@ -243,7 +254,22 @@ class AdapterConfig:
             max_inflight_bytes=int(_number(extra, "max_inflight_mib", 1024) * (1 << 20)),
             allow_clear=_optional_bool(extra, "allow_clear"),
             key_scheme=_key_scheme(extra),
+            events=_events(extra),
         )
+
+
+def _events(extra: Mapping[str, Any]) -> PublisherConfig | None:
+    """The KV event publisher the ``events_*`` keys ask for (None: off)."""
+    endpoint = extra.get("events_endpoint")
+    if not endpoint:
+        if extra.get("events_replay_endpoint"):
+            raise ConfigError("extra-config: events_replay_endpoint needs events_endpoint")
+        return None
+    replay = extra.get("events_replay_endpoint")
+    return PublisherConfig(
+        str(endpoint), str(replay) if replay else None, topic=str(extra.get("events_topic", "")),
+        history=int(extra.get("events_history", 10_000)),
+    )
 
 
 def _refuse_unknown_keys(extra: Mapping[str, Any]) -> None:

@@ -99,6 +99,7 @@ from hicache_store.objects import Frame, IOStats, L3Link
 from hicache_store.tenant import KeyRing, load_key_ring
 
 from ._sglang_config import AdapterConfig
+from ._sglang_events import AdapterEvents
 from ._sglang_metrics import AdapterMetrics
 from ._sglang_namespace import NamespaceWatch
 from ._sglang_pool import Registered as _Registered
@@ -222,6 +223,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         self._staging = _Staging(self._spares)
         self._lock = threading.Lock()
         self._closed = False
+        self.events: AdapterEvents | None = None  # KV events (TP rank 0, PP stage 0)
         labels = {"tp_rank": str(self.tp_rank), "pp_rank": str(self.pp_rank)}
         export = bool(getattr(storage_config, "enable_storage_metrics", False))
         self._metrics = AdapterMetrics(prometheus_labels=labels if export else None)
@@ -293,6 +295,9 @@ class HiCacheStoreStorage(_HiCacheStorage):
         self._watch = NamespaceWatch(self.backend, namespace, self._run_startup)
         manifest = self._watch.at_start(writes=link.can_write)
         self._registered = registered
+        if self.config.events is not None and self.tp_rank == 0 and self.pp_rank == 0:
+            page_key = self.keys.active.page_key if namespace.sealed and self.keys else None
+            self.events = AdapterEvents(self.config.events, namespace.page_size, page_key)
         self._spares.make(self._read_staging(self._registered)[2])
         log.info(
             "hicache-store: %s on %s, namespace %s (%s %s, %d layers, %d KV heads x %d, "
@@ -335,9 +340,15 @@ class HiCacheStoreStorage(_HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         """Write pages from host slots; one bool per key (True: stored, or not ours to write)."""
-        return self._guard(
+        results = self._guard(
             "set", [False] * len(keys), lambda reg: self._set_pages(reg, keys, host_indices)
         )
+        if self.events is not None:
+            try:
+                self.events.stored(keys, results, extra_info)
+            except Exception as exc:  # events never fail a write
+                log.warning("hicache-store: publishing KV events failed: %s", exc)
+        return results
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
@@ -590,6 +601,8 @@ class HiCacheStoreStorage(_HiCacheStorage):
             log.warning("hicache-store: clear failed: %s", exc)
             return False
         log.info("hicache-store: clear removed %d objects of %s", removed, marker[1:-1])
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def get_stats(self) -> Any:
@@ -611,6 +624,8 @@ class HiCacheStoreStorage(_HiCacheStorage):
             if self._closed:
                 return
             self._closed = True
+        if self.events is not None:
+            self.events.close()
         try:
             _sync.run_sync(self.backend.close(), timeout=30.0)
         except Exception as exc:

@@ -93,6 +93,7 @@ from . import checks, restore
 from . import prefix as prefixes
 from .components import KV, Component, Placement
 from .config import TierConfig
+from .events import TierEvents
 from .eviction import EvictionPolicy, make_eviction_policy
 from .group import (
     NO_VOTE,
@@ -235,6 +236,11 @@ class HiCache:
         # request using that copy waits for the same load (and fails with it).
         self._filling: dict[int, LayerLoad] = {}
         self.hinting = Hinting(self)
+        # KV events (``tier.events``): rank 0 publishes; the tree reports every L2/L3 change.
+        self.events: TierEvents | None = None
+        if config.events_endpoint is not None and rank == 0:
+            self.events = TierEvents(config.events_config(), namespace, keys=keys)
+            self.tree.observer = self.events.changed
 
     # == construction ========================================================================
 
@@ -351,6 +357,8 @@ class HiCache:
         reserved = 0
         if hints is not None:
             reserved = self.hinting.arrive(int(token_tensor.numel()), hashes, hints)
+        if self.events is not None:
+            self.events.note_tokens(hashes, token_tensor.tolist())
         self.tree.begin_request()
         nodes = self.tree.match(hashes) if reuse else []
         l1 = PageTree.resident_prefix(nodes, Tier.L1, KV.tag)
@@ -423,6 +431,8 @@ class HiCache:
         self._count_hits(req)
         if self.group.size > 1:
             note(self.group, prefix * page, "prefix_tokens")
+        if self.events is not None:
+            self.events.flush()
         req.bookkeeping_s += time.perf_counter() - started - waited - (req.io_s - io_before)
         return Prepared(prefix * page, slots, wait_layer, dict(req.components))
 
@@ -603,6 +613,8 @@ class HiCache:
             part.slots.free([held.l1])
             self.tree.set_copy(node, part.tag, Tier.L1, None)
         self._drop(node, part)
+        if self.events is not None:
+            self.events.flush()
         return True
 
     # == background work =====================================================================
@@ -625,6 +637,8 @@ class HiCache:
         self.prefetcher.retire()
         self.hinting.poll()
         self.tree.trim_l3_record()
+        if self.events is not None:
+            self.events.flush()
 
     def _drain(self) -> None:
         """Take completions off the I/O queue: ordered backups wait for the agreement; other
@@ -694,6 +708,10 @@ class HiCache:
             self.flush()
         finally:
             self._loader.shutdown(wait=True)
+            if self.events is not None:
+                events, self.events = self.events, None
+                self.tree.observer = None
+                events.close([n for n in self.tree.nodes() if _l2(n, KV.tag) is not None])
             if self._registered and self.l3 is not None:
                 unregister = getattr(self.l3.backend, "unregister_host_buffer", None)
                 if unregister is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hicache_store.backends.retention import DEFAULT_PIN_FRACTION
+from hicache_store.events.publisher import PublisherConfig
 from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
 
 from .eviction import DEFAULT_EVICTION_POLICY
@@ -56,6 +57,10 @@ class TierConfig:
     those in transit.
     ``pin_fraction``: the share of each memory tier's pages that hint pins may hold at once
     (``tier.pins``; L3's pin budget is the backend's own).
+    ``events_endpoint``: publish the tier's KV events (pages entering and leaving L2 and L3,
+    vLLM's wire format, ``tier.events``) on this ZMQ address (None: off, the default; needs
+    the ``events`` extra). ``events_replay_endpoint``: the replay socket (None: none);
+    ``events_topic``: the topic frame; ``events_history``: batches held for replay.
     """
 
     l1_pages: int
@@ -75,6 +80,10 @@ class TierConfig:
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     l3_record_pages: int | None = None
     pin_fraction: float = DEFAULT_PIN_FRACTION
+    events_endpoint: str | None = None
+    events_replay_endpoint: str | None = None
+    events_topic: str = ""
+    events_history: int = 10_000
 
     def __post_init__(self) -> None:
         if self.l1_pages < 1:
@@ -100,6 +109,10 @@ class TierConfig:
             raise ValueError(f"pin_fraction: must be within [0, 1], got {self.pin_fraction!r}")
         if self.l3_record_pages is not None and self.l3_record_pages < 0:
             raise ValueError("l3_record_pages: must not be negative")
+        if self.events_endpoint is not None:
+            self.events_config()  # validates the addresses and the history now
+        elif self.events_replay_endpoint is not None:
+            raise ValueError("events_replay_endpoint: needs events_endpoint")
         from .eviction import EVICTION_POLICIES
 
         if self.eviction_policy not in EVICTION_POLICIES:
@@ -107,6 +120,15 @@ class TierConfig:
                 f"eviction_policy: {self.eviction_policy!r} is not one of "
                 f"{', '.join(EVICTION_POLICIES)}"
             )
+
+    def events_config(self) -> PublisherConfig:
+        """The KV event publisher's configuration (``events_endpoint`` must be set)."""
+        if self.events_endpoint is None:
+            raise ValueError("events_endpoint: KV events are off")
+        return PublisherConfig(
+            self.events_endpoint, self.events_replay_endpoint, topic=self.events_topic,
+            history=self.events_history,
+        )
 
     @property
     def l3_record_limit(self) -> int:

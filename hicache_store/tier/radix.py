@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .components import KV_TAG, Tier
@@ -261,6 +261,9 @@ class PageTree:
         self._in_memory = 0
         self._record: list[tuple[int, int, int, PageNode]] = []
         self._record_queued = 0
+        #: called as ``observer(node, tag, tier, present)`` when a copy in L2 or L3 appears
+        #: or goes (``set_copy``); L1 changes are not reported. None: nobody listens.
+        self.observer: Callable[[PageNode, int, Tier, bool], None] | None = None
         # ``is None``, not ``or``: a policy with no pages yet has len() 0, so it is falsy.
         self.add_component(
             KV_TAG,
@@ -456,6 +459,8 @@ class PageTree:
         held = self.held(node, tag)
         was_in_memory = node.in_memory
         if tier is Tier.L3:
+            if self.observer is not None and held.in_l3 != bool(value):
+                self.observer(node, tag, tier, bool(value))
             held.in_l3 = bool(value)
         else:
             pool = self._pools[tag]
@@ -474,6 +479,8 @@ class PageTree:
                 held.l2 = slot
                 policy = pool.l2
             if (old is None) != (slot is None):
+                if self.observer is not None and tier is Tier.L2:
+                    self.observer(node, tag, tier, slot is not None)
                 if policy is not None:
                     if slot is not None:
                         policy.admit(node)

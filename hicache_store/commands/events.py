@@ -1,0 +1,95 @@
+"""``hicache-store events URL --pub ADDR``: publish what happens to a shared file store.
+
+Every writer's puts, every process's capacity evictions, gc and operator deletes, as KV events
+in vLLM's wire format with medium ``STORAGE`` (``hicache_store.events.store``), until
+interrupted::
+
+    hicache-store events file:///var/cache/kv --namespace 3f2a... \\
+        --pub tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558 --topic kv
+
+This process is a server: it binds ``--pub`` and ``--replay`` whatever their form (routers
+connect to it). The first line on stdout names both addresses (port 0 picks a free one). The
+first batches describe the whole store; then each look at the store's change feed (every
+``--interval`` seconds) is one batch. SIGINT or SIGTERM stops it cleanly. Needs the file
+backend's shared index (not ``index=none``) and the ``events`` extra (pyzmq).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from typing import Any
+
+from hicache_store.cli import UsageError, require_module
+from hicache_store.ops.config import layered, require, resolve
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "events", help="publish a file store's page changes as KV events for routers",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    parser.add_argument("url", nargs="?", default=None,
+                        help="backend URL, e.g. file:///var/cache/kv (or HICACHE_STORE_URL)")
+    parser.add_argument("--namespace", metavar="DIGEST",
+                        help="only this namespace's pages (default: every namespace's)")
+    parser.add_argument("--pub", metavar="ADDR", required=True,
+                        help="the PUB address bound, e.g. tcp://127.0.0.1:5557 or ipc:///run/kv")
+    parser.add_argument("--replay", metavar="ADDR", help="the replay (ROUTER) address bound")
+    parser.add_argument("--topic", default="", help="the topic frame (default: empty)")
+    parser.add_argument("--history", type=int, default=10_000,
+                        help="batches held for replay (default: 10000)")
+    parser.add_argument("--interval", type=float, default=0.05,
+                        help="seconds between looks at the change feed (default: 0.05)")
+    layered(parser, section="events")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    resolve(args)
+    url = require(args, "url", "a backend URL")
+    if not args.interval > 0:
+        raise UsageError(f"--interval must be positive, got {args.interval}")
+    require_module("zmq", "KV events")
+    from hicache_store import sync
+    from hicache_store.backends.errors import NotSupportedError
+    from hicache_store.backends.file import FileBackend
+    from hicache_store.events.publisher import EventPublisher, PublisherConfig
+    from hicache_store.events.store import StoreEvents
+    from hicache_store.ops.store import open_store
+
+    try:
+        config = PublisherConfig(args.pub, args.replay, topic=args.topic, history=args.history,
+                                 bind=True)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    backend = open_store(url, existing=True)
+    if not isinstance(backend, FileBackend):
+        sync.close(backend)
+        raise UsageError(f"{url}: store-wide events need a file store's change feed (README "
+                         "\"KV events\": what each backend can report)")
+    try:
+        publisher = EventPublisher(config)
+    except OSError as exc:
+        sync.close(backend)
+        raise UsageError(str(exc)) from None
+    try:
+        watcher = StoreEvents(backend, publisher, namespace=args.namespace)
+    except NotSupportedError as exc:
+        publisher.close()
+        sync.close(backend)
+        raise UsageError(str(exc)) from None
+    print(f"publishing {publisher.endpoint} replay {publisher.replay_endpoint or '-'}",
+          flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a service manager's stop: clean
+    try:
+        watcher.run(stop, args.interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop.set()
+        publisher.close()
+        sync.close(backend)
+    return 0
