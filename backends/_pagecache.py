@@ -90,6 +90,13 @@ class SecondTouch:
         self._marked = 0
         self._lock = threading.Lock()
 
+    def seen(self, h: int) -> bool:
+        """What ``admit(h)`` would answer now, without recording anything."""
+        slot = h & (self.SLOTS - 1)
+        with self._lock:
+            gen = self._generation
+            return self._seen[slot] in (gen, gen - 1 if gen > 1 else 255)
+
     def admit(self, h: int) -> bool:
         slot = h & (self.SLOTS - 1)
         with self._lock:

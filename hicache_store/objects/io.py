@@ -38,6 +38,7 @@ Coroutines run on the sync bridge's loop (``hicache_store._sync``) or any other 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Sequence
@@ -277,6 +278,45 @@ class ObjectIO:
             )
         return done
 
+    async def put_together(self, frames: Sequence[Frame]) -> list[bool]:
+        """``put`` of a small batch as one backend call: every frame sealed in place, then all
+        stored by one ``Backend.put`` (on the file backend one reservation, one index update
+        and one run of writes for the batch, where ``put`` makes each of them per frame).
+
+        For batches whose objects are kept or lost together (vLLM's secondary tier: one
+        job's chunk rows); ``put`` keeps the leading pages of a long backup on a slow store
+        instead. The batch is bounded by ``deadline.seconds`` of its bytes and the write
+        budget. When the backend call fails or runs late every frame is ``False`` (one may
+        still be stored and visible: never ``True`` for one that is not). A frame whose
+        buffer cannot hold a payload raises ``ValueError`` before anything is stored.
+        Returns once the backend call has ended (nothing reads the buffers afterwards).
+        """
+        namespace = self.namespace
+        if namespace is None:
+            raise ValueError("ObjectIO without a namespace cannot write")
+        for frame in frames:
+            if len(frame.buffer) <= self.header_bytes(frame.key.coords.num_layers):
+                raise ValueError(f"{frame.key}: a frame of {len(frame.buffer)} bytes has no payload")
+        if not frames:
+            return []
+        total = sum(len(frame.buffer) for frame in frames)
+        taken = await self.write_budget.acquire(total)
+        try:
+            for frame in frames:
+                await off_loop(len(frame.buffer), functools.partial(
+                    self.format.seal, frame.key, frame.buffer, kv_planes=namespace.kv_planes,
+                    parent_hash=frame.parent_hash))
+            keys = [self.storage_key(frame.key) for frame in frames]
+            try:
+                await self._bounded(self.backend.put(keys, [f.buffer for f in frames]), total)
+            except Exception as exc:
+                log.warning("put of %d objects (the first: %s) failed: %r",
+                            len(frames), keys[0][:24], exc)
+                return [False] * len(frames)
+        finally:
+            await self.write_budget.release(taken)
+        return [True] * len(frames)
+
     async def _put_one(
         self, frame: Frame, kv_planes: int, end: float, window: asyncio.Semaphore,
         late: list[str],
@@ -348,6 +388,66 @@ class ObjectIO:
         header = self.format.open_header(key, frame[:header_len], payload_bytes=payload_len)
         await self._open(header, frame[header_len:], key.coords.layer_start, key.coords.layer_stop)
         return header
+
+    async def read_frames(
+        self, keys: Sequence[ObjectKey], frames: Sequence[memoryview]
+    ) -> list[ObjectHeader | CorruptObjectError | None]:
+        """``read_frame`` of many whole objects in one backend call (``get_into``), then every
+        frame verified in one step: per key the checked header, ``None`` on a miss, or the
+        ``CorruptObjectError`` (returned, not raised: a corrupt object fails only its own key).
+
+        For callers that read a batch of small objects together (vLLM's secondary tier: one
+        job of chunk rows), where a backend call, a budget wait and a verification per object
+        would cost a thread hand-off each. A backend that refuses the batch because an object
+        is larger than its frame (``InvalidRangeError``) has the batch read again key by key
+        (``read_frame``), so that only that object is corrupt. A backend failure or the
+        batch's deadline (``deadline.seconds`` of all the frames' bytes) raises.
+        """
+        if len(keys) != len(frames):
+            raise ValueError(f"read_frames: {len(keys)} keys but {len(frames)} frames")
+        headers = [self.header_bytes(key.coords.num_layers) for key in keys]
+        for key, frame, header_len in zip(keys, frames, headers, strict=True):
+            if len(frame) <= header_len:
+                raise ValueError(f"{key}: a frame of {len(frame)} bytes has no payload")
+        if not keys:
+            return []
+        total = sum(len(frame) for frame in frames)
+        taken = await self.read_budget.acquire(total)
+        try:
+            got: Sequence[int | None] | None = await self._bounded(
+                self.backend.get_into([self.storage_key(k) for k in keys], list(frames)), total)
+        except InvalidRangeError:
+            got = None  # one is stored larger than its frame: find it key by key
+        finally:
+            await self.read_budget.release(taken)
+        if got is None:
+            return list(await asyncio.gather(*(self._frame_or_error(k, f)
+                                               for k, f in zip(keys, frames, strict=True))))
+        out: list[ObjectHeader | CorruptObjectError | None] = []
+        for key, frame, header_len, n in zip(keys, frames, headers, got, strict=True):
+            if n is None:
+                out.append(None)
+                continue
+            try:
+                if n != len(frame):
+                    raise TruncatedObjectError(
+                        f"{self.storage_key(key)}: stored {n} bytes, the frame is {len(frame)}")
+                header = self.format.open_header(key, frame[:header_len],
+                                                 payload_bytes=len(frame) - header_len)
+                await self._open(header, frame[header_len:], key.coords.layer_start,
+                                 key.coords.layer_stop)
+                out.append(header)
+            except CorruptObjectError as exc:
+                out.append(exc)
+        return out
+
+    async def _frame_or_error(
+        self, key: ObjectKey, frame: memoryview
+    ) -> ObjectHeader | CorruptObjectError | None:
+        try:
+            return await self.read_frame(key, frame)
+        except CorruptObjectError as exc:
+            return exc
 
     async def read_blocks(
         self,

@@ -337,6 +337,8 @@ async def test_aligned_buffers_take_direct_reads(tmp_path: Path, populate: bool)
 async def test_scatter_read_direct_and_buffered_paths_agree(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The pure-Python read path (the C accelerator's: test_file_released_reads.py).
+    monkeypatch.setattr(file_module, "_fileio", None)
     store = FileBackend(tmp_path / "s", direct_io="auto")
     if not store.direct_io:
         pytest.skip("the filesystem under tmp_path has no O_DIRECT")
@@ -379,6 +381,7 @@ async def test_scatter_read_resumes_after_short_reads(
 ) -> None:
     # preadv may move fewer bytes than asked (signals, the kernel's per-call limit): the read
     # goes on from where it stopped, across buffer boundaries.
+    monkeypatch.setattr(file_module, "_fileio", None)  # the pure-Python read path
     store = FileBackend(tmp_path / "s", direct_io="never")
     data = pattern(10_000, 4)
     await store.put(["a0"], [data])

@@ -178,6 +178,7 @@ def test_a_corrupt_object_fails_only_its_own_key_and_is_deleted(make: Any, tmp_p
     assert not result.success
     assert set(result.successful_keys) == {key(0), key(2)}
     assert h.primary[3].tobytes() == rows[0] and h.primary[5].tobytes() == rows[2]
+    assert not h.primary[4].any(), "a row that failed its check never reaches vLLM's slot"
     assert h.tier.stats.corruptions == 1
     assert not path.exists()  # deleted: the next store of that chunk writes it again
     removed = list(h.tier.take_events())

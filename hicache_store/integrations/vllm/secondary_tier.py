@@ -31,12 +31,18 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   (vLLM's ``AsyncLookupManager``: one batched ``exists`` per scheduler step, on its own
   thread, bounded by ``lookup_timeout_s``; a failed or late check is a miss). Stores and loads
   run on the library's sync-bridge loop (``hicache_store._sync.submit``); ``get_finished_jobs``
-  collects the ones that ended; ``drain_jobs`` waits for all of them (none is cut short).
-* **Verified loads.** A load reads the row straight into its primary slot (header into a
-  staging slot), then checks the header against the key and the row's checksum. A missing,
-  truncated or corrupt object fails its key's load (``JobResult.successful_keys`` holds the
-  others): vLLM frees the slot and recomputes, never serves the bytes. A corrupt object is
-  counted and deleted, so the next store of that chunk writes it again.
+  collects the ones that ended; ``drain_jobs`` waits for all of them (none is cut short). A
+  store job's rows are copied into staging, sealed and written by one backend call
+  (``ObjectIO.put_together``): they are stored, or reported failed, together.
+* **Verified loads.** A load job reads all its objects whole into staging in one batched
+  backend call (``ObjectIO.read_frames``; the file backend does a run of reads in one call
+  that releases the GIL, so the engine's thread does not hold them up one system call at a
+  time), checks each header against its key, the stored size and the row's checksum, and
+  only then copies a row into its primary slot: vLLM's memory never holds unverified bytes,
+  and nothing writes into it after the job has ended. A missing, truncated or corrupt object
+  fails its key's load (``JobResult.successful_keys`` holds the others): vLLM frees the slot
+  and recomputes. A corrupt object is counted and deleted, so the next store of that chunk
+  writes it again.
 * **Events.** With ``enable_kv_events`` (and vLLM's KV events on), every stored chunk is a
   ``BlockStored`` event (medium ``STORAGE``) and every corrupt object deleted a removal;
   evictions inside the backend are not reported (the backend does not name what it evicted).
@@ -59,7 +65,6 @@ Configuration (a ``secondary_tiers`` entry; every key but ``type`` and ``module_
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import hashlib
 import logging
@@ -381,7 +386,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
                 frame = slot[: self._header_bytes + self.row_bytes]
                 frame[self._header_bytes :] = self._row(chunk)  # the primary slot stays pinned
                 frames.append(Frame(self.object_key(key), frame))
-            stored = await self.io.put(frames)
+            stored = await self.io.put_together(frames)
         finally:
             for slot in slots:
                 self._staging.give(slot)  # put has returned: nothing reads them any more
@@ -394,36 +399,55 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
 
     async def _load(self, keys: list[OffloadKey], chunks: list[int]) -> tuple[list[bool], float]:
         start = time.perf_counter()
-        outcome = await asyncio.gather(*(self._load_one(k, c) for k, c in zip(keys, chunks, strict=True)))
-        return list(outcome), time.perf_counter() - start
-
-    async def _load_one(self, key: OffloadKey, chunk: int) -> bool:
-        row = self._row(chunk)
-        okey = self.object_key(key)
+        okeys = [self.object_key(k) for k in keys]
+        slots = [self._staging.take() for _ in keys]
         try:
-            header = await self.io.read_blocks(okey, row, payload_bytes=self.row_bytes)
-        except CorruptObjectError as exc:
-            log.warning("HiCacheStoreTier: corrupt object %s (%s): a miss, deleted", okey, exc)
-            with self._stats_lock:
-                self.stats.corruptions += 1
+            frames = [slot[: self._header_bytes + self.row_bytes] for slot in slots]
             try:
-                await self.backend.delete([self.io.storage_key(okey)])
-                self._removed.put(key)
-            except Exception as delete_exc:
-                log.warning("HiCacheStoreTier: deleting %s failed: %r", okey, delete_exc)
-            return False
-        except Exception as exc:  # backend failure or deadline: a failed load, recomputed
-            log.warning("HiCacheStoreTier: load of %s failed: %r", okey, exc)
-            with self._stats_lock:
-                self.stats.load_failures += 1
-            return False
-        if header is None:
-            with self._stats_lock:
-                self.stats.load_misses += 1  # evicted since the lookup
-            return False
-        if self.test_alter_loaded_kv:
-            row[:] = bytes(len(row))  # TEST ONLY: wrong KV on purpose, after the check
+                found = await self.io.read_frames(okeys, frames)
+            except Exception as exc:  # backend failure or deadline: failed loads, recomputed
+                log.warning("HiCacheStoreTier: load of %d rows failed: %r", len(keys), exc)
+                with self._stats_lock:
+                    self.stats.load_failures += len(keys)
+                return [False] * len(keys), time.perf_counter() - start
+            outcome = []
+            for chunk, frame, got in zip(chunks, frames, found, strict=True):
+                if got is None or isinstance(got, CorruptObjectError):
+                    outcome.append(False)
+                    continue
+                row = self._row(chunk)
+                # Verified: only now do the bytes reach vLLM's primary slot.
+                row[:] = frame[self._header_bytes :]
+                if self.test_alter_loaded_kv:
+                    row[:] = bytes(len(row))  # TEST ONLY: wrong KV on purpose, after the check
+                outcome.append(True)
+        finally:
+            for slot in slots:
+                self._staging.give(slot)  # read_frames has returned: nothing writes them
+        corrupt = [(k, o, got) for k, o, got in zip(keys, okeys, found, strict=True)
+                   if isinstance(got, CorruptObjectError)]
+        if corrupt:
+            await self._drop_corrupt(corrupt)
         with self._stats_lock:
-            self.stats.loaded += 1
-            self.stats.bytes_loaded += self.row_bytes
-        return True
+            n = sum(outcome)
+            self.stats.loaded += n
+            self.stats.bytes_loaded += n * self.row_bytes
+            self.stats.load_misses += sum(got is None for got in found)
+        return outcome, time.perf_counter() - start
+
+    async def _drop_corrupt(
+        self, corrupt: list[tuple[OffloadKey, ObjectKey, CorruptObjectError]]
+    ) -> None:
+        """Count and delete corrupt objects (a miss each), so the next store writes them again."""
+        for _, okey, exc in corrupt:
+            log.warning("HiCacheStoreTier: corrupt object %s (%s): a miss, deleted", okey, exc)
+        with self._stats_lock:
+            self.stats.corruptions += len(corrupt)
+        try:
+            await self.backend.delete([self.io.storage_key(okey) for _, okey, _ in corrupt])
+        except Exception as exc:
+            log.warning("HiCacheStoreTier: deleting %d corrupt objects failed: %r",
+                        len(corrupt), exc)
+            return
+        for key, _, _ in corrupt:
+            self._removed.put(key)

@@ -1,0 +1,250 @@
+/* hicache_store.backends._fileio: a batch of file reads with the GIL released throughout.
+ *
+ * ``read_files(items)`` reads each item's file (one open, vectored reads from that fd, one
+ * close) into the item's buffers, all without the GIL: the file backend's pool thread then
+ * needs the interpreter once per batch instead of once per system call. In a process whose
+ * other threads keep the interpreter busy (an inference engine's scheduler), every GIL
+ * reacquisition waits up to the switch interval, and a read of one object took five of them.
+ *
+ * An item is ``(path: str, buffers: list of writable buffers, start: int, length: int,
+ * direct: bool)``: ``length`` -1 reads the whole object (it must fit the buffers), else the
+ * range ``[start, start + length)`` (it must lie within the object). The bytes fill the
+ * buffers in order; nothing past them, nor past the bytes read, is written. ``direct``: read
+ * with O_DIRECT when the range, every buffer address and every buffer length but the last are
+ * 4096-aligned, the length is a multiple of 4096 and ``cachestat`` does not report the whole
+ * range cached (bytes in the page cache are read buffered; an unknown answer reads direct).
+ *
+ * Per item the result is ``(status, value, size, flags)``:
+ *   status 0: read; ``value`` bytes (the length). ``flags``: bit 0 read with O_DIRECT, bit 1
+ *             the range was not known to be cached (a cold read), bit 2 the range and
+ *             buffers were aligned for O_DIRECT.
+ *   status 1: a system call failed; ``value`` is its errno (ENOENT: no such object).
+ *   status 2: not a regular file.
+ *   status 3: the object (``size`` bytes) does not fit the buffers, or the range is outside it.
+ *   status 4: the file ended early; ``value`` bytes were read.
+ * ``size`` is the object's stored size where it was known (else -1). The caller maps each
+ * status to its own errors (``backends.file``); this module decides nothing else.
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define ALIGN 4096
+#define MAX_IOV 1024
+#define MAX_IO 0x7ffff000L
+#ifndef SYS_cachestat
+#define SYS_cachestat 451
+#endif
+
+struct cs_range { uint64_t off, len; };
+struct cs_stat { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; };
+
+static int cachestat_works = 1; /* cleared at the first refusal (old kernel, sandbox) */
+
+typedef struct {
+    PyObject *path;      /* bytes (filesystem encoding) */
+    Py_buffer *bufs;
+    Py_ssize_t nbufs;
+    long long start;
+    long long length;    /* -1: the whole object */
+    int direct;
+    /* results */
+    int status;
+    long long value;
+    long long size;
+    int flags;
+} item_t;
+
+/* 1: every page of [off, off + len) is cached; 0: some is not, or the system cannot tell. */
+static int fully_cached(int fd, long long off, long long len) {
+    if (!cachestat_works || len <= 0) return 0;
+    struct cs_range r = {(uint64_t)off, (uint64_t)len};
+    struct cs_stat s;
+    memset(&s, 0, sizeof s);
+    if (syscall(SYS_cachestat, fd, &r, &s, 0) != 0) {
+        cachestat_works = 0;
+        return 0;
+    }
+    long page = sysconf(_SC_PAGESIZE);
+    uint64_t first = (uint64_t)off / page;
+    uint64_t pages = ((uint64_t)off + len + page - 1) / page - first;
+    return s.nr_cache >= pages;
+}
+
+/* Read ``total`` bytes at ``off`` into the iovecs (consumed as they fill). */
+static int read_all(int fd, struct iovec *iov, int n, long long off, long long total,
+                    long long *done) {
+    *done = 0;
+    while (*done < total) {
+        while (n > 0 && iov[0].iov_len == 0) { iov++; n--; }
+        /* at most MAX_IO per call (the kernel's cap): trim the iovec list to it */
+        int k = 0;
+        long long chunk = 0;
+        while (k < n && k < MAX_IOV && chunk < MAX_IO) { chunk += iov[k].iov_len; k++; }
+        size_t saved = 0;
+        if (chunk > MAX_IO) {
+            saved = iov[k - 1].iov_len;
+            iov[k - 1].iov_len -= (size_t)(chunk - MAX_IO);
+        }
+        ssize_t got = preadv(fd, iov, k, off + *done);
+        if (saved) iov[k - 1].iov_len = saved;
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (got == 0) return -1; /* the file ended early */
+        *done += got;
+        long long left = got;
+        while (left > 0 && n > 0) {
+            if ((long long)iov[0].iov_len <= left) {
+                left -= iov[0].iov_len;
+                iov[0].iov_len = 0;
+                iov++;
+                n--;
+            } else {
+                iov[0].iov_base = (char *)iov[0].iov_base + left;
+                iov[0].iov_len -= (size_t)left;
+                left = 0;
+            }
+        }
+    }
+    return 0;
+}
+
+static void read_item(item_t *it) {
+    it->size = -1;
+    it->flags = 0;
+    int fd = open(PyBytes_AS_STRING(it->path), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) { it->status = 1; it->value = errno; return; }
+    struct stat st;
+    if (fstat(fd, &st) != 0) { it->status = 1; it->value = errno; close(fd); return; }
+    if (!S_ISREG(st.st_mode)) { it->status = 2; it->value = 0; close(fd); return; }
+    it->size = st.st_size;
+    long long capacity = 0;
+    for (Py_ssize_t i = 0; i < it->nbufs; i++) capacity += it->bufs[i].len;
+    long long start = it->start, length = it->length;
+    if (length < 0) {
+        start = 0;
+        length = st.st_size;
+        if (length > capacity) { it->status = 3; it->value = 0; close(fd); return; }
+    } else if (start < 0 || start + length > st.st_size || length > capacity) {
+        it->status = 3; it->value = 0; close(fd); return;
+    }
+    /* the leading ``length`` bytes of the buffers, as iovecs */
+    struct iovec iov[MAX_IOV];
+    int n = 0;
+    long long left = length;
+    int aligned = start % ALIGN == 0 && length % ALIGN == 0;
+    for (Py_ssize_t i = 0; i < it->nbufs && left > 0; i++) {
+        long long take = it->bufs[i].len < left ? it->bufs[i].len : left;
+        if (take == 0) continue;
+        iov[n].iov_base = it->bufs[i].buf;
+        iov[n].iov_len = (size_t)take;
+        if ((uintptr_t)iov[n].iov_base % ALIGN || take % ALIGN) aligned = 0;
+        n++;
+        left -= take;
+    }
+    int cold = !fully_cached(fd, start, length);
+    if (cold) it->flags |= 2;
+    if (aligned) it->flags |= 4;
+    if (it->direct && aligned && cold) {
+        int fl = fcntl(fd, F_GETFL);
+        if (fl >= 0 && fcntl(fd, F_SETFL, fl | O_DIRECT) == 0) it->flags |= 1;
+    }
+    long long done = 0;
+    int rc = length ? read_all(fd, iov, n, start, length, &done) : 0;
+    close(fd);
+    if (rc > 0) { it->status = 1; it->value = rc; return; }
+    if (rc < 0) { it->status = 4; it->value = done; return; }
+    it->status = 0;
+    it->value = length;
+}
+
+static void release_items(item_t *items, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_XDECREF(items[i].path);
+        if (items[i].bufs) {
+            for (Py_ssize_t b = 0; b < items[i].nbufs; b++) PyBuffer_Release(&items[i].bufs[b]);
+            PyMem_Free(items[i].bufs);
+        }
+    }
+    PyMem_Free(items);
+}
+
+static PyObject *read_files(PyObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "read_files: items must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    item_t *items = PyMem_Calloc(count ? count : 1, sizeof(item_t));
+    if (!items) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    Py_ssize_t ready = 0;
+    for (; ready < count; ready++) {
+        item_t *it = &items[ready];
+        PyObject *tuple = PySequence_Fast_GET_ITEM(seq, ready), *path, *bufs;
+        int direct;
+        if (!PyArg_ParseTuple(tuple, "OOLLp", &path, &bufs, &it->start, &it->length, &direct))
+            goto fail;
+        it->direct = direct;
+        if (!PyUnicode_FSConverter(path, &it->path)) goto fail;
+        PyObject *blist = PySequence_Fast(bufs, "read_files: buffers must be a sequence");
+        if (!blist) goto fail;
+        Py_ssize_t nb = PySequence_Fast_GET_SIZE(blist);
+        if (nb > MAX_IOV) {
+            Py_DECREF(blist);
+            PyErr_Format(PyExc_ValueError, "read_files: %zd buffers (at most %d)", nb, MAX_IOV);
+            goto fail;
+        }
+        it->bufs = PyMem_Calloc(nb ? nb : 1, sizeof(Py_buffer));
+        if (!it->bufs) { Py_DECREF(blist); PyErr_NoMemory(); goto fail; }
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(blist, b), &it->bufs[b],
+                                   PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+                Py_DECREF(blist);
+                goto fail;
+            }
+            it->nbufs = b + 1;
+        }
+        Py_DECREF(blist);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) read_item(&items[i]);
+    Py_END_ALLOW_THREADS
+    PyObject *out = PyList_New(count);
+    if (out) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            PyObject *r = Py_BuildValue("(iLLi)", items[i].status, items[i].value,
+                                        items[i].size, items[i].flags);
+            if (!r) { Py_CLEAR(out); break; }
+            PyList_SET_ITEM(out, i, r);
+        }
+    }
+    release_items(items, count);
+    Py_DECREF(seq);
+    return out;
+fail:
+    release_items(items, ready + 1 <= count ? ready + 1 : count);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"read_files", read_files, METH_O,
+     "read_files(items) -> [(status, value, size, flags)]: file reads, GIL released."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fileio", "Batched file reads without the GIL.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__fileio(void) { return PyModule_Create(&module); }

@@ -1,0 +1,196 @@
+"""The file backend's batched reads through the C accelerator (``backends/_fileio.c``): the
+same bytes, misses and errors as the pure-Python path, the same read policy (O_DIRECT for
+aligned cold reads, buffered for cached bytes), and nothing written past what was read."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from hicache_store.backends import aligned_buffer
+from hicache_store.backends import file as file_module
+from hicache_store.backends._pagecache import is_cached
+from hicache_store.backends.errors import BackendIOError, InvalidRangeError
+from hicache_store.backends.file import FileBackend
+from hicache_store.backends.types import ByteRange
+
+fileio = pytest.importorskip(
+    "hicache_store.backends._fileio", reason="the C accelerator is not built (setup.py)")
+
+
+def pattern(n: int, seed: int) -> bytes:
+    return bytes((i * 31 + seed * 7) % 251 for i in range(n))
+
+
+SIZES = [4096 * 3, 5000, 4096 + 65536, 1]
+
+
+async def read_batch(store: FileBackend, keys: list[str], ranges: list[ByteRange | None],
+                     aligned: bool) -> tuple[list[int | None], list[bytes]]:
+    def buffer(n: int) -> memoryview:
+        return aligned_buffer(n) if aligned else memoryview(bytearray(n + 1))[1:]
+
+    bufs = [buffer(70_000) for _ in keys]
+    got = await store.get_into(keys, bufs, ranges)
+    return got, [bytes(b) for b in bufs]
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+async def test_the_released_path_reads_what_the_python_path_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aligned: bool
+) -> None:
+    store = FileBackend(tmp_path / "s", io_threads=2)
+    keys = [f"{i:04x}" for i in range(len(SIZES))]
+    await store.put(keys, [pattern(n, i) for i, n in enumerate(SIZES)])
+    asked = [*keys, "ffff", keys[0], keys[2]]
+    ranges = [None] * len(keys) + [None, ByteRange(4096, 8192), ByteRange(100, 4196)]
+    released = await read_batch(store, asked, ranges, aligned)
+    monkeypatch.setattr(file_module, "_fileio", None)
+    python = await read_batch(store, asked, ranges, aligned)
+    assert released == python
+    got, data = released
+    assert got == [*SIZES, None, 4096, 4096]
+    for i, n in enumerate(SIZES):
+        assert data[i][:n] == pattern(n, i)
+        assert data[i][n:] == bytes(70_000 - n), "nothing written past the object"
+    assert data[5][:4096] == pattern(SIZES[0], 0)[4096:8192]
+    await store.close()
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+async def test_a_scatter_read_is_the_python_paths_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aligned: bool
+) -> None:
+    store = FileBackend(tmp_path / "s")
+    size = 4096 + 65536 + 17  # header block, payload, an unaligned tail
+    await store.put(["a0"], [pattern(size, 5)])
+
+    def buffers() -> list[memoryview]:
+        if aligned:
+            return [aligned_buffer(4096), aligned_buffer(size - 4096)]
+        return [memoryview(bytearray(4097))[1:], memoryview(bytearray(size - 4096))]
+
+    out = []
+    for accelerated in (True, False):
+        if not accelerated:
+            monkeypatch.setattr(file_module, "_fileio", None)
+        head, body = buffers()
+        assert await store.get_scatter("a0", [head, body], None) == size
+        part = aligned_buffer(8192)
+        assert await store.get_scatter("a0", [part], ByteRange(4096, 12288)) == 8192
+        with pytest.raises(InvalidRangeError):
+            await store.get_scatter("a0", [aligned_buffer(4096)], None)
+        assert await store.get_scatter("ffff", [aligned_buffer(4096)], None) is None
+        out.append((bytes(head) + bytes(body), bytes(part)))
+    assert out[0] == out[1]
+    assert out[0][0] == pattern(size, 5)
+    await store.close()
+
+
+async def test_a_read_is_used_by_the_run_and_not_the_python_reader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The accelerated path really runs (the Python per-key reader is never called).
+    store = FileBackend(tmp_path / "s")
+    await store.put(["a0"], [pattern(9000, 1)])
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the per-key Python reader ran")
+
+    monkeypatch.setattr(store, "_read_one", refuse)
+    monkeypatch.setattr(FileBackend, "_read_into", refuse)
+    buf = bytearray(9000)
+    assert await store.get_into(["a0"], [buf], [None]) == [9000]
+    assert bytes(buf) == pattern(9000, 1)
+    await store.close()
+
+
+async def test_a_miss_repairs_the_index(tmp_path: Path) -> None:
+    store = FileBackend(tmp_path / "s")
+    await store.put(["a0", "a1"], [pattern(100, 0), pattern(100, 1)])
+    store.path_of("a1").unlink()  # gone behind the index's back
+    assert await store.exists(["a1"]) == [True]
+    assert await store.get_into(["a0", "a1"], [bytearray(100), bytearray(100)], [None, None]) == [
+        100, None]
+    assert await store.exists(["a1"]) == [False]
+    await store.close()
+
+
+@pytest.mark.parametrize(
+    ("buffer", "rng", "error"),
+    [
+        (100, None, InvalidRangeError),  # the object does not fit
+        (100, ByteRange(4950, 5050), InvalidRangeError),  # the range reaches past its end
+    ],
+)
+async def test_errors_are_the_python_paths_and_the_batch_still_reads_the_rest(
+    tmp_path: Path, buffer: int, rng: ByteRange | None, error: type[Exception]
+) -> None:
+    store = FileBackend(tmp_path / "s")
+    await store.put(["a0", "a1"], [pattern(5000, 0), pattern(300, 1)])
+    ok = bytearray(300)
+    with pytest.raises(error):
+        await store.get_into(["a0", "a1"], [bytearray(buffer), ok], [rng, None])
+    await store.close()
+
+
+async def test_a_fifo_under_a_key_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    store = FileBackend(tmp_path / "s")
+    await store.put(["a0"], [pattern(10, 0)])
+    path = store.path_of("a0")
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(BackendIOError, match="not a regular file"):
+        await store.get_into(["a0"], [bytearray(10)], [None])
+    await store.close()
+
+
+def test_a_short_file_is_reported_not_filled(tmp_path: Path) -> None:
+    # The module's own contract: a range inside the size but a file that ends early cannot
+    # happen through one fd; a range outside is status 3, a missing file status 1 (ENOENT).
+    path = tmp_path / "f"
+    path.write_bytes(pattern(5000, 3))
+    buf = bytearray(6000)
+    (status, value, size, _), = fileio.read_files([(str(path), [buf], 0, 6000, False)])
+    assert (status, size) == (3, 5000)
+    assert buf == bytearray(6000)
+    (status, value, size, _), = fileio.read_files([(str(tmp_path / "none"), [buf], 0, -1, False)])
+    assert (status, value, size) == (1, 2, -1)
+    two = [bytearray(1000), bytearray(10_000)]
+    (status, value, size, _), = fileio.read_files([(str(path), two, 0, -1, False)])
+    assert (status, value, size) == (0, 5000, 5000)
+    assert bytes(two[0]) + bytes(two[1][:4000]) == pattern(5000, 3)
+    assert two[1][4000:] == bytearray(6000)
+
+
+async def test_o_direct_only_for_aligned_cold_reads(tmp_path: Path) -> None:
+    store = FileBackend(tmp_path / "s", direct_io="auto")
+    await store.close()
+    if not store.direct_io:
+        pytest.skip("the filesystem under tmp_path has no O_DIRECT")
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | file_module._O_DIRECT, 0o644)
+    src = aligned_buffer(8192)
+    src[:] = pattern(8192, 4)
+    os.write(fd, src)
+    os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    known = is_cached(fd, 0, 8192) is not None  # cachestat answers on this kernel
+    aligned = aligned_buffer(8192)
+    (status, _, _, flags), = fileio.read_files([(str(path), [aligned], 0, -1, True)])
+    assert status == 0 and bytes(aligned) == bytes(src)
+    assert flags & 1 and flags & 4, "an aligned cold read goes O_DIRECT"
+    unaligned = memoryview(bytearray(8193))[1:]
+    (status, _, _, flags), = fileio.read_files([(str(path), [unaligned], 0, -1, True)])
+    assert status == 0 and bytes(unaligned) == bytes(src)
+    assert not flags & 1 and not flags & 4, "an unaligned buffer is read buffered"
+    (status, _, _, flags), = fileio.read_files([(str(path), [aligned], 0, -1, False)])
+    assert not flags & 1, "direct=False reads buffered"
+    os.pread(fd, 8192, 0)  # now in the page cache
+    (status, _, _, flags), = fileio.read_files([(str(path), [aligned], 0, -1, True)])
+    assert bytes(aligned) == bytes(src)
+    os.close(fd)
+    if known:
+        assert not flags & 2 and not flags & 1, "cached bytes are read buffered"

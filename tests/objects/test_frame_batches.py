@@ -1,0 +1,157 @@
+"""``ObjectIO.read_frames`` and ``put_together``: a batch of whole objects in one backend call.
+Reads: each object verified on its own, a damaged one fails only its key (file backend, whose
+batched reads go through the C accelerator when it is built, and memory backend). Writes: all
+stored, or all reported failed when the call fails or runs late, never a buffer read after."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hicache_store.backends import open_backend
+from hicache_store.backends.faulty import FaultConfig, FaultyBackend
+from hicache_store.layout.errors import (
+    CorruptObjectError,
+    PayloadChecksumError,
+    TruncatedObjectError,
+)
+from hicache_store.layout.framing import ObjectHeader
+from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
+from hicache_store.layout.namespace import Grid, ModelShape, Namespace
+from hicache_store.objects import Frame, ObjectIO
+
+NS = Namespace.create("m", ModelShape.mha(4, 2, 8), "float16", 4, Grid(4, 2))
+PAYLOAD = 4 * 2 * 4 * 2 * 8 * 2  # 4 layers of K/V x tokens x heads x dim x 2 bytes
+
+
+def key(page_hash: str = f"{1:064x}") -> ObjectKey:
+    return ObjectKey(page_hash, NS.digest, ObjectCoords(0, 4, 0))
+
+
+def payload(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, PAYLOAD, dtype=np.uint8)
+
+
+def frame_of(io: ObjectIO, data: np.ndarray, page_hash: str) -> Frame:
+    header = io.header_bytes(4)
+    buf = memoryview(bytearray(header + PAYLOAD))
+    np.frombuffer(buf, dtype=np.uint8)[header:] = data
+    return Frame(key(page_hash), buf)
+
+
+HASHES = [f"{i + 1:064x}" for i in range(6)]
+
+
+def frames_for(io: ObjectIO, n: int) -> list[memoryview]:
+    size = io.header_bytes(4) + PAYLOAD
+    return [memoryview(bytearray(size)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("url", ["file", "memory://"])
+async def test_every_kind_of_object_gets_its_own_outcome(tmp_path: Path, url: str) -> None:
+    backend = open_backend(f"file://{tmp_path}/s" if url == "file" else url)
+    io = ObjectIO(backend, NS)
+    stored = [frame_of(io, payload(i), h) for i, h in enumerate(HASHES[:5])]
+    assert await io.put(stored) == [True] * 5
+    originals = [bytes(f.buffer) for f in stored]
+    # 0 intact, 1 truncated, 2 one payload byte flipped, 3 stored longer than its frame,
+    # 4 intact, 5 never stored.
+    damaged = {
+        1: originals[1][:-1],
+        2: originals[2][:-5] + bytes([originals[2][-5] ^ 1]) + originals[2][-4:],
+        3: originals[3] + b"\0" * 16,
+    }
+    for i, data in damaged.items():
+        name = format_key(key(HASHES[i]))
+        await backend.delete([name])
+        await backend.put([name], [data])
+    frames = frames_for(io, 6)
+    got = await io.read_frames([key(h) for h in HASHES], frames)
+    assert isinstance(got[0], ObjectHeader) and isinstance(got[4], ObjectHeader)
+    assert bytes(frames[0]) == originals[0] and bytes(frames[4]) == originals[4]
+    assert isinstance(got[1], TruncatedObjectError)
+    assert isinstance(got[2], PayloadChecksumError)
+    assert isinstance(got[3], CorruptObjectError)
+    assert got[5] is None
+    await backend.close()
+
+
+async def test_a_header_of_another_key_is_corrupt_not_served(tmp_path: Path) -> None:
+    backend = open_backend(f"file://{tmp_path}/s")
+    io = ObjectIO(backend, NS)
+    frame = frame_of(io, payload(3), HASHES[0])
+    assert await io.put([frame]) == [True]
+    await backend.put([format_key(key(HASHES[1]))], [bytes(frame.buffer)])  # under another name
+    got = await io.read_frames([key(HASHES[0]), key(HASHES[1])], frames_for(io, 2))
+    assert isinstance(got[0], ObjectHeader)
+    assert isinstance(got[1], CorruptObjectError)
+    await backend.close()
+
+
+async def test_a_failing_backend_raises_for_the_batch(tmp_path: Path) -> None:
+    inner = open_backend(f"file://{tmp_path}/s")
+    io = ObjectIO(inner, NS)
+    assert await io.put([frame_of(io, payload(1), HASHES[0])]) == [True]
+    faulty = FaultyBackend(inner, FaultConfig(read_error_rate=1.0, seed=0))
+    with pytest.raises(Exception) as raised:
+        await ObjectIO(faulty, NS).read_frames([key(HASHES[0])], frames_for(io, 1))
+    assert not isinstance(raised.value, CorruptObjectError)
+    await inner.close()
+
+
+async def test_frames_without_payload_or_mismatched_counts_are_refused(tmp_path: Path) -> None:
+    backend = open_backend(f"file://{tmp_path}/s")
+    io = ObjectIO(backend, NS)
+    with pytest.raises(ValueError, match="no payload"):
+        await io.read_frames([key()], [memoryview(bytearray(io.header_bytes(4)))])
+    with pytest.raises(ValueError, match="frames"):
+        await io.read_frames([key()], [])
+    assert await io.read_frames([], []) == []
+    await backend.close()
+
+
+async def test_put_together_stores_every_frame_and_reads_back(tmp_path: Path) -> None:
+    backend = open_backend(f"file://{tmp_path}/s")
+    io = ObjectIO(backend, NS)
+    frames = [frame_of(io, payload(i), h) for i, h in enumerate(HASHES[:4])]
+    assert await io.put_together(frames) == [True] * 4
+    out = frames_for(io, 4)
+    got = await io.read_frames([key(h) for h in HASHES[:4]], out)
+    assert all(isinstance(g, ObjectHeader) for g in got)
+    assert [bytes(o) for o in out] == [bytes(f.buffer) for f in frames]
+    assert await io.put_together([]) == []
+    await backend.close()
+
+
+async def test_put_together_reports_a_failed_call_as_all_false(tmp_path: Path) -> None:
+    inner = open_backend(f"file://{tmp_path}/s")
+    io = ObjectIO(FaultyBackend(inner, FaultConfig(write_error_rate=1.0, seed=0)), NS)
+    frames = [frame_of(io, payload(i), h) for i, h in enumerate(HASHES[:3])]
+    assert await io.put_together(frames) == [False] * 3
+    assert await inner.exists([format_key(key(h)) for h in HASHES[:3]]) == [False] * 3
+    await inner.close()
+
+
+async def test_put_together_past_its_deadline_is_all_false_after_the_call_ended(
+    tmp_path: Path,
+) -> None:
+    inner = open_backend(f"file://{tmp_path}/s")
+    slow = FaultyBackend(inner, FaultConfig(latency_s=0.5, seed=0))
+    io = ObjectIO(slow, NS, io_timeout_s=0.1, min_bandwidth_mib_s=1e6)
+    frames = [frame_of(io, payload(i), h) for i, h in enumerate(HASHES[:2])]
+    assert await io.put_together(frames) == [False, False]
+    assert io.write_budget.used == 0
+    await inner.close()
+
+
+async def test_put_together_refuses_a_frame_without_payload_before_storing(tmp_path: Path) -> None:
+    backend = open_backend(f"file://{tmp_path}/s")
+    io = ObjectIO(backend, NS)
+    good = frame_of(io, payload(1), HASHES[0])
+    empty = Frame(key(HASHES[1]), memoryview(bytearray(io.header_bytes(4))))
+    with pytest.raises(ValueError, match="no payload"):
+        await io.put_together([good, empty])
+    assert await backend.exists([format_key(key(HASHES[0]))]) == [False]
+    await backend.close()
