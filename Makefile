@@ -9,7 +9,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-# The optional C accelerators (layout/_chain.c, layout/_keys.c) are rebuilt in place whenever a
+# The optional C accelerators (layout/_chain.c, layout/_keys.c, backends/_fileio.c) are rebuilt
+# in place whenever a
 # source changes, also in an existing environment (an editable install builds them only once).
 CHAIN_STAMP := $(VENV)/.chain-stamp
 # The mypy view of the package: layout/, kernels/, backends/ mapped under hicache_store/ the
@@ -47,8 +48,8 @@ $(STAMP): pyproject.toml tests/plugins/example_backend/pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e tests/plugins/example_backend
 	touch $@
 
-$(CHAIN_STAMP): layout/_chain.c layout/_keys.c $(STAMP)
-	$(PY) setup.py -q build_ext --inplace 2>/dev/null || echo "note: a C accelerator (layout/_chain.c, layout/_keys.c) not built; its pure-Python code is used" >&2
+$(CHAIN_STAMP): layout/_chain.c layout/_keys.c backends/_fileio.c $(STAMP)
+	$(PY) setup.py -q build_ext --inplace 2>/dev/null || echo "note: a C accelerator (layout/_chain.c, layout/_keys.c, backends/_fileio.c) not built; its pure-Python code is used" >&2
 	touch $@
 
 setup-vllm: $(VLLM_STAMP)
