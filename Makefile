@@ -10,8 +10,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # The optional C accelerators (layout/_chain.c, layout/_keys.c, backends/_fileio.c) are rebuilt
-# in place whenever a
-# source changes, also in an existing environment (an editable install builds them only once).
+# in place whenever a source changes, also in an existing environment (an editable install
+# builds them only once).
 CHAIN_STAMP := $(VENV)/.chain-stamp
 # The mypy view of the package: layout/, kernels/, backends/ mapped under hicache_store/ the
 # way setuptools' package-dir maps them (mypy cannot follow the editable-install import hook).
