@@ -257,12 +257,7 @@ class ObjectIO:
         raises ``ValueError`` (a caller bug) before anything is sealed or stored. Returns
         once every frame's work has ended (nothing reads the buffers afterwards).
         """
-        namespace = self.namespace
-        if namespace is None:
-            raise ValueError("ObjectIO without a namespace cannot write")
-        for frame in frames:
-            if len(frame.buffer) <= self.header_bytes(frame.key.coords.num_layers):
-                raise ValueError(f"{frame.key}: a frame of {len(frame.buffer)} bytes has no payload")
+        namespace = self._writable(frames)
         if end is None:
             end = self.deadline.end(sum(len(f.buffer) for f in frames))
         planes = namespace.kv_planes
@@ -278,6 +273,16 @@ class ObjectIO:
             )
         return done
 
+    def _writable(self, frames: Sequence[Frame]) -> Namespace:
+        """The namespace frames are sealed in; ``ValueError`` (a caller bug, before anything
+        is sealed or stored) without one, or for a frame whose buffer cannot hold a payload."""
+        if self.namespace is None:
+            raise ValueError("ObjectIO without a namespace cannot write")
+        for frame in frames:
+            if len(frame.buffer) <= self.header_bytes(frame.key.coords.num_layers):
+                raise ValueError(f"{frame.key}: a frame of {len(frame.buffer)} bytes has no payload")
+        return self.namespace
+
     async def put_together(self, frames: Sequence[Frame]) -> list[bool]:
         """``put`` of a small batch as one backend call: every frame sealed in place, then all
         stored by one ``Backend.put`` (on the file backend one reservation, one index update
@@ -291,12 +296,7 @@ class ObjectIO:
         buffer cannot hold a payload raises ``ValueError`` before anything is stored.
         Returns once the backend call has ended (nothing reads the buffers afterwards).
         """
-        namespace = self.namespace
-        if namespace is None:
-            raise ValueError("ObjectIO without a namespace cannot write")
-        for frame in frames:
-            if len(frame.buffer) <= self.header_bytes(frame.key.coords.num_layers):
-                raise ValueError(f"{frame.key}: a frame of {len(frame.buffer)} bytes has no payload")
+        namespace = self._writable(frames)
         if not frames:
             return []
         total = sum(len(frame.buffer) for frame in frames)
