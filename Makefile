@@ -106,9 +106,11 @@ pytest: setup
 	fi
 
 # The fast loop: lint, types and every test not marked slow (a test over 10 s here is marked
-# @pytest.mark.slow; the ten slowest that run are listed, so one that has grown shows).
+# @pytest.mark.slow; the ten slowest that run are listed, so one that has grown shows), spread
+# over one pytest-xdist worker per core (each worker starts the servers its tests need; every
+# server port is chosen free). The full run (make test) stays in one process.
 test-fast: lint typecheck
-	@$(MAKE) --no-print-directory pytest PYTEST_ARGS='-m "not slow" --durations=10'
+	@$(MAKE) --no-print-directory pytest PYTEST_ARGS='-m "not slow" -n auto --durations=10'
 
 # The vLLM tests (the main pytest run reports them skipped), in the same network namespace.
 pytest-vllm: setup-vllm
