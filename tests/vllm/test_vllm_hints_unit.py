@@ -308,3 +308,13 @@ def test_a_pin_past_the_tiers_store_budget_is_refused_and_the_store_succeeds(
     assert h.tier.stats.stored == 4
     assert h.tier.hints.counts["hint_pins_refused"] == 1
     assert held(h, [0, 1, 2, 3]) == [(), (), (), ()]
+
+
+def test_the_tier_reads_kv_transfer_params_when_vllms_field_is_unset(make: Any) -> None:
+    h = make()
+    env = msgspec.to_builtins(envelope(("pin", {"session": "http", "end_token": 16})))
+    ctx = ReqContext(req_id="r4", kv_transfer_params={"kv_hints": env})
+    for c in range(2):
+        ctx.set_offload_key_position(key(c), 16 * (c + 1))
+    store_for(h, ctx, [0, 1])
+    assert [[r.owner for r in g] for g in held(h, [0, 1])] == [["http"], []]

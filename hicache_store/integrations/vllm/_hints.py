@@ -5,12 +5,13 @@
 ``action_version`` and a JSON ``payload`` whose schema vLLM leaves to the component that
 implements the action. Where each route reads it:
 
-* the secondary tier (``HiCacheStoreTier``): ``ReqContext.kv_hints``, vLLM's own field, set by
-  ``LLMEngine.add_request(..., kv_hints=envelope)`` / ``AsyncLLM.generate(..., kv_hints=)``;
-* the connector (``HiCacheStoreConnector``): the request's ``kv_transfer_params["kv_hints"]``
-  (``SamplingParams(extra_args={"kv_transfer_params": {"kv_hints": ...}})``), the envelope as
-  JSON with the same field names (``msgspec.to_builtins(envelope)``); vLLM's own
-  ``Request.kv_hints``, where set, is read first.
+* vLLM's own field, ``Request.kv_hints`` / ``ReqContext.kv_hints``, set by
+  ``LLMEngine.add_request(..., kv_hints=envelope)`` / ``AsyncLLM.generate(..., kv_hints=)``
+  (the secondary tier, ``HiCacheStoreTier``, and the connector, ``HiCacheStoreConnector``);
+* else the request's ``kv_transfer_params["kv_hints"]`` (``SamplingParams(extra_args=
+  {"kv_transfer_params": {"kv_hints": ...}})``, or the ``kv_transfer_params`` of an OpenAI
+  request to ``vllm serve``): the envelope as JSON with the same field names
+  (``msgspec.to_builtins(envelope)``). Both routes read both.
 
 **The schema this library implements** (``action_version`` "1"; ``parse_envelope``):
 ``action_type`` is one of ``tier.hints.HINT_ACTIONS`` (``pin``, ``retain``, ``prefetch``,
@@ -399,6 +400,13 @@ class _Request:
     sent: int = 0
 
 
+def envelope_of(kv_hints: object, kv_transfer_params: Mapping[str, Any] | None) -> object:
+    """A request's envelope: vLLM's ``kv_hints`` field, else ``kv_transfer_params["kv_hints"]``."""
+    if kv_hints is not None:
+        return kv_hints
+    return (kv_transfer_params or {}).get(ENVELOPE_KEY)
+
+
 def _read(sink: HintSink, envelope: object, namespace: str) -> _Request | None:
     wall = now()
     try:
@@ -411,8 +419,8 @@ def _read(sink: HintSink, envelope: object, namespace: str) -> _Request | None:
 
 
 class TierHints:
-    """``HiCacheStoreTier``'s hints: read at ``on_new_request`` (``ReqContext.kv_hints``),
-    applied to the row objects of the request's chunks the tier stores (once the store job has
+    """``HiCacheStoreTier``'s hints: read at ``on_new_request`` (``ReqContext.kv_hints``, else
+    its ``kv_transfer_params["kv_hints"]``), applied to the row objects of the request's chunks the tier stores (once the store job has
     ended) or finds (``lookup`` hits, handed over at the step's end). A chunk's tokens are
     ``[position - tokens per chunk, position)``, its position being vLLM's
     (``ReqContext.get_offload_key_position``). Counters: ``counts``."""
@@ -444,7 +452,8 @@ class TierHints:
             self.counts[name] += n
 
     def new_request(self, req_context: Any) -> None:
-        request = _read(self.sink, req_context.kv_hints, self.namespace)
+        envelope = envelope_of(req_context.kv_hints, req_context.kv_transfer_params)
+        request = _read(self.sink, envelope, self.namespace)
         if request is None:
             return
         req_context.set_state(request)
@@ -507,9 +516,8 @@ class ConnectorHints:
 
     def track(self, request: Any) -> None:
         """A request seen for the first time."""
-        envelope = getattr(request, "kv_hints", None)
-        if envelope is None:
-            envelope = (getattr(request, "kv_transfer_params", None) or {}).get(ENVELOPE_KEY)
+        envelope = envelope_of(getattr(request, "kv_hints", None),
+                               getattr(request, "kv_transfer_params", None))
         hinted = _read(self.sink, envelope, self.namespace)
         if hinted is not None:
             self._requests[request.request_id] = hinted

@@ -62,8 +62,8 @@ the block size, ``kv_load_failure_policy="fail"``. Requests whose tokens do not 
 KV are neither loaded nor saved (counted): a ``cache_salt``, multimodal inputs, prompt
 embeddings, LoRA adapters.
 
-**Hints.** vLLM's per-request KV hints envelope, read from ``kv_transfer_params["kv_hints"]``
-(or vLLM's ``Request.kv_hints``), pins, retains, demotes, drops or releases the request's page
+**Hints.** vLLM's per-request KV hints envelope (``Request.kv_hints``, else the request's
+``kv_transfer_params["kv_hints"]``) pins, retains, demotes, drops or releases the request's page
 objects through the backend's retention (``_hints``: the schema and the actions). The
 scheduler hands them over with each step's metadata for the pages stored or saved so far; each
 worker applies them to its own objects after the saves issued before. A pin past the budget

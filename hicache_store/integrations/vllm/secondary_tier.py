@@ -43,8 +43,8 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   fails its key's load (``JobResult.successful_keys`` holds the others): vLLM frees the slot
   and recomputes. A corrupt object is counted and deleted, so the next store of that chunk
   writes it again.
-* **Hints.** vLLM's per-request ``kv_hints`` (``ReqContext.kv_hints``) pin, retain, demote,
-  drop or release the row objects of the request's chunks this tier stores or finds, through
+* **Hints.** vLLM's per-request ``kv_hints`` (``ReqContext.kv_hints``, else the request's
+  ``kv_transfer_params["kv_hints"]``) pin, retain, demote, drop or release the row objects of the request's chunks this tier stores or finds, through
   the backend's retention (``_hints``: the schema, the actions, the counters in
   ``hints.counts``). A pin past the backend's pin budget is refused and logged, a malformed
   envelope logged and ignored: neither fails the request.
@@ -361,6 +361,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self.drain_jobs()
+        self.hints.drain(30.0)
         self._lookups.shutdown()
         try:
             run_sync(self.backend.close(), timeout=30.0)
