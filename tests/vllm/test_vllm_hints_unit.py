@@ -318,3 +318,37 @@ def test_the_tier_reads_kv_transfer_params_when_vllms_field_is_unset(make: Any) 
         ctx.set_offload_key_position(key(c), 16 * (c + 1))
     store_for(h, ctx, [0, 1])
     assert [[r.owner for r in g] for g in held(h, [0, 1])] == [["http"], []]
+
+
+# -- the connector's scheduler side ----------------------------------------------------------------
+
+
+def test_the_connector_hands_each_page_over_once_as_it_is_stored_or_saved(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from hicache_store.integrations.vllm._hints import ConnectorHints
+
+    counts: dict[str, int] = {}
+    hints = ConnectorHints(Store(tmp_path, n=0).backend, NS, 16,
+                           lambda k, n: counts.__setitem__(k, counts.get(k, 0) + n))
+    env = msgspec.to_builtins(envelope(("pin", {"session": "s", "end_token": 40})))
+    hints.track(SimpleNamespace(request_id="r", kv_hints=None,
+                                kv_transfer_params={"kv_hints": env}))
+    hints.track(SimpleNamespace(request_id="bad", kv_hints=envelope(("pin", {"x": 1})),
+                                kv_transfer_params=None))
+    assert counts == {"hints_malformed": 1}
+    tracked = SimpleNamespace(hashes=[f"h{i}" for i in range(5)], planned=0, stored_pages=2)
+    (first,) = hints.plan({"r": tracked})
+    assert first.names == ("h0", "h1") and first.retention is not None
+    assert first.retention.pinned
+    assert hints.plan({"r": tracked}) == []  # nothing new: nothing handed over twice
+    tracked.planned = 5
+    (second,) = hints.plan({"r": tracked})
+    assert second.names == ("h2",)  # pages 3 and 4 start past token 40
+    hints.track(SimpleNamespace(request_id="end", kv_hints=envelope(("session_end",
+                                                                     {"session": "s"})),
+                                kv_transfer_params=None))
+    assert hints.plan({}) == [KeyOp("s", "end")]
+    hints.finished("r")
+    tracked.planned = 9
+    assert hints.plan({"r": tracked}) == []

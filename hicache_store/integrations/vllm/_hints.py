@@ -15,12 +15,12 @@ implements the action. Where each route reads it:
 
 **The schema this library implements** (``action_version`` "1"; ``parse_envelope``):
 ``action_type`` is one of ``tier.hints.HINT_ACTIONS`` (``pin``, ``retain``, ``prefetch``,
-``demote``, ``drop``, ``session_end``; case ignored, so the RFC's ``Pin`` is ``pin``), and the
+``demote``, ``drop``, ``session_end``; case ignored: ``Pin`` is ``pin``), and the
 ``payload`` may hold ``session`` (the owner of the holds: one session per envelope),
 ``start_token`` / ``end_token`` (the token range; default the whole request), ``priority``
 (``retain``), ``duration_s`` (how long from arrival; default until released) and
 ``namespace`` (a namespace digest: hints about another deployment's objects are refused). An
-``action_type`` outside that set (the RFC's ``share``) is skipped and counted; anything else
+``action_type`` outside that set (such as ``share``) is skipped and counted; anything else
 that does not fit (another ``action_version``, an unknown payload key, a wrong type, a bad
 range) refuses the whole envelope with ``HintError`` naming it: the route logs it, counts it
 (``hints_malformed``) and serves the request as if it had no hints. Hints never fail a request
