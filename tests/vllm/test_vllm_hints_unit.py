@@ -1,4 +1,4 @@
-"""vLLM's ``kv_hints`` envelope read and applied (``integrations/vllm/_hints.py``), without an engine.
+"""vLLM's ``kv_hints`` envelope read and applied (``integrations/vllm/_hints.py``), no engine.
 
 The envelope is vLLM's own ``KvHintsEnvelope`` (and its JSON form); holds go to the real file
 backend (bounded, with its pin budget) and are read back with ``retention_of``. The secondary

@@ -420,10 +420,11 @@ def _read(sink: HintSink, envelope: object, namespace: str) -> _Request | None:
 
 class TierHints:
     """``HiCacheStoreTier``'s hints: read at ``on_new_request`` (``ReqContext.kv_hints``, else
-    its ``kv_transfer_params["kv_hints"]``), applied to the row objects of the request's chunks the tier stores (once the store job has
-    ended) or finds (``lookup`` hits, handed over at the step's end). A chunk's tokens are
-    ``[position - tokens per chunk, position)``, its position being vLLM's
-    (``ReqContext.get_offload_key_position``). Counters: ``counts``."""
+    its ``kv_transfer_params["kv_hints"]``), applied to the row objects of the request's
+    chunks the tier stores (once the store job has ended) or finds (``lookup`` hits, handed
+    over at the step's end). A chunk's tokens are ``[position - tokens per chunk,
+    position)``, its position being vLLM's (``ReqContext.get_offload_key_position``).
+    Counters: ``counts``."""
 
     def __init__(
         self, backend: Backend, namespace: str, storage_key: Callable[[bytes], str],

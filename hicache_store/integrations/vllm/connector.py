@@ -442,6 +442,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = HiCacheStoreMetadata(loads=list(self._pending_loads.values()))
         self._pending_loads.clear()
         if not self.saves_enabled:
+            meta.holds = self.hints.plan(self._requests)  # the pages found stored
             return meta
         steps: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:

@@ -44,10 +44,12 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   and recomputes. A corrupt object is counted and deleted, so the next store of that chunk
   writes it again.
 * **Hints.** vLLM's per-request ``kv_hints`` (``ReqContext.kv_hints``, else the request's
-  ``kv_transfer_params["kv_hints"]``) pin, retain, demote, drop or release the row objects of the request's chunks this tier stores or finds, through
-  the backend's retention (``_hints``: the schema, the actions, the counters in
-  ``hints.counts``). A pin past the backend's pin budget is refused and logged, a malformed
-  envelope logged and ignored: neither fails the request.
+  ``kv_transfer_params["kv_hints"]``) pin, retain, demote, drop or release the row objects of
+  the request's chunks this tier stores or finds (not those vLLM serves from its primary
+  tier: this tier never sees them for that request), through the backend's retention
+  (``_hints``: the schema, the actions, the counters in ``hints.counts``). A pin past the
+  backend's pin budget is refused and logged, a malformed envelope logged and ignored:
+  neither fails the request.
 * **Events.** With ``enable_kv_events`` (and vLLM's KV events on), every stored chunk is a
   ``BlockStored`` event (medium ``STORAGE``) and every corrupt object deleted a removal;
   evictions inside the backend are not reported (the backend does not name what it evicted).
