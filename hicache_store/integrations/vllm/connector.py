@@ -62,6 +62,13 @@ the block size, ``kv_load_failure_policy="fail"``. Requests whose tokens do not 
 KV are neither loaded nor saved (counted): a ``cache_salt``, multimodal inputs, prompt
 embeddings, LoRA adapters.
 
+**Hints.** vLLM's per-request KV hints envelope (``Request.kv_hints``, else the request's
+``kv_transfer_params["kv_hints"]``) pins, retains, demotes, drops or releases the request's page
+objects through the backend's retention (``_hints``: the schema and the actions). The
+scheduler hands them over with each step's metadata for the pages stored or saved so far; each
+worker applies them to its own objects after the saves issued before. A pin past the budget
+is refused and logged, a malformed envelope logged and ignored; neither fails the request.
+
 **Metrics.** ``metrics`` (a dict of counters, on every instance) and vLLM's connector stats
 (``get_kv_connector_stats``): pages and bytes loaded and saved, load failures, corrupt objects,
 dropped saves, lookups that failed. vLLM's own ``vllm:external_prefix_cache_hits`` counts the
@@ -106,6 +113,7 @@ from hicache_store.layout.topology import Topology, shard_of
 from hicache_store.objects import IOStats, L3Link
 
 from ._config import SUPPORTED_VLLM, ConnectorConfig
+from ._hints import ConnectorHints, KeyOp
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -149,6 +157,7 @@ class PageSave:
 class HiCacheStoreMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[PageLoad] = field(default_factory=list)
     saves: list[PageSave] = field(default_factory=list)
+    holds: list[KeyOp] = field(default_factory=list)  # kv_hints steps over page hashes
 
 
 @dataclass
@@ -323,6 +332,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._save_chain: concurrent.futures.Future[None] | None = None
         self._pending_save_bytes = 0
         self._lock = threading.Lock()
+        self.hints = ConnectorHints(self.backend, self.namespace.digest, self.block_size,
+                                    self._count)
         if role == KVConnectorRole.SCHEDULER:
             # Every object of a page (the scheduler reads no shard): a page counts as stored
             # when each worker rank's objects are all there.
@@ -356,6 +367,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tracked.skip = _unkeyable(request)
             if tracked.skip:
                 self._count(f"skipped_{tracked.skip}")
+            else:
+                self.hints.track(request)
         return tracked
 
     def _hashes(self, tracked: _Tracked, num_tokens: int) -> list[str]:
@@ -429,6 +442,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = HiCacheStoreMetadata(loads=list(self._pending_loads.values()))
         self._pending_loads.clear()
         if not self.saves_enabled:
+            meta.holds = self.hints.plan(self._requests)  # the pages found stored
             return meta
         steps: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -444,6 +458,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             save = self._plan_save(tracked, computed, done)
             if save is not None:
                 meta.saves.append(save)
+        meta.holds = self.hints.plan(self._requests)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -499,6 +514,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # hold the blocks for.
         self._requests.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        self.hints.finished(request.request_id)
         return False, None
 
     # ==== worker side ===========================================================================
@@ -703,6 +719,14 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         finally:
             with self._lock:
                 self._pending_save_bytes -= nbytes
+
+    def clear_connector_metadata(self) -> None:
+        """The step has ended (after ``wait_for_save``): its kv_hints steps, after its saves."""
+        meta = self._connector_metadata
+        if isinstance(meta, HiCacheStoreMetadata) and meta.holds and self._link is not None:
+            self._save_chain = self.hints.apply_after(self._save_chain, meta.holds,
+                                                      self._link.write_names)
+        super().clear_connector_metadata()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -43,6 +43,13 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   fails its key's load (``JobResult.successful_keys`` holds the others): vLLM frees the slot
   and recomputes. A corrupt object is counted and deleted, so the next store of that chunk
   writes it again.
+* **Hints.** vLLM's per-request ``kv_hints`` (``ReqContext.kv_hints``, else the request's
+  ``kv_transfer_params["kv_hints"]``) pin, retain, demote, drop or release the row objects of
+  the request's chunks this tier stores or finds (not those vLLM serves from its primary
+  tier: this tier never sees them for that request), through the backend's retention
+  (``_hints``: the schema, the actions, the counters in ``hints.counts``). A pin past the
+  backend's pin budget is refused and logged, a malformed envelope logged and ignored:
+  neither fails the request.
 * **Events.** With ``enable_kv_events`` (and vLLM's KV events on), every stored chunk is a
   ``BlockStored`` event (medium ``STORAGE``) and every corrupt object deleted a removal;
   evictions inside the backend are not reported (the backend does not name what it evicted).
@@ -97,6 +104,8 @@ from hicache_store.layout.keys import ObjectCoords, ObjectKey
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.objects import Arena, Frame, ObjectIO
 from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
+
+from ._hints import TierHints
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -267,6 +276,10 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         # corrupt objects deleted: the loop thread puts, take_events takes
         self._removed: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
         self._lookups = _Lookups(self)
+        # vLLM's kv_hints (``_hints``): holds on the request's row objects
+        blocks = offloading_spec.config.cache.blocks_per_chunk
+        self.hints = TierHints(self.backend, self.namespace.digest, self.storage_key, {
+            g.group_id: g.tokens_per_block * blocks for g in offloading_spec.config.groups})
         log.info(
             "HiCacheStoreTier: rows of %d bytes as objects of namespace %s (%s; %s) on %s",
             self.row_bytes, self.namespace.digest, self.namespace.model,
@@ -288,16 +301,20 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
     # -- the scheduler's calls ----------------------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self.hints.new_request(req_context)
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         found = self._lookups.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
+        if found:
+            self.hints.found(key, req_context)
         return LookupResult.HIT if found else LookupResult.MISS
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookups.flush()
+        self.hints.flush()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookups.cleanup(req_context.req_id)
@@ -312,6 +329,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         else:
             future = submit(self._store(keys, chunks))
         self._jobs[job_metadata.job_id] = _Job(keys, future, is_load=False)
+        self.hints.stored(job_metadata, future)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
@@ -345,6 +363,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self.drain_jobs()
+        self.hints.drain(30.0)
         self._lookups.shutdown()
         try:
             run_sync(self.backend.close(), timeout=30.0)
