@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from .keys import ObjectCoords
 from .namespace import Namespace
-from .topology import Shard
+from .topology import HeadSpan, LayerHeadSpan, Shard
 
 PoolLayoutName = Literal["layer_first", "page_first", "page_first_direct", "page_head"]
 POOL_LAYOUTS: tuple[str, ...] = ("layer_first", "page_first", "page_first_direct", "page_head")
@@ -47,7 +47,7 @@ def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class HeadBlock:
+class HeadBlock(HeadSpan):
     """One head block of a unified host page.
 
     ``group`` is the grid head group it belongs to (``None`` for MLA); ``head_start`` /
@@ -60,13 +60,9 @@ class HeadBlock:
     offset: int
     nbytes: int
 
-    @property
-    def num_heads(self) -> int:
-        return self.head_stop - self.head_start
-
 
 @dataclass(frozen=True)
-class UnifiedPageLayout:
+class UnifiedPageLayout(LayerHeadSpan):
     """The ``page_unified`` layout of one host page holding layers and heads of a shard."""
 
     namespace: Namespace
@@ -95,14 +91,6 @@ class UnifiedPageLayout:
     @classmethod
     def full_page(cls, namespace: Namespace) -> UnifiedPageLayout:
         return cls(namespace, 0, namespace.num_layers, 0, namespace.num_kv_heads)
-
-    @property
-    def num_layers(self) -> int:
-        return self.layer_stop - self.layer_start
-
-    @property
-    def num_heads(self) -> int:
-        return self.head_stop - self.head_start
 
     @cached_property
     def blocks(self) -> tuple[HeadBlock, ...]:
