@@ -165,6 +165,8 @@ class MooncakeBackend(Backend):
                 # stop waiting at the deadline or whenever it gives up (``until_abandoned``).
                 return await until_abandoned(asyncio.wait_for(asyncio.shield(running), timeout))
             except (TimeoutError, CallAbandoned) as exc:
+                if handoff is not None:  # first: no copy starts once the call is given up
+                    handoff.close()
                 if not future.cancel() and on_late is not None:
                     cleanup = on_late
 
