@@ -753,7 +753,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
                 results.extend(_outcome(reg, *inflight.pop(0)))
         finally:
             # A put stuck in I/O cannot be stopped; its staging is dropped by the caller
-            # (``_set_pages``) and SGLang's backup thread gets False instead of waiting on it.
+            # (``_staged``) and SGLang's backup thread gets False instead of waiting on it.
             for fut, _ in inflight:
                 fut.cancel()
         return results
