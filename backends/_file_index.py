@@ -1061,6 +1061,20 @@ class FileIndex:
             retained = holds.any_entries(con)
         victims: list[tuple[str, int]] = []
         freed = 0
+
+        def take(rows: Iterable[tuple[str, int]]) -> bool:
+            """Add ``rows`` in order, less busy and skipped keys, until ``need`` bytes are
+            freed; whether they are."""
+            nonlocal freed
+            for key, size in rows:
+                if key in busy or key in skip:
+                    continue
+                victims.append((key, size))
+                freed += size
+                if freed >= need:
+                    return True
+            return False
+
         after: tuple[int, str] | None = None
         # while entries exist, held rows are passed over inside SQLite (one primary-key probe
         # of ``retention`` per row), never handed to Python
@@ -1078,24 +1092,10 @@ class FileIndex:
                 ).fetchall()
             if not page:
                 break
-            for key, size, _rank in page:
-                if key in busy or key in skip:
-                    continue
-                victims.append((key, size))
-                freed += size
-                if freed >= need:
-                    break
+            take((key, size) for key, size, _rank in page)
             after = (page[-1][2], page[-1][0])
-        if retained and freed < need:
-            for key, size in holds.retained_victims(con):
-                if key in busy or key in skip:
-                    continue
-                victims.append((key, size))
-                freed += size
-                if freed >= need:
-                    break
-            else:
-                return []  # pins (or calls in flight) hold the rest: evict nothing for nothing
+        if retained and freed < need and not take(holds.retained_victims(con)):
+            return []  # pins (or calls in flight) hold the rest: evict nothing for nothing
         return victims
 
     @staticmethod

@@ -59,14 +59,22 @@ def load_usrbio() -> ModuleType | None:
         return None
 
 
+def _table_lines(path: str) -> list[str] | None:
+    """The lines of a kernel table such as ``/proc/mounts``; ``None`` where it cannot be read
+    (not Linux, no ``/proc``): the callers then know nothing of mounts or mappings."""
+    try:
+        with open(path) as fh:
+            return fh.read().splitlines()
+    except OSError:
+        return None
+
+
 def mount_of(path: str, mounts_file: str = "/proc/mounts") -> tuple[str, str] | None:
     """``(mount point, fstype)`` of the filesystem holding ``path`` (longest prefix match)."""
     path = os.path.realpath(path)
     best: tuple[str, str] | None = None
-    try:
-        with open(mounts_file) as fh:
-            lines = fh.read().splitlines()
-    except OSError:
+    lines = _table_lines(mounts_file)
+    if lines is None:
         return None
     for line in lines:
         parts = line.split()
@@ -102,10 +110,8 @@ def _open_shm(name: str) -> SharedMemory:
 
 def shm_mapping_of(address: int, maps_file: str = "/proc/self/maps") -> tuple[str, int] | None:
     """``(shm name, offset in the shm file)`` of an address mapped from ``/dev/shm``, else None."""
-    try:
-        with open(maps_file) as fh:
-            lines = fh.read().splitlines()
-    except OSError:
+    lines = _table_lines(maps_file)
+    if lines is None:
         return None
     for line in lines:
         parts = line.split(maxsplit=5)

@@ -29,6 +29,7 @@ so the original stays in ``__cause__``.
 from __future__ import annotations
 
 import errno as _errno
+from typing import ClassVar
 
 from hicache_store.layout.errors import HiCacheStoreError
 
@@ -53,20 +54,30 @@ class InvalidRangeError(BackendError, ValueError):
     """
 
 
-class BackendUnavailableError(BackendError):
-    """The store cannot answer now. ``retryable`` says whether trying again may succeed."""
+class _RetryableError(BackendError):
+    """An error that says whether trying again may succeed (``retryable``); a class states
+    what it is when the raiser does not say (``retryable_by_default``)."""
+
+    retryable_by_default: ClassVar[bool] = False
 
     def __init__(
         self,
         message: str,
         *,
-        retryable: bool = True,
+        retryable: bool | None = None,
         backend: str | None = None,
         operation: str | None = None,
         key: str | None = None,
     ) -> None:
         super().__init__(message, backend=backend, operation=operation, key=key)
-        self.retryable = retryable
+        self.retryable = self.retryable_by_default if retryable is None else retryable
+
+
+class BackendUnavailableError(_RetryableError):
+    """The store cannot answer now. ``retryable`` (by default ``True``) says whether trying
+    again may succeed."""
+
+    retryable_by_default = True
 
 
 class BackendTimeoutError(BackendUnavailableError, TimeoutError):
@@ -108,35 +119,18 @@ class PinBudgetError(CapacityError):
 class OutOfSpaceError(CapacityError, OSError):
     """The device or quota ran out of space (ENOSPC / EDQUOT). Reads are unaffected.
 
-    ``errno`` is ``ENOSPC`` so code that only knows ``OSError`` still recognises it.
+    ``errno`` is ``ENOSPC`` so code that only knows ``OSError`` still recognises it. ``where``
+    is ``backend`` / ``operation`` / ``key``, as for every ``HiCacheStoreError``.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        backend: str | None = None,
-        operation: str | None = None,
-        key: str | None = None,
-    ) -> None:
-        super().__init__(message, backend=backend, operation=operation, key=key)
+    def __init__(self, message: str, **where: str | None) -> None:
+        super().__init__(message, **where)
         self.errno = _errno.ENOSPC
 
 
-class BackendIOError(BackendError):
-    """Any other I/O failure of the store. ``retryable`` as for ``BackendUnavailableError``."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        retryable: bool = False,
-        backend: str | None = None,
-        operation: str | None = None,
-        key: str | None = None,
-    ) -> None:
-        super().__init__(message, backend=backend, operation=operation, key=key)
-        self.retryable = retryable
+class BackendIOError(_RetryableError):
+    """Any other I/O failure of the store. ``retryable`` (by default ``False``) as for
+    ``BackendUnavailableError``."""
 
 
 class UnknownBackendError(BackendError, LookupError):

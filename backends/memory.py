@@ -15,8 +15,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from hicache_store.layout.errors import ConfigError
-
 from ._lru import ChainLRU
 from .base import Backend
 from .errors import CapacityError, InvalidRangeError
@@ -29,7 +27,7 @@ from .retention import (
     is_pinned,
     pin_budget_bytes,
 )
-from .types import BackendURL, ByteRange, Capabilities, ObjectStat, parse_size
+from .types import ByteRange, Capabilities, ObjectStat, parse_size
 
 #: default bound: 1 GiB.
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -66,13 +64,6 @@ class MemoryBackend(Backend):
         self._data: dict[str, bytes] = {}
         self._mtimes: dict[str, float] = {}
         self._lru = ChainLRU()
-
-    @classmethod
-    def from_url(cls, url: BackendURL, options: dict[str, Any]) -> MemoryBackend:
-        # docstring inherited
-        if url.location:
-            raise ConfigError(f"memory:// takes no location, got {url.location!r}")
-        return cls(**options)
 
     @property
     def used_bytes(self) -> int:

@@ -140,44 +140,49 @@ class MooncakeBackend(Backend):
         it, see the module docstring). Otherwise ``fn`` touches caller memory only through
         ``handoff``, and on a timeout (or when the caller gives up) the handoff is closed (a
         copy in progress finishes first), ``on_late(result)`` runs when the call finishes
-        (cleanup), and ``BackendTimeoutError`` (retryable) is raised now.
+        (cleanup), and ``BackendTimeoutError`` (retryable) is raised now. ``handoff`` is
+        closed whenever this returns or raises.
         """
-        client = self._client if self._client is not None else await asyncio.to_thread(
-            self._client_sync)
-        zero_copy = any(len(b) and client.is_registered(address_of(b), len(b))
-                        for b in caller_memory)
-        future = client.executor.submit(client.call, fn, client)
-        self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
-        running = asyncio.wrap_future(future)
-        timeout = self.config.timeout or None
-        if zero_copy:
-            try:
-                return await asyncio.wait_for(asyncio.shield(running), timeout)
-            except TimeoutError:
-                log.warning("mooncake %s past its %ss deadline, into registered memory: "
-                            "waiting for it to end", operation, self.config.timeout)
-                return await running
         try:
-            # Nothing here touches the caller's memory outside ``handoff``: the caller may
-            # stop waiting at the deadline or whenever it gives up (``until_abandoned``).
-            return await until_abandoned(asyncio.wait_for(asyncio.shield(running), timeout))
-        except (TimeoutError, CallAbandoned) as exc:
+            client = self._client if self._client is not None else await asyncio.to_thread(
+                self._client_sync)
+            zero_copy = any(len(b) and client.is_registered(address_of(b), len(b))
+                            for b in caller_memory)
+            future = client.executor.submit(client.call, fn, client)
+            self._pending.add(future)
+            future.add_done_callback(self._pending.discard)
+            running = asyncio.wrap_future(future)
+            timeout = self.config.timeout or None
+            if zero_copy:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(running), timeout)
+                except TimeoutError:
+                    log.warning("mooncake %s past its %ss deadline, into registered memory: "
+                                "waiting for it to end", operation, self.config.timeout)
+                    return await running
+            try:
+                # Nothing here touches the caller's memory outside ``handoff``: the caller may
+                # stop waiting at the deadline or whenever it gives up (``until_abandoned``).
+                return await until_abandoned(asyncio.wait_for(asyncio.shield(running), timeout))
+            except (TimeoutError, CallAbandoned) as exc:
+                if handoff is not None:  # first: no copy starts once the call is given up
+                    handoff.close()
+                if not future.cancel() and on_late is not None:
+                    cleanup = on_late
+
+                    def finished_late(done: concurrent.futures.Future[T]) -> None:
+                        if not done.cancelled() and done.exception() is None:
+                            cleanup(done.result())
+                    future.add_done_callback(finished_late)
+                if isinstance(exc, CallAbandoned):
+                    raise
+                raise BackendTimeoutError(
+                    f"{operation} took longer than {self.config.timeout}s",
+                    backend=self.name, operation=operation,
+                ) from None
+        finally:
             if handoff is not None:
                 handoff.close()
-            if not future.cancel() and on_late is not None:
-                cleanup = on_late
-
-                def finished_late(done: concurrent.futures.Future[T]) -> None:
-                    if not done.cancelled() and done.exception() is None:
-                        cleanup(done.result())
-                future.add_done_callback(finished_late)
-            if isinstance(exc, CallAbandoned):
-                raise
-            raise BackendTimeoutError(
-                f"{operation} took longer than {self.config.timeout}s",
-                backend=self.name, operation=operation,
-            ) from None
 
     async def drain(self) -> None:
         """Wait until every Mooncake call this backend started has returned (also the ones
@@ -293,11 +298,8 @@ class MooncakeBackend(Backend):
                 with client.keys.hold(exclusive=written):
                     client.store.batch_remove(written, True)
 
-        try:
-            codes = await self._run(work, operation="put", caller_memory=buffers,
-                                    handoff=handoff, on_late=undo)
-        finally:
-            handoff.close()
+        codes = await self._run(work, operation="put", caller_memory=buffers,
+                                handoff=handoff, on_late=undo)
         for key, code in zip(keys, codes, strict=True):
             check_capacity(code, key)
 
@@ -366,11 +368,8 @@ class MooncakeBackend(Backend):
                         raise CallAbandoned
             return codes
 
-        try:
-            codes = await self._run(work, operation="get_into", caller_memory=buffers,
-                                    handoff=handoff)
-        finally:
-            handoff.close()
+        codes = await self._run(work, operation="get_into", caller_memory=buffers,
+                                handoff=handoff)
         return await self._finish_reads(keys, buffers, codes)
 
     async def _finish_reads(
@@ -393,14 +392,8 @@ class MooncakeBackend(Backend):
                 raise code_error(code, operation="get_into", key=key)
             else:
                 raise code_error(code, operation="get_into", key=key)
-        if missing:
-            # A miss may be an empty object, stored as a marker.
-            probe = [keys[i] + EMPTY_SUFFIX for i in missing]
-            markers = await self._run(lambda c: c.store.batch_is_exist(probe),
-                                      operation="get_into")
-            for i, hit in zip(missing, markers, strict=True):
-                if hit == 1:
-                    results[i] = 0
+        for i in await self._empty_objects(keys, missing):
+            results[i] = 0
         return results
 
     async def _read_ranges(
@@ -434,11 +427,8 @@ class MooncakeBackend(Backend):
                         raise CallAbandoned
             return codes
 
-        try:
-            codes = await self._run(work, operation="get_into", caller_memory=buffers,
-                                    handoff=handoff)
-        finally:
-            handoff.close()
+        codes = await self._run(work, operation="get_into", caller_memory=buffers,
+                                handoff=handoff)
         results: list[int | None] = []
         missing: list[int] = []
         for i, (key, rng, code) in enumerate(zip(keys, ranges, codes, strict=True)):
@@ -456,15 +446,19 @@ class MooncakeBackend(Backend):
                 raise code_error(code, operation="get_into", key=key)
             else:
                 raise code_error(code, operation="get_into", key=key)
-        if missing:
+        for i in await self._empty_objects(keys, missing):
             # An empty object has no bytes: any range of it reaches past its end.
-            probe = [keys[i] + EMPTY_SUFFIX for i in missing]
-            markers = await self._run(lambda c: c.store.batch_is_exist(probe),
-                                      operation="get_into")
-            for i, hit in zip(missing, markers, strict=True):
-                if hit == 1:
-                    ranges[i].check_within(0, backend=self.name, key=keys[i])
+            ranges[i].check_within(0, backend=self.name, key=keys[i])
         return results
+
+    async def _empty_objects(self, keys: Sequence[str], missing: list[int]) -> list[int]:
+        """Those of ``missing`` (indices of read misses in ``keys``) that are empty objects:
+        the store holds no zero-byte value, so an empty object is a marker key beside it."""
+        if not missing:
+            return []
+        probe = [keys[i] + EMPTY_SUFFIX for i in missing]
+        markers = await self._run(lambda c: c.store.batch_is_exist(probe), operation="get_into")
+        return [i for i, hit in zip(missing, markers, strict=True) if hit == 1]
 
     async def _sizes(self, keys: Sequence[str]) -> list[int | None]:
         def work(c: SharedClient) -> list[int]:

@@ -66,6 +66,31 @@ def doc_summary(doc: str | None) -> str | None:
     return None if not doc else doc.split("\n\n")[0].replace("``", "")
 
 
+def add_store_command(
+    subparsers: Any, name: str, *, help: str, doc: str | None
+) -> argparse.ArgumentParser:
+    """Add subcommand ``name`` of a command that opens one store: described by ``doc``'s first
+    paragraph, its first argument the store's URL (optional on the command line: the
+    ``HICACHE_STORE_URL`` layer of ``ops.config`` gives it)."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name, help=help, description=doc_summary(doc))
+    parser.add_argument("url", nargs="?", default=None,
+                        help="backend URL, e.g. file:///var/cache/kv (or HICACHE_STORE_URL)")
+    return parser
+
+
+def add_prompts_argument(group: argparse._ActionsContainer) -> None:
+    """``--prompts FILE`` (repeatable; ``ops.sources.load_prompts`` reads them)."""
+    group.add_argument("--prompts", action="append", default=[], metavar="FILE",
+                       help="JSONL (text / messages / input_ids per line) or text file; repeatable")
+
+
+def add_report_arguments(parser: argparse._ActionsContainer, report: str) -> None:
+    """``--json`` (print ``report`` as JSON) and ``--no-progress`` (nothing on stderr)."""
+    parser.add_argument("--json", action="store_true", help=f"print the {report} as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+
+
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Every parser's description and epilog are plain text (commands pass docstrings).

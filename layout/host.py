@@ -20,6 +20,7 @@ every index from here. Nothing here allocates or copies.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -29,7 +30,7 @@ import numpy.typing as npt
 
 from .keys import ObjectCoords
 from .namespace import Namespace
-from .topology import Shard
+from .topology import HeadSpan, LayerHeadSpan, Shard
 
 PoolLayoutName = Literal["layer_first", "page_first", "page_first_direct", "page_head"]
 POOL_LAYOUTS: tuple[str, ...] = ("layer_first", "page_first", "page_first_direct", "page_head")
@@ -47,7 +48,7 @@ def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class HeadBlock:
+class HeadBlock(HeadSpan):
     """One head block of a unified host page.
 
     ``group`` is the grid head group it belongs to (``None`` for MLA); ``head_start`` /
@@ -60,13 +61,9 @@ class HeadBlock:
     offset: int
     nbytes: int
 
-    @property
-    def num_heads(self) -> int:
-        return self.head_stop - self.head_start
-
 
 @dataclass(frozen=True)
-class UnifiedPageLayout:
+class UnifiedPageLayout(LayerHeadSpan):
     """The ``page_unified`` layout of one host page holding layers and heads of a shard."""
 
     namespace: Namespace
@@ -95,14 +92,6 @@ class UnifiedPageLayout:
     @classmethod
     def full_page(cls, namespace: Namespace) -> UnifiedPageLayout:
         return cls(namespace, 0, namespace.num_layers, 0, namespace.num_kv_heads)
-
-    @property
-    def num_layers(self) -> int:
-        return self.layer_stop - self.layer_start
-
-    @property
-    def num_heads(self) -> int:
-        return self.head_stop - self.head_start
 
     @cached_property
     def blocks(self) -> tuple[HeadBlock, ...]:
@@ -196,8 +185,44 @@ class UnifiedPageLayout:
         return np.asarray(block_base + index, dtype=np.int64)
 
 
+class _SlotPool(abc.ABC):
+    """What the host-pool layouts share: storage of ``shape`` addressed by (plane, token slot,
+    local layer, local head, dim). ``element_offsets`` broadcasts the coordinates to int64
+    arrays; each layout's ``_offsets`` maps them to its storage order and checks their range."""
+
+    @property
+    @abc.abstractmethod
+    def shape(self) -> tuple[int, ...]:
+        """The storage's dimensions, outermost first."""
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape))
+
+    def element_offsets(
+        self,
+        plane: IntArray | int,
+        slot: IntArray | int,
+        layer: IntArray | int,
+        head: IntArray | int,
+        dim: IntArray | int,
+    ) -> IntArray:
+        """Element offsets of (plane, token slot, local layer, local head, dim); vectorised.
+        Out-of-range coordinates raise ``ValueError``."""
+        plane_a, slot_a, layer_a, head_a, dim_a = np.broadcast_arrays(
+            *(np.asarray(v, dtype=np.int64) for v in (plane, slot, layer, head, dim))
+        )
+        return self._offsets(plane_a, slot_a, layer_a, head_a, dim_a)
+
+    @abc.abstractmethod
+    def _offsets(
+        self, plane: IntArray, slot: IntArray, layer: IntArray, head: IntArray, dim: IntArray
+    ) -> IntArray:
+        """``element_offsets`` of coordinates already broadcast to int64 arrays."""
+
+
 @dataclass(frozen=True)
-class PoolLayout:
+class PoolLayout(_SlotPool):
     """One of SGLang's host-pool layouts for a rank: shape and element strides of its tensor.
 
     ``num_layers`` and ``num_heads`` are the rank's local counts; the pool holds ``num_pages``
@@ -255,32 +280,20 @@ class PoolLayout:
     def strides(self) -> tuple[int, ...]:
         return row_major_strides(self.shape)
 
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape))
-
-    def element_offsets(
-        self,
-        plane: IntArray | int,
-        slot: IntArray | int,
-        layer: IntArray | int,
-        head: IntArray | int,
-        dim: IntArray | int,
+    def _offsets(
+        self, plane: IntArray, slot: IntArray, layer: IntArray, head: IntArray, dim: IntArray
     ) -> IntArray:
-        """Element offsets of (plane, token slot, local layer, local head, dim); vectorised."""
-        plane_a, slot_a, layer_a, head_a, dim_a = np.broadcast_arrays(
-            *(np.asarray(v, dtype=np.int64) for v in (plane, slot, layer, head, dim))
-        )
-        page, token = np.divmod(slot_a, self.page_size)
+        # docstring inherited (``element_offsets``)
+        page, token = np.divmod(slot, self.page_size)
         coords = {
-            "layer_first": (layer_a, slot_a, head_a, dim_a),
-            "page_first": (slot_a, layer_a, head_a, dim_a),
-            "page_first_direct": (page, layer_a, token, head_a, dim_a),
-            "page_head": (page, head_a, token, layer_a, dim_a),
+            "layer_first": (layer, slot, head, dim),
+            "page_first": (slot, layer, head, dim),
+            "page_first_direct": (page, layer, token, head, dim),
+            "page_head": (page, head, token, layer, dim),
         }[self.name]
         if self.kv_kind == "mha":
-            coords = (plane_a, *coords)
-        offset = np.zeros(plane_a.shape, dtype=np.int64)
+            coords = (plane, *coords)
+        offset = np.zeros(plane.shape, dtype=np.int64)
         for index, size, stride in zip(coords, self.shape, self.strides, strict=True):
             if index.size and (index.min() < 0 or index.max() >= size):
                 raise ValueError(f"index outside the pool's shape {self.shape}")
@@ -289,7 +302,7 @@ class PoolLayout:
 
 
 @dataclass(frozen=True)
-class VllmCpuLayout:
+class VllmCpuLayout(_SlotPool):
     """vLLM 0.32's CPU paged KV cache of one rank (``CPUAttentionBackend``), MHA.
 
     vLLM allocates every layer in one tensor (its layout ``LBHNC``) and registers each layer as
@@ -319,10 +332,6 @@ class VllmCpuLayout:
         return (self.num_layers, self.num_blocks, self.num_heads, 2,
                 self.block_size * self.head_dim)
 
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape))
-
     def plane_strides(self, plane: int) -> tuple[int, int, int, int, int]:
         """Element strides of (layer, block, token, head, dim) within ``plane`` (0 = K, 1 = V);
         the plane starts ``plane * block_size * D`` elements into each (block, head) run."""
@@ -336,31 +345,20 @@ class VllmCpuLayout:
             return (layer, block, self.head_dim, head, 1)
         raise ValueError(f"plane {plane} is not 0 (K) or 1 (V)")
 
-    def element_offsets(
-        self,
-        plane: IntArray | int,
-        slot: IntArray | int,
-        layer: IntArray | int,
-        head: IntArray | int,
-        dim: IntArray | int,
+    def _offsets(
+        self, plane: IntArray, slot: IntArray, layer: IntArray, head: IntArray, dim: IntArray
     ) -> IntArray:
-        """Element offsets of (plane, token slot, local layer, local head, dim); vectorised.
-
-        Slot ``s`` is token ``s % block_size`` of block ``s // block_size``. Out-of-range
-        coordinates raise ``ValueError``.
-        """
-        plane_a, slot_a, layer_a, head_a, dim_a = np.broadcast_arrays(
-            *(np.asarray(v, dtype=np.int64) for v in (plane, slot, layer, head, dim))
-        )
-        block, token = np.divmod(slot_a, self.block_size)
+        # docstring inherited (``element_offsets``); slot ``s`` is token ``s % block_size`` of
+        # block ``s // block_size``
+        block, token = np.divmod(slot, self.block_size)
         for name, values, size in (
-            ("plane", plane_a, 2), ("block", block, self.num_blocks),
-            ("layer", layer_a, self.num_layers), ("head", head_a, self.num_heads),
-            ("dim", dim_a, self.head_dim),
+            ("plane", plane, 2), ("block", block, self.num_blocks),
+            ("layer", layer, self.num_layers), ("head", head, self.num_heads),
+            ("dim", dim, self.head_dim),
         ):
             if values.size and (values.min() < 0 or values.max() >= size):
                 raise ValueError(f"{name} index outside [0, {size})")
         run = self.block_size * self.head_dim
-        base = ((layer_a * self.num_blocks + block) * self.num_heads + head_a) * 2 * run
-        inner = np.where(plane_a == 0, dim_a * self.block_size + token, token * self.head_dim + dim_a)
-        return np.asarray(base + plane_a * run + inner, dtype=np.int64)
+        base = ((layer * self.num_blocks + block) * self.num_heads + head) * 2 * run
+        inner = np.where(plane == 0, dim * self.block_size + token, token * self.head_dim + dim)
+        return np.asarray(base + plane * run + inner, dtype=np.int64)

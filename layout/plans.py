@@ -26,6 +26,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -94,11 +95,20 @@ class ObjectWrite:
     nbytes: int
 
 
-class _KeyedPlan:
-    """Per-page object keys from a plan without re-validating its constant parts."""
+_Object = TypeVar("_Object", "ObjectWrite", "ObjectRead")
+
+
+@dataclass(frozen=True)
+class _KeyedPlan(Generic[_Object]):
+    """What a write plan and a read plan share: the deployment and rank they were made for,
+    the rank's host page, its objects, and their per-page keys without re-validating the
+    constant parts."""
 
     namespace: Namespace
-    objects: tuple[ObjectWrite, ...] | tuple[ObjectRead, ...]
+    topology: Topology
+    shard: Shard
+    page: UnifiedPageLayout
+    objects: tuple[_Object, ...]
 
     @cached_property
     def key_tails(self) -> tuple[str, ...]:
@@ -119,12 +129,8 @@ class _KeyedPlan:
 
 
 @dataclass(frozen=True)
-class WritePlan(_KeyedPlan):
-    namespace: Namespace
-    topology: Topology
-    shard: Shard
-    page: UnifiedPageLayout
-    objects: tuple[ObjectWrite, ...]
+class WritePlan(_KeyedPlan[ObjectWrite]):
+    """The objects a rank writes for each page (``plan_writes``)."""
 
     @property
     def bytes_per_page(self) -> int:
@@ -172,12 +178,8 @@ class ObjectRead:
 
 
 @dataclass(frozen=True)
-class ReadPlan(_KeyedPlan):
-    namespace: Namespace
-    topology: Topology
-    shard: Shard
-    page: UnifiedPageLayout
-    objects: tuple[ObjectRead, ...]
+class ReadPlan(_KeyedPlan[ObjectRead]):
+    """The objects a rank reads for each page and where they land (``plan_reads``)."""
 
     @property
     def bytes_needed(self) -> int:

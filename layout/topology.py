@@ -106,8 +106,32 @@ class Topology:
         return cls(tp, pp, layers)
 
 
+class HeadSpan:
+    """The count of a KV-head range ``[head_start, head_stop)``, for the dataclasses that hold
+    one (a host page's ``HeadBlock``). A mixin: it declares no dataclass fields."""
+
+    head_start: int
+    head_stop: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.head_stop - self.head_start
+
+
+class LayerHeadSpan(HeadSpan):
+    """Counts of a layer range ``[layer_start, layer_stop)`` and a KV-head range, for the
+    dataclasses that hold both (a rank's ``Shard``, a host page's ``UnifiedPageLayout``)."""
+
+    layer_start: int
+    layer_stop: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_stop - self.layer_start
+
+
 @dataclass(frozen=True)
-class Shard:
+class Shard(LayerHeadSpan):
     """What one rank holds: a layer range and a KV-head range, and which replica it is."""
 
     rank: int
@@ -119,14 +143,6 @@ class Shard:
     head_stop: int
     replica: int
     num_replicas: int
-
-    @property
-    def num_layers(self) -> int:
-        return self.layer_stop - self.layer_start
-
-    @property
-    def num_heads(self) -> int:
-        return self.head_stop - self.head_start
 
     @property
     def is_writer(self) -> bool:

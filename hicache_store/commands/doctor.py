@@ -26,7 +26,7 @@ from typing import Any
 
 from hicache_store._sync import run_sync
 from hicache_store.backends._file_site import RootSite
-from hicache_store.cli import UsageError, doc_summary
+from hicache_store.cli import UsageError, add_prompts_argument, add_store_command
 from hicache_store.layout.namespace import HASH_ALGOS, ModelShape, Namespace
 from hicache_store.layout.topology import Topology
 from hicache_store.ops.config import layered, require, resolve
@@ -34,12 +34,9 @@ from hicache_store.ops.store import open_store
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "doctor", help="why a deployment does (not) hit: stored namespaces vs the deployment's",
-        description=doc_summary(__doc__),
-    )
-    parser.add_argument("url", nargs="?", default=None,
-                        help="backend URL, e.g. file:///var/cache/kv (or HICACHE_STORE_URL)")
+    parser = add_store_command(
+        subparsers, "doctor",
+        help="why a deployment does (not) hit: stored namespaces vs the deployment's", doc=__doc__)
     dep = parser.add_argument_group(
         "the deployment (any subset; what is not given is taken from the stored namespaces)")
     dep.add_argument("--extra-config", metavar="JSON|@FILE",
@@ -63,8 +60,7 @@ def register(subparsers: Any) -> None:
     dep.add_argument("--hash-algo", default="sha256", choices=list(HASH_ALGOS),
                      help="page-hash algorithm (default: sha256, as SGLang)")
     src = parser.add_argument_group("prompts")
-    src.add_argument("--prompts", action="append", default=[], metavar="FILE",
-                     help="JSONL (text / messages / input_ids per line) or text file; repeatable")
+    add_prompts_argument(src)
     src.add_argument("--tokenizer", metavar="DIR",
                      help="local Hugging Face tokenizer for text prompts (input_ids need none)")
     parser.add_argument("--json", action="store_true", help="print the findings as JSON")

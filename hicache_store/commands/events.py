@@ -21,17 +21,14 @@ import signal
 import threading
 from typing import Any
 
-from hicache_store.cli import UsageError, require_module
+from hicache_store.cli import UsageError, add_store_command, require_module
 from hicache_store.ops.config import layered, require, resolve
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "events", help="publish a file store's page changes as KV events for routers",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    parser.add_argument("url", nargs="?", default=None,
-                        help="backend URL, e.g. file:///var/cache/kv (or HICACHE_STORE_URL)")
+    parser = add_store_command(
+        subparsers, "events",
+        help="publish a file store's page changes as KV events for routers", doc=__doc__)
     parser.add_argument("--namespace", metavar="DIGEST",
                         help="only this namespace's pages (default: every namespace's)")
     parser.add_argument("--pub", metavar="ADDR", required=True,

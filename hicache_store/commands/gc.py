@@ -24,7 +24,7 @@ from typing import Any
 
 from hicache_store._sync import run_sync
 from hicache_store.backends.types import parse_size
-from hicache_store.cli import UsageError
+from hicache_store.cli import UsageError, add_report_arguments
 from hicache_store.ops.gc import PREFIX_REFUSED, GcReport, collect_garbage, default_state_dir
 from hicache_store.ops.progress import ProgressBar, human_bytes
 from hicache_store.ops.store import open_store
@@ -65,8 +65,7 @@ def register(subparsers: Any) -> None:
                         help="delete the objects sealed with keys the ring lists as retired")
     parser.add_argument("--fresh", action="store_true",
                         help="start over instead of resuming an interrupted run")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    add_report_arguments(parser, "report")
     parser.set_defaults(func=run)
 
 

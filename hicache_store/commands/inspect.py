@@ -26,7 +26,7 @@ from typing import Any
 
 from hicache_store._sync import run_sync
 from hicache_store.backends.types import parse_size
-from hicache_store.cli import UsageError
+from hicache_store.cli import UsageError, add_report_arguments, add_store_command
 from hicache_store.ops.config import layered, require, resolve
 from hicache_store.ops.inspection import StoreReport, inspect_store
 from hicache_store.ops.progress import ProgressBar, human_bytes
@@ -35,12 +35,9 @@ from hicache_store.tenant import KeyRing
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "inspect", help="list namespaces, objects and bytes in a store; verify checksums",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    parser.add_argument("url", nargs="?", default=None,
-                        help="backend URL, e.g. file:///var/cache/kv (or HICACHE_STORE_URL)")
+    parser = add_store_command(
+        subparsers, "inspect",
+        help="list namespaces, objects and bytes in a store; verify checksums", doc=__doc__)
     parser.add_argument("--namespace", metavar="DIGEST", help="only this namespace")
     parser.add_argument("--verify", action="store_true",
                         help="re-read every object and check every checksum")
@@ -55,8 +52,7 @@ def register(subparsers: Any) -> None:
                         help="objects read at once by --verify (default: 16)")
     parser.add_argument("--window", default="8MiB",
                         help="bytes each --verify reader holds at a time (default: 8MiB)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_report_arguments(parser, "report")
     layered(parser, section="inspect")
     parser.set_defaults(func=run)
 

@@ -21,7 +21,12 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from hicache_store._sync import run_sync
-from hicache_store.cli import UsageError
+from hicache_store.cli import (
+    UsageError,
+    add_prompts_argument,
+    add_report_arguments,
+    add_store_command,
+)
 from hicache_store.layout.errors import GridMismatchError, InvalidNamespaceError
 from hicache_store.layout.namespace import HASH_ALGOS, Grid
 from hicache_store.layout.topology import Topology
@@ -34,15 +39,11 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "prepopulate", help="compute prompts' KV with a model and store it for a deployment",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    parser.add_argument("url", nargs="?", default=None,
-                        help="backend URL, e.g. file:///var/cache/kv (or HICACHE_STORE_URL)")
+    parser = add_store_command(
+        subparsers, "prepopulate",
+        help="compute prompts' KV with a model and store it for a deployment", doc=__doc__)
     src = parser.add_argument_group("prompts and model")
-    src.add_argument("--prompts", action="append", default=[], metavar="FILE",
-                     help="JSONL (text / messages / input_ids per line) or text file; repeatable")
+    add_prompts_argument(src)
     src.add_argument("--model", metavar="DIR",
                      help="local Hugging Face model directory (tokenizer + causal LM)")
     src.add_argument("--mini-engine", metavar="PRESET",
@@ -92,8 +93,7 @@ def register(subparsers: Any) -> None:
                       help="bytes of writes in flight (default: 256MiB)")
     run_.add_argument("--dry-run", action="store_true",
                       help="compute and write nothing; report what would be written")
-    run_.add_argument("--json", action="store_true", help="print the summary as JSON")
-    run_.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_report_arguments(run_, "summary")
     layered(parser, section="prepopulate")
     parser.set_defaults(func=run)
 

@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hicache_store.cli import UsageError
+from hicache_store.cli import UsageError, add_store_command
 from hicache_store.ops.config import layered, require, resolve
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "serve-query", help="serve the store's longest-prefix query over HTTP for routers",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    parser.add_argument("url", nargs="?", default=None,
-                        help="backend URL, e.g. file:///var/cache/kv (or HICACHE_STORE_URL)")
+    parser = add_store_command(
+        subparsers, "serve-query",
+        help="serve the store's longest-prefix query over HTTP for routers", doc=__doc__)
     parser.add_argument("--namespace", metavar="DIGEST", required=True,
                         help="the namespace answered for (see `hicache-store inspect`)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")

@@ -101,14 +101,9 @@ def make_packed_pool(
 ) -> DeviceKVPool:
     """One pool of ``target + draft`` layers (per-layer buffers: the draft's are its own)."""
     check_packable(target, draft)
-    return DeviceKVPool(
+    return DeviceKVPool.for_model(
+        target, num_pages=num_pages, page_size=page_size, device=device,
         num_layers=target.num_layers + draft.num_layers,
-        num_kv_heads=target.num_kv_heads,
-        head_dim=target.head_dim,
-        num_pages=num_pages,
-        page_size=page_size,
-        dtype=target.torch_dtype,
-        device=device,
     )
 
 

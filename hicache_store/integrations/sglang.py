@@ -702,21 +702,13 @@ class HiCacheStoreStorage(_HiCacheStorage):
             return [False] * n
         if not plan.objects:  # a replica that is not the writer: nothing to do
             return [True] * n
-        pool = reg.host if host is None else host
-        table = self._first_slots(reg, keys, host_indices, pool, writes_pool=False)
-        started = time.perf_counter()
-        try:
-            if reg.fused_write:
-                results = self._set_fused(reg, plan, keys, table, pool)
-            else:
-                results = self._set_via_link(reg, plan, keys, table, pool)
-        except BaseException:
-            self._staging.buffers.clear()  # a put may still read them (see _get_pages)
-            raise
-        if not all(results):
-            self._staging.buffers.clear()
-        self._account("set", results, plan.bytes_per_page, started)
-        return results
+        write = self._set_fused if reg.fused_write else self._set_via_link
+
+        def put(table: torch.Tensor, pool: HostPool) -> tuple[list[bool], bool]:
+            results = write(reg, plan, keys, table, pool)
+            return results, not all(results)  # a put that failed may still read them
+
+        return self._staged("set", reg, keys, host_indices, host, plan.bytes_per_page, put)
 
     def _set_fused(
         self,
@@ -761,7 +753,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
                 results.extend(_outcome(reg, *inflight.pop(0)))
         finally:
             # A put stuck in I/O cannot be stopped; its staging is dropped by the caller
-            # (``_set_pages``) and SGLang's backup thread gets False instead of waiting on it.
+            # (``_staged``) and SGLang's backup thread gets False instead of waiting on it.
             for fut, _ in inflight:
                 fut.cancel()
         return results
@@ -815,22 +807,41 @@ class HiCacheStoreStorage(_HiCacheStorage):
         host_indices: torch.Tensor,
         host: HostPool | None = None,
     ) -> list[bool]:
-        n = len(keys)
-        if n == 0:
+        if not keys:
             return []
+
+        def get(table: torch.Tensor, pool: HostPool) -> tuple[list[bool], bool]:
+            return self._get_staged(reg, keys, table, pool)  # stuck: reads may still land
+
+        return self._staged("get", reg, keys, host_indices, host, reg.layout.page_bytes, get)
+
+    def _staged(
+        self,
+        op: str,
+        reg: _Registered,
+        keys: Sequence[str],
+        host_indices: torch.Tensor,
+        host: HostPool | None,
+        page_bytes: int,
+        move: Callable[[torch.Tensor, HostPool], tuple[list[bool], bool]],
+    ) -> list[bool]:
+        """One batch ``op`` (``set`` or ``get``) of ``keys`` between the host slots of
+        ``host_indices`` (in ``host``, else the registered pool) and the store, through this
+        thread's staging buffers: ``move(first slots, pool)`` returns one bool per key and
+        whether I/O may still touch the buffers, which are then dropped, as they are on any
+        error (a timed-out read or write cannot be cancelled: never reuse its buffers). The
+        batch is accounted under ``op``."""
         pool = reg.host if host is None else host
-        table = self._first_slots(reg, keys, host_indices, pool, writes_pool=True)
+        table = self._first_slots(reg, keys, host_indices, pool, writes_pool=op == "get")
         started = time.perf_counter()
         try:
-            results, stuck = self._get_staged(reg, keys, table, pool)
-            if stuck:
-                self._staging.buffers.clear()  # reads still in flight may land in them
+            results, touched = move(table, pool)
         except BaseException:
-            # A timed-out read may still land in this thread's staging buffers later (a
-            # thread-pool read cannot be cancelled): never reuse them.
             self._staging.buffers.clear()
             raise
-        self._account("get", results, reg.layout.page_bytes, started)
+        if touched:
+            self._staging.buffers.clear()
+        self._account(op, results, page_bytes, started)
         return results
 
     def _get_staged(

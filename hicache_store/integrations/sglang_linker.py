@@ -40,9 +40,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -58,6 +58,7 @@ from ._sglang_config import AdapterConfig
 from ._sglang_pool import _TORCH_KV_DTYPES
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     _Linker = object
@@ -196,12 +197,7 @@ class HiCacheStoreLinker(_Linker):
 
     def load(self, rid: str, transfers: list[Any]) -> bool:
         """Queue ``rid``'s pages for the next ``start_layer_wise_loading``."""
-        try:
-            job = self._job(transfers)
-        except Exception as exc:
-            self._count("load_refused")
-            log.warning("hicache-store linker: load refused: %r", exc)
-            return False
+        job = self._job(transfers, "load")
         if job is None:
             return False
         if rid in self._pending:
@@ -225,12 +221,7 @@ class HiCacheStoreLinker(_Linker):
 
     def offload(self, transfers: list[Any], session_id: str | None = None) -> bool:
         """Queue a node's pages for storing; its completion is popped in order."""
-        try:
-            job = self._job(transfers)
-        except Exception as exc:
-            self._count("offload_refused")
-            log.warning("hicache-store linker: offload refused: %r", exc)
-            return False
+        job = self._job(transfers, "offload")
         if job is None:
             return False
         if not self.writer:  # a replica: the writer stores the same bytes
@@ -267,20 +258,16 @@ class HiCacheStoreLinker(_Linker):
     # -- threads --------------------------------------------------------------------------------
 
     def _load_loop(self) -> None:
-        while True:
-            task = self._loads.get()
-            try:
-                if task is None:
-                    return
-                index, jobs = task
-                try:
-                    self._load(index, jobs)
-                except BaseException as exc:  # the forward waits on the counter: fail it
-                    self.layer_done_counter.fail(index, exc)
-                    self._count("load_failed")
-                    log.warning("hicache-store linker: load failed: %r", exc)
-            finally:
-                self._loads.task_done()
+        _serve_queue(self._loads, self._load_or_fail)
+
+    def _load_or_fail(self, task: tuple[int, list[_Job]]) -> None:
+        index, jobs = task
+        try:
+            self._load(index, jobs)
+        except BaseException as exc:  # the forward waits on the counter: fail it
+            self.layer_done_counter.fail(index, exc)
+            self._count("load_failed")
+            log.warning("hicache-store linker: load failed: %r", exc)
 
     def _load(self, index: int, jobs: list[_Job]) -> None:
         keys = [k for job in jobs for k in job.keys]
@@ -305,20 +292,16 @@ class HiCacheStoreLinker(_Linker):
         self._count("load_pages", len(keys))
 
     def _offload_loop(self) -> None:
-        while True:
-            job = self._offloads.get()
-            try:
-                if job is None:
-                    return
-                ok = False
-                try:
-                    ok = self._store(job)
-                except Exception as exc:
-                    log.warning("hicache-store linker: offload failed: %r", exc)
-                self._count("offload_pages" if ok else "offload_failed", len(job.keys))
-                self._results.put(ok)
-            finally:
-                self._offloads.task_done()
+        _serve_queue(self._offloads, self._offload)
+
+    def _offload(self, job: _Job) -> None:
+        ok = False
+        try:
+            ok = self._store(job)
+        except Exception as exc:
+            log.warning("hicache-store linker: offload failed: %r", exc)
+        self._count("offload_pages" if ok else "offload_failed", len(job.keys))
+        self._results.put(ok)
 
     def _store(self, job: _Job) -> bool:
         if self.forward_stream is not None:  # the forward may still write these pages
@@ -386,18 +369,27 @@ class HiCacheStoreLinker(_Linker):
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _job(self, transfers: Sequence[Any]) -> _Job | None:
-        kv = next((t for t in transfers if str(getattr(t.name, "value", t.name)) == KV), None)
-        others = [t for t in transfers if t is not kv]
-        if others:
-            raise ValueError(f"pools other than KV: {[str(t.name) for t in others]}")
-        if kv is None or not kv.keys:
+    def _job(self, transfers: Sequence[Any], what: str) -> _Job | None:
+        """The KV pages of ``transfers`` and their device slots for a ``what`` (load or
+        offload); None when there are none, or when ``transfers`` cannot be served (a pool
+        other than KV, a bad key, a wrong slot count): counted as ``{what}_refused``, logged."""
+        try:
+            kv = next((t for t in transfers if _is_kv(t)), None)
+            others = [t for t in transfers if t is not kv]
+            if others:
+                raise ValueError(f"pools other than KV: {[str(t.name) for t in others]}")
+            if kv is None or not kv.keys:
+                return None
+            keys = [validate_page_hash(k) for k in kv.keys]
+            slots = kv.device_indices
+            if slots is None or slots.numel() != len(keys) * self.page_size:
+                raise ValueError(
+                    f"{len(keys)} pages need {len(keys) * self.page_size} device slots")
+            return _Job(keys, slots.to(torch.int64).flatten())
+        except Exception as exc:
+            self._count(f"{what}_refused")
+            log.warning("hicache-store linker: %s refused: %r", what, exc)
             return None
-        keys = [validate_page_hash(k) for k in kv.keys]
-        slots = kv.device_indices
-        if slots is None or slots.numel() != len(keys) * self.page_size:
-            raise ValueError(f"{len(keys)} pages need {len(keys) * self.page_size} device slots")
-        return _Job(keys, slots.to(torch.int64).flatten())
 
     def _timeout(self) -> float:
         return self.link.io_timeout_s * 2 + 5
@@ -407,9 +399,27 @@ class HiCacheStoreLinker(_Linker):
             self.counters[name] = self.counters.get(name, 0) + n
 
 
+def _serve_queue(tasks: queue.Queue[T | None], handle: Callable[[T], None]) -> None:
+    """A worker thread's loop: ``handle`` each task of ``tasks`` in order until ``None``,
+    marking every one done (``join`` waits for the ones queued)."""
+    while True:
+        task = tasks.get()
+        try:
+            if task is None:
+                return
+            handle(task)
+        finally:
+            tasks.task_done()
+
+
+def _is_kv(transfer: Any) -> bool:
+    """Whether an SGLang transfer moves the KV pool (its ``name``: the enum or its value)."""
+    return str(getattr(transfer.name, "value", transfer.name)) == KV
+
+
 def _kv_keys(transfers: Sequence[Any]) -> list[str]:
     for t in transfers:
-        if str(getattr(t.name, "value", t.name)) == KV:
+        if _is_kv(t):
             return [validate_page_hash(k) for k in (t.keys or [])]
     return []
 

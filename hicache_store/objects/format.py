@@ -90,10 +90,10 @@ class ObjectFormat(Protocol):
         ...
 
 
-class FramedFormat:
-    """Format version 1 of ``layout.framing``: header, per-layer xxh3 checksums, aligned payload."""
+class _PlainKeys:
+    """The keys of a format that does not seal: objects are stored under the plain page hash
+    and the key as ``layout.keys`` writes it."""
 
-    name = "framed-v1"
     sealed = False
 
     def stored_hash(self, page_hash: str) -> str:
@@ -101,6 +101,12 @@ class FramedFormat:
 
     def storage_key(self, key: ObjectKey) -> str:
         return format_key(key)
+
+
+class FramedFormat(_PlainKeys):
+    """Format version 1 of ``layout.framing``: header, per-layer xxh3 checksums, aligned payload."""
+
+    name = "framed-v1"
 
     def header_bytes(self, num_layers: int) -> int:
         return payload_offset(num_layers)
@@ -126,7 +132,7 @@ class FramedFormat:
 FRAMED: ObjectFormat = FramedFormat()
 
 
-class PageUnifiedFormat:
+class PageUnifiedFormat(_PlainKeys):
     """SGLang's bare ``page-unified-v1`` objects: the payload is the object (no header).
 
     The payload's byte order is this library's unified payload (``(layer, K/V, token,
@@ -135,13 +141,6 @@ class PageUnifiedFormat:
     """
 
     name = "page-unified-v1"
-    sealed = False
-
-    def stored_hash(self, page_hash: str) -> str:
-        return page_hash
-
-    def storage_key(self, key: ObjectKey) -> str:
-        return format_key(key)
 
     def header_bytes(self, num_layers: int) -> int:
         return 0

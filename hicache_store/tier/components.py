@@ -109,8 +109,23 @@ class ComponentSpec:
 KV = ComponentSpec("kv", KV_TAG, HitRule.FULL)
 
 
+class SpecHolder:
+    """``name`` and ``tag`` of what holds one component's ``spec`` (the engine's
+    ``Component``, the tier's ``Pools``). A mixin: it declares no dataclass field."""
+
+    spec: ComponentSpec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def tag(self) -> int:
+        return self.spec.tag
+
+
 @dataclass(frozen=True, eq=False)
-class Component:
+class Component(SpecHolder):
     """An engine pool of one component, plugged into the tier.
 
     ``namespace`` names and shapes its objects: its own layers, heads and dims and dtype, the
@@ -143,14 +158,6 @@ class Component:
             raise ValueError(f"{self.spec.name}: checkpoint_every is for checkpoint components")
         if self.slots is None and self.spec.rule is not HitRule.FULL:
             raise ValueError(f"{self.spec.name}: only a full-rule component follows the KV pages")
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def tag(self) -> int:
-        return self.spec.tag
 
     @property
     def follows_kv(self) -> bool:

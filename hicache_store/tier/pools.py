@@ -26,7 +26,7 @@ from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Namespace
 from hicache_store.objects import L3Link
 
-from .components import ComponentSpec
+from .components import ComponentSpec, SpecHolder
 from .host_pool import HostPagePool
 
 #: a load over more runs of consecutive host rows than this gathers the rows first.
@@ -127,7 +127,7 @@ class SlotList:
 
 
 @dataclass
-class Pools:
+class Pools(SpecHolder):
     """One component's L1, L2 and L3 on this rank, and the two properties of its pools.
 
     ``slots``: its L1 allocator (the engine's pool for the KV; None for a component that
@@ -150,14 +150,6 @@ class Pools:
     follows: int | None = None
     prefix_closed: bool = False
     ordered: bool = False
-
-    @property
-    def tag(self) -> int:
-        return self.spec.tag
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
 
     @property
     def writes(self) -> bool:

@@ -73,6 +73,14 @@ __all__ = ["Held", "PageNode", "PageTree", "Tier"]
 #: the record's heap is compacted when its stale entries exceed the live ones by this many.
 _COMPACT_SLACK = 1024
 
+#: the holds on a copy (``Held`` counters) and the tiers whose copy each keeps from eviction:
+#: a request's lock its L1 copy, a transfer's host lock its L2 copy, a hint's pin both.
+_HOLDS: dict[str, tuple[Tier, ...]] = {
+    "lock": (Tier.L1,),
+    "host_lock": (Tier.L2,),
+    "pins": (Tier.L1, Tier.L2),
+}
+
 
 @dataclass(eq=False, slots=True)
 class Held:
@@ -509,56 +517,48 @@ class PageTree:
 
     def lock(self, node: PageNode, tag: int) -> None:
         """A request uses ``node``'s L1 copy of component ``tag`` (or will): not evictable."""
-        held = self.held(node, tag)
-        held.lock += 1
-        if held.lock == 1:
-            self._update(node, tag, Tier.L1)
-            self._update_record(node)
+        self._hold(node, tag, "lock")
 
     def unlock(self, node: PageNode, tag: int) -> None:
-        held = self.held(node, tag)
-        if held.lock <= 0:
-            raise RuntimeError(f"{node} component {tag}: unlock without lock")
-        held.lock -= 1
-        if held.lock == 0:
-            self._update(node, tag, Tier.L1)
-            self._changed(node)
+        self._release(node, tag, "lock", "unlock without lock")
 
     def pin(self, node: PageNode, tag: int) -> None:
         """A hint pins ``node``'s copies of component ``tag``: whatever L1 or L2 copy it has or
         gets stays until ``unpin`` (the tier bounds how many pages are pinned, ``tier.pins``)."""
-        held = self.held(node, tag)
-        held.pins += 1
-        if held.pins == 1:
-            self._update(node, tag, Tier.L1)
-            self._update(node, tag, Tier.L2)
-            self._update_record(node)
+        self._hold(node, tag, "pins")
 
     def unpin(self, node: PageNode, tag: int) -> None:
-        held = self.held(node, tag)
-        if held.pins <= 0:
-            raise RuntimeError(f"{node} component {tag}: unpin without pin")
-        held.pins -= 1
-        if held.pins == 0:
-            self._update(node, tag, Tier.L1)
-            self._update(node, tag, Tier.L2)
-            self._changed(node)
+        self._release(node, tag, "pins", "unpin without pin")
 
     def hold_host(self, node: PageNode, tag: int) -> None:
         """A transfer reads or fills ``node``'s L2 copy of component ``tag``: not evictable."""
-        held = self.held(node, tag)
-        held.host_lock += 1
-        if held.host_lock == 1:
-            self._update(node, tag, Tier.L2)
-            self._update_record(node)
+        self._hold(node, tag, "host_lock")
 
     def release_host(self, node: PageNode, tag: int) -> None:
+        self._release(node, tag, "host_lock", "release_host without hold_host")
+
+    def _hold(self, node: PageNode, tag: int, counter: str) -> None:
+        """Count one more ``counter`` hold (a ``_HOLDS`` key) on ``node``'s copy of ``tag``;
+        the first one takes the copies of its tiers off their evictable sets."""
         held = self.held(node, tag)
-        if held.host_lock <= 0:
-            raise RuntimeError(f"{node} component {tag}: release_host without hold_host")
-        held.host_lock -= 1
-        if held.host_lock == 0:
-            self._update(node, tag, Tier.L2)
+        count: int = getattr(held, counter) + 1
+        setattr(held, counter, count)
+        if count == 1:
+            for tier in _HOLDS[counter]:
+                self._update(node, tag, tier)
+            self._update_record(node)
+
+    def _release(self, node: PageNode, tag: int, counter: str, unmatched: str) -> None:
+        """Count one ``counter`` hold less; ``RuntimeError`` (``unmatched``) when there is none.
+        The last one lets the copies of its tiers go again (and the node, if it holds none)."""
+        held = self.held(node, tag)
+        count: int = getattr(held, counter)
+        if count <= 0:
+            raise RuntimeError(f"{node} component {tag}: {unmatched}")
+        setattr(held, counter, count - 1)
+        if count == 1:
+            for tier in _HOLDS[counter]:
+                self._update(node, tag, tier)
             self._changed(node)
 
     def _update(self, node: PageNode, tag: int, tier: Tier) -> None:

@@ -2,28 +2,22 @@
 
 from __future__ import annotations
 
-import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from _mini_tier import CONFIG, PAGE, make_tier, namespace, prompts
 from _serve import serve_checked
 
 from hicache_store.backends import open_backend
 from hicache_store.backends.base import Backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
-from hicache_store.demo.engine.config import MiniLlamaConfig
 from hicache_store.demo.engine.kv_pool import DeviceKVPool
 from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.layout.hashing import page_hashes
-from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.tier.cache import HiCache
 from hicache_store.tier.config import TierConfig
-
-PAGE = 4
-CONFIG = MiniLlamaConfig(dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -31,33 +25,8 @@ def model() -> MiniLlama:
     return MiniLlama(CONFIG)
 
 
-def namespace() -> Namespace:
-    shape = ModelShape.mha(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim)
-    grid = Grid(CONFIG.num_layers, CONFIG.num_kv_heads)
-    return Namespace.create("mini-llama", shape, "float32", PAGE, grid)
-
-
-def make_tier(
-    l1_pages: int, l2_pages: int = 0, backend: Backend | None = None, **options: object
-) -> HiCache:
-    pool = DeviceKVPool.for_model(CONFIG, num_pages=l1_pages, page_size=PAGE)
-    config = TierConfig(
-        l1_pages=l1_pages,
-        l2_pages=l2_pages,
-        prefetch_threshold_tokens=PAGE,
-        **options,  # type: ignore[arg-type]
-    )
-    return HiCache(namespace(), config, pool, backend=backend)
-
-
 def check(tier: HiCache, model: MiniLlama, tokens: list[int]) -> int:
     return serve_checked(tier, model, tokens).start
-
-
-def prompts(seed: int, n: int, length: int) -> Iterator[list[int]]:
-    rng = random.Random(seed)
-    for _ in range(n):
-        yield [rng.randrange(CONFIG.vocab_size) for _ in range(length)]
 
 
 def test_l1_hit_is_used_in_place(model: MiniLlama) -> None:

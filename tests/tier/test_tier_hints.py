@@ -6,54 +6,23 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Iterator
 
 import pytest
+from _mini_tier import CONFIG, make_tier, prompts
 from _serve import serve_checked
 
 from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import PinBudgetError
 from hicache_store.backends.memory import MemoryBackend
-from hicache_store.demo.engine.config import MiniLlamaConfig
-from hicache_store.demo.engine.kv_pool import DeviceKVPool
 from hicache_store.demo.engine.model import MiniLlama
-from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.tier.cache import HiCache
 from hicache_store.tier.components import KV
-from hicache_store.tier.config import TierConfig
 from hicache_store.tier.hints import HintAction, RequestHints, ResponseEnd
-
-PAGE = 4
-CONFIG = MiniLlamaConfig(dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def model() -> MiniLlama:
     return MiniLlama(CONFIG)
-
-
-def namespace() -> Namespace:
-    shape = ModelShape.mha(CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim)
-    return Namespace.create(
-        "mini-llama", shape, "float32", PAGE, Grid(CONFIG.num_layers, CONFIG.num_kv_heads)
-    )
-
-
-def make_tier(
-    l1_pages: int, l2_pages: int = 0, backend: Backend | None = None, **options: object
-) -> HiCache:
-    pool = DeviceKVPool.for_model(CONFIG, num_pages=l1_pages, page_size=PAGE)
-    config = TierConfig(
-        l1_pages=l1_pages, l2_pages=l2_pages, prefetch_threshold_tokens=PAGE,
-        **options,  # type: ignore[arg-type]
-    )
-    return HiCache(namespace(), config, pool, backend=backend)
-
-
-def prompts(seed: int, n: int, length: int) -> Iterator[list[int]]:
-    rng = random.Random(seed)
-    for _ in range(n):
-        yield [rng.randrange(CONFIG.vocab_size) for _ in range(length)]
 
 
 def hints(now: float, session: str | None = "a", *actions: HintAction) -> RequestHints:

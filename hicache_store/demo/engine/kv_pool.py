@@ -110,11 +110,13 @@ class DeviceKVPool:
         num_pages: int,
         page_size: int,
         device: torch.device | str = "cpu",
+        num_layers: int | None = None,
     ) -> DeviceKVPool:
-        """A pool with the geometry and dtype ``config``'s model reads and writes (its
-        full-attention layers; sliding-window layers keep their KV elsewhere)."""
+        """A pool with the geometry and dtype ``config``'s model reads and writes: its KV heads,
+        head dim and dtype, and its full-attention layers (sliding-window layers keep their
+        KV elsewhere) unless ``num_layers`` says how many layers of that shape to hold."""
         return cls(
-            num_layers=len(config.full_layers),
+            num_layers=len(config.full_layers) if num_layers is None else num_layers,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             num_pages=num_pages,
