@@ -24,6 +24,24 @@ from dataclasses import dataclass
 #: default fraction of a backend's capacity that pins may hold.
 DEFAULT_PIN_FRACTION = 0.25
 
+#: what ``hold_owner`` appends to a holder's name for its (unpinned) retention entries.
+RETAIN_SUFFIX = "#retain"
+
+
+def hold_owner(holder: str, *, pinned: bool) -> str:
+    """The owner id under which ``holder`` (a session) keeps its pins, or its retention.
+
+    Kept apart because a key holds one entry per owner: were both the same owner, a later
+    ``retain`` by the session would replace its own earlier pin on the same object (and the
+    pinned object become evictable). ``hold_owners`` names both, for a release of everything.
+    """
+    return holder if pinned else holder + RETAIN_SUFFIX
+
+
+def hold_owners(holder: str) -> tuple[str, str]:
+    """Both owner ids of ``holder`` (``hold_owner``): its pins and its retention."""
+    return hold_owner(holder, pinned=True), hold_owner(holder, pinned=False)
+
 
 @dataclass(frozen=True)
 class Retention:

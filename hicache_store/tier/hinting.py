@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, cast
 
 from hicache_store._sync import submit
 from hicache_store.backends.errors import PinBudgetError
-from hicache_store.backends.retention import Retention
+from hicache_store.backends.retention import Retention, hold_owner, hold_owners
 
 from .components import KV, Tier
 from .eviction import HintedEvictionPolicy, takes_hints
@@ -90,6 +90,7 @@ def owner_of(hints: RequestHints) -> str:
 
 
 def _l3_owner(owner: str) -> str:
+    """The L3 holder of ``owner``'s holds (``backends.retention.hold_owner`` names its entries)."""
     return owner or "anonymous"
 
 
@@ -210,9 +211,11 @@ class Hinting:
                     for node in nodes:
                         if self.pins.hold(node, owner, until):
                             self.tier.tree.pin(node, KV.tag)
-                    self._hold_l3(nodes, owner, Retention(_l3_owner(owner), wall_until, True))
+                    pin = Retention(hold_owner(_l3_owner(owner), pinned=True), wall_until, True)
+                    self._hold_l3(nodes, owner, pin)
                 elif action.action == "retain":
-                    retention = Retention(_l3_owner(owner), wall_until, False, action.priority)
+                    retention = Retention(hold_owner(_l3_owner(owner), pinned=False),
+                                          wall_until, False, action.priority)
                     self._hold_l3(nodes, owner, retention)
                 elif action.action == "prefetch":
                     self.tier.metrics.note("hint_prefetch")
@@ -327,8 +330,12 @@ class Hinting:
         keys = self._keys(pages)
         if keys:
             backend = self.tier.l3.backend
-            call = submit(backend.release(keys, _l3_owner(owner)))
-            self._calls.append((call, "released", len(pages)))
+
+            async def release() -> None:
+                for holder in hold_owners(_l3_owner(owner)):
+                    await backend.release(keys, holder)
+
+            self._calls.append((submit(release()), "released", len(pages)))
 
     def poll(self) -> None:
         """Count the L3 calls that ended (engine thread, from ``HiCache.poll``)."""

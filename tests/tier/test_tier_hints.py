@@ -167,9 +167,10 @@ def test_pins_and_retention_reach_l3_and_session_end_releases_them(model: MiniLl
     tier.abort(tier.match(doc))
     assert len(keys) == 4
     entries = backend_retention(backend, keys)
-    assert [sorted(e.owner for e in es) for es in entries] == [["s1", "s2"]] * 2 + [["s2"]] * 2
+    assert [sorted(e.owner for e in es) for es in entries] == (
+        [["s1", "s2#retain"]] * 2 + [["s2#retain"]] * 2)
     s1 = next(e for e in entries[0] if e.owner == "s1")
-    s2 = next(e for e in entries[3] if e.owner == "s2")
+    s2 = next(e for e in entries[3] if e.owner == "s2#retain")
     assert s1.pinned and s1.until_s is None
     assert not s2.pinned and s2.priority == 7 and s2.until_s is not None
     assert tier.metrics.others["hint_l3_pinned_pages"] == 2
@@ -177,9 +178,27 @@ def test_pins_and_retention_reach_l3_and_session_end_releases_them(model: MiniLl
     serve(tier, model, [*doc, 3], hints(2.0, "s1", HintAction("session_end")))
     tier.flush()
     assert [sorted(e.owner for e in es) for es in backend_retention(backend, keys)] == [
-        ["s2"]
+        ["s2#retain"]
     ] * 4
     assert tier.metrics.others["hint_l3_released_pages"] == 2
+    tier.close()
+
+
+def test_a_later_retain_by_the_session_never_unpins_its_pages_in_l3(model: MiniLlama) -> None:
+    backend = MemoryBackend()
+    tier = make_tier(16, 32, backend)
+    (doc,) = prompts(13, 1, 16)
+    serve(tier, model, [*doc, 1], hints(0.0, "s", HintAction("pin", 0, 8)))
+    serve(tier, model, [*doc, 2], hints(1.0, "s", HintAction("retain", priority=2)))
+    tier.flush()
+    keys = tier.hinting._keys([n.page_hash for n in tier.tree.match(tier.match(doc).hashes)])
+    tier.abort(tier.match(doc))
+    entries = backend_retention(backend, keys)
+    pinned = [any(e.pinned for e in es) for es in entries]  # type: ignore[attr-defined]
+    assert pinned == [True, True, False, False]
+    serve(tier, model, [*doc, 3], hints(2.0, "s", HintAction("session_end")))
+    tier.flush()
+    assert backend_retention(backend, keys) == [()] * 4
     tier.close()
 
 

@@ -110,12 +110,12 @@ def test_a_pin_holds_the_prefix_up_to_its_range_end() -> None:
     assert op.retention == Retention("s", 1009.0, True, 0)
 
 
-def test_retain_carries_its_priority_and_a_pin_beats_a_retain_on_one_object() -> None:
+def test_retain_carries_its_priority_and_never_replaces_the_sessions_pin() -> None:
     got = ops(("retain", {"session": "s", "priority": 7}), ("pin", {"session": "s",
                                                                       "end_token": 16}))
     assert {(op.names, op.retention) for op in got} == {
         (("k0",), Retention("s", None, True, 0)),
-        (("k1", "k2", "k3"), Retention("s", None, False, 7)),
+        (("k0", "k1", "k2", "k3"), Retention("s#retain", None, False, 7)),
     }
 
 
@@ -167,6 +167,28 @@ def test_pins_hold_and_session_end_releases_them(tmp_path: Path) -> None:
     s.apply(KeyOp("s", "end"))
     assert s.held(0) == () and s.held(1) == ()
     assert s.counts["hint_released_objects"] == 2
+
+
+def test_a_later_retain_by_the_session_keeps_its_pin_and_session_end_frees_both(
+    tmp_path: Path,
+) -> None:
+    s = Store(tmp_path)
+    (pin,) = ops_for_store(s, ("pin", {"session": "s", "end_token": 16}))
+    (retain,) = ops_for_store(s, ("retain", {"session": "s", "priority": 3}))
+    s.apply(pin)
+    s.apply(retain)
+    assert sorted((r.owner, r.pinned) for r in s.held(0)) == [("s", True), ("s#retain", False)]
+    assert [r.owner for r in s.held(1)] == ["s#retain"]
+    s.apply(KeyOp("s", "end"))
+    assert s.held(0) == () and s.held(1) == ()
+
+
+def ops_for_store(s: Store, *actions: tuple[str, dict[str, Any]]) -> list[KeyOp]:
+    """``ops_for`` on the store's objects, one per 16-token unit."""
+    parsed = parse_envelope(envelope(*actions), now_s=5.0, namespace=NS)
+    assert parsed is not None
+    return ops_for(parsed, [Unit(16 * i, 16 * (i + 1), (n,)) for i, n in enumerate(s.names)],
+                   wall_s=time.time())
 
 
 def test_a_pin_past_the_budget_is_refused_whole_and_logged(
@@ -264,7 +286,8 @@ def test_the_tier_pins_the_chunks_it_stores_within_the_range(make: Any) -> None:
     ctx = hinted(env, {key(c): 16 * (c + 1) for c in range(4)})
     store_for(h, ctx, [0, 1, 2, 3])
     got = held(h, [0, 1, 2, 3])
-    assert [[r.pinned for r in g] for g in got] == [[True], [True], [False], [False]]
+    # the session's pin and its retention are two entries: the retain never replaces the pin
+    assert [[r.pinned for r in g] for g in got] == [[True, False]] * 2 + [[False]] * 2
     assert got[2][0].priority == 4 and got[0][0].until_s is not None
     assert h.tier.hints.counts["hint_pinned_objects"] == 2
 

@@ -28,7 +28,9 @@ and never change a token: they decide what stays stored, not what an object hold
 
 **What each action does** to the request's objects (the tier's row objects of the request's
 chunks; the connector's page objects), through the backend's retention API
-(``backends.retention``), the owner being the session (``anonymous`` without one):
+(``backends.retention``), the owner being the session (``anonymous`` without one; its pins
+and its retention as two owner ids, ``backends.retention.hold_owner``, so that a later
+``retain`` never replaces the session's own pin):
 
 =============== ==============================================================================
 ``pin``         ``Backend.retain(pinned=True, until=now + duration_s)`` on the units from the
@@ -71,7 +73,7 @@ from typing import Any
 from hicache_store._sync import submit
 from hicache_store.backends import Backend
 from hicache_store.backends.errors import PinBudgetError
-from hicache_store.backends.retention import Retention
+from hicache_store.backends.retention import Retention, hold_owner, hold_owners
 from hicache_store.tier.hints import HINT_ACTIONS, HintAction, RequestHints
 
 log = logging.getLogger("hicache_store.integrations.vllm")
@@ -232,12 +234,14 @@ class Unit:
 
 def ops_for(parsed: Parsed, units: Iterable[Unit], *, wall_s: float) -> list[KeyOp]:
     """The backend steps ``parsed``'s range actions take on ``units`` (module docstring):
-    the holds first (where an envelope both pins and retains an object, the pin is kept: a
-    backend keeps one entry per owner), then releases and drops in the envelope's order.
+    the holds first (a session's pins and its retention are kept under two owner ids,
+    ``backends.retention.hold_owner``, so a retain never replaces a pin; within one envelope
+    the last pin and the last retain of an object win), then releases and drops in the
+    envelope's order.
     ``wall_s``: the request's arrival on the wall clock (deadlines start there)."""
     units = list(units)
     owner = parsed.owner
-    holds: dict[str, Retention] = {}  # one entry per owner and object: a pin beats a retain
+    holds: dict[tuple[str, bool], Retention] = {}  # per object and kind (pinned or not)
     ops: list[KeyOp] = []
     for action in parsed.hints.actions:
         stop = math.inf if action.end_token is None else action.end_token
@@ -253,14 +257,14 @@ def ops_for(parsed: Parsed, units: Iterable[Unit], *, wall_s: float) -> list[Key
         if action.action in ("pin", "retain"):
             until = None if action.duration_s is None else wall_s + action.duration_s
             pinned = action.action == "pin"
-            retention = Retention(owner, until, pinned, 0 if pinned else action.priority)
+            retention = Retention(hold_owner(owner, pinned=pinned), until, pinned,
+                                  0 if pinned else action.priority)
             for name in names:
-                if not (holds.get(name, retention).pinned and not pinned):
-                    holds[name] = retention
+                holds[name, pinned] = retention
         else:
             ops.append(KeyOp(owner, "release" if action.action == "demote" else "drop", names))
     grouped: dict[Retention, list[str]] = {}
-    for name, retention in holds.items():
+    for (name, _), retention in holds.items():
         grouped.setdefault(retention, []).append(name)
     return [KeyOp(owner, "hold", tuple(n), r) for r, n in grouped.items()] + ops
 
@@ -353,7 +357,8 @@ class HintSink:
             with self._lock:
                 self._held.get(op.owner, set()).difference_update(names)
         if names:
-            await backend.release(names, op.owner)
+            for holder in hold_owners(op.owner):
+                await backend.release(names, holder)
             self.count("hint_released_objects", len(names))
         if op.kind == "drop" and names:
             others = await backend.retention_of(names)
