@@ -3,5 +3,9 @@ from collections.abc import Sequence
 from typing_extensions import Buffer
 
 def read_files(
-    items: Sequence[tuple[str, Sequence[Buffer], int, int, bool]],
-) -> list[tuple[int, int, int, int]]: ...
+    items: Sequence[
+        tuple[str, Sequence[Buffer], int, int, bool]
+        | tuple[str, Sequence[Buffer], int, int, bool, Sequence[tuple[int, int]]]
+    ],
+) -> list[tuple[int, int, int, int, tuple[int, ...]]]: ...
+def bind_xxh3(path: str) -> bool: ...

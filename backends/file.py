@@ -96,6 +96,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import importlib
 import itertools
 import json
 import os
@@ -169,6 +170,23 @@ try:  # the optional C accelerator of batched reads (setup.py)
     from . import _fileio
 except ImportError:  # not built: the same reads, one system call per GIL hand-off
     _fileio = None  # type: ignore[assignment]
+
+
+def _bind_xxh3() -> bool:
+    """Whether ``_fileio`` hashes with the ``xxhash`` package's own XXH3 (its extension is
+    loaded: ``xxhash`` is imported above)."""
+    if _fileio is None:
+        return False
+    try:
+        ext = importlib.import_module("xxhash._xxhash")
+    except ImportError:
+        return False
+    path = getattr(ext, "__file__", None)
+    return isinstance(path, str) and _fileio.bind_xxh3(path)
+
+
+#: ``_fileio`` computes checksums beside its reads (``get_into_summed``).
+_SUMS_IN_C = _bind_xxh3()
 
 T = TypeVar("T")
 
@@ -543,21 +561,33 @@ class FileBackend(Backend):
         for aligned cold reads unless ``page_cache`` admits the key (asked before the read,
         recorded after it only for a read that was cold and aligned, as ``_read_into``
         records it)."""
+        return self._released_batch(items, None)[0]
+
+    def _released_batch(
+        self,
+        items: Sequence[tuple[str, Sequence[memoryview], ByteRange | None]],
+        spans: Sequence[Sequence[tuple[int, int]]] | None,
+    ) -> tuple[list[int | None], list[tuple[int, ...]]]:
+        """``_read_run_released``, and with ``spans`` (per item, ``_SUMS_IN_C`` only) the
+        checksums of those spans of each item's bytes, computed in the same GIL-free call."""
         second = self.direct_io and self.page_cache == "second"
         hashes = [xxhash.xxh3_64_intdigest(key.encode()) for key, _, _ in items] if second else []
-        batch = []
+        batch: list[Any] = []
         for i, (key, views, rng) in enumerate(items):
             direct = self.direct_io and self.page_cache != "always" and not (
                 second and self._second_touch.seen(hashes[i]))
             start, length = (0, -1) if rng is None else (rng.start, rng.length)
-            batch.append((self._final_path(key), list(views), start, length, direct))
+            item = (self._final_path(key), list(views), start, length, direct)
+            batch.append(item if spans is None else (*item, spans[i]))
         results: list[int | None] = []
+        sums: list[tuple[int, ...]] = []
         error: BaseException | None = None
-        for i, ((key, views, rng), (status, value, size, flags)) in enumerate(
+        for i, ((key, views, rng), (status, value, size, flags, item_sums)) in enumerate(
             zip(items, _fileio.read_files(batch), strict=True)
         ):
             if second and flags & _COLD_ALIGNED == _COLD_ALIGNED:
                 self._second_touch.admit(hashes[i])  # a cold read, as _use_page_cache counts it
+            sums.append(item_sums)
             try:
                 results.append(self._judged(key, views, rng, status, value, size))
             except BaseException as exc:
@@ -565,7 +595,26 @@ class FileBackend(Backend):
                 results.append(None)
         if error is not None:
             raise error
-        return results
+        return results, sums
+
+    @property
+    def sums_reads(self) -> bool:
+        # docstring inherited
+        return self._released_reads and _SUMS_IN_C
+
+    async def _get_into_summed(
+        self, keys: list[str], views: list[memoryview], spans: list[list[tuple[int, int]]]
+    ) -> tuple[list[int | None], list[tuple[int, ...]]]:
+        # docstring inherited. One job on the pool, one C call for the batch's reads and
+        # checksums (a batch of a few objects: vLLM's secondary tier reads a job's chunk rows
+        # this way): one hand-off and one GIL reacquisition for all, where ``get_into`` makes
+        # a job per object and the reader hashes each after it.
+        if not self.sums_reads:
+            return await super()._get_into_summed(keys, views, spans)
+        items = [(key, [view], None) for key, view in zip(keys, views, strict=True)]
+        results, sums = await self._run_io(self._released_batch, items, spans)
+        await self._after_reads(keys, results)
+        return results, sums
 
     def _judged(
         self, key: str, views: Sequence[memoryview], rng: ByteRange | None, status: int,
