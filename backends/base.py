@@ -514,6 +514,14 @@ class Backend(abc.ABC):
         checked = self._check_keys(keys, "exists")
         return await self._exists(checked) if checked else []
 
+    def exists_now(self, keys: Sequence[str]) -> list[bool] | None:
+        """``exists`` answered at once on the caller's thread, or None when this backend
+        cannot answer without waiting (I/O, or a lock another thread holds): then call
+        ``exists``. For callers that must not block but gain from an answer now (a
+        scheduler deciding whether a request waits a step for its lookup). The default
+        answers None."""
+        return None
+
     async def get_into(
         self,
         keys: Sequence[str],

@@ -492,6 +492,13 @@ class FileBackend(Backend):
                 return hits
         return await self._run(self._translated, "exists", None, self._index.exists, keys)
 
+    def exists_now(self, keys: Sequence[str]) -> list[bool] | None:
+        # docstring inherited. The index's fingerprint set when it is current and free (a
+        # memory lookup; ``exists_if_current`` never waits on I/O or a lock).
+        if self._closed or len(keys) > _INLINE_EXISTS:
+            return None
+        return self._index.exists_if_current(self._check_keys(keys, "exists"))
+
     def _stat_paths(self, keys: Sequence[str]) -> list[ObjectStat | None]:
         out: list[ObjectStat | None] = []
         for key in keys:

@@ -27,9 +27,12 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   different TP sizes share them.
 * **Bounded.** The backend's own capacity and eviction: ``file:///path?capacity_bytes=64GiB``
   (least recently used first; the file backend's default is 90% of the filesystem).
-* **Non-blocking.** ``lookup`` answers ``RETRY`` while the existence check of its key runs
-  (vLLM's ``AsyncLookupManager``: one batched ``exists`` per scheduler step, on its own
-  thread, bounded by ``lookup_timeout_s``; a failed or late check is a miss). Stores and loads
+* **Non-blocking.** ``lookup`` answers at once where the backend can without waiting
+  (``Backend.exists_now``: the file backend's in-memory index), else ``RETRY`` while the
+  existence check of its key runs (vLLM's ``AsyncLookupManager``: one batched ``exists``
+  per scheduler step, on its own thread, bounded by ``lookup_timeout_s``; a failed or late
+  check is a miss). Either way the verdict lives in vLLM's lookup state, so a key whose
+  load failed answers MISS for the rest of the request (vLLM's livelock guard). Stores and loads
   run on the library's sync-bridge loop (``hicache_store._sync.submit``); ``get_finished_jobs``
   collects the ones that ended; ``drain_jobs`` waits for all of them (none is cut short). A
   store job's rows are copied into staging, sealed and written by one backend call
@@ -87,7 +90,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
-from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager, LookupPhase, LookupState
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from hicache_store._sync import run_sync, submit
@@ -187,15 +190,36 @@ class TierStats:
 
 
 class _Lookups(AsyncLookupManager):  # type: ignore[misc]
-    """vLLM's async lookup state machine over one batched ``exists`` per step."""
+    """vLLM's async lookup state machine over one batched ``exists`` per step, with the
+    answers a backend gives at once (``Backend.exists_now``: the file backend's index) taken
+    without a RETRY: a new key the backend answers now enters vLLM's state already resolved,
+    so the request does not wait a scheduler step, and vLLM's own bookkeeping (``mark_miss``
+    after a failed load, ``cleanup`` when the request ends) applies to it unchanged."""
 
     def __init__(self, tier: HiCacheStoreTier) -> None:
         self._tier = tier
         super().__init__(tier_type=tier.tier_type)
 
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        if key not in self._lookup_state:
+            try:
+                now = self._tier.backend.exists_now([self._tier.storage_key(key)])
+            except Exception as exc:  # never into the scheduler: the asynchronous check decides
+                log.debug("HiCacheStoreTier: exists_now failed: %r", exc)
+                now = None
+            if now is not None:
+                self._lookup_state[key] = LookupState(
+                    generation=self._next_generation, phase=LookupPhase.RESOLVED, result=now[0])
+                self._next_generation += 1
+        found: bool | None = super().lookup(key, req_context)
+        return found
+
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         tier = self._tier
         names = [tier.storage_key(k) for k in keys]
+        now = tier.backend.exists_now(names)  # no hand-off to the loop where it can answer
+        if now is not None:
+            return now
         return run_sync(tier.backend.exists(names), timeout=tier.lookup_timeout_s)
 
 
