@@ -34,6 +34,7 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
 from hicache_store._sync import run_sync
+from hicache_store.backends import open_backend
 from hicache_store.integrations.vllm.secondary_tier import HiCacheStoreTier, row_namespace
 
 ROW = 3 * 4096  # bytes of one primary chunk row
@@ -314,6 +315,42 @@ def test_the_store_stays_within_its_capacity(make: Any, tmp_path: Path) -> None:
     assert len(object_files(store)) == 6
     assert h.lookup(key(219))[0] is LookupResult.HIT  # the newest stayed
     assert h.lookup(key(200))[0] is LookupResult.MISS  # the oldest went
+
+
+def test_rows_evicted_by_capacity_or_removed_by_another_process_are_removal_events(
+    make: Any, tmp_path: Path
+) -> None:
+    # Every removal event names a row that left the store, and every row of this tier that
+    # left it is named once: the events replay to exactly what is on disk.
+    capacity = 4 * (ROW + 4096)  # four objects (header page + row)
+    store = tmp_path / "bounded"
+    h = make(store=store, backend_options={"capacity_bytes": capacity},
+             enable_kv_events=True, config=offloading_config(events=True))
+    held: set[Any] = set()
+    for i in range(10):
+        h.fill(i % CHUNKS, seed=i)
+        assert h.store([key(300 + i)], [i % CHUNKS]).success
+        for event in h.tier.take_events():
+            assert event.medium is Medium.STORAGE
+            for k in event.keys:
+                if event.removed:
+                    assert k in held, "a removal of a row that was not held"
+                    held.remove(k)
+                else:
+                    held.add(k)
+        on_disk = {p.name for p in object_files(store)}
+        assert {h.tier.storage_key(k) for k in held} == on_disk
+    assert held == {key(306), key(307), key(308), key(309)}
+    # Another process (here: another backend on the same store) deletes a row: reported
+    # after this tier's next store job.
+    other = open_backend({"url": f"file://{store}"})
+    assert run_sync(other.delete([h.tier.storage_key(key(307))])) == [True]
+    run_sync(other.close())
+    h.fill(0, seed=99)
+    assert h.store([key(310)], [0]).success
+    events = [(e.removed, sorted(e.keys)) for e in h.tier.take_events()]
+    assert (True, [key(307)]) in events or (True, sorted([key(306), key(307)])) in events
+    assert (False, [key(310)]) in events
 
 
 def test_the_test_switch_serves_zeros_after_the_check_and_stores_nothing(make: Any) -> None:

@@ -47,8 +47,12 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   and recomputes. A corrupt object is counted and deleted, so the next store of that chunk
   writes it again.
 * **Events.** With ``enable_kv_events`` (and vLLM's KV events on), every stored chunk is a
-  ``BlockStored`` event (medium ``STORAGE``) and every corrupt object deleted a removal;
-  evictions inside the backend are not reported (the backend does not name what it evicted).
+  ``BlockStored`` event (medium ``STORAGE``) and every corrupt object deleted a removal.
+  On a backend with a named change feed (the file backend's shared index), a row this tier
+  stored that leaves the store otherwise (a capacity eviction by this or another process, a
+  ``gc``, a delete) is a removal too: after each store job the tier reads the feed from
+  where it last stopped, and where the feed cannot name what changed (pruned, rebuilt) it
+  compares its rows with a listing. Rows other processes stored are not this tier's events.
 
 Configuration (a ``secondary_tiers`` entry; every key but ``type`` and ``module_path`` optional)::
 
@@ -68,11 +72,13 @@ Configuration (a ``secondary_tiers`` entry; every key but ``type`` and ``module_
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import hashlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -95,6 +101,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, open_backend
+from hicache_store.backends.errors import NotSupportedError
+from hicache_store.backends.file import FileBackend
 from hicache_store.layout.errors import ConfigError, CorruptObjectError
 from hicache_store.layout.keys import ObjectCoords, ObjectKey
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
@@ -103,6 +111,8 @@ from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
+
+    from hicache_store.backends._file_index import FileIndex
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 log = logging.getLogger(__name__)
@@ -187,6 +197,72 @@ class TierStats:
     corruptions: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
+
+
+class _Feed:
+    """The rows this tier stored that are still in the store, followed through the backend's
+    named change feed (``FileBackend.change_feed``), for removal events.
+
+    ``stored`` records rows as their store jobs end; ``gone`` (on the loop, one reader at a
+    time) reads the feed from the last change it saw and returns the rows of this tier that
+    left the store since, forgetting them. Where the feed cannot name its changes it
+    compares the rows with a listing of the store instead. Memory: one entry per row of
+    this tier in the store (bounded by the store's capacity)."""
+
+    def __init__(self, index: FileIndex) -> None:
+        self._index = index
+        # the last change now: asking past every change answers with the last one
+        self._seq = index.changes_after(sys.maxsize, limit=1).last
+        self._rows: dict[str, OffloadKey] = {}
+        self._lock = threading.Lock()
+        self._reading: asyncio.Lock | None = None
+
+    @classmethod
+    def of(cls, backend: Backend) -> _Feed | None:
+        """The feed of ``backend``, or None where it has none (another backend, no index)."""
+        if not isinstance(backend, FileBackend):
+            return None
+        try:
+            return cls(backend.change_feed())
+        except NotSupportedError:
+            return None
+
+    def stored(self, rows: Iterable[tuple[str, OffloadKey]]) -> None:
+        with self._lock:
+            self._rows.update(rows)
+
+    def forget(self, storage_key: str) -> None:
+        with self._lock:
+            self._rows.pop(storage_key, None)
+
+    async def gone(self) -> list[OffloadKey]:
+        if self._reading is None:
+            self._reading = asyncio.Lock()
+        async with self._reading:
+            try:
+                return await asyncio.to_thread(self._read)
+            except Exception as exc:  # events are best effort: never fail a store job
+                log.warning("HiCacheStoreTier: reading the store's change feed failed: %r", exc)
+                return []
+
+    def _read(self) -> list[OffloadKey]:
+        latest: dict[str, bool] = {}  # each key's last change: stored again after an eviction
+        while True:
+            changes = self._index.changes_after(self._seq, limit=256)
+            if not changes.complete:
+                last, listed = self._index.listing()
+                present = set(listed)
+                with self._lock:
+                    latest = {k: k in present for k in self._rows}
+                self._seq = last
+                break
+            latest.update(changes.changes)
+            self._seq = changes.upto
+            if changes.upto >= changes.last:
+                break
+        with self._lock:
+            return [self._rows.pop(k) for k, there in latest.items()
+                    if not there and k in self._rows]
 
 
 class _Lookups(AsyncLookupManager):  # type: ignore[misc]
@@ -288,8 +364,9 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             else:
                 log.warning("HiCacheStoreTier: enable_kv_events is set but vLLM's KV cache "
                             "events are off; no events are emitted")
-        # corrupt objects deleted: the loop thread puts, take_events takes
+        # rows gone (corrupt ones deleted, evicted ones): the loop thread puts, take_events takes
         self._removed: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
+        self._feed = _Feed.of(self.backend) if self._events is not None else None
         self._lookups = _Lookups(self)
         log.info(
             "HiCacheStoreTier: rows of %d bytes as objects of namespace %s (%s; %s) on %s",
@@ -419,6 +496,10 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             self.stats.stored += n
             self.stats.store_failures += len(keys) - n
             self.stats.bytes_stored += n * self.row_bytes
+        if self._feed is not None:
+            self._feed.stored([(self.storage_key(k), k) for k, ok in zip(keys, stored, strict=True) if ok])
+            for key in await self._feed.gone():
+                self._removed.put(key)
         return stored, time.perf_counter() - start
 
     async def _load(self, keys: list[OffloadKey], chunks: list[int]) -> tuple[list[bool], float]:
@@ -473,5 +554,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             log.warning("HiCacheStoreTier: deleting %d corrupt objects failed: %r",
                         len(corrupt), exc)
             return
-        for key, _, _ in corrupt:
+        for key, okey, _ in corrupt:
+            if self._feed is not None:
+                self._feed.forget(self.io.storage_key(okey))  # reported here, not again
             self._removed.put(key)
