@@ -111,9 +111,9 @@ from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
     from hicache_store.backends._file_index import FileIndex
-    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 log = logging.getLogger(__name__)
 
