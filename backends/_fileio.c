@@ -1,4 +1,4 @@
-/* hicache_store.backends._fileio: a batch of file reads with the GIL released throughout.
+/* hicache_store.backends._fileio: batches of file reads and writes with the GIL released.
  *
  * ``read_files(items)`` reads each item's file (one open, vectored reads from that fd, one
  * close) into the item's buffers, all without the GIL: the file backend's pool thread then
@@ -32,6 +32,14 @@
  * bytes; else it is empty. The caller maps each status to its own errors and compares the
  * sums with what it expects (``backends.file``, ``objects.io``); this module decides nothing
  * else.
+ *
+ * ``write_files(items)`` writes a batch of objects the file backend's way, all without the
+ * GIL: per item ``(tmp: str, final: str, buffer, direct: bool, flush: int)``, a new file
+ * ``tmp`` (``O_EXCL``, mode 0644; ``direct``: ``O_DIRECT`` for the 4096-aligned body, the
+ * tail as one zero-padded block, then truncated), flushed (``flush`` 1: ``fdatasync``, 2:
+ * ``fsync``), closed, then renamed onto ``final`` (whose directory must exist). Per item
+ * the result is ``(status, errno)``: 0 published; 1 a system call failed (``errno``) and the
+ * temp file is removed. Every item is attempted whatever the others did.
  *
  * ``bind_xxh3(path)`` takes ``XXH3_64bits`` from the already loaded shared object ``path``
  * (the ``xxhash`` package's extension, whose hash every checksum of the library is): the
@@ -214,6 +222,96 @@ static void release_items(item_t *items, Py_ssize_t count) {
     PyMem_Free(items);
 }
 
+typedef struct {
+    PyObject *tmp, *final; /* bytes (filesystem encoding) */
+    Py_buffer buf;
+    int has_buf, direct, flush;
+    int status, err;
+} witem_t;
+
+static int pwrite_all(int fd, const char *p, long long n, long long off) {
+    while (n > 0) {
+        ssize_t got = pwrite(fd, p, (size_t)(n < MAX_IO ? n : MAX_IO), off);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        p += got; n -= got; off += got;
+    }
+    return 0;
+}
+
+static void write_item(witem_t *it) {
+    const char *tmp = PyBytes_AS_STRING(it->tmp);
+    const char *data = it->buf.buf;
+    long long len = it->buf.len;
+    int direct = it->direct && len >= ALIGN && (uintptr_t)data % ALIGN == 0;
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct ? O_DIRECT : 0), 0644);
+    if (fd < 0) { it->status = 1; it->err = errno; return; }
+    long long body = direct ? len - len % ALIGN : len;
+    int rc = pwrite_all(fd, data, body, 0);
+    if (!rc && body < len) { /* the tail of an O_DIRECT write: one zero-padded block */
+        void *block = NULL;
+        if (posix_memalign(&block, ALIGN, ALIGN) != 0) rc = ENOMEM;
+        else {
+            memset(block, 0, ALIGN);
+            memcpy(block, data + body, (size_t)(len - body));
+            rc = pwrite_all(fd, block, ALIGN, body);
+            free(block);
+            if (!rc && ftruncate(fd, len) != 0) rc = errno;
+        }
+    }
+    if (!rc && it->flush == 1 && fdatasync(fd) != 0) rc = errno;
+    if (!rc && it->flush == 2 && fsync(fd) != 0) rc = errno;
+    if (close(fd) != 0 && !rc) rc = errno;
+    if (!rc && rename(tmp, PyBytes_AS_STRING(it->final)) != 0) rc = errno;
+    if (rc) { unlink(tmp); it->status = 1; it->err = rc; return; }
+    it->status = 0;
+    it->err = 0;
+}
+
+static void release_witems(witem_t *items, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_XDECREF(items[i].tmp);
+        Py_XDECREF(items[i].final);
+        if (items[i].has_buf) PyBuffer_Release(&items[i].buf);
+    }
+    PyMem_Free(items);
+}
+
+static PyObject *write_files(PyObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "write_files: items must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    witem_t *items = PyMem_Calloc(count ? count : 1, sizeof(witem_t));
+    if (!items) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        witem_t *it = &items[i];
+        PyObject *tmp, *final, *buf;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "OOOpi", &tmp, &final, &buf,
+                              &it->direct, &it->flush)
+            || !PyUnicode_FSConverter(tmp, &it->tmp) || !PyUnicode_FSConverter(final, &it->final)
+            || PyObject_GetBuffer(buf, &it->buf, PyBUF_C_CONTIGUOUS) != 0) {
+            release_witems(items, i + 1);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        it->has_buf = 1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) write_item(&items[i]);
+    Py_END_ALLOW_THREADS
+    PyObject *out = PyList_New(count);
+    for (Py_ssize_t i = 0; out && i < count; i++) {
+        PyObject *r = Py_BuildValue("(ii)", items[i].status, items[i].err);
+        if (!r) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, i, r);
+    }
+    release_witems(items, count);
+    Py_DECREF(seq);
+    return out;
+}
+
 /* ``spans`` of an item whose buffers are held: each (offset, length) inside one buffer. */
 static int parse_spans(item_t *it, PyObject *spans) {
     PyObject *list = PySequence_Fast(spans, "read_files: spans must be a sequence");
@@ -330,13 +428,15 @@ fail:
 static PyMethodDef methods[] = {
     {"read_files", read_files, METH_O,
      "read_files(items) -> [(status, value, size, flags, sums)]: file reads, GIL released."},
+    {"write_files", write_files, METH_O,
+     "write_files(items) -> [(status, errno)]: temp-file writes and renames, GIL released."},
     {"bind_xxh3", bind_xxh3, METH_O,
      "bind_xxh3(path) -> bool: take XXH3_64bits from the loaded shared object path."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_fileio", "Batched file reads (and their checksums) without the GIL.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_fileio", "Batched file reads (and their checksums) and writes without the GIL.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__fileio(void) { return PyModule_Create(&module); }
