@@ -15,10 +15,12 @@ Public API (what callers use; implemented here, once, for every backend)::
 
     helpers: exists_prefix_length, exists_prefix_pages, get_ranges, put_if_absent, get_bytes,
              put_bytes
+    exists_now(keys)                  -> list[bool] | None  at once, or None (then exists)
+    get_into_summed(keys, buffers, spans) -> (bytes read, xxh3_64 of each span) per key
 
 Core (what a backend implements; the public method has already validated everything):
 ``_exists``, ``_get_into``, ``_put``, ``_delete``, ``_stat``; optionally ``_list_prefix``,
-``_list_entries``, ``_put_if_absent``, ``_get_scatter``, ``_close``.
+``_list_entries``, ``_put_if_absent``, ``_get_scatter``, ``_get_into_summed``, ``_close``.
 
 Contracts every backend keeps (the conformance suite in ``hicache_store.testing`` checks them):
 

@@ -45,7 +45,12 @@ batch's reads, or one scatter read) makes all its system calls inside one call t
 the GIL: in a process whose other threads keep the interpreter busy (an inference engine)
 each reacquisition waits up to the switch interval, and a read took five of them. Same bytes,
 misses, errors and read policy as the Python path, except that an object whose length is not
-a multiple of 4096 is read buffered (the Python path reads its aligned body O_DIRECT).
+a multiple of 4096 is read buffered (the Python path reads its aligned body O_DIRECT). The
+same call can also compute checksums of what it read (``get_into_summed``: XXH3 taken from
+the ``xxhash`` package), so a reader of framed objects verifies a batch without taking the
+GIL back per object. A put's writes are likewise one job and one such call
+(``_fileio.write_files``: the same temp files, O_DIRECT rule, flushes and renames as
+``_write_one``), where the Python path runs one job per object.
 
 **Index** (``_file_index``; its docstring has the design and the protocol). A SQLite database
 in ``index/`` lists every object with its size and eviction rank, shared by every process
@@ -166,7 +171,7 @@ _INLINE_EXISTS = 4096  # at most ~1 ms of lookups on the caller's thread
 #: ``_fileio`` flags: a read that was cold (not all cached) and aligned for O_DIRECT.
 _COLD_ALIGNED = 2 | 4
 
-try:  # the optional C accelerator of batched reads (setup.py)
+try:  # the optional C accelerator of batched reads and writes (setup.py)
     from . import _fileio
 except ImportError:  # not built: the same reads, one system call per GIL hand-off
     _fileio = None  # type: ignore[assignment]
