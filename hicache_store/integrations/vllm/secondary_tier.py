@@ -203,11 +203,13 @@ class _Feed:
     """The rows this tier stored that are still in the store, followed through the backend's
     named change feed (``FileBackend.change_feed``), for removal events.
 
-    ``stored`` records rows as their store jobs end; ``gone`` (on the loop, one reader at a
-    time) reads the feed from the last change it saw and returns the rows of this tier that
-    left the store since, forgetting them. Where the feed cannot name its changes it
-    compares the rows with a listing of the store instead. Memory: one entry per row of
-    this tier in the store (bounded by the store's capacity)."""
+    ``stored`` records rows as their store events are emitted (so a row's removal event
+    always comes after its store event); ``gone`` (on the loop, one reader at a time) reads
+    the feed from the last change it saw and returns the recorded rows that left the store
+    since, forgetting them. Where the feed cannot name its changes it compares the rows with
+    a listing of the store instead. A row that leaves the store between its write and its
+    store event (evicted at once: a store far smaller than a step's writes) is not reported.
+    Memory: one entry per row of this tier in the store (bounded by the store's capacity)."""
 
     def __init__(self, index: FileIndex) -> None:
         self._index = index
@@ -473,6 +475,8 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if ok and self._events is not None:
             self._events.append(OffloadingEvent(
                 keys=ok, medium=Medium.STORAGE, removed=False, locality=self.locality))
+            if self._feed is not None:  # followed from now: its removal comes after this event
+                self._feed.stored([(self.storage_key(k), k) for k in ok])
         return JobResult(job_id, success=len(ok) == len(job.keys), transfer_time=seconds,
                          transfer_bytes=nbytes)
 
@@ -497,7 +501,6 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             self.stats.store_failures += len(keys) - n
             self.stats.bytes_stored += n * self.row_bytes
         if self._feed is not None:
-            self._feed.stored([(self.storage_key(k), k) for k, ok in zip(keys, stored, strict=True) if ok])
             for key in await self._feed.gone():
                 self._removed.put(key)
         return stored, time.perf_counter() - start
