@@ -2,8 +2,8 @@
 
 ``hicache_store.layout._chain`` hashes token pages with OpenSSL; ``hicache_store.layout._keys``
 checks and fingerprints batches of storage keys (no library); ``hicache_store.backends._fileio``
-reads a batch of files with the GIL released (the file backend's reads). All are optional: when
-one cannot be built (no compiler, no OpenSSL headers) the install still succeeds and the
+reads (with checksums) and writes a batch of files with the GIL released (the file backend's
+I/O). All are optional: when one cannot be built (no compiler, no OpenSSL headers) the install still succeeds and the
 pure-Python code (``hicache_store.layout.hashing``, ``hicache_store.layout.keys``,
 ``hicache_store.backends.file``) is used, with identical results.
 """

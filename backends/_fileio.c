@@ -1,4 +1,4 @@
-/* hicache_store.backends._fileio: a batch of file reads with the GIL released throughout.
+/* hicache_store.backends._fileio: batches of file reads and writes with the GIL released.
  *
  * ``read_files(items)`` reads each item's file (one open, vectored reads from that fd, one
  * close) into the item's buffers, all without the GIL: the file backend's pool thread then
@@ -7,14 +7,19 @@
  * reacquisition waits up to the switch interval, and a read of one object took five of them.
  *
  * An item is ``(path: str, buffers: list of writable buffers, start: int, length: int,
- * direct: bool)``: ``length`` -1 reads the whole object (it must fit the buffers), else the
- * range ``[start, start + length)`` (it must lie within the object). The bytes fill the
+ * direct: bool[, spans])``: ``length`` -1 reads the whole object (it must fit the buffers),
+ * else the range ``[start, start + length)`` (it must lie within the object). ``spans``, a
+ * sequence of ``(offset, length)`` pairs, each inside one buffer (offsets count from the
+ * first buffer's start, through the buffers in order), asks for the xxh3_64 of those bytes
+ * once they are read, computed in the same GIL-free run (``bind_xxh3`` must have named the
+ * hash first): a reader verifies a batch of checksummed objects without taking the GIL back
+ * per object. The bytes fill the
  * buffers in order; nothing past them, nor past the bytes read, is written. ``direct``: read
  * with O_DIRECT when the range, every buffer address and every buffer length but the last are
  * 4096-aligned, the length is a multiple of 4096 and ``cachestat`` does not report the whole
  * range cached (bytes in the page cache are read buffered; an unknown answer reads direct).
  *
- * Per item the result is ``(status, value, size, flags)``:
+ * Per item the result is ``(status, value, size, flags, sums)``:
  *   status 0: read; ``value`` bytes (the length). ``flags``: bit 0 read with O_DIRECT, bit 1
  *             the range was not known to be cached (a cold read), bit 2 the range and
  *             buffers were aligned for O_DIRECT.
@@ -22,12 +27,28 @@
  *   status 2: not a regular file.
  *   status 3: the object (``size`` bytes) does not fit the buffers, or the range is outside it.
  *   status 4: the file ended early; ``value`` bytes were read.
- * ``size`` is the object's stored size where it was known (else -1). The caller maps each
- * status to its own errors (``backends.file``); this module decides nothing else.
+ * ``size`` is the object's stored size where it was known (else -1). ``sums`` holds the
+ * xxh3_64 of each span, in order, when the read succeeded (status 0) and read every span's
+ * bytes; else it is empty. The caller maps each status to its own errors and compares the
+ * sums with what it expects (``backends.file``, ``objects.io``); this module decides nothing
+ * else.
+ *
+ * ``write_files(items)`` writes a batch of objects the file backend's way, all without the
+ * GIL: per item ``(tmp: str, final: str, buffer, direct: bool, flush: int)``, a new file
+ * ``tmp`` (``O_EXCL``, mode 0644; ``direct``: ``O_DIRECT`` for the 4096-aligned body, the
+ * tail as one zero-padded block, then truncated), flushed (``flush`` 1: ``fdatasync``, 2:
+ * ``fsync``), closed, then renamed onto ``final`` (whose directory must exist). Per item
+ * the result is ``(status, errno)``: 0 published; 1 a system call failed (``errno``) and the
+ * temp file is removed. Every item is attempted whatever the others did.
+ *
+ * ``bind_xxh3(path)`` takes ``XXH3_64bits`` from the already loaded shared object ``path``
+ * (the ``xxhash`` package's extension, whose hash every checksum of the library is): the
+ * same code computes the sums here and in Python, so they cannot disagree.
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
 #include <Python.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -51,6 +72,15 @@ struct cs_stat { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recen
 
 static int cachestat_works = 1; /* cleared at the first refusal (old kernel, sandbox) */
 
+typedef unsigned long long (*xxh3_fn)(const void *, size_t);
+static xxh3_fn xxh3_64 = NULL; /* set by bind_xxh3 */
+
+typedef struct {
+    const char *at;      /* inside one buffer */
+    long long offset;    /* from the first buffer's start */
+    long long length;
+} span_t;
+
 typedef struct {
     PyObject *path;      /* bytes (filesystem encoding) */
     Py_buffer *bufs;
@@ -58,11 +88,15 @@ typedef struct {
     long long start;
     long long length;    /* -1: the whole object */
     int direct;
+    span_t *spans;
+    Py_ssize_t nspans;
     /* results */
     int status;
     long long value;
     long long size;
     int flags;
+    unsigned long long *sums; /* nspans of them when summed */
+    int summed;
 } item_t;
 
 /* 1: every page of [off, off + len) is cached; 0: some is not, or the system cannot tell. */
@@ -168,6 +202,11 @@ static void read_item(item_t *it) {
     if (rc < 0) { it->status = 4; it->value = done; return; }
     it->status = 0;
     it->value = length;
+    for (Py_ssize_t i = 0; i < it->nspans; i++)
+        if (it->spans[i].offset + it->spans[i].length > length) return; /* not all read */
+    for (Py_ssize_t i = 0; i < it->nspans; i++)
+        it->sums[i] = xxh3_64(it->spans[i].at, (size_t)it->spans[i].length);
+    it->summed = 1;
 }
 
 static void release_items(item_t *items, Py_ssize_t count) {
@@ -177,8 +216,149 @@ static void release_items(item_t *items, Py_ssize_t count) {
             for (Py_ssize_t b = 0; b < items[i].nbufs; b++) PyBuffer_Release(&items[i].bufs[b]);
             PyMem_Free(items[i].bufs);
         }
+        PyMem_Free(items[i].spans);
+        PyMem_Free(items[i].sums);
     }
     PyMem_Free(items);
+}
+
+typedef struct {
+    PyObject *tmp, *final; /* bytes (filesystem encoding) */
+    Py_buffer buf;
+    int has_buf, direct, flush;
+    int status, err;
+} witem_t;
+
+static int pwrite_all(int fd, const char *p, long long n, long long off) {
+    while (n > 0) {
+        ssize_t got = pwrite(fd, p, (size_t)(n < MAX_IO ? n : MAX_IO), off);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        p += got; n -= got; off += got;
+    }
+    return 0;
+}
+
+static void write_item(witem_t *it) {
+    const char *tmp = PyBytes_AS_STRING(it->tmp);
+    const char *data = it->buf.buf;
+    long long len = it->buf.len;
+    int direct = it->direct && len >= ALIGN && (uintptr_t)data % ALIGN == 0;
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct ? O_DIRECT : 0), 0644);
+    if (fd < 0) { it->status = 1; it->err = errno; return; }
+    long long body = direct ? len - len % ALIGN : len;
+    int rc = pwrite_all(fd, data, body, 0);
+    if (!rc && body < len) { /* the tail of an O_DIRECT write: one zero-padded block */
+        void *block = NULL;
+        if (posix_memalign(&block, ALIGN, ALIGN) != 0) rc = ENOMEM;
+        else {
+            memset(block, 0, ALIGN);
+            memcpy(block, data + body, (size_t)(len - body));
+            rc = pwrite_all(fd, block, ALIGN, body);
+            free(block);
+            if (!rc && ftruncate(fd, len) != 0) rc = errno;
+        }
+    }
+    if (!rc && it->flush == 1 && fdatasync(fd) != 0) rc = errno;
+    if (!rc && it->flush == 2 && fsync(fd) != 0) rc = errno;
+    if (close(fd) != 0 && !rc) rc = errno;
+    if (!rc && rename(tmp, PyBytes_AS_STRING(it->final)) != 0) rc = errno;
+    if (rc) { unlink(tmp); it->status = 1; it->err = rc; return; }
+    it->status = 0;
+    it->err = 0;
+}
+
+static void release_witems(witem_t *items, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_XDECREF(items[i].tmp);
+        Py_XDECREF(items[i].final);
+        if (items[i].has_buf) PyBuffer_Release(&items[i].buf);
+    }
+    PyMem_Free(items);
+}
+
+static PyObject *write_files(PyObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "write_files: items must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    witem_t *items = PyMem_Calloc(count ? count : 1, sizeof(witem_t));
+    if (!items) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        witem_t *it = &items[i];
+        PyObject *tmp, *final, *buf;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "OOOpi", &tmp, &final, &buf,
+                              &it->direct, &it->flush)
+            || !PyUnicode_FSConverter(tmp, &it->tmp) || !PyUnicode_FSConverter(final, &it->final)
+            || PyObject_GetBuffer(buf, &it->buf, PyBUF_C_CONTIGUOUS) != 0) {
+            release_witems(items, i + 1);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        it->has_buf = 1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) write_item(&items[i]);
+    Py_END_ALLOW_THREADS
+    PyObject *out = PyList_New(count);
+    for (Py_ssize_t i = 0; out && i < count; i++) {
+        PyObject *r = Py_BuildValue("(ii)", items[i].status, items[i].err);
+        if (!r) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, i, r);
+    }
+    release_witems(items, count);
+    Py_DECREF(seq);
+    return out;
+}
+
+/* ``spans`` of an item whose buffers are held: each (offset, length) inside one buffer. */
+static int parse_spans(item_t *it, PyObject *spans) {
+    PyObject *list = PySequence_Fast(spans, "read_files: spans must be a sequence");
+    if (!list) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(list);
+    if (n && !xxh3_64) {
+        Py_DECREF(list);
+        PyErr_SetString(PyExc_RuntimeError, "read_files: spans need bind_xxh3 first");
+        return -1;
+    }
+    it->spans = PyMem_Calloc(n ? n : 1, sizeof(span_t));
+    it->sums = PyMem_Calloc(n ? n : 1, sizeof(unsigned long long));
+    if (!it->spans || !it->sums) { Py_DECREF(list); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long off, len;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(list, i), "LL", &off, &len)) {
+            Py_DECREF(list);
+            return -1;
+        }
+        long long base = 0;
+        Py_ssize_t b = 0;
+        while (b < it->nbufs && off >= base + it->bufs[b].len) base += it->bufs[b++].len;
+        if (off < 0 || len < 0 || b == it->nbufs || off + len > base + it->bufs[b].len) {
+            Py_DECREF(list);
+            PyErr_Format(PyExc_ValueError,
+                         "read_files: span (%lld, %lld) does not lie inside one buffer", off, len);
+            return -1;
+        }
+        it->spans[i].at = (const char *)it->bufs[b].buf + (off - base);
+        it->spans[i].offset = off;
+        it->spans[i].length = len;
+        it->nspans = i + 1;
+    }
+    Py_DECREF(list);
+    return 0;
+}
+
+static PyObject *bind_xxh3(PyObject *self, PyObject *arg) {
+    PyObject *path;
+    if (!PyUnicode_FSConverter(arg, &path)) return NULL;
+    /* RTLD_NOLOAD: only an object this process has already loaded (never a new one) */
+    void *handle = dlopen(PyBytes_AS_STRING(path), RTLD_NOW | RTLD_NOLOAD);
+    Py_DECREF(path);
+    void *fn = handle ? dlsym(handle, "XXH3_64bits") : NULL;
+    if (fn) xxh3_64 = (xxh3_fn)fn; /* the handle stays open: the hash stays mapped */
+    else if (handle) dlclose(handle);
+    return PyBool_FromLong(xxh3_64 != NULL);
 }
 
 static PyObject *read_files(PyObject *self, PyObject *arg) {
@@ -190,9 +370,10 @@ static PyObject *read_files(PyObject *self, PyObject *arg) {
     Py_ssize_t ready = 0;
     for (; ready < count; ready++) {
         item_t *it = &items[ready];
-        PyObject *tuple = PySequence_Fast_GET_ITEM(seq, ready), *path, *bufs;
+        PyObject *tuple = PySequence_Fast_GET_ITEM(seq, ready), *path, *bufs, *spans = NULL;
         int direct;
-        if (!PyArg_ParseTuple(tuple, "OOLLp", &path, &bufs, &it->start, &it->length, &direct))
+        if (!PyArg_ParseTuple(tuple, "OOLLp|O", &path, &bufs, &it->start, &it->length, &direct,
+                              &spans))
             goto fail;
         it->direct = direct;
         if (!PyUnicode_FSConverter(path, &it->path)) goto fail;
@@ -215,6 +396,7 @@ static PyObject *read_files(PyObject *self, PyObject *arg) {
             it->nbufs = b + 1;
         }
         Py_DECREF(blist);
+        if (spans && spans != Py_None && parse_spans(it, spans) != 0) goto fail;
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) read_item(&items[i]);
@@ -222,8 +404,14 @@ static PyObject *read_files(PyObject *self, PyObject *arg) {
     PyObject *out = PyList_New(count);
     if (out) {
         for (Py_ssize_t i = 0; i < count; i++) {
-            PyObject *r = Py_BuildValue("(iLLi)", items[i].status, items[i].value,
-                                        items[i].size, items[i].flags);
+            PyObject *sums = PyTuple_New(items[i].summed ? items[i].nspans : 0);
+            for (Py_ssize_t k = 0; sums && items[i].summed && k < items[i].nspans; k++) {
+                PyObject *v = PyLong_FromUnsignedLongLong(items[i].sums[k]);
+                if (!v) { Py_CLEAR(sums); break; }
+                PyTuple_SET_ITEM(sums, k, v);
+            }
+            PyObject *r = sums ? Py_BuildValue("(iLLiN)", items[i].status, items[i].value,
+                                               items[i].size, items[i].flags, sums) : NULL;
             if (!r) { Py_CLEAR(out); break; }
             PyList_SET_ITEM(out, i, r);
         }
@@ -239,12 +427,16 @@ fail:
 
 static PyMethodDef methods[] = {
     {"read_files", read_files, METH_O,
-     "read_files(items) -> [(status, value, size, flags)]: file reads, GIL released."},
+     "read_files(items) -> [(status, value, size, flags, sums)]: file reads, GIL released."},
+    {"write_files", write_files, METH_O,
+     "write_files(items) -> [(status, errno)]: temp-file writes and renames, GIL released."},
+    {"bind_xxh3", bind_xxh3, METH_O,
+     "bind_xxh3(path) -> bool: take XXH3_64bits from the loaded shared object path."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_fileio", "Batched file reads without the GIL.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_fileio", "Batched file reads (and their checksums) and writes without the GIL.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__fileio(void) { return PyModule_Create(&module); }

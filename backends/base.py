@@ -15,10 +15,12 @@ Public API (what callers use; implemented here, once, for every backend)::
 
     helpers: exists_prefix_length, exists_prefix_pages, get_ranges, put_if_absent, get_bytes,
              put_bytes
+    exists_now(keys)                  -> list[bool] | None  at once, or None (then exists)
+    get_into_summed(keys, buffers, spans) -> (bytes read, xxh3_64 of each span) per key
 
 Core (what a backend implements; the public method has already validated everything):
 ``_exists``, ``_get_into``, ``_put``, ``_delete``, ``_stat``; optionally ``_list_prefix``,
-``_list_entries``, ``_put_if_absent``, ``_get_scatter``, ``_close``.
+``_list_entries``, ``_put_if_absent``, ``_get_scatter``, ``_get_into_summed``, ``_close``.
 
 Contracts every backend keeps (the conformance suite in ``hicache_store.testing`` checks them):
 
@@ -74,6 +76,8 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import xxhash
 
 from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_keys
@@ -302,6 +306,14 @@ def scatter_views(views: Sequence[memoryview], length: int) -> list[memoryview]:
     return parts
 
 
+def span_sums(view: memoryview, spans: Sequence[tuple[int, int]], n: int | None) -> tuple[int, ...]:
+    """The xxh3_64 of each ``(offset, length)`` span of ``view``, of which ``n`` bytes were
+    read: empty for a miss (``n`` None) or a span past ``n`` (``Backend.get_into_summed``)."""
+    if n is None or any(off + length > n for off, length in spans):
+        return ()
+    return tuple(xxhash.xxh3_64_intdigest(view[off : off + length]) for off, length in spans)
+
+
 def _is_buffer(obj: object) -> bool:
     """Whether ``obj`` itself exports the buffer protocol (a numpy array, an mmap...)."""
     try:
@@ -504,6 +516,14 @@ class Backend(abc.ABC):
         checked = self._check_keys(keys, "exists")
         return await self._exists(checked) if checked else []
 
+    def exists_now(self, keys: Sequence[str]) -> list[bool] | None:
+        """``exists`` answered at once on the caller's thread, or None when this backend
+        cannot answer without waiting (I/O, or a lock another thread holds): then call
+        ``exists``. For callers that must not block but gain from an answer now (a
+        scheduler deciding whether a request waits a step for its lookup). The default
+        answers None."""
+        return None
+
     async def get_into(
         self,
         keys: Sequence[str],
@@ -631,6 +651,59 @@ class Backend(abc.ABC):
             view[: rng.length] = scratch[rng.start : rng.end]
             results.append(rng.length)
         return results
+
+    #: whether ``get_into_summed`` hashes inside the read itself (the file backend's C reads),
+    #: with no pass over the bytes and no thread hand-off of its own: then a reader of
+    #: checksummed objects should prefer it to ``get_into`` followed by its own hashing.
+    @property
+    def sums_reads(self) -> bool:
+        return False
+
+    async def get_into_summed(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[BufferLike],
+        spans: Sequence[Sequence[tuple[int, int]]],
+    ) -> tuple[list[int | None], list[tuple[int, ...]]]:
+        """``get_into`` of whole objects, and the xxh3_64 of byte spans of each buffer read.
+
+        ``spans[i]`` lists ``(offset, length)`` pairs inside ``buffers[i]`` (``ValueError``
+        otherwise, before anything is read). Returns per key the bytes read (None: a miss),
+        and per key the checksums of its spans in order: empty for a miss, or when the object
+        is shorter than a span's end. Raises, and keeps the buffer lifetime rule, as
+        ``get_into``. For readers that verify checksummed objects (``objects.ObjectIO``):
+        where ``sums_reads`` is True the hashing costs no pass and no hand-off of its own.
+        """
+        self._check_open("get_into")
+        checked = self._check_keys(keys, "get_into")
+        if not len(buffers) == len(spans) == len(checked):
+            raise ValueError(f"get_into_summed: {len(checked)} keys, {len(buffers)} buffers "
+                             f"and {len(spans)} span lists")
+        views = [as_byte_view(b, writable=True) for b in buffers]
+        plans = [[(int(off), int(n)) for off, n in item] for item in spans]
+        for view, plan in zip(views, plans, strict=True):
+            for off, length in plan:
+                if off < 0 or length < 0 or off + length > len(view):
+                    raise ValueError(f"get_into_summed: span ({off}, {length}) outside a buffer "
+                                     f"of {len(view)} bytes")
+        if not checked:
+            return [], []
+        results, sums = await self._guarded(self._get_into_summed(checked, views, plans))
+        self.stats.reads += len(checked)
+        for n in results:
+            if n is not None:
+                self.stats.read_hits += 1
+                self.stats.bytes_read += n
+        return results, sums
+
+    async def _get_into_summed(
+        self, keys: list[str], views: list[memoryview], spans: list[list[tuple[int, int]]]
+    ) -> tuple[list[int | None], list[tuple[int, ...]]]:
+        """Whole-object reads (``_fetch_into``), then each span hashed here; backends that can
+        hash inside their reads override this (``sums_reads``)."""
+        results = await self._fetch_into(keys, views, [None] * len(keys))
+        sums = [span_sums(view, plan, n) for view, plan, n in zip(views, spans, results, strict=True)]
+        return results, sums
 
     async def put(self, keys: Sequence[str], buffers: Sequence[BufferLike]) -> None:
         """Store each buffer under its key; each object becomes visible all at once.

@@ -45,7 +45,12 @@ batch's reads, or one scatter read) makes all its system calls inside one call t
 the GIL: in a process whose other threads keep the interpreter busy (an inference engine)
 each reacquisition waits up to the switch interval, and a read took five of them. Same bytes,
 misses, errors and read policy as the Python path, except that an object whose length is not
-a multiple of 4096 is read buffered (the Python path reads its aligned body O_DIRECT).
+a multiple of 4096 is read buffered (the Python path reads its aligned body O_DIRECT). The
+same call can also compute checksums of what it read (``get_into_summed``: XXH3 taken from
+the ``xxhash`` package), so a reader of framed objects verifies a batch without taking the
+GIL back per object. A put's writes are likewise one job and one such call
+(``_fileio.write_files``: the same temp files, O_DIRECT rule, flushes and renames as
+``_write_one``), where the Python path runs one job per object.
 
 **Index** (``_file_index``; its docstring has the design and the protocol). A SQLite database
 in ``index/`` lists every object with its size and eviction rank, shared by every process
@@ -96,6 +101,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import importlib
 import itertools
 import json
 import os
@@ -165,10 +171,27 @@ _INLINE_EXISTS = 4096  # at most ~1 ms of lookups on the caller's thread
 #: ``_fileio`` flags: a read that was cold (not all cached) and aligned for O_DIRECT.
 _COLD_ALIGNED = 2 | 4
 
-try:  # the optional C accelerator of batched reads (setup.py)
+try:  # the optional C accelerator of batched reads and writes (setup.py)
     from . import _fileio
 except ImportError:  # not built: the same reads, one system call per GIL hand-off
     _fileio = None  # type: ignore[assignment]
+
+
+def _bind_xxh3() -> bool:
+    """Whether ``_fileio`` hashes with the ``xxhash`` package's own XXH3 (its extension is
+    loaded: ``xxhash`` is imported above)."""
+    if _fileio is None:
+        return False
+    try:
+        ext = importlib.import_module("xxhash._xxhash")
+    except ImportError:
+        return False
+    path = getattr(ext, "__file__", None)
+    return isinstance(path, str) and _fileio.bind_xxh3(path)
+
+
+#: ``_fileio`` computes checksums beside its reads (``get_into_summed``).
+_SUMS_IN_C = _bind_xxh3()
 
 T = TypeVar("T")
 
@@ -474,6 +497,13 @@ class FileBackend(Backend):
                 return hits
         return await self._run(self._translated, "exists", None, self._index.exists, keys)
 
+    def exists_now(self, keys: Sequence[str]) -> list[bool] | None:
+        # docstring inherited. The index's fingerprint set when it is current and free (a
+        # memory lookup; ``exists_if_current`` never waits on I/O or a lock).
+        if self._closed or len(keys) > _INLINE_EXISTS:
+            return None
+        return self._index.exists_if_current(self._check_keys(keys, "exists"))
+
     def _stat_paths(self, keys: Sequence[str]) -> list[ObjectStat | None]:
         out: list[ObjectStat | None] = []
         for key in keys:
@@ -543,21 +573,33 @@ class FileBackend(Backend):
         for aligned cold reads unless ``page_cache`` admits the key (asked before the read,
         recorded after it only for a read that was cold and aligned, as ``_read_into``
         records it)."""
+        return self._released_batch(items, None)[0]
+
+    def _released_batch(
+        self,
+        items: Sequence[tuple[str, Sequence[memoryview], ByteRange | None]],
+        spans: Sequence[Sequence[tuple[int, int]]] | None,
+    ) -> tuple[list[int | None], list[tuple[int, ...]]]:
+        """``_read_run_released``, and with ``spans`` (per item, ``_SUMS_IN_C`` only) the
+        checksums of those spans of each item's bytes, computed in the same GIL-free call."""
         second = self.direct_io and self.page_cache == "second"
         hashes = [xxhash.xxh3_64_intdigest(key.encode()) for key, _, _ in items] if second else []
-        batch = []
+        batch: list[Any] = []
         for i, (key, views, rng) in enumerate(items):
             direct = self.direct_io and self.page_cache != "always" and not (
                 second and self._second_touch.seen(hashes[i]))
             start, length = (0, -1) if rng is None else (rng.start, rng.length)
-            batch.append((self._final_path(key), list(views), start, length, direct))
+            item = (self._final_path(key), list(views), start, length, direct)
+            batch.append(item if spans is None else (*item, spans[i]))
         results: list[int | None] = []
+        sums: list[tuple[int, ...]] = []
         error: BaseException | None = None
-        for i, ((key, views, rng), (status, value, size, flags)) in enumerate(
+        for i, ((key, views, rng), (status, value, size, flags, item_sums)) in enumerate(
             zip(items, _fileio.read_files(batch), strict=True)
         ):
             if second and flags & _COLD_ALIGNED == _COLD_ALIGNED:
                 self._second_touch.admit(hashes[i])  # a cold read, as _use_page_cache counts it
+            sums.append(item_sums)
             try:
                 results.append(self._judged(key, views, rng, status, value, size))
             except BaseException as exc:
@@ -565,7 +607,26 @@ class FileBackend(Backend):
                 results.append(None)
         if error is not None:
             raise error
-        return results
+        return results, sums
+
+    @property
+    def sums_reads(self) -> bool:
+        # docstring inherited
+        return self._released_reads and _SUMS_IN_C
+
+    async def _get_into_summed(
+        self, keys: list[str], views: list[memoryview], spans: list[list[tuple[int, int]]]
+    ) -> tuple[list[int | None], list[tuple[int, ...]]]:
+        # docstring inherited. One job on the pool, one C call for the batch's reads and
+        # checksums (a batch of a few objects: vLLM's secondary tier reads a job's chunk rows
+        # this way): one hand-off and one GIL reacquisition for all, where ``get_into`` makes
+        # a job per object and the reader hashes each after it.
+        if not self.sums_reads:
+            return await super()._get_into_summed(keys, views, spans)
+        items = [(key, [view], None) for key, view in zip(keys, views, strict=True)]
+        results, sums = await self._run_io(self._released_batch, items, spans)
+        await self._after_reads(keys, results)
+        return results, sums
 
     def _judged(
         self, key: str, views: Sequence[memoryview], rng: ByteRange | None, status: int,
@@ -725,11 +786,54 @@ class FileBackend(Backend):
         The I/O step of ``_put``, which keeps the reservation, eviction, directory fsyncs and
         the index around it; backends with another I/O engine (``hf3fs``) override only this.
         """
+        if self._released_writes:
+            try:
+                return await self._run_io(self._write_run_released, keys, buffers)
+            except Exception as exc:  # the job as a whole failed: so did each of its objects
+                return [exc] * len(keys)
         jobs = [
             self._run_io(self._translated, "put", key, self._write_one, key, view, False)
             for key, view in zip(keys, buffers, strict=True)
         ]
         return list(await asyncio.gather(*jobs, return_exceptions=True))
+
+    @property
+    def _released_writes(self) -> bool:
+        """Whether writes go through the C accelerator (built, and no subclass writes or
+        publishes its own way)."""
+        write_one = getattr(self._write_one, "__func__", None)
+        return (_fileio is not None and write_one is FileBackend._write_one
+                and type(self)._publish is FileBackend._publish)
+
+    def _write_run_released(
+        self, keys: Sequence[str], buffers: Sequence[memoryview]
+    ) -> list[bool | BaseException]:
+        """``_write_one`` of each object (never exclusive) in one C call that releases the GIL
+        (``_fileio.write_files``): the same temp file, O_DIRECT rule, flush and rename, so
+        the same files; per key True or the translated error (its temp file removed)."""
+        flush = {"none": 0, "data": 1, "full": 2}[self.durability]
+        out: list[bool | BaseException] = []
+        batch: list[tuple[str, str, memoryview, bool, int]] = []
+        slots: list[int] = []
+        for key, view in zip(keys, buffers, strict=True):
+            directory = self._shard_dir(key)
+            try:
+                self._ensure_dir(directory)
+            except OSError as exc:
+                out.append(translate_os_error(exc, backend=self.name, operation="put", key=key))
+                continue
+            slots.append(len(out))
+            out.append(True)
+            batch.append((self._temp_path(), os.path.join(directory, key), view,
+                          self.direct_io, flush))
+        for slot, (_, final, _, _, _), (status, err) in zip(
+            slots, batch, _fileio.write_files(batch), strict=True
+        ):
+            if status != 0:
+                out[slot] = translate_os_error(OSError(err, os.strerror(err), final),
+                                               backend=self.name, operation="put",
+                                               key=keys[slot])
+        return out
 
     async def _put_if_absent(self, key: str, buffer: memoryview) -> bool:
         # Atomic across threads and processes: link() refuses an existing name.

@@ -456,8 +456,29 @@ def verify_blocks(
         )
         return
     step = header.block_length
-    for i in range(count):
-        if block_checksum(view[i * step : (i + 1) * step]) != header.block_checksums[first + i]:
+    check_block_sums(
+        header, [block_checksum(view[i * step : (i + 1) * step]) for i in range(count)],
+        layer_start, layer_stop,
+    )
+
+
+def check_block_sums(
+    header: ObjectHeader, sums: Sequence[int], layer_start: int, layer_stop: int
+) -> None:
+    """Check layers ``[layer_start, layer_stop)`` of a plain object by their checksums
+    (``block_checksum`` of each block, in layer order), computed by whoever read the blocks
+    (``verify_blocks``, or a reader that hashes inside its read). Raises
+    ``PayloadChecksumError`` naming the first layer whose checksum differs from the header's,
+    ``ValueError`` for a sealed header (it has no checksums: ``verify_blocks``) or a count of
+    sums other than the count of layers."""
+    if header.sealed:
+        raise ValueError(f"object {header.key()} is sealed: its blocks are opened, not summed")
+    first = layer_start - header.coords.layer_start
+    if (first < 0 or len(sums) != layer_stop - layer_start
+            or first + len(sums) > len(header.block_checksums)):
+        raise ValueError(f"{len(sums)} checksums for layers {layer_start}-{layer_stop - 1}")
+    for i, got in enumerate(sums):
+        if got != header.block_checksums[first + i]:
             raise PayloadChecksumError(
                 f"checksum mismatch in layer {layer_start + i}", layer=layer_start + i
             )

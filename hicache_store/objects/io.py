@@ -56,6 +56,7 @@ from hicache_store.layout.errors import (
 )
 from hicache_store.layout.framing import (
     ObjectHeader,
+    check_block_sums,
     decode_header,
     payload_offset,
     verify_blocks,
@@ -65,7 +66,7 @@ from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
 from hicache_store.tenant import KeyRing
 
 from .arena import Arena
-from .format import FRAMED, ObjectFormat, format_for
+from .format import FRAMED, FramedFormat, ObjectFormat, format_for
 from .offload import off_loop
 
 log = logging.getLogger(__name__)
@@ -412,10 +413,17 @@ class ObjectIO:
         if not keys:
             return []
         total = sum(len(frame) for frame in frames)
+        storage_keys = [self.storage_key(k) for k in keys]
+        spans = self._block_spans(keys, frames, headers)
+        sums: Sequence[tuple[int, ...]] | None = None
         taken = await self.read_budget.acquire(total)
         try:
-            got: Sequence[int | None] | None = await self._bounded(
-                self.backend.get_into([self.storage_key(k) for k in keys], list(frames)), total)
+            got: Sequence[int | None] | None
+            if spans is not None:
+                got, sums = await self._bounded(
+                    self.backend.get_into_summed(storage_keys, list(frames), spans), total)
+            else:
+                got = await self._bounded(self.backend.get_into(storage_keys, list(frames)), total)
         except InvalidRangeError:
             got = None  # one is stored larger than its frame: find it key by key
         finally:
@@ -424,22 +432,42 @@ class ObjectIO:
             return list(await asyncio.gather(*(self._frame_or_error(k, f)
                                                for k, f in zip(keys, frames, strict=True))))
         out: list[ObjectHeader | CorruptObjectError | None] = []
-        for key, frame, header_len, n in zip(keys, frames, headers, got, strict=True):
+        for i, (key, frame, header_len, n) in enumerate(zip(keys, frames, headers, got, strict=True)):
             if n is None:
                 out.append(None)
                 continue
             try:
                 if n != len(frame):
                     raise TruncatedObjectError(
-                        f"{self.storage_key(key)}: stored {n} bytes, the frame is {len(frame)}")
+                        f"{storage_keys[i]}: stored {n} bytes, the frame is {len(frame)}")
                 header = self.format.open_header(key, frame[:header_len],
                                                  payload_bytes=len(frame) - header_len)
-                await self._open(header, frame[header_len:], key.coords.layer_start,
-                                 key.coords.layer_stop)
+                first, stop = key.coords.layer_start, key.coords.layer_stop
+                if sums is not None:
+                    check_block_sums(header, sums[i], first, stop)
+                else:
+                    await self._open(header, frame[header_len:], first, stop)
                 out.append(header)
             except CorruptObjectError as exc:
                 out.append(exc)
         return out
+
+    def _block_spans(
+        self, keys: Sequence[ObjectKey], frames: Sequence[memoryview], headers: Sequence[int]
+    ) -> list[list[tuple[int, int]]] | None:
+        """The layer blocks of each frame as ``(offset, length)`` spans, when the backend
+        hashes inside its reads (``Backend.sums_reads``) and the format checks blocks by
+        their checksums alone (plain framed objects); else None (read, then verify)."""
+        if not self.backend.sums_reads or not isinstance(self.format, FramedFormat):
+            return None
+        spans = []
+        for key, frame, header_len in zip(keys, frames, headers, strict=True):
+            layers = key.coords.num_layers
+            block = (len(frame) - header_len) // layers
+            if block * layers != len(frame) - header_len:
+                return None  # open_header refuses it: read, then verify as usual
+            spans.append([(header_len + i * block, block) for i in range(layers)])
+        return spans
 
     async def _frame_or_error(
         self, key: ObjectKey, frame: memoryview

@@ -279,6 +279,7 @@ async def test_enospc_from_the_filesystem_is_clean(
     store: FileBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await store.put(["a0"], [b"kept"])
+    monkeypatch.setattr(file_module, "_fileio", None)  # the Python writes, whose pwrite fails
     real_pwrite = os.pwrite
 
     def full(fd: int, data: object, offset: int) -> int:

@@ -1,6 +1,7 @@
-"""The file backend's batched reads through the C accelerator (``backends/_fileio.c``): the
-same bytes, misses and errors as the pure-Python path, the same read policy (O_DIRECT for
-aligned cold reads, buffered for cached bytes), and nothing written past what was read."""
+"""The file backend's batched reads and writes through the C accelerator (``backends/_fileio.c``):
+the same bytes, misses and errors as the pure-Python path, the same read policy (O_DIRECT for
+aligned cold reads, buffered for cached bytes), nothing written past what was read, checksums
+equal to xxhash's, and the same files written."""
 
 from __future__ import annotations
 
@@ -153,13 +154,13 @@ def test_a_short_file_is_reported_not_filled(tmp_path: Path) -> None:
     path = tmp_path / "f"
     path.write_bytes(pattern(5000, 3))
     buf = bytearray(6000)
-    (status, value, size, _), = fileio.read_files([(str(path), [buf], 0, 6000, False)])
+    (status, value, size, _, _), = fileio.read_files([(str(path), [buf], 0, 6000, False)])
     assert (status, size) == (3, 5000)
     assert buf == bytearray(6000)
-    (status, value, size, _), = fileio.read_files([(str(tmp_path / "none"), [buf], 0, -1, False)])
+    (status, value, size, _, _), = fileio.read_files([(str(tmp_path / "none"), [buf], 0, -1, False)])
     assert (status, value, size) == (1, 2, -1)
     two = [bytearray(1000), bytearray(10_000)]
-    (status, value, size, _), = fileio.read_files([(str(path), two, 0, -1, False)])
+    (status, value, size, _, _), = fileio.read_files([(str(path), two, 0, -1, False)])
     assert (status, value, size) == (0, 5000, 5000)
     assert bytes(two[0]) + bytes(two[1][:4000]) == pattern(5000, 3)
     assert two[1][4000:] == bytearray(6000)
@@ -179,18 +180,132 @@ async def test_o_direct_only_for_aligned_cold_reads(tmp_path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     known = is_cached(fd, 0, 8192) is not None  # cachestat answers on this kernel
     aligned = aligned_buffer(8192)
-    (status, _, _, flags), = fileio.read_files([(str(path), [aligned], 0, -1, True)])
+    (status, _, _, flags, _), = fileio.read_files([(str(path), [aligned], 0, -1, True)])
     assert status == 0 and bytes(aligned) == bytes(src)
     assert flags & 1 and flags & 4, "an aligned cold read goes O_DIRECT"
     unaligned = memoryview(bytearray(8193))[1:]
-    (status, _, _, flags), = fileio.read_files([(str(path), [unaligned], 0, -1, True)])
+    (status, _, _, flags, _), = fileio.read_files([(str(path), [unaligned], 0, -1, True)])
     assert status == 0 and bytes(unaligned) == bytes(src)
     assert not flags & 1 and not flags & 4, "an unaligned buffer is read buffered"
-    (status, _, _, flags), = fileio.read_files([(str(path), [aligned], 0, -1, False)])
+    (status, _, _, flags, _), = fileio.read_files([(str(path), [aligned], 0, -1, False)])
     assert not flags & 1, "direct=False reads buffered"
     os.pread(fd, 8192, 0)  # now in the page cache
-    (status, _, _, flags), = fileio.read_files([(str(path), [aligned], 0, -1, True)])
+    (status, _, _, flags, _), = fileio.read_files([(str(path), [aligned], 0, -1, True)])
     assert bytes(aligned) == bytes(src)
     os.close(fd)
     if known:
         assert not flags & 2 and not flags & 1, "cached bytes are read buffered"
+
+
+def test_checksums_of_spans_are_xxhashs_own_and_only_of_bytes_read(tmp_path: Path) -> None:
+    # ``bind_xxh3`` took the hash from the xxhash package the library checks with: every span
+    # (in either buffer of a scatter read, empty ones too) sums as xxhash sums it in Python.
+    import xxhash
+
+    assert file_module._SUMS_IN_C, "the file backend binds xxh3 when the accelerator is built"
+    data = pattern(9000, 5)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    two = [bytearray(4096), bytearray(6000)]
+    spans = [(0, 4096), (4096, 4904), (10, 1), (5000, 0), (6000, 3000)]
+    (status, value, _, _, sums), = fileio.read_files([(str(path), two, 0, -1, False, spans)])
+    assert (status, value) == (0, 9000)
+    whole = bytes(two[0]) + bytes(two[1])
+    assert sums == tuple(xxhash.xxh3_64_intdigest(whole[o : o + n]) for o, n in spans)
+    # A span past the bytes read (a short object) gives no sums at all; nor does a miss.
+    (status, value, _, _, sums), = fileio.read_files(
+        [(str(path), [bytearray(10_000)], 0, -1, False, [(0, 100), (8000, 2000)])])
+    assert (status, value, sums) == (0, 9000, ())
+    (status, _, _, _, sums), = fileio.read_files(
+        [(str(tmp_path / "none"), [bytearray(10)], 0, -1, False, [(0, 10)])])
+    assert (status, sums) == (1, ())
+    # A span across two buffers, or outside them, is refused before anything is read.
+    for bad in [(4000, 200), (-1, 5), (10_000, 200)]:
+        buf = [bytearray(4096), bytearray(6000)]
+        with pytest.raises(ValueError, match="inside one buffer"):
+            fileio.read_files([(str(path), buf, 0, -1, False, [bad])])
+        assert buf == [bytearray(4096), bytearray(6000)]
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+async def test_summed_reads_are_the_python_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aligned: bool
+) -> None:
+    # ``get_into_summed`` in one C call (reads and sums) against the base class's reads then
+    # sums in Python: the same sizes, misses, bytes and checksums.
+    store = FileBackend(tmp_path / "s", io_threads=2)
+    keys = [f"{i:04x}" for i in range(len(SIZES))]
+    await store.put(keys, [pattern(n, i) for i, n in enumerate(SIZES)])
+    asked = [*keys, "ffff"]
+    spans = [[(0, 1), (0, n), (n // 2, n - n // 2)] for n in SIZES] + [[(0, 10)]]
+
+    async def summed() -> tuple[list[int | None], list[tuple[int, ...]], list[bytes]]:
+        bufs = [aligned_buffer(70_000) if aligned else memoryview(bytearray(70_001))[1:]
+                for _ in asked]
+        got, sums = await store.get_into_summed(asked, bufs, spans)
+        return got, sums, [bytes(b) for b in bufs]
+
+    assert store.sums_reads
+    released = await summed()
+    monkeypatch.setattr(file_module, "_fileio", None)
+    assert not store.sums_reads
+    python = await summed()
+    assert released == python
+    got, sums, _ = released
+    assert got == [*SIZES, None]
+    assert sums[-1] == () and all(len(s) == 3 for s in sums[:-1])
+    with pytest.raises(ValueError, match="outside a buffer"):
+        await store.get_into_summed(keys[:1], [bytearray(10)], [[(5, 6)]])
+    await store.close()
+
+
+@pytest.mark.parametrize("durability", ["none", "data", "full"])
+async def test_released_writes_make_the_python_paths_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: str
+) -> None:
+    # One C call for a put's writes (``_fileio.write_files``) against the Python writes: the
+    # same objects, byte for byte, aligned (O_DIRECT, with and without an unaligned tail) or
+    # not, and no temp file left behind.
+    sizes = [4096 * 3, 4096 * 2 + 100, 5000, 1]
+    data = [pattern(n, i) for i, n in enumerate(sizes)]
+
+    def buffers() -> list[memoryview]:
+        out = []
+        for i, chunk in enumerate(data):
+            buf = aligned_buffer(len(chunk)) if i < 2 else memoryview(bytearray(chunk))
+            buf[:] = chunk
+            out.append(buf)
+        return out
+
+    stores = {}
+    for path in ("released", "python"):
+        if path == "python":
+            monkeypatch.setattr(file_module, "_fileio", None)
+        store = FileBackend(tmp_path / path, durability=durability)  # type: ignore[arg-type]
+        assert store._released_writes == (path == "released")
+        keys = [f"{i:04x}" for i in range(len(sizes))]
+        await store.put(keys, buffers())
+        stores[path] = [await store.get_bytes(k) for k in keys]
+        assert list((store.root / "tmp").iterdir()) == []
+        await store.close()
+    assert stores["released"] == stores["python"] == data
+
+
+@pytest.mark.parametrize("released", [True, False])
+async def test_a_failed_write_fails_its_own_key_and_leaves_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, released: bool
+) -> None:
+    # A directory where an object's file must go: its rename fails (EISDIR), in C as in
+    # Python; the put raises that error and the other object of the batch is stored.
+    if not released:
+        monkeypatch.setattr(file_module, "_fileio", None)
+    store = FileBackend(tmp_path / "s", durability="none")
+    assert store._released_writes == released
+    store.path_of("bbbb").mkdir(parents=True)
+    with pytest.raises(BackendIOError) as caught:
+        await store.put(["aaaa", "bbbb"], [b"a" * 5000, b"b" * 5000])
+    assert caught.value.key == "bbbb"
+    assert await store.get_bytes("aaaa") == b"a" * 5000
+    assert store.path_of("bbbb").is_dir()
+    assert list((store.root / "tmp").iterdir()) == []
+    await store.close()

@@ -101,6 +101,7 @@ PIN_THEN_DIE = textwrap.dedent(
     """
     import asyncio, os, signal, sys
     from hicache_store.backends import Retention
+    from hicache_store.backends import file as file_module
     from hicache_store.backends.file import FileBackend
 
     async def main(root, capacity):
@@ -110,6 +111,8 @@ PIN_THEN_DIE = textwrap.dedent(
         await store.retain(["P000", "P001"], Retention("child", None, pinned=True))
         await store.retain(["P002"], Retention("child", None, pinned=False, priority=3))
         # killed mid-way through its next put: the object renamed, the index not settled
+        # (the Python writes, whose rename is this one)
+        file_module._fileio = None
         os.rename = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
         await store.put(["P003"], [b"q" * 1000])
 

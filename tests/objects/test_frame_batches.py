@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hicache_store.backends import file as file_module
 from hicache_store.backends import open_backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
 from hicache_store.layout.errors import (
@@ -49,9 +50,16 @@ def frames_for(io: ObjectIO, n: int) -> list[memoryview]:
     return [memoryview(bytearray(size)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("url", ["file", "memory://"])
-async def test_every_kind_of_object_gets_its_own_outcome(tmp_path: Path, url: str) -> None:
-    backend = open_backend(f"file://{tmp_path}/s" if url == "file" else url)
+@pytest.mark.parametrize("url", ["file", "file-python", "memory://"])
+async def test_every_kind_of_object_gets_its_own_outcome(
+    tmp_path: Path, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "file": reads and checksums in one C call where the accelerator is built
+    # (``get_into_summed``); "file-python": the pure-Python reads, verified after.
+    if url == "file-python":
+        monkeypatch.setattr(file_module, "_fileio", None)
+    backend = open_backend(f"file://{tmp_path}/s" if url.startswith("file") else url)
+    assert backend.sums_reads == (url == "file" and file_module._SUMS_IN_C)
     io = ObjectIO(backend, NS)
     stored = [frame_of(io, payload(i), h) for i, h in enumerate(HASHES[:5])]
     assert await io.put(stored) == [True] * 5

@@ -33,6 +33,8 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
+from hicache_store._sync import run_sync
+from hicache_store.backends import open_backend
 from hicache_store.integrations.vllm.secondary_tier import HiCacheStoreTier, row_namespace
 
 ROW = 3 * 4096  # bytes of one primary chunk row
@@ -149,7 +151,9 @@ def test_a_stored_row_is_found_after_retry_and_loads_byte_for_byte(make: Any) ->
     assert h.store([key(1)], [2]).success
     verdict, retries = h.lookup(key(1))
     assert verdict is LookupResult.HIT
-    assert retries >= 1  # the first answer was RETRY: the check ran off the scheduler thread
+    # The store's commit left the file index's in-memory set behind: the backend could not
+    # answer at once, so the first answer was RETRY and the check ran off the scheduler thread.
+    assert retries >= 1
     result = h.load([key(1)], [5])
     assert result.success and result.transfer_bytes == ROW
     assert h.primary[5].tobytes() == row
@@ -159,6 +163,41 @@ def test_a_stored_row_is_found_after_retry_and_loads_byte_for_byte(make: Any) ->
 def test_an_unknown_key_is_a_miss(make: Any) -> None:
     h = make()
     assert h.lookup(key(9))[0] is LookupResult.MISS
+
+
+def test_a_lookup_the_backend_answers_now_takes_no_retry_and_a_failed_load_still_misses(
+    make: Any, tmp_path: Path
+) -> None:
+    # A fresh engine over a store nobody writes: the file index answers at once, so vLLM
+    # gets HIT / MISS without a RETRY step; the verdict is vLLM's lookup state all the same,
+    # so a key whose load fails answers MISS for the rest of the request (livelock guard).
+    h = make()
+    h.fill(0, seed=6)
+    h.fill(1, seed=7)
+    assert h.store([key(0), key(1)], [0, 1]).success
+    h.tier.shutdown()
+    fresh = make()
+    names = [fresh.tier.storage_key(k) for k in (key(0), key(1), key(7))]
+    # The index's in-memory set is current for a second after a check (an earlier step's
+    # asynchronous one): a loaded machine may take longer between the two, hence the tries.
+    for _ in range(5):
+        run_sync(fresh.tier.backend.exists(names))
+        if fresh.tier.backend.exists_now(names) == [True, True, False]:
+            break
+    else:
+        raise AssertionError("the file index never answered at once")
+    verdicts = [fresh.tier.lookup(k, fresh.req) for k in (key(0), key(1), key(7))]
+    assert verdicts == [LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
+    for path in object_files(tmp_path / "store"):
+        if path.name == fresh.tier.storage_key(key(1)):
+            path.unlink()  # gone behind the index's back: the load finds no file
+    result = fresh.load([key(0), key(1)], [4, 5])
+    assert not result.success and list(result.successful_keys) == [key(0)]
+    assert fresh.tier.lookup(key(1), fresh.req) is LookupResult.MISS
+    assert fresh.tier.lookup(key(0), fresh.req) is LookupResult.HIT
+    # The request ends: vLLM forgets its verdicts (and asks again for the next request).
+    fresh.tier.on_request_finished(fresh.req)
+    assert key(1) not in fresh.tier._lookups._lookup_state
 
 
 def test_a_corrupt_object_fails_only_its_own_key_and_is_deleted(make: Any, tmp_path: Path) -> None:
@@ -276,6 +315,42 @@ def test_the_store_stays_within_its_capacity(make: Any, tmp_path: Path) -> None:
     assert len(object_files(store)) == 6
     assert h.lookup(key(219))[0] is LookupResult.HIT  # the newest stayed
     assert h.lookup(key(200))[0] is LookupResult.MISS  # the oldest went
+
+
+def test_rows_evicted_by_capacity_or_removed_by_another_process_are_removal_events(
+    make: Any, tmp_path: Path
+) -> None:
+    # Every removal event names a row that left the store, and every row of this tier that
+    # left it is named once: the events replay to exactly what is on disk.
+    capacity = 4 * (ROW + 4096)  # four objects (header page + row)
+    store = tmp_path / "bounded"
+    h = make(store=store, backend_options={"capacity_bytes": capacity},
+             enable_kv_events=True, config=offloading_config(events=True))
+    held: set[Any] = set()
+    for i in range(10):
+        h.fill(i % CHUNKS, seed=i)
+        assert h.store([key(300 + i)], [i % CHUNKS]).success
+        for event in h.tier.take_events():
+            assert event.medium is Medium.STORAGE
+            for k in event.keys:
+                if event.removed:
+                    assert k in held, "a removal of a row that was not held"
+                    held.remove(k)
+                else:
+                    held.add(k)
+        on_disk = {p.name for p in object_files(store)}
+        assert {h.tier.storage_key(k) for k in held} == on_disk
+    assert held == {key(306), key(307), key(308), key(309)}
+    # Another process (here: another backend on the same store) deletes a row: reported
+    # after this tier's next store job.
+    other = open_backend({"url": f"file://{store}"})
+    assert run_sync(other.delete([h.tier.storage_key(key(307))])) == [True]
+    run_sync(other.close())
+    h.fill(0, seed=99)
+    assert h.store([key(310)], [0]).success
+    events = [(e.removed, sorted(e.keys)) for e in h.tier.take_events()]
+    assert (True, [key(307)]) in events or (True, sorted([key(306), key(307)])) in events
+    assert (False, [key(310)]) in events
 
 
 def test_the_test_switch_serves_zeros_after_the_check_and_stores_nothing(make: Any) -> None:

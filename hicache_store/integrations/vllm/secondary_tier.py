@@ -27,9 +27,12 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   different TP sizes share them.
 * **Bounded.** The backend's own capacity and eviction: ``file:///path?capacity_bytes=64GiB``
   (least recently used first; the file backend's default is 90% of the filesystem).
-* **Non-blocking.** ``lookup`` answers ``RETRY`` while the existence check of its key runs
-  (vLLM's ``AsyncLookupManager``: one batched ``exists`` per scheduler step, on its own
-  thread, bounded by ``lookup_timeout_s``; a failed or late check is a miss). Stores and loads
+* **Non-blocking.** ``lookup`` answers at once where the backend can without waiting
+  (``Backend.exists_now``: the file backend's in-memory index), else ``RETRY`` while the
+  existence check of its key runs (vLLM's ``AsyncLookupManager``: one batched ``exists``
+  per scheduler step, on its own thread, bounded by ``lookup_timeout_s``; a failed or late
+  check is a miss). Either way the verdict lives in vLLM's lookup state, so a key whose
+  load failed answers MISS for the rest of the request (vLLM's livelock guard). Stores and loads
   run on the library's sync-bridge loop (``hicache_store._sync.submit``); ``get_finished_jobs``
   collects the ones that ended; ``drain_jobs`` waits for all of them (none is cut short). A
   store job's rows are copied into staging, sealed and written by one backend call
@@ -51,8 +54,12 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   backend's pin budget is refused and logged, a malformed envelope logged and ignored:
   neither fails the request.
 * **Events.** With ``enable_kv_events`` (and vLLM's KV events on), every stored chunk is a
-  ``BlockStored`` event (medium ``STORAGE``) and every corrupt object deleted a removal;
-  evictions inside the backend are not reported (the backend does not name what it evicted).
+  ``BlockStored`` event (medium ``STORAGE``) and every corrupt object deleted a removal.
+  On a backend with a named change feed (the file backend's shared index), a row this tier
+  stored that leaves the store otherwise (a capacity eviction by this or another process, a
+  ``gc``, a delete) is a removal too: after each store job the tier reads the feed from
+  where it last stopped, and where the feed cannot name what changed (pruned, rebuilt) it
+  compares its rows with a listing. Rows other processes stored are not this tier's events.
 
 Configuration (a ``secondary_tiers`` entry; every key but ``type`` and ``module_path`` optional)::
 
@@ -72,11 +79,13 @@ Configuration (a ``secondary_tiers`` entry; every key but ``type`` and ``module_
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import hashlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -94,11 +103,13 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
-from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager, LookupPhase, LookupState
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, open_backend
+from hicache_store.backends.errors import NotSupportedError
+from hicache_store.backends.file import FileBackend
 from hicache_store.layout.errors import ConfigError, CorruptObjectError
 from hicache_store.layout.keys import ObjectCoords, ObjectKey
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
@@ -110,6 +121,8 @@ from ._hints import TierHints
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+    from hicache_store.backends._file_index import FileIndex
 
 log = logging.getLogger(__name__)
 
@@ -195,16 +208,105 @@ class TierStats:
     bytes_loaded: int = 0
 
 
+class _Feed:
+    """The rows this tier stored that are still in the store, followed through the backend's
+    named change feed (``FileBackend.change_feed``), for removal events.
+
+    ``stored`` records rows as their store events are emitted (so a row's removal event
+    always comes after its store event); ``gone`` (on the loop, one reader at a time) reads
+    the feed from the last change it saw and returns the recorded rows that left the store
+    since, forgetting them. Where the feed cannot name its changes it compares the rows with
+    a listing of the store instead. A row that leaves the store between its write and its
+    store event (evicted at once: a store far smaller than a step's writes) is not reported.
+    Memory: one entry per row of this tier in the store (bounded by the store's capacity)."""
+
+    def __init__(self, index: FileIndex) -> None:
+        self._index = index
+        # the last change now: asking past every change answers with the last one
+        self._seq = index.changes_after(sys.maxsize, limit=1).last
+        self._rows: dict[str, OffloadKey] = {}
+        self._lock = threading.Lock()
+        self._reading: asyncio.Lock | None = None
+
+    @classmethod
+    def of(cls, backend: Backend) -> _Feed | None:
+        """The feed of ``backend``, or None where it has none (another backend, no index)."""
+        if not isinstance(backend, FileBackend):
+            return None
+        try:
+            return cls(backend.change_feed())
+        except NotSupportedError:
+            return None
+
+    def stored(self, rows: Iterable[tuple[str, OffloadKey]]) -> None:
+        with self._lock:
+            self._rows.update(rows)
+
+    def forget(self, storage_key: str) -> None:
+        with self._lock:
+            self._rows.pop(storage_key, None)
+
+    async def gone(self) -> list[OffloadKey]:
+        if self._reading is None:
+            self._reading = asyncio.Lock()
+        async with self._reading:
+            try:
+                return await asyncio.to_thread(self._read)
+            except Exception as exc:  # events are best effort: never fail a store job
+                log.warning("HiCacheStoreTier: reading the store's change feed failed: %r", exc)
+                return []
+
+    def _read(self) -> list[OffloadKey]:
+        latest: dict[str, bool] = {}  # each key's last change: stored again after an eviction
+        while True:
+            changes = self._index.changes_after(self._seq, limit=256)
+            if not changes.complete:
+                last, listed = self._index.listing()
+                present = set(listed)
+                with self._lock:
+                    latest = {k: k in present for k in self._rows}
+                self._seq = last
+                break
+            latest.update(changes.changes)
+            self._seq = changes.upto
+            if changes.upto >= changes.last:
+                break
+        with self._lock:
+            return [self._rows.pop(k) for k, there in latest.items()
+                    if not there and k in self._rows]
+
+
 class _Lookups(AsyncLookupManager):  # type: ignore[misc]
-    """vLLM's async lookup state machine over one batched ``exists`` per step."""
+    """vLLM's async lookup state machine over one batched ``exists`` per step, with the
+    answers a backend gives at once (``Backend.exists_now``: the file backend's index) taken
+    without a RETRY: a new key the backend answers now enters vLLM's state already resolved,
+    so the request does not wait a scheduler step, and vLLM's own bookkeeping (``mark_miss``
+    after a failed load, ``cleanup`` when the request ends) applies to it unchanged."""
 
     def __init__(self, tier: HiCacheStoreTier) -> None:
         self._tier = tier
         super().__init__(tier_type=tier.tier_type)
 
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        if key not in self._lookup_state:
+            try:
+                now = self._tier.backend.exists_now([self._tier.storage_key(key)])
+            except Exception as exc:  # never into the scheduler: the asynchronous check decides
+                log.debug("HiCacheStoreTier: exists_now failed: %r", exc)
+                now = None
+            if now is not None:
+                self._lookup_state[key] = LookupState(
+                    generation=self._next_generation, phase=LookupPhase.RESOLVED, result=now[0])
+                self._next_generation += 1
+        found: bool | None = super().lookup(key, req_context)
+        return found
+
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         tier = self._tier
         names = [tier.storage_key(k) for k in keys]
+        now = tier.backend.exists_now(names)  # no hand-off to the loop where it can answer
+        if now is not None:
+            return now
         return run_sync(tier.backend.exists(names), timeout=tier.lookup_timeout_s)
 
 
@@ -273,8 +375,9 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             else:
                 log.warning("HiCacheStoreTier: enable_kv_events is set but vLLM's KV cache "
                             "events are off; no events are emitted")
-        # corrupt objects deleted: the loop thread puts, take_events takes
+        # rows gone (corrupt ones deleted, evicted ones): the loop thread puts, take_events takes
         self._removed: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
+        self._feed = _Feed.of(self.backend) if self._events is not None else None
         self._lookups = _Lookups(self)
         # vLLM's kv_hints (``_hints``): holds on the request's row objects
         blocks = offloading_spec.config.cache.blocks_per_chunk
@@ -391,6 +494,8 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if ok and self._events is not None:
             self._events.append(OffloadingEvent(
                 keys=ok, medium=Medium.STORAGE, removed=False, locality=self.locality))
+            if self._feed is not None:  # followed from now: its removal comes after this event
+                self._feed.stored([(self.storage_key(k), k) for k in ok])
         return JobResult(job_id, success=len(ok) == len(job.keys), transfer_time=seconds,
                          transfer_bytes=nbytes)
 
@@ -414,6 +519,9 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             self.stats.stored += n
             self.stats.store_failures += len(keys) - n
             self.stats.bytes_stored += n * self.row_bytes
+        if self._feed is not None:
+            for key in await self._feed.gone():
+                self._removed.put(key)
         return stored, time.perf_counter() - start
 
     async def _load(self, keys: list[OffloadKey], chunks: list[int]) -> tuple[list[bool], float]:
@@ -468,5 +576,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             log.warning("HiCacheStoreTier: deleting %d corrupt objects failed: %r",
                         len(corrupt), exc)
             return
-        for key, _, _ in corrupt:
+        for key, okey, _ in corrupt:
+            if self._feed is not None:
+                self._feed.forget(self.io.storage_key(okey))  # reported here, not again
             self._removed.put(key)
