@@ -90,10 +90,13 @@ $(TYPECHECK_TREE): setup
 	for f in hicache_store/*; do ln -s "$(CURDIR)/$$f" $(TYPECHECK_TREE)/hicache_store/; done
 	for d in layout kernels backends; do ln -s "$(CURDIR)/$$d" $(TYPECHECK_TREE)/hicache_store/$$d; done
 
+# The tree is rebuilt each time (a new module gets its link); mypy's cache lives outside it, in
+# .mypy_cache, so a run on an unchanged tree re-checks nothing.
 typecheck: setup
 	rm -rf $(TYPECHECK_TREE)
 	$(MAKE) --no-print-directory $(TYPECHECK_TREE)
-	cd $(TYPECHECK_TREE) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p hicache_store
+	cd $(TYPECHECK_TREE) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml \
+		--cache-dir $(CURDIR)/.mypy_cache -p hicache_store
 
 # The tests run in a private network namespace when the machine allows it (root, as in CI):
 # every server they start (SeaweedFS, Mooncake) is then reachable from loopback only, whatever

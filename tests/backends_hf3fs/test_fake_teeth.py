@@ -4,6 +4,7 @@ is caught, and a backend that breaks the sequence fails its tests."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from multiprocessing.shared_memory import SharedMemory
@@ -133,6 +134,28 @@ def test_leaks_are_reported(setup: tuple[ModuleType, str, int, object]) -> None:
     problems = io.STATE.check_clean()
     assert any("still registered" in p for p in problems)
     assert any("iovecs still alive" in p for p in problems)
+
+
+def test_a_ring_kept_only_by_a_reference_cycle_is_collected_not_reported(
+    fake_usrbio: ModuleType, fake_mount: Path
+) -> None:
+    io = fake_usrbio
+    gc.disable()  # the cycle stays uncollected until check_clean collects it
+    try:
+        holder: list[object] = [io.make_ioring(str(fake_mount), 2)]
+        holder.append(holder)
+        del holder
+        assert len(io.STATE.rings) == 1
+        assert io.STATE.check_clean() == []
+        assert len(io.STATE.rings) == 0
+    finally:
+        gc.enable()
+
+
+def test_a_ring_still_referenced_is_reported(fake_usrbio: ModuleType, fake_mount: Path) -> None:
+    ring = fake_usrbio.make_ioring(str(fake_mount), 2)
+    assert fake_usrbio.STATE.check_clean() == ["1 iorings still alive"]
+    del ring
 
 
 async def test_a_backend_that_skips_deregistration_is_caught(
