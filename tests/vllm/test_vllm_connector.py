@@ -57,14 +57,18 @@ class Workload:
     users: list[list[list[int]]]
 
 
-@pytest.fixture(scope="module")
-def workload(tiny_llama: Path) -> Workload:
-    systems = [tokenize(tiny_llama, sentence(11 * c, 300)) for c in range(CONVERSATIONS)]
+def make_workload(model_dir: Path) -> Workload:
+    systems = [tokenize(model_dir, sentence(11 * c, 300)) for c in range(CONVERSATIONS)]
     users = [
-        [tokenize(tiny_llama, sentence(5 * c + 3 * t, 110)) for t in range(TURNS)]
+        [tokenize(model_dir, sentence(5 * c + 3 * t, 110)) for t in range(TURNS)]
         for c in range(CONVERSATIONS)
     ]
     return Workload(systems, users)
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_llama: Path) -> Workload:
+    return make_workload(tiny_llama)
 
 
 def generate(llm: Any, prompt: list[int]) -> list[int]:

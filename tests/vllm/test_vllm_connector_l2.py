@@ -28,36 +28,29 @@ from typing import Any
 import pytest
 from test_vllm_connector import (
     BLOCK,
-    CONVERSATIONS,
     Workload,
     counter,
     extra_prompts,
     generate,
+    make_workload,
     run_workload,
     scheduler_connector,
-    tokenize,
     worker_connector,
 )
-from vllm_support import close_llm, connector_config, make_llm, sentence
+from vllm_support import close_llm, connector_config, make_llm
 
 from hicache_store.backends.faulty import FaultConfig
 
 #: real engines, minutes on 2 cores
 pytestmark = pytest.mark.slow
 
-TURNS = 4
 PAGE_BYTES = 4 * 2 * 2 * 64 * BLOCK * 4  # layers x K/V x heads x dim x tokens x float32
 SMALL_MIB = 2
 
 
 @pytest.fixture(scope="module")
 def work(tiny_llama: Path) -> Workload:
-    systems = [tokenize(tiny_llama, sentence(11 * c, 300)) for c in range(CONVERSATIONS)]
-    users = [
-        [tokenize(tiny_llama, sentence(5 * c + 3 * t, 110)) for t in range(TURNS)]
-        for c in range(CONVERSATIONS)
-    ]
-    return Workload(systems, users)
+    return make_workload(tiny_llama)
 
 
 @dataclasses.dataclass
@@ -93,25 +86,29 @@ class Run:
             close_llm(self.llm)
 
 
-def start(tiny_llama: Path, root: Path, l2_mib: float) -> Any:
+def serve(tiny_llama: Path, work: Workload, root: Path, l2_mib: float) -> Run:
+    """An engine with an L2 of ``l2_mib`` on a file store at ``root`` (behind ``faulty://``),
+    after the workload ran and its saves ended."""
     extra = {"url": f"faulty://?inner=file://{root}", "l2_mib": l2_mib,
              "io_timeout_s": 1.0, "lookup_timeout_s": 1.0, "retry_after_s": 60.0}
-    return make_llm(tiny_llama, kv_transfer_config=connector_config(extra))
+    run = Run(make_llm(tiny_llama, kv_transfer_config=connector_config(extra)), root, [], {}, {})
+    try:
+        _, run.outputs = run_workload(run.llm, work)
+        worker_connector().flush()
+    except BaseException:
+        run.close()
+        raise
+    run.worker = dict(worker_connector().metrics)
+    run.scheduler = dict(scheduler_connector(run.llm).metrics)
+    return run
 
 
 @pytest.fixture(scope="module")
 def roomy(tiny_llama: Path, work: Workload, reference: Reference,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    root = tmp_path_factory.mktemp("roomy")
-    run = Run(start(tiny_llama, root, 64), root, [], {}, {})
-    try:
-        _, run.outputs = run_workload(run.llm, work)
-        worker_connector().flush()
-        run.worker = dict(worker_connector().metrics)
-        run.scheduler = dict(scheduler_connector(run.llm).metrics)
-        yield run
-    finally:
-        run.close()
+    run = serve(tiny_llama, work, tmp_path_factory.mktemp("roomy"), 64)
+    yield run
+    run.close()
 
 
 def test_reused_turns_are_served_from_l2(reference: Reference, roomy: Run) -> None:
@@ -192,16 +189,9 @@ def small(tiny_llama: Path, work: Workload, reference: Reference, roomy: Run,
     # vLLM keeps one worker-side connector per process: an engine started while another is
     # open would get the open one's. ``roomy``'s tests have run: close it first.
     roomy.close()
-    root = tmp_path_factory.mktemp("small")
-    run = Run(start(tiny_llama, root, SMALL_MIB), root, [], {}, {})
-    try:
-        _, run.outputs = run_workload(run.llm, work)
-        worker_connector().flush()
-        run.worker = dict(worker_connector().metrics)
-        run.scheduler = dict(scheduler_connector(run.llm).metrics)
-        yield run
-    finally:
-        run.close()
+    run = serve(tiny_llama, work, tmp_path_factory.mktemp("small"), SMALL_MIB)
+    yield run
+    run.close()
 
 
 def test_small_l2_is_bounded_and_the_store_serves_what_it_lost(
