@@ -118,7 +118,7 @@ from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.host import UnifiedPageLayout, VllmCpuLayout, row_major_strides
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import suggest_grid
-from hicache_store.layout.topology import Topology, shard_of
+from hicache_store.layout.topology import Topology, shard_of, shards
 from hicache_store.objects import IOStats, L3Link
 
 from ._config import SUPPORTED_VLLM, ConnectorConfig
@@ -207,6 +207,22 @@ class HiCacheStoreStats(KVConnectorStats):  # type: ignore[misc]
         return not any(self.data.values())
 
 
+def apply_l2_report(
+    held: OrderedDict[str, None], report: HiCacheStoreWorkerMeta, workers: int
+) -> None:
+    """Update ``held`` (pages every one of ``workers`` workers holds in L2) with one step's
+    aggregated report: evicted pages leave, pages all workers added enter (most recent last).
+    At most ``SAVED_MEMORY`` pages are kept, oldest out, should reports ever go missing."""
+    for h in report.evicted:
+        held.pop(h, None)
+    for h, count in report.added.items():
+        if count >= workers and h not in report.evicted:
+            held[h] = None
+            held.move_to_end(h)
+    while len(held) > SAVED_MEMORY:
+        held.popitem(last=False)
+
+
 # -- shared set-up ---------------------------------------------------------------------------
 
 
@@ -283,6 +299,20 @@ def model_namespace(
     return namespace, topology
 
 
+def _check_l2_size(l2_bytes: int, namespace: Namespace, topology: Topology) -> None:
+    """Refuse an L2 that is on but holds no page of some worker's shard."""
+    if not l2_bytes:
+        return
+    largest = max(UnifiedPageLayout.for_shard(namespace, shard).page_bytes
+                  for shard in shards(namespace, topology))
+    if l2_bytes < largest:
+        raise ConfigError(
+            f"HiCacheStoreConnector: l2_mib {l2_bytes / (1 << 20):g} holds no page of a "
+            f"worker's shard ({largest} bytes); set at least {-(-largest // (1 << 20))} or 0 "
+            "(no L2)"
+        )
+
+
 class _Breaker:
     """After a backend failure, skip the backend for ``retry_after_s``."""
 
@@ -332,6 +362,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         self.namespace, self.topology = model_namespace(self.config, vllm_config, kv_cache_config)
+        _check_l2_size(self.config.l2_bytes, self.namespace, self.topology)
         self.block_size = self.namespace.page_size
         self.loads_enabled = transfer.is_kv_consumer
         self.saves_enabled = transfer.is_kv_producer
@@ -520,16 +551,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         has evicted since is read from the backend like any other (and recomputed if the
         backend lacks it too), so the list decides speed, never what KV is served.
         """
-        if not isinstance(meta, HiCacheStoreWorkerMeta):
-            return
-        for h in meta.evicted:
-            self._l2_pages.pop(h, None)
-        for h, workers in meta.added.items():
-            if workers >= self._workers and h not in meta.evicted:
-                self._l2_pages[h] = None
-                self._l2_pages.move_to_end(h)
-        while len(self._l2_pages) > SAVED_MEMORY:  # a bound, should reports ever go missing
-            self._l2_pages.popitem(last=False)
+        if isinstance(meta, HiCacheStoreWorkerMeta):
+            apply_l2_report(self._l2_pages, meta, self._workers)
 
     def _plan_save(self, tracked: _Tracked, computed: int, done: int) -> PageSave | None:
         """The pages that become complete in this step and are not known to be stored."""
@@ -596,15 +619,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layout = UnifiedPageLayout.for_shard(ns, shard)
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._link = self._make_link(self.topology, rank, read_only=False)
-        page_bytes = self._layout.page_bytes
         if self.config.l2_bytes:
-            if self.config.l2_bytes < page_bytes:
-                raise ConfigError(
-                    f"HiCacheStoreConnector: l2_mib {self.config.l2_bytes / (1 << 20):g} holds "
-                    f"no page of this worker's shard ({page_bytes} bytes); set at least "
-                    f"{-(-page_bytes // (1 << 20))} or 0 (no L2)"
-                )
-            self._l2 = HostPageCache(self.config.l2_bytes, page_bytes)
+            self._l2 = HostPageCache(self.config.l2_bytes, self._layout.page_bytes)
         log.info(
             "hicache-store connector: rank %d holds layers [%d, %d) heads [%d, %d), %d blocks; "
             "L2 %d pages",
