@@ -18,7 +18,8 @@ Configurations:
   the same connector and primary tier;
 * ``hicache-bounded``: the same with ``capacity_bytes`` below what the workload writes;
 * ``hicache-connector``: ``HiCacheStoreConnector`` (no vLLM offloading stack, no primary tier)
-  on ``file://``.
+  on ``file://``, without its L2 (``l2_mib`` 0: every load from the store);
+* ``hicache-connector-l2``: the same with its L2 as configured by default (``l2_mib`` 1024).
 
 Per run: TTFT (vLLM's own ``first_token_latency``) of the reused turns (turn >= 1) and of the
 first turns; store and load throughput timed alike for every route (``JobMeter``: bytes over
@@ -182,7 +183,7 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
     connector = tier is not None and tier.get("type") == "connector"
     if connector:
         assert tier is not None
-        transfer = connector_config({"url": tier["url"]})
+        transfer = connector_config({k: v for k, v in tier.items() if k != "type"})
     else:
         transfer = tier_transfer(tier) if tier else None
     llm = make_llm(model_dir, kv_transfer_config=transfer)
@@ -244,7 +245,8 @@ its C reads and writes, no capacity bound); `hicache` is `HiCacheStoreTier` on `
 a 1 GiB capacity (above the workload), `hicache-bounded` the same with `capacity_bytes` =
 {args.bounded_mib} MiB. `hicache-connector` is `HiCacheStoreConnector` on `file://` (1 GiB),
 without vLLM's offloading stack: no primary tier, pages of 512 KiB loaded before the step that
-needs them. Every hicache-store route uses `durability={args.durability}` (vLLM's `fs` tier
+needs them, without its L2 (`l2_mib` 0); `hicache-connector-l2` the same with its default L2
+(1 GiB of host memory: pages it saved or loaded are served from memory). Every hicache-store route uses `durability={args.durability}` (vLLM's `fs` tier
 flushes nothing either: O_DIRECT writes and a rename) and the file backend's C reads
 (`backends/_fileio.c`). {args.rounds} rounds, the order reversed every other round, each run on
 an empty store; TTFT is vLLM's own per-request `first_token_latency`, medians (and the mean)
@@ -282,8 +284,8 @@ def main() -> None:
     model = make_tiny_llama(base / "model")
     work = workload(model, args.conversations, args.turns)
     fs_root, ours, bounded = base / "fs", base / "hicache", base / "bounded"
-    connector = base / "connector"
-    for d in (fs_root, ours, bounded, connector):
+    connector, connector_l2 = base / "connector", base / "connector-l2"
+    for d in (fs_root, ours, bounded, connector, connector_l2):
         shutil.rmtree(d, ignore_errors=True)
     tier_module = "hicache_store.integrations.vllm.secondary_tier"
     configs: list[tuple[str, dict[str, Any] | None, Path | None]] = [
@@ -298,8 +300,12 @@ def main() -> None:
          bounded),
         ("hicache-connector", {"type": "connector",
                                "url": f"file://{connector}?capacity_bytes={1 << 30}"
-                                      f"&durability={args.durability}"},
+                                      f"&durability={args.durability}", "l2_mib": 0},
          connector),
+        ("hicache-connector-l2", {"type": "connector",
+                                  "url": f"file://{connector_l2}?capacity_bytes={1 << 30}"
+                                         f"&durability={args.durability}"},
+         connector_l2),
     ]
     if args.only:
         configs = [c for c in configs if c[0] in args.only.split(",")]

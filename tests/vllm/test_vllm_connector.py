@@ -57,14 +57,18 @@ class Workload:
     users: list[list[list[int]]]
 
 
-@pytest.fixture(scope="module")
-def workload(tiny_llama: Path) -> Workload:
-    systems = [tokenize(tiny_llama, sentence(11 * c, 300)) for c in range(CONVERSATIONS)]
+def make_workload(model_dir: Path) -> Workload:
+    systems = [tokenize(model_dir, sentence(11 * c, 300)) for c in range(CONVERSATIONS)]
     users = [
-        [tokenize(tiny_llama, sentence(5 * c + 3 * t, 110)) for t in range(TURNS)]
+        [tokenize(model_dir, sentence(5 * c + 3 * t, 110)) for t in range(TURNS)]
         for c in range(CONVERSATIONS)
     ]
     return Workload(systems, users)
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_llama: Path) -> Workload:
+    return make_workload(tiny_llama)
 
 
 def generate(llm: Any, prompt: list[int]) -> list[int]:
@@ -177,6 +181,8 @@ def second_engine(tiny_llama: Path, first_run: FirstRun) -> Iterator[Any]:
         # Long enough that a tripped breaker stays open through a test on a loaded machine;
         # the ``engine`` fixture closes it again after each test.
         "retry_after_s": 60.0,
+        # No L2: these tests are about the store (``test_vllm_connector_l2`` tests the L2).
+        "l2_mib": 0,
     }
     llm = make_llm(tiny_llama, kv_transfer_config=connector_config(extra))
     yield llm
@@ -315,6 +321,18 @@ def test_stalled_backend_gives_recompute_not_a_hang(engine: Any, reference: Refe
     assert engine.reset_prefix_cache()
     assert generate(engine, prompt) == reference.by_prompt[tuple(prompt)]
     assert sched.metrics["lookups_skipped"] >= 1
+
+
+def test_without_l2_no_page_is_kept_in_host_memory(engine: Any, reference: Reference) -> None:
+    """``l2_mib=0``: every page comes from the store, as before the L2 existed."""
+    prompt = extra_prompts(reference.prompts)[1]
+    sched, worker = scheduler_connector(engine), worker_connector()
+    read = worker.metrics["bytes_loaded"]
+    assert generate(engine, prompt) == reference.by_prompt[tuple(prompt)]
+    assert worker.metrics["bytes_loaded"] > read
+    assert worker._l2 is None and worker.build_connector_worker_meta() is None
+    assert not [k for k in worker.metrics if k.startswith("l2_")]
+    assert not sched._l2_pages and "lookup_l2_pages" not in sched.metrics
 
 
 def test_salted_requests_are_neither_loaded_nor_saved(engine: Any, reference: Reference) -> None:

@@ -71,8 +71,10 @@ def test_connector_on_seaweedfs(
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     url, options = s3(seaweed)
+    # No L2: every reused page must come from S3, and none once the server is down
+    # (``test_vllm_connector_l2`` shows the L2 serving while a store is down).
     extra = {"url": url, "backend_options": options, "io_timeout_s": 3.0,
-             "lookup_timeout_s": 3.0, "retry_after_s": 1.0}
+             "lookup_timeout_s": 3.0, "retry_after_s": 1.0, "l2_mib": 0}
     llm = make_llm(tiny_llama, kv_transfer_config=connector_config(extra))
     try:
         _, outputs = run_workload(llm, tiny_llama)

@@ -35,6 +35,8 @@ def test_unknown_and_bad_keys_are_refused() -> None:
         ({"kv_load_failure_policy": "fail"}, {}, "kv_load_failure_policy='recompute'"),
         ({}, {"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8' is not supported"),
         ({"kv_connector_extra_config": {"page_size": 64}}, {}, "page_size 64 must equal"),
+        ({"kv_connector_extra_config": {"l2_mib": 0.25}}, {},
+         r"l2_mib 0\.25 holds no page of a worker's shard \(524288 bytes\); set at least 1 "),
     ],
 )
 def test_unsupported_deployments_do_not_start(

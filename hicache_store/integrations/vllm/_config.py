@@ -25,6 +25,11 @@ Keys (all optional):
 ``max_inflight_mib``   bytes of reads in flight per worker (default 256 MiB).
 ``max_pending_save_mib``  packed pages waiting to be written per worker (default 256 MiB);
                        beyond it new saves are dropped (counted), never waited for.
+``l2_mib``             host memory per worker process for the L2 (default 1024 MiB; ``0`` turns
+                       it off): pages each worker saved or loaded, of its own shard, kept in
+                       host memory and served before the backend is asked, least recently used
+                       out first. Memory is taken as pages arrive, up to this bound; a non-zero
+                       value below one page of the worker's shard is refused.
 ``page_size``          stated for clarity: it must equal vLLM's block size.
 ``test_alter_loaded_kv``  TEST ONLY: alter every 97th byte of each page after it was verified
                        and before it reaches vLLM (and save nothing), to show that wrong KV
@@ -51,6 +56,9 @@ from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
 #: experimental and changes between minor releases).
 SUPPORTED_VLLM = "0.32."
 
+#: the L2's default size per worker process, MiB.
+DEFAULT_L2_MIB = 1024
+
 KEYS = frozenset(
     {
         "url",
@@ -65,6 +73,7 @@ KEYS = frozenset(
         "retry_after_s",
         "max_inflight_mib",
         "max_pending_save_mib",
+        "l2_mib",
         "page_size",
         "test_alter_loaded_kv",
     }
@@ -92,6 +101,7 @@ class ConnectorConfig:
     retry_after_s: float = 5.0
     max_inflight_bytes: int = 256 << 20
     max_pending_save_bytes: int = 256 << 20
+    l2_bytes: int = DEFAULT_L2_MIB << 20
     page_size: int | None = None
     test_alter_loaded_kv: bool = False
 
@@ -131,6 +141,7 @@ class ConnectorConfig:
             retry_after_s=_positive(extra, "retry_after_s", 5.0, allow_zero=True),
             max_inflight_bytes=int(_positive(extra, "max_inflight_mib", 256) * (1 << 20)),
             max_pending_save_bytes=int(_positive(extra, "max_pending_save_mib", 256) * (1 << 20)),
+            l2_bytes=int(_positive(extra, "l2_mib", DEFAULT_L2_MIB, allow_zero=True) * (1 << 20)),
             page_size=int(extra["page_size"]) if extra.get("page_size") is not None else None,
             test_alter_loaded_kv=bool(extra.get("test_alter_loaded_kv", False)),
         )

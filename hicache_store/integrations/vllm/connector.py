@@ -23,13 +23,15 @@ own block hashes are not used (they are seeded per process and carry no namespac
 framed, checksummed objects in the unified page layout (``objects.L3Link``: the tier's and the
 SGLang adapter's object path), one writer per object among TP replicas.
 
-**Scheduler side.** ``get_num_new_matched_tokens`` hashes the request's full pages and asks the
-store how many leading pages it holds (``L3Link.exists_prefix`` over every object of a page,
-bounded by ``lookup_timeout_s``); it offers the pages beyond vLLM's own prefix hit, never the
-page holding the prompt's last token (vLLM must compute that one). Loads are synchronous
-(vLLM starts them before the step's forward). ``build_connector_meta`` names, per request, the
-blocks to load with their page hashes, and the pages that become complete in this step and are
-not known to be stored (from the first page the lookup did not find), to be saved.
+**Scheduler side.** ``get_num_new_matched_tokens`` hashes the request's full pages and counts
+the leading pages held: first those every worker reported in its L2 (no backend round trip),
+then, from the first page not there, what the store holds (``L3Link.exists_prefix`` over
+every object of a page, bounded by ``lookup_timeout_s``); it offers the pages beyond vLLM's
+own prefix hit, never the page holding the prompt's last token (vLLM must compute that one).
+Loads are synchronous (vLLM starts them before the step's forward). ``build_connector_meta``
+names, per request, the blocks to load with their page hashes, and the pages that become
+complete in this step and are not known to be stored (from the first page the lookup did not
+find), to be saved.
 
 **Worker side.** ``register_kv_caches`` checks vLLM's CPU KV cache (layout ``LBHNC``: one
 allocation, per layer ``[blocks, kv_heads, block_size, 2 * head_dim]``; within a (block,
@@ -37,12 +39,23 @@ head) K dim-major, then V token-major: ``layout.host.VllmCpuLayout``), and check
 against vLLM's own cache writer (``cpu_attn_reshape_and_cache`` with the attention's ISA, on a
 scratch cache) before any KV moves; a mismatch (another ISA's layout) refuses to start. Copies
 go through ``kernels.vllm_cpu`` (``pack_blocks`` / ``unpack_blocks``). Loads:
-``start_load_kv`` starts every page's verified read into fresh staging (never reused, so a read
-that outlives its deadline lands in memory nobody uses); ``wait_for_layer_load`` waits for the
-reads on the first layer and then restores one layer at a time, just before that layer's
-attention runs. Saves: ``wait_for_save`` packs the step's completed pages out of vLLM's blocks
-into staging (a copy, so vLLM may reuse the blocks at once) and writes them in the background,
-chains parent first, bounded by ``max_pending_save_mib`` (beyond it saves are dropped, counted).
+``start_load_kv`` copies the pages its L2 holds into fresh staging (never reused) and starts a
+verified read of every other page into the same staging (a read that outlives its deadline
+lands in memory nobody uses); ``wait_for_layer_load`` waits for the reads on the first layer
+and then restores one layer at a time, just before that layer's attention runs. Saves:
+``wait_for_save`` packs the step's completed pages out of vLLM's blocks into staging (a copy,
+so vLLM may reuse the blocks at once) and writes them in the background, chains parent first,
+bounded by ``max_pending_save_mib`` (beyond it saves are dropped, counted).
+
+**L2** (``l2_mib`` per worker process, ``_l2.HostPageCache``; 0: none). Each worker keeps the
+pages of its own shard that it saved (packed from vLLM's KV) or loaded (verified reads, put
+before anything else touches their staging), least recently used out first, and serves them
+before asking the backend: a page in L2 is a hit even when the backend is stopped or has lost
+it. The L2 keeps its own copy of every page and hands out copies, so it serves exactly the
+bytes it was given (no checksum needed, none kept). Workers report the pages that entered or
+left their L2 each step (``build_connector_worker_meta``); the scheduler counts a page as held
+without a round trip when every worker reported it. A page the scheduler thinks held that a
+worker no longer has is read from the backend, and fails to a recompute if it is not there.
 
 **Failures.** A miss, a corrupt or truncated object (checksums and header checked on every
 read), a backend error or a late read fails the page and every later page of that request:
@@ -71,8 +84,10 @@ is refused and logged, a malformed envelope logged and ignored; neither fails th
 
 **Metrics.** ``metrics`` (a dict of counters, on every instance) and vLLM's connector stats
 (``get_kv_connector_stats``): pages and bytes loaded and saved, load failures, corrupt objects,
-dropped saves, lookups that failed. vLLM's own ``vllm:external_prefix_cache_hits`` counts the
-tokens served from the store.
+dropped saves, lookups that failed; L2 pages and bytes hit, missed, put and evicted
+(``l2_{hit,miss,put,evicted}_{pages,bytes}``), pages the scheduler found in L2
+(``lookup_l2_pages``), and in ``metrics`` only the bytes L2 holds now (``l2_held_bytes``).
+vLLM's own ``vllm:external_prefix_cache_hits`` counts the tokens served from L2 or the store.
 """
 
 from __future__ import annotations
@@ -96,6 +111,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -109,11 +125,12 @@ from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.host import UnifiedPageLayout, VllmCpuLayout, row_major_strides
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import suggest_grid
-from hicache_store.layout.topology import Topology, shard_of
+from hicache_store.layout.topology import Topology, shard_of, shards
 from hicache_store.objects import IOStats, L3Link
 
 from ._config import SUPPORTED_VLLM, ConnectorConfig
 from ._hints import ConnectorHints, KeyOp
+from ._l2 import HostPageCache
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -161,6 +178,25 @@ class HiCacheStoreMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 @dataclass
+class HiCacheStoreWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Workers -> scheduler, once per step: the pages whose presence in L2 this step changed.
+
+    ``added[h]`` counts the workers that hold page ``h`` in L2 at the end of the step after
+    putting it there during the step; ``evicted`` are pages some worker evicted during the
+    step and no longer holds.
+    """
+
+    added: dict[str, int] = field(default_factory=dict)
+    evicted: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, HiCacheStoreWorkerMeta)
+        added = Counter(self.added)
+        added.update(other.added)
+        return HiCacheStoreWorkerMeta(dict(added), self.evicted | other.evicted)
+
+
+@dataclass
 class HiCacheStoreStats(KVConnectorStats):  # type: ignore[misc]
     """Counters of one stats interval (summed over workers)."""
 
@@ -178,6 +214,22 @@ class HiCacheStoreStats(KVConnectorStats):  # type: ignore[misc]
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+def apply_l2_report(
+    held: OrderedDict[str, None], report: HiCacheStoreWorkerMeta, workers: int
+) -> None:
+    """Update ``held`` (pages every one of ``workers`` workers holds in L2) with one step's
+    aggregated report: evicted pages leave, pages all workers added enter (most recent last).
+    At most ``SAVED_MEMORY`` pages are kept, oldest out, should reports ever go missing."""
+    for h in report.evicted:
+        held.pop(h, None)
+    for h, count in report.added.items():
+        if count >= workers and h not in report.evicted:
+            held[h] = None
+            held.move_to_end(h)
+    while len(held) > SAVED_MEMORY:
+        held.popitem(last=False)
 
 
 # -- shared set-up ---------------------------------------------------------------------------
@@ -256,6 +308,20 @@ def model_namespace(
     return namespace, topology
 
 
+def _check_l2_size(l2_bytes: int, namespace: Namespace, topology: Topology) -> None:
+    """Refuse an L2 that is on but holds no page of some worker's shard."""
+    if not l2_bytes:
+        return
+    largest = max(UnifiedPageLayout.for_shard(namespace, shard).page_bytes
+                  for shard in shards(namespace, topology))
+    if l2_bytes < largest:
+        raise ConfigError(
+            f"HiCacheStoreConnector: l2_mib {l2_bytes / (1 << 20):g} holds no page of a "
+            f"worker's shard ({largest} bytes); set at least {-(-largest // (1 << 20))} or 0 "
+            "(no L2)"
+        )
+
+
 class _Breaker:
     """After a backend failure, skip the backend for ``retry_after_s``."""
 
@@ -305,6 +371,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         self.namespace, self.topology = model_namespace(self.config, vllm_config, kv_cache_config)
+        _check_l2_size(self.config.l2_bytes, self.namespace, self.topology)
         self.block_size = self.namespace.page_size
         self.loads_enabled = transfer.is_kv_consumer
         self.saves_enabled = transfer.is_kv_producer
@@ -321,6 +388,9 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._issued: dict[str, tuple[int, list[int]]] = {}
         self._saved: OrderedDict[str, None] = OrderedDict()
         self._lookup: L3Link | None = None
+        # Pages every worker holds in its L2, as the workers last reported (``_note_l2``).
+        self._l2_pages: OrderedDict[str, None] = OrderedDict()
+        self._workers = int(vllm_config.parallel_config.world_size)
         # Worker side.
         self._link: L3Link | None = None
         self._cache: torch.Tensor | None = None
@@ -331,6 +401,9 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load_errors: set[int] = set()
         self._save_chain: concurrent.futures.Future[None] | None = None
         self._pending_save_bytes = 0
+        self._l2: HostPageCache | None = None
+        self._l2_added: set[str] = set()
+        self._l2_evicted: set[str] = set()
         self._lock = threading.Lock()
         self.hints = ConnectorHints(self.backend, self.namespace.digest, self.block_size,
                                     self._count)
@@ -395,17 +468,24 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if usable * self.block_size <= num_computed_tokens:
             return 0, False
         hashes = self._hashes(tracked, usable * self.block_size)
-        if self._breaker.open:
-            self._count("lookups_skipped")
-            return 0, False
-        assert self._lookup is not None
-        try:
-            stored = run_sync(self._lookup.exists_prefix(hashes), self.config.lookup_timeout_s)
-        except Exception as exc:  # a lookup that fails is a miss, never an engine error
-            self._breaker.trip()
-            self._count("lookup_failures")
-            log.warning("hicache-store: lookup failed, treated as a miss: %r", exc)
-            return 0, False
+        # Leading pages every worker holds in L2 need no backend round trip.
+        stored = 0
+        while stored < len(hashes) and hashes[stored] in self._l2_pages:
+            stored += 1
+        if stored > tracked.local_pages:
+            self._count("lookup_l2_pages", stored - tracked.local_pages)
+        if stored < len(hashes):
+            if self._breaker.open:
+                self._count("lookups_skipped")
+            else:
+                assert self._lookup is not None
+                try:
+                    stored += run_sync(self._lookup.exists_prefix(hashes[stored:]),
+                                       self.config.lookup_timeout_s)
+                except Exception as exc:  # a failed lookup is a miss, never an engine error
+                    self._breaker.trip()
+                    self._count("lookup_failures")
+                    log.warning("hicache-store: lookup failed, treated as a miss: %r", exc)
         tracked.stored_pages = stored
         for h in hashes[stored:]:  # what the store lacks must be saved again
             self._saved.pop(h, None)
@@ -464,6 +544,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_connector_output(self, connector_output: Any) -> None:
         """Pages whose load failed are not stored as far as this request knows: the recompute
         saves them again, replacing a corrupt or truncated object."""
+        self._note_l2(getattr(connector_output, "kv_connector_worker_meta", None))
         issued, self._issued = self._issued, {}
         invalid = getattr(connector_output, "invalid_block_ids", None) or set()
         if not invalid:
@@ -476,6 +557,17 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tracked.stored_pages = min(tracked.stored_pages, first + bad[0])
             for h in tracked.hashes[first + bad[0]:]:
                 self._saved.pop(h, None)
+                self._l2_pages.pop(h, None)
+
+    def _note_l2(self, meta: Any) -> None:
+        """Keep the scheduler's list of pages in every worker's L2 as the workers report it.
+
+        The list can lag the workers by the steps in flight: a page it names that a worker
+        has evicted since is read from the backend like any other (and recomputed if the
+        backend lacks it too), so the list decides speed, never what KV is served.
+        """
+        if isinstance(meta, HiCacheStoreWorkerMeta):
+            apply_l2_report(self._l2_pages, meta, self._workers)
 
     def _plan_save(self, tracked: _Tracked, computed: int, done: int) -> PageSave | None:
         """The pages that become complete in this step and are not known to be stored."""
@@ -543,10 +635,13 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layout = UnifiedPageLayout.for_shard(ns, shard)
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._link = self._make_link(self.topology, rank, read_only=False)
+        if self.config.l2_bytes:
+            self._l2 = HostPageCache(self.config.l2_bytes, self._layout.page_bytes)
         log.info(
-            "hicache-store connector: rank %d holds layers [%d, %d) heads [%d, %d), %d blocks",
+            "hicache-store connector: rank %d holds layers [%d, %d) heads [%d, %d), %d blocks; "
+            "L2 %d pages",
             rank, shard.layer_start, shard.layer_stop, shard.head_start, shard.head_stop,
-            self._cache_layout.num_blocks,
+            self._cache_layout.num_blocks, self._l2.capacity_pages if self._l2 else 0,
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -556,59 +651,109 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._link is not None
         assert self._layout is not None
         step = _StepLoad(meta.loads, self._layout)
-        if self._breaker.open:
-            step.fail_all()
-            self._count("loads_skipped", step.num_pages)
+        if self._l2 is not None:  # copied out now: no L2 row is read after this call
+            first = 0
+            for load in step.loads:
+                count = len(load.hashes)
+                step.from_l2[first:first + count] = self._l2.copy_into(
+                    load.hashes, step.staging[first:first + count])
+                first += count
+            self._take_l2_counts()
+        missing = step.missing
+        if not missing:
+            step.decide([])
+        elif self._breaker.open:
+            step.decide([False] * len(missing))
+            self._count("loads_skipped", len(missing))
         else:
-            step.future = submit(self._read_pages(step))
+            step.future = submit(self._read_pages(step, missing))
         self._step = step
 
-    async def _read_pages(self, step: _StepLoad) -> list[bool]:
+    async def _read_pages(self, step: _StepLoad, pages: list[int]) -> list[bool]:
+        """Verified reads of the step's ``pages`` (indices) from the backend, all at once."""
         assert self._link is not None
         io = IOStats()
         link = self._link
-
-        async def one_request(load: PageLoad, rows: np.ndarray[Any, Any]) -> list[bool]:
-            # All of a request's pages at once; a failed page fails the pages after it.
-            got = await asyncio.gather(
-                *(link.read_page(h, rows[i], io) for i, h in enumerate(load.hashes))
-            )
-            ok: list[bool] = []
-            for hit in got:
-                ok.append(bool(hit) and (not ok or ok[-1]))
-            return ok
-
-        results = await asyncio.gather(
-            *(one_request(load, step.rows(i)) for i, load in enumerate(step.loads))
-        )
+        rows = step.staging.numpy()
+        got = await asyncio.gather(*(link.read_page(step.hashes[i], rows[i], io) for i in pages))
         self._count("corrupt_objects", io.corruptions)
         self._count("bytes_loaded", io.bytes_moved)
-        return [ok for per_request in results for ok in per_request]
+        return [bool(hit) for hit in got]
 
     def _settle(self, step: _StepLoad) -> None:
         """Wait for the step's reads (bounded) and decide which pages are restored."""
         if step.settled:
             return
         step.settled = True
-        if step.future is None:
-            return
-        # read_page bounds every backend call by io_timeout_s; the margin covers the search.
-        deadline = self.config.io_timeout_s * 2 + 1.0
-        try:
-            ok = step.future.result(deadline)
-        except Exception as exc:
-            log.warning("hicache-store: load failed, recomputing: %r", exc)
-            step.future.cancel()
-            self._breaker.trip()
-            step.fail_all()
-            return
-        step.ok = ok
-        if ok and not any(ok):  # every page of the step failed: likely the backend
-            self._breaker.trip()
+        if step.future is not None:
+            self._settle_reads(step, step.future)
         if self.config.test_alter_loaded_kv:
-            for i, good in enumerate(ok):
+            for i, good in enumerate(step.ok):
                 if good:
                     step.staging[i].view(torch.uint8)[::97] ^= 0x5A
+
+    def _settle_reads(self, step: _StepLoad, future: concurrent.futures.Future[list[bool]]
+                      ) -> None:
+        # read_page bounds every backend call by io_timeout_s; the margin covers the search.
+        deadline = self.config.io_timeout_s * 2 + 1.0
+        missing = step.missing
+        try:
+            read = future.result(deadline)
+        except Exception as exc:
+            log.warning("hicache-store: load failed, recomputing: %r", exc)
+            future.cancel()
+            self._breaker.trip()
+            read = [False] * len(missing)  # pages L2 served stand
+        if not any(read):  # every read of the step failed: likely the backend
+            self._breaker.trip()
+        step.decide(read)
+        if self._l2 is not None:
+            # Verified and not yet touched by anything else (the backend writes a read's
+            # buffer no more once the read returned): the L2 keeps a copy.
+            self._l2_put_loaded(step, missing)
+
+    def _l2_put_loaded(self, step: _StepLoad, read: list[int]) -> None:
+        assert self._l2 is not None
+        first = 0
+        read_set = set(read)
+        for load in step.loads:
+            pages = [i for i in range(first, first + len(load.hashes))
+                     if i in read_set and step.ok[i]]
+            if pages:
+                self._l2_put([step.hashes[i] for i in pages], [step.staging[i] for i in pages])
+            first += len(load.hashes)
+
+    def _l2_put(self, hashes: list[str], rows: torch.Tensor | list[torch.Tensor]) -> None:
+        """Put one chain of pages in L2 and note what changed for the scheduler."""
+        assert self._l2 is not None
+        added, evicted = self._l2.put(hashes, rows)
+        self._l2_added.update(added)
+        self._l2_evicted.update(evicted)
+        self._take_l2_counts()
+
+    def _take_l2_counts(self) -> None:
+        assert self._l2 is not None
+        counts = self._l2.take_counts()
+        page = self._l2.page_bytes
+        with self._lock:
+            for name, pages in (("hit", counts.hits), ("miss", counts.misses),
+                                ("put", counts.puts), ("evicted", counts.evictions)):
+                if pages:
+                    for into in (self.metrics, self._interval):
+                        into[f"l2_{name}_pages"] += pages
+                        into[f"l2_{name}_bytes"] += pages * page
+            self.metrics["l2_held_bytes"] = self._l2.held_bytes
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._l2 is None or not (self._l2_added or self._l2_evicted):
+            return None
+        l2 = self._l2
+        meta = HiCacheStoreWorkerMeta(
+            {h: 1 for h in self._l2_added if h in l2},
+            {h for h in self._l2_evicted if h not in l2},
+        )
+        self._l2_added, self._l2_evicted = set(), set()
+        return meta
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         step = self._step
@@ -656,32 +801,45 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         if self.config.test_alter_loaded_kv:
             return  # KV computed over altered pages must not reach the store
-        saves = [s for s in meta.saves if s.req_id not in failed_reqs]
-        if self._breaker.open:
-            self._count("saves_dropped", sum(len(s.hashes) for s in saves))
-            return
-        self._save(saves)
+        self._save([s for s in meta.saves if s.req_id not in failed_reqs])
 
     def _save(self, saves: list[PageSave]) -> None:
+        """Pack the pages out of vLLM's blocks; write them in the background (unless the
+        breaker is open or too much is pending: dropped, counted) and keep them in L2."""
         assert self._cache is not None
         assert self._cache_layout is not None
         assert self._layout is not None
         assert self._link is not None
-        if not saves or not self._link.can_write:
+        if not saves:
             return
         pages = sum(len(s.hashes) for s in saves)
         nbytes = pages * self._layout.page_bytes
-        with self._lock:
-            if self._pending_save_bytes + nbytes > self.config.max_pending_save_bytes:
-                self.metrics["saves_dropped"] += pages
-                self._interval["saves_dropped"] += pages
-                return
-            self._pending_save_bytes += nbytes
+        store = self._link.can_write
+        if store and self._breaker.open:
+            self._count("saves_dropped", pages)
+            store = False
+        if store:
+            with self._lock:
+                if self._pending_save_bytes + nbytes > self.config.max_pending_save_bytes:
+                    self.metrics["saves_dropped"] += pages
+                    self._interval["saves_dropped"] += pages
+                    store = False
+                else:
+                    self._pending_save_bytes += nbytes
+        if not store and self._l2 is None:
+            return
         staging = torch.empty((pages, self._layout.page_bytes), dtype=torch.uint8)
         blocks = torch.tensor([b for s in saves for b in s.block_ids], dtype=torch.int64)
         pack_blocks(self._cache, self._cache_layout, blocks, staging, self._layout)
-        previous = self._save_chain
-        self._save_chain = submit(self._write_pages(saves, staging, nbytes, previous))
+        if store:  # the write only reads ``staging``; so does the L2's copy below
+            previous = self._save_chain
+            self._save_chain = submit(self._write_pages(saves, staging, nbytes, previous))
+        if self._l2 is not None:
+            first = 0
+            for save in saves:
+                count = len(save.hashes)
+                self._l2_put(save.hashes, staging[first:first + count])
+                first += count
 
     async def _write_pages(
         self, saves: list[PageSave], staging: torch.Tensor, nbytes: int,
@@ -767,7 +925,11 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
 @dataclass
 class _StepLoad:
-    """The loads of one step: staging rows (fresh, never reused), outcome per page."""
+    """The loads of one step: staging rows (fresh, never reused), outcome per page.
+
+    Pages are numbered across the step's requests in order (``hashes[i]``, ``staging[i]``);
+    ``from_l2[i]``: page ``i`` was copied out of L2, the others are read from the backend.
+    """
 
     loads: list[PageLoad]
     layout: UnifiedPageLayout
@@ -775,19 +937,37 @@ class _StepLoad:
     settled: bool = False
     ok: list[bool] = field(default_factory=list)
     layers_done: set[int] = field(default_factory=set)
+    hashes: list[str] = dataclasses.field(init=False)
+    from_l2: list[bool] = dataclasses.field(init=False)
     staging: torch.Tensor = dataclasses.field(init=False)
     _good: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
+        self.hashes = [h for load in self.loads for h in load.hashes]
+        self.from_l2 = [False] * len(self.hashes)
         self.staging = torch.empty((self.num_pages, self.layout.page_bytes), dtype=torch.uint8)
 
     @property
     def num_pages(self) -> int:
-        return sum(len(load.hashes) for load in self.loads)
+        return len(self.hashes)
 
-    def rows(self, index: int) -> np.ndarray[Any, Any]:
-        first = sum(len(load.hashes) for load in self.loads[:index])
-        return self.staging[first:first + len(self.loads[index].hashes)].numpy()
+    @property
+    def missing(self) -> list[int]:
+        """The pages L2 did not hold, in order: what the backend is asked for."""
+        return [i for i, hit in enumerate(self.from_l2) if not hit]
+
+    def decide(self, read: list[bool]) -> None:
+        """``ok`` from L2's hits and ``read`` (the outcome of each ``missing`` page): a page is
+        restored when it arrived and every earlier page of its request did."""
+        arrived = list(self.from_l2)
+        for i, hit in zip(self.missing, read, strict=True):
+            arrived[i] = hit
+        self.ok = []
+        first = 0
+        for load in self.loads:
+            for i in range(first, first + len(load.hashes)):
+                self.ok.append(arrived[i] and (i == first or self.ok[-1]))
+            first += len(load.hashes)
 
     def fail_all(self) -> None:
         self.settled = True
@@ -802,7 +982,7 @@ class _StepLoad:
             blocks = [b for load in self.loads for b in load.block_ids]
             keep = [i for i, good in enumerate(self.ok) if good]
             self._good = (
-                self.staging[keep],
+                self.staging if len(keep) == self.num_pages else self.staging[keep],
                 torch.tensor([blocks[i] for i in keep], dtype=torch.int64),
             )
         return self._good
