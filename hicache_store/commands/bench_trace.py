@@ -4,7 +4,10 @@ Each capacity (the L2 size, in blocks of the trace unless a unit says otherwise)
 once per eviction policy through a fresh tier: an L1 that holds the request being served
 (or an L1 cache of ``--l1``), L2 of that capacity, and an L3 backend (unless ``--backend``, the
 file backend in a fresh folder under ``--workdir``, without flushes (``durability=none``): the
-replay measures the cache, not the disk; ``none`` for L1+L2 only). Next to each replay it prints
+replay measures the cache, not the disk; ``none`` for L1+L2 only). Requests are served back to
+back (``--time-scale`` paces them); the L3 writes then run behind the replay, and the table
+counts the backups dropped and the prefetches started: ``--settle`` lets the tier's background
+work finish after each request, as an engine's compute time does. Next to each replay it prints
 what the benchmark computes from the trace alone at the same capacity: the token hit rate of
 plain block LRU (the published reference) and the clairvoyant Belady bound.
 
@@ -92,6 +95,13 @@ def register(subparsers: Any) -> None:
         default=0.0,
         help="wall seconds per trace second (0.1: ten times faster than recorded; 0: back to "
         "back, the default)",
+    )
+    parser.add_argument(
+        "--settle",
+        action="store_true",
+        help="wait for the tier's background L3 writes and prefetches after each request, as "
+        "an engine computing between requests lets them finish (back to back, L3 writes fall "
+        "behind the replay: backups are dropped and L3 misses what L2 evicts)",
     )
     parser.add_argument(
         "--prefetch-policy",
@@ -242,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
                 shape=shape,
                 write_policy=args.write_policy,
                 prefetch_policy=args.prefetch_policy,
+                settle=args.settle,
             )
             label = f"{capacity // per_block} blocks, {policy}"
             result = replay(trace, setup, progress=_progress(label, len(trace), args.no_progress))
@@ -423,7 +434,8 @@ def render_table(results: list[dict[str, Any]]) -> str:
         f"{'blocks':>7} {'policy':<7} {'hit':>6} {'2nd half':>8} "
         + "".join(f"{k:>9}" for k in kinds)
         + f" {'L1':>5} {'L2':>5} {'L3':>5} {'with L3':>7} {'LRU ref':>7} {'Belady':>6} "
-        f"{'gap':>5} {'L3 wr':>8} {'L3 rd':>8} {'pins':>5} {'book ms':>7} {'wall s':>6}"
+        f"{'gap':>5} {'L3 wr':>8} {'L3 rd':>8} {'dropped':>8} {'prefetch':>8} {'pins':>5} "
+        f"{'book ms':>7} {'wall s':>6}"
     )
     lines = ["token hit rates in % (hit = L1+L2, the cache of that size)", head]
     for r in results:
@@ -438,7 +450,8 @@ def render_table(results: list[dict[str, Any]]) -> str:
             f"{100 * r['hit_rate_with_l3']:>7.2f} {100 * r['lru_reference']:>7.2f} "
             f"{bound:>6} "
             f"{'-' if closed is None else f'{100 * closed:.0f}%':>5} "
-            f"{r['l3_objects_written']:>8} {r['l3_objects_read']:>8} {r['pinned_pages']:>5} "
+            f"{r['l3_objects_written']:>8} {r['l3_objects_read']:>8} "
+            f"{r['backups_dropped']:>8} {r['prefetch']['started']:>8} {r['pinned_pages']:>5} "
             f"{r['bookkeeping_ms']['mean']:>7.3f} {r['wall_s']:>6.1f}"
         )
     return "\n".join(lines)

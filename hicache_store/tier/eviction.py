@@ -49,12 +49,18 @@ Policies (``EVICTION_POLICIES``; measured in BENCHMARKS.md, "Production traces")
     time) and ``hint_response(end)`` once a response has ended. Pages used by a request of a
     session belong to that session (its last user); each session has a predicted next
     arrival, and the evictable leaf to go is the least recently used (then deepest) leaf of the
-    session predicted to come back last. The prediction, from the session's own history only:
-    a request in flight (its response has not ended) will be followed soon, ``now + tool gap``;
-    after a response ended at ``e`` with gap estimate ``g`` for its stop reason (the session's
-    own median of past gaps after that stop, else the median over all sessions so far, else
-    ``DEFAULT_TOOL_GAP_S`` after ``tool_use``, ``DEFAULT_HUMAN_GAP_S`` after ``end_turn``,
-    ``DEFAULT_OTHER_GAP_S`` otherwise) the return is expected at ``e + g``; once overdue, at
+    session predicted to come back last. Before any of that, a leaf of a session that its
+    latest request did not use goes: the next request of a conversation extends its latest
+    prompt, so a branch the latest request left (history the agent edited or compacted) is not
+    expected back. The prediction, from what the engine has seen so far: a request in flight
+    (its response has not ended), sent at ``a`` and running for ``r`` seconds now, ends at
+    ``a + d``, where ``d`` is the median of the past response durations longer than ``r`` (the
+    session's own, else over all sessions; ``now`` if none is known), and is followed after a
+    tool gap: ``a + d + tool gap``; after a response ended at ``e`` with gap estimate ``g`` for
+    its stop reason (the session's own median of past gaps after that stop, else the median
+    over all sessions so far, else ``DEFAULT_TOOL_GAP_S`` after ``tool_use``,
+    ``DEFAULT_HUMAN_GAP_S`` after ``end_turn``, ``DEFAULT_OTHER_GAP_S`` otherwise) the return
+    is expected at ``e + g``; once overdue, at
     ``now + (now - e)`` (a wait that has lasted long is expected to last as long again: the
     gaps are heavy tailed, and a session that stopped is the limit). A subagent whose response
     ended its turn has finished: it goes before any live session. Pages used without a session
@@ -67,6 +73,7 @@ Policies (``EVICTION_POLICIES``; measured in BENCHMARKS.md, "Production traces")
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -103,7 +110,7 @@ DEFAULT_HUMAN_GAP_S = 300.0
 DEFAULT_OTHER_GAP_S = 30.0
 
 #: ``session``: past gaps remembered per session and stop reason (their median is its estimate),
-#: and over all sessions.
+#: and over all sessions; the same for response durations.
 GAP_MEMORY = 16
 GLOBAL_GAP_MEMORY = 256
 
@@ -379,31 +386,40 @@ def takes_hints(policy: object) -> bool:
 
 
 class _Gaps:
-    """The last ``limit`` gaps observed after one stop reason, and their median (cached)."""
+    """The last ``limit`` durations observed of one kind (the gaps after one stop reason, or
+    response times), in arrival order and sorted."""
 
-    __slots__ = ("_median", "limit", "values")
+    __slots__ = ("limit", "ordered", "values")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.values: deque[float] = deque(maxlen=limit)
-        self._median: float | None = None
+        self.values: deque[float] = deque()
+        self.ordered: list[float] = []
 
     def add(self, gap: float) -> None:
         self.values.append(gap)
-        self._median = None
+        bisect.insort(self.ordered, gap)
+        if len(self.values) > self.limit:
+            del self.ordered[bisect.bisect_left(self.ordered, self.values.popleft())]
 
     def median(self) -> float | None:
-        if self._median is None and self.values:
-            ordered = sorted(self.values)
-            self._median = ordered[len(ordered) // 2]
-        return self._median
+        ordered = self.ordered
+        return ordered[len(ordered) // 2] if ordered else None
+
+    def median_beyond(self, elapsed: float) -> float | None:
+        """The median of the durations longer than ``elapsed`` (None: none is)."""
+        ordered = self.ordered
+        first = bisect.bisect_right(ordered, elapsed)
+        longer = len(ordered) - first
+        return ordered[first + longer // 2] if longer else None
 
 
 class _Stream:
     """One session's state in ``SessionEviction``: its history and its evictable leaves."""
 
     __slots__ = (
-        "arrival_s", "end_s", "ended", "gaps", "heap", "kind", "live", "name", "ranked", "stop",
+        "arrival_s", "end_s", "ended", "gaps", "heap", "kind", "latest", "latest_hints", "live",
+        "name", "ranked", "responses", "stop",
     )
 
     def __init__(self, name: str, kind: str) -> None:
@@ -413,6 +429,9 @@ class _Stream:
         self.end_s: float | None = None  # the last ended response's end
         self.stop: str | None = None  # and its stop reason
         self.gaps: dict[str, _Gaps] = {}
+        self.responses = _Gaps(GAP_MEMORY)  # its responses' durations
+        self.latest = -1  # the request clock of its latest request: older pages are off its path
+        self.latest_hints: RequestHints | None = None  # and that request's hints
         self.heap: list[tuple[int, int, int, object]] = []  # (stamp, -depth, version, node)
         self.live = 0  # evictable leaves
         self.ranked = -1  # the ranking epoch this stream was last pushed in
@@ -469,6 +488,9 @@ class SessionEviction(Generic[N]):
         self._owned: dict[N, _Owned] = {}
         self._current: _Stream | None = None
         self._global_gaps: dict[str, _Gaps] = {}
+        self._global_responses = _Gaps(GLOBAL_GAP_MEMORY)
+        # sessions whose latest request may have left pages off its path (an ordered set)
+        self._branched: dict[_Stream, None] = {}
         self._fallback_time: dict[N, float] = {}  # fallback pages' last touch, in seconds
         self._ranking: list[tuple[float, float, int, _Stream]] = []
         self._ranking_epoch = -1
@@ -513,14 +535,22 @@ class SessionEviction(Generic[N]):
             self._observe_gap(stream, stream.stop, hints.now_s - stream.end_s)
         stream.arrival_s = hints.now_s
         stream.ended = any(a.action == "session_end" for a in hints.actions)
+        if hints is not stream.latest_hints:  # not the same request announced again
+            stream.latest, stream.latest_hints = self._clock, hints
+            self._branched[stream] = None
         self._current = stream
 
     def hint_response(self, end: ResponseEnd) -> None:
         """A response of ``end.session`` has ended (handed over no earlier than ``end.end_s``)."""
         self._now = max(self._now, end.end_s)
         stream = self._streams.get(end.session)
-        if stream is not None:
-            self._ended(stream, end.stop, end.end_s)
+        if stream is None:
+            return
+        if stream.in_flight and stream.arrival_s is not None and end.end_s >= stream.arrival_s:
+            duration = end.end_s - stream.arrival_s
+            stream.responses.add(duration)
+            self._global_responses.add(duration)
+        self._ended(stream, end.stop, end.end_s)
 
     def _gap(self, stream: _Stream, stop: str) -> float:
         own = stream.gaps.get(stop)
@@ -542,13 +572,25 @@ class SessionEviction(Generic[N]):
         if stream.ended:
             return math.inf
         if stream.in_flight or stream.stop is None or stream.end_s is None:
-            return now + self._gap(stream, STOP_TOOL_USE)
+            return self._response_end(stream) + self._gap(stream, STOP_TOOL_USE)
         if stream.kind == "subagent" and stream.stop == STOP_END_TURN:
             return math.inf
         expected = stream.end_s + self._gap(stream, stream.stop)
         if expected >= now:
             return expected
         return now + (now - stream.end_s)
+
+    def _response_end(self, stream: _Stream) -> float:
+        """When the response in flight of ``stream`` is expected to end (``now`` if no
+        response time longer than it has run so far was seen)."""
+        now = self._now
+        if stream.arrival_s is None:
+            return now
+        running = now - stream.arrival_s
+        duration = stream.responses.median_beyond(running)
+        if duration is None:
+            duration = self._global_responses.median_beyond(running)
+        return now if duration is None else stream.arrival_s + duration
 
     # -- pages --------------------------------------------------------------------------------
 
@@ -657,7 +699,21 @@ class SessionEviction(Generic[N]):
             stream.ranked = -1
         return None
 
+    def _off_path_victim(self) -> N | None:
+        """A leaf of a session that its latest request did not use, or None."""
+        for stream in list(self._branched):
+            heap = stream.heap
+            while heap and not self._current_entry(heap[0], stream):
+                heapq.heappop(heap)
+            if heap and heap[0][0] < stream.latest:
+                return heap[0][3]  # type: ignore[return-value]
+            del self._branched[stream]  # none now: the next request may leave some
+        return None
+
     def victim(self) -> N | None:
+        off_path = self._off_path_victim()
+        if off_path is not None:
+            return off_path
         session = self._session_victim()
         if not self.fallback_pages:
             return None if session is None else session[0]

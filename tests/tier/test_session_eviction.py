@@ -72,10 +72,12 @@ def test_the_session_predicted_back_last_goes_first_tail_first() -> None:
     serve(p, RequestHints(1.0, "human"), "xyz")
     p.hint_response(ResponseEnd("tool", "tool_use", 5.0))
     p.hint_response(ResponseEnd("human", "end_turn", 5.0))
-    serve(p, RequestHints(8.0, "live"), "m")  # in flight: back after its tool gap
+    # in flight: back after a response time (the median of 5 s and 4 s seen so far: 5 s), then
+    # its tool gap
+    serve(p, RequestHints(8.0, "live"), "m")
     assert p.predicted_return("tool") == 5.0 + DEFAULT_TOOL_GAP_S
     assert p.predicted_return("human") == 5.0 + DEFAULT_HUMAN_GAP_S
-    assert p.predicted_return("live") == 8.0 + DEFAULT_TOOL_GAP_S
+    assert p.predicted_return("live") == 8.0 + 5.0 + DEFAULT_TOOL_GAP_S
     assert drain(p) == ["xyz", "xy", "x", "m", "ab", "a"]
 
 
@@ -120,6 +122,43 @@ def test_gaps_are_learned_from_the_sessions_own_history() -> None:
     p.hint_response(ResponseEnd("s", "tool_use", 21.0))
     serve(p, RequestHints(22.0, "t"), "x")
     assert p.predicted_return("s") == 21.0 + 9.0  # the median of its own gaps, 9 s
+
+
+def test_a_response_in_flight_is_expected_to_take_its_usual_time() -> None:
+    p = policy()
+    for n, duration in enumerate((2.0, 30.0, 4.0)):  # responses of s: 2, 30 and 4 s
+        start = 100.0 * n
+        serve(p, RequestHints(start, "s"), "a")
+        p.hint_response(ResponseEnd("s", "tool_use", start + duration))
+    # its tool gaps so far: 98, 70, 96 s (median 96)
+    serve(p, RequestHints(300.0, "s", previous_stop="tool_use", previous_end_s=204.0), "a")
+    serve(p, RequestHints(303.0, "t"), "x")  # the clock: 3 s into s's response
+    # the median of the responses longer than 3 s (4, 30): 30 s, then the tool gap
+    assert p.predicted_return("s") == 300.0 + 30.0 + 96.0
+    serve(p, RequestHints(301.0, "t"), "x")  # 1 s in: 2, 4, 30 are longer, median 4
+    assert p.predicted_return("s") == 303.0 - 3.0 + 30.0 + 96.0  # the clock never goes back
+    serve(p, RequestHints(340.0, "t"), "x")  # 40 s in, longer than any: it may end now
+    assert p.predicted_return("s") == 340.0 + 96.0
+
+
+def test_a_branch_the_latest_request_left_goes_first() -> None:
+    p = policy()
+    serve(p, RequestHints(0.0, "h"), "xyz")
+    p.hint_response(ResponseEnd("h", "end_turn", 1.0))  # h: back in minutes
+    first = RequestHints(2.0, "s")
+    serve(p, first, "abc")
+    # Another request arrives (its clock ticks), then s's request is announced again (the
+    # tier does so when it completes): the same request, so its pages are still on its path.
+    serve(p, RequestHints(2.5, "t"), "m")
+    p.hint_request(first)
+    assert p.victim() == "xyz"
+    p.hint_response(ResponseEnd("s", "tool_use", 3.0))
+    # s comes back (due soonest) with its history edited: "abc" is off its path and goes
+    # before every page of a session that may still come back.
+    serve(p, RequestHints(4.0, "s", previous_stop="tool_use", previous_end_s=3.0), "abq")
+    # Then h (due at 301 s); s (in flight, its one response took 1 s: due at 4 + 1 + 10) and t
+    # (in flight for 1.5 s, longer than any response seen: due at 4 + 10).
+    assert drain(p) == ["abc", "xyz", "xy", "x", "abq", "ab", "a", "m"]
 
 
 def test_a_page_changes_hands_with_its_last_user() -> None:

@@ -189,6 +189,33 @@ def test_bench_trace_command_writes_json_and_table(
     assert len(table.strip().splitlines()) == 2 + 2
 
 
+def test_bench_trace_settle_lets_l3_serve_what_l2_evicted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The trace of test_l3_serves_what_l2_evicted through the command, file backend,
+    # --settle: every backup is written before the next request, none is dropped, and the two
+    # returning blocks come from L3 through two prefetches.
+    chains = [[1], [2], [3], [1, 9], [2, 8]]
+    trace = write_trace(tmp_path / "l3.jsonl.gz", chains)
+    out = tmp_path / "r.json"
+    code = main([
+        "bench", "trace", str(trace), "--capacities", "2", "--policy", "lru", "--settle",
+        "--page-size", str(PAGE), "--workdir", str(tmp_path / "work"), "--belady", "none",
+        "--json", str(out), "--no-progress",
+    ])
+    assert code == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["setup"]["settle"] is True
+    assert row["backups_dropped"] == 0
+    assert row["prefetch"]["started"] == row["prefetch"]["complete"] == 2
+    total = BLOCK * sum(len(c) for c in chains)
+    assert row["hit_rate"] == 0.0
+    assert row["hit_rate_l3"] == pytest.approx(2 * BLOCK / total)
+    header, line = capsys.readouterr().out.strip().splitlines()[1:]
+    assert "dropped" in header and "prefetch" in header
+    assert line.split()[-5:-3] == ["0", "2"]  # dropped, prefetches started
+
+
 def test_bench_trace_command_draws_the_chart(tmp_path: Path) -> None:
     pytest.importorskip(
         "matplotlib", reason="--chart needs the bench extra: pip install 'hicache-store[bench]'"

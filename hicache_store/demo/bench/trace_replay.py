@@ -112,7 +112,10 @@ class ReplaySetup:
     the request being served (it is emptied after each one), so every hit comes from L2 or L3
     and the cache measured is exactly L2's ``l2_pages``; on, L1 is a cache of its own above L2.
     ``settle``: wait for the tier's background L3 work after each request (an engine idle
-    between requests): deterministic L3 contents, for tests and exact comparisons.
+    between requests): deterministic L3 contents, for tests and exact comparisons. Without it,
+    a replay that serves requests faster than L3 takes their pages drops the backups past the
+    tier's write queue (``max_queued_backup_pages``), and since those are the tails of chains,
+    exactly what L2 evicts first, L3 then lacks the first page past L2 and starts no prefetch.
     ``whole_blocks``: serve each prompt padded to whole blocks (the last, partial block gets the
     rest of its id's tokens), so that every block of the trace takes the cache space of a whole
     block, as in the published reference; hit tokens are still counted up to the prompt's
