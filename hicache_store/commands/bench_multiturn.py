@@ -37,6 +37,21 @@ def add_workload_arguments(
     work.add_argument("--seed", type=int, default=0)
 
 
+def add_transfer_policy_arguments(parser: Any) -> None:
+    """``--write-policy`` and ``--prefetch-policy``, the tier's (``TierConfig``) names; spelled
+    out here rather than read from ``tier.config``, which would import torch at CLI start."""
+    parser.add_argument(
+        "--write-policy",
+        default="write_through",
+        choices=["write_through", "write_through_selective", "write_back"],
+    )
+    parser.add_argument(
+        "--prefetch-policy",
+        default="wait_complete",
+        choices=["best_effort", "wait_complete", "timeout"],
+    )
+
+
 def workload_spec(args: Any, vocab_size: int) -> WorkloadSpec:
     """The ``WorkloadSpec`` of the options ``add_workload_arguments`` added (may raise ValueError)."""
     from hicache_store.demo.bench.workload import WorkloadSpec
@@ -92,16 +107,7 @@ def register(subparsers: Any) -> None:
         "--configs", default="L1,L1+L2,L1+L2+L3", help="comma-separated subset to run"
     )
     policy = parser.add_argument_group("policies")
-    policy.add_argument(
-        "--write-policy",
-        default="write_through",
-        choices=["write_through", "write_through_selective", "write_back"],
-    )
-    policy.add_argument(
-        "--prefetch-policy",
-        default="wait_complete",
-        choices=["best_effort", "wait_complete", "timeout"],
-    )
+    add_transfer_policy_arguments(policy)
     policy.add_argument("--host-mode", default="cache", choices=["cache", "buffer_only"])
     policy.add_argument(
         "--eviction-policy",

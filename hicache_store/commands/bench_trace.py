@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hicache_store.cli import UsageError
+from hicache_store.commands.bench_multiturn import add_transfer_policy_arguments
 
 if TYPE_CHECKING:
     from hicache_store.demo.bench.trace_format import Trace
@@ -103,16 +104,7 @@ def register(subparsers: Any) -> None:
         "an engine computing between requests lets them finish (back to back, L3 writes fall "
         "behind the replay: backups are dropped and L3 misses what L2 evicts)",
     )
-    parser.add_argument(
-        "--prefetch-policy",
-        default="wait_complete",
-        choices=["best_effort", "wait_complete", "timeout"],
-    )
-    parser.add_argument(
-        "--write-policy",
-        default="write_through",
-        choices=["write_through", "write_through_selective", "write_back"],
-    )
+    add_transfer_policy_arguments(parser)
     parser.add_argument(
         "--partial-blocks",
         action="store_true",
@@ -266,15 +258,7 @@ def run(args: argparse.Namespace) -> int:
         f"{peak / 2**20:.0f} MiB",
         file=sys.stderr,
     )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        document = {"schema": SCHEMA, "trace": str(args.trace), "requests": len(trace),
-                    "results": results}
-        args.json.write_text(json.dumps(document, indent=2))
-    if args.chart:
-        args.chart.parent.mkdir(parents=True, exist_ok=True)
-        write_chart(trace.name, results, args.chart, trace.block_tokens)
-    return 0
+    return write_outputs(args, trace, results, {"requests": len(trace)})
 
 
 def sim_capacities(text: str, distinct_blocks: int) -> list[int]:
@@ -366,12 +350,19 @@ def run_simulated(args: argparse.Namespace, policies: list[str]) -> int:
         f"replayed in {time.monotonic() - started:.0f} s, peak memory {peak / 2**20:.0f} MiB",
         file=sys.stderr,
     )
+    return write_outputs(args, trace, results, {
+        "format": args.format, "replay": "sim", "requests": len(trace), "sessions": sessions,
+        "peak_rss_bytes": peak, "wall_s": time.monotonic() - started})
+
+
+def write_outputs(
+    args: argparse.Namespace, trace: Trace, results: list[dict[str, Any]],
+    fields: dict[str, Any],
+) -> int:
+    """``--json`` (the schema, the trace, ``fields``, then the results) and ``--chart``."""
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        document = {"schema": SCHEMA, "trace": str(args.trace), "format": args.format,
-                    "replay": "sim", "requests": len(trace), "sessions": sessions,
-                    "peak_rss_bytes": peak, "wall_s": time.monotonic() - started,
-                    "results": results}
+        document = {"schema": SCHEMA, "trace": str(args.trace), **fields, "results": results}
         args.json.write_text(json.dumps(document, indent=2))
     if args.chart:
         args.chart.parent.mkdir(parents=True, exist_ok=True)
@@ -389,18 +380,26 @@ def render_sim_table(results: list[dict[str, Any]]) -> str:
     )
     lines = ["token hit rates in % (block-level replay; gap: share of LRU-to-Belady closed)", head]
     for r in results:
-        closed = gap_closed(r)
         blocks = "unbounded" if r["unbounded"] else f"{r['capacity_blocks']}"
-        bound = "-" if r["belady"] is None else f"{100 * r['belady']:.2f}"
         lines.append(
-            f"{blocks:>9} {r['policy']:<8} {100 * r['hit_rate']:>6.2f} "
-            f"{100 * r['hit_rate_second_half']:>8.2f} "
-            + "".join(f"{100 * r['hit_rate_by_kind'].get(k, 0.0):>9.2f}" for k in kinds)
-            + f" {100 * r['lru_reference']:>7.2f} "
-            f"{bound:>6} "
-            f"{'-' if closed is None else f'{100 * closed:.0f}%':>5} {r['wall_s']:>6.1f}"
+            f"{blocks:>9} {r['policy']:<8} {_hit_cells(r, kinds)} {_reference_cells(r)} "
+            f"{r['wall_s']:>6.1f}"
         )
     return "\n".join(lines)
+
+
+def _hit_cells(r: dict[str, Any], kinds: list[str]) -> str:
+    """The hit rate, its second half and per session kind, in % (both tables)."""
+    return (f"{100 * r['hit_rate']:>6.2f} {100 * r['hit_rate_second_half']:>8.2f}"
+            + "".join(f"{100 * r['hit_rate_by_kind'].get(k, 0.0):>9.2f}" for k in kinds))
+
+
+def _reference_cells(r: dict[str, Any]) -> str:
+    """The LRU reference, the Belady bound and the gap closed (both tables)."""
+    closed = gap_closed(r)
+    bound = "-" if r["belady"] is None else f"{100 * r['belady']:.2f}"
+    gap = "-" if closed is None else f"{100 * closed:.0f}%"
+    return f"{100 * r['lru_reference']:>7.2f} {bound:>6} {gap:>5}"
 
 
 def _progress(label: str, total: int, quiet: bool) -> Any:
@@ -439,17 +438,11 @@ def render_table(results: list[dict[str, Any]]) -> str:
     )
     lines = ["token hit rates in % (hit = L1+L2, the cache of that size)", head]
     for r in results:
-        closed = gap_closed(r)
-        bound = "-" if r["belady"] is None else f"{100 * r['belady']:.2f}"
         lines.append(
-            f"{r['capacity_blocks']:>7.0f} {r['policy']:<7} {100 * r['hit_rate']:>6.2f} "
-            f"{100 * r['hit_rate_second_half']:>8.2f} "
-            + "".join(f"{100 * r['hit_rate_by_kind'].get(k, 0.0):>9.2f}" for k in kinds)
-            + f" {100 * r['hit_rate_l1']:>5.1f} "
+            f"{r['capacity_blocks']:>7.0f} {r['policy']:<7} {_hit_cells(r, kinds)} "
+            f"{100 * r['hit_rate_l1']:>5.1f} "
             f"{100 * r['hit_rate_l2']:>5.1f} {100 * r['hit_rate_l3']:>5.1f} "
-            f"{100 * r['hit_rate_with_l3']:>7.2f} {100 * r['lru_reference']:>7.2f} "
-            f"{bound:>6} "
-            f"{'-' if closed is None else f'{100 * closed:.0f}%':>5} "
+            f"{100 * r['hit_rate_with_l3']:>7.2f} {_reference_cells(r)} "
             f"{r['l3_objects_written']:>8} {r['l3_objects_read']:>8} "
             f"{r['backups_dropped']:>8} {r['prefetch']['started']:>8} {r['pinned_pages']:>5} "
             f"{r['bookkeeping_ms']['mean']:>7.3f} {r['wall_s']:>6.1f}"

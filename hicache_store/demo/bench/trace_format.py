@@ -136,6 +136,16 @@ def _open_text(path: Path) -> io.TextIOBase:
     return io.TextIOWrapper(path.open("rb"), encoding="utf-8")
 
 
+def _hash_ids_field(record: dict[str, Any], where: str) -> list[int]:
+    """``record["hash_ids"]``: a list of non-negative ints (``TraceFormatError`` otherwise)."""
+    ids = record.get("hash_ids")
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+    ):
+        raise TraceFormatError(f"{where}: 'hash_ids' must be a list of non-negative ints")
+    return ids
+
+
 def _int_field(record: dict[str, Any], name: str, where: str) -> int:
     value = record.get(name)
     # bool is an int subclass: a JSON true is not a length.
@@ -161,11 +171,7 @@ def iter_mooncake(path: Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Iter
             ts = _int_field(record, "timestamp", where)
             length = _int_field(record, "input_length", where)
             output = _int_field(record, "output_length", where)
-            ids = record.get("hash_ids")
-            if not isinstance(ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
-            ):
-                raise TraceFormatError(f"{where}: 'hash_ids' must be a list of non-negative ints")
+            ids = _hash_ids_field(record, where)
             if len(ids) != -(-length // block_tokens):
                 raise TraceFormatError(
                     f"{where}: {len(ids)} hash ids for input_length {length} "
@@ -221,11 +227,7 @@ def _weka_request(
     t = _number_field(record, "t", where, None)
     length = _int_field(record, "in", where)
     output = _int_field(record, "out", where)
-    ids = record.get("hash_ids")
-    if not isinstance(ids, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
-    ):
-        raise TraceFormatError(f"{where}: 'hash_ids' must be a list of non-negative ints")
+    ids = _hash_ids_field(record, where)
     if len(ids) != length // block_tokens:
         raise TraceFormatError(
             f"{where}: {len(ids)} hash ids for 'in' {length} "
