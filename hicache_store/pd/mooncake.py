@@ -27,7 +27,7 @@ import torch
 
 from hicache_store.backends.errors import MissingDependencyError
 
-from .transport import Transport, TransportError, WriteOp, coalesce, host_bytes
+from .transport import Transport, TransportError, WriteOp, coalesce, host_bytes, pop_registered
 
 INSTALL_HINT = "pip install 'hicache-store[mooncake]'"
 #: ops per ``batch_transfer_sync_write`` call (the engine refuses very large batches).
@@ -92,11 +92,8 @@ class MooncakeTransport(Transport):
         return address
 
     def unregister(self, buffer: torch.Tensor) -> None:
-        address = int(host_bytes(buffer).ctypes.data)
         with self._lock:
-            if self._registered.pop(address, None) is None:
-                raise ValueError(f"memory at {address:#x} is not registered")
-            self._engine.unregister_memory(address)
+            self._engine.unregister_memory(pop_registered(self._registered, buffer))
 
     def write(self, peer: str, ops: Sequence[WriteOp]) -> None:
         ops = coalesce(ops)

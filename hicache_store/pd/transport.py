@@ -93,6 +93,15 @@ def host_bytes(buffer: torch.Tensor) -> npt.NDArray[np.uint8]:
     return array
 
 
+def pop_registered(registered: dict[int, Any], buffer: torch.Tensor) -> int:
+    """Forget ``buffer``'s registration in ``registered`` (keyed by start address); returns
+    the address. ``ValueError`` when the buffer was not registered (as it starts)."""
+    address = int(host_bytes(buffer).ctypes.data)
+    if registered.pop(address, None) is None:
+        raise ValueError(f"memory at {address:#x} is not registered")
+    return address
+
+
 class Transport(abc.ABC):
     """One side of a P/D data plane (see the module docstring for the contract)."""
 
@@ -151,10 +160,8 @@ class _Regions:
         return start
 
     def remove(self, buffer: torch.Tensor) -> None:
-        start = int(host_bytes(buffer).ctypes.data)
         with self._lock:
-            if self._by_start.pop(start, None) is None:
-                raise ValueError(f"memory at {start:#x} is not registered")
+            pop_registered(self._by_start, buffer)
 
     def view(self, address: int, nbytes: int) -> memoryview:
         """The registered bytes ``[address, address + nbytes)``; ``ValueError`` if they are not
