@@ -73,7 +73,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -108,10 +108,10 @@ from .hinting import Hinting
 from .hints import RequestHints, ResponseEnd
 from .host_pool import HostPagePool
 from .metrics import TierMetrics
-from .pools import LayerLoad, Pools, SlotList
+from .pools import LayerLoad, Pools, SlotList, wait_for_loads
 from .prefetch import Prefetcher, _timed
 from .prefix import LIMITED_BY_PREFETCH, LIMITED_BY_RANKS
-from .radix import Held, PageNode, PageTree, Tier
+from .radix import Held, PageNode, PageTree, Tier, branch_points, l1_of, l2_of, parent_hash
 from .request import (
     ComponentSlots,
     DevicePagePool,
@@ -374,7 +374,7 @@ class HiCache:
             self.hinting.unreserve(reserved)
             raise ValueError(f"need: no component named {sorted(unknown)}")
         tags = tuple(self.components[name].tag for name in wanted)
-        req = Request(token_tensor, hashes, [], l1, in_memory - l1, tags, _branches(nodes))
+        req = Request(token_tensor, hashes, [], l1, in_memory - l1, tags, branch_points(nodes))
         req.hints, req.pin_reserved = hints, reserved
         self.hinting.announce(req)
         held_nodes = nodes[:in_memory]
@@ -411,7 +411,7 @@ class HiCache:
         self._release(req, req.nodes[prefix:])
         del req.nodes[prefix:]
         req.prefix_pages = prefix
-        req.loading = [n for n in req.nodes if _l1(n, KV.tag) is None]
+        req.loading = [n for n in req.nodes if l1_of(n, KV.tag) is None]
         # L1 copies another request's load is still filling: this request waits for it too.
         req.borrowed = [(n, load) for n in req.nodes if (load := self._filling.get(id(n)))]
         new_pages = math.ceil(len(req.tokens) / page) - prefix
@@ -421,7 +421,7 @@ class HiCache:
         req.new_device_pages = self.pool.alloc(new_pages)
         if req.loading:
             self._start_load(req)
-        wait_layer = _wait_for(self._loads(req))
+        wait_layer = wait_for_loads(self._loads(req))
         with _timed(req):
             restored = restore.restore(self, req)
         for tag in req.need:
@@ -524,7 +524,7 @@ class HiCache:
 
     def _slots(self, req: Request) -> torch.Tensor:
         """Token slots of ``req``'s whole sequence: its prefix pages, then its new pages."""
-        device_pages = [_l1(n, KV.tag) for n in req.nodes] + req.new_device_pages
+        device_pages = [l1_of(n, KV.tag) for n in req.nodes] + req.new_device_pages
         return page_slots(device_pages, self.namespace.page_size)[: len(req.tokens)]  # type: ignore[arg-type]
 
     def complete(self, req: Request) -> None:
@@ -555,7 +555,7 @@ class HiCache:
         new_nodes = path[req.prefix_pages :]
         spare = req.new_device_pages[len(new_nodes) :]  # the partial last page
         for node, device_page in zip(new_nodes, req.new_device_pages, strict=False):
-            if _l1(node, KV.tag) is None:
+            if l1_of(node, KV.tag) is None:
                 self.tree.set_copy(node, KV.tag, Tier.L1, device_page)
                 node.hits = max(node.hits, 1)
             else:  # cached meanwhile by another request: keep that copy
@@ -711,7 +711,7 @@ class HiCache:
             if self.events is not None:
                 events, self.events = self.events, None
                 self.tree.observer = None
-                events.close([n for n in self.tree.nodes() if _l2(n, KV.tag) is not None])
+                events.close([n for n in self.tree.nodes() if l2_of(n, KV.tag) is not None])
             if self._registered and self.l3 is not None:
                 unregister = getattr(self.l3.backend, "unregister_host_buffer", None)
                 if unregister is not None:
@@ -763,7 +763,7 @@ class HiCache:
         for node in nodes:
             self.tree.lock(node, KV.tag)
             node.hits += 1
-            if _l1(node, KV.tag) is None:
+            if l1_of(node, KV.tag) is None:
                 self.tree.hold_host(node, KV.tag)
                 req.host_locked.append(node)
         req.nodes.extend(nodes)
@@ -799,7 +799,7 @@ class HiCache:
         kv = self.kv
         with _timed(req):
             rows = kv.host_runs([n.held(KV.tag).l2 for n in nodes])  # type: ignore[union-attr,misc]
-        slots = [_l1(n, KV.tag) for n in nodes]
+        slots = [l1_of(n, KV.tag) for n in nodes]
 
         def copy(layers: tuple[int, int] | None) -> None:
             kv.unpack(rows, slots, layers)  # type: ignore[arg-type]
@@ -901,7 +901,7 @@ class HiCache:
                 missing.append(n)
         if missing:
             # Pin the chain's existing L2 copies: evicting one to make room would leave a hole.
-            pinned = [n for n in chain if _l2(n, tag) is not None]
+            pinned = [n for n in chain if l2_of(n, tag) is not None]
             for n in pinned:
                 self.tree.hold_host(n, tag)
             try:
@@ -916,7 +916,7 @@ class HiCache:
                 if rows is None:
                     return
                 missing = missing[:fit]
-            part.pack([_l1(n, tag) for n in missing], rows)  # type: ignore[misc]
+            part.pack([l1_of(n, tag) for n in missing], rows)  # type: ignore[misc]
             for n, row in zip(missing, rows, strict=True):
                 self.tree.set_copy(n, tag, Tier.L2, row)
             self.metrics.count(part.name, "backups_l2", len(missing))
@@ -958,7 +958,7 @@ class HiCache:
             self.tree.set_pending(node, tag, True)
             self.tree.hold_host(node, tag)
             row = part.host.row(held.l2)  # type: ignore[arg-type]
-            items.append(BackupItem(node, tag, held, row, _parent(node), part.prefix_closed))
+            items.append(BackupItem(node, tag, held, row, parent_hash(node), part.prefix_closed))
         if part.ordered:
             self._ordered_in_flight += len(todo)
         self._transfers.queue_backups(items, self._links())
@@ -985,50 +985,3 @@ class HiCache:
     def _links(self) -> dict[int, L3Link]:
         return {tag: part.link for tag, part in self.parts.items() if part.link is not None}
 
-
-def _wait_for(loads: Sequence[LayerLoad]) -> Callable[[int], None] | None:
-    """One ``wait_layer`` over ``loads`` (None when there is nothing to wait for)."""
-    if not loads:
-        return None
-    if len(loads) == 1:
-        return loads[0].wait
-
-    def wait(layer: int) -> None:
-        for load in loads:
-            load.wait(layer)
-
-    return wait
-
-
-def _branches(nodes: Sequence[PageNode]) -> tuple[int, ...]:
-    """Page counts at which a request's known path ``nodes`` branches: after each node with
-    a child off the path (other requests went on from there), and the path's end.
-
-    A request that computes past one takes a checkpoint there, so requests sharing the prefix
-    up to it can resume. Every node with a child off the path counts, not only the path's end:
-    a component object (a window page, a later checkpoint) keeps a node in the tree after its
-    KV and its checkpoint were evicted, so the end of the known path can lie past the point
-    where the requests sharing a prefix (a system prompt) part; taking the checkpoint only
-    there, a shared prefix whose checkpoint was evicted would never get one again.
-    """
-    ends = [i + 1 for i, node in enumerate(nodes[:-1]) if node.children > 1]
-    if nodes:
-        ends.append(len(nodes))
-    return tuple(ends)
-
-
-def _parent(node: PageNode) -> str | None:
-    parent = node.parent
-    return parent.page_hash if parent is not None and parent.depth >= 0 else None
-
-
-def _l1(node: PageNode, tag: int) -> int | None:
-    """``node``'s L1 page or slot of component ``tag``, if any."""
-    held = node.held(tag)
-    return None if held is None else held.l1
-
-
-def _l2(node: PageNode, tag: int) -> int | None:
-    """``node``'s host row of component ``tag``, if any."""
-    held = node.held(tag)
-    return None if held is None else held.l2

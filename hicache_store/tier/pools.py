@@ -206,3 +206,17 @@ class Pools(SpecHolder):
         for plane in self.device.planes:
             for buf in plane:
                 buf.index_copy_(0, d.to(buf.device), buf.index_select(0, s.to(buf.device)))
+
+
+def wait_for_loads(loads: Sequence[LayerLoad]) -> Callable[[int], None] | None:
+    """One ``wait_layer`` over ``loads`` (None when there is nothing to wait for)."""
+    if not loads:
+        return None
+    if len(loads) == 1:
+        return loads[0].wait
+
+    def wait(layer: int) -> None:
+        for load in loads:
+            load.wait(layer)
+
+    return wait

@@ -744,3 +744,38 @@ class PageTree:
             assert (victim is None) == (not evictable), f"{tag}/{tier.name}: victim {victim}"
             if victim is not None:
                 assert self.is_evictable(victim, tier, tag), f"{tag}/{tier.name}: {victim}"
+
+
+def branch_points(nodes: Sequence[PageNode]) -> tuple[int, ...]:
+    """Page counts at which a request's known path ``nodes`` branches: after each node with
+    a child off the path (other requests went on from there), and the path's end.
+
+    A request that computes past one takes a checkpoint there, so requests sharing the prefix
+    up to it can resume. Every node with a child off the path counts, not only the path's end:
+    a component object (a window page, a later checkpoint) keeps a node in the tree after its
+    KV and its checkpoint were evicted, so the end of the known path can lie past the point
+    where the requests sharing a prefix (a system prompt) part; taking the checkpoint only
+    there, a shared prefix whose checkpoint was evicted would never get one again.
+    """
+    ends = [i + 1 for i, node in enumerate(nodes[:-1]) if node.children > 1]
+    if nodes:
+        ends.append(len(nodes))
+    return tuple(ends)
+
+
+def parent_hash(node: PageNode) -> str | None:
+    """The page hash of ``node``'s parent; None for a first page (its parent is the root)."""
+    parent = node.parent
+    return parent.page_hash if parent is not None and parent.depth >= 0 else None
+
+
+def l1_of(node: PageNode, tag: int) -> int | None:
+    """``node``'s L1 page or slot of component ``tag``, if any."""
+    held = node.held(tag)
+    return None if held is None else held.l1
+
+
+def l2_of(node: PageNode, tag: int) -> int | None:
+    """``node``'s host row of component ``tag``, if any."""
+    held = node.held(tag)
+    return None if held is None else held.l2

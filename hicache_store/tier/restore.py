@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from .components import HitRule, Tier
 from .pools import Pools
-from .radix import PageNode
+from .radix import PageNode, l1_of
 
 if TYPE_CHECKING:
     from .cache import HiCache
@@ -55,7 +55,7 @@ def restore(tier: HiCache, req: Request) -> dict[int, tuple[tuple[int, int], ...
             if held.l1 is None:
                 slot = (
                     tier._alloc(part) if part.slots is not None
-                    else _l1(node, part.follows)  # type: ignore[arg-type]
+                    else l1_of(node, part.follows)  # type: ignore[arg-type]
                 )
                 assert slot is not None
                 assert held.l2 is not None
@@ -104,7 +104,7 @@ def produce(tier: HiCache, req: Request, part: Pools) -> tuple[tuple[int, int], 
 
 def checkpoint_ends(tier: HiCache, req: Request, part: Pools) -> list[int]:
     """Page counts after which the request takes a checkpoint: its last full page, the
-    branch points it computes past (``_branches``) and every ``checkpoint_every`` pages of
+    branch points it computes past (``radix.branch_points``) and every ``checkpoint_every`` pages of
     the computed range."""
     page = tier.namespace.page_size
     prefix, full = req.prefix_pages, len(req.tokens) // page
@@ -139,7 +139,7 @@ def keep_produced(
                 assert part.follows is not None
                 if held is not None and held.l1 is not None:
                     continue  # the page's copy is there already
-                page = _l1(node, part.follows)
+                page = l1_of(node, part.follows)
                 if page != slot:
                     # The page was cached by another request meanwhile: the tier keeps
                     # that copy and frees ``slot``; the rows are still in ``slot``
@@ -159,8 +159,3 @@ def release(tier: HiCache, req: Request) -> None:
     for node, tag in req.held:
         tier.tree.unlock(node, tag)
     req.held.clear()
-
-
-def _l1(node: PageNode, tag: int) -> int | None:
-    held = node.held(tag)
-    return None if held is None else held.l1
