@@ -195,11 +195,14 @@ def engine(second_engine: Any) -> Iterator[Any]:
     faults and test switch off again afterwards."""
     assert second_engine.reset_prefix_cache()
     yield second_engine
-    for conn in (worker_connector(), scheduler_connector(second_engine)):
+    connectors = (worker_connector(), scheduler_connector(second_engine))
+    for conn in connectors:
         conn.backend.faults = FaultConfig()
         conn.config = dataclasses.replace(conn.config, test_alter_loaded_kv=False)
-        conn._breaker._until = 0.0
+    # Saves a test left stalled end first (failing, they trip the breaker), then it closes.
     worker_connector().flush()
+    for conn in connectors:
+        conn._breaker._until = 0.0
 
 
 def objects_of(root: Path, page_hash: str) -> list[Path]:
