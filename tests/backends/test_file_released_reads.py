@@ -38,13 +38,19 @@ async def read_batch(store: FileBackend, keys: list[str], ranges: list[ByteRange
     return got, [bytes(b) for b in bufs]
 
 
+async def stored_patterns(tmp_path: Path) -> tuple[FileBackend, list[str]]:
+    """A file store holding one object of each of ``SIZES`` (``pattern`` bytes), and its keys."""
+    store = FileBackend(tmp_path / "s", io_threads=2)
+    keys = [f"{i:04x}" for i in range(len(SIZES))]
+    await store.put(keys, [pattern(n, i) for i, n in enumerate(SIZES)])
+    return store, keys
+
+
 @pytest.mark.parametrize("aligned", [True, False])
 async def test_the_released_path_reads_what_the_python_path_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aligned: bool
 ) -> None:
-    store = FileBackend(tmp_path / "s", io_threads=2)
-    keys = [f"{i:04x}" for i in range(len(SIZES))]
-    await store.put(keys, [pattern(n, i) for i, n in enumerate(SIZES)])
+    store, keys = await stored_patterns(tmp_path)
     asked = [*keys, "ffff", keys[0], keys[2]]
     ranges = [None] * len(keys) + [None, ByteRange(4096, 8192), ByteRange(100, 4196)]
     released = await read_batch(store, asked, ranges, aligned)
@@ -233,9 +239,7 @@ async def test_summed_reads_are_the_python_paths(
 ) -> None:
     # ``get_into_summed`` in one C call (reads and sums) against the base class's reads then
     # sums in Python: the same sizes, misses, bytes and checksums.
-    store = FileBackend(tmp_path / "s", io_threads=2)
-    keys = [f"{i:04x}" for i in range(len(SIZES))]
-    await store.put(keys, [pattern(n, i) for i, n in enumerate(SIZES)])
+    store, keys = await stored_patterns(tmp_path)
     asked = [*keys, "ffff"]
     spans = [[(0, 1), (0, n), (n // 2, n - n // 2)] for n in SIZES] + [[(0, 10)]]
 
