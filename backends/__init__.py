@@ -18,7 +18,7 @@ from __future__ import annotations
 from hicache_store.layout.errors import ConfigError
 
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer
-from .base import Backend, reads_are_uses, reads_not_counted
+from .base import Backend, PendingReads, reads_are_uses, reads_not_counted
 from .errors import (
     BackendClosedError,
     BackendError,
@@ -73,6 +73,7 @@ __all__ = [
     "NotFoundError",
     "NotSupportedError",
     "ObjectStat",
+    "PendingReads",
     "OutOfSpaceError",
     "UnknownBackendError",
     "UnsafeIndexError",

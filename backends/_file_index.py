@@ -197,6 +197,7 @@ class ObjectIndex(Protocol):
 
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
     def exists_if_current(self, keys: Sequence[str]) -> list[bool] | None: ...
+    def exists_recent(self, keys: Sequence[str], max_age_s: float) -> list[bool] | None: ...
     def key_pages(self, prefix: str) -> Iterator[list[str]]: ...
     def entry_pages(self, prefix: str) -> Iterator[list[tuple[str, int, float]]]: ...
     def reserve(self, keys: Sequence[str], sizes: Sequence[int], capacity: int) -> Reservation: ...
@@ -228,6 +229,7 @@ class _Membership:
     snapshot: Snapshot = field(default_factory=lambda: Snapshot(np.zeros(0, dtype=np.uint64)))
     delta: Delta = field(default_factory=Delta)
     data_version: int = -1
+    refreshed_at: float = float("-inf")  # (monotonic) when its last refresh began
 
 
 class FileIndex:
@@ -266,6 +268,8 @@ class FileIndex:
         self._conn_lock = threading.Lock()
         self._view = _Membership()
         self._view_lock = threading.Lock()  # guards _view and _feed
+        self._local = threading.local()  # per thread: whether its write transaction changed the set
+        self._changed_at = float("-inf")  # (monotonic) this process's last commit that did
         self._feed: sqlite3.Connection | None = None
         self._walk = walk
         #: which database file the connections are for (``_check_replaced``); a connection
@@ -351,11 +355,14 @@ class FileIndex:
         """One write transaction (``BEGIN IMMEDIATE``: takes the write lock up front, so two
         writers never deadlock upgrading; waits up to ``lock_timeout`` for it)."""
         con = self._con()
+        self._local.changed = False
         with self._translated():
             con.execute("BEGIN IMMEDIATE")
             try:
                 yield con
                 con.execute("COMMIT")
+                if self._local.changed:  # (``exists_recent``: the view is older than this)
+                    self._changed_at = time.monotonic()
             except BaseException:
                 if con.in_transaction:  # SQLite may have rolled back already (e.g. disk full)
                     con.execute("ROLLBACK")
@@ -526,6 +533,25 @@ class FileIndex:
         finally:
             self._view_lock.release()
 
+    def exists_recent(self, keys: Sequence[str], max_age_s: float) -> list[bool] | None:
+        """``exists`` as of the last time the fingerprint set was brought up to date, if that
+        began at most ``max_age_s`` ago and after this process's last change of what is
+        stored, and no other thread is using the set; otherwise None. No I/O, no SQLite call,
+        never waits: for a thread that must not release the GIL (a scheduler), which accepts
+        an answer that may miss other processes' changes of the last ``max_age_s`` (see
+        ``Backend.exists_now``); this process's own puts and deletes are never missed."""
+        if not self._view_lock.acquire(blocking=False):
+            return None
+        try:
+            refreshed = self._view.refreshed_at
+            if (self._feed is None or self._feed_generation != self._generation
+                    or refreshed <= self._changed_at
+                    or time.monotonic() - refreshed > max_age_s):
+                return None
+            return self._lookup(fingerprints(keys))
+        finally:
+            self._view_lock.release()
+
     def _lookup(self, fps: np.ndarray) -> list[bool]:
         """(caller holds ``_view_lock``)"""
         return lookup(self._view.snapshot, self._view.delta, fps)
@@ -542,6 +568,7 @@ class FileIndex:
 
         The feed connection never writes, so its ``data_version`` moves exactly when some
         other connection (this process's writers included) has committed."""
+        started = time.monotonic()  # every commit before this is in the view after it
         self._check_replaced()
         if self._feed is not None and self._feed_generation != self._generation:
             with self._conn_lock:
@@ -556,6 +583,7 @@ class FileIndex:
         feed = self._feed
         version = self._data_version()
         if version == view.data_version:
+            view.refreshed_at = started
             return
         for attempt in range(3):
             with self._read(feed) as con:
@@ -586,6 +614,7 @@ class FileIndex:
         # (Started here, a compaction's read of every row ran in the reading process, about
         # ten times the CPU of the ``exists`` call that noticed it, at 100 k objects.)
         view.data_version = version
+        view.refreshed_at = started
 
     def _map_snapshot(self, seq: int) -> np.ndarray:
         """The snapshot after change ``seq`` (-1: none yet, the empty set), mapped read-only."""
@@ -1017,6 +1046,7 @@ class FileIndex:
         (absent): one row for them all, numbered by its last change (changes are counted,
         rows are not)."""
         if fps:
+            self._local.changed = True
             con.execute("INSERT INTO feed (seq, recs, keys) VALUES (?, ?, ?)",
                         (self._feed_seq(con) + len(fps), encode_changes(fps, present),
                          "\n".join(keys)))

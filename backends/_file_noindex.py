@@ -84,6 +84,9 @@ class NoIndex:
     def exists_if_current(self, keys: Sequence[str]) -> list[bool] | None:
         return None  # every answer costs I/O: never on the caller's thread
 
+    def exists_recent(self, keys: Sequence[str], max_age_s: float) -> list[bool] | None:
+        return None  # (nothing in memory)
+
     def key_pages(self, prefix: str) -> Iterator[list[str]]:
         """Keys starting with ``prefix``, one shard directory at a time (no order)."""
         for directory in self._list_shard_dirs():

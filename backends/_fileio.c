@@ -41,6 +41,14 @@
  * the result is ``(status, errno)``: 0 published; 1 a system call failed (``errno``) and the
  * temp file is removed. Every item is attempted whatever the others did.
  *
+ * ``start_read_files(items)`` is ``read_files`` on a thread of its own (a POSIX thread that never
+ * takes the GIL): it returns a ``ReadJob`` at once; ``job.done()`` tells, without waiting or
+ * releasing the GIL, whether every read has ended; ``job.wait()`` waits for them (GIL
+ * released) and returns what ``read_files`` would have. For a caller that polls from a thread
+ * already holding the GIL (an engine's scheduler loop): the reads need no Python thread, so no
+ * GIL hand-off stands between them and the poll that finds them done. The job holds the
+ * buffers until its reads have ended: one dropped before that waits for them first.
+ *
  * ``bind_xxh3(path)`` takes ``XXH3_64bits`` from the already loaded shared object ``path``
  * (the ``xxhash`` package's extension, whose hash every checksum of the library is): the
  * same code computes the sums here and in Python, so they cannot disagree.
@@ -52,6 +60,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -361,12 +371,13 @@ static PyObject *bind_xxh3(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(xxh3_64 != NULL);
 }
 
-static PyObject *read_files(PyObject *self, PyObject *arg) {
+/* Parse ``read_files`` items (GIL held); NULL with an exception set on a bad item. */
+static item_t *parse_items(PyObject *arg, Py_ssize_t *count_out) {
     PyObject *seq = PySequence_Fast(arg, "read_files: items must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     item_t *items = PyMem_Calloc(count ? count : 1, sizeof(item_t));
-    if (!items) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    if (!items) { Py_DECREF(seq); PyErr_NoMemory(); return NULL; }
     Py_ssize_t ready = 0;
     for (; ready < count; ready++) {
         item_t *it = &items[ready];
@@ -398,36 +409,129 @@ static PyObject *read_files(PyObject *self, PyObject *arg) {
         Py_DECREF(blist);
         if (spans && spans != Py_None && parse_spans(it, spans) != 0) goto fail;
     }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++) read_item(&items[i]);
-    Py_END_ALLOW_THREADS
-    PyObject *out = PyList_New(count);
-    if (out) {
-        for (Py_ssize_t i = 0; i < count; i++) {
-            PyObject *sums = PyTuple_New(items[i].summed ? items[i].nspans : 0);
-            for (Py_ssize_t k = 0; sums && items[i].summed && k < items[i].nspans; k++) {
-                PyObject *v = PyLong_FromUnsignedLongLong(items[i].sums[k]);
-                if (!v) { Py_CLEAR(sums); break; }
-                PyTuple_SET_ITEM(sums, k, v);
-            }
-            PyObject *r = sums ? Py_BuildValue("(iLLiN)", items[i].status, items[i].value,
-                                               items[i].size, items[i].flags, sums) : NULL;
-            if (!r) { Py_CLEAR(out); break; }
-            PyList_SET_ITEM(out, i, r);
-        }
-    }
-    release_items(items, count);
     Py_DECREF(seq);
-    return out;
+    *count_out = count;
+    return items;
 fail:
     release_items(items, ready + 1 <= count ? ready + 1 : count);
     Py_DECREF(seq);
     return NULL;
 }
 
+/* The ``(status, value, size, flags, sums)`` list of read items (GIL held). */
+static PyObject *results_of(item_t *items, Py_ssize_t count) {
+    PyObject *out = PyList_New(count);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *sums = PyTuple_New(items[i].summed ? items[i].nspans : 0);
+        for (Py_ssize_t k = 0; sums && items[i].summed && k < items[i].nspans; k++) {
+            PyObject *v = PyLong_FromUnsignedLongLong(items[i].sums[k]);
+            if (!v) { Py_CLEAR(sums); break; }
+            PyTuple_SET_ITEM(sums, k, v);
+        }
+        PyObject *r = sums ? Py_BuildValue("(iLLiN)", items[i].status, items[i].value,
+                                           items[i].size, items[i].flags, sums) : NULL;
+        if (!r) { Py_DECREF(out); return NULL; }
+        PyList_SET_ITEM(out, i, r);
+    }
+    return out;
+}
+
+static PyObject *read_files(PyObject *self, PyObject *arg) {
+    Py_ssize_t count = 0;
+    item_t *items = parse_items(arg, &count);
+    if (!items) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) read_item(&items[i]);
+    Py_END_ALLOW_THREADS
+    PyObject *out = results_of(items, count);
+    release_items(items, count);
+    return out;
+}
+
+/* ``start_read_files``' job: its items, read by a thread of its own. */
+typedef struct {
+    PyObject_HEAD
+    item_t *items;
+    Py_ssize_t count;
+    pthread_t thread;
+    int running;        /* a thread was started and not joined yet */
+    atomic_int done;    /* every read has ended (set last by the thread) */
+} ReadJob;
+
+static void *run_reads(void *arg) {
+    ReadJob *job = (ReadJob *)arg;
+    for (Py_ssize_t i = 0; i < job->count; i++) read_item(&job->items[i]);
+    atomic_store_explicit(&job->done, 1, memory_order_release);
+    return NULL;
+}
+
+/* Wait for the job's thread, GIL released (GIL held on entry and exit). */
+static void join_reads(ReadJob *job) {
+    if (!job->running) return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(job->thread, NULL);
+    Py_END_ALLOW_THREADS
+    job->running = 0;
+}
+
+static void ReadJob_dealloc(ReadJob *job) {
+    join_reads(job); /* the buffers are written until the reads end: only then released */
+    if (job->items) release_items(job->items, job->count);
+    Py_TYPE(job)->tp_free((PyObject *)job);
+}
+
+static PyObject *ReadJob_done(ReadJob *job, PyObject *unused) {
+    return PyBool_FromLong(atomic_load_explicit(&job->done, memory_order_acquire));
+}
+
+static PyObject *ReadJob_wait(ReadJob *job, PyObject *unused) {
+    join_reads(job);
+    return results_of(job->items, job->count);
+}
+
+static PyMethodDef readjob_methods[] = {
+    {"done", (PyCFunction)ReadJob_done, METH_NOARGS, "done() -> bool: every read has ended."},
+    {"wait", (PyCFunction)ReadJob_wait, METH_NOARGS,
+     "wait() -> [(status, value, size, flags, sums)]: the reads' outcomes, once they ended."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ReadJobType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hicache_store.backends._fileio.ReadJob",
+    .tp_basicsize = sizeof(ReadJob),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "File reads running on a thread of their own (start_read_files).",
+    .tp_dealloc = (destructor)ReadJob_dealloc,
+    .tp_methods = readjob_methods,
+};
+
+static PyObject *start_read_files(PyObject *self, PyObject *arg) {
+    Py_ssize_t count = 0;
+    item_t *items = parse_items(arg, &count);
+    if (!items) return NULL;
+    ReadJob *job = PyObject_New(ReadJob, &ReadJobType);
+    if (!job) { release_items(items, count); return NULL; }
+    job->items = items;
+    job->count = count;
+    job->running = 0;
+    atomic_init(&job->done, 0);
+    if (pthread_create(&job->thread, NULL, run_reads, job) == 0) {
+        job->running = 1;
+    } else { /* no thread to be had: read here, GIL released, and hand back a finished job */
+        Py_BEGIN_ALLOW_THREADS
+        run_reads(job);
+        Py_END_ALLOW_THREADS
+    }
+    return (PyObject *)job;
+}
+
 static PyMethodDef methods[] = {
     {"read_files", read_files, METH_O,
      "read_files(items) -> [(status, value, size, flags, sums)]: file reads, GIL released."},
+    {"start_read_files", start_read_files, METH_O,
+     "start_read_files(items) -> ReadJob: read_files on a thread of its own, without the GIL."},
     {"write_files", write_files, METH_O,
      "write_files(items) -> [(status, errno)]: temp-file writes and renames, GIL released."},
     {"bind_xxh3", bind_xxh3, METH_O,
@@ -439,4 +543,7 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_fileio", "Batched file reads (and their checksums) and writes without the GIL.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__fileio(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fileio(void) {
+    if (PyType_Ready(&ReadJobType) < 0) return NULL;
+    return PyModule_Create(&module);
+}

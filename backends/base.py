@@ -15,8 +15,10 @@ Public API (what callers use; implemented here, once, for every backend)::
 
     helpers: exists_prefix_length, exists_prefix_pages, get_ranges, put_if_absent, get_bytes,
              put_bytes
-    exists_now(keys)                  -> list[bool] | None  at once, or None (then exists)
+    exists_now(keys, max_age_s)       -> list[bool] | None  at once, or None (then exists)
+    exists_blocking(keys)             -> list[bool] | None  on the caller's own thread, or None
     get_into_summed(keys, buffers, spans) -> (bytes read, xxh3_64 of each span) per key
+    start_get_into_summed(...)        -> PendingReads (done / wait / result), or None
 
 Core (what a backend implements; the public method has already validated everything):
 ``_exists``, ``_get_into``, ``_put``, ``_delete``, ``_stat``; optionally ``_list_prefix``,
@@ -323,6 +325,42 @@ def _is_buffer(obj: object) -> bool:
     return True
 
 
+class PendingReads(abc.ABC):
+    """A ``get_into_summed`` under way in native code (``Backend.start_get_into_summed``).
+
+    ``done()`` never waits; ``wait()`` waits for the reads (the buffers are not written
+    after it returns); ``result()`` waits, then returns the bytes read and sums per key, or
+    raises what ``get_into_summed`` raises, the same each time it is called. Dropping the
+    handle waits for the reads before the buffers are let go."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._outcome: tuple[list[int | None], list[tuple[int, ...]]] | BaseException | None = None
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """Whether every read has ended (never waits)."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Wait for every read to end."""
+
+    @abc.abstractmethod
+    def _result(self) -> tuple[list[int | None], list[tuple[int, ...]]]:
+        """Wait, then the outcome of the reads (raising as ``get_into_summed``)."""
+
+    def result(self) -> tuple[list[int | None], list[tuple[int, ...]]]:
+        if self._outcome is None:
+            try:
+                self._outcome = self._result()
+                self._backend._count_reads(self._outcome[0])
+            except BaseException as exc:
+                self._outcome = exc
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
+
+
 class Backend(abc.ABC):
     """An async key-value object store holding KV-cache objects. See the module docstring.
 
@@ -516,12 +554,25 @@ class Backend(abc.ABC):
         checked = self._check_keys(keys, "exists")
         return await self._exists(checked) if checked else []
 
-    def exists_now(self, keys: Sequence[str]) -> list[bool] | None:
+    def exists_now(self, keys: Sequence[str], max_age_s: float = 0.0) -> list[bool] | None:
         """``exists`` answered at once on the caller's thread, or None when this backend
         cannot answer without waiting (I/O, or a lock another thread holds): then call
         ``exists``. For callers that must not block but gain from an answer now (a
-        scheduler deciding whether a request waits a step for its lookup). The default
-        answers None."""
+        scheduler deciding whether a request waits a step for its lookup). ``max_age_s`` > 0
+        accepts an answer that may miss the changes of the last ``max_age_s`` seconds (the
+        file backend's in-memory index as last brought up to date, with no database call
+        at all): for a caller to whom a stale answer costs only a miss (recompute) or a
+        failed read (then a miss). The default answers None."""
+        return None
+
+    def exists_blocking(self, keys: Sequence[str]) -> list[bool] | None:
+        """``exists`` answered on the caller's thread, which may wait for this backend's local
+        I/O (an index on the local disk), or None when this backend cannot answer without its
+        event loop: then call ``exists``. For a thread of the caller's own that may block but
+        should not hand each check to the library's loop and back (vLLM's lookup thread,
+        where every hand-off waits for the GIL behind the engine's busy scheduler loop).
+        Never call it on an event loop's thread. Raises what ``exists`` raises (a closed
+        backend, an invalid key). The default answers None."""
         return None
 
     async def get_into(
@@ -562,11 +613,7 @@ class Backend(abc.ABC):
         if not checked:
             return []
         results = await self._guarded(self._fetch_into(checked, views, list(ranges)))
-        self.stats.reads += len(checked)
-        for n in results:
-            if n is not None:
-                self.stats.read_hits += 1
-                self.stats.bytes_read += n
+        self._count_reads(results)
         return results
 
     async def get_scatter(
@@ -674,6 +721,39 @@ class Backend(abc.ABC):
         ``get_into``. For readers that verify checksummed objects (``objects.ObjectIO``):
         where ``sums_reads`` is True the hashing costs no pass and no hand-off of its own.
         """
+        checked, views, plans = self._summed_plan(keys, buffers, spans)
+        if not checked:
+            return [], []
+        results, sums = await self._guarded(self._get_into_summed(checked, views, plans))
+        self._count_reads(results)
+        return results, sums
+
+    def start_get_into_summed(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[BufferLike],
+        spans: Sequence[Sequence[tuple[int, int]]],
+    ) -> PendingReads | None:
+        """Start ``get_into_summed`` without the library's loop and without a Python thread
+        (the reads run in native code that never takes the GIL), or return None, having read
+        nothing, where this backend cannot (then call ``get_into_summed``). The handle's
+        ``done()`` answers at once, ``result()`` waits for the reads and returns or raises what
+        ``get_into_summed`` would (its checks, raised here before anything is read, too). The
+        buffers are written until ``done()`` is True, ``wait()`` or ``result()`` has returned,
+        or the dropped handle has been collected (which waits for the reads). No deadline
+        applies: for a caller that polls from a thread holding the GIL (vLLM's scheduler: a
+        load job of a few local objects found done with no thread hand-off). Statistics count
+        the reads when the result is taken."""
+        checked, views, plans = self._summed_plan(keys, buffers, spans)
+        return self._start_get_into_summed(checked, views, plans) if checked else None
+
+    def _summed_plan(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[BufferLike],
+        spans: Sequence[Sequence[tuple[int, int]]],
+    ) -> tuple[list[str], list[memoryview], list[list[tuple[int, int]]]]:
+        """The checked keys, byte views and spans of a ``get_into_summed`` call."""
         self._check_open("get_into")
         checked = self._check_keys(keys, "get_into")
         if not len(buffers) == len(spans) == len(checked):
@@ -686,15 +766,14 @@ class Backend(abc.ABC):
                 if off < 0 or length < 0 or off + length > len(view):
                     raise ValueError(f"get_into_summed: span ({off}, {length}) outside a buffer "
                                      f"of {len(view)} bytes")
-        if not checked:
-            return [], []
-        results, sums = await self._guarded(self._get_into_summed(checked, views, plans))
-        self.stats.reads += len(checked)
+        return checked, views, plans
+
+    def _count_reads(self, results: Sequence[int | None]) -> None:
+        self.stats.reads += len(results)
         for n in results:
             if n is not None:
                 self.stats.read_hits += 1
                 self.stats.bytes_read += n
-        return results, sums
 
     async def _get_into_summed(
         self, keys: list[str], views: list[memoryview], spans: list[list[tuple[int, int]]]
@@ -704,6 +783,12 @@ class Backend(abc.ABC):
         results = await self._fetch_into(keys, views, [None] * len(keys))
         sums = [span_sums(view, plan, n) for view, plan, n in zip(views, spans, results, strict=True)]
         return results, sums
+
+    def _start_get_into_summed(
+        self, keys: list[str], views: list[memoryview], spans: list[list[tuple[int, int]]]
+    ) -> PendingReads | None:
+        """The core of ``start_get_into_summed`` (a non-empty batch): None unless overridden."""
+        return None
 
     async def put(self, keys: Sequence[str], buffers: Sequence[BufferLike]) -> None:
         """Store each buffer under its key; each object becomes visible all at once.

@@ -104,6 +104,7 @@ import fcntl
 import importlib
 import itertools
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -131,7 +132,7 @@ from ._file_site import (
     root_site,
 )
 from ._pagecache import SecondTouch, is_cached
-from .base import Backend, abandonable, gather_settled, reads_are_uses, scatter_views
+from .base import Backend, PendingReads, abandonable, gather_settled, reads_are_uses, scatter_views
 from .errors import (
     BackendError,
     BackendIOError,
@@ -194,6 +195,7 @@ def _bind_xxh3() -> bool:
 _SUMS_IN_C = _bind_xxh3()
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def shard_of(key: str) -> tuple[str, str]:
@@ -497,12 +499,25 @@ class FileBackend(Backend):
                 return hits
         return await self._run(self._translated, "exists", None, self._index.exists, keys)
 
-    def exists_now(self, keys: Sequence[str]) -> list[bool] | None:
-        # docstring inherited. The index's fingerprint set when it is current and free (a
-        # memory lookup; ``exists_if_current`` never waits on I/O or a lock).
+    def exists_now(self, keys: Sequence[str], max_age_s: float = 0.0) -> list[bool] | None:
+        # docstring inherited. The index's fingerprint set when it is recent enough, else when
+        # it is current, and free (a memory lookup; neither ``exists_recent`` nor
+        # ``exists_if_current`` waits on I/O or a lock, and the first makes no SQLite call).
         if self._closed or len(keys) > _INLINE_EXISTS:
             return None
-        return self._index.exists_if_current(self._check_keys(keys, "exists"))
+        checked = self._check_keys(keys, "exists")
+        if max_age_s > 0:
+            recent = self._index.exists_recent(checked, max_age_s)
+            if recent is not None:
+                return recent
+        return self._index.exists_if_current(checked)
+
+    def exists_blocking(self, keys: Sequence[str]) -> list[bool] | None:
+        # docstring inherited. The index's ``exists`` on the caller's thread (thread-safe: each
+        # thread has its own SQLite connection), as the pool would run it.
+        self._check_open("exists")
+        checked = self._check_keys(keys, "exists")
+        return self._translated("exists", None, self._index.exists, checked) if checked else []
 
     def _stat_paths(self, keys: Sequence[str]) -> list[ObjectStat | None]:
         out: list[ObjectStat | None] = []
@@ -582,6 +597,16 @@ class FileBackend(Backend):
     ) -> tuple[list[int | None], list[tuple[int, ...]]]:
         """``_read_run_released``, and with ``spans`` (per item, ``_SUMS_IN_C`` only) the
         checksums of those spans of each item's bytes, computed in the same GIL-free call."""
+        batch, hashes = self._c_batch(items, spans)
+        return self._judged_batch(items, _fileio.read_files(batch), hashes)
+
+    def _c_batch(
+        self,
+        items: Sequence[tuple[str, Sequence[memoryview], ByteRange | None]],
+        spans: Sequence[Sequence[tuple[int, int]]] | None,
+    ) -> tuple[list[Any], list[int]]:
+        """The ``_fileio`` items of a run of reads, and (page cache ``second`` only) each
+        key's hash for ``_second_touch``."""
         second = self.direct_io and self.page_cache == "second"
         hashes = [xxhash.xxh3_64_intdigest(key.encode()) for key, _, _ in items] if second else []
         batch: list[Any] = []
@@ -591,17 +616,29 @@ class FileBackend(Backend):
             start, length = (0, -1) if rng is None else (rng.start, rng.length)
             item = (self._final_path(key), list(views), start, length, direct)
             batch.append(item if spans is None else (*item, spans[i]))
+        return batch, hashes
+
+    def _judged_batch(
+        self,
+        items: Sequence[tuple[str, Sequence[memoryview], ByteRange | None]],
+        outcomes: Sequence[tuple[int, int, int, int, tuple[int, ...]]],
+        hashes: list[int],
+        missing: list[str] | None = None,
+    ) -> tuple[list[int | None], list[tuple[int, ...]]]:
+        """The bytes read and sums of a run's ``_fileio`` outcomes (``_judged`` each; the
+        first error raised once all are judged); ``missing`` collects the keys whose index
+        entry needs repair instead of repairing them here."""
         results: list[int | None] = []
         sums: list[tuple[int, ...]] = []
         error: BaseException | None = None
         for i, ((key, views, rng), (status, value, size, flags, item_sums)) in enumerate(
-            zip(items, _fileio.read_files(batch), strict=True)
+            zip(items, outcomes, strict=True)
         ):
-            if second and flags & _COLD_ALIGNED == _COLD_ALIGNED:
+            if hashes and flags & _COLD_ALIGNED == _COLD_ALIGNED:
                 self._second_touch.admit(hashes[i])  # a cold read, as _use_page_cache counts it
             sums.append(item_sums)
             try:
-                results.append(self._judged(key, views, rng, status, value, size))
+                results.append(self._judged(key, views, rng, status, value, size, missing))
             except BaseException as exc:
                 error = error or exc
                 results.append(None)
@@ -628,17 +665,79 @@ class FileBackend(Backend):
         await self._after_reads(keys, results)
         return results, sums
 
+    def _start_get_into_summed(
+        self, keys: list[str], views: list[memoryview], spans: list[list[tuple[int, int]]]
+    ) -> PendingReads | None:
+        # docstring inherited. The C call of ``_get_into_summed`` on a thread of its own that
+        # never takes the GIL (``_fileio.start_read_files``): a caller polling from a thread
+        # that holds the GIL (vLLM's scheduler loop) finds it done with no thread hand-off.
+        if not self.sums_reads:
+            return None
+        items: list[tuple[str, Sequence[memoryview], ByteRange | None]] = [
+            (key, [view], None) for key, view in zip(keys, views, strict=True)]
+        batch, hashes = self._c_batch(items, spans)
+        return _FilePendingReads(self, items, _fileio.start_read_files(batch), hashes)
+
+    def _finish_reads(
+        self,
+        items: Sequence[tuple[str, Sequence[memoryview], ByteRange | None]],
+        outcomes: Sequence[tuple[int, int, int, int, tuple[int, ...]]],
+        hashes: list[int],
+    ) -> tuple[list[int | None], list[tuple[int, ...]]]:
+        """``_judged_batch`` for a caller that must not wait for the index (a scheduler
+        thread): repairs of missing objects' entries and the due write of the reads'
+        recency go to the pool (each SQLite call waits for the GIL: tens of ms on a thread
+        racing an engine's busy loop for it)."""
+        missing: list[str] = []
+        try:
+            results, sums = self._judged_batch(items, outcomes, hashes, missing)
+        finally:
+            if missing:
+                self._to_pool(self._repair_quietly, missing)
+        if reads_are_uses():
+            hits = [key for (key, _, _), n in zip(items, results, strict=True) if n is not None]
+            if hits and self._index.touch(hits):
+                self._to_pool(self._flush_touches_quietly)
+        return results, sums
+
+    def _to_pool(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run bookkeeping on the pool without waiting for it (closing: the pool refuses it,
+        and close() writes the buffered touches itself; a repair not made is made by the
+        next read of that key)."""
+        with contextlib.suppress(RuntimeError):
+            self._pool.submit(fn, *args)
+
+    def _repair_quietly(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self._index.repair_missing(key)
+            except Exception as exc:
+                log.warning("%s: repairing the index entry of %s failed: %r", self.name, key, exc)
+
+    def _flush_touches_quietly(self) -> None:
+        """``flush_touches`` on the pool for a caller that does not wait: recency is best
+        effort (the next flush writes what this one could not)."""
+        try:
+            self._index.flush_touches()
+        except Exception as exc:
+            log.warning("%s: writing read recency to the index failed: %r", self.name, exc)
+
     def _judged(
         self, key: str, views: Sequence[memoryview], rng: ByteRange | None, status: int,
-        value: int, size: int,
+        value: int, size: int, missing: list[str] | None = None,
     ) -> int | None:
-        """One ``_fileio.read_files`` outcome as ``_read_into`` reports it (see ``_fileio.c``)."""
+        """One ``_fileio.read_files`` outcome as ``_read_into`` reports it (see ``_fileio.c``);
+        a missing file's index entry is repaired here, or its key added to ``missing``."""
         path = self._final_path(key)
         if status == 0:
             return value
         if status == 1:
             if value == errno.ENOENT:
-                self._index.repair_missing(key)  # evicted or deleted by someone else: a miss
+                # evicted or deleted by someone else: a miss
+                if missing is None:
+                    self._index.repair_missing(key)
+                else:
+                    missing.append(key)
                 return None
             raise translate_os_error(OSError(value, os.strerror(value), path),
                                      backend=self.name, operation="get_into", key=key)
@@ -1149,3 +1248,25 @@ def _pwrite_direct(fd: int, view: memoryview) -> None:
         block[tail:] = bytes(DIRECT_ALIGNMENT - tail)
         _pwrite_exact(fd, block, body)
         os.ftruncate(fd, length)
+
+
+class _FilePendingReads(PendingReads):
+    """A ``FileBackend`` run of reads on ``_fileio``'s own thread (``start_get_into_summed``)."""
+
+    def __init__(
+        self, backend: FileBackend,
+        items: list[tuple[str, Sequence[memoryview], ByteRange | None]], job: Any,
+        hashes: list[int],
+    ) -> None:
+        super().__init__(backend)
+        self._file, self._items, self._job, self._hashes = backend, items, job, hashes
+        # job: a ``_fileio.ReadJob``
+
+    def done(self) -> bool:
+        return bool(self._job.done())
+
+    def wait(self) -> None:
+        self._job.wait()
+
+    def _result(self) -> tuple[list[int | None], list[tuple[int, ...]]]:
+        return self._file._finish_reads(self._items, self._job.wait(), self._hashes)

@@ -125,8 +125,9 @@ class JobMeter:
                 submitted[job.job_id] = (kind, time.perf_counter())
                 out = inner(job)
                 ours = getattr(tier, "_jobs", {}).get(job.job_id)
-                if ours is not None and hasattr(ours, "future"):  # HiCacheStoreTier
+                if getattr(ours, "future", None) is not None:  # HiCacheStoreTier on its loop
                     ours.future.add_done_callback(lambda _f, j=job.job_id: self.ended(j))
+                # (its native loads end when get_finished_jobs finds their reads done)
                 return out
 
             setattr(tier, f"submit_{kind}", submit)

@@ -26,6 +26,7 @@ from .io import (
     Frame,
     IOStats,
     ObjectIO,
+    PendingFrames,
 )
 from .pages import L3Link
 from .sealed import SealedFormat
@@ -44,6 +45,7 @@ __all__ = [
     "ObjectFormat",
     "ObjectIO",
     "PAGE_UNIFIED",
+    "PendingFrames",
     "PageUnifiedFormat",
     "format_for",
     "SealedFormat",

@@ -45,7 +45,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from hicache_store.backends.base import Backend, gather_settled
+from hicache_store.backends.base import Backend, PendingReads, gather_settled
 from hicache_store.backends.errors import InvalidRangeError
 from hicache_store.backends.types import ByteRange
 from hicache_store.layout.errors import (
@@ -404,12 +404,7 @@ class ObjectIO:
         (``read_frame``), so that only that object is corrupt. A backend failure or the
         batch's deadline (``deadline.seconds`` of all the frames' bytes) raises.
         """
-        if len(keys) != len(frames):
-            raise ValueError(f"read_frames: {len(keys)} keys but {len(frames)} frames")
-        headers = [self.header_bytes(key.coords.num_layers) for key in keys]
-        for key, frame, header_len in zip(keys, frames, headers, strict=True):
-            if len(frame) <= header_len:
-                raise ValueError(f"{key}: a frame of {len(frame)} bytes has no payload")
+        headers = self._frame_headers(keys, frames)
         if not keys:
             return []
         total = sum(len(frame) for frame in frames)
@@ -437,20 +432,62 @@ class ObjectIO:
                 out.append(None)
                 continue
             try:
-                if n != len(frame):
-                    raise TruncatedObjectError(
-                        f"{storage_keys[i]}: stored {n} bytes, the frame is {len(frame)}")
-                header = self.format.open_header(key, frame[:header_len],
-                                                 payload_bytes=len(frame) - header_len)
-                first, stop = key.coords.layer_start, key.coords.layer_stop
-                if sums is not None:
-                    check_block_sums(header, sums[i], first, stop)
-                else:
-                    await self._open(header, frame[header_len:], first, stop)
+                header = self._framed(key, storage_keys[i], frame, header_len, n,
+                                      None if sums is None else sums[i])
+                if sums is None:
+                    await self._open(header, frame[header_len:], key.coords.layer_start,
+                                     key.coords.layer_stop)
                 out.append(header)
             except CorruptObjectError as exc:
                 out.append(exc)
         return out
+
+    def start_read_frames(
+        self, keys: Sequence[ObjectKey], frames: Sequence[memoryview]
+    ) -> PendingFrames | None:
+        """Start ``read_frames`` in the backend's native code (``Backend.start_get_into_summed``:
+        the reads and their checksums run without the GIL and without a Python thread), for
+        objects of the plain framed format; else None, having read nothing (then call
+        ``read_frames``). The handle's ``result()`` verifies and returns what ``read_frames``
+        returns, except that an object stored larger than its frame raises
+        ``InvalidRangeError`` for the batch (``read_frames`` then finds it). No read budget and
+        no deadline: the backend's path is local I/O and the caller bounds its own batches."""
+        headers = self._frame_headers(keys, frames)
+        spans = self._block_spans(keys, frames, headers) if keys else None
+        if spans is None:
+            return None
+        storage_keys = [self.storage_key(k) for k in keys]
+        reads = self.backend.start_get_into_summed(storage_keys, list(frames), spans)
+        if reads is None:
+            return None
+        return PendingFrames(self, list(keys), list(frames), headers, storage_keys, reads)
+
+    def _frame_headers(self, keys: Sequence[ObjectKey], frames: Sequence[memoryview]) -> list[int]:
+        """The header length of each frame of a ``read_frames`` call (checked to leave room
+        for a payload)."""
+        if len(keys) != len(frames):
+            raise ValueError(f"read_frames: {len(keys)} keys but {len(frames)} frames")
+        headers = [self.header_bytes(key.coords.num_layers) for key in keys]
+        for key, frame, header_len in zip(keys, frames, headers, strict=True):
+            if len(frame) <= header_len:
+                raise ValueError(f"{key}: a frame of {len(frame)} bytes has no payload")
+        return headers
+
+    def _framed(
+        self, key: ObjectKey, storage_key: str, frame: memoryview, header_len: int, n: int,
+        sums: tuple[int, ...] | None,
+    ) -> ObjectHeader:
+        """The checked header of a frame read whole (``n`` bytes stored), its blocks checked
+        against ``sums`` where the backend computed them (else the caller opens the payload).
+        Raises ``CorruptObjectError``: a stored size other than the frame's, a header that
+        does not name ``key``, a block whose checksum differs."""
+        if n != len(frame):
+            raise TruncatedObjectError(f"{storage_key}: stored {n} bytes, the frame is {len(frame)}")
+        header = self.format.open_header(key, frame[:header_len],
+                                         payload_bytes=len(frame) - header_len)
+        if sums is not None:
+            check_block_sums(header, sums, key.coords.layer_start, key.coords.layer_stop)
+        return header
 
     def _block_spans(
         self, keys: Sequence[ObjectKey], frames: Sequence[memoryview], headers: Sequence[int]
@@ -780,3 +817,37 @@ def _parsed(storage_key: str) -> ObjectKey | None:
         return parse_key(storage_key)
     except InvalidKeyError:
         return None
+
+
+class PendingFrames:
+    """A ``read_frames`` under way in a backend's native code (``ObjectIO.start_read_frames``):
+    ``done()`` never waits, ``wait()`` waits for the reads (the frames are not written after
+    it returns), ``result()`` waits and verifies (see ``start_read_frames``)."""
+
+    def __init__(
+        self, io: ObjectIO, keys: list[ObjectKey], frames: list[memoryview], headers: list[int],
+        storage_keys: list[str], reads: PendingReads,
+    ) -> None:
+        self._io, self._keys, self._frames, self._headers = io, keys, frames, headers
+        self._storage_keys, self._reads = storage_keys, reads
+
+    def done(self) -> bool:
+        return self._reads.done()
+
+    def wait(self) -> None:
+        self._reads.wait()
+
+    def result(self) -> list[ObjectHeader | CorruptObjectError | None]:
+        got, sums = self._reads.result()
+        out: list[ObjectHeader | CorruptObjectError | None] = []
+        for i, (key, frame, header_len, n) in enumerate(
+                zip(self._keys, self._frames, self._headers, got, strict=True)):
+            if n is None:
+                out.append(None)
+                continue
+            try:
+                out.append(self._io._framed(key, self._storage_keys[i], frame, header_len, n,
+                                            sums[i]))
+            except CorruptObjectError as exc:
+                out.append(exc)
+        return out

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from file_audit import audit, snapshot_files
 
-from hicache_store.backends import BackendUnavailableError, aligned_buffer
+from hicache_store.backends import BackendClosedError, BackendUnavailableError, aligned_buffer
 from hicache_store.backends import _file_index as index_module
 from hicache_store.backends._pagecache import is_cached
 from hicache_store.backends.file import FileBackend
@@ -573,3 +573,36 @@ def test_a_torn_feed_row_is_refused() -> None:
     assert list(fpmod.decode_changes(blob)["fp"]) == [1, 2]
     with pytest.raises(ValueError, match="whole number of records"):
         fpmod.decode_changes(blob[:-1])
+
+
+async def test_a_recent_answer_never_misses_this_processs_changes_and_ages_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``exists_now(max_age_s=...)``: the in-memory set as last brought up to date, with no
+    # database call, only while that began after this process's last put or delete and at
+    # most ``max_age_s`` ago; other processes' writes of that window may be missed.
+    store = FileBackend(tmp_path / "s", durability="none")
+    await store.put(["a0"], [b"mine"])
+    assert store.exists_now(["a0"], max_age_s=60) is None  # the put is newer than the set
+    assert await store.exists(["a0"]) == [True]  # brings it up to date
+    assert store.exists_now(["a0", "b0"], max_age_s=60) == [True, False]
+    write_in_child(tmp_path / "s", ["b0"])
+    # another process's write, not seen yet: the recent answer misses it, an exact one cannot
+    # be had at once, a blocking one (the caller's thread) finds it
+    assert store.exists_now(["b0"], max_age_s=60) == [False]
+    assert store.exists_now(["b0"]) is None
+    assert store.exists_blocking(["b0", "c0"]) == [True, False]
+    assert store.exists_now(["b0"], max_age_s=60) == [True]
+    await store.delete(["a0"])
+    assert store.exists_now(["a0"], max_age_s=60) is None  # this process's delete
+    assert store.exists_blocking(["a0"]) == [False]
+    clock = [time.monotonic()]
+    monkeypatch.setattr(index_module.time, "monotonic", lambda: clock[0])
+    assert store.exists_now(["b0"], max_age_s=1.0) == [True]
+    clock[0] += 1.5
+    assert store.exists_now(["b0"], max_age_s=1.0) is None  # too old now
+    monkeypatch.undo()
+    await store.close()
+    with pytest.raises(BackendClosedError):
+        store.exists_blocking(["b0"])
+    assert store.exists_now(["b0"], max_age_s=60) is None

@@ -13,7 +13,7 @@ import pytest
 from hicache_store.backends import aligned_buffer
 from hicache_store.backends import file as file_module
 from hicache_store.backends._pagecache import is_cached
-from hicache_store.backends.errors import BackendIOError, InvalidRangeError
+from hicache_store.backends.errors import BackendClosedError, BackendIOError, InvalidRangeError
 from hicache_store.backends.file import FileBackend
 from hicache_store.backends.types import ByteRange
 
@@ -312,4 +312,84 @@ async def test_a_failed_write_fails_its_own_key_and_leaves_no_temp_file(
     assert await store.get_bytes("aaaa") == b"a" * 5000
     assert store.path_of("bbbb").is_dir()
     assert list((store.root / "tmp").iterdir()) == []
+    await store.close()
+
+
+def test_reads_started_on_their_own_thread_are_read_files_own(tmp_path: Path) -> None:
+    # ``start_read_files`` runs the same reads on a thread that never takes the GIL: the
+    # caller polls ``done`` (held GIL, no wait) and takes ``wait``'s outcomes, equal to
+    # ``read_files``' for the same items (bytes, misses, errors and sums).
+    paths = [tmp_path / f"f{i}" for i in range(3)]
+    for i, path in enumerate(paths):
+        path.write_bytes(pattern(5000 + i, i))
+    items_of = [(str(p), 6000, [(0, 100), (100, 4900)]) for p in paths]
+    items_of.append((str(tmp_path / "none"), 10, [(0, 10)]))
+    items_of.append((str(paths[0]), 100, []))  # does not fit: status 3
+
+    def items() -> tuple[list[bytearray], list[tuple[object, ...]]]:
+        bufs = [bytearray(n) for _, n, _ in items_of]
+        return bufs, [(p, [b], 0, -1, False, spans) for (p, _, spans), b in zip(items_of, bufs, strict=True)]
+
+    bufs, batch = items()
+    expected = fileio.read_files(batch)
+    started_bufs, started = items()
+    job = fileio.start_read_files(started)
+    while not job.done():
+        pass
+    assert job.wait() == expected and job.wait() == expected  # the same, each time
+    assert started_bufs == bufs
+    assert [status for status, *_ in expected] == [0, 0, 0, 1, 3]
+    # Dropped before its reads end, a job waits for them before it lets its buffers go.
+    for _ in range(20):
+        fileio.start_read_files(items()[1])
+    # Bad items are refused before any thread starts, as read_files refuses them.
+    with pytest.raises(BufferError):
+        fileio.start_read_files([(str(paths[0]), [b"read-only"], 0, -1, False)])
+
+
+async def test_a_started_summed_read_is_get_into_summeds_own(tmp_path: Path) -> None:
+    # ``start_get_into_summed``: the same sizes, misses, bytes, sums and statistics as
+    # ``get_into_summed``; a miss repairs the index (on the pool, not the caller's thread);
+    # an error is raised by ``result`` (each time), a bad span before anything is read.
+    store, keys = await stored_patterns(tmp_path)
+    store.path_of(keys[1]).unlink()  # gone behind the index's back
+    asked = [*keys, "ffff"]
+    spans = [[(0, 1), (0, n)] for n in SIZES] + [[(0, 10)]]
+
+    def buffers() -> list[memoryview]:
+        return [aligned_buffer(70_000) for _ in asked]
+
+    expected_bufs = buffers()
+    expected = await store.get_into_summed(asked, expected_bufs, spans)
+    assert expected[0][1] is None and expected[0][-1] is None
+    reads_before = store.stats.reads
+    bufs = buffers()
+    pending = store.start_get_into_summed(asked, bufs, spans)
+    assert pending is not None
+    pending.wait()
+    assert pending.done()
+    assert pending.result() == expected and pending.result() == expected
+    assert [bytes(b) for b in bufs] == [bytes(b) for b in expected_bufs]
+    assert store.stats.reads == reads_before + len(asked)  # counted once
+    # an object larger than its buffer: InvalidRangeError from result(), as get_into_summed
+    pending = store.start_get_into_summed([keys[2]], [bytearray(100)], [[(0, 100)]])
+    assert pending is not None
+    for _ in range(2):
+        with pytest.raises(InvalidRangeError):
+            pending.result()
+    with pytest.raises(ValueError, match="outside a buffer"):
+        store.start_get_into_summed(keys[:1], [bytearray(10)], [[(5, 6)]])
+    await store.close()
+    with pytest.raises(BackendClosedError):
+        store.start_get_into_summed(keys[:1], [bytearray(10)], [[(0, 10)]])
+
+
+async def test_without_the_accelerator_nothing_is_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, keys = await stored_patterns(tmp_path)
+    monkeypatch.setattr(file_module, "_fileio", None)
+    buf = bytearray(70_000)
+    assert store.start_get_into_summed(keys[:1], [buf], [[(0, 10)]]) is None
+    assert buf == bytearray(70_000)  # nothing read
     await store.close()

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hicache_store.backends import Backend, InvalidRangeError, open_backend
 from hicache_store.backends import file as file_module
-from hicache_store.backends import open_backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
 from hicache_store.layout.errors import (
     CorruptObjectError,
@@ -45,6 +45,33 @@ def frame_of(io: ObjectIO, data: np.ndarray, page_hash: str) -> Frame:
 HASHES = [f"{i + 1:064x}" for i in range(6)]
 
 
+async def store_intact(io: ObjectIO, n: int) -> list[bytes]:
+    """Store the first ``n`` of ``HASHES`` intact; their objects' bytes."""
+    stored = [frame_of(io, payload(i), h) for i, h in enumerate(HASHES[:n])]
+    assert await io.put(stored) == [True] * n
+    return [bytes(f.buffer) for f in stored]
+
+
+async def store_as_is(backend: Backend, objects: dict[int, bytes]) -> None:
+    """Store raw bytes under the names of ``HASHES[i]`` (damaged objects)."""
+    for i, data in objects.items():
+        name = format_key(key(HASHES[i]))
+        await backend.delete([name])
+        await backend.put([name], [data])
+
+
+def flipped(data: bytes) -> bytes:
+    """``data`` with one payload bit flipped (near its end)."""
+    return data[:-5] + bytes([data[-5] ^ 1]) + data[-4:]
+
+
+def backend_for(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    """``file`` (its C reads where built), ``file-python`` (without them) or a memory URL."""
+    if url == "file-python":
+        monkeypatch.setattr(file_module, "_fileio", None)
+    return open_backend(f"file://{tmp_path}/s" if url.startswith("file") else url)
+
+
 def frames_for(io: ObjectIO, n: int) -> list[memoryview]:
     size = io.header_bytes(4) + PAYLOAD
     return [memoryview(bytearray(size)) for _ in range(n)]
@@ -56,25 +83,14 @@ async def test_every_kind_of_object_gets_its_own_outcome(
 ) -> None:
     # "file": reads and checksums in one C call where the accelerator is built
     # (``get_into_summed``); "file-python": the pure-Python reads, verified after.
-    if url == "file-python":
-        monkeypatch.setattr(file_module, "_fileio", None)
-    backend = open_backend(f"file://{tmp_path}/s" if url.startswith("file") else url)
+    backend = backend_for(url, tmp_path, monkeypatch)
     assert backend.sums_reads == (url == "file" and file_module._SUMS_IN_C)
     io = ObjectIO(backend, NS)
-    stored = [frame_of(io, payload(i), h) for i, h in enumerate(HASHES[:5])]
-    assert await io.put(stored) == [True] * 5
-    originals = [bytes(f.buffer) for f in stored]
+    originals = await store_intact(io, 5)
     # 0 intact, 1 truncated, 2 one payload byte flipped, 3 stored longer than its frame,
     # 4 intact, 5 never stored.
-    damaged = {
-        1: originals[1][:-1],
-        2: originals[2][:-5] + bytes([originals[2][-5] ^ 1]) + originals[2][-4:],
-        3: originals[3] + b"\0" * 16,
-    }
-    for i, data in damaged.items():
-        name = format_key(key(HASHES[i]))
-        await backend.delete([name])
-        await backend.put([name], [data])
+    await store_as_is(backend, {1: originals[1][:-1], 2: flipped(originals[2]),
+                                3: originals[3] + b"\0" * 16})
     frames = frames_for(io, 6)
     got = await io.read_frames([key(h) for h in HASHES], frames)
     assert isinstance(got[0], ObjectHeader) and isinstance(got[4], ObjectHeader)
@@ -162,4 +178,46 @@ async def test_put_together_refuses_a_frame_without_payload_before_storing(tmp_p
     with pytest.raises(ValueError, match="no payload"):
         await io.put_together([good, empty])
     assert await backend.exists([format_key(key(HASHES[0]))]) == [False]
+    await backend.close()
+
+
+@pytest.mark.parametrize("url", ["file", "file-python", "memory://"])
+async def test_started_reads_give_read_frames_outcomes_or_do_not_start(
+    tmp_path: Path, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``start_read_frames`` (the file backend's C reads on their own thread): per key the
+    # outcome ``read_frames`` gives (intact, truncated, a flipped byte, another key's header,
+    # never stored); an object stored larger than its frame raises for the batch, which
+    # ``read_frames`` then sorts out. Elsewhere it starts nothing and says so (None).
+    backend = backend_for(url, tmp_path, monkeypatch)
+    io = ObjectIO(backend, NS)
+    originals = await store_intact(io, 4)
+    # 1 truncated, 2 one payload bit flipped, 3 key 0's object under key 3's name
+    await store_as_is(backend, {1: originals[1][:-1], 2: flipped(originals[2]), 3: originals[0]})
+    keys = [key(h) for h in HASHES[:4]] + [key(HASHES[5])]
+    expected_frames = frames_for(io, 5)
+    expected = await io.read_frames(keys, expected_frames)
+    frames = frames_for(io, 5)
+    pending = io.start_read_frames(keys, frames)
+    if url != "file" or not file_module._SUMS_IN_C:
+        assert pending is None
+        assert all(bytes(f) == bytes(len(f)) for f in frames)  # nothing read
+        await backend.close()
+        return
+    assert pending is not None
+    pending.wait()
+    assert pending.done()
+    got = pending.result()
+    assert [type(g) for g in got] == [type(g) for g in expected]
+    assert isinstance(got[0], ObjectHeader) and bytes(frames[0]) == originals[0]
+    assert isinstance(got[1], TruncatedObjectError)
+    assert isinstance(got[2], PayloadChecksumError)
+    assert isinstance(got[3], CorruptObjectError) and got[4] is None
+    await store_as_is(backend, {4: originals[0] + b"\0" * 16})
+    pending = io.start_read_frames([key(HASHES[0]), key(HASHES[4])], frames_for(io, 2))
+    assert pending is not None
+    with pytest.raises(InvalidRangeError):
+        pending.result()
+    with pytest.raises(ValueError, match="no payload"):
+        io.start_read_frames([key()], [memoryview(bytearray(io.header_bytes(4)))])
     await backend.close()

@@ -28,19 +28,31 @@ through ``objects.ObjectIO``) on any hicache-store backend:
 * **Bounded.** The backend's own capacity and eviction: ``file:///path?capacity_bytes=64GiB``
   (least recently used first; the file backend's default is 90% of the filesystem).
 * **Non-blocking.** ``lookup`` answers at once where the backend can without waiting
-  (``Backend.exists_now``: the file backend's in-memory index), else ``RETRY`` while the
-  existence check of its key runs (vLLM's ``AsyncLookupManager``: one batched ``exists``
-  per scheduler step, on its own thread, bounded by ``lookup_timeout_s``; a failed or late
-  check is a miss). Either way the verdict lives in vLLM's lookup state, so a key whose
-  load failed answers MISS for the rest of the request (vLLM's livelock guard). Stores and loads
-  run on the library's sync-bridge loop (``hicache_store._sync.submit``); ``get_finished_jobs``
-  collects the ones that ended; ``drain_jobs`` waits for all of them (none is cut short). A
-  store job's rows are copied into staging, sealed and written by one backend call
-  (``ObjectIO.put_together``): they are stored, or reported failed, together.
+  (``Backend.exists_now``: the file backend's in-memory index, as last brought up to date if
+  that was at most ``lookup_max_age_s`` ago, without a database call: a change of the last
+  moments missed costs a recompute or a failed load, then recompute; each store job brings
+  it up to date after its write), else ``RETRY`` while the
+  existence check of its key runs (vLLM's ``AsyncLookupManager``: one batched check per
+  scheduler step on vLLM's lookup thread, answered on that thread where the backend can
+  (``Backend.exists_blocking``: the file backend's index), else through the library's loop
+  bounded by ``lookup_timeout_s``; a failed or late check is a miss). Either way the verdict
+  lives in vLLM's lookup state, so a key whose load failed answers MISS for the rest of the
+  request (vLLM's livelock guard). Stores run on the library's sync-bridge loop
+  (``hicache_store._sync.submit``). A load job's reads run in the backend's native code
+  where it has such a path (``ObjectIO.start_read_frames``: the file backend's C reads and
+  checksums on a thread that never takes the GIL), found done by ``get_finished_jobs`` on
+  the scheduler thread, which verifies the rows and copies them into their slots; elsewhere
+  a load job runs on the library's loop. ``get_finished_jobs`` collects the jobs that ended;
+  ``drain_jobs`` waits for all of them (none is cut short). A store job's rows are copied
+  into staging, sealed and written by one backend call (``ObjectIO.put_together``): they are
+  stored, or reported failed, together. Why no Python thread on a load's path: vLLM's engine
+  loop runs Python between steps without pause, so every hand-off to another Python thread
+  waits for the GIL (up to the interpreter's 5 ms switch interval); a load through the
+  library's loop and its pool waited for it five times, a native read waits for it never.
 * **Verified loads.** A load job reads all its objects whole into staging in one batched
-  backend call (``ObjectIO.read_frames``; the file backend does a run of reads in one call
-  that releases the GIL, so the engine's thread does not hold them up one system call at a
-  time), checks each header against its key, the stored size and the row's checksum, and
+  backend call (``ObjectIO.start_read_frames``, else ``read_frames``; the file backend does
+  a run of reads and their checksums in one C call without the GIL), checks each header
+  against its key, the stored size and the row's checksum, and
   only then copies a row into its primary slot: vLLM's memory never holds unverified bytes,
   and nothing writes into it after the job has ended. A missing, truncated or corrupt object
   fails its key's load (``JobResult.successful_keys`` holds the others): vLLM frees the slot
@@ -71,7 +83,8 @@ Configuration (a ``secondary_tiers`` entry; every key but ``type`` and ``module_
      "model_revision": "", "tenant_salt": "",
      "io_timeout_s": 20.0,           # floor of one store / load batch's deadline
      "lookup_timeout_s": 5.0,        # deadline of one step's existence check
-     "max_inflight_mib": 256,        # bytes of reads, and of writes, in flight
+     "lookup_max_age_s": 0.5,        # age of an in-memory answer taken at once (0: exact only)
+     "max_inflight_mib": 256,        # bytes of writes (and of reads through the loop) in flight
      "enable_kv_events": False, "locality": None,
      "test_alter_loaded_kv": False}  # TEST ONLY: zero every loaded row after its check
                                      # (and store nothing while it is on)
@@ -108,12 +121,13 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, open_backend
-from hicache_store.backends.errors import NotSupportedError
+from hicache_store.backends.errors import InvalidRangeError, NotSupportedError
 from hicache_store.backends.file import FileBackend
 from hicache_store.layout.errors import ConfigError, CorruptObjectError
+from hicache_store.layout.framing import ObjectHeader
 from hicache_store.layout.keys import ObjectCoords, ObjectKey
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
-from hicache_store.objects import Arena, Frame, ObjectIO
+from hicache_store.objects import Arena, Frame, ObjectIO, PendingFrames
 from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
 
 from ._hints import TierHints
@@ -287,10 +301,20 @@ class _Lookups(AsyncLookupManager):  # type: ignore[misc]
         self._tier = tier
         super().__init__(tier_type=tier.tier_type)
 
+    def _worker(self) -> None:
+        # First this thread's own connection to the backend's index and a read of it (~100 ms
+        # on a busy 2-core machine), so that the first request's check does not wait for them.
+        try:
+            self._tier.backend.exists_blocking([self._tier.storage_key(bytes(36))])
+        except Exception as exc:  # the checks themselves report what is wrong
+            log.debug("HiCacheStoreTier: warming the lookup thread failed: %r", exc)
+        super()._worker()
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         if key not in self._lookup_state:
             try:
-                now = self._tier.backend.exists_now([self._tier.storage_key(key)])
+                now = self._tier.backend.exists_now([self._tier.storage_key(key)],
+                                                    max_age_s=self._tier.lookup_max_age_s)
             except Exception as exc:  # never into the scheduler: the asynchronous check decides
                 log.debug("HiCacheStoreTier: exists_now failed: %r", exc)
                 now = None
@@ -304,17 +328,42 @@ class _Lookups(AsyncLookupManager):  # type: ignore[misc]
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         tier = self._tier
         names = [tier.storage_key(k) for k in keys]
-        now = tier.backend.exists_now(names)  # no hand-off to the loop where it can answer
+        # This is vLLM's lookup thread: answer here where the backend can (its index in
+        # memory, else read on this thread), without the hand-offs to the library's loop and
+        # its pool and back, each of which waits for the GIL behind the engine's busy loop
+        # (most of a step's lookup time, ~100 ms per request, before).
+        now = tier.backend.exists_now(names)
+        if now is None:
+            now = tier.backend.exists_blocking(names)
         if now is not None:
             return now
         return run_sync(tier.backend.exists(names), timeout=tier.lookup_timeout_s)
 
 
 @dataclass
+class _NativeLoad:
+    """A load job whose reads run in the backend's native code (``ObjectIO.start_read_frames``)."""
+
+    chunks: list[int]
+    okeys: list[ObjectKey]
+    slots: list[memoryview]
+    frames: list[memoryview]
+    reads: PendingFrames
+    start: float
+
+
+@dataclass
 class _Job:
     keys: list[OffloadKey]
-    future: concurrent.futures.Future[tuple[list[bool], float]]
+    future: concurrent.futures.Future[tuple[list[bool], float]] | None
     is_load: bool
+    native: _NativeLoad | None = None
+
+    def done(self) -> bool:
+        if self.native is not None:
+            return self.native.reads.done()
+        assert self.future is not None
+        return self.future.done()
 
 
 class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
@@ -334,6 +383,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         tenant_salt: str = "",
         io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
         lookup_timeout_s: float = 5.0,
+        lookup_max_age_s: float = 0.5,
         max_inflight_mib: float = 256,
         enable_kv_events: bool = False,
         locality: str | None = None,
@@ -348,6 +398,9 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             )
         if lookup_timeout_s <= 0 or io_timeout_s <= 0 or max_inflight_mib <= 0:
             raise ConfigError("io_timeout_s, lookup_timeout_s and max_inflight_mib must be positive")
+        if not lookup_max_age_s >= 0:
+            raise ConfigError(f"lookup_max_age_s must be 0 or more, not {lookup_max_age_s}")
+        self.lookup_max_age_s = float(lookup_max_age_s)
         self.locality = Locality(locality) if locality is not None else None
         self.row_bytes = self.block_size_bytes
         self._rows = primary_kv_view.cast("B")
@@ -368,6 +421,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
         self._jobs: dict[int, _Job] = {}
+        self._refreshes: set[asyncio.Future[None]] = set()  # (loop thread only)
         self._events: list[OffloadingEvent] | None = None
         if enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
@@ -437,15 +491,24 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         chunks = [int(c) for c in job_metadata.chunk_ids]
-        future = submit(self._load(keys, chunks))
+        native = self._start_native_load(keys, chunks)
+        if isinstance(native, _NativeLoad):
+            self._jobs[job_metadata.job_id] = _Job(keys, None, is_load=True, native=native)
+            return
+        future = native if native is not None else submit(self._load(keys, chunks))
         self._jobs[job_metadata.job_id] = _Job(keys, future, is_load=True)
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        done = [job_id for job_id, job in self._jobs.items() if job.future.done()]
-        return [self._result(job_id, self._jobs.pop(job_id)) for job_id in done]
+        results = []
+        for job_id in [job_id for job_id, job in self._jobs.items() if job.done()]:
+            result = self._result(job_id, self._jobs[job_id])
+            if result is not None:  # (None: a native load handed on to the loop, still running)
+                del self._jobs[job_id]
+                results.append(result)
+        return results
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._events is None:
@@ -462,7 +525,10 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
     def drain_jobs(self) -> None:
         """Wait for every submitted job (each is bounded by ``io_timeout_s`` plus its bytes at
         the minimum bandwidth: ``objects.io.Deadline``); none is cut short."""
-        concurrent.futures.wait([job.future for job in self._jobs.values()])
+        for job in list(self._jobs.values()):
+            if job.native is not None:
+                job.native.reads.wait()
+        concurrent.futures.wait([job.future for job in self._jobs.values() if job.future is not None])
 
     def shutdown(self) -> None:
         self.drain_jobs()
@@ -476,7 +542,13 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
 
     # -- results ------------------------------------------------------------------------------
 
-    def _result(self, job_id: int, job: _Job) -> JobResult:
+    def _result(self, job_id: int, job: _Job) -> JobResult | None:
+        if job.native is not None:
+            finished = self._finish_native_load(job)
+            if finished is None:
+                return None
+            job.future = finished
+        assert job.future is not None
         try:
             outcome, seconds = job.future.result()
         except Exception as exc:  # a bug or a backend failure outside ObjectIO's own handling
@@ -519,12 +591,83 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             self.stats.stored += n
             self.stats.store_failures += len(keys) - n
             self.stats.bytes_stored += n * self.row_bytes
+        if any(stored):
+            self._refresh_soon(keys[stored.index(True)])
         if self._feed is not None:
             for key in await self._feed.gone():
                 self._removed.put(key)
         return stored, time.perf_counter() - start
 
+    def _refresh_soon(self, key: OffloadKey) -> None:
+        """Ask the backend for ``key`` after this job (on the loop, not waited for): the file
+        backend's answer brings its in-memory index up to date, so the scheduler's next
+        lookups answer from it at once (``lookup_max_age_s``) and see this job's rows."""
+        async def refresh() -> None:
+            try:
+                await self.backend.exists([self.storage_key(key)])
+            except Exception as exc:  # only a later lookup's speed depends on it
+                log.debug("HiCacheStoreTier: refreshing the backend's view failed: %r", exc)
+
+        task = asyncio.ensure_future(refresh())
+        self._refreshes.add(task)
+        task.add_done_callback(self._refreshes.discard)
+
+    def _start_native_load(
+        self, keys: list[OffloadKey], chunks: list[int]
+    ) -> _NativeLoad | concurrent.futures.Future[tuple[list[bool], float]] | None:
+        """Start a load job's reads in the backend's native code: the job, or a future already
+        failed (the reads could not start), or None where the backend has no such path."""
+        start = time.perf_counter()
+        okeys = [self.object_key(k) for k in keys]
+        slots = [self._staging.take() for _ in keys]
+        frames = [slot[: self._header_bytes + self.row_bytes] for slot in slots]
+        try:
+            reads = self.io.start_read_frames(okeys, frames)
+        except Exception as exc:  # a closed backend: failed loads, recomputed
+            self._give(slots)
+            return self._failed_load(keys, exc, start)
+        if reads is None:
+            self._give(slots)
+            return None
+        return _NativeLoad(chunks, okeys, slots, frames, reads, start)
+
+    def _finish_native_load(
+        self, job: _Job
+    ) -> concurrent.futures.Future[tuple[list[bool], float]] | None:
+        """A native load's reads have ended (scheduler thread): verify, copy, count. None when
+        the job goes on on the loop (``job.future``): to delete the corrupt objects it found,
+        or, when the batch has an object stored larger than its frame, to read it through
+        ``read_frames``, which finds that object."""
+        native = job.native
+        assert native is not None
+        job.native = None
+        try:
+            found = native.reads.result()
+        except InvalidRangeError:
+            self._give(native.slots)
+            job.future = submit(self._load(job.keys, native.chunks))
+            return None
+        except Exception as exc:  # backend failure: failed loads, recomputed
+            self._give(native.slots)
+            return self._failed_load(job.keys, exc, native.start)
+        try:
+            outcome = self._deliver(native.chunks, native.frames, found)
+        finally:
+            self._give(native.slots)  # the reads have ended: nothing writes them
+        corrupt = self._count_load(job.keys, native.okeys, outcome, found)
+        if corrupt:  # the job ends once they are deleted (on the loop), as ``_load`` does
+            async def dropped() -> tuple[list[bool], float]:
+                await self._drop_corrupt(corrupt)
+                return outcome, time.perf_counter() - native.start
+
+            job.future = submit(dropped())
+            return None
+        future: concurrent.futures.Future[tuple[list[bool], float]] = concurrent.futures.Future()
+        future.set_result((outcome, time.perf_counter() - native.start))
+        return future
+
     async def _load(self, keys: list[OffloadKey], chunks: list[int]) -> tuple[list[bool], float]:
+        """A load job on the library's loop (backends without native reads)."""
         start = time.perf_counter()
         okeys = [self.object_key(k) for k in keys]
         slots = [self._staging.take() for _ in keys]
@@ -533,34 +676,59 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             try:
                 found = await self.io.read_frames(okeys, frames)
             except Exception as exc:  # backend failure or deadline: failed loads, recomputed
-                log.warning("HiCacheStoreTier: load of %d rows failed: %r", len(keys), exc)
-                with self._stats_lock:
-                    self.stats.load_failures += len(keys)
-                return [False] * len(keys), time.perf_counter() - start
-            outcome = []
-            for chunk, frame, got in zip(chunks, frames, found, strict=True):
-                if got is None or isinstance(got, CorruptObjectError):
-                    outcome.append(False)
-                    continue
-                row = self._row(chunk)
-                # Verified: only now do the bytes reach vLLM's primary slot.
-                row[:] = frame[self._header_bytes :]
-                if self.test_alter_loaded_kv:
-                    row[:] = bytes(len(row))  # TEST ONLY: wrong KV on purpose, after the check
-                outcome.append(True)
+                return self._failed_load(keys, exc, start).result()
+            outcome = self._deliver(chunks, frames, found)
         finally:
-            for slot in slots:
-                self._staging.give(slot)  # read_frames has returned: nothing writes them
-        corrupt = [(k, o, got) for k, o, got in zip(keys, okeys, found, strict=True)
-                   if isinstance(got, CorruptObjectError)]
+            self._give(slots)  # read_frames has returned: nothing writes them
+        corrupt = self._count_load(keys, okeys, outcome, found)
         if corrupt:
             await self._drop_corrupt(corrupt)
+        return outcome, time.perf_counter() - start
+
+    def _deliver(
+        self, chunks: list[int], frames: list[memoryview],
+        found: list[ObjectHeader | CorruptObjectError | None],
+    ) -> list[bool]:
+        """Copy each verified row into its primary slot; per key whether it was."""
+        outcome = []
+        for chunk, frame, got in zip(chunks, frames, found, strict=True):
+            if got is None or isinstance(got, CorruptObjectError):
+                outcome.append(False)
+                continue
+            row = self._row(chunk)
+            # Verified: only now do the bytes reach vLLM's primary slot.
+            row[:] = frame[self._header_bytes :]
+            if self.test_alter_loaded_kv:
+                row[:] = bytes(len(row))  # TEST ONLY: wrong KV on purpose, after the check
+            outcome.append(True)
+        return outcome
+
+    def _count_load(
+        self, keys: list[OffloadKey], okeys: list[ObjectKey], outcome: list[bool],
+        found: list[ObjectHeader | CorruptObjectError | None],
+    ) -> list[tuple[OffloadKey, ObjectKey, CorruptObjectError]]:
+        """Count a load job's outcome; its corrupt objects, to be dropped."""
         with self._stats_lock:
             n = sum(outcome)
             self.stats.loaded += n
             self.stats.bytes_loaded += n * self.row_bytes
             self.stats.load_misses += sum(got is None for got in found)
-        return outcome, time.perf_counter() - start
+        return [(k, o, got) for k, o, got in zip(keys, okeys, found, strict=True)
+                if isinstance(got, CorruptObjectError)]
+
+    def _failed_load(
+        self, keys: list[OffloadKey], exc: BaseException, start: float
+    ) -> concurrent.futures.Future[tuple[list[bool], float]]:
+        log.warning("HiCacheStoreTier: load of %d rows failed: %r", len(keys), exc)
+        with self._stats_lock:
+            self.stats.load_failures += len(keys)
+        future: concurrent.futures.Future[tuple[list[bool], float]] = concurrent.futures.Future()
+        future.set_result(([False] * len(keys), time.perf_counter() - start))
+        return future
+
+    def _give(self, slots: list[memoryview]) -> None:
+        for slot in slots:
+            self._staging.give(slot)
 
     async def _drop_corrupt(
         self, corrupt: list[tuple[OffloadKey, ObjectKey, CorruptObjectError]]
