@@ -71,17 +71,20 @@ def test_a_backup_that_runs_out_of_time_keeps_and_reports_its_leading_pages(
     assert 0 < stored < N, results
     assert results == [True] * stored + [False] * (N - stored)
     assert storage.counters["set_pages"] == stored
-    # exactly those pages are in the store, byte for byte: SGLang's hit query and its
-    # prefetch through the controller, and a direct read
-    assert storage.batch_exists(hashes) == stored
+    # those pages are in the store, byte for byte: SGLang's hit query and its prefetch
+    # through the controller, and a direct read. The page whose put the deadline cut in
+    # flight may have landed too (a write cannot be called back; reported False, never True
+    # for a page that is not stored), whole; none after it was started.
+    landed = storage.batch_exists(hashes)
+    assert landed in (stored, stored + 1)
     hit, loaded, got = rank.prefetch(tokens)
-    assert (hit, loaded) == (stored * 4, stored * 4) and got is not None
-    for i in range(stored):
+    assert (hit, loaded) == (landed * 4, landed * 4) and got is not None
+    for i in range(landed):
         assert same(rank.host_page_of(got, i), pages[i]), i
     rank.group.free(got)
     dst = rank.group.alloc(N * 4)
-    assert storage.batch_get_v1(hashes, dst) == results
-    for i in range(stored):
+    assert storage.batch_get_v1(hashes, dst) == [True] * landed + [False] * (N - landed)
+    for i in range(landed):
         assert same(rank.host_page_of(dst, i), pages[i]), i
     rank.close()
 

@@ -76,7 +76,11 @@ async def test_a_batch_out_of_time_keeps_and_reports_its_leading_objects() -> No
     assert 0 < stored < n, done
     assert done == [True] * stored + [False] * (n - stored), "a leading run, then nothing"
     keys = [io.storage_key(f.key) for f in frames]
-    assert await store.exists(keys) == done, "True exactly for the objects stored"
+    there = await store.exists(keys)
+    assert there[:stored] == [True] * stored, "every object reported stored is stored"
+    # The frame cut in flight at the deadline may still have landed (``put``'s contract: the
+    # backend's write cannot be called back); none after it was started.
+    assert there[stored + 1 :] == [False] * (n - stored - 1), "nothing after the cut one"
     for i in range(stored):
         out = np.zeros(PAYLOAD, dtype=np.uint8)
         assert await io.read_blocks(frames[i].key, out.data, payload_bytes=PAYLOAD) is not None
