@@ -422,6 +422,8 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self._stats_lock = threading.Lock()
         self._jobs: dict[int, _Job] = {}
         self._refreshes: set[asyncio.Future[None]] = set()  # (loop thread only)
+        # whether the backend answers from memory at all (else no refresh after a store)
+        self._answers_now = type(self.backend).exists_now is not Backend.exists_now
         self._events: list[OffloadingEvent] | None = None
         if enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
@@ -591,7 +593,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             self.stats.stored += n
             self.stats.store_failures += len(keys) - n
             self.stats.bytes_stored += n * self.row_bytes
-        if any(stored):
+        if any(stored) and self._answers_now:
             self._refresh_soon(keys[stored.index(True)])
         if self._feed is not None:
             for key in await self._feed.gone():
