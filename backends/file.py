@@ -101,6 +101,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import importlib
 import itertools
 import json
@@ -676,12 +677,14 @@ class FileBackend(Backend):
         items: list[tuple[str, Sequence[memoryview], ByteRange | None]] = [
             (key, [view], None) for key, view in zip(keys, views, strict=True)]
         batch, hashes = self._c_batch(items, spans)
-        return _FilePendingReads(self, items, _fileio.start_read_files(batch), hashes)
+        return _FilePendingReads(self, _fileio.start_read_files(batch),
+                                 functools.partial(self._finish_reads, items, hashes=hashes))
 
     def _finish_reads(
         self,
         items: Sequence[tuple[str, Sequence[memoryview], ByteRange | None]],
         outcomes: Sequence[tuple[int, int, int, int, tuple[int, ...]]],
+        *,
         hashes: list[int],
     ) -> tuple[list[int | None], list[tuple[int, ...]]]:
         """``_judged_batch`` for a caller that must not wait for the index (a scheduler
@@ -694,10 +697,8 @@ class FileBackend(Backend):
         finally:
             if missing:
                 self._to_pool(self._repair_quietly, missing)
-        if reads_are_uses():
-            hits = [key for (key, _, _), n in zip(items, results, strict=True) if n is not None]
-            if hits and self._index.touch(hits):
-                self._to_pool(self._flush_touches_quietly)
+        if self._touched([key for key, _, _ in items], results):
+            self._to_pool(self._flush_touches_quietly)
         return results, sums
 
     def _to_pool(self, fn: Callable[..., object], *args: Any) -> None:
@@ -769,13 +770,17 @@ class FileBackend(Backend):
         return n
 
     async def _after_reads(self, keys: Sequence[str], results: Sequence[int | None]) -> None:
-        """Count the hits as uses (eviction order), writing them to the index now and then;
-        not inside ``reads_not_counted`` (an operator tool's reads)."""
-        if not reads_are_uses():
-            return
-        hits = [key for key, n in zip(keys, results, strict=True) if n is not None]
-        if hits and self._index.touch(hits):
+        """Count the hits as uses (eviction order), writing them to the index now and then."""
+        if self._touched(keys, results):
             await self._run(self._translated, "get_into", None, self._index.flush_touches)
+
+    def _touched(self, keys: Sequence[str], results: Sequence[int | None]) -> bool:
+        """Record the hits among ``keys`` as uses (not inside ``reads_not_counted``: an operator
+        tool's reads); True when the buffered uses are due for ``flush_touches``."""
+        if not reads_are_uses():
+            return False
+        hits = [key for key, n in zip(keys, results, strict=True) if n is not None]
+        return bool(hits) and self._index.touch(hits)
 
     def _read_one(self, key: str, view: memoryview, rng: ByteRange | None) -> int | None:
         return self._read_into(key, [view], rng)
@@ -1251,16 +1256,16 @@ def _pwrite_direct(fd: int, view: memoryview) -> None:
 
 
 class _FilePendingReads(PendingReads):
-    """A ``FileBackend`` run of reads on ``_fileio``'s own thread (``start_get_into_summed``)."""
+    """A ``FileBackend`` run of reads on ``_fileio``'s own thread (``start_get_into_summed``):
+    ``job`` a ``_fileio.ReadJob``, ``finish`` what makes the result of its outcomes."""
 
     def __init__(
-        self, backend: FileBackend,
-        items: list[tuple[str, Sequence[memoryview], ByteRange | None]], job: Any,
-        hashes: list[int],
+        self, backend: FileBackend, job: Any,
+        finish: Callable[[list[tuple[int, int, int, int, tuple[int, ...]]]],
+                         tuple[list[int | None], list[tuple[int, ...]]]],
     ) -> None:
         super().__init__(backend)
-        self._file, self._items, self._job, self._hashes = backend, items, job, hashes
-        # job: a ``_fileio.ReadJob``
+        self._job, self._finish = job, finish
 
     def done(self) -> bool:
         return bool(self._job.done())
@@ -1269,4 +1274,4 @@ class _FilePendingReads(PendingReads):
         self._job.wait()
 
     def _result(self) -> tuple[list[int | None], list[tuple[int, ...]]]:
-        return self._file._finish_reads(self._items, self._job.wait(), self._hashes)
+        return self._finish(self._job.wait())

@@ -426,20 +426,16 @@ class ObjectIO:
         if got is None:
             return list(await asyncio.gather(*(self._frame_or_error(k, f)
                                                for k, f in zip(keys, frames, strict=True))))
-        out: list[ObjectHeader | CorruptObjectError | None] = []
-        for i, (key, frame, header_len, n) in enumerate(zip(keys, frames, headers, got, strict=True)):
-            if n is None:
-                out.append(None)
-                continue
-            try:
-                header = self._framed(key, storage_keys[i], frame, header_len, n,
-                                      None if sums is None else sums[i])
-                if sums is None:
-                    await self._open(header, frame[header_len:], key.coords.layer_start,
-                                     key.coords.layer_stop)
-                out.append(header)
-            except CorruptObjectError as exc:
-                out.append(exc)
+        out = self._verified(keys, frames, headers, storage_keys, got, sums)
+        if sums is None:  # the blocks were not summed in the read: open each payload
+            for i, (key, frame, header_len) in enumerate(zip(keys, frames, headers, strict=True)):
+                header = out[i]
+                if isinstance(header, ObjectHeader):
+                    try:
+                        await self._open(header, frame[header_len:], key.coords.layer_start,
+                                         key.coords.layer_stop)
+                    except CorruptObjectError as exc:
+                        out[i] = exc
         return out
 
     def start_read_frames(
@@ -472,6 +468,25 @@ class ObjectIO:
             if len(frame) <= header_len:
                 raise ValueError(f"{key}: a frame of {len(frame)} bytes has no payload")
         return headers
+
+    def _verified(
+        self, keys: Sequence[ObjectKey], frames: Sequence[memoryview], headers: Sequence[int],
+        storage_keys: Sequence[str], got: Sequence[int | None],
+        sums: Sequence[tuple[int, ...]] | None,
+    ) -> list[ObjectHeader | CorruptObjectError | None]:
+        """Per key of a batch read whole (``got``: bytes stored, None a miss): the checked
+        header (``_framed``), None, or the ``CorruptObjectError``."""
+        out: list[ObjectHeader | CorruptObjectError | None] = []
+        for i, (key, frame, header_len, n) in enumerate(zip(keys, frames, headers, got, strict=True)):
+            if n is None:
+                out.append(None)
+                continue
+            try:
+                out.append(self._framed(key, storage_keys[i], frame, header_len, n,
+                                        None if sums is None else sums[i]))
+            except CorruptObjectError as exc:
+                out.append(exc)
+        return out
 
     def _framed(
         self, key: ObjectKey, storage_key: str, frame: memoryview, header_len: int, n: int,
@@ -839,15 +854,5 @@ class PendingFrames:
 
     def result(self) -> list[ObjectHeader | CorruptObjectError | None]:
         got, sums = self._reads.result()
-        out: list[ObjectHeader | CorruptObjectError | None] = []
-        for i, (key, frame, header_len, n) in enumerate(
-                zip(self._keys, self._frames, self._headers, got, strict=True)):
-            if n is None:
-                out.append(None)
-                continue
-            try:
-                out.append(self._io._framed(key, self._storage_keys[i], frame, header_len, n,
-                                            sums[i]))
-            except CorruptObjectError as exc:
-                out.append(exc)
-        return out
+        return self._io._verified(self._keys, self._frames, self._headers, self._storage_keys,
+                                  got, sums)

@@ -328,16 +328,24 @@ class _Lookups(AsyncLookupManager):  # type: ignore[misc]
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         tier = self._tier
         names = [tier.storage_key(k) for k in keys]
-        # This is vLLM's lookup thread: answer here where the backend can (its index in
-        # memory, else read on this thread), without the hand-offs to the library's loop and
+        # This is vLLM's lookup thread: answer here where the backend can (its index read on
+        # this thread, else from memory), without the hand-offs to the library's loop and
         # its pool and back, each of which waits for the GIL behind the engine's busy loop
         # (most of a step's lookup time, ~100 ms per request, before).
-        now = tier.backend.exists_now(names)
+        now = tier.backend.exists_blocking(names)  # (exact: no need to try exists_now first)
         if now is None:
-            now = tier.backend.exists_blocking(names)
+            now = tier.backend.exists_now(names)
         if now is not None:
             return now
         return run_sync(tier.backend.exists(names), timeout=tier.lookup_timeout_s)
+
+
+def _resolved(outcome: list[bool], seconds: float
+              ) -> concurrent.futures.Future[tuple[list[bool], float]]:
+    """A job's future that has already ended with ``(outcome, seconds)``."""
+    future: concurrent.futures.Future[tuple[list[bool], float]] = concurrent.futures.Future()
+    future.set_result((outcome, seconds))
+    return future
 
 
 @dataclass
@@ -483,8 +491,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         chunks = [int(c) for c in job_metadata.chunk_ids]
         if self.test_alter_loaded_kv:
             # TEST ONLY: KV computed on top of altered rows is wrong too; never store it.
-            future: concurrent.futures.Future[tuple[list[bool], float]] = concurrent.futures.Future()
-            future.set_result(([False] * len(keys), 0.0))
+            future = _resolved([False] * len(keys), 0.0)
         else:
             future = submit(self._store(keys, chunks))
         self._jobs[job_metadata.job_id] = _Job(keys, future, is_load=False)
@@ -493,12 +500,9 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         chunks = [int(c) for c in job_metadata.chunk_ids]
-        native = self._start_native_load(keys, chunks)
-        if isinstance(native, _NativeLoad):
-            self._jobs[job_metadata.job_id] = _Job(keys, None, is_load=True, native=native)
-            return
-        future = native if native is not None else submit(self._load(keys, chunks))
-        self._jobs[job_metadata.job_id] = _Job(keys, future, is_load=True)
+        self._jobs[job_metadata.job_id] = (
+            self._native_load_job(keys, chunks)
+            or _Job(keys, submit(self._load(keys, chunks)), is_load=True))
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs)
@@ -614,11 +618,9 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self._refreshes.add(task)
         task.add_done_callback(self._refreshes.discard)
 
-    def _start_native_load(
-        self, keys: list[OffloadKey], chunks: list[int]
-    ) -> _NativeLoad | concurrent.futures.Future[tuple[list[bool], float]] | None:
-        """Start a load job's reads in the backend's native code: the job, or a future already
-        failed (the reads could not start), or None where the backend has no such path."""
+    def _native_load_job(self, keys: list[OffloadKey], chunks: list[int]) -> _Job | None:
+        """A load job whose reads run in the backend's native code (already failed when they
+        could not start), or None where the backend has no such path."""
         start = time.perf_counter()
         okeys = [self.object_key(k) for k in keys]
         slots = [self._staging.take() for _ in keys]
@@ -627,11 +629,12 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             reads = self.io.start_read_frames(okeys, frames)
         except Exception as exc:  # a closed backend: failed loads, recomputed
             self._give(slots)
-            return self._failed_load(keys, exc, start)
+            return _Job(keys, self._failed_load(keys, exc, start), is_load=True)
         if reads is None:
             self._give(slots)
             return None
-        return _NativeLoad(chunks, okeys, slots, frames, reads, start)
+        return _Job(keys, None, is_load=True,
+                    native=_NativeLoad(chunks, okeys, slots, frames, reads, start))
 
     def _finish_native_load(
         self, job: _Job
@@ -664,9 +667,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
 
             job.future = submit(dropped())
             return None
-        future: concurrent.futures.Future[tuple[list[bool], float]] = concurrent.futures.Future()
-        future.set_result((outcome, time.perf_counter() - native.start))
-        return future
+        return _resolved(outcome, time.perf_counter() - native.start)
 
     async def _load(self, keys: list[OffloadKey], chunks: list[int]) -> tuple[list[bool], float]:
         """A load job on the library's loop (backends without native reads)."""
@@ -724,9 +725,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         log.warning("HiCacheStoreTier: load of %d rows failed: %r", len(keys), exc)
         with self._stats_lock:
             self.stats.load_failures += len(keys)
-        future: concurrent.futures.Future[tuple[list[bool], float]] = concurrent.futures.Future()
-        future.set_result(([False] * len(keys), time.perf_counter() - start))
-        return future
+        return _resolved([False] * len(keys), time.perf_counter() - start)
 
     def _give(self, slots: list[memoryview]) -> None:
         for slot in slots:
