@@ -170,6 +170,8 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _MAX_IO = 0x7FFFF000  # Linux moves at most this many bytes per read/write call
 _IOV_MAX = 1024  # Linux takes at most this many buffers per vectored call
 _INLINE_EXISTS = 4096  # at most ~1 ms of lookups on the caller's thread
+#: the fewest objects one write job of a batch takes (below it the pool hand-off dominates).
+_WRITE_JOB_MIN = 4
 #: ``_fileio`` flags: a read that was cold (not all cached) and aligned for O_DIRECT.
 _COLD_ALIGNED = 2 | 4
 
@@ -891,10 +893,21 @@ class FileBackend(Backend):
         the index around it; backends with another I/O engine (``hf3fs``) override only this.
         """
         if self._released_writes:
-            try:
-                return await self._run_io(self._write_run_released, keys, buffers)
-            except Exception as exc:  # the job as a whole failed: so did each of its objects
-                return [exc] * len(keys)
+            # Split over up to ``io_threads`` jobs of at least ``_WRITE_JOB_MIN`` objects:
+            # creating a small file costs ~1 ms of filesystem time on this project's test
+            # machine (BENCHMARKS.md, "Backups in runs") and the filesystem takes several at
+            # once, so one job per run would leave a batch of small objects serial.
+            per_job = max(_WRITE_JOB_MIN, -(-len(keys) // self.io_threads))
+            starts = range(0, len(keys), per_job)
+            runs = [self._run_io(self._write_run_released, keys[i : i + per_job],
+                                 buffers[i : i + per_job]) for i in starts]
+            out: list[bool | BaseException] = []
+            ended = await asyncio.gather(*runs, return_exceptions=True)
+            for start, run in zip(starts, ended, strict=True):
+                count = len(keys[start : start + per_job])
+                # A job that failed as a whole failed each of its objects.
+                out.extend([run] * count if isinstance(run, BaseException) else run)
+            return out
         jobs = [
             self._run_io(self._translated, "put", key, self._write_one, key, view, False)
             for key, view in zip(keys, buffers, strict=True)

@@ -28,7 +28,7 @@ from .io import (
     ObjectIO,
     PendingFrames,
 )
-from .pages import L3Link
+from .pages import L3Link, PageWrite
 from .sealed import SealedFormat
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "ObjectFormat",
     "ObjectIO",
     "PAGE_UNIFIED",
+    "PageWrite",
     "PendingFrames",
     "PageUnifiedFormat",
     "format_for",

@@ -57,6 +57,16 @@ log = logging.getLogger(__name__)
 Row = npt.NDArray[np.uint8]
 
 
+@dataclasses.dataclass(frozen=True)
+class PageWrite:
+    """One page of ``L3Link.write_pages``: its hash, its host row and the chain's previous
+    page (``parent_hash``, for the objects' headers; None for a chain's first page)."""
+
+    page_hash: str
+    row: Row
+    parent_hash: str | None
+
+
 class TransferLimits(Protocol):
     """The two limits every link takes from its owner's configuration."""
 
@@ -263,32 +273,76 @@ class L3Link:
         ``time.monotonic()`` by which the page's puts must end (a batch's deadline, see
         ``ObjectIO.put``); default, the page's own.
         """
-        plan = self.write_plan
-        if plan is None or not plan.objects:
+        if not self.can_write:
             return False
-        digest = self.namespace.digest
-        frames: list[Frame] = []
         taken: list[tuple[Arena, memoryview]] = []
         try:
-            for obj in plan.objects:
-                header = self.io.header_bytes(obj.coords.num_layers)
-                arena = _arena(self._frames, header + obj.nbytes)
-                slot = arena.take()
-                taken.append((arena, slot))
-                frame = slot[: header + obj.nbytes]
-                np.frombuffer(frame, dtype=np.uint8)[header:] = row[
-                    obj.page_offset : obj.page_offset + obj.nbytes
-                ]
-                key = ObjectKey(page_hash, digest, obj.coords)
-                frames.append(Frame(key, frame, parent_hash))
+            frames = self._frame_page(page_hash, row, parent_hash, taken)
             done = await self.io.put(frames, end=end)
         finally:
-            for arena, slot in taken:
-                arena.give(slot)  # every put has ended: the backend keeps no reference
+            self._give_back(taken)  # every put has ended: the backend keeps no reference
         if not all(done):
             return False
         io.bytes_moved += sum(len(f.buffer) for f in frames)
         return True
+
+    async def write_pages(self, pages: Sequence[PageWrite], io: IOStats) -> bool:
+        """Frame and store this rank's objects of several pages in one backend call
+        (``ObjectIO.put_together``); True when every object is stored.
+
+        For a run of small pages (the tier's backups of a chain): per-object costs (on the
+        file backend a reservation, an index update and a settle each) are paid once for the
+        run. All or nothing as reported: on False none counts as stored (one may still be
+        visible, as with ``write_page``), so a caller that writes a chain's pages in order
+        keeps what it reports stored a prefix of the chain.
+        """
+        if not self.can_write:
+            return False
+        if not pages:
+            return True
+        taken: list[tuple[Arena, memoryview]] = []
+        try:
+            frames = [
+                frame
+                for page in pages
+                for frame in self._frame_page(page.page_hash, page.row, page.parent_hash, taken)
+            ]
+            done = await self.io.put_together(frames)
+        finally:
+            self._give_back(taken)  # the backend call has ended: it keeps no reference
+        if not all(done):
+            return False
+        io.bytes_moved += sum(len(f.buffer) for f in frames)
+        return True
+
+    def _frame_page(
+        self,
+        page_hash: str,
+        row: Row,
+        parent_hash: str | None,
+        taken: list[tuple[Arena, memoryview]],
+    ) -> list[Frame]:
+        """This rank's unsealed frames of one page (``write_plan`` order), each in an arena
+        slot recorded in ``taken`` (the caller gives them back once the puts have ended)."""
+        assert self.write_plan is not None
+        digest = self.namespace.digest
+        frames: list[Frame] = []
+        for obj in self.write_plan.objects:
+            header = self.io.header_bytes(obj.coords.num_layers)
+            arena = _arena(self._frames, header + obj.nbytes)
+            slot = arena.take()
+            taken.append((arena, slot))
+            frame = slot[: header + obj.nbytes]
+            np.frombuffer(frame, dtype=np.uint8)[header:] = row[
+                obj.page_offset : obj.page_offset + obj.nbytes
+            ]
+            frames.append(Frame(ObjectKey(page_hash, digest, obj.coords), frame, parent_hash))
+        return frames
+
+    @staticmethod
+    def _give_back(taken: list[tuple[Arena, memoryview]]) -> None:
+        for arena, slot in taken:
+            arena.give(slot)
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -313,12 +367,7 @@ class L3Link:
                 )
             )
         except CorruptObjectError as exc:
-            if self.namespace.sealed:
-                io.tampered += 1
-                log.warning("L3 object failed authentication, treated as a miss: %s", exc)
-            else:
-                io.corruptions += 1
-                log.warning("corrupt L3 object treated as a miss: %s", exc)
+            self._count_corrupt(exc, io)
             return False
         except Exception as exc:
             log.warning("L3 read of page %s failed: %r", page_hash[:16], exc)
@@ -329,6 +378,78 @@ class L3Link:
         io.bytes_needed += plan.bytes_needed
         io.bytes_moved += plan.bytes_fetched + plan.header_bytes
         return True
+
+    async def read_prefix(self, page_hashes: Sequence[str], rows: Sequence[Row], io: IOStats) -> int:
+        """Read pages into their rows in order; how many leading pages were read and verified
+        (past that count rows may hold anything: the caller must not use them).
+
+        For a run of small pages (a prefetch of a chain): when this rank reads its objects
+        whole (``ObjectRead.is_whole``) the run is read in one backend call and verified in
+        one step (``ObjectIO.read_frames``), then copied into the rows, where ``read_page``
+        makes a call, a budget wait and a verification per object; otherwise (head subsets,
+        layer ranges) page by page. A page the active key misses is looked for again under
+        older keys (``read_page``). Like ``read_page``, returns only once no read into any
+        row is in flight.
+        """
+        if len(page_hashes) != len(rows):
+            raise ValueError(f"read_prefix: {len(page_hashes)} pages but {len(rows)} rows")
+        plan = self.read_plan
+        if len(page_hashes) < 2 or not all(obj.is_whole for obj in plan.objects):
+            for n, (page_hash, row) in enumerate(zip(page_hashes, rows, strict=True)):
+                if not await self.read_page(page_hash, row, io):
+                    return n
+            return len(page_hashes)
+        reader, digest = self.io, self.namespace.digest
+        keys: list[ObjectKey] = []
+        frames: list[memoryview] = []
+        taken: list[tuple[Arena, memoryview]] = []
+        try:
+            for page_hash in page_hashes:
+                for obj in plan.objects:
+                    size = reader.header_bytes(obj.coords.num_layers) + obj.payload_bytes
+                    arena = _arena(self._scratch, size)
+                    slot = arena.take()
+                    taken.append((arena, slot))
+                    keys.append(ObjectKey(page_hash, digest, obj.coords))
+                    frames.append(slot[:size])
+            try:
+                got = await reader.read_frames(keys, frames)
+            except Exception as exc:
+                log.warning("L3 read of %d pages from %s failed: %r",
+                            len(page_hashes), page_hashes[0][:16], exc)
+                return 0
+            per_page = len(plan.objects)
+            for n, (page_hash, row) in enumerate(zip(page_hashes, rows, strict=True)):
+                outcomes = got[n * per_page : (n + 1) * per_page]
+                bad = next((o for o in outcomes if isinstance(o, CorruptObjectError)), None)
+                if bad is not None:
+                    self._count_corrupt(bad, io)
+                    return n
+                if any(o is None for o in outcomes):
+                    # Missed under the active key: an older one may have it (or nothing does).
+                    if len(self.readers) > 1 and await self.read_page(page_hash, row, io):
+                        continue
+                    return n
+                for i, obj in enumerate(plan.objects):
+                    frame = frames[n * per_page + i]
+                    start = reader.header_bytes(obj.coords.num_layers)
+                    payload = np.frombuffer(frame, dtype=np.uint8)[start : start + obj.payload_bytes]
+                    apply_segments(obj.segments, payload, row)
+                io.bytes_fetched += plan.bytes_fetched
+                io.bytes_needed += plan.bytes_needed
+                io.bytes_moved += plan.bytes_fetched + plan.header_bytes
+            return len(page_hashes)
+        finally:
+            self._give_back(taken)  # read_frames has ended: no read into a slot is in flight
+
+    def _count_corrupt(self, exc: CorruptObjectError, io: IOStats) -> None:
+        """Count and log an object that failed its checks (treated as a miss)."""
+        if self.namespace.sealed:
+            io.tampered += 1
+            log.warning("L3 object failed authentication, treated as a miss: %s", exc)
+        else:
+            io.corruptions += 1
+            log.warning("corrupt L3 object treated as a miss: %s", exc)
 
     async def _read_object(self, key: ObjectKey, obj: ObjectRead, row: Row) -> bool:
         """One object into ``row``, from the first reader (key) that has it."""

@@ -24,15 +24,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hicache_store.objects import IOStats, L3Link
+from hicache_store.objects import IOStats, L3Link, PageWrite
 
 if TYPE_CHECKING:
     from .radix import Held, PageNode
 
 log = logging.getLogger(__name__)
 
-#: L3 backups written concurrently in one batch of the backup worker.
+#: L3 backup writes (runs) in flight at once in one batch of the backup worker.
 BACKUP_BATCH = 16
+#: Pages of one chain moved by one backend call (a run: ``L3Link.write_pages`` for backups,
+#: ``L3Link.read_prefix`` for prefetches), and the most row bytes a run holds. Per-object
+#: costs (a backend call, a budget wait, on the file backend an index update and a settle)
+#: dominate for small pages, so they are paid once per run; past a few MiB the bytes dominate
+#: and a longer run would only delay its first page.
+RUN_PAGES = 64
+RUN_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -143,7 +150,8 @@ class Transfers:
         rows: Callable[[Fetch], Any],
     ) -> None:
         """Read ``op``'s objects: component objects concurrently, then the KV pages in order,
-        stopping at the first that fails."""
+        in runs (``L3Link.read_prefix``: one backend call per run of small pages), stopping at
+        the first that fails."""
 
         def finish(fetch: Fetch, ok: bool) -> None:
             # Set the outcome, then look at abandonment: the engine thread does the opposite
@@ -161,14 +169,23 @@ class Transfers:
         async def one(fetch: Fetch) -> None:
             finish(fetch, await read(fetch))
 
+        async def read_run(run: list[Fetch]) -> int:
+            if run[0].abandoned:
+                return 0
+            link = links[run[0].tag]
+            return await link.read_prefix(
+                [f.page_hash for f in run], [rows(f) for f in run], op.io
+            )
+
         async def run() -> None:
             try:
                 await asyncio.gather(*(one(f) for f in op.extra))
                 failed = False
-                for fetch in op.kv:
-                    ok = False if failed else await read(fetch)
-                    failed = failed or not ok  # past a failure no page extends the prefix
-                    finish(fetch, ok)
+                for chunk in _runs(op.kv, rows(op.kv[0]).nbytes if op.kv else 0):
+                    read = 0 if failed else await read_run(chunk)
+                    failed = read < len(chunk)  # past a failure no page extends the prefix
+                    for i, fetch in enumerate(chunk):
+                        finish(fetch, i < read)
             finally:
                 op.finished.set()
 
@@ -185,33 +202,51 @@ class Transfers:
                 self._running = True
                 self._submit(self._worker(links))
 
+    def _take_batch(self) -> list[list[BackupItem]] | None:
+        """The next batch from the queue, as runs (``_extends``), at most ``BACKUP_BATCH``
+        runs of at most ``RUN_PAGES`` items; None (the worker stops) when the queue is
+        empty."""
+        with self._lock:
+            if not self._queue:
+                self._running = False
+                return None
+            runs: list[list[BackupItem]] = []
+            while self._queue:
+                item = self._queue[0]
+                if runs and _extends(runs[-1], item):
+                    runs[-1].append(item)
+                elif len(runs) < BACKUP_BATCH:
+                    runs.append([item])
+                else:
+                    break
+                self._queue.popleft()
+            return runs
+
     async def _worker(self, links: dict[int, L3Link]) -> None:
         """Drain the backup queue in FIFO batches, one batch at a time.
 
-        Objects of a batch are written concurrently; a chained object's write starts only
-        after its parent's succeeded (and is skipped if the parent's failed), so what this
-        instance writes to L3 of a chain is always a prefix of it. Outcomes go to
-        ``held.write_ok`` (chained objects; touched only here) and to ``acks``, in queue order.
+        A batch's runs are written concurrently, each run's pages in one backend call
+        (``L3Link.write_pages``: the per-object costs of small pages paid once per run). A
+        chained run starts only after its first page's parent was written (and is skipped if
+        that failed), and a run is stored or not as a whole, so what this instance writes to
+        L3 of a chain is always a prefix of it. Outcomes go to ``held.write_ok`` (chained
+        objects; touched only here) and to ``acks``, in queue order.
         """
-        while True:
-            with self._lock:
-                if not self._queue:
-                    self._running = False
-                    return
-                batch = [self._queue.popleft() for _ in range(min(len(self._queue), BACKUP_BATCH))]
+        while (runs := self._take_batch()) is not None:
             tasks: dict[tuple[int, int], asyncio.Task[bool]] = {}
-            ios = [IOStats() for _ in batch]
+            ios = [IOStats() for _ in runs]
 
             async def write(
-                item: BackupItem,
+                run: list[BackupItem],
                 io: IOStats,
                 tasks: dict[tuple[int, int], asyncio.Task[bool]] = tasks,
             ) -> bool:
-                parent = item.node.parent
-                if item.chained and parent is not None and parent.depth >= 0:
-                    above = parent.held(item.tag)
+                first = run[0]
+                parent = first.node.parent
+                if first.chained and parent is not None and parent.depth >= 0:
+                    above = parent.held(first.tag)
                     if above is None or not above.in_l3:
-                        before = tasks.get((item.tag, id(parent)))
+                        before = tasks.get((first.tag, id(parent)))
                         parent_ok = (
                             await before
                             if before is not None
@@ -219,24 +254,57 @@ class Transfers:
                         )
                         if not parent_ok:
                             return False
+                link = links[first.tag]
                 try:
-                    return await links[item.tag].write_page(
-                        item.node.page_hash, item.row, io, item.parent_hash
+                    if len(run) == 1:
+                        return await link.write_page(
+                            first.node.page_hash, first.row, io, first.parent_hash
+                        )
+                    return await link.write_pages(
+                        [PageWrite(i.node.page_hash, i.row, i.parent_hash) for i in run], io
                     )
                 except Exception:
-                    # write_page reports failures as False; anything else is a bug below it.
-                    # It is logged and the backup counted as failed (``backups_l3_failed``).
+                    # The writes report failures as False; anything else is a bug below them.
+                    # It is logged and the run's backups counted as failed
+                    # (``backups_l3_failed``).
                     log.warning(
-                        "L3 backup of %s (component %d) raised", item.node.page_hash[:16],
-                        item.tag, exc_info=True,
+                        "L3 backup of %d page(s) from %s (component %d) raised", len(run),
+                        first.node.page_hash[:16], first.tag, exc_info=True,
                     )
                     return False
 
-            keys = [(i.tag, id(i.node)) if i.chained else (i.tag, -id(i)) for i in batch]
-            for item, io, key in zip(batch, ios, keys, strict=True):
-                tasks[key] = asyncio.ensure_future(write(item, io))
-            for item, io, key in zip(batch, ios, keys, strict=True):
+            for run, io in zip(runs, ios, strict=True):
+                task = asyncio.ensure_future(write(run, io))
+                for item in run:  # a chained run answers for every node in it
+                    key = (item.tag, id(item.node)) if item.chained else (item.tag, -id(item))
+                    tasks[key] = task
+            for run, io in zip(runs, ios, strict=True):
+                last = run[-1]
+                key = (last.tag, id(last.node)) if last.chained else (last.tag, -id(last))
                 ok = await tasks[key]
-                if item.chained:
-                    item.held.write_ok = ok
-                self.acks.append(BackupDone(item.node, item.tag, ok, io))
+                for n, item in enumerate(run):
+                    if item.chained:
+                        item.held.write_ok = ok
+                    # The run's bytes are reported once, with its first page.
+                    self.acks.append(BackupDone(item.node, item.tag, ok, io if n == 0 else IOStats()))
+
+
+def _extends(run: list[BackupItem], item: BackupItem) -> bool:
+    """Whether ``item`` continues ``run``: chained items of one component, each the child of
+    the one before, up to ``RUN_PAGES`` of them and ``RUN_BYTES`` of rows."""
+    last = run[-1]
+    return (
+        item.chained
+        and last.chained
+        and item.tag == last.tag
+        and item.node.parent is last.node
+        and len(run) < RUN_PAGES
+        and (len(run) + 1) * item.row.nbytes <= RUN_BYTES
+    )
+
+
+def _runs(fetches: list[Fetch], row_bytes: int) -> list[list[Fetch]]:
+    """``fetches`` (a prefetch's KV pages, rows of ``row_bytes`` each) cut into runs of at
+    most ``RUN_PAGES`` pages and ``RUN_BYTES`` of rows."""
+    size = max(1, min(RUN_PAGES, RUN_BYTES // max(1, row_bytes)))
+    return [fetches[i : i + size] for i in range(0, len(fetches), size)]
