@@ -172,6 +172,9 @@ _IOV_MAX = 1024  # Linux takes at most this many buffers per vectored call
 _INLINE_EXISTS = 4096  # at most ~1 ms of lookups on the caller's thread
 #: the fewest objects one write job of a batch takes (below it the pool hand-off dominates).
 _WRITE_JOB_MIN = 4
+#: a batch's writes are spread over the pool when one object's write takes longer than this
+#: (a pool hand-off costs 0.1-0.3 ms on a loaded 2-core machine).
+_SPLIT_WRITES_ABOVE_S = 0.0005
 #: ``_fileio`` flags: a read that was cold (not all cached) and aligned for O_DIRECT.
 _COLD_ALIGNED = 2 | 4
 
@@ -283,6 +286,8 @@ class FileBackend(Backend):
         self.root = Path(root).expanduser().resolve()
         self.durability: Durability = durability
         self.io_threads = io_threads
+        #: recent seconds one small object's write takes (``_write_batch`` splits by it).
+        self._write_cost_s = 0.0
         self.page_cache: PageCache = page_cache
         self._objects = self.root / "objects"
         self._tmp = self.root / "tmp"
@@ -893,11 +898,14 @@ class FileBackend(Backend):
         the index around it; backends with another I/O engine (``hf3fs``) override only this.
         """
         if self._released_writes:
-            # Split over up to ``io_threads`` jobs of at least ``_WRITE_JOB_MIN`` objects:
-            # creating a small file costs ~1 ms of filesystem time on this project's test
-            # machine (BENCHMARKS.md, "Backups in runs") and the filesystem takes several at
-            # once, so one job per run would leave a batch of small objects serial.
-            per_job = max(_WRITE_JOB_MIN, -(-len(keys) // self.io_threads))
+            # Where the filesystem makes a file slowly (~1 ms each on this project's test
+            # machine's disk, which takes several at once) the batch is split over up to
+            # ``io_threads`` jobs of at least ``_WRITE_JOB_MIN`` objects; where it is fast
+            # (tmpfs: ~0.1 ms) one job, since each pool hand-off would cost more than the
+            # writes it spreads (BENCHMARKS.md, "Backups in runs").
+            per_job = max(1, len(keys))
+            if self._write_cost_s > _SPLIT_WRITES_ABOVE_S:
+                per_job = max(_WRITE_JOB_MIN, -(-len(keys) // self.io_threads))
             starts = range(0, len(keys), per_job)
             runs = [self._run_io(self._write_run_released, keys[i : i + per_job],
                                  buffers[i : i + per_job]) for i in starts]
@@ -943,9 +951,12 @@ class FileBackend(Backend):
             out.append(True)
             batch.append((self._temp_path(), os.path.join(directory, key), view,
                           self.direct_io, flush))
-        for slot, (_, final, _, _, _), (status, err) in zip(
-            slots, batch, _fileio.write_files(batch), strict=True
-        ):
+        started = time.perf_counter()
+        written = _fileio.write_files(batch)
+        if batch:  # a benign race between pool threads: the estimate is only a hint
+            per_object = (time.perf_counter() - started) / len(batch)
+            self._write_cost_s += (per_object - self._write_cost_s) * 0.1
+        for slot, (_, final, _, _, _), (status, err) in zip(slots, batch, written, strict=True):
             if status != 0:
                 out[slot] = translate_os_error(OSError(err, os.strerror(err), final),
                                                backend=self.name, operation="put",

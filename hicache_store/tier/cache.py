@@ -73,7 +73,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -869,10 +869,48 @@ class HiCache:
         rows = part.host.alloc(count)
         if rows is not None or self.config.host_mode == "buffer_only":
             return rows
-        while part.host.free_pages < count and (node := self.tree.pop_victim(Tier.L2, part.tag)):
+        self._free_rows(part, count)
+        return part.host.alloc(count)
+
+    def _free_rows(
+        self, part: Pools, count: int, goes_first: Callable[[PageNode], bool] | None = None
+    ) -> None:
+        """Evict ``part``'s L2 victims until ``count`` rows are free, or none is left (with
+        ``goes_first``: or the next victim is one it says to keep)."""
+        while part.host.free_pages < count:
+            node = self.tree.pop_victim(Tier.L2, part.tag)
+            if node is None or (goes_first is not None and not goes_first(node)):
+                return
             self._drop(node, part)
             self.metrics.count(part.name, "evictions_l2")
-        return part.host.alloc(count)
+
+    def _admit_rows(self, part: Pools, missing: list[PageNode]) -> tuple[list[int] | None, int]:
+        """Host rows for ``missing`` (a chain's pages L2 lacks, in chain order), making room
+        as ``_alloc_rows`` does, and how many of its last pages were refused.
+
+        L2 may do without a tail of pages that need no L2 copy for an L3 backup (this
+        component writes none, or L3 has them): for those, room is made only by evicting
+        pages the policy would evict before them (``goes_before_current``: where the current
+        session is predicted back last, keeping its new pages would cost better ones). None
+        when not every page got a row (the caller keeps the prefix that fits)."""
+        policy = self.tree.policy(Tier.L2, part.tag)
+        goes_first = getattr(policy, "goes_before_current", None)
+        optional = 0
+        if goes_first is not None and self.config.host_mode == "cache":
+            for node in reversed(missing):
+                held = node.held(part.tag)
+                if part.writes and (held is None or not held.in_l3):
+                    break
+                optional += 1
+        if not optional:
+            return self._alloc_rows(part, len(missing)), 0
+        rows = part.host.alloc(len(missing))
+        if rows is not None:
+            return rows, 0
+        self._free_rows(part, len(missing) - optional)  # what L3 backups need, as before
+        self._free_rows(part, len(missing), goes_first)
+        short = len(missing) - part.host.free_pages
+        return part.host.alloc(len(missing)), min(optional, max(0, short))
 
     def _drop(self, node: PageNode, part: Pools) -> None:
         """Give up ``node``'s L2 copy of ``part`` unless a transfer holds it."""
@@ -905,14 +943,18 @@ class HiCache:
             for n in pinned:
                 self.tree.hold_host(n, tag)
             try:
-                rows = self._alloc_rows(part, len(missing))
+                rows, refused = self._admit_rows(part, missing)
             finally:
                 for n in pinned:
                     self.tree.release_host(n, tag)
             if rows is None:  # L2 cannot take them all: keep as long a prefix as fits
                 fit = part.host.free_pages
                 rows = part.host.alloc(fit) if fit else None
-                self.metrics.count(part.name, "backups_dropped", len(missing) - fit)
+                left = len(missing) - fit
+                if refused:
+                    self.metrics.note("l2_admissions_refused", min(refused, left))
+                if left > refused:
+                    self.metrics.count(part.name, "backups_dropped", left - refused)
                 if rows is None:
                     return
                 missing = missing[:fit]

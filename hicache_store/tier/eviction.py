@@ -723,6 +723,24 @@ class SessionEviction(Generic[N]):
         other_next = self._now + (self._now - self._fallback_time[other])
         return session[0] if session[1] >= other_next else other
 
+    def goes_before_current(self, victim: N) -> bool:
+        """Whether ``victim`` (from ``victim()``) leaves before pages the current request
+        would add: the order had those pages been admitted as leaves of the current session,
+        used now, and the pool then evicted down to its size (the simulator's order,
+        ``trace_sim.simulate``). The tier asks before it makes room for pages L2 may do
+        without (``HiCache._admit_rows``): where the current session is predicted back last,
+        its new pages, not better ones, are what the pool would give up."""
+        stream = self._current
+        if stream is None or self._off_path_victim() is victim:
+            return True
+        owned = self._owned.get(victim)
+        current = self._predict(stream)
+        if owned is None:  # a fallback page: its next use is estimated as now + its age
+            return self._now + (self._now - self._fallback_time[victim]) > current
+        if owned.stream is stream:
+            return True  # its own leaf off this request's chain: older than the new pages
+        return self._predict(owned.stream) >= current
+
     @property
     def fallback_pages(self) -> int:
         """Resident pages ordered by the fallback (used without a session since last used by

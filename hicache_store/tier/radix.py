@@ -644,9 +644,14 @@ class PageTree:
         copy (``set_copy(node, tag, tier, None)``) before asking again."""
         if tier is Tier.L3:
             raise ValueError("the record is trimmed with trim_l3_record")
-        pool = self._pools[tag]
-        policy = pool.l1 if tier is Tier.L1 else pool.l2
+        policy = self.policy(tier, tag)
         return None if policy is None else policy.victim()
+
+    def policy(self, tier: Tier, tag: int) -> EvictionPolicy[PageNode] | None:
+        """The eviction policy of component ``tag``'s pool at ``tier`` (L1 or L2; None: the
+        component has no L1 pool of its own)."""
+        pool = self._pools[tag]
+        return pool.l1 if tier is Tier.L1 else pool.l2
 
     def trim_l3_record(self) -> int:
         """Forget least recently used record leaves until the record fits its bound; returns
