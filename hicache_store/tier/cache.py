@@ -48,6 +48,14 @@ every component is one ``Held`` on the page tree (``tier.radix``), and the tier'
 ``_apply_backup``) are written once for all of them; what is special about the KV is two
 properties of its pools (``Pools.prefix_closed``, ``Pools.ordered``).
 
+**L2 admission.** A request's new pages take L2 rows by evicting the L2 policy's victims,
+except where L2 may do without them (no L3 write needs their L2 copy: L3 has them, or this
+component writes none) and the policy ranks the victim above them (``_admit_rows``,
+``SessionEviction.goes_before_current``): then the pages the policy would give up first are
+the new ones, and L2 keeps the prefix that fits beside what it holds. This is the order the
+block-level simulator measures (it admits, then evicts), so ``lru`` and ``session`` hit in
+the tier exactly what the simulator reports (``tests/trace/test_trace_weka.py``).
+
 **Ranks** (``group``, e.g. ``distributed.TorchGroup``): every number that changes what is
 computed is agreed as the minimum over ranks at the same point on every rank, and every request
 reaches the same agreements (``backup_acks`` in ``match``, ``prefetch_pages`` and

@@ -68,7 +68,9 @@ Policies (``EVICTION_POLICIES``; measured in BENCHMARKS.md, "Production traces")
     use is estimated as ``now + its age``. Without any session signal it *is* its fallback. Of
     the hint actions it reads ``session_end`` (the session's pages go first, like a finished
     subagent's, unless the session sends another request); pins, retention and prefetch are
-    the tier's to honour.
+    the tier's to honour. The tier asks it, before a request's new pages push out a page L2
+    holds, whether that page goes first (``goes_before_current``): where the current session
+    is predicted back last, its new pages are what L2 gives up (unless an L3 write needs them).
 """
 
 from __future__ import annotations
