@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -392,4 +393,38 @@ async def test_without_the_accelerator_nothing_is_started(
     buf = bytearray(70_000)
     assert store.start_get_into_summed(keys[:1], [buf], [[(0, 10)]]) is None
     assert buf == bytearray(70_000)  # nothing read
+    await store.close()
+
+
+@pytest.mark.parametrize("slow_files", [False, True])
+async def test_a_batch_spread_over_the_pool_stores_every_object_and_fails_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_files: bool
+) -> None:
+    # Where files are slow to make (``_write_cost_s`` over the rule) a put's writes go in
+    # several jobs of at least ``_WRITE_JOB_MIN`` objects, else in one: either way every
+    # object lands as written, and a failure in one job fails only its own key.
+    store = FileBackend(tmp_path / "s", durability="none", io_threads=4)
+    assert store._released_writes
+    jobs: list[int] = []
+    write_run = store._write_run_released
+
+    def counted(keys: Any, buffers: Any) -> Any:
+        jobs.append(len(keys))
+        return write_run(keys, buffers)
+
+    monkeypatch.setattr(store, "_write_run_released", counted)
+    cost = 1.0 if slow_files else 0.0
+    store._write_cost_s = cost
+    keys = [f"{i:04x}" for i in range(32)]
+    data = [pattern(700 + i, i) for i in range(32)]
+    store.path_of(keys[20]).mkdir(parents=True)  # its rename fails (EISDIR)
+    with pytest.raises(BackendIOError) as caught:
+        await store.put(keys, data)
+    assert caught.value.key == keys[20]
+    expected_jobs = [8, 8, 8, 8] if slow_files else [32]
+    assert jobs == expected_jobs
+    for key, chunk in zip(keys, data, strict=True):
+        if key != keys[20]:
+            assert await store.get_bytes(key) == chunk
+    assert list((store.root / "tmp").iterdir()) == []
     await store.close()
