@@ -273,15 +273,13 @@ class Transfers:
                     )
                     return False
 
-            for run, io in zip(runs, ios, strict=True):
-                task = asyncio.ensure_future(write(run, io))
+            started = [asyncio.ensure_future(write(run, io)) for run, io in zip(runs, ios, strict=True)]
+            for run, task in zip(runs, started, strict=True):
                 for item in run:  # a chained run answers for every node in it
-                    key = (item.tag, id(item.node)) if item.chained else (item.tag, -id(item))
-                    tasks[key] = task
-            for run, io in zip(runs, ios, strict=True):
-                last = run[-1]
-                key = (last.tag, id(last.node)) if last.chained else (last.tag, -id(last))
-                ok = await tasks[key]
+                    if item.chained:
+                        tasks[(item.tag, id(item.node))] = task
+            for run, io, task in zip(runs, ios, started, strict=True):
+                ok = await task
                 for n, item in enumerate(run):
                     if item.chained:
                         item.held.write_ok = ok
