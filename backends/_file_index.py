@@ -200,7 +200,8 @@ class ObjectIndex(Protocol):
     def exists_recent(self, keys: Sequence[str], max_age_s: float) -> list[bool] | None: ...
     def key_pages(self, prefix: str) -> Iterator[list[str]]: ...
     def entry_pages(self, prefix: str) -> Iterator[list[tuple[str, int, float]]]: ...
-    def reserve(self, keys: Sequence[str], sizes: Sequence[int], capacity: int) -> Reservation: ...
+    def reserve(self, keys: Sequence[str], sizes: Sequence[int], capacity: int,
+                pin_budget: int | None = None) -> Reservation: ...
     def make_room(self, capacity: int, reservation: Reservation | None = None) -> EvictionCount: ...
     def settle_put(self, reservation: Reservation) -> None: ...
     def delete(self, keys: Sequence[str]) -> list[bool]: ...
@@ -715,11 +716,14 @@ class FileIndex:
 
     # -- puts --------------------------------------------------------------------------------------
 
-    def reserve(self, keys: Sequence[str], sizes: Sequence[int], capacity: int) -> Reservation:
+    def reserve(self, keys: Sequence[str], sizes: Sequence[int], capacity: int,
+                pin_budget: int | None = None) -> Reservation:
         """T1 of a put: announce the keys, counting the bytes they will add as in flight (a
         rewrite counts only its growth: the row it replaces can neither be evicted nor deleted
         while the put is pending). Waits (up to ``lock_timeout``) while another call is
-        deleting one of the keys."""
+        deleting one of the keys. With ``pin_budget``, a rewrite that grows a pinned object is
+        charged as a pin (``_file_retention.charge_rewrite``): past the budget,
+        ``PinBudgetError`` and nothing is reserved."""
         incoming = sum(sizes)
         if incoming > capacity:
             raise CapacityError(
@@ -730,6 +734,14 @@ class FileIndex:
         owner, since = self._owner, time.time()
         for con in self._until_unblocked(set(keys), only_deletes=True, operation="put"):
             stored = self._rows(con, keys)
+            if pin_budget is not None and stored and holds.any_entries(con):
+                growth: dict[str, int] = {}
+                for key, size in zip(keys, sizes, strict=True):
+                    if key in stored:  # a key repeated in the call: its largest write counts
+                        growth[key] = max(growth.get(key, 0), size - stored[key])
+                holds.charge_rewrite(
+                    con, {key: grown for key, grown in growth.items() if grown > 0},
+                    now=self._clock(), budget=pin_budget, in_flight=self._growth_in_flight(con))
             con.executemany("INSERT INTO pending VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
                 (key, "put", max(0, size - stored.get(key, 0)), owner.pid, owner.pidns,
                  owner.token, batch, since)
@@ -863,7 +875,14 @@ class FileIndex:
         """Set ``retention.owner``'s entry on each indexed key (one transaction); a holding
         pin past ``pin_budget`` bytes raises ``PinBudgetError`` and sets nothing."""
         with self._write() as con:
-            holds.retain(con, keys, retention, now=self._clock(), budget=pin_budget)
+            holds.retain(con, keys, retention, now=self._clock(), budget=pin_budget,
+                         in_flight=self._growth_in_flight(con))
+
+    @staticmethod
+    def _growth_in_flight(con: sqlite3.Connection) -> dict[str, int]:
+        """key -> the bytes the puts in flight reserved for it (a rewrite: its growth)."""
+        return dict(con.execute(
+            "SELECT key, SUM(size) FROM pending WHERE op = 'put' AND size > 0 GROUP BY key"))
 
     def release(self, keys: Sequence[str], owner: str) -> None:
         with self._write() as con:

@@ -104,7 +104,9 @@ class NoIndex:
 
     # -- writes and eviction -----------------------------------------------------------------------
 
-    def reserve(self, keys: Sequence[str], sizes: Sequence[int], capacity: int) -> Reservation:
+    def reserve(self, keys: Sequence[str], sizes: Sequence[int], capacity: int,
+                pin_budget: int | None = None) -> Reservation:
+        # ``pin_budget`` changes nothing: without an index there are no pins to charge.
         incoming = sum(sizes)
         if incoming > capacity:
             raise CapacityError(

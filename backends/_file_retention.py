@@ -18,15 +18,18 @@ one priority, never a row with a holding pin. Entries past their deadline are de
 (``expire``), so "holds" is "has a row here" for the rest of the transaction. While the table
 is empty (``any_entries``: one indexed probe) eviction costs what it did without retention.
 
-**Pin budget**: ``retain`` with a holding pin sums the bytes pinned now (one join) and
-refuses the whole call with ``PinBudgetError`` when the new keys would pass the budget; the
-caller's transaction then rolls back, so nothing is applied.
+**Pin budget**: pinned bytes are the stored sizes of the pinned objects plus what puts in
+flight will add to them (``in_flight``: the growth each pending rewrite reserved, passed in
+by the index, which owns the pending table). ``retain`` with a holding pin refuses the whole
+call with ``PinBudgetError`` when the new keys would pass the budget; ``charge_rewrite``
+refuses a put whose rewrites of pinned objects would (a rewrite of a pinned object keeps its
+pins, so it is charged as one). The caller's transaction then rolls back: nothing is applied.
 """
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from .retention import Retention, check_pin_budget
 
@@ -101,12 +104,31 @@ def pinned_bytes(con: sqlite3.Connection, now: float) -> int:
     return value
 
 
+def _pinned_among(con: sqlite3.Connection, keys: Sequence[str], now: float) -> set[str]:
+    """The keys of ``keys`` with a pin that holds at ``now``."""
+    pinned: set[str] = set()
+    for chunk in _chunks(keys):
+        pinned.update(k for (k,) in con.execute(
+            "SELECT DISTINCT key FROM retention WHERE pinned = 1 AND (until_s IS NULL OR "  # noqa: S608
+            f"until_s > ?) AND key IN ({_marks(len(chunk))})", (now, *chunk),
+        ))
+    return pinned
+
+
+def _pinned_in_flight(con: sqlite3.Connection, in_flight: Mapping[str, int], now: float) -> int:
+    """Bytes the puts in flight (``in_flight``: key -> growth) will add to pinned objects."""
+    if not in_flight:
+        return 0
+    return sum(in_flight[key] for key in _pinned_among(con, list(in_flight), now))
+
+
 def retain(
     con: sqlite3.Connection, keys: Sequence[str], retention: Retention, *,
-    now: float, budget: int,
+    now: float, budget: int, in_flight: Mapping[str, int],
 ) -> None:
     """Set ``retention.owner``'s entry on each stored key of ``keys`` (absent keys: nothing).
-    A holding pin is first checked against ``budget`` (``PinBudgetError``, nothing set)."""
+    A holding pin is first checked against ``budget`` (``PinBudgetError``, nothing set),
+    each key counted at its stored size plus its growth in flight (``in_flight``)."""
     stored: dict[str, int] = {}
     for chunk in _chunks(keys):
         stored.update(con.execute(
@@ -116,20 +138,35 @@ def retain(
     if not stored:
         return
     if retention.pinned and retention.holds(now):
-        pinned: set[str] = set()
-        for chunk in _chunks(list(stored)):
-            pinned.update(k for (k,) in con.execute(
-                "SELECT DISTINCT key FROM retention WHERE pinned = 1 AND (until_s IS NULL OR "  # noqa: S608
-                f"until_s > ?) AND key IN ({_marks(len(chunk))})", (now, *chunk),
-            ))
-        asked = sum(size for key, size in stored.items() if key not in pinned)
-        check_pin_budget(budget=budget, used=pinned_bytes(con, now), asked=asked, backend="file")
+        pinned = _pinned_among(con, list(stored), now)
+        asked = sum(size + in_flight.get(key, 0) for key, size in stored.items()
+                    if key not in pinned)
+        used = pinned_bytes(con, now) + _pinned_in_flight(con, in_flight, now)
+        check_pin_budget(budget=budget, used=used, asked=asked, backend="file")
     con.executemany(
         "INSERT INTO retention VALUES (?, ?, ?, ?, ?) ON CONFLICT(key, owner) DO UPDATE SET "
         "until_s = excluded.until_s, pinned = excluded.pinned, priority = excluded.priority",
         [(key, retention.owner, retention.until_s, int(retention.pinned), retention.priority)
          for key in stored],
     )
+
+
+def charge_rewrite(
+    con: sqlite3.Connection, growth: Mapping[str, int], *, now: float, budget: int,
+    in_flight: Mapping[str, int],
+) -> None:
+    """A put that rewrites stored objects larger (``growth``: key -> bytes added) is charged,
+    for the pinned ones, against ``budget``: ``PinBudgetError`` (operation ``put``) when the
+    pinned bytes, with the puts already in flight (``in_flight``) and this growth, would pass
+    it. Objects without a holding pin, and rewrites that do not grow, are not charged."""
+    if not growth:
+        return
+    pinned = _pinned_among(con, list(growth), now)
+    if not pinned:
+        return
+    used = pinned_bytes(con, now) + _pinned_in_flight(con, in_flight, now)
+    check_pin_budget(budget=budget, used=used, asked=sum(growth[key] for key in pinned),
+                     backend="file", operation="put")
 
 
 def release(con: sqlite3.Connection, keys: Sequence[str], owner: str) -> None:

@@ -866,7 +866,8 @@ class FileBackend(Backend):
         """Reserve (evicting if needed), write, settle: the index stays exact whatever fails."""
         sizes = [len(view) for view in buffers]
         reservation = await self._run(
-            self._translated, "put", None, self._index.reserve, keys, sizes, self.capacity_bytes
+            self._translated, "put", None, self._index.reserve, keys, sizes, self.capacity_bytes,
+            self.pin_budget_bytes,
         )
         outcomes: list[bool | BaseException] = []
         try:
@@ -970,7 +971,7 @@ class FileBackend(Backend):
     async def _put_one_if_absent(self, key: str, buffer: memoryview) -> bool:
         reservation = await self._run(
             self._translated, "put_if_absent", key, self._index.reserve, [key], [len(buffer)],
-            self.capacity_bytes,
+            self.capacity_bytes, self.pin_budget_bytes,
         )
         try:
             await self._make_room(reservation)

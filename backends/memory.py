@@ -41,7 +41,8 @@ class MemoryBackend(Backend):
     seconds, for retention deadlines; default ``time.time``).
     An object larger than the capacity raises ``CapacityError``, as does a put that could
     only make room by evicting a pin. Retention (``backends.retention``): an overwrite keeps
-    the key's entries; a delete removes them with the object.
+    the key's entries (one that grows a pinned object past the pin budget raises
+    ``PinBudgetError``); a delete removes them with the object.
     """
 
     name = "memory"
@@ -113,12 +114,26 @@ class MemoryBackend(Backend):
                     backend=self.name, operation="put", key=key,
                 )
         latest = dict(copies)  # a key repeated in one batch: the last copy wins
+        if self._holds:
+            self._charge_rewrites(latest)
         self._make_room(sum(len(v) for v in latest.values()), keep=latest.keys())
         now = time.time()
         for key, data in latest.items():
             self._data[key] = data
             self._mtimes[key] = now
         self._lru.add_batch([(key, len(data)) for key, data in copies if latest[key] is data])
+
+    def _charge_rewrites(self, latest: dict[str, bytes]) -> None:
+        """A rewrite keeps the key's entries, so one that grows a pinned object is charged as
+        a pin (``backends.retention``): ``PinBudgetError`` before anything is stored."""
+        now = self._clock()
+        pinned = {k for k, h in self._holds.items() if is_pinned(h.values(), now)}
+        growth = sum(max(0, len(data) - len(self._data[key])) for key, data in latest.items()
+                     if key in pinned and key in self._data)
+        if growth:
+            used = sum(len(self._data[k]) for k in pinned if k in self._data)
+            check_pin_budget(budget=self.pin_budget_bytes, used=used, asked=growth,
+                             backend=self.name, operation="put")
 
     def _make_room(self, incoming: int, keep: Any) -> None:
         victims = self._victims()

@@ -13,7 +13,11 @@ without evicting a pin the write fails with ``CapacityError``.
 
 Pin budget: the bytes of objects pinned at once may not pass ``pin_budget_bytes`` (a fixed
 fraction of the capacity). A ``retain(pinned=True)`` that would pass it raises
-``PinBudgetError`` and changes nothing.
+``PinBudgetError`` and changes nothing. A rewrite (``put`` of a stored key) keeps the key's
+entries, so a rewrite of a pinned object is charged as a pin: a ``put`` whose rewrites would
+make the pinned bytes pass the budget raises ``PinBudgetError`` and stores nothing of the call
+(the old objects and their pins stay). A rewrite at the same size or smaller is never refused,
+nor is one of an object without a holding pin.
 """
 
 from __future__ import annotations
@@ -92,15 +96,18 @@ def eviction_class(entries: Iterable[Retention], now: float) -> tuple[int, int] 
 
 
 def check_pin_budget(
-    *, budget: int, used: int, asked: int, backend: str
+    *, budget: int, used: int, asked: int, backend: str, operation: str = "retain"
 ) -> None:
-    """Raise ``PinBudgetError`` when ``asked`` more pinned bytes would pass ``budget``."""
+    """Raise ``PinBudgetError`` when ``asked`` more pinned bytes would pass ``budget``
+    (``operation``: ``retain`` for a pin, ``put`` for a rewrite that grows a pinned object)."""
     from .errors import PinBudgetError
 
     if used + asked > budget:
+        why = (" by rewriting pinned objects larger (a rewrite keeps their pins; release them "
+               "first, or rewrite them at their size)" if operation == "put" else "")
         raise PinBudgetError(
-            f"pin budget exceeded: budget {budget} bytes, used {used}, asked {asked}",
-            backend=backend, operation="retain",
+            f"pin budget exceeded{why}: budget {budget} bytes, used {used}, asked {asked}",
+            backend=backend, operation=operation,
         )
 
 

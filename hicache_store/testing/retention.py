@@ -2,7 +2,8 @@
 
 A pytest mixin for backends that bound their size and declare ``capabilities.retention``:
 pins are never evicted, retained objects go after unretained ones and by ascending priority,
-the pin budget refuses a whole call, only an owner shortens or releases its own entry,
+the pin budget refuses a whole call (a ``retain``, or a ``put`` that rewrites a pinned object
+larger), only an owner shortens or releases its own entry,
 deadlines expire into ordinary data, and a delete drops a key's entries. Subclass it (a class
 named ``Test...``) and implement one hook::
 
@@ -130,6 +131,30 @@ class RetentionTests(abc.ABC):
         await store.release(["a1"], "t")
         await store.retain(["a2"], Retention("t", None, pinned=True))  # 200 pinned now
         assert [len(h) for h in await store.retention_of(["a0", "a1", "a2"])] == [1, 0, 1]
+
+    async def test_a_rewrite_of_a_pinned_object_is_charged_as_a_pin(
+        self, open_store: OpenStore
+    ) -> None:
+        store = await open_store(1000, pin_fraction=0.25)  # 250 bytes of pins
+        await store.put(["a0", "a1"], [b"p" * 40, b"u" * 100])
+        await store.retain(["a0"], Retention("s", None, pinned=True))
+        # the rewrite keeps the pin: 900 pinned bytes would pass the budget, so the whole call
+        # is refused and the old objects (and the pin) stay
+        with pytest.raises(PinBudgetError, match="rewriting pinned objects"):
+            await store.put(["a1", "a0"], [b"v" * 100, b"q" * 900])
+        assert await store.get_bytes("a0") == b"p" * 40
+        assert await store.get_bytes("a1") == b"u" * 100
+        assert [r.owner for r in (await store.retention_of(["a0"]))[0]] == ["s"]
+        with pytest.raises(PinBudgetError, match="used 40, asked 211"):
+            await store.put(["a0"], [b"q" * 251])
+        await store.put(["a0"], [b"q" * 250])  # up to the budget, and at its size or less
+        await store.put(["a0"], [b"r" * 250])
+        await store.put(["a0"], [b"s" * 10])
+        await store.put(["a1"], [b"w" * 600])  # an object without a pin is not charged
+        assert [len(await store.get_bytes(k) or b"") for k in ("a0", "a1")] == [10, 600]
+        await store.release(["a0"], "s")
+        await store.put(["a0"], [b"t" * 300])  # released: an ordinary rewrite
+        assert await store.get_bytes("a0") == b"t" * 300
 
     async def test_an_expired_pin_does_not_count_against_the_budget(
         self, open_store: OpenStore

@@ -248,3 +248,48 @@ async def test_the_pin_budget_holds_across_racing_processes(tmp_path: Path) -> N
         assert len(owners) == 1
     finally:
         await store.close()
+
+
+REWRITE = textwrap.dedent(
+    """
+    import asyncio, sys
+    from hicache_store.backends import PinBudgetError
+    from hicache_store.backends.file import FileBackend
+
+    async def main(root, key, size):
+        store = FileBackend(root, durability="none", direct_io="never", capacity_bytes=1 << 20)
+        try:
+            await store.put([key], [b"w" * int(size)])
+            print("stored")
+        except PinBudgetError as exc:
+            print("refused", exc)
+        await store.close()
+
+    asyncio.run(main(*sys.argv[1:]))
+    """
+)
+
+
+async def test_another_process_cannot_grow_a_pinned_object_past_the_budget(tmp_path: Path) -> None:
+    """1 MiB store, 256 KiB of pins: a pinned 4 KiB object rewritten at 900 KiB by another
+    process would leave 900 KiB pinned (unevictable); the rewrite is charged as a pin and
+    refused, the old object and its pin stay, and a rewrite within the budget is stored."""
+    root = tmp_path / "s"
+    store = _store(root, capacity=1 << 20, pin_fraction=0.25)
+    try:
+        await store.put(["ab00"], [b"p" * 4096])
+        await store.retain(["ab00"], Retention("engine", None, pinned=True))
+        child = await _run_child(REWRITE, str(root), "ab00", str(900 * 1024))
+        assert child.returncode == 0, child.stderr
+        assert child.stdout.startswith("refused pin budget exceeded by rewriting pinned"), (
+            child.stdout)
+        assert await store.get_bytes("ab00") == b"p" * 4096
+        assert store.pinned_bytes() == 4096
+        child = await _run_child(REWRITE, str(root), "ab00", str(200 * 1024))
+        assert child.stdout.startswith("stored"), child.stdout + child.stderr
+        assert store.pinned_bytes() == 200 * 1024
+        assert [r.owner for r in (await store.retention_of(["ab00"]))[0]] == ["engine"]
+    finally:
+        await store.close()
+    report = audit(root)
+    assert report.ok, report.problems
