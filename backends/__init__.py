@@ -47,7 +47,14 @@ from .registry import (
     unregister_backend,
 )
 from .retention import Retention
-from .types import BackendStats, BackendURL, ByteRange, Capabilities, ObjectStat
+from .types import (
+    BackendStats,
+    BackendURL,
+    ByteRange,
+    Capabilities,
+    DeletedUntilHeld,
+    ObjectStat,
+)
 
 __all__ = [
     "DIRECT_ALIGNMENT",
@@ -72,6 +79,7 @@ __all__ = [
     "MissingDependencyError",
     "NotFoundError",
     "NotSupportedError",
+    "DeletedUntilHeld",
     "ObjectStat",
     "PendingReads",
     "OutOfSpaceError",

@@ -46,7 +46,9 @@ is announced, done, then settled:
   rows. Row sizes are therefore the sizes of the files, whoever renamed last.
 - *delete / evict*: T1 removes the rows and records pending deletes; the files are unlinked;
   T2 drops the pending rows and gives back the row of any file that could not be deleted (at
-  the back of the eviction line, counted as an eviction failure).
+  the back of the eviction line, counted as an eviction failure). A delete that spares held
+  objects (``delete_until_held``) reads the holds in T1, so no pin commits between its check
+  and the removal of the rows.
 - A key with a pending change by another owner is never chosen for eviction, a delete waits
   for it, and a put waits for a pending delete: an unlink never races a rename of one key.
 - A process killed between T1 and T2 leaves pending rows. Whoever finds them (every open, and
@@ -823,11 +825,31 @@ class FileIndex:
         """Remove each key's row and file; True when a file was removed. Waits (up to
         ``lock_timeout``) for other owners' changes in flight on these keys. A file that
         cannot be deleted keeps its row, and the first such error is raised."""
+        return self._delete_groups([keys], until_held=False)[1]
+
+    def delete_until_held(self, groups: Sequence[Sequence[str]]) -> tuple[int, list[bool]]:
+        """``Backend.delete_until_held``: ``delete`` of the groups, in order, up to the first
+        one with a key that a retention entry holds; returns how many groups went and, for
+        their keys, whether a file was removed. The holds are read in the write transaction
+        that removes the rows (T1), so no ``retain`` commits between the check and the
+        removal, and one after it finds no row to hold."""
+        return self._delete_groups(groups, until_held=True)
+
+    def _delete_groups(
+        self, groups: Sequence[Sequence[str]], *, until_held: bool
+    ) -> tuple[int, list[bool]]:
         batch = next(self._batches)
-        for con in self._until_unblocked(set(keys), only_deletes=False, operation="delete"):
+        wanted = {key for group in groups for key in group}
+        for con in self._until_unblocked(wanted, only_deletes=False, operation="delete"):
+            done = len(groups)
+            if until_held and holds.any_entries(con):
+                held = holds.held_among(con, list(wanted), self._clock())
+                done = next((i for i, group in enumerate(groups) if held.intersection(group)),
+                            done)
+            keys = [key for group in groups[:done] for key in group]
             rows = self._rows(con, keys)
             self._remove_rows(con, list(rows.items()))
-            self._announce(con, list(keys), "del", batch)
+            self._announce(con, keys, "del", batch)
         removed: list[bool] = []
         failed: list[str] = []
         error: OSError | None = None
@@ -846,7 +868,7 @@ class FileIndex:
         self._maybe_compact()
         if error is not None:
             raise error
-        return removed
+        return done, removed
 
     def _settle(self, batch: int, failed: Sequence[str], ranks: Sequence[int] | None) -> None:
         """T2 of a delete: drop the pending rows; the files that stayed get their rows back

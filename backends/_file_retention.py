@@ -104,6 +104,17 @@ def pinned_bytes(con: sqlite3.Connection, now: float) -> int:
     return value
 
 
+def held_among(con: sqlite3.Connection, keys: Sequence[str], now: float) -> set[str]:
+    """The keys of ``keys`` with an entry (a pin or a retention) that holds at ``now``."""
+    held: set[str] = set()
+    for chunk in _chunks(keys):
+        held.update(k for (k,) in con.execute(
+            "SELECT DISTINCT key FROM retention WHERE (until_s IS NULL OR until_s > ?) "  # noqa: S608
+            f"AND key IN ({_marks(len(chunk))})", (now, *chunk),
+        ))
+    return held
+
+
 def _pinned_among(con: sqlite3.Connection, keys: Sequence[str], now: float) -> set[str]:
     """The keys of ``keys`` with a pin that holds at ``now``."""
     pinned: set[str] = set()

@@ -7,6 +7,7 @@ Public API (what callers use; implemented here, once, for every backend)::
     get_scatter(key, buffers, range)  -> int | None         one range into several buffers
     put(keys, buffers)                -> None
     delete(keys)                      -> list[bool]         False = was absent
+    delete_until_held(groups)         -> DeletedUntilHeld   stops at the first held group
     stat(keys)                        -> list[ObjectStat | None]
     list_prefix(prefix)               -> async iterator of keys
     list_entries(prefix)              -> async iterator of ObjectStat (key, size, mtime)
@@ -22,7 +23,9 @@ Public API (what callers use; implemented here, once, for every backend)::
 
 Core (what a backend implements; the public method has already validated everything):
 ``_exists``, ``_get_into``, ``_put``, ``_delete``, ``_stat``; optionally ``_list_prefix``,
-``_list_entries``, ``_put_if_absent``, ``_get_scatter``, ``_get_into_summed``, ``_close``.
+``_list_entries``, ``_put_if_absent``, ``_get_scatter``, ``_get_into_summed``, ``_close``;
+with ``capabilities.retention``, ``_retain``, ``_release``, ``_retention_of`` and
+``_delete_until_held`` (its hold check and delete one atomic step).
 
 Contracts every backend keeps (the conformance suite in ``hicache_store.testing`` checks them):
 
@@ -87,7 +90,15 @@ from hicache_store.layout.keys import validate_storage_keys
 from .errors import BackendClosedError, InvalidRangeError, NotSupportedError
 from .prefix import DEFAULT_FANOUT, search_prefix
 from .retention import Retention
-from .types import BackendStats, BackendURL, ByteRange, Capabilities, ObjectStat, validate_prefix
+from .types import (
+    BackendStats,
+    BackendURL,
+    ByteRange,
+    Capabilities,
+    DeletedUntilHeld,
+    ObjectStat,
+    validate_prefix,
+)
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -818,6 +829,34 @@ class Backend(abc.ABC):
         self.stats.deletes += sum(removed)
         return removed
 
+    async def delete_until_held(self, groups: Sequence[Sequence[str]]) -> DeletedUntilHeld:
+        """Delete ``groups`` of keys in order, each group whole, up to the first group with a
+        key that a retention entry holds (``backends.retention``: a pin or a retention that
+        holds now); that group and every later one are left as they are.
+
+        The hold check and the delete are one atomic step against ``retain``: an entry that
+        exists when the step runs keeps its object, and a ``retain`` after it finds the object
+        gone (a hold is on an object, never on a name). So a caller that deletes what it
+        planned earlier (gc) never deletes what was pinned meanwhile; one that orders each
+        chain's groups children first (gc does) stops before the ancestors of a held group.
+        Without ``capabilities.retention`` nothing is held and every group is deleted. Errors
+        are ``delete``'s (what could not be deleted stays, the first error is raised); an
+        empty group is a ``ValueError``.
+        """
+        self._check_open("delete_until_held")
+        checked = [self._check_keys(group, "delete_until_held") for group in groups]
+        if any(not group for group in checked):
+            raise ValueError("delete_until_held: every group needs at least one key")
+        if not checked:
+            return DeletedUntilHeld(0, ())
+        if self.capabilities.retention:
+            done = await self._delete_until_held(checked)
+        else:
+            removed = await self._delete([key for group in checked for key in group])
+            done = DeletedUntilHeld(len(checked), tuple(removed))
+        self.stats.deletes += sum(done.removed)
+        return done
+
     async def stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
         """Size and mtime of each object; None for a miss."""
         self._check_open("stat")
@@ -892,6 +931,13 @@ class Backend(abc.ABC):
 
     async def _retention_of(self, keys: Sequence[str]) -> list[tuple[Retention, ...]]:
         raise NotSupportedError("retention_of", backend=self.name, operation="retention_of")
+
+    async def _delete_until_held(self, groups: list[list[str]]) -> DeletedUntilHeld:
+        """The core of ``delete_until_held`` for a backend that declares retention: check and
+        delete in one step that no ``retain`` can come between."""
+        raise NotSupportedError(
+            f"{self.name} declares retention but has no atomic delete_until_held",
+            backend=self.name, operation="delete_until_held")
 
     async def close(self) -> None:
         """Release resources. Idempotent; every other call afterwards raises

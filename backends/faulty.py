@@ -52,6 +52,7 @@ from .types import (
     BackendURL,
     ByteRange,
     Capabilities,
+    DeletedUntilHeld,
     ObjectStat,
     convert_options,
     unknown_options_error,
@@ -257,6 +258,10 @@ class FaultyBackend(Backend):
     async def _delete(self, keys: Sequence[str]) -> list[bool]:
         await self._before("delete", writing=True)
         return await self.inner.delete(keys)
+
+    async def _delete_until_held(self, groups: list[list[str]]) -> DeletedUntilHeld:
+        await self._before("delete", writing=True)
+        return await self.inner.delete_until_held(groups)
 
     async def _stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
         await self._before("stat", writing=False)

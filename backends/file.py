@@ -142,7 +142,15 @@ from .errors import (
     translate_os_error,
 )
 from .retention import DEFAULT_PIN_FRACTION, Retention, pin_budget_bytes
-from .types import BackendURL, ByteRange, Capabilities, ObjectStat, convert_options, parse_size
+from .types import (
+    BackendURL,
+    ByteRange,
+    Capabilities,
+    DeletedUntilHeld,
+    ObjectStat,
+    convert_options,
+    parse_size,
+)
 
 Durability = Literal["none", "data", "full"]
 DirectIO = Literal["auto", "never"]
@@ -1092,6 +1100,14 @@ class FileBackend(Backend):
         return await _to_completion(
             self._run(self._translated, "delete", None, self._index.delete, keys)
         )
+
+    async def _delete_until_held(self, groups: list[list[str]]) -> DeletedUntilHeld:
+        # docstring inherited. The holds are checked inside the index's write transaction
+        # that removes the rows (``FileIndex.delete_until_held``).
+        done, removed = await _to_completion(self._run(
+            self._translated, "delete_until_held", None, self._shared_index().delete_until_held,
+            groups))
+        return DeletedUntilHeld(done, tuple(removed))
 
     async def _list_prefix(self, prefix: str) -> AsyncIterator[str]:
         # docstring inherited. From the index in key order, a page at a time (no walk); with

@@ -27,7 +27,7 @@ from .retention import (
     is_pinned,
     pin_budget_bytes,
 )
-from .types import ByteRange, Capabilities, ObjectStat, parse_size
+from .types import ByteRange, Capabilities, DeletedUntilHeld, ObjectStat, parse_size
 
 #: default bound: 1 GiB.
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -211,6 +211,17 @@ class MemoryBackend(Backend):
             self._holds.pop(key, None)
             self._lru.discard(key)
         return removed
+
+    async def _delete_until_held(self, groups: list[list[str]]) -> DeletedUntilHeld:
+        # docstring inherited. Atomic: no await between the hold check and the delete.
+        now = self._clock()
+        done = 0
+        for group in groups:
+            if any(holding(self._holds.get(key, {}).values(), now) for key in group):
+                break
+            done += 1
+        removed = await self._delete([key for group in groups[:done] for key in group])
+        return DeletedUntilHeld(done, tuple(removed))
 
     async def _stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
         # docstring inherited

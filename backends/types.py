@@ -81,8 +81,9 @@ class Capabilities:
     - ``mtime``: ``stat`` reports each object's last write time (``ObjectStat.mtime``, seconds
       since the epoch). Tools that age objects out (``hicache-store gc --max-age``) need it;
       without the flag ``mtime`` may be None.
-    - ``retention``: ``retain`` / ``release`` / ``retention_of`` work and eviction honours
-      them (``hicache_store.backends.retention``); otherwise they raise ``NotSupportedError``.
+    - ``retention``: ``retain`` / ``release`` / ``retention_of`` work, eviction honours
+      them (``hicache_store.backends.retention``) and ``delete_until_held`` never deletes a
+      held object; otherwise the first three raise ``NotSupportedError`` (and nothing is held).
     """
 
     ranged_reads: bool = False
@@ -106,6 +107,16 @@ class ObjectStat:
     key: str
     size: int
     mtime: float | None = None
+
+
+@dataclass(frozen=True)
+class DeletedUntilHeld:
+    """What ``Backend.delete_until_held`` did: ``groups``, how many leading groups it deleted
+    (the group after them, if any, is the first one that holds a key); ``removed``, for the
+    keys of those groups in order, True where an object was removed (False: it was absent)."""
+
+    groups: int
+    removed: tuple[bool, ...]
 
 
 @dataclass

@@ -51,10 +51,12 @@ run; a resumed run carries its plan over the interruption, so resume soon or sta
 **Retention** (``backends.retention``). On a backend that declares ``capabilities.retention``
 gc never deletes a pinned or retained object: the scan asks ``retention_of`` for every listed
 key, and a page with a held object is never a tail to delete (so its ancestors stay too: its
-chain stays reachable). Before each ``delete`` call the holds of its keys are asked again, so
-a page pinned after the scan is kept as well (counted as ``kept``, its ancestors too). An
-entry past its deadline holds nothing: the object is collected like any other. The report
-counts the held objects and pages (``held``, ``held_pages``), a dry run too.
+chain stays reachable). Deletions go through ``Backend.delete_until_held``, one page a group,
+children first: the store checks the holds and deletes in one atomic step and stops at the
+first held page, so a page pinned at any moment after the scan is kept (counted as ``kept``),
+and so are its ancestors (blocked before the next call). An entry past its deadline holds
+nothing: the object is collected like any other. The report counts the held objects and
+pages (``held``, ``held_pages``), a dry run too.
 
 Namespace manifests (``M_...``) are never deleted. A page's parent is read from one of its
 objects' headers; when that one is corrupt, unreadable (the store fails on it alone: no read
@@ -842,54 +844,50 @@ class _DeleteBatch:
         self.keys.extend(keys)
 
     async def flush(self, backend: Backend, state: GcState) -> int:
-        """Delete the batch; on a failure, ask the store which pages are still there: those
-        failed, and block their ancestors. Returns the number of pages settled."""
-        if not self.pages:
-            return 0
-        await self._keep_held(backend, state)
-        if not self.pages:
-            return 0
-        failed: set[str] = set()
-        try:
-            await backend.delete(self.keys)
-        except BackendError:
-            try:
-                present = await backend.exists(self.keys)
-            except BackendError:
-                present = [True] * len(self.keys)  # cannot tell: count them all as failed
-            left = {key for key, there in zip(self.keys, present, strict=True) if there}
-            failed = {page for page, _, keys in self.pages if left.intersection(keys)}
-        with state.transaction() as db:
-            _settle(db, [(p, q) for p, q, _ in self.pages if p not in failed], _DELETED,
-                    self.blocked)
-            _settle(db, [(p, q) for p, q, _ in self.pages if p in failed], _FAILED,
-                    self.blocked)
+        """Delete the batch's pages in order, each a group of ``delete_until_held``: a page
+        found held (pinned since the scan) is kept and blocks its ancestors, which come later
+        in the batch, and the call goes on after it. On a failure, ask the store which pages
+        are still there: those failed, and block their ancestors. Returns the number of
+        pages settled."""
         count = len(self.pages)
-        self.pages, self.keys = [], []
+        pages, self.pages, self.keys = self.pages, [], []
+        while pages:
+            go: list[tuple[str, str | None, list[str]]] = []
+            with state.transaction() as db:
+                for page, parent, keys in pages:  # children first: one pass blocks a chain
+                    if page in self.blocked:
+                        _settle(db, [(page, parent)], _KEPT, self.blocked)
+                    else:
+                        go.append((page, parent, keys))
+            if not go:
+                break
+            try:
+                done = (await backend.delete_until_held([keys for _, _, keys in go])).groups
+            except BackendError:
+                await self._settle_failed(backend, state, go)
+                break
+            with state.transaction() as db:
+                _settle(db, [(p, q) for p, q, _ in go[:done]], _DELETED, self.blocked)
+                if done < len(go):  # held: kept, and its ancestors with it
+                    _settle(db, [go[done][:2]], _KEPT, self.blocked)
+            pages = go[done + 1:]
         return count
 
-
-    async def _keep_held(self, backend: Backend, state: GcState) -> None:
-        """Take out of the batch the pages that got a retention entry since the scan, and
-        (children come first) their ancestors in it; all settle as kept."""
-        held = await _held(backend, self.keys)
-        if not any(held):
-            return
-        held_keys = {key for key, h in zip(self.keys, held, strict=True) if h}
-        stay: list[tuple[str, str | None]] = []
-        go: list[tuple[str, str | None, list[str]]] = []
-        blocked: set[str] = set()
-        for page, parent, keys in self.pages:
-            if page in blocked or held_keys.intersection(keys):
-                stay.append((page, parent))
-                if parent is not None:
-                    blocked.add(parent)
-            else:
-                go.append((page, parent, keys))
+    async def _settle_failed(self, backend: Backend, state: GcState,
+                             pages: list[tuple[str, str | None, list[str]]]) -> None:
+        """A delete call failed: the pages whose objects are still there failed (their
+        ancestors are blocked), the others were deleted."""
+        keys = [key for _, _, page_keys in pages for key in page_keys]
+        try:
+            present = await backend.exists(keys)
+        except BackendError:
+            present = [True] * len(keys)  # cannot tell: count them all as failed
+        left = {key for key, there in zip(keys, present, strict=True) if there}
+        failed = {page for page, _, page_keys in pages if left.intersection(page_keys)}
         with state.transaction() as db:
-            _settle(db, stay, _KEPT, self.blocked)
-        self.pages = go
-        self.keys = [key for _, _, keys in go for key in keys]
+            _settle(db, [(p, q) for p, q, _ in pages if p not in failed], _DELETED,
+                    self.blocked)
+            _settle(db, [(p, q) for p, q, _ in pages if p in failed], _FAILED, self.blocked)
 
 
 def _settle(db: sqlite3.Connection, pages: Sequence[tuple[str, str | None]], outcome: int,

@@ -4,7 +4,8 @@ A pytest mixin for backends that bound their size and declare ``capabilities.ret
 pins are never evicted, retained objects go after unretained ones and by ascending priority,
 the pin budget refuses a whole call (a ``retain``, or a ``put`` that rewrites a pinned object
 larger), only an owner shortens or releases its own entry,
-deadlines expire into ordinary data, and a delete drops a key's entries. Subclass it (a class
+deadlines expire into ordinary data, a delete drops a key's entries, and ``delete_until_held``
+stops at the first group that holds a key. Subclass it (a class
 named ``Test...``) and implement one hook::
 
     class TestMyRetention(RetentionTests):
@@ -228,6 +229,31 @@ class RetentionTests(abc.ABC):
         assert await store.exists(["f0", "f1", "f2"]) == [False, False, True]
         await store.put(["f0"], [b"z" * 100])
         assert await store.retention_of(["f0", "f1"]) == [(), ()]
+
+    async def test_delete_until_held_stops_at_the_first_held_group(
+        self, open_store: OpenStore
+    ) -> None:
+        clock = Clock()
+        store = await open_store(1000, pin_fraction=1.0, clock=clock)
+        await store.put([f"a{i}" for i in range(7)], [b"x" * 10] * 7)
+        await store.retain(["a3"], Retention("s", None, pinned=True))
+        await store.retain(["a5"], Retention("r", None, pinned=False))
+        await store.retain(["a6"], Retention("e", 1100.0, pinned=True))
+        done = await store.delete_until_held([["a0", "a1"], ["b9", "a2"], ["a4", "a3"], ["a6"]])
+        assert (done.groups, done.removed) == (2, (True, True, False, True))
+        assert await store.exists([f"a{i}" for i in range(7)]) == [
+            False, False, False, True, True, True, True]  # the held group and the rest stay
+        done = await store.delete_until_held([["a4"], ["a5"], ["a6"]])  # a retention holds too
+        assert (done.groups, done.removed) == (1, (True,))
+        clock.now = 1100.0  # a6's pin has expired: ordinary data
+        await store.release(["a5"], "r")
+        done = await store.delete_until_held([["a6"], ["a5"], ["a3"]])
+        assert (done.groups, done.removed) == (2, (True, True))
+        assert await store.exists(["a3", "a5", "a6"]) == [True, False, False]
+        assert (await store.delete_until_held([])).groups == 0
+        with pytest.raises(ValueError, match="at least one key"):
+            await store.delete_until_held([["a3"], []])
+        assert await store.exists(["a3"]) == [True]
 
     async def test_bad_arguments_are_refused(self, open_store: OpenStore) -> None:
         store = await open_store(1000)
