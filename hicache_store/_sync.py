@@ -66,12 +66,24 @@ def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
     return asyncio.run_coroutine_threadsafe(coro, _bridge_loop())
 
 
+#: how long the interpreter's exit waits for the bridge loop to stop before leaving it.
+_STOP_WAIT_S = 2.0
+
+
 def _shutdown() -> None:
+    """At exit: stop the bridge loop and close it once stopped. A loop left open is closed
+    by its own finaliser at some point of the interpreter's teardown, possibly after its
+    self-pipe socket was finalised ("Exception ignored in BaseEventLoop.__del__")."""
     global _loop
     with _lock:
         loop, _loop = _loop, None
+        thread = _thread
     if loop is not None and not loop.is_closed():
         loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join(_STOP_WAIT_S)
+        if not loop.is_running():
+            loop.close()
 
 
 atexit.register(_shutdown)
