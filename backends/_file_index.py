@@ -322,6 +322,7 @@ class FileIndex:
         the file this process opened (``index/`` was removed, and rebuilt by another opener
         or not yet), move every connection to the one there, building it first if there is
         none (other openers wait on the build lock)."""
+        self.host.raise_if_taken_over()
         if time.monotonic() - self._checked_at < REPLACED_CHECK_SECONDS or self._db_id is None:
             return
         with self._replace_lock:
@@ -356,13 +357,16 @@ class FileIndex:
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction (``BEGIN IMMEDIATE``: takes the write lock up front, so two
-        writers never deadlock upgrading; waits up to ``lock_timeout`` for it)."""
+        writers never deadlock upgrading; waits up to ``lock_timeout`` for it). Nothing is
+        committed once another host has taken the root's index over (``HostClaim.check``
+        before each commit: one ``stat``)."""
         con = self._con()
         self._local.changed = False
         with self._translated():
             con.execute("BEGIN IMMEDIATE")
             try:
                 yield con
+                self.host.check(reclaim=False)
                 con.execute("COMMIT")
                 if self._local.changed:  # (``exists_recent``: the view is older than this)
                     self._changed_at = time.monotonic()
@@ -525,8 +529,8 @@ class FileIndex:
         """``exists`` when it can answer at once: the fingerprint set is up to date and no
         other thread is using it; otherwise None (call ``exists``). Never waits on I/O or a
         lock, so an event loop may call it inline."""
-        if not self._view_lock.acquire(blocking=False):
-            return None
+        if self.host.taken_over is not None or not self._view_lock.acquire(blocking=False):
+            return None  # (taken over: ``exists`` raises)
         try:
             if (self._feed is None or self._feed_generation != self._generation
                     or time.monotonic() - self._checked_at >= REPLACED_CHECK_SECONDS
@@ -543,7 +547,7 @@ class FileIndex:
         never waits: for a thread that must not release the GIL (a scheduler), which accepts
         an answer that may miss other processes' changes of the last ``max_age_s`` (see
         ``Backend.exists_now``); this process's own puts and deletes are never missed."""
-        if not self._view_lock.acquire(blocking=False):
+        if self.host.taken_over is not None or not self._view_lock.acquire(blocking=False):
             return None
         try:
             refreshed = self._view.refreshed_at

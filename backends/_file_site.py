@@ -51,13 +51,16 @@ tell an operator which host it is, and, by default, tell the containers of one k
 The boot-time condition keeps two machines that share a host name (a container image's fixed
 one) from passing for reboots of each other: the one that booted first is refused.
 
-**While open** (``HostClaim.check``, run with the index's own check that its database is still
-the one at ``index/``, at most once a second, one ``stat``): if the record was replaced, it is
-read again, and a record that no longer names this host (another kernel's: two machines with
-one host name, the later one's first open took the record over; or, by default, one of this
-kernel without this host name: the index was removed and rebuilt from another container)
-fails this process's index call with ``UnsafeIndexError``, instead of going on with a database
-another host now writes.
+**While open** (``HostClaim.check``: one ``stat`` before every commit of the index, and with
+the index's own check that its database is still the one at ``index/``, at most once a
+second): if the record was replaced, it is read again, and a record that no longer names this
+host (another kernel's: two machines with one host name, the later one's first open took the
+record over, or an operator removed the record as the refusal on another host says; or, by
+default, one of this kernel without this host name: the index was removed and rebuilt from
+another container) fails this process's index call with ``UnsafeIndexError``, instead of
+going on with a database another host now writes. **Taken over is final**: from then on
+every call of this process on the root fails with that error (``raise_if_taken_over``), even
+if the record changes again; the process opens the root anew once the hosts are sorted out.
 
 **Stale records and crashes.** A record is one file replaced atomically (temp in ``tmp/``,
 removed at open when its writer is dead, then ``rename`` or ``link``): a crash leaves the old
@@ -307,6 +310,9 @@ class HostClaim:
         self.index_hosts = index_hosts
         self.record: HostRecord | None = None
         self._file: tuple[int, int, int] | None = None
+        #: set once another host took the record over while this process had the index
+        #: open: every later call fails with it (the module docstring, "While open").
+        self.taken_over: UnsafeIndexError | None = None
 
     def claim(self) -> HostRecord:
         """Make sure the record names this host (writing it if needed) or raise
@@ -334,17 +340,32 @@ class HostClaim:
             "more than one host are opening this root", backend="file", operation="open",
         )
 
-    def check(self) -> None:
+    def check(self, *, reclaim: bool = True) -> None:
         """While open: the record is still this host's (one ``stat`` when it is unchanged).
         A replaced record is read again; one of another kernel raises ``UnsafeIndexError``,
         whatever its host names (this kernel is running, so it is no previous boot), and so,
-        unless ``index_hosts`` is ``kernel``, does one of this kernel without this host name."""
+        unless ``index_hosts`` is ``kernel``, does one of this kernel without this host name.
+        Once raised, it is raised again by every later call (``taken_over``). A record removed
+        (with ``index/`` or by hand), or one another container added its name to, is claimed
+        again, unless ``reclaim`` is False (the check before a commit: the index's periodic
+        check does it)."""
+        self.raise_if_taken_over()
         if _file_id(self.path) == self._file:
             return
-        found = read_host_record(self.index_dir)
-        if found is not None and not is_this_host(found, self.host, self.index_hosts):
-            raise self._foreign(found, took_over=True)
-        self.claim()  # removed (with index/ or by hand), or names added by other containers
+        try:
+            found = read_host_record(self.index_dir)
+            if found is not None and not is_this_host(found, self.host, self.index_hosts):
+                raise self._foreign(found, took_over=True)
+            if reclaim:
+                self.claim()
+        except UnsafeIndexError as exc:
+            self.taken_over = exc
+            raise
+
+    def raise_if_taken_over(self) -> None:
+        """``UnsafeIndexError`` if another host took the record over (no I/O)."""
+        if self.taken_over is not None:
+            raise self.taken_over
 
     def _previous_boot(self, found: HostRecord) -> bool:
         return (self.host.hostname in found.hostnames

@@ -494,6 +494,13 @@ class FileBackend(Backend):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, abandonable(fn), *args)
 
+    def _check_open(self, operation: str) -> None:
+        # Also refused once another host has taken the root's index over (``_file_site``):
+        # every call of this process fails from then on, reads included.
+        super()._check_open(operation)
+        if self._holds is not None:
+            self._holds.host.raise_if_taken_over()
+
     def _translated(self, operation: str, key: str | None, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)

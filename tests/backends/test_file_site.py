@@ -298,6 +298,102 @@ async def test_a_record_taken_over_while_open_fails_the_next_index_call(tmp_path
         await store.close()
 
 
+WRITE_UNTIL_REFUSED = textwrap.dedent(
+    """
+    import asyncio, sys
+    from hicache_store.backends import UnsafeIndexError
+    from hicache_store.backends.file import FileBackend
+
+    async def main(root, after):
+        store = FileBackend(root, durability="none", direct_io="never")
+        refused_at = None
+        i = 0
+        while refused_at is None or i < refused_at + int(after):
+            if i > 100_000:
+                sys.exit(3)  # never refused: the other host's claim went unnoticed
+            try:
+                await store.put([f"{i:08x}_b"], [b"w" * 100])
+                print("stored", i, flush=True)
+            except UnsafeIndexError:
+                print("refused", i, flush=True)
+                refused_at = i if refused_at is None else refused_at
+            i += 1
+            await asyncio.sleep(0.01)
+        for name, call in (("exists", store.exists(["aa11_b"])),
+                           ("get", store.get_bytes("aa11_b"))):
+            try:
+                await call
+                print(name, "answered", flush=True)
+            except UnsafeIndexError:
+                print(name, "refused", flush=True)
+        await store.close()
+
+    asyncio.run(main(*sys.argv[1:]))
+    """
+)
+
+TAKE_OVER = textwrap.dedent(
+    """
+    import asyncio, json, os, sys, time
+    from hicache_store.backends import open_backend
+    from hicache_store.backends._file_site import HostRecord, this_host
+
+    async def main(root):
+        # this host's record replaces the other one in one step, as the first open of a
+        # machine that takes the root for a previous boot of its own does
+        me = this_host()
+        record = HostRecord(me.boot_id, me.boot_time, (me.hostname,), time.time())
+        tmp = os.path.join(root, "tmp", "takeover.tmp")
+        with open(tmp, "w") as f:
+            json.dump(record.to_json(), f)
+        os.replace(tmp, os.path.join(root, "index", "host.json"))
+        store = open_backend(f"file://{root}")
+        await store.put(["bb22_c"], [b"other-host"])
+        await store.close()
+        print("TOOK OVER")
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+@needs_unshare
+def test_a_writer_whose_root_another_host_took_over_stores_nothing_more(tmp_path: Path) -> None:
+    """A process of this host writes in a loop; another host (its own host name and boot id)
+    replaces ``index/host.json`` with its own record and opens the root. From the writer's first
+    refused call on, every call of that process fails: no put is stored any more (a check
+    at most once a second used to refuse one put a second and store the rest), and reads
+    and lookups are refused too."""
+    root = tmp_path / "shared"
+    make_root(root)
+    writer = subprocess.Popen([sys.executable, "-c", WRITE_UNTIL_REFUSED, str(root), "150"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline().split() == ["stored", "0"]
+        other = on_host(tmp_path, [sys.executable, "-c", TAKE_OVER, str(root)],
+                        hostname="other-host", boot_id=OTHER_BOOT_ID)
+        assert other.stdout.strip() == "TOOK OVER", other.stderr
+        out, err = writer.communicate(timeout=300)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+    assert writer.returncode == 0, err
+    lines = [line.split() for line in out.splitlines()]
+    calls = [(word, int(i)) for word, i in (line for line in lines if line[0] in ("stored",
+                                                                                  "refused"))]
+    first = next(i for word, i in calls if word == "refused")
+    after = [word for word, i in calls if i >= first]
+    assert after == ["refused"] * 150, (
+        f"{after.count('stored')} of {len(after)} puts stored after the takeover")
+    assert ["exists", "refused"] in lines and ["get", "refused"] in lines
+    assert record(root)["hostnames"] == ["other-host"]
+    # (the first refused put may have written its object before its last index commit
+    # found the takeover: a whole object, which the index of the other host does not list)
+    names = {p.name for p in (root / "objects").rglob("*_b")}
+    assert not {f"{i:08x}_b" for i in range(first + 1, first + 150)} & names
+
+
 async def test_a_record_of_this_kernel_without_this_host_name_fails_the_next_index_call(
     tmp_path: Path,
 ) -> None:
