@@ -96,7 +96,13 @@ from ._fingerprints import (
     lookup,
 )
 from ._lru import chain_ranks, now_ms, rank_at, rank_seconds
-from .errors import BackendError, BackendIOError, BackendUnavailableError, CapacityError
+from .errors import (
+    BackendError,
+    BackendIOError,
+    BackendUnavailableError,
+    CapacityError,
+    OutOfSpaceError,
+)
 from .retention import Retention
 
 DB_NAME = "index.sqlite3"
@@ -112,6 +118,7 @@ MAX_DELTA = 1 << 20
 #: and rebuilt by another opener, a process that went on with the removed file would never see
 #: the others' writes again, nor they its own.
 REPLACED_CHECK_SECONDS = 1.0
+_SQLITE_FULL = 13  # the result code of "database or disk is full" (sqlite3.SQLITE_FULL, 3.11+)
 _SQL_CHUNK = 10_000  # bound on the parameters of one statement (SQLite allows 32,766)
 _VICTIM_PAGE = 256
 _SIGN64 = 1 << 63
@@ -397,10 +404,24 @@ class FileIndex:
                     f"the index at {self.db_path} stayed locked for {self.lock_timeout} s",
                     backend="file", operation="index",
                 ) from exc
+            if getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL or "disk is full" in text:
+                raise self.out_of_space(text) from exc
             raise BackendIOError(f"index at {self.db_path}: {text}", backend="file",
                                  operation="index") from exc
         except sqlite3.DatabaseError as exc:
             raise self._unreadable(exc) from exc
+
+    def out_of_space(self, cause: str) -> OutOfSpaceError:
+        """The error of an index write that found the filesystem full: it names the root and
+        what frees space."""
+        root = os.path.dirname(self.dir)
+        return OutOfSpaceError(
+            f"the filesystem of {root} is full: the index at {self.db_path} cannot commit "
+            f"({cause}). Free space: hicache-store gc file://{root} --max-bytes SIZE, or "
+            "remove other files on that filesystem; a smaller capacity_bytes leaves the index "
+            "room to grow",
+            backend="file", operation="index",
+        )
 
     def _unreadable(self, exc: Exception) -> BackendError:
         return BackendError(
