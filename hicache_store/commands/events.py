@@ -9,8 +9,10 @@ interrupted::
 
 This process is a server: it binds ``--pub`` and ``--replay`` whatever their form (routers
 connect to it). The first line on stdout names both addresses (port 0 picks a free one). The
-first batches describe the whole store; then each look at the store's change feed (every
-``--interval`` seconds) is one batch. SIGINT or SIGTERM stops it cleanly. Needs the file
+first batch (sequence number 0, at every start) is ``AllBlocksCleared`` then the whole store,
+so a subscriber that kept its view across a restart of this command drops what went while it
+was down (a sequence number lower than the last one seen: replay from 0); then each look at
+the store's change feed (every ``--interval`` seconds) is one batch. SIGINT or SIGTERM stops it cleanly. Needs the file
 backend's shared index (not ``index=none``) and the ``events`` extra (pyzmq).
 """
 

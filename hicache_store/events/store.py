@@ -14,11 +14,19 @@ bytes (for a sealed namespace that is the keyed hash: the store holds no other).
 tokens are not in the store's index: ``parent_block_hash`` is None and ``token_ids`` empty;
 ``block_size`` is the namespace's page size from its manifest (0 when it has none).
 
-**Catching up.** At start, and whenever the feed cannot name every change since the last look
-(a compaction pruned it before this process read it, an index rebuilt, rows written by an
-older version), the current listing is read in one transaction and the difference from what
-was published goes out (removals, then stores): subscribers converge on the store's listing
-either way. The first batches after start therefore describe the whole store.
+**Catching up.** Whenever the feed cannot name every change since the last look (a
+compaction pruned it before this process read it, an index rebuilt, rows written by an older
+version), the current listing is read in one transaction and the difference from what was
+published goes out (removals, then stores): subscribers converge on the store's listing
+either way.
+
+**Starts and restarts.** A publisher that starts cannot know what an earlier one published,
+nor what went while none ran (pages removed in between would otherwise stay in a subscriber
+that keeps its view), so its first batch (sequence number 0: numbers start again at every
+start) is ``AllBlocksCleared`` followed by the whole store's pages as ``BlockStored``. The
+resync rule for a subscriber: a sequence number lower than the last one it applied means the
+publisher restarted; it asks the replay socket from 0 (the batch that clears and lists the
+store, then what followed) and applies that, as a subscriber that joins late does.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from hicache_store.layout.manifest import manifest_key
 from hicache_store.objects.manifest import read_manifest
 
 from .publisher import EventPublisher
-from .wire import MEDIUM_STORAGE, BlockRemoved, BlockStored, Event
+from .wire import MEDIUM_STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +72,7 @@ class StoreEvents:
         the number of pages reported stored or removed."""
         if not self._started:
             self._started = True
-            return self._resync()
+            return self._resync(cleared=True)
         reported = 0
         while True:
             found = self.index.changes_after(self.seq)
@@ -101,8 +109,9 @@ class StoreEvents:
                 log.exception("kv events: reading the store's change feed failed; retrying")
             stop.wait(interval_s)
 
-    def _resync(self) -> int:
-        """Publish the difference between what was published and the store's listing."""
+    def _resync(self, *, cleared: bool = False) -> int:
+        """Publish the difference between what was published and the store's listing;
+        ``cleared`` (at start): ``AllBlocksCleared``, then the whole listing."""
         self.resyncs += 1
         last, keys = self.index.listing()
         now: dict[str, tuple[str, int]] = {}
@@ -114,7 +123,7 @@ class StoreEvents:
         removed = [(h, d) for h, (d, _) in self.pages.items() if h not in now]
         stored = [(h, d) for h, (d, _) in now.items() if h not in self.pages]
         self.pages, self.seq = now, last
-        return self._publish(stored, removed)
+        return self._publish(stored, removed, cleared=cleared)
 
     def _page_of(self, key: str) -> tuple[str, str] | None:
         """(page hash, namespace digest) of a KV object key of the namespace watched."""
@@ -136,11 +145,15 @@ class StoreEvents:
             size = self._page_sizes[digest] = 0 if ns is None else ns.page_size
         return size
 
-    def _publish(self, stored: list[tuple[str, str]], removed: list[tuple[str, str]]) -> int:
-        events: list[Event] = [
+    def _publish(self, stored: list[tuple[str, str]], removed: list[tuple[str, str]], *,
+                 cleared: bool = False) -> int:
+        """One batch: ``AllBlocksCleared`` first when ``cleared`` (even for an empty store),
+        then the removals, then the stores."""
+        events: list[Event] = [AllBlocksCleared()] if cleared else []
+        events.extend(
             BlockRemoved(tuple(bytes.fromhex(h) for h, _ in chunk), MEDIUM_STORAGE)
             for chunk in _chunks(removed)
-        ]
+        )
         by_namespace: dict[str, list[tuple[str, str]]] = {}
         for page in stored:
             by_namespace.setdefault(page[1], []).append(page)

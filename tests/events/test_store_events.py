@@ -49,6 +49,9 @@ def pages_from(batches: list[Batch]) -> tuple[set[bytes], int, int]:
     stored = removed = 0
     for _, batch in batches:
         for event in batch[1]:
+            if event["type"] == "AllBlocksCleared":  # a publisher's start
+                held.clear()
+                continue
             assert event["medium"] == "STORAGE"
             if event["type"] == "BlockStored":
                 assert event["token_ids"] == [] and event["parent_block_hash"] is None
@@ -88,7 +91,9 @@ def test_events_follow_every_process_puts_evictions_and_deletes(tmp_path: Path) 
     watcher = StoreEvents(one, publisher)
     try:
         put_pages(one, range(5))
-        watcher.poll()  # the whole store at start
+        watcher.poll()  # the whole store at start, after clearing what came before
+        first = replayed(publisher)[0][1][1]
+        assert first[0] == {"type": "AllBlocksCleared"} and len(first) == 2
         put_pages(other, range(5, 20))  # 40 objects of 1000 bytes
         watcher.poll()
         put_pages(other, range(20, 40))  # past the bound: the oldest are evicted
@@ -218,3 +223,84 @@ def test_the_command_refuses_what_it_cannot_serve_in_one_line(tmp_path: Path) ->
         [sys.executable, "-m", "hicache_store", "events", f"file://{root}", "--pub",
          "http://127.0.0.1:1"], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2 and "not a tcp://" in result.stderr
+
+
+VIEW_SUBSCRIBER = Path(__file__).parent / "view_subscriber.py"
+
+
+def _view(path: Path) -> tuple[set[bytes], int] | None:
+    """A view the subscriber process wrote: (pages, last sequence number applied)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    return {bytes.fromhex(line) for line in lines[:-1]}, int(lines[-1].split()[1])
+
+
+def _events_command(url: str, pub: str, replay: str) -> subprocess.Popen[str]:
+    events = _start([sys.executable, "-m", "hicache_store", "events", url, "--namespace",
+                     store_writer.DIGEST, "--pub", pub, "--replay", replay,
+                     "--interval", "0.02"])
+    assert events.stdout is not None
+    first = events.stdout.readline()
+    assert first.startswith("publishing ipc://"), first + (events.stderr.read()
+                                                           if events.stderr else "")
+    return events
+
+
+def _until_view_is(path: Path, want: set[bytes], after_seq: int | None = None,
+                   timeout_s: float = 120) -> tuple[set[bytes], int]:
+    """The subscriber's view once it equals ``want`` (with a batch numbered below
+    ``after_seq`` applied since, when given), or the last one seen past ``timeout_s``: a hang
+    detector; the assertion on the view is the caller's."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = _view(path)
+        if got is not None and got[0] == want and (after_seq is None or got[1] < after_seq):
+            return got
+        if time.monotonic() > deadline:
+            return got or (set(), -1)
+        time.sleep(0.05)
+
+
+def test_a_subscriber_that_keeps_its_view_across_a_restart_of_the_events_process(
+        tmp_path: Path) -> None:
+    """Pages removed while the ``events`` process was down leave the view of a subscriber
+    process that kept it: the restarted publisher's first batch clears, then lists."""
+    root = tmp_path / "store"
+    url = f"file://{root}"
+    backend = open_backend(f"{url}?capacity_bytes=10000000")
+    put_pages(backend, range(40))
+    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    out, stop = tmp_path / "view", tmp_path / "stop"
+    subscriber = _start([sys.executable, str(VIEW_SUBSCRIBER), pub, replay, str(out),
+                         str(stop)])
+    events = _events_command(url, pub, replay)
+    try:
+        time.sleep(0.5)  # the subscription reaches the publisher (a later one replays anyway)
+        for start in range(40, 80, 4):  # batches numbered past those of the next run
+            put_pages(backend, range(start, start + 4))
+            time.sleep(0.1)
+        before, last = _until_view_is(out, listed_pages(backend))
+        assert before == listed_pages(backend) and len(before) == 80
+        events.terminate()
+        assert events.wait(60) == 0
+        # while no publisher runs: 35 pages go, 5 come
+        asyncio.run(backend.delete([store_writer.key(i, g) for i in range(10, 45)
+                                    for g in range(store_writer.GROUPS)]))
+        put_pages(backend, range(80, 85))
+        events = _events_command(url, pub, replay)
+        time.sleep(0.5)
+        put_pages(backend, range(85, 87))  # later batches: the subscriber sees the restart
+        listing = listed_pages(backend)
+        after, seq = _until_view_is(out, listing, after_seq=last)
+        kept = after - listing
+        assert after == listing, f"{len(kept)} pages removed while the publisher was down kept"
+        assert seq < last and len(listing) == 80 - 35 + 7
+    finally:
+        stop.touch()
+        events.terminate()
+        events.wait(60)
+        subscriber.wait(60)
+        asyncio.run(backend.close())
+    assert subscriber.returncode == 0, subscriber.stderr.read() if subscriber.stderr else ""
