@@ -5,6 +5,12 @@ holed), expired pages first, then the oldest while over the budget::
 
     hicache-store gc 's3://bucket/kv?endpoint_url=...' --max-bytes 2TiB --max-age 7d --dry-run
 
+``--max-bytes`` and ``--max-age`` take units (``100GiB``, ``500MB``, ``0B``; ``7d``, ``12h``,
+``30min``, ``90s``, ``2w``): a bare number is refused, never taken for bytes or seconds. A run
+whose plan would delete more than half of the store's objects or bytes deletes nothing
+without ``--yes`` (it says how much it would delete, exit 2; the plan is kept, so the run
+with ``--yes`` resumes at the deletion). ``--dry-run`` deletes nothing and needs no ``--yes``.
+
 Memory stays bounded at any store size (the working set is on disk, in ``--state-dir``); an
 interrupted run started again with the same options resumes where it stopped (``--fresh``:
 start over). Objects without a modification time are never aged out (``--max-age`` on a
@@ -25,21 +31,46 @@ from typing import Any
 from hicache_store._sync import run_sync
 from hicache_store.backends.types import parse_size
 from hicache_store.cli import UsageError, add_report_arguments
-from hicache_store.ops.gc import PREFIX_REFUSED, GcReport, collect_garbage, default_state_dir
+from hicache_store.layout.errors import ConfigError
+from hicache_store.ops.gc import (
+    MOST_OF_THE_STORE,
+    PREFIX_REFUSED,
+    GcRefusedError,
+    GcReport,
+    collect_garbage,
+    default_state_dir,
+)
 from hicache_store.ops.progress import ProgressBar, human_bytes
 from hicache_store.ops.store import open_store
 
-_DURATION_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*", re.IGNORECASE)
-_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(s|min|m|h|d|w)\s*", re.IGNORECASE)
+_UNIT_SECONDS = {"s": 1, "min": 60, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_BARE_NUMBER_RE = re.compile(r"\s*[0-9]+(?:\.[0-9]+)?\s*")
 _PHASE_UNITS = {"scan": "objects", "parents": "pages", "delete": "pages"}
 
 
 def parse_duration(text: str) -> float:
-    """Seconds from ``90``, ``30m``, ``12h``, ``7d``, ``2w``."""
+    """Seconds from ``90s``, ``30min`` (or ``30m``), ``12h``, ``7d``, ``2w``; a unit is
+    required (``ValueError``: a bare ``7`` could mean seconds or days)."""
     match = _DURATION_RE.fullmatch(text)
     if match is None:
-        raise ValueError(f"expected a duration like 30m, 12h or 7d, got {text!r}")
+        hint = (f"give a unit: {text.strip()}d, {text.strip()}h, {text.strip()}min or "
+                f"{text.strip()}s" if _BARE_NUMBER_RE.fullmatch(text) else
+                "expected a duration like 30min, 12h or 7d")
+        raise ValueError(f"--max-age {text!r}: {hint}")
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2).lower()]
+
+
+def parse_budget(text: str) -> int:
+    """Bytes from ``100GiB``, ``500MB``, ``0B`` (``parse_size``); a unit is required
+    (``ValueError``: a bare ``5`` is refused, never taken for 5 bytes)."""
+    if _BARE_NUMBER_RE.fullmatch(text):
+        n = text.strip()
+        raise ValueError(f"--max-bytes {text!r}: give a unit: {n}GiB, {n}MiB or {n}B for bytes")
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise ValueError(f"--max-bytes {text!r}: {exc}") from None
 
 
 def register(subparsers: Any) -> None:
@@ -49,8 +80,9 @@ def register(subparsers: Any) -> None:
         description=__doc__.splitlines()[0],
     )
     parser.add_argument("url", help="backend URL, e.g. s3://bucket/prefix?endpoint_url=...")
-    parser.add_argument("--max-bytes", help="size budget, e.g. 500GiB")
-    parser.add_argument("--max-age", help="delete objects older than this, e.g. 7d or 12h")
+    parser.add_argument("--max-bytes", help="size budget with a unit, e.g. 500GiB or 0B")
+    parser.add_argument("--max-age",
+                        help="delete objects older than this, with a unit: 7d, 12h, 30min")
     parser.add_argument("--prefix", default="",
                         help="refused: a key prefix would hole chains (put an S3 prefix in the URL)")
     parser.add_argument(
@@ -65,6 +97,9 @@ def register(subparsers: Any) -> None:
                         help="delete the objects sealed with keys the ring lists as retired")
     parser.add_argument("--fresh", action="store_true",
                         help="start over instead of resuming an interrupted run")
+    parser.add_argument("--yes", action="store_true",
+                        help="delete even when the plan takes more than half of the store's "
+                             "objects or bytes (refused otherwise, saying how much)")
     add_report_arguments(parser, "report")
     parser.set_defaults(func=run)
 
@@ -92,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_bytes is None and args.max_age is None and not retired:
         raise UsageError("give --max-bytes, --max-age, --remove-retired or a combination")
     try:
-        max_bytes = None if args.max_bytes is None else parse_size(args.max_bytes)
+        max_bytes = None if args.max_bytes is None else parse_budget(args.max_bytes)
         max_age = None if args.max_age is None else parse_duration(args.max_age)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
@@ -120,12 +155,18 @@ def run(args: argparse.Namespace) -> int:
                 backend, max_bytes=max_bytes, max_age=max_age, prefix=args.prefix,
                 dry_run=args.dry_run, state_dir=state_dir, progress=progress,
                 fresh=getattr(args, "fresh", False), retired=retired,
+                refuse_above=None if getattr(args, "yes", False) else MOST_OF_THE_STORE,
             )
         finally:
             await backend.close()
 
     try:
         report = run_sync(go())
+    except GcRefusedError as exc:
+        raise UsageError(
+            f"gc {args.url}: {exc}; nothing was deleted. Check --max-bytes and --max-age, see "
+            "the plan with --dry-run, and run again with --yes to delete it (that run resumes "
+            "this plan)") from None
     finally:
         for bar in bars.values():
             bar.close()

@@ -43,6 +43,11 @@ objects are still there: those pages failed, and their ancestors not yet deleted
 another order (S3) may, on a failure or a crash, keep a page whose parent went: it is
 unreachable for readers, exactly as if it had gone too, and the next run deletes it.
 
+**Most of the store.** With ``refuse_above`` (the CLI: ``MOST_OF_THE_STORE``, half, unless
+``--yes``), a plan that would delete more than that share of the scanned objects or bytes is
+refused before the first delete (``GcRefusedError``, saying how much); its plan is kept, so
+the run confirmed with the same options resumes at the deletion.
+
 **What a run sees** is the store at its scan. A page written later under a page the run
 deletes loses its parent (readers stop before it, as for any miss) and is deleted by the next
 run; a resumed run carries its plan over the interruption, so resume soon or start over
@@ -92,6 +97,8 @@ from hicache_store.layout.errors import CorruptObjectError, HiCacheStoreError
 from hicache_store.layout.framing import ObjectHeader
 from hicache_store.objects import ObjectIO
 
+from .progress import human_bytes
+
 #: keys per ``delete`` call.
 DELETE_CHUNK = 1000
 #: headers per backend call, and headers in flight at once (also recorded per transaction).
@@ -102,6 +109,9 @@ SCAN_BATCH = 20_000
 PLAN_BATCH = 4096
 #: SQLite page cache per database file (the working set and the parent cache).
 CACHE_MIB = 16
+#: the share of a store's objects or bytes past which the CLI asks for ``--yes``
+#: (``collect_garbage(refuse_above=...)``): a mistyped budget or age must not empty a store.
+MOST_OF_THE_STORE = 0.5
 #: the working set's schema; a state from another version is discarded.
 STATE_VERSION = 3
 
@@ -114,6 +124,18 @@ _DELETED, _FAILED, _KEPT = 1, 2, 3
 
 class GcError(HiCacheStoreError):
     """gc cannot run: its state directory is busy or unusable, or the store failed."""
+
+
+class GcRefusedError(GcError):
+    """A plan would delete more than ``refuse_above`` of the store (``collect_garbage``):
+    nothing was deleted. ``planned`` / ``planned_bytes`` is what the plan deletes,
+    ``stored`` / ``stored_bytes`` the store it scanned (manifests aside: never deleted)."""
+
+    def __init__(self, message: str, *, planned: int, planned_bytes: int, stored: int,
+                 stored_bytes: int) -> None:
+        super().__init__(message)
+        self.planned, self.planned_bytes = planned, planned_bytes
+        self.stored, self.stored_bytes = stored, stored_bytes
 
 
 #: why a key prefix is refused (``collect_garbage`` and ``hicache-store gc --prefix``).
@@ -313,8 +335,14 @@ async def collect_garbage(
     progress: ProgressFn | None = None,
     fresh: bool = False,
     retired: frozenset[str] = frozenset(),
+    refuse_above: float | None = None,
 ) -> GcReport:
     """Scan, plan and (unless ``dry_run``) delete; see the module docstring.
+
+    ``refuse_above`` (a share, e.g. ``MOST_OF_THE_STORE``): a plan that would delete more
+    than that share of the store's objects or of its bytes raises ``GcRefusedError`` before
+    anything is deleted (the plan stays in ``state_dir``: a run with the same options and no
+    bound resumes at the deletion). The CLI sets it unless ``--yes``.
 
     ``now`` (default: the time the run started) is what ages are measured from.
     ``state_dir`` holds the working set and makes the run resumable; None uses a temporary
@@ -333,15 +361,17 @@ async def collect_garbage(
         if state_dir is None:
             scratch = tempfile.mkdtemp(prefix="hicache-gc-")
             try:
-                return await _collect(backend, policy, Path(scratch), now, progress, fresh)
+                return await _collect(backend, policy, Path(scratch), now, progress, fresh,
+                                      refuse_above)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-        return await _collect(backend, policy, Path(state_dir), now, progress, fresh)
+        return await _collect(backend, policy, Path(state_dir), now, progress, fresh,
+                              refuse_above)
 
 
 async def _collect(
     backend: Backend, policy: GcPolicy, directory: Path, now: float | None,
-    progress: ProgressFn | None, fresh: bool,
+    progress: ProgressFn | None, fresh: bool, refuse_above: float | None,
 ) -> GcReport:
     state = GcState(directory)
     finished = False
@@ -374,6 +404,8 @@ async def _collect(
             state.set("phase", "delete")
         if state.get("phase") == "delete":
             if not policy.dry_run:
+                if refuse_above is not None:
+                    _refuse_most_of_the_store(state, refuse_above)
                 await step.timed("delete", _delete(backend, state, step.tick("delete")))
             _prune_parent_cache(state)
             state.set("phase", "done")
@@ -791,6 +823,27 @@ class _Planner:
 
 
 # -- 5. delete ------------------------------------------------------------------------------------
+
+
+def _refuse_most_of_the_store(state: GcState, share: float) -> None:
+    """``GcRefusedError`` when the pages still to delete are more than ``share`` of the
+    store's objects or bytes (as scanned; manifests are never deleted and not counted)."""
+    stored, stored_bytes = (int(v or 0) for v in state.db.execute(
+        "SELECT count(*), sum(size) FROM objects").fetchone())
+    planned, planned_bytes = (int(v or 0) for v in state.db.execute(
+        "SELECT sum(objects), sum(size) FROM pages WHERE step IS NOT NULL AND outcome IS NULL"
+    ).fetchone())
+    if planned <= share * stored and planned_bytes <= share * stored_bytes:
+        return
+    raise GcRefusedError(
+        f"this run would delete {planned} of {stored} objects ({_percent(planned, stored)}) "
+        f"and {human_bytes(planned_bytes)} of {human_bytes(stored_bytes)} "
+        f"({_percent(planned_bytes, stored_bytes)}): more than {share:.0%} of the store",
+        planned=planned, planned_bytes=planned_bytes, stored=stored, stored_bytes=stored_bytes)
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "-"
 
 
 async def _delete(backend: Backend, state: GcState,

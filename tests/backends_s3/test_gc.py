@@ -29,11 +29,13 @@ pytestmark = pytest.mark.s3
 
 
 def test_parse_duration() -> None:
-    assert parse_duration("90") == 90
-    assert parse_duration("30m") == 1800
+    assert parse_duration("90s") == 90
+    assert parse_duration("30m") == parse_duration("30min") == 1800
     assert parse_duration("7d") == 7 * 86400
     with pytest.raises(ValueError, match="duration"):
         parse_duration("soon")
+    with pytest.raises(ValueError, match="give a unit: 90d, 90h, 90min or 90s"):
+        parse_duration("90")
 
 
 @pytest.mark.slow
@@ -97,8 +99,8 @@ async def test_the_gc_command_against_seaweedfs(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweed.secret_key)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     url = f"s3://{seaweed.bucket}/{s3_prefix}?endpoint_url={seaweed.endpoint_url}&region=us-east-1"
-    args = argparse.Namespace(url=url, max_bytes="0", max_age=None, prefix="", dry_run=False,
-                              state_dir=None, json=True, no_progress=True)
+    args = argparse.Namespace(url=url, max_bytes="0B", max_age=None, prefix="", dry_run=False,
+                              state_dir=None, json=True, no_progress=True, yes=True)
     assert await asyncio.to_thread(run, args) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["deleted"], report["over_budget_pages"], report["failures"]) == (20, 10, 0)

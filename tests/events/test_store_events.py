@@ -173,7 +173,7 @@ def test_end_to_end_with_real_processes_the_subscriber_set_equals_the_listing(
         before_gc = len(listed_pages(backend))
         asyncio.run(backend.close())
         gc = subprocess.run(
-            [sys.executable, "-m", "hicache_store", "gc", url, "--max-bytes", "60000",
+            [sys.executable, "-m", "hicache_store", "gc", url, "--max-bytes", "60000B", "--yes",
              "--state-dir", str(tmp_path / "gc"), "--no-progress"], check=False,
             capture_output=True, text=True, timeout=300)
         assert gc.returncode == 0, gc.stderr

@@ -84,7 +84,7 @@ def test_prepopulate_inspect_verify_gc(tiny_llama: Path, tmp_path: Path) -> None
 
     # gc --dry-run deletes nothing.
     before = sorted(p.name for p in (tmp_path / "store" / "objects").rglob("*_*"))
-    gc = run(["gc", url, "--max-bytes", "1", "--dry-run"], tmp_path,
+    gc = run(["gc", url, "--max-bytes", "1B", "--dry-run"], tmp_path,
              XDG_CACHE_HOME=str(tmp_path / "cache"))
     assert gc.returncode == 0 and "would delete" in gc.stdout
     assert sorted(p.name for p in (tmp_path / "store" / "objects").rglob("*_*")) == before

@@ -420,7 +420,7 @@ def cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
                           check=False)
 
 
-@pytest.mark.parametrize("command", [["gc", "--max-bytes", "1", "--dry-run"], ["inspect"],
+@pytest.mark.parametrize("command", [["gc", "--max-bytes", "1B", "--dry-run"], ["inspect"],
                                      ["inspect", "--verify"]])
 def test_read_only_commands_never_create_a_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
@@ -453,7 +453,7 @@ def test_gc_json_and_progress_in_a_log(tmp_path: Path) -> None:
         await store.close()
 
     asyncio.run(setup())
-    result = cli(["gc", url, "--max-bytes", "20KiB", "--json"], tmp_path)
+    result = cli(["gc", url, "--max-bytes", "20KiB", "--json", "--yes"], tmp_path)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["scanned"] == 24 and report["pages"] == 12
@@ -462,9 +462,57 @@ def test_gc_json_and_progress_in_a_log(tmp_path: Path) -> None:
     assert "\r" not in result.stderr
     for phase in ("gc scan", "gc parents", "gc delete"):
         assert phase in result.stderr, result.stderr
-    quiet = cli(["gc", url, "--max-bytes", "20KiB", "--no-progress"], tmp_path)
+    quiet = cli(["gc", url, "--max-bytes", "20KiB", "--no-progress", "--yes"], tmp_path)
     assert quiet.returncode == 0 and quiet.stderr == ""
     assert "deleted 0 expired and 0 over budget" in quiet.stdout
+
+
+def _object_files(root: Path) -> list[str]:
+    return sorted(p.name for p in (root / "objects").rglob("*_*"))
+
+
+def test_gc_refuses_bare_numbers_and_most_of_the_store_without_yes(tmp_path: Path) -> None:
+    """``--max-age 7`` used to mean 7 seconds and ``--max-bytes 5`` 5 bytes (either emptied
+    the store, exit 0): units are required, and a plan that deletes more than half of the
+    store asks for ``--yes``, saying how much; nothing is deleted until then."""
+    import asyncio
+
+    root = tmp_path / "store"
+    url = f"file://{root}"
+
+    async def setup() -> None:
+        store = open_backend(url)
+        await write_chains(store, 4, 5)  # 40 objects of 5,120 bytes
+        await store.close()
+
+    asyncio.run(setup())
+    before = _object_files(root)
+    for flags, hint in ((["--max-age", "7"], "give a unit: 7d, 7h, 7min or 7s"),
+                        (["--max-bytes", "5"], "give a unit: 5GiB, 5MiB or 5B for bytes"),
+                        (["--max-bytes", "5", "--dry-run"], "give a unit"),
+                        (["--max-age", "7 days"], "expected a duration like 30min")):
+        bare = cli(["gc", url, *flags, "--no-progress"], tmp_path)
+        assert bare.returncode == 2 and hint in bare.stderr, (flags, bare.stderr)
+        assert len(bare.stderr.strip().splitlines()) == 1
+    assert _object_files(root) == before
+    most = cli(["gc", url, "--max-bytes", "40KiB", "--no-progress"], tmp_path)
+    assert most.returncode == 2, most.stdout
+    line = most.stderr.strip()
+    assert len(line.splitlines()) == 1
+    assert "would delete 32 of 40 objects (80%) and 160.0 KiB of 200.0 KiB (80%)" in line
+    assert "nothing was deleted" in line and "--yes" in line and "--dry-run" in line
+    assert _object_files(root) == before
+    dry = cli(["gc", url, "--max-bytes", "40KiB", "--dry-run", "--no-progress"], tmp_path)
+    assert dry.returncode == 0 and "would delete 0 expired and 32 over budget" in dry.stdout
+    half = cli(["gc", url, "--max-bytes", "100KiB", "--no-progress"], tmp_path)  # 20 of 40
+    assert half.returncode == 0 and "deleted 0 expired and 20 over budget" in half.stdout
+    assert len(_object_files(root)) == 20
+    refused = cli(["gc", url, "--max-bytes", "0B", "--no-progress"], tmp_path)
+    assert refused.returncode == 2 and "20 of 20 objects (100%)" in refused.stderr
+    confirmed = cli(["gc", url, "--max-bytes", "0B", "--no-progress", "--yes"], tmp_path)
+    assert confirmed.returncode == 0, confirmed.stderr
+    assert "resumed an interrupted gc (at its delete phase)" in confirmed.stdout
+    assert _object_files(root) == []
 
 
 @pytest.mark.slow
@@ -484,7 +532,7 @@ def test_gc_killed_mid_run_resumes(tmp_path: Path) -> None:
     # A slow store: every call waits 0.5 s; 4,000 objects are 4 delete calls of 1,000.
     url = f"faulty://?inner=file://{root}&latency_s=0.5"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    proc = subprocess.Popen([*CLI, "gc", url, "--max-bytes", "0"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([*CLI, "gc", url, "--max-bytes", "0B", "--yes"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stderr is not None
     for line in proc.stderr:
@@ -501,7 +549,7 @@ def test_gc_killed_mid_run_resumes(tmp_path: Path) -> None:
     proc.wait()
     left = {p.name.split("_")[0] for p in (root / "objects").rglob("*_*")}
     assert 0 < len(left) < 2000 and chains_are_prefixes(left, chains)
-    again = cli(["gc", url, "--max-bytes", "0"], tmp_path)
+    again = cli(["gc", url, "--max-bytes", "0B", "--yes"], tmp_path)
     assert again.returncode == 0, again.stderr
     assert "resumed an interrupted gc (at its delete phase)" in again.stdout
     assert not any((root / "objects").rglob("*_*"))

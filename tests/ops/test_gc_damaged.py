@@ -124,6 +124,6 @@ def test_the_cli_refuses_a_key_prefix_before_any_work(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = f"file://{tmp_path / 'store'}"
-    code = main(["gc", url, "--prefix", "a", "--max-bytes", "0"])
+    code = main(["gc", url, "--prefix", "a", "--max-bytes", "0B"])
     assert code == 2 and "a key prefix is refused" in capsys.readouterr().err
     assert not (tmp_path / "store").exists(), "refused before the store was opened"

@@ -262,7 +262,7 @@ def test_gc_dry_run_shows_what_retention_keeps(tmp_path: Path) -> None:
 
     chains = asyncio.run(setup())
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    result = subprocess.run([*CLI, "gc", url, "--max-bytes", "0", "--dry-run", "--no-progress"],
+    result = subprocess.run([*CLI, "gc", url, "--max-bytes", "0B", "--dry-run", "--no-progress"],
                             capture_output=True, text=True, env=env, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert "would delete 0 expired and 6 over budget" in result.stdout

@@ -106,7 +106,7 @@ def test_poison_proof_tools_seal_rotate_inspect_and_remove_retired(
     assert main(["gc", url, "--remove-retired", "--tenant-key-file", retired, "--dry-run"]) == 0
     assert f"would delete {len(stored)} under retired keys" in capsys.readouterr().out
     assert objects(store) == after
-    assert main(["gc", url, "--remove-retired", "--tenant-key-file", retired]) == 0
+    assert main(["gc", url, "--remove-retired", "--tenant-key-file", retired, "--yes"]) == 0
     assert f"deleted {len(stored)} under retired keys" in capsys.readouterr().out
     assert set(objects(store)) == new_objects
     assert any(p.name.startswith("M_") for p in (store / "objects").rglob("*"))  # manifest kept
