@@ -77,6 +77,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -101,6 +102,7 @@ from .errors import (
     BackendIOError,
     BackendUnavailableError,
     CapacityError,
+    NotSupportedError,
     OutOfSpaceError,
 )
 from .retention import Retention
@@ -119,6 +121,9 @@ MAX_DELTA = 1 << 20
 #: the others' writes again, nor they its own.
 REPLACED_CHECK_SECONDS = 1.0
 _SQLITE_FULL = 13  # the result code of "database or disk is full" (sqlite3.SQLITE_FULL, 3.11+)
+#: what opening a WAL database's shared memory fails with on a full filesystem: SQLITE_FULL,
+#: SQLITE_CANTOPEN, SQLITE_IOERR_SHMOPEN / _SHMSIZE / _SHMMAP.
+_NO_SHARED_MEMORY = frozenset({13, 14, 4618, 4874, 5386})
 _SQL_CHUNK = 10_000  # bound on the parameters of one statement (SQLite allows 32,766)
 _VICTIM_PAGE = 256
 _SIGN64 = 1 << 63
@@ -263,8 +268,10 @@ class FileIndex:
         walk: Callable[[], Iterable[tuple[str, int, float]]] | None = None,
         index_hosts: str = "name",
         clock: Callable[[], float] = time.time,
+        read_only: bool = False,
     ) -> None:
         self.dir = os.path.join(root, "index")
+        self.read_only = read_only
         self.db_path = os.path.join(self.dir, DB_NAME)
         self._objects_dir = objects_dir
         self._path_of = path_of
@@ -297,17 +304,23 @@ class FileIndex:
         self._compact_tried = -1.0
         self._stopping = threading.Event()
         self.rebuilt = False
-        os.makedirs(self.dir, exist_ok=True)
+        self.recovered = 0
+        if not read_only:
+            os.makedirs(self.dir, exist_ok=True)
         #: the host that uses this index (``_file_site``; ``index_hosts``: what a host is):
-        #: claimed before SQLite opens it.
+        #: claimed before SQLite opens it (read-only: checked, never written).
         self.host = HostClaim(self.dir, os.path.join(root, "tmp"), token,
-                              index_hosts=index_hosts)
+                              index_hosts=index_hosts, read_only=read_only)
         self.host.claim()
         self._open(walk)
         self._db_id = _file_id(self.db_path)
+        if read_only:
+            return
         self._upgrade_feed()
         self._add_retention()
-        self.recovered = self.recover()
+        # (on a full filesystem: left to the next recovery, at any eviction or open)
+        with contextlib.suppress(OutOfSpaceError):
+            self.recovered = self.recover()
 
     # -- connections and transactions -----------------------------------------------------------
 
@@ -343,7 +356,8 @@ class FileIndex:
             self._replacing = True
             try:
                 self._generation += 1  # first: _open's reads must not use the removed file
-                os.makedirs(self.dir, exist_ok=True)
+                if not self.read_only:
+                    os.makedirs(self.dir, exist_ok=True)
                 self.host.check()  # removed with index/: claimed again before the rebuild
                 self._open(self._walk)  # ready already, or wait for its builder, or build it
                 self._db_id = _file_id(self.db_path)
@@ -352,21 +366,63 @@ class FileIndex:
 
     def _connect(self) -> sqlite3.Connection:
         with self._translated():
-            con = sqlite3.connect(
-                self.db_path, timeout=self.lock_timeout, isolation_level=None,
-                check_same_thread=False,  # one thread at a time uses it; close() runs on another
-            )
-            con.execute(f"PRAGMA synchronous={'FULL' if self._durable else 'NORMAL'}")
+            if self.read_only:
+                con = self._connect_read_only()
+            else:
+                con = sqlite3.connect(
+                    self.db_path, timeout=self.lock_timeout, isolation_level=None,
+                    check_same_thread=False,  # one thread at a time uses it; close() runs on another
+                )
+                con.execute(f"PRAGMA synchronous={'FULL' if self._durable else 'NORMAL'}")
         with self._conn_lock:
             self._connections.append(con)
         return con
+
+    def _connect_read_only(self) -> sqlite3.Connection:
+        """A connection that never writes the database (``mode=ro``). Reading a database in
+        WAL mode takes its shared-memory file (``-shm``), which a reader creates when no
+        process has the database open; on a full filesystem it cannot. Then, when the log
+        holds nothing (``-wal`` absent or empty: the last writer checkpointed it), the
+        database file alone is the whole index and is read as such (``immutable=1``: no lock,
+        no ``-shm``); otherwise the index cannot be read until some space is freed."""
+        path = urllib.parse.quote(self.db_path)
+
+        def connect(flags: str) -> sqlite3.Connection:
+            con = sqlite3.connect(f"file:{path}?{flags}", uri=True, timeout=self.lock_timeout,
+                                  isolation_level=None, check_same_thread=False)
+            try:
+                con.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()  # opens the log
+            except BaseException:
+                con.close()
+                raise
+            return con
+
+        try:
+            return connect("mode=ro")
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", None) not in _NO_SHARED_MEMORY:
+                raise
+            wal = self.db_path + "-wal"
+            if os.path.exists(wal) and os.path.getsize(wal) > 0:
+                root = os.path.dirname(self.dir)
+                raise OutOfSpaceError(
+                    f"the index of {root} cannot be read: its filesystem is full, a reader "
+                    f"needs {self.db_path}-shm, which cannot be made ({exc}), and the "
+                    "write-ahead log holds changes not in the database file. Free a little "
+                    "space on that filesystem (remove other files: a few hundred KiB), then "
+                    f"run this again, or hicache-store gc file://{root} --max-bytes SIZE",
+                    backend="file", operation="open") from exc
+            return connect("immutable=1")
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction (``BEGIN IMMEDIATE``: takes the write lock up front, so two
         writers never deadlock upgrading; waits up to ``lock_timeout`` for it). Nothing is
         committed once another host has taken the root's index over (``HostClaim.check``
-        before each commit: one ``stat``)."""
+        before each commit: one ``stat``). ``NotSupportedError`` when opened read-only."""
+        if self.read_only:
+            raise NotSupportedError(f"the index at {self.db_path} is open read-only",
+                                    backend="file", operation="index")
         con = self._con()
         self._local.changed = False
         with self._translated():
@@ -404,7 +460,9 @@ class FileIndex:
                     f"the index at {self.db_path} stayed locked for {self.lock_timeout} s",
                     backend="file", operation="index",
                 ) from exc
-            if getattr(exc, "sqlite_errorcode", None) == _SQLITE_FULL or "disk is full" in text:
+            code = getattr(exc, "sqlite_errorcode", None)
+            if code == _SQLITE_FULL or "disk is full" in text or (
+                    code in _NO_SHARED_MEMORY and _filesystem_full(self.dir)):
                 raise self.out_of_space(text) from exc
             raise BackendIOError(f"index at {self.db_path}: {text}", backend="file",
                                  operation="index") from exc
@@ -417,9 +475,9 @@ class FileIndex:
         root = os.path.dirname(self.dir)
         return OutOfSpaceError(
             f"the filesystem of {root} is full: the index at {self.db_path} cannot commit "
-            f"({cause}). Free space: hicache-store gc file://{root} --max-bytes SIZE, or "
-            "remove other files on that filesystem; a smaller capacity_bytes leaves the index "
-            "room to grow",
+            f"({cause}). Free space: hicache-store gc file://{root} --max-bytes SIZE (it "
+            "deletes objects even while the index cannot commit), or remove other files on "
+            "that filesystem; a smaller capacity_bytes leaves the index room to grow",
             backend="file", operation="index",
         )
 
@@ -433,6 +491,13 @@ class FileIndex:
     # -- open, build -----------------------------------------------------------------------------
 
     def _open(self, walk: Callable[[], Iterable[tuple[str, int, float]]] | None) -> None:
+        if self.read_only:
+            if not self._ready():
+                raise BackendError(
+                    f"the index at {self.db_path} is not built yet (being built, or removed); "
+                    "open the root read-write once, or again in a moment",
+                    backend="file", operation="open")
+            return
         try:
             if self._ready():
                 return
@@ -865,16 +930,19 @@ class FileIndex:
     ) -> tuple[int, list[bool]]:
         batch = next(self._batches)
         wanted = {key for group in groups for key in group}
-        for con in self._until_unblocked(wanted, only_deletes=False, operation="delete"):
-            done = len(groups)
-            if until_held and holds.any_entries(con):
-                held = holds.held_among(con, list(wanted), self._clock())
-                done = next((i for i, group in enumerate(groups) if held.intersection(group)),
-                            done)
-            keys = [key for group in groups[:done] for key in group]
-            rows = self._rows(con, keys)
-            self._remove_rows(con, list(rows.items()))
-            self._announce(con, keys, "del", batch)
+        try:
+            for con in self._until_unblocked(wanted, only_deletes=False, operation="delete"):
+                done = len(groups)
+                if until_held and holds.any_entries(con):
+                    held = holds.held_among(con, list(wanted), self._clock())
+                    done = next((i for i, group in enumerate(groups)
+                                 if held.intersection(group)), done)
+                keys = [key for group in groups[:done] for key in group]
+                rows = self._rows(con, keys)
+                self._remove_rows(con, list(rows.items()))
+                self._announce(con, keys, "del", batch)
+        except OutOfSpaceError:
+            return self._delete_groups_freeing_space(groups, until_held=until_held)
         removed: list[bool] = []
         failed: list[str] = []
         error: OSError | None = None
@@ -891,6 +959,50 @@ class FileIndex:
                 removed.append(True)
         self._settle(batch, failed, ranks=None)
         self._maybe_compact()
+        if error is not None:
+            raise error
+        return done, removed
+
+    def _delete_groups_freeing_space(
+        self, groups: Sequence[Sequence[str]], *, until_held: bool
+    ) -> tuple[int, list[bool]]:
+        """``_delete_groups`` on a full filesystem, where its T1 cannot commit (every commit
+        appends to the write-ahead log). One write transaction instead: taking the write lock
+        writes nothing, and holding it, no ``retain`` and no put can commit; it reads the holds
+        and the changes in flight, unlinks the files of the groups up to the first held or
+        busy one (a group with a change in flight is kept, as a held one; a plain ``delete``
+        of a busy key gives up), and only then removes their rows, in the room the files
+        freed. A crash between the unlinks and the commit, or a commit that still finds no
+        room (``OutOfSpaceError``), leaves rows whose files are gone: present until a read
+        misses them, as after an ``rm`` behind the index's back."""
+        wanted = {key for group in groups for key in group}
+        error: OSError | None = None
+        with self._write() as con:
+            stop = {key for (key,) in con.execute("SELECT key FROM pending") if key in wanted}
+            if stop and not until_held:
+                raise self.out_of_space(f"{len(stop)} of the keys are busy in another call")
+            if until_held and holds.any_entries(con):
+                stop |= holds.held_among(con, list(wanted), self._clock())
+            done = next((i for i, group in enumerate(groups) if stop.intersection(group)),
+                        len(groups))
+            keys = [key for group in groups[:done] for key in group]
+            rows = self._rows(con, keys)
+            removed: list[bool] = []
+            gone: list[tuple[str, int]] = []
+            for key in keys:
+                try:
+                    os.unlink(self._path_of(key))
+                except FileNotFoundError:
+                    removed.append(False)
+                except OSError as exc:
+                    removed.append(False)
+                    error = error or exc
+                    continue  # the file stayed: so does its row
+                else:
+                    removed.append(True)
+                if key in rows:
+                    gone.append((key, rows.pop(key)))
+            self._remove_rows(con, gone)
         if error is not None:
             raise error
         return done, removed
@@ -967,8 +1079,9 @@ class FileIndex:
 
     def repair_missing(self, key: str) -> None:
         """A read found no file for ``key``: if the index still lists it, and no change of it
-        is in flight, its row goes (someone removed the file behind the index's back)."""
-        if not self.exists([key])[0]:
+        is in flight, its row goes (someone removed the file behind the index's back; not
+        when open read-only)."""
+        if self.read_only or not self.exists([key])[0]:
             return
         with self._write() as con:
             busy = {k for (k,) in con.execute("SELECT key FROM pending WHERE key = ?", (key,))}
@@ -1374,6 +1487,14 @@ def _file_id(path: str) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return st.st_dev, st.st_ino
+
+
+def _filesystem_full(path: str) -> bool:
+    """Whether the filesystem of ``path`` has no block left for this process."""
+    try:
+        return os.statvfs(path).f_bavail == 0
+    except OSError:
+        return False
 
 
 def _older_than(path: str, seconds: float) -> bool:

@@ -300,8 +300,11 @@ class HostClaim:
     """This process's claim on a root's index for its host (see the module docstring)."""
 
     def __init__(self, index_dir: str, tmp_dir: str, token: str, host: Host | None = None,
-                 index_hosts: str = DEFAULT_INDEX_HOSTS) -> None:
+                 index_hosts: str = DEFAULT_INDEX_HOSTS, read_only: bool = False) -> None:
         check_index_hosts(index_hosts)
+        #: a reader that writes nothing: the record is checked, never written (no record, a
+        #: previous boot's, or one that lacks this name under ``kernel``: read as they are).
+        self.read_only = read_only
         self.index_dir = index_dir
         self.path = os.path.join(index_dir, HOST_RECORD)
         self._tmp_dir = tmp_dir
@@ -314,11 +317,18 @@ class HostClaim:
         #: open: every later call fails with it (the module docstring, "While open").
         self.taken_over: UnsafeIndexError | None = None
 
-    def claim(self) -> HostRecord:
+    def claim(self) -> HostRecord | None:
         """Make sure the record names this host (writing it if needed) or raise
-        ``UnsafeIndexError``. One read of the record when it is this host's already."""
+        ``UnsafeIndexError``. One read of the record when it is this host's already.
+        Read-only: the record as found (None: there is none), unless another host's."""
         for _ in range(8):  # a lost race for a write re-reads; only writers race
             found = read_host_record(self.index_dir)
+            if self.read_only:
+                if found is not None and not (is_this_host(found, self.host, self.index_hosts)
+                                              or self._previous_boot(found)):
+                    raise self._foreign(found)
+                self.record, self._file = found, _file_id(self.path)
+                return found
             if found is None:
                 if self._publish(self._new_record(), replace=False):
                     continue  # read back what won

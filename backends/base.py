@@ -387,6 +387,11 @@ class Backend(abc.ABC):
     #: the option ``create`` (default True); with ``create=False`` it creates nothing and
     #: raises ``NotFoundError`` when no store is there (what read-only tools open with).
     creates_location: ClassVar[bool] = False
+    #: True when the backend takes the option ``read_only`` (default False): opened with
+    #: ``read_only=True`` it writes nothing to the store, neither at open nor later (every
+    #: write raises ``NotSupportedError``), so a tool that only reads works on a store whose
+    #: filesystem is full (``inspect``, ``doctor``).
+    opens_read_only: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.stats = BackendStats()

@@ -123,7 +123,7 @@ from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer, is_aligned, scratch_block
-from ._file_index import FileIndex, ObjectIndex, Reservation, pid_alive
+from ._file_index import DB_NAME, FileIndex, ObjectIndex, Reservation, pid_alive
 from ._file_noindex import NoIndex
 from ._file_site import (
     RootSite,
@@ -236,7 +236,13 @@ class FileBackend(Backend):
     host name added to ``index/host.json``; another kernel is refused either way),
     ``pin_fraction`` (share of ``capacity_bytes`` pins may hold, default 0.25; this process's
     budget, over every process's pins), ``clock`` (unix seconds for retention deadlines,
-    default ``time.time``; every process of a root must agree on it).
+    default ``time.time``; every process of a root must agree on it), ``read_only`` (default
+    False: open a store that exists and write nothing to it, at open or later: no temp files,
+    no layout marker, no host record, the index read through a read-only SQLite connection
+    (which, as any reader, may make the index's empty log and shared-memory files where no
+    process has them), or the files themselves where the root has no index yet; writes raise
+    ``NotSupportedError``, reads are not recorded as uses and no retention is reported. What
+    ``inspect`` and ``doctor`` open, so they work on a full filesystem).
     """
 
     #: the index a root gets when ``index`` is not given.
@@ -244,6 +250,7 @@ class FileBackend(Backend):
 
     name = "file"
     creates_location = True
+    opens_read_only = True
     capabilities = Capabilities(
         ranged_reads=True,
         zero_copy_reads=True,
@@ -271,6 +278,7 @@ class FileBackend(Backend):
         index_hosts: IndexHosts = "name",
         pin_fraction: float | str = DEFAULT_PIN_FRACTION,
         clock: Callable[[], float] = time.time,
+        read_only: bool = False,
     ) -> None:
         super().__init__()
         explicit_index = index is not None
@@ -311,15 +319,26 @@ class FileBackend(Backend):
             self.filesystem = filesystem_of(_existing_ancestor(self.root))
             if index == "sqlite":
                 check_filesystem(str(self.root), self.filesystem, explicit=explicit_index)
-            upgrade = self._prepare_root(create, index)
-            self.direct_io = direct_io == "auto" and self._probe_direct_io()
-            self.removed_temp_files = self._remove_stale_temps()
+            self.read_only = read_only
+            upgrade = self._prepare_root(create and not read_only, index)
+            self.direct_io = (direct_io == "auto" and not read_only
+                              and self._probe_direct_io())
+            self.removed_temp_files = 0 if read_only else self._remove_stale_temps()
             self.index_kind: IndexKind = index
             self._index: ObjectIndex
             #: the shared index, where retention lives (None: ``index=none``, no retention).
             self._holds: FileIndex | None = None
-            if index == "none":
+            unindexed = upgrade or not (self.root / "index" / DB_NAME).exists()
+            if index == "none" or (read_only and unindexed):  # (read-only: a root not
+                # indexed, or whose index/ was removed, is read from its files, never indexed)
                 self._index = NoIndex(str(self._objects), self._final_path, _list_dir)
+                self.capabilities = type(self).capabilities.replace(retention=False)
+            elif read_only:
+                self._index = FileIndex(
+                    str(self.root), str(self._objects), self._final_path, token=self._token,
+                    lock_timeout=lock_timeout, index_hosts=index_hosts, clock=clock,
+                    read_only=True,
+                )
                 self.capabilities = type(self).capabilities.replace(retention=False)
             else:
                 self._index = self._holds = FileIndex(
@@ -327,7 +346,7 @@ class FileBackend(Backend):
                     durable=durability == "full", lock_timeout=lock_timeout, walk=self._walk,
                     index_hosts=index_hosts, clock=clock,
                 )
-            if upgrade:
+            if upgrade and not read_only:
                 self._write_layout()
         except OSError as exc:
             raise translate_os_error(exc, backend=self.name, operation="open") from exc
@@ -349,7 +368,7 @@ class FileBackend(Backend):
         return convert_options(
             options, ints=("io_threads",), floats=("lock_timeout", "pin_fraction"),
             sizes=("capacity_bytes",),
-            bools=("create",),
+            bools=("create", "read_only"),
         )
 
     @staticmethod
@@ -374,7 +393,8 @@ class FileBackend(Backend):
             self._tmp.mkdir(exist_ok=True)
         elif not self._objects.is_dir():
             raise FileNotFoundError(errno.ENOENT, "no hicache-store file layout here", str(self.root))
-        self._tmp.mkdir(exist_ok=True)
+        if not self.read_only:
+            self._tmp.mkdir(exist_ok=True)
         marker = self.root / "layout.json"
         try:
             found = json.loads(marker.read_text())
@@ -501,6 +521,11 @@ class FileBackend(Backend):
         if self._holds is not None:
             self._holds.host.raise_if_taken_over()
 
+    def _check_writable(self, operation: str) -> None:
+        if self.read_only:
+            raise NotSupportedError(f"{self.root} is open read-only: {operation} writes",
+                                    backend=self.name, operation=operation)
+
     def _translated(self, operation: str, key: str | None, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
@@ -562,6 +587,7 @@ class FileBackend(Backend):
         oracle): each key's index entry is set from its file (present with its size, or
         absent). Returns how many of ``keys`` are indexed now."""
         self._check_open("adopt")
+        self._check_writable("adopt")
         checked = self._check_keys(keys, "adopt")
         return await self._run(self._translated, "adopt", None, self._index.adopt, checked)
 
@@ -799,7 +825,7 @@ class FileBackend(Backend):
     def _touched(self, keys: Sequence[str], results: Sequence[int | None]) -> bool:
         """Record the hits among ``keys`` as uses (not inside ``reads_not_counted``: an operator
         tool's reads); True when the buffered uses are due for ``flush_touches``."""
-        if not reads_are_uses():
+        if not reads_are_uses() or self.read_only:
             return False
         hits = [key for key, n in zip(keys, results, strict=True) if n is not None]
         return bool(hits) and self._index.touch(hits)
@@ -875,6 +901,7 @@ class FileBackend(Backend):
 
     async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
         # docstring inherited
+        self._check_writable("put")
         await _to_completion(self._put_batch(keys, buffers))
 
     async def _put_batch(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
@@ -980,6 +1007,7 @@ class FileBackend(Backend):
         return out
 
     async def _put_if_absent(self, key: str, buffer: memoryview) -> bool:
+        self._check_writable("put_if_absent")
         # Atomic across threads and processes: link() refuses an existing name.
         return await _to_completion(self._put_one_if_absent(key, buffer))
 
@@ -1104,6 +1132,7 @@ class FileBackend(Backend):
 
     async def _delete(self, keys: Sequence[str]) -> list[bool]:
         # docstring inherited
+        self._check_writable("delete")
         return await _to_completion(
             self._run(self._translated, "delete", None, self._index.delete, keys)
         )

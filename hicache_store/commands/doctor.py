@@ -106,8 +106,9 @@ def run(args: argparse.Namespace) -> int:
 
     async def go() -> Any:
         try:
-            # existing=True: a diagnosis never creates the store it was asked about.
-            backend = open_store(url, existing=True)
+            # existing=True: a diagnosis never creates the store it was asked about, and
+            # read_only: writes nothing to it (so it works on a full filesystem too).
+            backend = open_store(url, existing=True, read_only=True)
         except UnsafeIndexError as exc:
             return Diagnosis(site=site, refused=str(exc))
         try:

@@ -88,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
             bar.update(listed)
 
     async def go() -> StoreReport:
-        backend = open_store(url, existing=True)
+        # Read-only unless corrupt objects are to be deleted: nothing is written, so an
+        # inspection works on a full filesystem too.
+        backend = open_store(url, existing=True,
+                             read_only=not (args.delete_corrupt and not args.dry_run))
         try:
             return await inspect_store(
                 backend, namespace=args.namespace, verify=args.verify,

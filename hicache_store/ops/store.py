@@ -32,13 +32,19 @@ class StoreNotFoundError(NotFoundError):
     """A command that never creates a store was pointed at a location that holds none."""
 
 
-def open_store(url: str, *, existing: bool = False, **options: Any) -> Backend:
+def open_store(url: str, *, existing: bool = False, read_only: bool = False,
+               **options: Any) -> Backend:
     """``open_backend(url, **options)``; an ``ImportError`` becomes ``MissingDependencyError``.
 
     ``existing``: the store must already exist (see the module docstring); raises
-    ``StoreNotFoundError`` naming the location otherwise.
+    ``StoreNotFoundError`` naming the location otherwise. ``read_only``: for a tool that only
+    reads, a backend that can open read-only (``Backend.opens_read_only``: file, hf3fs) is
+    opened so, and writes nothing (it works on a full filesystem); others open as usual.
     """
     try:
+        if (read_only and "://" in url
+                and get_backend_class(BackendURL.parse(url).scheme).opens_read_only):
+            options = {**options, "read_only": True}
         if existing and "://" in url:
             parsed = BackendURL.parse(url)
             if get_backend_class(parsed.scheme).creates_location:

@@ -14,6 +14,8 @@ from hicache_store.backends import (
     Backend,
     ByteRange,
     CapacityError,
+    NotFoundError,
+    NotSupportedError,
     ObjectStat,
     OutOfSpaceError,
     aligned_buffer,
@@ -421,3 +423,45 @@ async def test_a_batch_of_small_reads_is_a_few_pool_jobs(
     assert all(bytes(b) == pattern(5000, i)[500:4596] for i, b in enumerate(bufs))
     assert jobs.count("_read_run") == 4
     await store.close()
+
+
+def _tree(root: Path) -> list[tuple[str, int]]:
+    """Every file and its size, less SQLite's log and shared memory (which any reader of a
+    WAL database makes where no process has it open)."""
+    return sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*")
+                  if p.is_file() and not p.name.endswith(("-shm", "-wal")))
+
+
+async def test_a_read_only_open_reads_and_writes_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    store = FileBackend(root, durability="none", direct_io="never")
+    await store.put(["aa00_b", "aa01_b"], [b"x" * 100, b"y" * 200])
+    await store.close()
+    shutil.rmtree(root / "tmp")
+    before = _tree(root)
+    reader = FileBackend(root, read_only=True)
+    try:
+        assert await reader.exists(["aa00_b", "ab00_b"]) == [True, False]
+        assert await reader.get_bytes("aa01_b") == b"y" * 200
+        assert await reader.get_bytes("ab00_b") is None  # a miss repairs nothing
+        assert sorted([k async for k in reader.list_prefix("")]) == ["aa00_b", "aa01_b"]
+        assert not reader.capabilities.retention
+        for call in (reader.put(["ab00_b"], [b"z"]), reader.delete(["aa00_b"]),
+                     reader.put_if_absent("ab00_b", b"z"), reader.adopt(["aa00_b"]),
+                     reader.delete_until_held([["aa00_b"]])):
+            with pytest.raises(NotSupportedError, match="read-only"):
+                await call
+    finally:
+        await reader.close()
+    assert _tree(root) == before  # no temp dir, no host record, no use recorded
+    # A root whose index is gone is read from its files, and is not indexed by the reader.
+    shutil.rmtree(root / "index")
+    reader = FileBackend(root, read_only=True)
+    try:
+        assert await reader.exists(["aa00_b", "aa01_b"]) == [True, True]
+    finally:
+        await reader.close()
+    assert not (root / "index").exists()
+    with pytest.raises(NotFoundError):
+        FileBackend(tmp_path / "absent", read_only=True)
+    assert not (tmp_path / "absent").exists()

@@ -1,10 +1,12 @@
 """The file backend on a full filesystem: a real tmpfs of a few MiB (``mount -t tmpfs -o
 size=``) in a mount namespace of its own (``unshare -m``; the tests skip where that is not
 permitted), filled by another process. Every failure the store reports is the documented
-``OutOfSpaceError``, the index's included, and its message names the root and what to do."""
+``OutOfSpaceError``, the index's included, and its message names the root and what to do;
+the read-only tools still work and gc frees the space."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -41,7 +43,8 @@ def on_small_filesystem(where: Path, size: str, script: str, *args: str
     )
 
 
-#: Fills the filesystem of ``argv[1]`` with one file, in another process, until ENOSPC.
+#: Fills the filesystem of ``argv[1]`` with one file, in another process, until ENOSPC;
+#: then gives back ``argv[2]`` bytes (0 when not given).
 FILL = textwrap.dedent(
     """
     import os, sys
@@ -51,6 +54,8 @@ FILL = textwrap.dedent(
             os.write(fd, b"f" * 4096)
     except OSError:
         pass
+    leave = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    os.ftruncate(fd, max(0, os.fstat(fd).st_size - leave))
     os.close(fd)
     """
 )
@@ -93,3 +98,100 @@ def test_a_disk_filled_by_another_process_is_out_of_space_in_the_index_too(
     assert index, done.stdout  # the index's own writes failed on the full filesystem
     assert all(line.startswith("OutOfSpaceError 28 ") for line in lines), done.stdout
     assert "hicache-store gc file://" in index[0] and f"{tmp_path}/mnt/store" in index[0]
+
+
+TOOLS_ON_A_FULL_DISK = textwrap.dedent(
+    """
+    import asyncio, json, os, shutil, subprocess, sys
+    from hicache_store.backends.file import FileBackend
+    from hicache_store.testing.chains import write_chains
+
+    KILLED_WRITER = (
+        "import os, signal, sys\\n"
+        "from hicache_store.backends.file import FileBackend\\n"
+        "store = FileBackend(sys.argv[1])\\n"
+        "store._index.reserve(['ab00_b'], [4096], store.capacity_bytes)  # T1 of a put\\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\\n")
+
+    def files(root):
+        return sorted((os.path.relpath(os.path.join(d, n), root),
+                       os.path.getsize(os.path.join(d, n)))
+                      for d, _, names in os.walk(root) for n in names)
+
+    def tool(*args):
+        done = subprocess.run([sys.executable, "-m", "hicache_store", *args,
+                               "--no-progress"] if args[0] != "doctor" else
+                              [sys.executable, "-m", "hicache_store", *args],
+                              capture_output=True, text=True)
+        return {"rc": done.returncode, "out": done.stdout, "err": done.stderr}
+
+    async def fill_store(root, chains):
+        store = FileBackend(root, capacity_bytes=1 << 30)
+        await write_chains(store, chains, 8)
+        await store.close()
+
+    async def main(where, fill, state):
+        busy, clean = os.path.join(where, "busy"), os.path.join(where, "clean")
+        await fill_store(busy, 8)  # 128 objects of 5 KiB
+        await fill_store(clean, 2)
+        # a writer killed after its reservation (recovering it is an index write), which
+        # leaves the log and the shared memory behind as a running writer keeps them
+        subprocess.run([sys.executable, "-c", KILLED_WRITER, busy])
+        subprocess.run([sys.executable, "-c", fill, os.path.join(where, "other-process")],
+                       check=True)
+        out = {"free_before": shutil.disk_usage(where).free}
+        before = files(busy), files(clean)
+        for name, root in (("busy", busy), ("clean", clean)):
+            out[name + "_inspect"] = tool("inspect", f"file://{root}", "--json")
+            out[name + "_doctor"] = tool("doctor", f"file://{root}", "--json")
+        after = files(busy), files(clean)
+        out["changed"] = [sorted(set(a) - set(b)) for a, b in zip(after, before)]
+        out["gc"] = tool("gc", f"file://{busy}", "--max-bytes", "100KiB", "--yes",
+                         "--state-dir", state, "--json")
+        out["free_after"] = shutil.disk_usage(where).free
+        try:
+            store = FileBackend(busy)
+            await store.put(["cd00_b"], [b"after" * 1000])  # room again
+            out["put_after"] = await store.get_bytes("cd00_b") == b"after" * 1000
+            await store.close()
+        except Exception as exc:
+            out["put_after"] = repr(exc)
+        print(json.dumps(out))
+
+    asyncio.run(main(*sys.argv[1:]))
+    """
+)
+
+
+@needs_tmpfs
+def test_the_tools_work_on_a_full_filesystem_and_gc_frees_it(tmp_path: Path) -> None:
+    """A full 3 MiB filesystem holding two stores: one with a writer killed after its
+    reservation (its recovery is an index write), one closed cleanly (no ``-shm``: a reader
+    must not make one). ``inspect`` and ``doctor`` open both read-only, report them and
+    change no file; ``gc`` deletes and frees the space though its index cannot commit at
+    first; a put works afterwards."""
+    done = on_small_filesystem(tmp_path / "mnt", "3m", TOOLS_ON_A_FULL_DISK, FILL,
+                               str(tmp_path / "gc-state"))
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["free_before"] == 0
+    for name, objects in (("busy", 128), ("clean", 32)):
+        inspect = out[f"{name}_inspect"]
+        assert inspect["rc"] == 0, inspect["err"]
+        assert json.loads(inspect["out"])["objects"] == objects
+        doctor = out[f"{name}_doctor"]
+        assert doctor["rc"] == 0, doctor["err"]
+    # no file changed; only the log and shared-memory files a SQLite reader makes where
+    # there are none (a clean close removed them) may appear, as empty as the full disk
+    # left them
+    busy, clean = out["changed"]
+    assert busy == []
+    assert {name for name, _ in clean} <= {"index/index.sqlite3-shm", "index/index.sqlite3-wal"}
+    assert all(size < 4096 for _, size in clean), clean
+    gc = out["gc"]
+    assert gc["rc"] == 0, gc["err"]
+    report = json.loads(gc["out"])
+    assert report["deleted"] > 100 and report["failures"] == 0
+    assert out["free_after"] >= report["deleted_bytes"] // 2
+    assert out["put_after"] is True
+
