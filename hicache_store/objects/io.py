@@ -28,7 +28,8 @@ What it guarantees, once:
   none of them being kept.
 
 Outcomes: a write reports ``True``/``False`` per frame (failures are logged, never raised: a
-failed backup is a lost copy, not an error of the engine's path). A read returns the header on
+failed backup is a lost copy, not an error of the engine's path; ``objects.failures`` logs the
+first few of a store's failures whole and counts the rest into one line). A read returns the header on
 success, ``None`` on a miss, and raises ``CorruptObjectError`` for a corrupt object (callers
 count it and treat it as a miss) and the backend's errors or ``TimeoutError`` for failures.
 
@@ -65,6 +66,7 @@ from hicache_store.layout.keys import ObjectKey, is_page_hash, parse_key
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
 from hicache_store.tenant import KeyRing
 
+from . import failures
 from .arena import Arena
 from .format import FRAMED, FramedFormat, ObjectFormat, format_for
 from .offload import off_loop
@@ -311,9 +313,10 @@ class ObjectIO:
             try:
                 await self._bounded(self.backend.put(keys, [f.buffer for f in frames]), total)
             except Exception as exc:
-                log.warning("put of %d objects (the first: %s) failed: %r",
-                            len(frames), keys[0][:24], exc)
+                failures.put_failed(self.backend, f"{len(frames)} objects, the first {keys[0]},",
+                                    exc)
                 return [False] * len(frames)
+            failures.put_stored(self.backend)
         finally:
             await self.write_budget.release(taken)
         return [True] * len(frames)
@@ -352,8 +355,9 @@ class ObjectIO:
                     if timer.expired():
                         late.append(key)
                     else:
-                        log.warning("put of %s failed: %r", key[:24], exc)
+                        failures.put_failed(self.backend, key, exc)
                     return False
+                failures.put_stored(self.backend)
             finally:
                 await self.write_budget.release(taken)
         finally:

@@ -49,7 +49,7 @@ from hicache_store.layout.keys import ObjectCoords
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.plans import plan_writes
 from hicache_store.layout.topology import Topology
-from hicache_store.objects import IOStats, L3Link
+from hicache_store.objects import IOStats, L3Link, failures
 from hicache_store.tenant import KeyRing
 
 from .manifest import ensure_manifest
@@ -211,6 +211,7 @@ async def prepopulate(
         state.bytes_done = report.bytes_written
         if progress is not None:
             progress(state)
+    failures.flush(backend)  # the failures counted since the last ones logged, in one line
     report.seconds = time.monotonic() - started
     return report
 

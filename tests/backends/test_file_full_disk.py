@@ -2,7 +2,8 @@
 size=``) in a mount namespace of its own (``unshare -m``; the tests skip where that is not
 permitted), filled by another process. Every failure the store reports is the documented
 ``OutOfSpaceError``, the index's included, and its message names the root and what to do;
-the read-only tools still work and gc frees the space."""
+the read-only tools still work, gc frees the space, and a run whose every put fails logs a
+few failures and one line for the rest."""
 
 from __future__ import annotations
 
@@ -195,3 +196,59 @@ def test_the_tools_work_on_a_full_filesystem_and_gc_frees_it(tmp_path: Path) -> 
     assert out["free_after"] >= report["deleted_bytes"] // 2
     assert out["put_after"] is True
 
+
+PREPOPULATE_ON_A_FULL_DISK = textwrap.dedent(
+    """
+    import json, os, subprocess, sys
+
+    def prepopulate(url, prompts):
+        return subprocess.run(
+            [sys.executable, "-m", "hicache_store", "prepopulate", url, "--mini-engine", "tiny",
+             "--prompts", prompts, "--page-size", "4", "--no-progress"],
+            capture_output=True, text=True)
+
+    def main(where, fill):
+        url = f"file://{os.path.join(where, 'store')}"
+        first, more = os.path.join(where, "first.jsonl"), os.path.join(where, "more.jsonl")
+        with open(first, "w") as f:
+            f.write(json.dumps({"input_ids": list(range(1, 17))}) + "\\n")
+        with open(more, "w") as f:
+            for p in range(40):
+                f.write(json.dumps({"input_ids": [100 + p] + list(range(2, 50))}) + "\\n")
+        done = prepopulate(url, first)  # the store and its manifest
+        assert done.returncode == 0, done.stderr
+        # another process fills the disk, but for 200 KiB: the run stores its first
+        # objects, then every put fails
+        subprocess.run([sys.executable, "-c", fill, os.path.join(where, "other-process"),
+                        str(200 << 10)], check=True)
+        done = prepopulate(url, more)
+        print(json.dumps({"rc": done.returncode, "out": done.stdout, "err": done.stderr}))
+
+    main(*sys.argv[1:])
+    """
+)
+
+
+@needs_tmpfs
+def test_a_full_disk_under_prepopulate_logs_a_few_failures_and_one_summary(
+        tmp_path: Path) -> None:
+    """Every put of a prepopulate run fails on a full filesystem: the first few failures are
+    logged with their whole keys, the rest as one line with the count, the store and the
+    cause (not one line per object, with the keys cut where they differ)."""
+    done = on_small_filesystem(tmp_path / "mnt", "8m", PREPOPULATE_ON_A_FULL_DISK, FILL)
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout)
+    assert run["rc"] == 1, run  # failed writes: counted, exit 1
+    lines = run["err"].strip().splitlines()
+    root = f"{tmp_path}/mnt/store"
+    failed = [line for line in lines if line.startswith("put of ")]
+    summary = [line for line in lines if line.startswith("put: ")]
+    assert len(lines) <= 5 and len(failed) == 3 and len(summary) == 1, run["err"]
+    for line in failed:
+        key = line.split()[2]
+        assert len(key.split("_")[0]) == 64 and key.split("_")[1] != ""  # the whole key
+        assert f"FileBackend('{root}'" in line and "OutOfSpaceError" in line
+    assert len({line.split()[2] for line in failed}) == 3
+    count = int(summary[0].split()[1])
+    assert count > 20, summary
+    assert f"FileBackend('{root}'" in summary[0] and "OutOfSpaceError" in summary[0]
