@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make run   - set everything up, then run the main job on the embedded default
-#   make test  - set everything up, then run ruff, mypy and the whole test suite (the vLLM
-#                tests with the vLLM environment, .venv-vllm)
+#   make test  - set everything up, then run ruff, mypy, the install check and the whole test
+#                suite (the vLLM tests with the vLLM environment, .venv-vllm)
 # and the inner loop, make test-fast: ruff, mypy and every test not marked slow.
 # Both are idempotent: the virtual environments are (re)built only when pyproject.toml changes.
 
@@ -22,7 +22,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: setup setup-vllm run plan test test-fast lint typecheck pytest pytest-vllm clean
+.PHONY: setup setup-vllm run plan test test-fast test-install lint typecheck pytest pytest-vllm clean
 
 setup: $(STAMP) $(CHAIN_STAMP)
 
@@ -123,7 +123,16 @@ pytest-vllm: setup-vllm
 		$(VLLM_PY) -m pytest -q tests/vllm; \
 	fi
 
-test: lint typecheck pytest pytest-vllm
+# The package as users install it: the wheel built from this checkout, installed into scratch
+# venvs outside it (this Python with torch; the oldest and newest supported Python, from
+# pyproject's classifiers, without), every module imported, the README's quick tour and the
+# CLI's --help run from it, the file backend's conformance suite on the oldest and newest
+# (tests/install/check_wheel.py; a few minutes with pip's cache). It needs the package index,
+# so it runs outside the tests' network namespace.
+test-install: setup
+	$(PY) tests/install/check_wheel.py
+
+test: lint typecheck test-install pytest pytest-vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .build .mypy_cache .ruff_cache .pytest_cache

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-#: source folder -> the package it is installed as (pyproject.toml ``package-dir``).
+#: source folder -> the package it is installed as (setup.py ``PACKAGE_DIR``).
 PACKAGES = {
     "layout": "hicache_store.layout",
     "kernels": "hicache_store.kernels",
