@@ -64,6 +64,7 @@ from typing import Any, TypeVar
 from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
+from ._aio import wait_for
 from .base import Backend, abandonable, until_abandoned
 from .errors import (
     BackendError,
@@ -178,7 +179,7 @@ class FsspecBackend(Backend):
             self._pool, abandonable(lambda: self._translated(operation, key, fn, *args))
         )
         try:
-            return await until_abandoned(asyncio.wait_for(job, self.request_timeout))
+            return await until_abandoned(wait_for(job, self.request_timeout))
         except TimeoutError as exc:
             raise BackendTimeoutError(
                 f"{operation} took longer than {self.request_timeout}s",

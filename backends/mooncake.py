@@ -64,6 +64,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from ._aio import wait_for
 from ._aligned import address_of
 from ._mooncake_client import (
     INVALID_PARAMS,
@@ -155,7 +156,7 @@ class MooncakeBackend(Backend):
             timeout = self.config.timeout or None
             if zero_copy:
                 try:
-                    return await asyncio.wait_for(asyncio.shield(running), timeout)
+                    return await wait_for(asyncio.shield(running), timeout)
                 except TimeoutError:
                     log.warning("mooncake %s past its %ss deadline, into registered memory: "
                                 "waiting for it to end", operation, self.config.timeout)
@@ -163,7 +164,7 @@ class MooncakeBackend(Backend):
             try:
                 # Nothing here touches the caller's memory outside ``handoff``: the caller may
                 # stop waiting at the deadline or whenever it gives up (``until_abandoned``).
-                return await until_abandoned(asyncio.wait_for(asyncio.shield(running), timeout))
+                return await until_abandoned(wait_for(asyncio.shield(running), timeout))
             except (TimeoutError, CallAbandoned) as exc:
                 if handoff is not None:  # first: no copy starts once the call is given up
                     handoff.close()

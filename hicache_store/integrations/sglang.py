@@ -90,6 +90,7 @@ import torch
 
 from hicache_store import _sync
 from hicache_store.backends import Backend, aligned_buffer, open_backend
+from hicache_store.backends._aio import result_within, timeout_at
 from hicache_store.kernels.ops import host_to_unified, unified_to_host
 from hicache_store.kernels.pools import HostPool
 from hicache_store.layout.keys import ObjectKey, validate_page_hash
@@ -943,7 +944,7 @@ def _outcome(
 ) -> list[bool]:
     """A chunk's put results, waited for at most its deadline (``seconds``) plus ``_slack``
     (``TimeoutError`` past it: I/O that cannot end)."""
-    return puts.result(seconds + _slack(reg))
+    return result_within(puts, seconds + _slack(reg))
 
 
 async def _by(end: float, read: Coroutine[Any, Any, bool]) -> bool:
@@ -955,7 +956,7 @@ async def _by(end: float, read: Coroutine[Any, Any, bool]) -> bool:
         read.close()
         return False
     try:
-        async with asyncio.timeout_at(end):
+        async with timeout_at(end):
             return await read
     except TimeoutError:
         return False

@@ -46,6 +46,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from hicache_store.backends._aio import timeout_at, wait_for
 from hicache_store.backends.base import Backend, PendingReads, gather_settled
 from hicache_store.backends.errors import InvalidRangeError
 from hicache_store.backends.types import ByteRange
@@ -327,14 +328,14 @@ class ObjectIO:
     ) -> bool:
         key = self.storage_key(frame.key)
         try:
-            async with asyncio.timeout_at(end):
+            async with timeout_at(end):
                 await window.acquire()
         except TimeoutError:
             late.append(key)
             return False
         try:
             try:
-                async with asyncio.timeout_at(end):
+                async with timeout_at(end):
                     taken = await self.write_budget.acquire(len(frame.buffer))
             except TimeoutError:
                 late.append(key)
@@ -345,7 +346,7 @@ class ObjectIO:
                 # is no lost copy but a bug or a missing dependency: raised.
                 await off_loop(len(frame.buffer), lambda: self.format.seal(
                     frame.key, frame.buffer, kv_planes=kv_planes, parent_hash=frame.parent_hash))
-                timer = asyncio.timeout_at(end)
+                timer = timeout_at(end)
                 try:
                     # A put cut here ends when its I/O has (the backend contract): after it
                     # the frame's buffer is never read again.
@@ -631,7 +632,7 @@ class ObjectIO:
 
     async def _bounded(self, call: Awaitable[T], nbytes: int = 0) -> T:
         """``call``, which moves ``nbytes``, within ``deadline.seconds(nbytes)``."""
-        return await asyncio.wait_for(call, self.deadline.seconds(nbytes))
+        return await wait_for(call, self.deadline.seconds(nbytes))
 
     # -- tools ------------------------------------------------------------------------------
 

@@ -23,7 +23,6 @@ bit rot fails the tags too.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from hicache_store.backends._aio import wait_for
 from hicache_store.backends.base import Backend, gather_settled
 from hicache_store.backends.prefix import search_prefix
 from hicache_store.layout.errors import CorruptObjectError, GridMismatchError, MissingKeyError
@@ -220,7 +220,7 @@ class L3Link:
         async def probe(pages: Sequence[int]) -> list[bool]:
             return await self._probe(page_hashes, pages)
 
-        return await asyncio.wait_for(search_prefix(len(page_hashes), probe), self.io_timeout_s)
+        return await wait_for(search_prefix(len(page_hashes), probe), self.io_timeout_s)
 
     async def exists_pages(self, page_hashes: Sequence[str]) -> list[bool]:
         """Per page: whether every object this rank reads of it is stored (under any readable
@@ -228,7 +228,7 @@ class L3Link:
         if not page_hashes or not self.read_plan.objects:
             return [False] * len(page_hashes)
         pages = range(len(page_hashes))
-        return await asyncio.wait_for(self._probe(page_hashes, pages), self.io_timeout_s)
+        return await wait_for(self._probe(page_hashes, pages), self.io_timeout_s)
 
     async def _probe(self, page_hashes: Sequence[str], pages: Sequence[int]) -> list[bool]:
         """Per page of ``pages``: whether every object this rank reads of it is stored."""

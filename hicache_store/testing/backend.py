@@ -53,6 +53,7 @@ from typing import Any
 
 import pytest
 
+from hicache_store.backends._aio import wait_for
 from hicache_store.backends._aligned import aligned_buffer
 from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import (
@@ -130,7 +131,7 @@ def bound_calls(backend: Backend, limit_s: float, key_limit_s: float = 0.0) -> B
             keys = call_keys(args, kwargs)
             bound = limit_s + key_limit_s * keys
             try:
-                return await asyncio.wait_for(call(*args, **kwargs), bound)
+                return await wait_for(call(*args, **kwargs), bound)
             except TimeoutError:
                 raise AssertionError(
                     f"{type(backend).__name__}.{name} did not return within {bound:g} s "
@@ -148,7 +149,7 @@ def bound_calls(backend: Backend, limit_s: float, key_limit_s: float = 0.0) -> B
         keys = listing(prefix).__aiter__()
         while True:
             try:
-                key = await asyncio.wait_for(keys.__anext__(), limit_s)
+                key = await wait_for(keys.__anext__(), limit_s)
             except StopAsyncIteration:
                 return
             except TimeoutError:

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from hicache_store.backends._aio import wait_for
 from hicache_store.backends._aligned import aligned_buffer
 from hicache_store.backends.base import Backend
 from hicache_store.backends.types import ByteRange
@@ -70,7 +71,7 @@ class BufferLifetimeTests:
                         await task  # a read that finished first is fine too
                 else:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(read(buffers), delay)
+                        await wait_for(read(buffers), delay)
                 for buf in buffers:
                     buf[:] = bytes([CALLER_FILL]) * len(buf)
                 given_up.append((f"{how} after {delay * 1e3:.1f} ms", buffers))
