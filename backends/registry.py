@@ -85,11 +85,12 @@ _BUILTINS: tuple[tuple[str, str, str | None], ...] = (
     ("memory", "hicache_store.backends.memory:MemoryBackend", None),
     ("file", "hicache_store.backends.file:FileBackend", None),
     ("faulty", "hicache_store.backends.faulty:FaultyBackend", None),
-    ("s3", "hicache_store.backends.s3:S3Backend", "pip install 'hicache-store[s3]'"),
-    ("fsspec", "hicache_store.backends.fsspec:FsspecBackend", "pip install 'hicache-store[fsspec]'"),
+    ("s3", "hicache_store.backends.s3:S3Backend", "pip install boto3 (the s3 extra)"),
+    ("fsspec", "hicache_store.backends.fsspec:FsspecBackend",
+     "pip install fsspec (the fsspec extra)"),
     ("hf3fs", "hicache_store.backends.hf3fs:HF3FSBackend", "pip install hf3fs-py-usrbio (needs a 3FS cluster)"),
     ("mooncake", "hicache_store.backends.mooncake:MooncakeBackend",
-     "pip install 'hicache-store[mooncake]'"),
+     "pip install mooncake-transfer-engine-non-cuda (the mooncake extra)"),
 )
 
 

@@ -39,12 +39,14 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "UsageError", "main"]
 
 
 #: optional packages commands import, and how to install each (one line instead of a traceback).
+#: They name the packages, not ``hicache-store[extra]``: the package is on no index, so an
+#: extra installs only from a checkout or a wheel (README "Install as a library").
 INSTALL_HINTS = {
     "torch": "pip install torch==2.13.0 (the CPU wheel; install it before hicache-store's extras)",
-    "matplotlib": "pip install 'hicache-store[bench]'",
-    "transformers": "pip install 'hicache-store[hf]'",
-    "tokenizers": "pip install 'hicache-store[hf]'",
-    "zmq": "pip install 'hicache-store[events]'",
+    "matplotlib": "pip install matplotlib (the bench extra)",
+    "transformers": "pip install transformers tokenizers (the hf extra)",
+    "tokenizers": "pip install transformers tokenizers (the hf extra)",
+    "zmq": "pip install pyzmq (the events extra)",
 }
 
 

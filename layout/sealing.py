@@ -66,7 +66,7 @@ SALT_BYTES = 16
 TAG_BYTES = 16
 #: prefix of every block's associated data (a domain separator, and the format's version).
 AAD_LABEL = b"hicache-store/v1/sealed-object\x00"
-INSTALL_HINT = "pip install 'hicache-store[tenant]'  (the 'cryptography' package)"
+INSTALL_HINT = "pip install cryptography (the tenant extra)"
 
 _LABEL_KEY_ID = b"hicache-store/v1/key-id"
 _LABEL_PAGE = b"hicache-store/v1/page-hash"

@@ -22,7 +22,7 @@ and counted (``dropped_batches``); it never gets a number, so subscribers see no
 ``close`` sends what is queued (within its timeout) and closes the sockets; a second call is
 harmless.
 
-``pyzmq`` is the ``events`` extra (``pip install 'hicache-store[events]'``); importing this
+``pyzmq`` is the ``events`` extra (``pip install pyzmq``); importing this
 module without it is fine, constructing a publisher raises ``ImportError`` with that hint.
 """
 
@@ -41,7 +41,7 @@ from .wire import Event, encode_batch, encode_seq
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "KV events need pyzmq: pip install 'hicache-store[events]'"
+INSTALL_HINT = "KV events need pyzmq: pip install pyzmq (the events extra)"
 #: the replay's end marker: empty topic, sequence -1, empty payload.
 END_SEQ = encode_seq(-1)
 #: how long the publisher thread waits for a batch before it looks at the replay socket again.

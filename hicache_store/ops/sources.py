@@ -15,8 +15,8 @@ sequence with a real forward pass:
   server tokenizes a completion request); ``messages`` go through the tokenizer's chat template
   without a generation prompt (the conversation is the shared prefix; each request appends its
   own generation prompt after it). The KV is the model's own ``past_key_values`` after one
-  forward pass over the sequence, in the dtype the model runs in. Needs ``pip install
-  'hicache-store[hf]'``.
+  forward pass over the sequence, in the dtype the model runs in. Needs the ``hf`` extra
+  (transformers, tokenizers).
 
 The demo's mini engine is a third ``KVSource`` (``hicache_store.demo.engine.source.
 MiniEngineSource``): it lives with the engine, outside the library's core, and only the
@@ -134,7 +134,7 @@ def _transformers() -> Any:
 
         raise MissingDependencyError(
             f"a Hugging Face model or tokenizer needs transformers ({exc})",
-            install_hint="pip install 'hicache-store[hf]'",
+            install_hint="pip install transformers tokenizers (the hf extra)",
         ) from exc
 
 

@@ -29,7 +29,7 @@ from hicache_store.backends.errors import MissingDependencyError
 
 from .transport import Transport, TransportError, WriteOp, coalesce, host_bytes, pop_registered
 
-INSTALL_HINT = "pip install 'hicache-store[mooncake]'"
+INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda (the mooncake extra)"
 #: ops per ``batch_transfer_sync_write`` call (the engine refuses very large batches).
 _BATCH_OPS = 256
 

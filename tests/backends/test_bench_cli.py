@@ -101,7 +101,7 @@ sys.exit(main({argv!r}))
         ({"torch"}, ["bench", "multiturn", "--workdir", "w"], 2,
          "bench multiturn needs torch: pip install torch==2.13.0"),
         ({"matplotlib"}, ["bench", "multiturn", "--chart", "c.png", "--workdir", "w"], 2,
-         "--chart needs matplotlib: pip install 'hicache-store[bench]'"),
+         "--chart needs matplotlib: pip install matplotlib (the bench extra)"),
         ({"torch"}, ["prepopulate", "memory://", "--mini-engine", "tiny", "--prompts", "p.jsonl"],
          1, "needs torch: pip install torch==2.13.0"),
     ],

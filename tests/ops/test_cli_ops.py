@@ -137,7 +137,7 @@ def test_missing_backend_dependency_names_the_extra(tmp_path: Path) -> None:
     result = run(["inspect", "s3://bucket/kv"], tmp_path, PYTHONPATH=str(tmp_path / "block"))
     assert result.returncode == 1
     line = one_line(result.stderr)
-    assert "pip install 'hicache-store[s3]'" in line and "Traceback" not in line
+    assert "pip install boto3 (the s3 extra)" in line and "Traceback" not in line
 
 
 def test_help_everywhere(tmp_path: Path) -> None:
