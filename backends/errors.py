@@ -21,7 +21,7 @@ so the original stays in ``__cause__``.
         |   +-- OutOfSpaceError            also OSError(ENOSPC)
         |   +-- PinBudgetError             a pin past the pin budget (refused whole)
         +-- BackendIOError                 any other I/O failure, .retryable
-        +-- UnknownBackendError            also LookupError (registry)
+        +-- UnknownBackendError            also ConfigError and LookupError (registry)
         +-- MissingDependencyError         also ImportError (registry), .install_hint
         +-- DuplicateBackendError          also ValueError (registry)
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 import errno as _errno
 from typing import ClassVar
 
-from hicache_store.layout.errors import HiCacheStoreError
+from hicache_store.layout.errors import ConfigError, HiCacheStoreError
 
 
 class BackendError(HiCacheStoreError):
@@ -133,8 +133,10 @@ class BackendIOError(_RetryableError):
     ``BackendUnavailableError``."""
 
 
-class UnknownBackendError(BackendError, LookupError):
-    """No backend is registered under this name (the message lists the known names)."""
+class UnknownBackendError(BackendError, ConfigError, LookupError):
+    """No backend is registered under this name (the message gives the close spellings and
+    lists the known names). A wrong URL is a configuration error: also a ``ConfigError``, so
+    the CLI reports it as bad usage (exit 2)."""
 
 
 class MissingDependencyError(BackendError, ImportError):

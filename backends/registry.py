@@ -31,10 +31,12 @@ per-name branches anywhere.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import inspect
 import logging
+import os
 import re
 import threading
 from collections.abc import Mapping
@@ -186,9 +188,12 @@ def get_backend_class(name_or_spec: str) -> type[Backend]:
         with _lock:
             spec = _registry.get(name_or_spec)
     if spec is None:
-        known = ", ".join(sorted(_registry))
+        known = sorted(_registry)
+        close = difflib.get_close_matches(name_or_spec, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UnknownBackendError(
-            f"no backend named {name_or_spec!r}; known: {known} (or use 'module:Class')"
+            f"no backend named {name_or_spec!r}{hint}; known: {', '.join(known)} "
+            "(or use 'module:Class')"
         )
     if isinstance(spec.target, type):
         return spec.target
@@ -223,6 +228,8 @@ def open_backend(config: str | Mapping[str, Any], /, **options: Any) -> Backend:
         raise ConfigError(f"open_backend takes a URL string or a mapping, got {type(config).__name__}")
     if url_text is not None and "://" not in url_text:
         target, url_text = url_text, None  # a bare name or a module:Class spec
+    if target is not None and not (_NAME_RE.fullmatch(target) or _SPEC_RE.fullmatch(target)):
+        raise ConfigError(_not_a_url(target))
     url = BackendURL.parse(url_text) if url_text is not None else BackendURL(scheme="")
     name = target or url.scheme
     if target is None and "+" in name and name not in _registry:
@@ -252,6 +259,22 @@ def open_backend(config: str | Mapping[str, Any], /, **options: Any) -> Backend:
         # A third-party backend's own validation (built-ins raise ConfigError themselves).
         text = " ".join(str(exc).split())
         raise ConfigError(f"bad {name} backend configuration: {text}") from exc
+
+
+def _not_a_url(text: str) -> str:
+    """The error for a string that is neither a URL, a backend name nor a ``module:Class``
+    spec: what was probably meant (a path is a ``file://`` URL, ``file:/x`` is
+    ``file:///x``)."""
+    scheme, colon, rest = text.partition(":")
+    if colon and _NAME_RE.fullmatch(scheme.lower()):
+        if scheme.lower() == "file":
+            guess = "file://" + os.path.abspath(os.path.expanduser(rest))
+        else:
+            guess = f"{scheme.lower()}://{rest.lstrip('/')}"
+    else:
+        guess = "file://" + os.path.abspath(os.path.expanduser(text))
+    return (f"{text!r} is not a backend URL (scheme://location): did you mean {guess!r}? "
+            f"Schemes: {', '.join(sorted(_registry))}")
 
 
 _UNEXPECTED_KEYWORD = re.compile(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'")

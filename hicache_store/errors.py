@@ -39,6 +39,7 @@ from hicache_store.layout.errors import (
     SealingUnavailableError,
     TamperedObjectError,
     TruncatedObjectError,
+    UnknownNamespaceError,
     UnsupportedVersionError,
 )
 
@@ -72,6 +73,7 @@ __all__ = [
     "TamperedObjectError",
     "TruncatedObjectError",
     "UnknownBackendError",
+    "UnknownNamespaceError",
     "UnsafeIndexError",
     "UnsupportedVersionError",
 ]

@@ -15,7 +15,10 @@ For offline use (inspecting, evaluating, moving KV to another system) without a 
 
 ``store`` is anything ``open_backend`` takes (a URL, a config mapping) or an open ``Backend``
 (then the caller keeps owning it: ``close`` leaves it open). ``namespace`` is a ``Namespace``
-or the digest of one whose manifest the store holds (``hicache-store inspect`` lists them).
+or the digest of one whose manifest the store holds (``hicache-store inspect`` lists them): a
+string that is no digest raises ``InvalidNamespaceError`` (a ``ValueError``), a digest the
+store holds no manifest of ``UnknownNamespaceError`` (a ``LookupError``), at the first call
+that needs the namespace.
 The tensors hold this rank's shard: layers ``[kv.layer_start, kv.layer_stop)`` and KV heads
 ``[kv.head_start, kv.head_stop)`` of the model, in the namespace's dtype, on the CPU.
 
@@ -39,6 +42,7 @@ import numpy as np
 
 from hicache_store import _sync
 from hicache_store.backends import Backend, aligned_buffer, open_backend
+from hicache_store.layout.errors import UnknownNamespaceError
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.keys import validate_page_hash
 from hicache_store.layout.namespace import Namespace
@@ -106,7 +110,9 @@ class KVReader:
 
                 found = await read_manifest(self.backend, manifest_key(namespace))
                 if found is None:
-                    raise LookupError(f"the store holds no manifest of namespace {namespace}")
+                    raise UnknownNamespaceError(
+                        f"the store holds no manifest of namespace {namespace} "
+                        "(`hicache-store inspect URL` lists the namespaces it holds)")
                 namespace = found
             max_inflight, timeout = self._limits
             self._link = L3Link(self.backend, namespace, self.topology, self.rank,

@@ -57,6 +57,11 @@ class InvalidNamespaceError(HiCacheStoreError, ValueError):
     """A namespace field is impossible (the message names the field)."""
 
 
+class UnknownNamespaceError(HiCacheStoreError, LookupError):
+    """A namespace named by its digest that the store holds no manifest of (``KVReader``,
+    the operator tools). Also a ``LookupError``, what this raised before the class existed."""
+
+
 class InvalidKeyError(HiCacheStoreError, ValueError):
     """A key is outside the key grammar; refused before any backend sees it."""
 

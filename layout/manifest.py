@@ -54,7 +54,8 @@ def manifest_key(digest_or_namespace: str | Namespace) -> str:
     )
     key = f"{MANIFEST_PREFIX}{digest}"
     if _MANIFEST_KEY_RE.fullmatch(key) is None:
-        raise ValueError(f"{digest!r} is not a {DIGEST_HEX_CHARS}-hex namespace digest")
+        raise InvalidNamespaceError(
+            f"{digest!r} is not a namespace digest ({DIGEST_HEX_CHARS} hex digits)")
     return key
 
 

@@ -29,7 +29,7 @@ from hicache_store.backends.types import parse_size
 from hicache_store.cli import UsageError, add_report_arguments, add_store_command
 from hicache_store.ops.config import layered, require, resolve
 from hicache_store.ops.inspection import StoreReport, inspect_store
-from hicache_store.ops.progress import ProgressBar, human_bytes
+from hicache_store.ops.progress import ProgressBar, counted, human_bytes
 from hicache_store.ops.store import open_store
 from hicache_store.tenant import KeyRing
 
@@ -64,6 +64,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--delete-corrupt needs --verify")
     if args.dry_run and not args.delete_corrupt:
         raise UsageError("--dry-run only applies to --delete-corrupt")
+    if args.namespace is not None:
+        from hicache_store.layout.errors import InvalidNamespaceError
+        from hicache_store.layout.manifest import manifest_key
+
+        try:
+            manifest_key(args.namespace)
+        except InvalidNamespaceError as exc:
+            raise UsageError(f"--namespace: {exc}; `hicache-store inspect URL` lists the "
+                             "namespaces the store holds") from None
     if args.concurrency < 1:
         raise UsageError(f"--concurrency must be positive, got {args.concurrency}")
     try:
@@ -106,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
         report = run_sync(go())
     finally:
         bar.close()
+    if args.namespace is not None and not report.namespaces:
+        held = ", ".join(report.unselected) or "none"
+        raise UsageError(f"--namespace: the store holds no namespace {args.namespace} (no "
+                         f"object, no manifest); namespaces it holds: {held}")
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
     else:
@@ -115,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_text(report: StoreReport, keys: KeyRing | None) -> None:
-    print(f"{len(report.namespaces)} namespaces, {report.objects} objects, "
-          f"{human_bytes(report.bytes)}; {report.manifests} manifests, "
-          f"{report.other_keys} other keys")
+    print(f"{counted(len(report.namespaces), 'namespace')}, "
+          f"{counted(report.objects, 'object')}, {human_bytes(report.bytes)}; "
+          f"{counted(report.manifests, 'manifest')}, {counted(report.other_keys, 'other key')}")
     for item in report.namespaces:
         ns = item.namespace
         if ns is None:
@@ -131,15 +144,16 @@ def _print_text(report: StoreReport, keys: KeyRing | None) -> None:
             print(f"  {item.digest}  {ns.model}{'@' + ns.model_revision if ns.model_revision else ''}"
                   f"  {shape}, {ns.dtype}, page {ns.page_size}, grid {ns.grid} "
                   f"({ns.objects_per_page} objects/page){tenant}")
-        print(f"      {item.pages} pages, {item.objects} objects, {human_bytes(item.bytes)}")
+        print(f"      {counted(item.pages, 'page')}, {counted(item.objects, 'object')}, "
+              f"{human_bytes(item.bytes)}")
     verified = report.verify
     if verified is None:
         return
-    print(f"verified {verified.checked} objects ({human_bytes(verified.bytes_read)}): "
+    print(f"verified {counted(verified.checked, 'object')} ({human_bytes(verified.bytes_read)}): "
           f"{verified.ok} ok, {verified.corrupt} corrupt, {verified.vanished} vanished")
     for key_id, count in sorted(verified.key_ids.items()):
         state = (keys.state(key_id) if keys is not None else None) or "unknown"
-        print(f"  sealed with key {key_id} ({state}): {count} objects")
+        print(f"  sealed with key {key_id} ({state}): {counted(count, 'object')}")
     if verified.unverified:
         print(f"  {verified.unverified} sealed objects under keys not held: header checked only")
     for item_ in verified.corrupt_examples:
@@ -147,7 +161,7 @@ def _print_text(report: StoreReport, keys: KeyRing | None) -> None:
     if verified.corrupt > len(verified.corrupt_examples):
         print(f"  ... and {verified.corrupt - len(verified.corrupt_examples)} more")
     if verified.dry_run and verified.corrupt:
-        print(f"would delete {verified.corrupt} corrupt objects")
+        print(f"would delete {counted(verified.corrupt, 'corrupt object')}")
     elif verified.deleted or verified.delete_failures:
-        print(f"deleted {verified.deleted} corrupt objects; "
-              f"{verified.delete_failures} failures")
+        print(f"deleted {counted(verified.deleted, 'corrupt object')}; "
+              f"{counted(verified.delete_failures, 'failure')}")

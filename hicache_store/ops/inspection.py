@@ -124,6 +124,9 @@ class StoreReport:
     other_keys: int = 0
     other_bytes: int = 0
     verify: VerifyReport | None = None
+    #: with ``namespace`` given: digests of the other namespaces listed (at most
+    #: ``EXAMPLES``), so a digest the store does not hold is answered with those it does.
+    unselected: list[str] = field(default_factory=list)
 
     @property
     def objects(self) -> int:
@@ -216,6 +219,8 @@ class _Scan:
         if digest is not None:
             self.report.manifests += 1
             self.listed_manifests.add(digest)
+            if self.only is not None and digest != self.only:
+                self.unselect(digest)
             return None
         parts = object_key_parts(st.key)
         if parts is None:
@@ -224,12 +229,17 @@ class _Scan:
             return None
         page, digest = parts
         if self.only is not None and digest != self.only:
+            self.unselect(digest)
             return None
         item = self.summary(digest)
         item.objects += 1
         item.bytes += st.size
         self.pages[digest].add(page)
         return parts
+
+    def unselect(self, digest: str) -> None:
+        if digest not in self.report.unselected:
+            _note(self.report.unselected, digest)
 
     def summary(self, digest: str) -> NamespaceSummary:
         if digest not in self.summaries:

@@ -24,6 +24,12 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun in its number: ``counted(1, "namespace") -> '1 namespace'``,
+    ``counted(3, "namespace") -> '3 namespaces'`` (``plural`` where adding "s" is wrong)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 class ProgressBar:
     """``update(done, **rates)`` with ``done`` out of ``total`` units named ``unit``.
 

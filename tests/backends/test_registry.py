@@ -13,6 +13,7 @@ from hicache_store.backends import (
     ENTRY_POINT_GROUP,
     Backend,
     BackendURL,
+    ConfigError,
     DuplicateBackendError,
     MissingDependencyError,
     UnknownBackendError,
@@ -201,3 +202,24 @@ def test_a_sub_protocol_scheme_opens_its_backend() -> None:
     store = open_backend("fsspec+memory://registry-test")
     assert isinstance(store, FsspecBackend)
     assert store.protocol == "memory"
+
+
+def test_a_misspelled_scheme_is_a_config_error_with_its_close_spelling() -> None:
+    with pytest.raises(ConfigError, match=r"no backend named 'fiel' \(did you mean 'file'\?\)"):
+        open_backend("fiel:///srv/kv")
+    with pytest.raises(ConfigError, match=r"did you mean 'memory'"):
+        open_backend({"url": "memroy://"})
+
+
+@pytest.mark.parametrize(("text", "meant"), [
+    ("/srv/kv", "file:///srv/kv"),
+    ("file:/srv/kv", "file:///srv/kv"),
+    ("file:srv/kv", f"file://{Path.cwd()}/srv/kv"),
+    ("./kv", f"file://{Path.cwd()}/kv"),
+    ("s3:bucket/prefix", "s3://bucket/prefix"),
+])
+def test_what_is_no_url_is_a_config_error_saying_what_was_meant(text: str, meant: str) -> None:
+    with pytest.raises(ConfigError, match="is not a backend URL") as info:
+        open_backend(text)
+    assert f"did you mean {meant!r}" in str(info.value)
+    assert "no backend named" not in str(info.value)
