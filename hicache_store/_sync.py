@@ -9,6 +9,11 @@ own pools).
 Calling it from the bridge's own loop would deadlock, so that raises ``RuntimeError``. Calling
 it from a thread that runs another event loop works but blocks that loop: async code should
 ``await`` instead.
+
+An interrupt of the waiting thread (``KeyboardInterrupt``: Ctrl-C, or the CLI's SIGTERM)
+cancels the coroutine and waits up to ``INTERRUPT_GRACE_S`` for it to end (its ``finally``
+blocks run: writes in flight end, backends close) before the interrupt propagates, so the
+process never exits with work still running on the bridge's thread.
 """
 
 from __future__ import annotations
@@ -20,7 +25,12 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from hicache_store.backends._aio import result_within
+
 T = TypeVar("T")
+
+#: seconds an interrupted ``run_sync`` waits for its cancelled coroutine to end.
+INTERRUPT_GRACE_S = 30.0
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -50,12 +60,26 @@ def run_sync(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
     if threading.current_thread() is _thread:
         coro.close()
         raise RuntimeError("run_sync called from the sync bridge's own loop: await instead")
-    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    ended = threading.Event()
+    future = asyncio.run_coroutine_threadsafe(_signalling(coro, ended), loop)
     try:
-        return future.result(timeout)
+        return result_within(future, timeout)
     except TimeoutError:
         future.cancel()
         raise
+    except BaseException:
+        if not future.done():  # interrupted while waiting (else: the coroutine's own error)
+            future.cancel()
+            ended.wait(INTERRUPT_GRACE_S)
+        raise
+
+
+async def _signalling(coro: Coroutine[Any, Any, T], ended: threading.Event) -> T:
+    """``await coro``, then set ``ended`` however it ends."""
+    try:
+        return await coro
+    finally:
+        ended.set()
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

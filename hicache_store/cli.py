@@ -2,17 +2,23 @@
 
 Each subcommand lives in ``hicache_store.commands.<name>`` and exposes
 ``register(subparsers) -> None``, which adds its parser and sets ``func`` (a callable taking the
-parsed namespace and returning an exit code). Exit codes: 0 success, 1 failed, 2 bad usage.
-Errors print as one readable line; ``--debug`` shows the traceback.
+parsed namespace and returning an exit code). Exit codes: 0 success, 1 failed, 2 bad usage,
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM). Errors print as one readable line;
+``--debug`` shows the traceback. An interrupt or SIGTERM cancels the command's work and waits
+(bounded) for what is in flight to end and for its store to close (``_sync.run_sync``), then
+prints one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from hicache_store import __version__
@@ -34,8 +40,34 @@ COMMAND_MODULES: tuple[str, ...] = (
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+#: the shell's code for a process ended by a signal: 128 + the signal's number.
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+EXIT_TERMINATED = 128 + signal.SIGTERM
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "UsageError", "main"]
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_TERMINATED", "EXIT_USAGE",
+           "UsageError", "main"]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread: it takes Ctrl-C's path (work cancelled, writes in
+    flight waited for, the store closed)."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While a command runs in the main thread, SIGTERM raises ``Terminated``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 #: optional packages commands import, and how to install each (one line instead of a traceback).
@@ -121,13 +153,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code = args.func(args)
+        with _sigterm_interrupts():
+            code = args.func(args)
     except (UsageError, ConfigError) as exc:  # a bad argument, URL or option: one line
         print(f"hicache-store {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("hicache-store: interrupted", file=sys.stderr)
-        return EXIT_FAILED
+    except KeyboardInterrupt as exc:
+        what = "terminated" if isinstance(exc, Terminated) else "interrupted"
+        print(f"hicache-store {args.command}: {what}", file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (``| head``): stop quietly; point stdout at /dev/null so that
         # the interpreter's final flush does not raise again.
