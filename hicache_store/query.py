@@ -10,14 +10,20 @@ Endpoints (JSON in and out):
 - ``POST /query`` with ``{"tokens": [int, ...]}`` or ``{"block_hashes": [hex, ...]}`` (the chain
   page hashes of ``hicache_store.layout.hashing.page_hashes``, parent first) answers
   ``{"medium": {"STORAGE": {"matched_pages": n, "matched_tokens": n * page_size}},
-  "page_size": p, "namespace": digest}``.
+  "page_size": p, "namespace": digest}``. The body may also name ``"namespace"``: it must be
+  the digest served (a server answers for one namespace; another is a 400 naming the one
+  served, never another namespace's answer). Any other field is a 400 naming it.
 - ``GET /layout``: what a router needs to build the hashes itself: ``page_size``,
   ``namespace`` (digest), ``hash_algo``, ``key_scheme``, ``sealed``.
+- ``GET /health``: ``{"status": "ok", "namespace": digest}`` while the server runs (it does
+  not ask the store: a store that fails makes ``/query`` a 503).
 
-Bad input is a 4xx with ``{"error": "..."}``: 400 for bad JSON or wrong types (a partial last page
-of tokens is ignored, as everywhere: only full pages are stored), 404 for another path, 411/413 for a missing or too large body,
-403 for plain hashes against a sealed namespace. A backend that fails or times out is a 503
-naming the error.
+Bad input is a 4xx with ``{"error": "..."}``: 400 for bad JSON (nested too deep to
+parse included), an unknown field or wrong types (a partial last page of tokens is
+ignored, as everywhere: only full pages are stored), 404 for another path, 405 for a path
+asked with the other method (with ``Allow``), 411 for a missing or malformed Content-Length,
+413 for a too large body, 403 for plain hashes against a sealed namespace. A backend that
+fails or times out is a 503 naming the error.
 
 **Sealed namespaces.** Answers are counts: they never carry token ids or page hashes, plain
 or keyed. A sealed namespace's keyed names need its ring, which the server holds; a router
@@ -31,6 +37,7 @@ network.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -45,6 +52,11 @@ __all__ = ["MAX_BODY_BYTES", "QueryServer", "layout_descriptor"]
 MAX_BODY_BYTES = 16 << 20
 #: the largest prompt accepted, in tokens or pages.
 MAX_ITEMS = 4 << 20
+#: the fields a ``/query`` body may hold.
+FIELDS = ("tokens", "block_hashes", "namespace")
+#: path -> the method it answers.
+ENDPOINTS = {"/query": "POST", "/layout": "GET", "/health": "GET"}
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
 
 
 class QueryError(Exception):
@@ -71,6 +83,14 @@ def answer(reader: KVReader, namespace: Namespace, body: object) -> dict[str, An
     """The answer to one ``/query`` body (parsed JSON); ``QueryError`` for bad input."""
     if not isinstance(body, dict):
         raise QueryError(400, "the body must be a JSON object")
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise QueryError(400, f"unknown field{'s' if len(unknown) > 1 else ''} "
+                              f"{', '.join(map(repr, unknown))}; a query holds "
+                              f"{', '.join(map(repr, FIELDS))}")
+    if "namespace" in body and body["namespace"] != namespace.digest:
+        raise QueryError(400, f"namespace {body['namespace']!r} is not served here: this "
+                              f"server answers for {namespace.digest} only")
     wanted = {"tokens", "block_hashes"} & body.keys()
     if len(wanted) != 1:
         raise QueryError(400, "give exactly one of 'tokens' and 'block_hashes'")
@@ -159,31 +179,61 @@ def _handler(server: QueryServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
+        def _route(self, method: str) -> None:
+            """404 for a path that is no endpoint, 405 (with ``Allow``) for the wrong method."""
+            allowed = ENDPOINTS.get(self.path)
+            if allowed is None:
+                listed = ", ".join(f"{m} {p}" for p, m in ENDPOINTS.items())
+                raise QueryError(404, f"no endpoint {self.path} ({listed})")
+            if allowed != method:
+                self.close_connection = True  # a body sent with it is not read
+                raise QueryError(405, f"{self.path} answers {allowed}, not {method}")
+
+        def _fail(self, exc: QueryError) -> None:
+            status = exc.status
+            self.send_response(status)
+            data = json.dumps({"error": str(exc)}).encode()
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if status == 405:
+                self.send_header("Allow", ENDPOINTS[self.path])
+            self.end_headers()
+            self.wfile.write(data)
+
         def do_GET(self) -> None:
-            if self.path == "/layout":
-                self._send(200, layout_descriptor(server.namespace))
-            else:
-                self._send(404, {"error": f"no endpoint {self.path} (GET /layout, POST /query)"})
+            try:
+                self._route("GET")
+                if self.path == "/layout":
+                    self._send(200, layout_descriptor(server.namespace))
+                else:
+                    self._send(200, {"status": "ok", "namespace": server.namespace.digest})
+            except QueryError as exc:
+                self._fail(exc)
 
         def do_POST(self) -> None:
             try:
-                if self.path != "/query":
-                    raise QueryError(404, f"no endpoint {self.path} (POST /query)")
+                self._route("POST")
                 length = self.headers.get("Content-Length")
-                if length is None or not length.isdigit():
-                    raise QueryError(411, "a Content-Length header is required")
+                # ASCII digits only: ``str.isdigit`` takes "²", which ``int`` refuses.
+                if length is None or _CONTENT_LENGTH.fullmatch(length) is None:
+                    raise QueryError(411, "a Content-Length header of decimal digits is required")
                 if int(length) > server.max_body:
                     self.close_connection = True  # the body is not read
                     raise QueryError(413, f"body of {length} bytes, at most {server.max_body}")
                 raw = self.rfile.read(int(length))
-                try:
-                    body = json.loads(raw)
-                except (ValueError, UnicodeDecodeError) as exc:
-                    raise QueryError(400, f"the body is not JSON: {exc}") from None
-                self._send(200, answer(server.reader, server.namespace, body))
+                self._send(200, answer(server.reader, server.namespace, _parse(raw)))
             except QueryError as exc:
-                self._send(exc.status, {"error": str(exc)})
+                self._fail(exc)
             except Exception as exc:  # a bug must answer, not drop the connection
                 self._send(500, {"error": f"{type(exc).__name__}: {exc}"})
 
     return Handler
+
+
+def _parse(raw: bytes) -> object:
+    """The JSON of a request body; ``QueryError`` 400 when it is not JSON, also when it is
+    nested too deep for the parser (``RecursionError``, caught: the parser unwinds cleanly)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise QueryError(400, f"the body is not JSON: {type(exc).__name__}: {exc}") from None

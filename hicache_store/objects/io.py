@@ -63,7 +63,7 @@ from hicache_store.layout.framing import (
     payload_offset,
     verify_blocks,
 )
-from hicache_store.layout.keys import ObjectKey, is_page_hash, parse_key
+from hicache_store.layout.keys import ObjectKey, is_page_hash, parse_key, validate_storage_key
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
 from hicache_store.tenant import KeyRing
 
@@ -815,7 +815,10 @@ class ObjectIO:
         return header
 
     async def _stored(self, storage_key: str) -> tuple[ObjectKey, int] | None:
-        """The parsed key and stored size of an object (tools); None on a miss."""
+        """The parsed key and stored size of an object (tools); None on a miss.
+        ``InvalidKeyError`` for what is no storage key at all (a caller's bug, as every
+        backend call raises), ``CorruptObjectError`` for a storage key that is no object's."""
+        validate_storage_key(storage_key)
         key = _parsed(storage_key)
         if key is None:
             raise CorruptObjectError(f"{storage_key[:80]!r} is not an object key")

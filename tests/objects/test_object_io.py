@@ -15,6 +15,7 @@ from hicache_store.backends.faulty import FaultConfig, FaultyBackend
 from hicache_store.backends.file import FileBackend
 from hicache_store.layout.errors import (
     CorruptObjectError,
+    InvalidKeyError,
     KeyMismatchError,
     PayloadChecksumError,
     TruncatedObjectError,
@@ -24,6 +25,7 @@ from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import (
+    DEFAULT_IO_TIMEOUT_S,
     FRAMED,
     Arena,
     ByteBudget,
@@ -197,6 +199,18 @@ async def test_header_and_object_reads_for_tools(store: FileBackend) -> None:
         await io.read_header(format_key(key(H2)))
 
 
+@pytest.mark.parametrize("bad", [123, None, b"abc", "../etc/passwd", ""])
+async def test_the_tools_reads_refuse_what_is_no_storage_key(store: FileBackend, bad: object) -> None:
+    io = ObjectIO(store, NS)
+    with pytest.raises(InvalidKeyError):
+        await io.read_object(bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidKeyError):
+        await io.verify_stored(bad, memoryview(bytearray(4096)))  # type: ignore[arg-type]
+    # A storage key that names no object is the store's (corrupt), not the caller's.
+    with pytest.raises(CorruptObjectError):
+        await io.read_object("NOT_AN_OBJECT_KEY")
+
+
 async def test_many_headers_in_one_call_for_tools(store: FileBackend) -> None:
     # gc reads one header per page of a whole store: one backend call for a batch, each
     # header checked against its key; misses, short and swapped objects answered per key.
@@ -295,7 +309,8 @@ async def test_puts_in_flight_stay_within_the_write_budget() -> None:
 
 async def test_page_writes_reuse_their_staging() -> None:
     store = open_backend("memory://")
-    link = L3Link(store, NS, Topology(), 0, max_inflight_bytes=1 << 20, io_timeout_s=5.0)
+    link = L3Link(store, NS, Topology(), 0, max_inflight_bytes=1 << 20,
+                  io_timeout_s=DEFAULT_IO_TIMEOUT_S)
     row = np.zeros(link.read_plan.page.page_bytes, dtype=np.uint8)
     for i in range(50):
         row[:] = i
