@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from hicache_store import __version__
@@ -123,6 +125,35 @@ def add_report_arguments(parser: argparse._ActionsContainer, report: str) -> Non
     """``--json`` (print ``report`` as JSON) and ``--no-progress`` (nothing on stderr)."""
     parser.add_argument("--json", action="store_true", help=f"print the {report} as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+
+
+def add_json_output(parser: argparse._ActionsContainer, what: str) -> None:
+    """``--json PATH`` of a command that prints a table and writes files (the benchmarks):
+    ``-`` is stdout (the table then goes to stderr), as everywhere: no command writes a file
+    named ``-``. Commands that only report take a bare ``--json`` (``add_report_arguments``),
+    which prints on stdout too."""
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help=f"write the {what} as JSON to PATH (- for stdout; the table then "
+                        "goes to stderr)")
+
+
+def json_on_stdout(args: argparse.Namespace) -> bool:
+    """Whether ``--json -`` asked for the JSON on stdout (tables then go to stderr)."""
+    return args.json is not None and str(args.json) == "-"
+
+
+def write_json(path: Path, document: Any) -> None:
+    """``document`` as indented JSON to ``path`` (``-``: stdout). A file is replaced whole
+    (written beside it, then renamed): a reader never sees half a document, and a run that
+    rewrites it as rows finish never leaves it cut."""
+    text = json.dumps(document, indent=2)
+    if str(path) == "-":
+        print(text, flush=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -9,7 +9,6 @@ a PNG chart (``--chart``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hicache_store.demo.bench.workload import WorkloadSpec
 
-from hicache_store.cli import UsageError, require_module
+from hicache_store.cli import (
+    UsageError,
+    add_json_output,
+    json_on_stdout,
+    require_module,
+    write_json,
+)
 from hicache_store.ops.progress import ProgressBar
 
 
@@ -121,9 +126,7 @@ def register(subparsers: Any) -> None:
         "TierConfig.events_endpoint), to measure what publishing costs",
     )
     out = parser.add_argument_group("output")
-    out.add_argument("--json", type=Path, metavar="PATH",
-                     help="write results as JSON to PATH (- for stdout; the table then goes to "
-                     "stderr)")
+    add_json_output(out, "results")
     out.add_argument("--chart", type=Path, metavar="PATH", help="write a PNG chart")
     out.add_argument("--no-progress", action="store_true")
     parser.add_argument(
@@ -228,19 +231,13 @@ def run(args: argparse.Namespace) -> int:
             result = run_setup(model, spec, setup, args.page_size, options, progress)
         bar.close()
         summaries.append(result.summary())
-    to_stdout = args.json is not None and str(args.json) == "-"
-    table = sys.stderr if to_stdout else sys.stdout  # stdout carries the JSON alone then
+    table = sys.stderr if json_on_stdout(args) else sys.stdout  # stdout carries the JSON alone
     print(render_table(summaries), file=table)
     if hybrid is not None:
         print(file=table)
         print(render_components(summaries), file=table)
     if args.json:
-        data = json.dumps({"workload": vars(spec), "results": summaries}, indent=2)
-        if to_stdout:
-            print(data)
-        else:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(data)
+        write_json(args.json, {"workload": vars(spec), "results": summaries})
     if args.chart:
         args.chart.parent.mkdir(parents=True, exist_ok=True)
         draw(summaries, args.chart)

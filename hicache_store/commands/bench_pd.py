@@ -9,12 +9,17 @@ writes ``{"workload", "setup", "baseline": {...}, "reuse": {...}, "comparison": 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from hicache_store.cli import UsageError, require_module
+from hicache_store.cli import (
+    UsageError,
+    add_json_output,
+    json_on_stdout,
+    require_module,
+    write_json,
+)
 from hicache_store.commands.bench_multiturn import add_workload_arguments, workload_spec
 from hicache_store.ops.progress import ProgressBar
 
@@ -46,7 +51,7 @@ def register(subparsers: Any) -> None:
     sizes.add_argument("--workdir", type=Path, default=Path(".run/pd"))
     sizes.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     out = parser.add_argument_group("output")
-    out.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
+    add_json_output(out, "results")
     out.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=run)
 
@@ -113,18 +118,17 @@ def run(args: argparse.Namespace) -> int:
         }
         results[arm]["prefill"] = raw[arm]["prefill"]
     comparison = compare(results)
-    print(render_table(results))
+    table = sys.stderr if json_on_stdout(args) else sys.stdout  # stdout carries the JSON alone
+    print(render_table(results), file=table)
     for line in describe(comparison):
-        print(line)
+        print(line, file=table)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        report = {
+        write_json(args.json, {
             "workload": vars(spec),
             "setup": {**common, "model": args.preset, "working_set_pages": working},
             **results,
             "comparison": comparison,
-        }
-        args.json.write_text(json.dumps(report, indent=2))
+        })
     return 0
 
 

@@ -15,6 +15,9 @@ plain block LRU (the published reference) and the clairvoyant Belady bound.
 ``capacity_blocks``, comparable to the references); ``hit_rate_with_l3`` adds L3. Figures are
 fractions over all requests, with the second half of the requests beside them. Prints a
 table; ``--json`` and ``--chart`` write the results and a PNG of hit rate against capacity.
+The JSON file is rewritten as each row finishes (``"complete": false`` until the last), so an
+interrupted run keeps its finished rows (``--json -``: on stdout at the end, or at the
+interrupt). ``--max-requests N`` reads the trace only as far as its first N requests.
 
 ``--replay sim`` (the default for ``--format weka``, agent sessions: 47 M block references do
 not go through the tier in minutes) replays at block level instead
@@ -29,13 +32,15 @@ replay also the pages pinned at the end); ``unbounded`` is a capacity of the sim
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hicache_store.cli import UsageError
+from hicache_store.cli import UsageError, add_json_output, json_on_stdout, write_json
 from hicache_store.commands.bench_multiturn import add_transfer_policy_arguments
+from hicache_store.ops.progress import ProgressBar, counted
 
 if TYPE_CHECKING:
     from hicache_store.demo.bench.trace_format import Trace
@@ -118,7 +123,7 @@ def register(subparsers: Any) -> None:
         "reference)",
     )
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write results as JSON")
+    add_json_output(parser, "results")
     parser.add_argument("--chart", type=Path, metavar="PNG", help="write a PNG chart")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(func=run)
@@ -147,29 +152,19 @@ def resolve_policies(text: str) -> list[str]:
 def load_trace(args: argparse.Namespace) -> Trace:
     """The trace of ``args`` (path, format), checked, cut to ``--max-requests``: both replay
     modes start from it. Raises ``ValueError`` for a bad limit or an empty trace."""
-    from hicache_store.demo.bench.trace_format import Trace, check_chains, read_trace
+    from hicache_store.demo.bench.trace_format import check_chains, read_trace
 
-    trace = read_trace(args.trace, args.format)
+    if args.max_requests is not None and args.max_requests < 1:
+        raise ValueError("--max-requests must be at least 1")
+    trace = read_trace(args.trace, args.format, limit=args.max_requests)
     check_chains(trace)
-    if args.max_requests is not None:
-        if args.max_requests < 1:
-            raise ValueError("--max-requests must be at least 1")
-        trace = Trace(trace.name, trace.block_tokens, trace.requests[: args.max_requests])
     if not trace.requests:
         raise ValueError(f"{args.trace}: the trace has no requests")
     return trace
 
 
 def run(args: argparse.Namespace) -> int:
-    from hicache_store.demo.bench.multiturn import fresh_directory
-    from hicache_store.demo.bench.trace_replay import (
-        KVShape,
-        ReplaySetup,
-        longest_request_pages,
-        parse_capacity,
-        replay,
-    )
-    from hicache_store.demo.bench.trace_sim import belady, lru_reference
+    from hicache_store.demo.bench.trace_replay import KVShape, longest_request_pages, parse_capacity
 
     policies = resolve_policies(args.policy)
     replay_mode = args.replay or ("sim" if args.format == "weka" else "tier")
@@ -204,16 +199,41 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if l1 < longest:
         raise UsageError(f"--l1: {l1} pages cannot hold the longest prompt ({longest} pages)")
-    per_block = trace.block_tokens // page
     print(
         f"trace {trace.name}: {len(trace)} requests over {trace.duration_s:.0f} s, "
         f"{trace.block_accesses} blocks of {trace.block_tokens} tokens; page {page} tokens "
         f"({page_bytes} B of KV), L1 {l1} pages",
         file=sys.stderr,
     )
-    references: dict[int, dict[str, float | None]] = {}
     results: list[dict[str, Any]] = []
+    fields: dict[str, Any] = {"requests": len(trace)}
+    with _keeping(args, results, fields):
+        _replay_tier(args, trace, capacities, policies, l1, shape, results, fields)
+    print(render_table(results), file=_table(args))
+    peak = max(r["peak_rss_bytes"] for r in results)
+    print(
+        f"replayed in {sum(r['wall_s'] for r in results):.0f} s, peak memory "
+        f"{peak / 2**20:.0f} MiB",
+        file=sys.stderr,
+    )
+    return write_outputs(args, trace, results, fields)
+
+
+def _replay_tier(
+    args: argparse.Namespace, trace: Trace, capacities: list[int], policies: list[str], l1: int,
+    shape: Any, results: list[dict[str, Any]], fields: dict[str, Any],
+) -> None:
+    """Each capacity and policy through the tier; each row appended to ``results`` (and the
+    JSON file rewritten) as it finishes."""
+    from hicache_store.demo.bench.multiturn import fresh_directory
+    from hicache_store.demo.bench.trace_replay import ReplaySetup, replay
+    from hicache_store.demo.bench.trace_sim import belady, lru_reference
+
+    page = args.page_size
+    per_block = trace.block_tokens // page
+    whole = not args.partial_blocks
     no_bound = (args.belady or "").strip() == "none"
+    references: dict[int, dict[str, float | None]] = {}
     for capacity in capacities:
         blocks = max(1, capacity // per_block)
         if blocks not in references:
@@ -247,18 +267,14 @@ def run(args: argparse.Namespace) -> int:
                 settle=args.settle,
             )
             label = f"{capacity // per_block} blocks, {policy}"
-            result = replay(trace, setup, progress=_progress(label, len(trace), args.no_progress))
+            bar = ProgressBar(len(trace), "requests", label=f"  {label:<24}",
+                              enabled=not args.no_progress)
+            result = replay(trace, setup, progress=bar.update)
+            bar.close()
             summary = result.summary()
             summary.update(references[blocks])
             results.append(summary)
-    print(render_table(results))
-    peak = max(r["peak_rss_bytes"] for r in results)
-    print(
-        f"replayed in {sum(r['wall_s'] for r in results):.0f} s, peak memory "
-        f"{peak / 2**20:.0f} MiB",
-        file=sys.stderr,
-    )
-    return write_outputs(args, trace, results, {"requests": len(trace)})
+            _save_rows(args, results, fields)
 
 
 def sim_capacities(text: str, distinct_blocks: int) -> list[int]:
@@ -287,8 +303,6 @@ def run_simulated(args: argparse.Namespace, policies: list[str]) -> int:
     import resource
     import time
 
-    from hicache_store.demo.bench.trace_sim import belady, block_policy, lru_reference, simulate
-
     started = time.monotonic()
     try:
         trace = load_trace(args)
@@ -310,6 +324,30 @@ def run_simulated(args: argparse.Namespace, policies: list[str]) -> int:
         file=sys.stderr,
     )
     results: list[dict[str, Any]] = []
+    fields: dict[str, Any] = {
+        "format": args.format, "replay": "sim", "requests": len(trace), "sessions": sessions}
+    with _keeping(args, results, fields):
+        _simulate_all(args, trace, capacities, with_bound, distinct, policies, results, fields)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(render_sim_table(results), file=_table(args))
+    print(
+        f"replayed in {time.monotonic() - started:.0f} s, peak memory {peak / 2**20:.0f} MiB",
+        file=sys.stderr,
+    )
+    return write_outputs(args, trace, results, {
+        **fields, "peak_rss_bytes": peak, "wall_s": time.monotonic() - started})
+
+
+def _simulate_all(
+    args: argparse.Namespace, trace: Trace, capacities: list[int], with_bound: set[int],
+    distinct: int, policies: list[str], results: list[dict[str, Any]], fields: dict[str, Any],
+) -> None:
+    """``--replay sim`` at each capacity and policy; each row appended to ``results`` (and
+    the JSON file rewritten) as it finishes."""
+    import time
+
+    from hicache_store.demo.bench.trace_sim import belady, block_policy, lru_reference, simulate
+
     for blocks in capacities:
         clock = time.monotonic()
         lru = lru_reference(trace, blocks)
@@ -344,26 +382,53 @@ def run_simulated(args: argparse.Namespace, policies: list[str]) -> int:
                 "wall_s": wall,
                 **references,
             })
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(render_sim_table(results))
-    print(
-        f"replayed in {time.monotonic() - started:.0f} s, peak memory {peak / 2**20:.0f} MiB",
-        file=sys.stderr,
-    )
-    return write_outputs(args, trace, results, {
-        "format": args.format, "replay": "sim", "requests": len(trace), "sessions": sessions,
-        "peak_rss_bytes": peak, "wall_s": time.monotonic() - started})
+            _save_rows(args, results, fields)
+
+
+def _table(args: argparse.Namespace) -> Any:
+    """Where the table goes: stdout, or stderr when stdout carries the JSON (``--json -``)."""
+    return sys.stderr if json_on_stdout(args) else sys.stdout
+
+
+def _document(args: argparse.Namespace, results: list[dict[str, Any]], fields: dict[str, Any],
+              *, complete: bool) -> dict[str, Any]:
+    """The ``--json`` document: the schema, the trace, ``fields``, whether every row is in,
+    then the rows."""
+    return {"schema": SCHEMA, "trace": str(args.trace), **fields, "complete": complete,
+            "results": results}
+
+
+def _save_rows(args: argparse.Namespace, results: list[dict[str, Any]],
+               fields: dict[str, Any]) -> None:
+    """Rewrite the ``--json`` file with the rows finished so far (a file, not stdout)."""
+    if args.json and not json_on_stdout(args):
+        write_json(args.json, _document(args, results, fields, complete=False))
+
+
+@contextlib.contextmanager
+def _keeping(args: argparse.Namespace, results: list[dict[str, Any]],
+             fields: dict[str, Any]) -> Iterator[None]:
+    """On an interrupt, the rows finished so far as JSON (``--json``, ``complete`` false)
+    and as a table on stderr, then the interrupt goes on (the CLI exits 130)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if results:
+            if args.json:
+                write_json(args.json, _document(args, results, fields, complete=False))
+            kept = ("on stdout" if json_on_stdout(args) else f"written to {args.json}"
+                    if args.json else "not saved (no --json)")
+            print(f"{counted(len(results), 'finished row')} {kept}", file=sys.stderr)
+        raise
 
 
 def write_outputs(
     args: argparse.Namespace, trace: Trace, results: list[dict[str, Any]],
     fields: dict[str, Any],
 ) -> int:
-    """``--json`` (the schema, the trace, ``fields``, then the results) and ``--chart``."""
+    """``--json`` (``_document``, complete) and ``--chart``."""
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        document = {"schema": SCHEMA, "trace": str(args.trace), **fields, "results": results}
-        args.json.write_text(json.dumps(document, indent=2))
+        write_json(args.json, _document(args, results, fields, complete=True))
     if args.chart:
         args.chart.parent.mkdir(parents=True, exist_ok=True)
         write_chart(trace.name, results, args.chart, trace.block_tokens)
@@ -400,18 +465,6 @@ def _reference_cells(r: dict[str, Any]) -> str:
     bound = "-" if r["belady"] is None else f"{100 * r['belady']:.2f}"
     gap = "-" if closed is None else f"{100 * closed:.0f}%"
     return f"{100 * r['lru_reference']:>7.2f} {bound:>6} {gap:>5}"
-
-
-def _progress(label: str, total: int, quiet: bool) -> Any:
-    if quiet:
-        return None
-
-    def show(done: int) -> None:
-        if done == total or done % 50 == 0:
-            end = "\n" if done == total else ""
-            print(f"\r  {label:<24} {done}/{total}", end=end, file=sys.stderr, flush=True)
-
-    return show
 
 
 def gap_closed(result: dict[str, Any]) -> float | None:

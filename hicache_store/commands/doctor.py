@@ -30,6 +30,7 @@ from hicache_store.cli import UsageError, add_prompts_argument, add_store_comman
 from hicache_store.layout.namespace import HASH_ALGOS, ModelShape, Namespace
 from hicache_store.layout.topology import Topology
 from hicache_store.ops.config import layered, require, resolve
+from hicache_store.ops.progress import counted
 from hicache_store.ops.store import open_store
 
 
@@ -182,7 +183,7 @@ def _report(url: str, found: Any, has_deployment: bool) -> list[str]:
         lines.append(f"{url}: this backend cannot list keys; only the deployment's own "
                      "manifest was looked up")
     else:
-        lines.append(f"{url}: {len(found.namespaces)} namespace(s)")
+        lines.append(f"{url}: {counted(len(found.namespaces), 'namespace')}")
         lines += [f"  {_describe(ns)}" for ns in found.namespaces]
         lines += [f"  {key}: unreadable manifest" for key in found.unreadable]
     if not has_deployment:

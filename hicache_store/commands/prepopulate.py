@@ -31,7 +31,7 @@ from hicache_store.layout.errors import GridMismatchError, InvalidNamespaceError
 from hicache_store.layout.namespace import HASH_ALGOS, Grid
 from hicache_store.layout.topology import Topology
 from hicache_store.ops.config import layered, require, resolve
-from hicache_store.ops.progress import ProgressBar, human_bytes
+from hicache_store.ops.progress import ProgressBar, counted, human_bytes
 from hicache_store.ops.store import open_store
 
 if TYPE_CHECKING:
@@ -232,10 +232,12 @@ def run(args: argparse.Namespace) -> int:
         sealed = f", sealed with key {keys.active.key_id}" if keys is not None else ""
         print(f"namespace {namespace.digest} ({namespace.model}, {namespace.dtype}, page "
               f"{namespace.page_size}, grid {namespace.grid}{sealed}) for {topology} "
-              f"({report.ranks_writing} writing ranks, {report.objects_per_page} objects/page)")
-        print(f"{report.prompts} prompts, {report.pages} pages: {report.pages_present} present, "
-              f"{verb} {report.pages_written} ({report.objects_written} objects, "
-              f"{human_bytes(report.bytes_written)}); {report.tokens_computed} tokens computed "
-              f"in {report.seconds:.1f}s ({rate:,.0f} tok/s); "
-              f"{report.write_failures} failed writes")
+              f"({counted(report.ranks_writing, 'writing rank')}, "
+              f"{report.objects_per_page} objects/page)")
+        print(f"{counted(report.prompts, 'prompt')}, {counted(report.pages, 'page')}: "
+              f"{report.pages_present} present, {verb} {report.pages_written} "
+              f"({counted(report.objects_written, 'object')}, "
+              f"{human_bytes(report.bytes_written)}); {counted(report.tokens_computed, 'token')} "
+              f"computed in {report.seconds:.1f}s ({rate:,.0f} tok/s); "
+              f"{counted(report.write_failures, 'failed write')}")
     return 1 if report.write_failures else 0

@@ -254,3 +254,76 @@ def test_policy_default_names_the_tiers_default() -> None:
     # LRU under a tier whose default is ARC: test_arc_keeps_a_returning_chain_that_lru_loses.)
     assert TierConfig(l1_pages=1, l2_pages=1).eviction_policy == DEFAULT_EVICTION_POLICY
     assert resolve_policies("default, lru,default") == [DEFAULT_EVICTION_POLICY, "lru"]
+
+
+def test_bench_trace_json_dash_is_stdout_not_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace = write_trace(tmp_path / "hand.jsonl.gz", HAND)
+    monkeypatch.chdir(tmp_path)
+    code = main(["bench", "trace", str(trace), "--capacities", "3", "--policy", "lru",
+                 "--page-size", str(PAGE), "--backend", "none", "--json", "-", "--no-progress"])
+    assert code == 0
+    out, err = capsys.readouterr()
+    document = json.loads(out)  # stdout holds the JSON alone
+    assert document["complete"] is True and len(document["results"]) == 1
+    assert "LRU ref" in err  # the table went to stderr
+    assert not (tmp_path / "-").exists()
+
+
+def test_bench_trace_progress_has_no_carriage_return_off_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_trace(tmp_path / "hand.jsonl.gz", HAND * 20)
+    code = main(["bench", "trace", str(trace), "--capacities", "3", "--policy", "lru",
+                 "--page-size", str(PAGE), "--backend", "none"])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "requests" in err and f"{len(HAND) * 20}/{len(HAND) * 20}" in err  # progress shown
+    assert "\r" not in err
+
+
+def test_max_requests_reads_the_trace_only_as_far_as_it_needs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_trace(tmp_path / "hand.jsonl.gz", HAND)
+    with gzip.open(trace, "at") as f:
+        f.write("{this line is never read\n")
+    out = tmp_path / "r.json"
+    code = main(["bench", "trace", str(trace), "--capacities", "3", "--policy", "lru",
+                 "--page-size", str(PAGE), "--backend", "none", "--max-requests", "4",
+                 "--json", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["requests"] == 4
+    # the whole trace is still read (and refused) without the limit
+    code = main(["bench", "trace", str(trace), "--capacities", "3", "--policy", "lru",
+                 "--page-size", str(PAGE), "--backend", "none", "--no-progress"])
+    assert code == 2 and "not JSON" in capsys.readouterr().err
+
+
+def test_an_interrupted_bench_trace_keeps_its_finished_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hicache_store.demo.bench import trace_replay
+
+    real = trace_replay.replay
+    calls = []
+
+    def interrupted_second(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C during the second row
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(trace_replay, "replay", interrupted_second)
+    trace = write_trace(tmp_path / "hand.jsonl.gz", HAND)
+    out = tmp_path / "r.json"
+    code = main(["bench", "trace", str(trace), "--capacities", "3,64", "--policy", "lru",
+                 "--page-size", str(PAGE), "--backend", "none", "--json", str(out),
+                 "--no-progress"])
+    assert code == 130
+    document = json.loads(out.read_text())
+    assert document["complete"] is False
+    (row,) = document["results"]
+    assert row["capacity_blocks"] == 3 and row["policy"] == "lru"
+    assert capsys.readouterr().err.strip().endswith("hicache-store bench: interrupted")

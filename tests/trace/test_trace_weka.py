@@ -300,3 +300,19 @@ def test_the_tier_replay_equals_the_simulator_on_random_sessions(
             if got != simulated.hit_tokens:
                 differ.append((policy, capacity, got, simulated.hit_tokens))
     assert not differ
+
+
+def test_a_request_limit_reads_only_the_sessions_it_needs(tmp_path: Path) -> None:
+    # Session b (second by name) is not JSON: the first request of a starts before b does,
+    # so a limit of one never opens b; without the limit b is read and refused.
+    sessions = {"trace_a.json": SESSION_A}
+    folder = write_folder(tmp_path / "s", sessions)
+    (folder / "trace_b.json").write_text("{not json")
+    one = read_trace(folder, "weka", limit=1)
+    assert len(one) == 1
+    with pytest.raises(TraceFormatError, match="trace_b.json"):
+        read_trace(folder, "weka")
+    # the ids are those of the whole trace (they depend on the number of files)
+    full = read_weka(write_folder(tmp_path / "full", {**sessions, "trace_b.json": SESSION_B}))
+    limited = read_weka(tmp_path / "full", limit=1)
+    assert limited.requests == full.requests[:1]

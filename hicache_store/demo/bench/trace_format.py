@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import json
 import tarfile
 from collections.abc import Callable, Iterator
@@ -183,10 +184,11 @@ def iter_mooncake(path: Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Iter
             yield TraceRequest(ts, length, output, tuple(ids))
 
 
-def read_mooncake(path: Path) -> Trace:
-    """A whole Mooncake trace (see ``iter_mooncake``), named after its file."""
+def read_mooncake(path: Path, *, limit: int | None = None) -> Trace:
+    """A Mooncake trace (see ``iter_mooncake``), named after its file: its first ``limit``
+    requests (the file is in arrival order: reading stops there), or all of them."""
     name = path.name.removesuffix(".gz").removesuffix(".jsonl")
-    return Trace(name, MOONCAKE_BLOCK_TOKENS, tuple(iter_mooncake(path)))
+    return Trace(name, MOONCAKE_BLOCK_TOKENS, tuple(itertools.islice(iter_mooncake(path), limit)))
 
 
 def _number_field(record: dict[str, Any], name: str, where: str, default: float | None) -> float:
@@ -196,18 +198,21 @@ def _number_field(record: dict[str, Any], name: str, where: str, default: float 
     return float(value)
 
 
-def _weka_files(path: Path) -> list[tuple[str, bytes]]:
-    """(name, bytes) of every ``*.json`` session file of a folder or a tar archive, by name."""
-    files: list[tuple[str, bytes]] = []
+def _weka_files(path: Path) -> list[tuple[str, Callable[[], bytes]]]:
+    """(name, reader of its bytes) of every ``*.json`` session file of a folder or a tar
+    archive, by name. A folder's files are read when asked for; an archive is unpacked whole
+    (its order is not the name order)."""
+    files: list[tuple[str, Callable[[], bytes]]] = []
     if path.is_dir():
-        files = [(p.name, p.read_bytes()) for p in path.iterdir() if p.suffix == ".json"]
+        files = [(p.name, p.read_bytes) for p in path.iterdir() if p.suffix == ".json"]
     elif tarfile.is_tarfile(path):
         with tarfile.open(path) as archive:
             for member in archive.getmembers():
                 if member.isfile() and member.name.endswith(".json"):
                     extracted = archive.extractfile(member)
                     if extracted is not None:
-                        files.append((member.name, extracted.read()))
+                        data = extracted.read()
+                        files.append((member.name, lambda data=data: data))  # type: ignore[misc]
     else:
         raise TraceFormatError(f"{path}: not a folder or a tar archive of session files")
     names = [Path(name).name for name, _ in files]
@@ -242,20 +247,30 @@ def _weka_request(
     return t, length, output, ids, stop, api_time
 
 
-def read_weka(path: Path, spacing_s: float = WEKA_SESSION_SPACING_S) -> Trace:
+def read_weka(
+    path: Path, spacing_s: float = WEKA_SESSION_SPACING_S, *, limit: int | None = None
+) -> Trace:
     """The sessions of a WEKA folder or ``.tar.gz`` as one trace, by the tester's rule (the
-    module docstring). Every file must be a session of the same block size with ``local``
-    ids; anything else raises ``TraceFormatError`` naming the file and request."""
+    module docstring). Every file read must be a session of the same block size with
+    ``local`` ids; anything else raises ``TraceFormatError`` naming the file and request.
+
+    ``limit``: only the first ``limit`` requests in arrival order. Session k starts at
+    ``k * spacing_s`` and no request comes before its session's start, so reading stops
+    after the first session past which ``limit`` requests have arrived (the block ids are
+    those of the whole trace: they depend on the number of files, not on what is read)."""
     files = _weka_files(path)
     count = len(files)
     # (arrival s, session k, order in file) -> request; block ids interned per session, so a
     # block referenced by many requests is one int object.
     keyed: list[tuple[float, int, int, TraceRequest]] = []
     block_tokens: int | None = None
-    for k, (name, raw) in enumerate(files):
+    for k, (name, read) in enumerate(files):
+        if (limit is not None and len(keyed) >= limit
+                and sum(1 for item in keyed if item[0] < k * spacing_s) >= limit):
+            break  # every later request arrives after these
         where = f"{path}:{name}"
         try:
-            document = json.loads(raw)
+            document = json.loads(read())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise TraceFormatError(f"{where}: not JSON ({exc})") from None
         if not isinstance(document, dict):
@@ -320,20 +335,22 @@ def read_weka(path: Path, spacing_s: float = WEKA_SESSION_SPACING_S) -> Trace:
     keyed.sort(key=lambda item: item[:3])
     name = path.name.removesuffix(".gz").removesuffix(".tar")
     assert block_tokens is not None  # at least one file was read
-    return Trace(name, block_tokens, tuple(item[3] for item in keyed))
+    return Trace(name, block_tokens, tuple(item[3] for item in keyed[:limit]))
 
 
-#: trace readers by ``--format`` name.
-TRACE_FORMATS: dict[str, Callable[[Path], Trace]] = {"mooncake": read_mooncake, "weka": read_weka}
+#: trace readers by ``--format`` name: ``reader(path, limit=N)`` reads the first N requests
+#: (reading only as far as they need), ``limit=None`` all of them.
+TRACE_FORMATS: dict[str, Callable[..., Trace]] = {"mooncake": read_mooncake, "weka": read_weka}
 
 
-def read_trace(path: Path, fmt: str = "mooncake") -> Trace:
-    """Read ``path`` as ``fmt`` (one of ``TRACE_FORMATS``)."""
+def read_trace(path: Path, fmt: str = "mooncake", *, limit: int | None = None) -> Trace:
+    """Read ``path`` as ``fmt`` (one of ``TRACE_FORMATS``): its first ``limit`` requests in
+    arrival order, or all of them."""
     try:
         reader = TRACE_FORMATS[fmt]
     except KeyError:
         raise ValueError(f"trace format {fmt!r} is not one of {', '.join(TRACE_FORMATS)}") from None
-    return reader(path)
+    return reader(path, limit=limit)
 
 
 def check_chains(trace: Trace) -> None:
