@@ -27,10 +27,11 @@ BATCH = 4 * CONCURRENCY
 
 class CountingMemoryFileSystem(MemoryFileSystem):
     """fsspec's memory filesystem, with every ``cat_file`` waiting for ``CONCURRENCY`` - 1
-    others (or failing after 10 s) and the most calls ever in flight recorded."""
+    others (or failing after 120 s: a hang detector) and the most calls ever in flight
+    recorded."""
 
     protocol = "hicache-counting"
-    barrier = threading.Barrier(CONCURRENCY, timeout=10)
+    barrier = threading.Barrier(CONCURRENCY, timeout=120)
     lock = threading.Lock()
     in_flight = 0
     most = 0

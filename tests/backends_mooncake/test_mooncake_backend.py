@@ -229,11 +229,12 @@ async def test_too_small_buffer_and_range_past_end(mooncake_url: Callable[..., s
 async def test_unreachable_master_fails_fast() -> None:
     from hicache_store.backends._mooncake_local import free_port
 
-    store = open_mooncake(f"mooncake://127.0.0.1:{free_port()}", timeout=5)
-    start = time.monotonic()
+    # Fast: the refused connection fails the call, long before its 600 s timeout (the hang
+    # detector, 120 s, fails the test if the call waited for it instead).
+    store = open_mooncake(f"mooncake://127.0.0.1:{free_port()}", timeout=600)
     with pytest.raises(BackendUnavailableError) as info:
-        await store.exists(["a0"])
-    assert info.value.retryable and time.monotonic() - start < 5
+        await asyncio.wait_for(store.exists(["a0"]), 120)
+    assert info.value.retryable
     await store.close()
 
 
@@ -277,7 +278,7 @@ async def test_holder_killed_mid_batch_then_restarted(own_deployment: LocalMoonc
         assert await store.get_into(ks[:2], [bytearray(MiB), bytearray(MiB)]) == [None, None]
         # A new holder: the same backend object recovers without being recreated.
         own_deployment.start_holder()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # a hang detector: recovery takes a heartbeat or two
         while True:
             try:
                 await store.put(["KILL-NEW"], [b"z" * MiB])
@@ -366,7 +367,9 @@ async def test_stopped_master_or_holder_fails_default_calls_within_the_bound(
                     continue  # the master already dropped the unreachable replica: a miss
                 assert isinstance(outcome, BackendUnavailableError), (who, outcome)
                 assert outcome.retryable
-            assert elapsed < DEFAULT_TIMEOUT + 5, f"{who} stopped: calls took {elapsed:.1f} s"
+            # bounded by their deadline, not hung (the slack is a hang detector's: a loaded
+            # machine is slow to deliver the timeout, never minutes slow)
+            assert elapsed < DEFAULT_TIMEOUT + 60, f"{who} stopped: calls took {elapsed:.1f} s"
             await store.drain()
             await asyncio.sleep(own_deployment.client_ttl + 2)  # heartbeats resume
     finally:

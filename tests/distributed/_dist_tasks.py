@@ -25,7 +25,7 @@ from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.plans import plan_reads
 from hicache_store.layout.sealing import TenantKey
 from hicache_store.layout.topology import Topology
-from hicache_store.objects import IOStats, L3Link
+from hicache_store.objects import DEFAULT_IO_TIMEOUT_S, IOStats, L3Link
 from hicache_store.tenant import KeyRing
 from hicache_store.tier.cache import HiCache
 from hicache_store.tier.config import TierConfig
@@ -69,7 +69,6 @@ class Setup:
             l2_pages=self.l2_pages,
             prefetch_threshold_tokens=self.page,
             prefetch_policy=self.prefetch_policy,  # type: ignore[arg-type]
-            io_timeout_s=5.0,
         )
 
 
@@ -217,7 +216,8 @@ def mla_one_writer(ctx: RankContext, l3_dir: str, pages: int) -> dict[str, Any]:
     ns = Namespace.create("mini-mla", shape, "float32", 4, Grid(2))
     topology = Topology(tp_size=ctx.size)
     backend = open_backend(f"file://{l3_dir}")
-    link = L3Link(backend, ns, topology, ctx.rank, max_inflight_bytes=1 << 24, io_timeout_s=5.0)
+    link = L3Link(backend, ns, topology, ctx.rank, max_inflight_bytes=1 << 24,
+                  io_timeout_s=DEFAULT_IO_TIMEOUT_S)
     rng = np.random.default_rng(7)
     size = link.read_plan.bytes_needed
     rows = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(pages)]
@@ -327,7 +327,6 @@ class HybridSetup:
             l2_pages=self.l2_pages,
             prefetch_threshold_tokens=self.page,
             prefetch_policy="wait_complete",
-            io_timeout_s=5.0,
         )
 
 

@@ -17,7 +17,7 @@ from hicache_store.backends.memory import MemoryBackend
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.topology import Topology
-from hicache_store.objects import IOStats, L3Link
+from hicache_store.objects import DEFAULT_IO_TIMEOUT_S, IOStats, L3Link
 
 # 4 layers in one object per head group of 2 heads (two objects per page), fp16.
 NS = Namespace.create("m", ModelShape.mha(4, 4, 8), "float16", 4, Grid(4, 2))
@@ -26,7 +26,8 @@ PAGE = f"{7:064x}"
 
 
 def link(backend: Backend, topology: Topology = WRITER, rank: int = 0) -> L3Link:
-    return L3Link(backend, NS, topology, rank, max_inflight_bytes=1 << 20, io_timeout_s=10.0)
+    return L3Link(backend, NS, topology, rank, max_inflight_bytes=1 << 20,
+                  io_timeout_s=DEFAULT_IO_TIMEOUT_S)
 
 
 def full_page(seed: int = 0) -> np.ndarray:
@@ -169,7 +170,7 @@ async def test_failed_page_returns_only_once_no_read_into_the_row_is_in_flight(
     # are in: afterwards the row is the caller's (issue 17; plain ``gather`` broke this).
     store = FaultyBackend(MemoryBackend())
     writer = L3Link(store, NS, WRITER, 0, max_inflight_bytes=1 << 20,
-                    io_timeout_s=deadline if deadline is not None else 10.0)
+                    io_timeout_s=DEFAULT_IO_TIMEOUT_S if deadline is None else deadline)
     assert await writer.write_page(PAGE, full_page(6), IOStats())
     await store.delete([writer.write_plan.object_keys(PAGE)[1]])  # type: ignore[union-attr]
     rows = []

@@ -20,7 +20,7 @@ from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.topology import Topology
-from hicache_store.objects import IOStats, L3Link, PageWrite
+from hicache_store.objects import DEFAULT_IO_TIMEOUT_S, IOStats, L3Link, PageWrite
 from hicache_store.tenant import KeyRing, parse_key_ring, rotate_text
 
 NS = Namespace.create("m", ModelShape.mha(4, 4, 8), "float16", 4, Grid(4, 2))
@@ -40,8 +40,8 @@ def link(
     rank: int = 0,
     keys: KeyRing | None = None,
 ) -> L3Link:
-    return L3Link(backend, ns, topology, rank, max_inflight_bytes=1 << 20, io_timeout_s=10.0,
-                  keys=keys)
+    return L3Link(backend, ns, topology, rank, max_inflight_bytes=1 << 20,
+                  io_timeout_s=DEFAULT_IO_TIMEOUT_S, keys=keys)
 
 
 def pages(seed: int) -> list[np.ndarray]:

@@ -20,7 +20,15 @@ from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.topology import Topology
 from hicache_store.layout.ukv1 import ukv1_grid
-from hicache_store.objects import FRAMED, PAGE_UNIFIED, IOStats, L3Link, ObjectIO, format_for
+from hicache_store.objects import (
+    DEFAULT_IO_TIMEOUT_S,
+    FRAMED,
+    PAGE_UNIFIED,
+    IOStats,
+    L3Link,
+    ObjectIO,
+    format_for,
+)
 
 SHAPE = ModelShape.mha(6, 4, 8)
 WRITER = Topology(2, 2, (3, 3))
@@ -37,7 +45,8 @@ async def store(tmp_path: Path) -> AsyncIterator[Backend]:
 
 
 def link(backend: Backend, topology: Topology, rank: int) -> L3Link:
-    return L3Link(backend, NS, topology, rank, max_inflight_bytes=1 << 20, io_timeout_s=10.0)
+    return L3Link(backend, NS, topology, rank, max_inflight_bytes=1 << 20,
+                  io_timeout_s=DEFAULT_IO_TIMEOUT_S)
 
 
 def row_of(layout: UnifiedPageLayout, seed: int) -> np.ndarray:

@@ -15,10 +15,13 @@ import torch
 from hicache_store.pd.transport import open_transport
 
 SIZE = 1 << 20
+#: a transport's socket timeout: a hang detector (a 1 MiB transfer on loopback needs far
+#: less even on a loaded machine), not a speed limit.
+HANG_S = 120.0
 
 
 def receiver(name: str, conn: Connection) -> None:
-    transport = open_transport(name, timeout_s=5.0)
+    transport = open_transport(name, timeout_s=HANG_S)
     buffer = torch.zeros(SIZE, dtype=torch.uint8)
     address = transport.register(buffer)
     conn.send((transport.endpoint, address, SIZE))

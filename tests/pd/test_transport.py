@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from _pd_peer import SIZE, receiver
+from _pd_peer import HANG_S, SIZE, receiver
 from _pd_support import TRANSPORTS
 
 from hicache_store.pd.transport import (
@@ -74,7 +74,7 @@ def pair(peer: Peer, request: pytest.FixtureRequest) -> Iterator[tuple[Transport
     peer with its memory zeroed."""
     peer.zero()
     name = request.node.callspec.params["peer"]
-    sender = open_transport(name, timeout_s=5.0)
+    sender = open_transport(name, timeout_s=HANG_S)
     source = torch.arange(SIZE, dtype=torch.int64).to(torch.uint8)
     sender.register(source)
     try:

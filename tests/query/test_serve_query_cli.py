@@ -39,18 +39,18 @@ def test_serves_the_longest_stored_prefix_and_the_layout(tmp_path: Path) -> None
         first = proc.stdout.readline().split()
         assert first[0] == "serving", proc.stderr.read() if proc.stderr else ""
         base = first[1]
-        with urllib.request.urlopen(base + "/layout", timeout=10) as reply:
+        with urllib.request.urlopen(base + "/layout", timeout=120) as reply:
             layout = json.loads(reply.read())
         assert layout["page_size"] == PAGE and layout["namespace"] == namespace.digest
         body = json.dumps({"tokens": [*tokens[:4 * PAGE], 1, 2, 3, 4, 5]}).encode()
         request = urllib.request.Request(base + "/query", data=body, method="POST")
-        with urllib.request.urlopen(request, timeout=10) as reply:
+        with urllib.request.urlopen(request, timeout=120) as reply:
             answer = json.loads(reply.read())
         assert answer["medium"]["STORAGE"]["matched_pages"] == 4
         hashes = [*page_hashes(tokens, PAGE)[:3], "0" * 64]
         body = json.dumps({"block_hashes": hashes}).encode()
         request = urllib.request.Request(base + "/query", data=body, method="POST")
-        with urllib.request.urlopen(request, timeout=10) as reply:
+        with urllib.request.urlopen(request, timeout=120) as reply:
             assert json.loads(reply.read())["medium"]["STORAGE"]["matched_pages"] == 3
     finally:
         proc.terminate()

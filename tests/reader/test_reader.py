@@ -17,7 +17,7 @@ from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.plans import plan_writes
 from hicache_store.layout.topology import Topology
-from hicache_store.objects import IOStats, L3Link
+from hicache_store.objects import DEFAULT_IO_TIMEOUT_S, IOStats, L3Link
 from hicache_store.ops.prepopulate import namespace_for, prepopulate
 from hicache_store.reader import KVReader
 
@@ -104,7 +104,7 @@ def test_mla_latent_round_trip() -> None:
     gen = torch.Generator().manual_seed(1)
     latent = torch.randn(3, len(tokens), 8, generator=gen).to(torch.bfloat16)
     writer = L3Link(backend, namespace, Topology(2, 1), 0, max_inflight_bytes=1 << 20,
-                    io_timeout_s=10)
+                    io_timeout_s=DEFAULT_IO_TIMEOUT_S)
     layout = UnifiedPageLayout.full_page(namespace)
     for page, page_hash in enumerate(hashes):
         block = latent[:, page * PAGE : (page + 1) * PAGE].contiguous()

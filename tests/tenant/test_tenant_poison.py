@@ -23,7 +23,7 @@ from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.keys import parse_key
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.topology import Topology
-from hicache_store.objects import IOStats, L3Link
+from hicache_store.objects import DEFAULT_IO_TIMEOUT_S, IOStats, L3Link
 from hicache_store.tenant import KeyRing, parse_key_ring, retire_text, rotate_text
 
 PLAIN = Namespace.create("m", ModelShape.mha(4, 4, 8), "float16", 4, Grid(4, 2), tenant_salt="t")
@@ -38,8 +38,8 @@ ONE = Topology(1, 1)
 
 def link(store: FileBackend, keys: KeyRing | None, ns: Namespace = SEALED,
          topology: Topology = ONE, rank: int = 0) -> L3Link:
-    return L3Link(store, ns, topology, rank, max_inflight_bytes=1 << 20, io_timeout_s=10.0,
-                  keys=keys)
+    return L3Link(store, ns, topology, rank, max_inflight_bytes=1 << 20,
+                  io_timeout_s=DEFAULT_IO_TIMEOUT_S, keys=keys)
 
 
 def page(seed: int) -> np.ndarray:
