@@ -40,6 +40,10 @@ always go buffered.
 
 **Parallel I/O.** Each object's I/O is one job on a bounded thread pool (``io_threads``);
 the syscalls release the GIL, so a batch keeps that many requests in flight on the device.
+The pool runs the jobs of the oldest call first (``_call_order``): a put's later steps
+(write, settle) go before the first step of any put that began after it, so many concurrent
+puts end in the order they began instead of all together; a put whose caller gave up before
+its first step began is never begun.
 With the C accelerator built (``_fileio``, optional: ``setup.py``), a read job (a run of a
 batch's reads, or one scatter read) makes all its system calls inside one call that releases
 the GIL: in a process whose other threads keep the interpreter busy (an inference engine)
@@ -113,7 +117,6 @@ import stat
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -123,6 +126,7 @@ from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer, is_aligned, scratch_block
+from ._call_order import CallOrderPool, one_call
 from ._file_index import DB_NAME, FileIndex, ObjectIndex, Reservation, pid_alive
 from ._file_noindex import NoIndex
 from ._file_site import (
@@ -302,8 +306,10 @@ class FileBackend(Backend):
         self.root = Path(root).expanduser().resolve()
         self.durability: Durability = durability
         self.io_threads = io_threads
-        #: recent seconds one small object's write takes (``_write_batch`` splits by it).
-        self._write_cost_s = 0.0
+        #: recent seconds one small object's write takes (``_write_batch`` splits by it;
+        #: None until a write was timed: split, since one thread writing a large batch of
+        #: objects that are slow to make would take the whole batch's time alone).
+        self._write_cost_s: float | None = None
         self.page_cache: PageCache = page_cache
         self._objects = self.root / "objects"
         self._tmp = self.root / "tmp"
@@ -355,7 +361,7 @@ class FileBackend(Backend):
             capacity = int(0.9 * (usage.free + self._index.totals()[0]))
         self.capacity_bytes = capacity
         self.pin_budget_bytes = pin_budget_bytes(capacity, float(pin_fraction))
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache-file")
+        self._pool = CallOrderPool(io_threads, "hicache-file")
 
     @classmethod
     def from_url(cls, url: BackendURL, options: dict[str, Any]) -> FileBackend:
@@ -900,16 +906,20 @@ class FileBackend(Backend):
     # -- core: writes --------------------------------------------------------------------------
 
     async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
-        # docstring inherited
+        # docstring inherited. One call on the pool: its steps run before those of any put
+        # that began after it (``_call_order``).
         self._check_writable("put")
-        await _to_completion(self._put_batch(keys, buffers))
+        with one_call():
+            await _to_completion(self._put_batch(keys, buffers))
 
     async def _put_batch(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
         """Reserve (evicting if needed), write, settle: the index stays exact whatever fails."""
         sizes = [len(view) for view in buffers]
+        # Not begun when the caller has given up by then (``abandonable``): nothing reserved,
+        # nothing to settle, no transaction spent on a put nobody waits for.
         reservation = await self._run(
-            self._translated, "put", None, self._index.reserve, keys, sizes, self.capacity_bytes,
-            self.pin_budget_bytes,
+            abandonable(self._translated), "put", None, self._index.reserve, keys, sizes,
+            self.capacity_bytes, self.pin_budget_bytes,
         )
         outcomes: list[bool | BaseException] = []
         try:
@@ -945,9 +955,9 @@ class FileBackend(Backend):
             # machine's disk, which takes several at once) the batch is split over up to
             # ``io_threads`` jobs of at least ``_WRITE_JOB_MIN`` objects; where it is fast
             # (tmpfs: ~0.1 ms) one job, since each pool hand-off would cost more than the
-            # writes it spreads (BENCHMARKS.md, "Backups in runs").
+            # writes it spreads (BENCHMARKS.md, "Backups in runs"). Split until measured.
             per_job = max(1, len(keys))
-            if self._write_cost_s > _SPLIT_WRITES_ABOVE_S:
+            if self._write_cost_s is None or self._write_cost_s > _SPLIT_WRITES_ABOVE_S:
                 per_job = max(_WRITE_JOB_MIN, -(-len(keys) // self.io_threads))
             starts = range(0, len(keys), per_job)
             runs = [self._run_io(self._write_run_released, keys[i : i + per_job],
@@ -998,7 +1008,8 @@ class FileBackend(Backend):
         written = _fileio.write_files(batch)
         if batch:  # a benign race between pool threads: the estimate is only a hint
             per_object = (time.perf_counter() - started) / len(batch)
-            self._write_cost_s += (per_object - self._write_cost_s) * 0.1
+            cost = self._write_cost_s
+            self._write_cost_s = per_object if cost is None else cost + (per_object - cost) * 0.1
         for slot, (_, final, _, _, _), (status, err) in zip(slots, batch, written, strict=True):
             if status != 0:
                 out[slot] = translate_os_error(OSError(err, os.strerror(err), final),
@@ -1009,7 +1020,8 @@ class FileBackend(Backend):
     async def _put_if_absent(self, key: str, buffer: memoryview) -> bool:
         self._check_writable("put_if_absent")
         # Atomic across threads and processes: link() refuses an existing name.
-        return await _to_completion(self._put_one_if_absent(key, buffer))
+        with one_call():
+            return await _to_completion(self._put_one_if_absent(key, buffer))
 
     async def _put_one_if_absent(self, key: str, buffer: memoryview) -> bool:
         reservation = await self._run(
