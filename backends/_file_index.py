@@ -15,7 +15,10 @@ the root a walk of the store and memory per object):
 
 SQLite gives multi-statement transactions, one write lock shared by processes, recovery from
 a killed writer (write-ahead log), and ordered on-disk indexes: the eviction order is the
-index on ``rank``, read a page at a time, never held in memory.
+index on ``rank``, read a page at a time, never held in memory. The threads of one process
+take the write lock one at a time in the order they asked (``TicketLock``); SQLite's own wait
+(polls with sleeps growing to 100 ms) is left to arbitrate between processes, since among
+many threads it let one lose the lock to the others for as long as they kept taking it.
 
 **What SQLite is too slow for: existence.** A point lookup costs microseconds of CPU per key
 even in one ``IN`` query (BENCHMARKS.md, "Design figures behind the file backend's index and
@@ -283,6 +286,8 @@ class FileIndex:
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._conn_lock = threading.Lock()
+        #: this process's write transactions, one at a time in the order they asked
+        self._writers = TicketLock()
         self._view = _Membership()
         self._view_lock = threading.Lock()  # guards _view and _feed
         self._local = threading.local()  # per thread: whether its write transaction changed the set
@@ -425,7 +430,7 @@ class FileIndex:
                                     backend="file", operation="index")
         con = self._con()
         self._local.changed = False
-        with self._translated():
+        with self._writers, self._translated():
             con.execute("BEGIN IMMEDIATE")
             try:
                 yield con
@@ -1145,8 +1150,8 @@ class FileIndex:
             stale = False
             with self._write() as con:
                 blocking = [
-                    r for r in con.execute("SELECT key, op, pid, pidns, token, since FROM pending")
-                    if r[0] in keys and (r[1] == "del" or not only_deletes)
+                    r for r in self._pending_on(con, keys)
+                    if r[1] == "del" or not only_deletes
                 ]
                 if not blocking:
                     yield con
@@ -1162,6 +1167,23 @@ class FileIndex:
                 )
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+
+    @staticmethod
+    def _pending_on(
+        con: sqlite3.Connection, keys: Iterable[str]
+    ) -> list[tuple[str, str, int, int, str, float]]:
+        """The pending rows (key, op, pid, pidns, token, since) of ``keys``, selected inside
+        SQLite: with thousands of puts in flight, handing every pending row to Python in each
+        put's transaction was most of the time the write lock was held."""
+        found: list[tuple[str, str, int, int, str, float]] = []
+        unique = list(keys)
+        for start in range(0, len(unique), _SQL_CHUNK):
+            chunk = unique[start : start + _SQL_CHUNK]
+            found += con.execute(
+                "SELECT key, op, pid, pidns, token, since FROM pending "  # noqa: S608
+                f"WHERE key IN ({_marks(len(chunk))})", chunk,
+            ).fetchall()
+        return found
 
     # -- rows -------------------------------------------------------------------------------------------
 
@@ -1478,6 +1500,26 @@ class FileIndex:
             if con in self._connections:
                 self._connections.remove(con)
         con.close()
+
+
+class TicketLock:
+    """A lock that threads get in the order they asked for it (FIFO)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._next = 0  # the ticket the next thread to ask takes
+        self._serving = 0  # the ticket that holds the lock
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
 
 
 def _file_id(path: str) -> tuple[int, int] | None:

@@ -606,3 +606,41 @@ async def test_a_recent_answer_never_misses_this_processs_changes_and_ages_out(
     with pytest.raises(BackendClosedError):
         store.exists_blocking(["b0"])
     assert store.exists_now(["b0"], max_age_s=60) is None
+
+
+def test_write_transactions_of_a_process_are_granted_in_the_order_they_asked(
+    tmp_path: Path,
+) -> None:
+    """16 threads commit index transactions back to back: none waits behind more than about
+    one transaction of each other thread (first come, first served). SQLite's own wait for
+    its write lock polls with growing sleeps (up to 100 ms): a thread that found it taken
+    kept losing it to the others, and with thousands of puts in flight one put waited 30 s
+    (``lock_timeout``) for its reservation and gave up."""
+    import threading
+
+    store = FileBackend(tmp_path / "s", durability="none")
+    index = store._index
+    assert isinstance(index, index_module.FileIndex)
+    threads, rounds = 16, 60
+    granted = 0  # transactions committed so far (changed only inside one)
+    overtaken: list[int] = []
+
+    def commit_back_to_back() -> None:
+        nonlocal granted
+        with index._write():
+            pass  # this thread's connection, opened before counting
+        for _ in range(rounds):
+            asked = granted
+            with index._write() as con:
+                con.execute("UPDATE meta SET value = value WHERE name = 'count'")
+                overtaken.append(granted - asked)
+                granted += 1
+
+    workers = [threading.Thread(target=commit_back_to_back) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert granted == threads * rounds
+    assert max(overtaken) <= 2 * threads, sorted(overtaken)[-10:]
+    asyncio.run(store.close())
