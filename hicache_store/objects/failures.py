@@ -31,7 +31,8 @@ SUMMARY_EVERY_S = 60.0
 @dataclass
 class _Episode:
     since: float  # monotonic: when the last line about it was written
-    failed: int = 0
+    calls: int = 0  # failed writes (a write may be of several objects)
+    failed: int = 0  # their objects
     unlogged: int = 0
     last: BaseException | None = None
 
@@ -40,19 +41,21 @@ _episodes: weakref.WeakKeyDictionary[Backend, _Episode] = weakref.WeakKeyDiction
 _lock = threading.Lock()
 
 
-def put_failed(backend: Backend, what: str, exc: BaseException) -> None:
-    """A write of ``what`` (a key, or a batch named by its first key) to ``backend`` failed
-    with ``exc``: logged whole if among the first of its episode, else counted."""
+def put_failed(backend: Backend, what: str, exc: BaseException, objects: int = 1) -> None:
+    """A write of ``what`` (a key, or a batch of ``objects`` named by its first key) to
+    ``backend`` failed with ``exc``: logged whole if among the first of its episode, else
+    counted (by its objects)."""
     now = time.monotonic()
     with _lock:
         episode = _episodes.get(backend)
         if episode is None:
             episode = _episodes[backend] = _Episode(since=now)
-        episode.failed += 1
-        whole = episode.failed <= FIRST_LOGGED
-        last_whole = episode.failed == FIRST_LOGGED
+        episode.calls += 1
+        episode.failed += objects
+        whole = episode.calls <= FIRST_LOGGED
+        last_whole = episode.calls == FIRST_LOGGED
         if not whole:
-            episode.unlogged += 1
+            episode.unlogged += objects
             episode.last = exc
         due = not whole and now - episode.since >= SUMMARY_EVERY_S
     if whole:

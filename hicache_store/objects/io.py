@@ -21,11 +21,13 @@ What it guarantees, once:
   ``Deadline``: a call or batch that moves ``n`` bytes may take ``io_timeout_s + n /
   min_bandwidth`` (``TimeoutError`` past it), so a large batch on a slow device is not
   failed by a deadline sized for one object.
-* **Partial batches.** ``put`` issues a batch's frames in order, at most ``PUT_WINDOW`` at a
-  time, and when the batch's deadline passes it stops: the frames stored by then are
-  ``True``, the rest ``False``. A slow store keeps the leading pages of a backup (an engine
-  resumes from the longest stored prefix) instead of every page running late together and
-  none of them being kept.
+* **Writes in order.** ``put`` and ``put_together`` hand their pages to the backend's one
+  write queue (``objects.writes``): pages of every caller are written oldest first, in runs
+  of one backend call each, and a page's deadline counts from when its run is handed to the
+  backend. When a batch's deadline passes it ends with what it stored: a leading run of its
+  pages is ``True``, the rest ``False``. A slow store keeps the leading pages of a backup (an
+  engine resumes from the longest stored prefix) instead of every page running late together
+  and none of them being kept.
 
 Outcomes: a write reports ``True``/``False`` per frame (failures are logged, never raised: a
 failed backup is a lost copy, not an error of the engine's path; ``objects.failures`` logs the
@@ -39,15 +41,14 @@ Coroutines run on the sync bridge's loop (``hicache_store._sync``) or any other 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from hicache_store.backends._aio import timeout_at, wait_for
-from hicache_store.backends.base import Backend, PendingReads, gather_settled
+from hicache_store.backends._aio import wait_for
+from hicache_store.backends.base import Backend, PendingReads
 from hicache_store.backends.errors import InvalidRangeError
 from hicache_store.backends.types import ByteRange
 from hicache_store.layout.errors import (
@@ -67,10 +68,10 @@ from hicache_store.layout.keys import ObjectKey, is_page_hash, parse_key, valida
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
 from hicache_store.tenant import KeyRing
 
-from . import failures
 from .arena import Arena
 from .format import FRAMED, FramedFormat, ObjectFormat, format_for
 from .offload import off_loop
+from .writes import Outcome, PageOut, queue_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -85,13 +86,6 @@ DEFAULT_IO_TIMEOUT_S = 20.0
 #: (``Deadline``): below it a batch ends with what it stored. A shared or throttled disk
 #: does 60 MiB/s and more; 16 leaves room for one loaded by other tenants.
 DEFAULT_MIN_BANDWIDTH_MIB_S = 16.0
-
-#: frames of one ``put`` in flight at once, issued in order: page k of a batch never waits
-#: behind the I/O of pages after it (a backend with a FIFO thread pool, the file backend's 16
-#: threads, would otherwise run every page's first step before any page's write, and on a
-#: slow disk all pages would finish late together).
-PUT_WINDOW = 32
-
 
 @dataclass(frozen=True)
 class Deadline:
@@ -251,29 +245,44 @@ class ObjectIO:
     async def put(self, frames: Sequence[Frame], *, end: float | None = None) -> list[bool]:
         """Seal each frame in place and store it; ``True`` per object stored.
 
-        The batch ends by ``end`` (a ``time.monotonic()`` value; default: ``deadline.end`` of
-        the frames' bytes, from now). Frames are issued in order, ``PUT_WINDOW`` at a time;
-        each one's bytes count against the write budget while it is sealed and stored (so a
-        batch never has more than the budget in flight). Waiting for the window, the budget
-        and the backend all end at ``end``: a frame not stored by then is ``False`` (never
-        ``True`` for an object that is not stored and visible; one cut in flight may still
-        become visible, reported ``False``). A frame whose buffer cannot hold a payload
-        raises ``ValueError`` (a caller bug) before anything is sealed or stored. Returns
-        once every frame's work has ended (nothing reads the buffers afterwards).
+        Frames go as pages: consecutive frames of one page hash are stored or not together.
+        The pages join this backend's write queue (``objects.writes``) behind every page
+        queued before them, by any caller, and are written oldest first, in runs of one
+        backend call each; each frame's bytes count against the write budget while it is
+        sealed and stored. A page not started by ``end`` (a ``time.monotonic()`` value;
+        default: ``deadline.end`` of the frames' bytes, from now) is not started; a started
+        run has its own deadline, from the bytes the backend has to move for it. A page not
+        stored by then is ``False`` (never ``True`` for an object that is not stored and
+        visible; one cut in flight may still become visible, reported ``False``), and so is
+        every page after it: what a slow store keeps of a batch, and what is reported, is a
+        leading run of its pages. A page whose put failed is ``False`` alone. A frame whose
+        buffer cannot hold a payload raises ``ValueError`` (a caller bug) before anything is
+        sealed or stored. Returns once every frame's work has ended (nothing reads the
+        buffers afterwards).
         """
         namespace = self._writable(frames)
+        if not frames:
+            return []
         if end is None:
             end = self.deadline.end(sum(len(f.buffer) for f in frames))
-        planes = namespace.kv_planes
-        window = asyncio.Semaphore(PUT_WINDOW)  # FIFO: frames acquire it in batch order
-        late: list[str] = []
-        done = await gather_settled(*(self._put_one(f, planes, end, window, late) for f in frames))
+        pages = _pages(frames)
+        outcomes = await queue_of(self.backend).write(
+            [self._page_out(page, namespace) for page in pages],
+            budget=self.write_budget, rule=self.deadline, start_by=end,
+        )
+        done: list[bool] = []
+        late = 0
+        for page, outcome in zip(pages, outcomes, strict=True):
+            if outcome is Outcome.LATE or (late and outcome is Outcome.STORED):
+                late += len(page)
+            done += [outcome is Outcome.STORED and not late] * len(page)
         if late:
+            first = next(f for f, ok in zip(frames, done, strict=True) if not ok)
             log.warning(
                 "put: %d of %d objects not stored by the batch's deadline (io_timeout_s %.1f "
                 "+ bytes at %.0f MiB/s; the first: %s)",
-                len(late), len(frames), self.deadline.floor_s,
-                self.deadline.min_bandwidth_mib_s, late[0][:24],
+                late, len(frames), self.deadline.floor_s,
+                self.deadline.min_bandwidth_mib_s, self.storage_key(first.key)[:24],
             )
         return done
 
@@ -287,83 +296,43 @@ class ObjectIO:
                 raise ValueError(f"{frame.key}: a frame of {len(frame.buffer)} bytes has no payload")
         return self.namespace
 
+    def _page_out(self, frames: Sequence[Frame], namespace: Namespace) -> PageOut:
+        """``frames`` as one page of the write queue: sealed in place when it is stored."""
+        planes = namespace.kv_planes
+
+        def seal() -> None:
+            for frame in frames:
+                self.format.seal(frame.key, frame.buffer, kv_planes=planes,
+                                 parent_hash=frame.parent_hash)
+
+        return PageOut([self.storage_key(f.key) for f in frames], [f.buffer for f in frames], seal)
+
     async def put_together(self, frames: Sequence[Frame]) -> list[bool]:
-        """``put`` of a small batch as one backend call: every frame sealed in place, then all
-        stored by one ``Backend.put`` (on the file backend one reservation, one index update
-        and one run of writes for the batch, where ``put`` makes each of them per frame).
+        """``put`` of a small batch as one page of the write queue: every frame sealed in
+        place, then all stored by one backend call (on the file backend one reservation, one
+        index update and one run of writes for the batch), stored or not as a whole.
 
         For batches whose objects are kept or lost together (vLLM's secondary tier: one
-        job's chunk rows); ``put`` keeps the leading pages of a long backup on a slow store
-        instead. The batch is bounded by ``deadline.seconds`` of its bytes and the write
-        budget. When the backend call fails or runs late every frame is ``False`` (one may
-        still be stored and visible: never ``True`` for one that is not). A frame whose
-        buffer cannot hold a payload raises ``ValueError`` before anything is stored.
-        Returns once the backend call has ended (nothing reads the buffers afterwards).
+        job's chunk rows; the tier's runs of a chain). Like ``put``'s pages, the batch is not
+        started past ``deadline.end`` of its bytes from now, and once started has its own
+        deadline and the write budget. When the backend call fails or runs late every frame
+        is ``False`` (one may still be stored and visible: never ``True`` for one that is
+        not). A frame whose buffer cannot hold a payload raises ``ValueError`` before
+        anything is stored. Returns once the backend call has ended (nothing reads the
+        buffers afterwards).
         """
         namespace = self._writable(frames)
         if not frames:
             return []
         total = sum(len(frame.buffer) for frame in frames)
-        taken = await self.write_budget.acquire(total)
-        try:
-            for frame in frames:
-                await off_loop(len(frame.buffer), functools.partial(
-                    self.format.seal, frame.key, frame.buffer, kv_planes=namespace.kv_planes,
-                    parent_hash=frame.parent_hash))
-            keys = [self.storage_key(frame.key) for frame in frames]
-            try:
-                await self._bounded(self.backend.put(keys, [f.buffer for f in frames]), total)
-            except Exception as exc:
-                failures.put_failed(self.backend, f"{len(frames)} objects, the first {keys[0]},",
-                                    exc)
-                return [False] * len(frames)
-            failures.put_stored(self.backend)
-        finally:
-            await self.write_budget.release(taken)
-        return [True] * len(frames)
-
-    async def _put_one(
-        self, frame: Frame, kv_planes: int, end: float, window: asyncio.Semaphore,
-        late: list[str],
-    ) -> bool:
-        key = self.storage_key(frame.key)
-        try:
-            async with timeout_at(end):
-                await window.acquire()
-        except TimeoutError:
-            late.append(key)
-            return False
-        try:
-            try:
-                async with timeout_at(end):
-                    taken = await self.write_budget.acquire(len(frame.buffer))
-            except TimeoutError:
-                late.append(key)
-                return False
-            try:
-                # Sealed under the budget, on a worker for a large frame: frame k's store
-                # overlaps the sealing of frame k+1 (``objects.offload``). A failure to seal
-                # is no lost copy but a bug or a missing dependency: raised.
-                await off_loop(len(frame.buffer), lambda: self.format.seal(
-                    frame.key, frame.buffer, kv_planes=kv_planes, parent_hash=frame.parent_hash))
-                timer = timeout_at(end)
-                try:
-                    # A put cut here ends when its I/O has (the backend contract): after it
-                    # the frame's buffer is never read again.
-                    async with timer:
-                        await self.backend.put([key], [frame.buffer])
-                except Exception as exc:
-                    if timer.expired():
-                        late.append(key)
-                    else:
-                        failures.put_failed(self.backend, key, exc)
-                    return False
-                failures.put_stored(self.backend)
-            finally:
-                await self.write_budget.release(taken)
-        finally:
-            window.release()
-        return True
+        (outcome,) = await queue_of(self.backend).write(
+            [self._page_out(frames, namespace)],
+            budget=self.write_budget, rule=self.deadline, start_by=self.deadline.end(total),
+        )
+        if outcome is Outcome.LATE:
+            log.warning("put of %d objects (the first: %s) not stored by its deadline",
+                        len(frames), self.storage_key(frames[0].key)[:24])
+        return [outcome is Outcome.STORED] * len(frames)
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -829,6 +798,17 @@ class ObjectIO:
         """The format tools read ``key`` in: this ``ObjectIO``'s when it serves a namespace,
         else the one the key's namespace digest says (``format_for``)."""
         return self.format if self.namespace is not None else format_for(key)
+
+
+def _pages(frames: Sequence[Frame]) -> list[Sequence[Frame]]:
+    """``frames`` cut into pages: runs of consecutive frames of one page hash."""
+    pages: list[Sequence[Frame]] = []
+    start = 0
+    for i in range(1, len(frames) + 1):
+        if i == len(frames) or frames[i].key.page_hash != frames[start].key.page_hash:
+            pages.append(frames[start:i])
+            start = i
+    return pages
 
 
 #: a page hash to parse a key's tail with (``read_headers``).

@@ -3,8 +3,11 @@
 Writes: each page becomes the objects ``plan_writes`` gives this rank (one writer per object
 among replicas). ``write_page`` frames them in reused staging (each object's payload copied
 once from the host row behind its reserved header) and ``ObjectIO.put`` seals and stores them;
-a page counts as written when all its objects are. Callers whose staging already has the frame
-layout (the SGLang adapter relays straight into it) use ``ObjectIO.put`` themselves.
+a page counts as written when all its objects are. ``write_in_order`` writes several pages
+so, each kept or not on its own (a leading run of them on a slow store); ``write_pages``
+stores a run of pages in one backend call, kept or lost together. Callers whose staging
+already has the frame layout (the SGLang adapter relays straight into it) use ``ObjectIO.put``
+themselves.
 
 Reads: each page is assembled from the objects (or layer ranges of objects) ``plan_reads``
 names, every byte verified by ``ObjectIO.read_blocks`` before it counts: whole head groups land
@@ -270,21 +273,46 @@ class L3Link:
 
         ``parent_hash`` (the chain's previous page, when known) goes into every object's header
         so that offline tools can rebuild the chains (``hicache-store gc``). ``end``: the
-        ``time.monotonic()`` by which the page's puts must end (a batch's deadline, see
-        ``ObjectIO.put``); default, the page's own.
+        ``time.monotonic()`` by which the page must have started (see ``ObjectIO.put``);
+        default, the page's own deadline.
+        """
+        (done,) = await self.write_in_order([PageWrite(page_hash, row, parent_hash)], io, end=end)
+        return done
+
+    async def write_in_order(
+        self, pages: Sequence[PageWrite], io: IOStats, *, end: float | None = None
+    ) -> list[bool]:
+        """Frame and store this rank's objects of several pages, each page stored or not on
+        its own, in order (``ObjectIO.put``); per page, True when all its objects are stored.
+
+        For a long backup on a store that may be slow (the SGLang adapter's chunk of a
+        chain): the pages are written oldest first, in runs, and those not started by ``end``
+        (``time.monotonic()``; default, the pages' own deadline from now) are not started,
+        so what is stored and reported True is a leading run of the pages (a page whose put
+        failed is False alone). Returns once every put has ended.
         """
         if not self.can_write:
-            return False
+            return [False] * len(pages)
+        if not pages:
+            return []
         taken: list[tuple[Arena, memoryview]] = []
         try:
-            frames = self._frame_page(page_hash, row, parent_hash, taken)
-            done = await self.io.put(frames, end=end)
+            framed = [
+                self._frame_page(page.page_hash, page.row, page.parent_hash, taken)
+                for page in pages
+            ]
+            done = await self.io.put([f for frames in framed for f in frames], end=end)
         finally:
             self._give_back(taken)  # every put has ended: the backend keeps no reference
-        if not all(done):
-            return False
-        io.bytes_moved += sum(len(f.buffer) for f in frames)
-        return True
+        results: list[bool] = []
+        at = 0
+        for frames in framed:
+            ok = all(done[at : at + len(frames)])
+            at += len(frames)
+            if ok:
+                io.bytes_moved += sum(len(f.buffer) for f in frames)
+            results.append(ok)
+        return results
 
     async def write_pages(self, pages: Sequence[PageWrite], io: IOStats) -> bool:
         """Frame and store this rank's objects of several pages in one backend call

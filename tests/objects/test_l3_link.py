@@ -170,14 +170,16 @@ async def test_failed_page_returns_only_once_no_read_into_the_row_is_in_flight(
     # are in: afterwards the row is the caller's (issue 17; plain ``gather`` broke this).
     store = FaultyBackend(MemoryBackend())
     writer = L3Link(store, NS, WRITER, 0, max_inflight_bytes=1 << 20,
+                    io_timeout_s=DEFAULT_IO_TIMEOUT_S)
+    reader = L3Link(store, NS, WRITER, 0, max_inflight_bytes=1 << 20,
                     io_timeout_s=DEFAULT_IO_TIMEOUT_S if deadline is None else deadline)
     assert await writer.write_page(PAGE, full_page(6), IOStats())
     await store.delete([writer.write_plan.object_keys(PAGE)[1]])  # type: ignore[union-attr]
     rows = []
     for seed in range(8):
         store.faults = FaultConfig(seed=seed, inflight_jitter_s=0.02)
-        row = new_row(writer)
-        assert not await writer.read_page(PAGE, row, IOStats())
+        row = new_row(reader)
+        assert not await reader.read_page(PAGE, row, IOStats())
         row[:] = 0xA5
         rows.append(row)
     await asyncio.sleep(0.06)
