@@ -56,7 +56,7 @@ from hicache_store.layout.keys import validate_page_hash
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology
-from hicache_store.objects import IOStats, L3Link
+from hicache_store.objects import IOStats, L3Link, PageWrite
 from hicache_store.tenant import KeyRing
 from hicache_store.tier.components import (
     RECURRENT_TAG,
@@ -149,14 +149,8 @@ class StateSidecar:
     async def write(self, keys: Sequence[str], rows: Rows) -> list[bool]:
         if self.link.write_plan is None:
             return [False] * len(keys)
-        io = IOStats()
-        done = await asyncio.gather(
-            *(
-                self.link.write_page(key, rows[i], io, keys[i - 1] if i else None)
-                for i, key in enumerate(keys)
-            )
-        )
-        return list(done)
+        pages = [PageWrite(key, rows[i], keys[i - 1] if i else None) for i, key in enumerate(keys)]
+        return await self.link.write_in_order(pages, IOStats())
 
     async def read(self, keys: Sequence[str], rows: Rows, io: IOStats) -> list[bool]:
         found = await asyncio.gather(

@@ -32,7 +32,7 @@ they are). Objects that fail authentication are misses counted as ``tamper``.
 buffers (header space, then the unified payload, when the rank writes one object per page, the
 case of every grid a topology can write whole), the headers are filled in and each object is
 put from there (the file backend writes it with O_DIRECT). A rank that writes several objects
-per page goes through ``L3Link.write_page``. Reads: ``L3Link.read_page`` assembles each page
+per page goes through ``L3Link.write_in_order``. Reads: ``L3Link.read_page`` assembles each page
 into an aligned staging row from verified objects (ranges of objects for layer sub-ranges,
 sliced head groups), then the rows are relayouted into the pool. Reads never land in the pool
 directly, even where a host page is byte for byte the unified page (MLA ``page_first_direct``):
@@ -53,12 +53,14 @@ faulted in) at registration, so the first prefetch does not pay for it.
 **Deadlines.** A ``batch_get_v1``, and each chunk of a ``batch_set_v1`` (the whole call, unless
 it holds more than ``staging_mib``), has one deadline from the bytes it moves:
 ``io_timeout_s + bytes / min_bandwidth_mib_s`` (``objects.io.Deadline``, the one rule). When
-it passes, the batch ends with what it moved: a page whose objects were all stored (visible)
-by then is True, a page read and verified by then is True and in the pool; the rest are
-False, and reads not begun are never begun. Puts go out in batch order (``PUT_WINDOW``), so
-on a slow store the leading pages finish first and SGLang's next hit query finds them: a
-slow disk gives fewer backups, not none. The calling thread waits past a
-deadline at most ``io_timeout_s + 5`` s for I/O that cannot end (a hung mount).
+it passes, the batch ends with what it moved: a page read and verified by then is True and in
+the pool, and reads not begun are never begun; a write's pages not started by then are never
+started, and a leading run of them, those stored, is True. Pages are written through the
+backend's one write queue, oldest first across every thread, in runs, each run within the
+deadline of its own bytes from its start (``objects.writes``), so on a slow store the leading
+pages finish first and SGLang's next hit query finds them: a slow disk gives fewer backups,
+not none. The calling thread waits past a deadline at most ``io_timeout_s + 5`` s for I/O
+that cannot end (a hung mount).
 
 **Threads and failures.** SGLang calls from its prefetch, I/O and backup threads at once.
 Each call runs its I/O on the one sync bridge loop (``hicache_store._sync``) and keeps its own
@@ -78,7 +80,6 @@ as cache components, see ``_sglang_v2``).
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -96,7 +97,7 @@ from hicache_store.kernels.pools import HostPool
 from hicache_store.layout.keys import ObjectKey, validate_page_hash
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import WritePlan
-from hicache_store.objects import Frame, IOStats, L3Link
+from hicache_store.objects import Frame, IOStats, L3Link, PageWrite
 from hicache_store.tenant import KeyRing, load_key_ring
 
 from ._sglang_config import AdapterConfig
@@ -767,8 +768,9 @@ class HiCacheStoreStorage(_HiCacheStorage):
         table: torch.Tensor,
         pool: HostPool,
     ) -> list[bool]:
-        """Several objects per page: relayout, then ``L3Link.write_page`` frames each object;
-        a chunk's pages share its deadline (``Deadline`` of its bytes)."""
+        """Several objects per page: relayout, then ``L3Link.write_in_order`` frames each
+        object and stores the chunk's pages oldest first, in runs; they share the chunk's
+        deadline (``Deadline`` of its bytes) to start by."""
         link = reg.link
         row = _round_up(reg.layout.page_bytes)
         per_chunk = self._chunk_pages(row)
@@ -787,14 +789,9 @@ class HiCacheStoreStorage(_HiCacheStorage):
                 rows: Any = rows, s: int = s, e: int = e, io: IOStats = io,
                 seconds: float = seconds,
             ) -> list[bool]:
-                end = time.monotonic() + seconds
-                done = await asyncio.gather(
-                    *(
-                        link.write_page(keys[s + i], rows[i], io, _parent(keys, s + i), end=end)
-                        for i in range(e - s)
-                    )
-                )
-                return list(done)
+                pages = [PageWrite(keys[s + i], rows[i], _parent(keys, s + i))
+                         for i in range(e - s)]
+                return await link.write_in_order(pages, io, end=time.monotonic() + seconds)
 
             results.extend(_sync.run_sync(go(), timeout=seconds + _slack(reg)))
         return results

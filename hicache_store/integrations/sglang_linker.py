@@ -52,7 +52,7 @@ from hicache_store.backends import aligned_buffer, open_backend
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.keys import validate_page_hash
 from hicache_store.layout.namespace import ModelShape, Namespace
-from hicache_store.objects import IOStats, L3Link
+from hicache_store.objects import IOStats, L3Link, PageWrite
 
 from ._sglang_config import AdapterConfig
 from ._sglang_pool import _TORCH_KV_DTYPES
@@ -313,15 +313,10 @@ class HiCacheStoreLinker(_Linker):
             self._copy_layer(layer, views, job.slots, into_device=False)
         stats = IOStats()
 
-        async def write_all() -> list[bool]:
-            import asyncio
-
-            return list(await asyncio.gather(*(
-                self.link.write_page(k, rows[i], stats, job.keys[i - 1] if i else None)
-                for i, k in enumerate(job.keys)
-            )))
-
-        return all(_sync.run_sync(write_all(), timeout=self._timeout()))
+        pages = [PageWrite(k, rows[i], job.keys[i - 1] if i else None)
+                 for i, k in enumerate(job.keys)]
+        return all(_sync.run_sync(self.link.write_in_order(pages, stats),
+                                  timeout=self._timeout()))
 
     # -- pages between the device pool and unified rows -----------------------------------------
 
