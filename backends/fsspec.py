@@ -6,8 +6,11 @@ URLs name the filesystem after the ``+``: ``fsspec+memory://scratch/kv``,
 the file ``<root>/<key>``. Options: ``max_concurrency`` (threads, so requests in flight;
 default 16, as for s3), ``atomic_write`` (auto | direct | rename), ``request_timeout``
 (seconds one filesystem call may take from the caller's side, default 15),
-``storage_options`` (a dict handed to ``fsspec.filesystem``); every other option is handed to the filesystem as a keyword
-(``endpoint_url``, ``key``, ``secret``, ``anon``, ... for s3fs; URL values arrive as strings).
+``storage_options`` (a dict handed to ``fsspec.filesystem``), ``create`` (default true: make
+the root directory at open; false: create nothing and raise ``NotFoundError`` when the root is
+not a directory, what the read-only tools open with, ``Backend.creates_location``); every other
+option is handed to the filesystem as a keyword (``endpoint_url``, ``key``, ``secret``,
+``anon``, ... for s3fs; URL values arrive as strings).
 
 **Deadlines and buffer lifetime.** Every filesystem call runs on the pool and is awaited at
 most ``request_timeout``: a stopped or unreachable store fails a call with a retryable
@@ -71,6 +74,7 @@ from .errors import (
     BackendIOError,
     BackendTimeoutError,
     InvalidRangeError,
+    NotFoundError,
     translate_os_error,
 )
 from .types import BackendURL, ByteRange, Capabilities, ObjectStat, convert_options
@@ -92,6 +96,7 @@ class FsspecBackend(Backend):
     """Objects as files ``<root>/<key>`` on any fsspec filesystem. See the module docstring."""
 
     name = "fsspec"
+    creates_location = True  # makedirs of the root (and, on s3fs, of a missing bucket)
     capabilities = Capabilities(ranged_reads=True, listing=True, persistent=True, shared=True)
 
     def __init__(
@@ -103,6 +108,7 @@ class FsspecBackend(Backend):
         atomic_write: str = "auto",
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         storage_options: dict[str, Any] | None = None,
+        create: bool = True,
         **filesystem_options: Any,
     ) -> None:
         super().__init__()
@@ -129,7 +135,13 @@ class FsspecBackend(Backend):
         self.capabilities = type(self).capabilities.replace(persistent=not local, shared=not local)
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="hicache-fsspec")
         try:
-            self._translated("open", None, self.fs.makedirs, self.root, exist_ok=True)
+            if create:
+                self._translated("open", None, self.fs.makedirs, self.root, exist_ok=True)
+            elif not self._translated("open", None, self.fs.isdir, self.root):
+                raise NotFoundError(
+                    f"no directory {protocol}://{self.root} (opened with create=False: "
+                    "nothing was created)", backend=self.name, operation="open",
+                )
         except BaseException:
             self._pool.shutdown(wait=False)
             raise
@@ -145,7 +157,8 @@ class FsspecBackend(Backend):
             opts.pop("protocol", None)
         if not protocol:
             raise ConfigError("name the filesystem: fsspec+<protocol>://root (e.g. fsspec+gcs://b/kv)")
-        opts = convert_options(opts, ints=("max_concurrency",), floats=("request_timeout",))
+        opts = convert_options(opts, ints=("max_concurrency",), floats=("request_timeout",),
+                               bools=("create",))
         return cls(protocol, url.location, **opts)
 
     def __repr__(self) -> str:

@@ -200,6 +200,16 @@ def get_backend_class(name_or_spec: str) -> type[Backend]:
     return _import_target(spec.target, name=spec.name, install_hint=spec.install_hint)
 
 
+def scheme_backend(scheme: str) -> str:
+    """The backend name a URL's scheme selects: the scheme, or for ``fsspec+s3://`` (a backend
+    with a sub-protocol, which the backend reads from the URL) the part before the ``+``."""
+    with _lock:
+        known = scheme in _registry
+    if "+" in scheme and not known:
+        return scheme.partition("+")[0]
+    return scheme
+
+
 def open_backend(config: str | Mapping[str, Any], /, **options: Any) -> Backend:
     """Build a backend from a URL, a name, a ``module:Class`` spec, or a config mapping.
 
@@ -231,10 +241,7 @@ def open_backend(config: str | Mapping[str, Any], /, **options: Any) -> Backend:
     if target is not None and not (_NAME_RE.fullmatch(target) or _SPEC_RE.fullmatch(target)):
         raise ConfigError(_not_a_url(target))
     url = BackendURL.parse(url_text) if url_text is not None else BackendURL(scheme="")
-    name = target or url.scheme
-    if target is None and "+" in name and name not in _registry:
-        # ``fsspec+s3://``: a backend with a sub-protocol; the backend reads it from the URL.
-        name = name.partition("+")[0]
+    name = target or scheme_backend(url.scheme)
     cls = get_backend_class(name)
     merged = {**url.query, **opts}
     try:

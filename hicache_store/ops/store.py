@@ -8,9 +8,9 @@ constructor) raises a plain ``ImportError`` from ``from_url``. Commands open sto
 
 ``existing=True`` is for ``inspect`` and ``gc``: a typo'd path must not become an empty store
 that is then reported empty, and an unrelated folder must not receive store files. Backends
-that may create their location at open (``Backend.creates_location``: file, hf3fs) are opened
-with ``create=False``; when no store is there, ``StoreNotFoundError`` names the location and
-nothing has been created.
+that may create their location at open (``Backend.creates_location``: file, hf3fs, fsspec) are
+opened with ``create=False``; when no store is there, ``StoreNotFoundError`` names the location
+and nothing has been created.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from hicache_store.backends import (
     open_backend,
 )
 from hicache_store.backends.errors import NotFoundError
+from hicache_store.backends.registry import scheme_backend
 from hicache_store.backends.types import BackendURL
 
 
@@ -42,12 +43,12 @@ def open_store(url: str, *, existing: bool = False, read_only: bool = False,
     opened so, and writes nothing (it works on a full filesystem); others open as usual.
     """
     try:
-        if (read_only and "://" in url
-                and get_backend_class(BackendURL.parse(url).scheme).opens_read_only):
+        scheme = scheme_backend(BackendURL.parse(url).scheme) if "://" in url else ""
+        if read_only and scheme and get_backend_class(scheme).opens_read_only:
             options = {**options, "read_only": True}
         if existing and "://" in url:
             parsed = BackendURL.parse(url)
-            if get_backend_class(parsed.scheme).creates_location:
+            if get_backend_class(scheme).creates_location:
                 options = {**options, "create": False}
                 try:
                     return open_backend(url, **options)

@@ -12,15 +12,48 @@ Subclass it in a test module (the subclass's name must start with ``Test``) and 
 - ``async def reopen(self, backend) -> Backend | None``: a new backend over the same storage
   (what a restarted process opens). Required: a backend that declares ``persistent`` must
   return one, and its objects must be there; others may return None.
+- ``def missing_location(self, backend, path) -> str | Mapping | None``: what
+  ``open_backend`` opens to reach a store of ``backend``'s kind at a location that does not
+  exist (naming ``path``, which does not exist, where the location is a path), or None (the
+  default) where the backend names no location that could be missing (a dict in memory).
+  Required of a backend that declares ``Backend.creates_location``. With it the suite checks
+  that opening creates nothing where it must not: the read-only tools (``inspect``, ``doctor``,
+  ``serve-query``) and ``gc`` open a store with ``create=False`` when its backend declares
+  ``creates_location``, and must find ``NotFoundError`` there, not a new empty store; a
+  backend that does not declare it must never create its location at open.
+  ``location_exists(self, backend, config)`` tells whether that location exists (default:
+  the URL's local path, or anything in its parent directory); override it where the location
+  is not a local path.
 
 Tests switch on the backend's ``capabilities`` (``mtime`` included: declared, ``stat`` must
-report when each object was written). Every backend call a test makes is bounded, so that a
-hang fails the test instead of hanging the suite (a call blocked inside a thread keeps its
-thread, but the test still fails). The bound detects hangs; it is not a speed limit: a call
-may take ``call_timeout_s`` plus ``key_timeout_s`` for each key it carries (class
-attributes, 60 s and 1 s by default), so a batch of 200 keys has 260 s, and a backend that
-answers correctly while a busy machine makes each request slow still passes, while one that
-never answers fails in that time. Listings are bounded per key yielded. Example::
+report when each object was written).
+
+**Hangs.** Every backend call a test makes is bounded (``CallBounds``), so that a hang fails
+the test instead of hanging the suite (a call blocked inside a thread keeps its thread, but
+the test still fails). The bound detects hangs; it is not a speed limit. A call may take
+``call_timeout_s`` (20 s), plus ``mib_timeout_s`` (2 s) per MiB of its buffers, plus per key
+``key_timeout_s`` (1 s) the first time a method is called, then ``pace_factor`` (20) times
+the slowest seconds per key of the method's earlier calls on that backend (at least
+``pace_floor_s``, 0.01 s). The large-batch test asks a small batch first: a backend that hangs
+on large batches fails there in under half a minute, while one that a busy machine slows down
+is slow on the small batch too and gets the time. Listings are bounded per key yielded.
+
+**The event loop.** A backend's coroutines run on the caller's event loop, shared with every
+other call and the engine's own I/O. Each call is watched: one during which the loop was held
+without yielding for longer than ``loop_block_s`` (1.5 s, plus ``loop_key_s``, 5 ms, per
+key and ``loop_mib_s``, 0.05 s, per MiB of buffers) plus twice what a loaded machine held up
+every thread of the process meanwhile, fails, naming the method. Blocking calls (a synchronous
+SDK, file or database) belong on an executor; a thread that writes into a caller's buffer must have finished before
+the call returns, raises or is cancelled (``BufferLifetimeTests``).
+
+**Crashes.** A backend that crashes the interpreter (SIGSEGV in a native library, a race on
+a connection shared by threads) ends the pytest process it runs in. Run the suite with
+pytest-xdist (``pytest -n 2``, in the plugin template's pytest configuration; installed with
+the ``testing`` extra): a crash then fails the test it happened in ("worker crashed while
+running ...", pytest's ``faulthandler`` printing the crashing thread's stack) and the run
+goes on in a new worker.
+
+Example::
 
     class TestMyBackend(BackendTests):
         @pytest_asyncio.fixture
@@ -45,10 +78,14 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import functools
 import random
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -59,10 +96,12 @@ from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import (
     BackendClosedError,
     InvalidRangeError,
+    NotFoundError,
     NotSupportedError,
 )
-from hicache_store.backends.types import ByteRange, Capabilities
-from hicache_store.layout.errors import CorruptObjectError, InvalidKeyError
+from hicache_store.backends.registry import open_backend
+from hicache_store.backends.types import BackendURL, ByteRange, Capabilities
+from hicache_store.layout.errors import CorruptObjectError, HiCacheStoreError, InvalidKeyError
 from hicache_store.layout.framing import decode_header, encode_object, verify_blocks
 from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
 from hicache_store.objects.io import ObjectIO
@@ -114,30 +153,216 @@ def call_keys(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         return 1  # an invalid key: the call must refuse it, one key's worth of time
 
 
-def bound_calls(backend: Backend, limit_s: float, key_limit_s: float = 0.0) -> Backend:
-    """Make every call of ``backend`` (this instance only) fail after ``limit_s`` seconds plus
-    ``key_limit_s`` for each key the call carries (see ``call_keys``).
+def call_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """How many bytes of buffers a backend call carries (its second argument: the buffers of
+    ``put`` / ``get_into`` / ``get_scatter``, the one buffer of ``put_if_absent``); 0 for
+    none, and for anything that is not a buffer (the call must refuse it)."""
+    given = kwargs.get("buffers", kwargs.get("buffer", args[1] if len(args) > 1 else None))
+    if given is None:
+        return 0
+    try:
+        return memoryview(given).nbytes
+    except TypeError:
+        pass
+    total = 0
+    try:
+        for buffer in given:
+            try:
+                total += memoryview(buffer).nbytes
+            except TypeError:
+                continue
+    except TypeError:
+        return 0
+    return total
 
-    A hang detector, not a speed limit: the time a correct backend needs grows with the
-    batch, and a loaded machine makes every request slower, so the bound grows with the
-    batch too; a call that never returns still fails, after a time fixed by its size. The
-    failure names the call, the bound and how it was made up. Instance attributes shadow the
-    class's methods, so the object keeps its type (oracles may check ``isinstance``) and its
-    state; listings are bounded per key (``limit_s`` for each key yielded).
+
+@dataclass(frozen=True)
+class CallBounds:
+    """How long one backend call may take, and how long it may hold the event loop.
+
+    Both are hang detectors scaled to the work, never speed limits.
+
+    **Time.** A call may take ``call_s``, plus ``mib_s`` for each MiB of buffers it carries,
+    plus time for each key: ``key_s`` per key the first time a method is called on a backend,
+    then ``pace_factor`` times the slowest seconds per key any call of that method took so
+    far on it, and at least ``pace_floor_s`` (never more than ``key_s``). A backend that
+    answers a small batch, then hangs on a large one, fails in about ``call_s`` instead of
+    ``key_s`` per key; one that a loaded machine slows down is slow on both, so the bound
+    grows with it.
+
+    **The event loop.** A backend's coroutines run on the caller's event loop, which every
+    other call and the engine's own I/O share: a call that holds it without yielding (a
+    blocking SDK, file or database call made on the loop) stalls them all. While a call runs, a
+    ticker on the loop notes how late it ran (``LoopWatch``), and a thread of its own how late
+    any thread ran (``Pulse``: a loaded machine, threads holding the interpreter lock). A call
+    during which the loop was held longer than ``loop_block_s``, plus ``loop_key_s`` per key (a
+    task or a callback per key is the loop's own work, and contended threads slow it), plus
+    ``loop_mib_s`` per MiB of buffers (copying a caller's buffer on the loop is fine), plus
+    twice what every thread was held up meanwhile (after a stall of the whole process its
+    threads resume in no set order), fails, naming the method. None: not checked.
     """
+
+    call_s: float
+    key_s: float = 0.0
+    mib_s: float = 0.0
+    pace_factor: float = 20.0
+    pace_floor_s: float = 0.01
+    loop_block_s: float | None = None
+    loop_key_s: float = 0.0
+    loop_mib_s: float = 0.0
+
+    def time_limit(self, keys: int, nbytes: int, pace: float | None) -> tuple[float, str]:
+        """Seconds a call of ``keys`` keys and ``nbytes`` bytes may take, and how that was
+        made up (for the failure message). ``pace``: the slowest seconds per key of an
+        earlier call of the same method, None before the first."""
+        mib = nbytes / (1 << 20)
+        parts = [f"{self.call_s:g} s"]
+        if self.mib_s and nbytes:
+            parts.append(f"{self.mib_s:g} s for each of its {mib:.3g} MiB")
+        if pace is None:
+            per_key = self.key_s
+            parts.append(f"{per_key:g} s for each of its {keys} keys")
+        else:
+            per_key = min(self.key_s, max(self.pace_floor_s, self.pace_factor * pace))
+            parts.append(
+                f"{per_key:.3g} s for each of its {keys} keys: {self.pace_factor:g} x the "
+                f"{pace:.3g} s per key of the slowest earlier call, at least "
+                f"{self.pace_floor_s:g} s, at most {self.key_s:g} s"
+            )
+        return self.call_s + self.mib_s * mib + per_key * keys, " + ".join(parts)
+
+    def loop_limit(self, keys: int, nbytes: int) -> float | None:
+        """Seconds a call of ``keys`` keys and ``nbytes`` bytes may hold the event loop
+        (None: unchecked)."""
+        if self.loop_block_s is None:
+            return None
+        return self.loop_block_s + self.loop_key_s * keys + self.loop_mib_s * nbytes / (1 << 20)
+
+
+class LoopWatch:
+    """The longest time the running event loop went without running its callbacks, from this
+    object's creation to ``stop`` (a ticker every ``interval`` seconds notes how late it ran;
+    ``stop`` counts a stretch still going on, so a call that never yields is measured too)."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._interval = interval
+        self.longest = 0.0
+        self._due = self._loop.time() + interval
+        self._handle = self._loop.call_at(self._due, self._tick)
+
+    def _tick(self) -> None:
+        now = self._loop.time()
+        self.longest = max(self.longest, now - self._due)
+        self._due = now + self._interval
+        self._handle = self._loop.call_at(self._due, self._tick)
+
+    def stop(self) -> float:
+        self._handle.cancel()
+        self.longest = max(self.longest, self._loop.time() - self._due)
+        return self.longest
+
+
+class Pulse:
+    """A thread of its own that wakes every ``interval`` seconds and notes how late it woke:
+    the hold-ups any Python code of this process sees, whatever the event loop does (a loaded
+    machine, other threads taking the interpreter lock). ``LoopWatch`` minus ``Pulse`` is what
+    the loop alone was held for. One per process (``shared``)."""
+
+    _shared: Pulse | None = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=60_000)
+        self._last = time.monotonic()
+        threading.Thread(target=self._run, daemon=True, name="hicache-testing-pulse").start()
+
+    @classmethod
+    def shared(cls) -> Pulse:
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
+
+    def _run(self) -> None:
+        while True:
+            due = time.monotonic() + self._interval
+            time.sleep(self._interval)
+            now = time.monotonic()
+            with self._lock:
+                self._samples.append((now, max(0.0, now - due)))
+                self._last = now
+
+    def lateness(self, since: float) -> float:
+        """The longest lateness of a wake-up since ``since`` (``time.monotonic``), including
+        one still overdue now."""
+        now = time.monotonic()
+        with self._lock:
+            late = max(0.0, now - self._last - self._interval)
+            for at, lag in reversed(self._samples):
+                if at < since:
+                    break
+                late = max(late, lag)
+        return late
+
+
+def bound_calls(
+    backend: Backend, limit_s: float | CallBounds, key_limit_s: float = 0.0
+) -> Backend:
+    """Bound every call of ``backend`` (this instance only) as ``CallBounds`` says
+    (``limit_s`` and ``key_limit_s``: ``CallBounds(limit_s, key_limit_s)``, time only).
+
+    A call past its time fails with an ``AssertionError`` naming the call, its bound and how
+    it was made up; a call during which the loop was held too long, one naming the call and
+    how long the loop was held. Instance attributes shadow the class's methods, so the object
+    keeps its type (oracles may check ``isinstance``) and its state; listings are bounded per
+    key (``call_s`` for each key yielded).
+    """
+    bounds = limit_s if isinstance(limit_s, CallBounds) else CallBounds(limit_s, key_limit_s)
+    cls = type(backend).__name__
+    pace: dict[str, float] = {}
+
     def limited(name: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
         @functools.wraps(call)
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
-            keys = call_keys(args, kwargs)
-            bound = limit_s + key_limit_s * keys
+            keys, nbytes = call_keys(args, kwargs), call_bytes(args, kwargs)
+            bound, made_of = bounds.time_limit(keys, nbytes, pace.get(name))
+            loop_limit = bounds.loop_limit(keys, nbytes)
+            watch = None if loop_limit is None else LoopWatch()
+            pulse = None if loop_limit is None else Pulse.shared()
+            started = time.monotonic()
+
+            def blocked() -> str | None:
+                """The failure message when the loop alone was held too long, else None."""
+                if watch is None or pulse is None or loop_limit is None:
+                    return None
+                held, everyone = watch.stop(), pulse.lateness(started)
+                if held <= loop_limit + 2 * everyone:
+                    return None
+                return _held_message(cls, name, held, everyone, loop_limit)
             try:
-                return await wait_for(call(*args, **kwargs), bound)
-            except TimeoutError:
+                result = await wait_for(call(*args, **kwargs), bound)
+            except TimeoutError as exc:
+                blocked()
+                if time.monotonic() - started < bound:
+                    raise  # the backend's own deadline, not ours
                 raise AssertionError(
-                    f"{type(backend).__name__}.{name} did not return within {bound:g} s "
-                    f"({limit_s:g} s + {key_limit_s:g} s for each of its {keys} keys): a "
+                    f"{cls}.{name} did not return within {bound:.3g} s ({made_of}): a "
                     "backend call must finish (or fail) in bounded time, never hang"
-                ) from None
+                ) from exc
+            except BaseException as exc:
+                message = blocked()
+                if message is not None and isinstance(exc, Exception):
+                    raise AssertionError(message) from exc
+                raise
+            message = blocked()
+            if message is not None:
+                raise AssertionError(message)
+            if keys:
+                pace[name] = max(pace.get(name, 0.0), (time.monotonic() - started) / keys)
+            return result
 
         return wrapper
 
@@ -149,17 +374,28 @@ def bound_calls(backend: Backend, limit_s: float, key_limit_s: float = 0.0) -> B
         keys = listing(prefix).__aiter__()
         while True:
             try:
-                key = await wait_for(keys.__anext__(), limit_s)
+                key = await wait_for(keys.__anext__(), bounds.call_s)
             except StopAsyncIteration:
                 return
             except TimeoutError:
                 raise AssertionError(
-                    f"{type(backend).__name__}.list_prefix did not yield within {limit_s} s"
+                    f"{cls}.list_prefix did not yield within {bounds.call_s} s"
                 ) from None
             yield key
 
     backend.list_prefix = list_prefix  # type: ignore[method-assign]
     return backend
+
+
+def _held_message(cls: str, name: str, held: float, everyone: float, limit: float) -> str:
+    return (
+        f"{cls}.{name} held the event loop for {held:.2f} s (more than {limit:.3g} s plus twice "
+        f"the {everyone:.2f} s every thread of the process was held up) without yielding: a "
+        "backend's coroutines share the library's one event loop with every other "
+        "call and the engine's own I/O, so blocking work (a synchronous SDK, file or database "
+        "call) must run on an executor (`await loop.run_in_executor(pool, fn, ...)`), never "
+        "on the loop"
+    )
 
 
 def pattern(size: int, seed: int) -> bytes:
@@ -196,19 +432,34 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
     #: Hypothesis budget for the model-based test (keep CI fast).
     stateful_max_examples = 15
     stateful_step_count = 12
-    #: seconds any one backend call may take before the test fails, plus ``key_timeout_s``
-    #: for each key it carries (see ``bound_calls``): generous, since the 16 MiB object goes
-    #: through slow servers on 2-core CI machines, and large batches of small requests
-    #: through servers that share those cores with the tests.
-    call_timeout_s: float = 60.0
+    #: how long one backend call may take before the test fails (``CallBounds``):
+    #: ``call_timeout_s``, plus ``mib_timeout_s`` per MiB of buffers, plus per key
+    #: ``key_timeout_s`` the first time a method is called, then ``pace_factor`` times the
+    #: slowest seconds per key of its earlier calls (at least ``pace_floor_s``). Generous per
+    #: unit of work (slow servers share 2-core CI machines with the tests), short where the
+    #: work is small, so a hang shows in well under a minute.
+    call_timeout_s: float = 20.0
     key_timeout_s: float = 1.0
+    mib_timeout_s: float = 2.0
+    pace_factor: float = 20.0
+    pace_floor_s: float = 0.01
+    #: how long one call may hold the event loop without yielding (``CallBounds``), plus
+    #: ``loop_key_s`` per key and ``loop_mib_s`` per MiB of buffers; None: not checked.
+    loop_block_s: float | None = 1.5
+    loop_key_s: float = 0.005
+    loop_mib_s: float = 0.05
+
+    def call_bounds(self) -> CallBounds:
+        """The bounds every backend call of a test runs under (from the class attributes)."""
+        return CallBounds(
+            self.call_timeout_s, self.key_timeout_s, self.mib_timeout_s, self.pace_factor,
+            self.pace_floor_s, self.loop_block_s, self.loop_key_s, self.loop_mib_s,
+        )
 
     @pytest.fixture(autouse=True)
     def _bounded_backend_calls(self, request: pytest.FixtureRequest) -> None:
         if "backend" in request.fixturenames:
-            bound_calls(
-                request.getfixturevalue("backend"), self.call_timeout_s, self.key_timeout_s
-            )
+            bound_calls(request.getfixturevalue("backend"), self.call_bounds())
 
     @abc.abstractmethod
     async def oracle_get(self, backend: Backend, key: str) -> bytes | None:
@@ -223,11 +474,25 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
         """A new backend over the same storage as ``backend``, as a restarted process would
         open it. None is allowed only for a backend that does not declare ``persistent``."""
 
+    def missing_location(self, backend: Backend, path: Path) -> str | Mapping[str, Any] | None:
+        """What ``open_backend`` opens to reach a store of ``backend``'s kind at a location
+        that does not exist (``path``, where the location is a path: it does not exist, its
+        parent is an empty directory), or None where the backend names no such location."""
+        return None
+
+    def location_exists(self, backend: Backend, config: str | Mapping[str, Any]) -> bool:
+        """Whether the location ``config`` (from ``missing_location``) exists. The default
+        reads the URL's local path (``BackendURL.local_path``): it, or anything in its parent
+        directory (the empty directory the suite made), exists."""
+        url = config if isinstance(config, str) else str(config["url"])
+        path = Path(BackendURL.parse(url).local_path())
+        return path.exists() or any(path.parent.iterdir())
+
     async def _reopened(self, backend: Backend) -> Backend | None:
         again = await self.reopen(backend)
         if again is None:
             return None
-        return bound_calls(again, self.call_timeout_s, self.key_timeout_s)
+        return bound_calls(again, self.call_bounds())
 
     # -- declarations -------------------------------------------------------------------------
 
@@ -793,6 +1058,55 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
         with pytest.raises(BackendClosedError):
             await backend.get_scatter("a0", [bytearray(1)], ByteRange(0, 1))
 
+    async def test_opening_a_missing_location_creates_nothing(
+        self, backend: Backend, tmp_path: Path
+    ) -> None:
+        # What ``inspect`` / ``gc`` / ``doctor`` / ``serve-query`` do with a mistyped location:
+        # open it with create=False where the backend declares creates_location, else as is.
+        # Either way no store may appear there.
+        cls = type(backend)
+        path = tmp_path / "missing-location" / "store"
+        path.parent.mkdir()
+        config = self.missing_location(backend, path)
+        if config is None:
+            assert not cls.creates_location, (
+                f"{cls.__name__} declares creates_location: missing_location() must say how "
+                "to open it at a location that does not exist, so the suite can check create=False"
+            )
+            pytest.skip("missing_location() gives no location (the backend names none)")
+        assert not self.location_exists(backend, config), (
+            f"missing_location() named a location that exists (or is not empty): {config}")
+        if cls.creates_location:
+            try:
+                opened = open_backend(config, create=False)
+            except NotFoundError:
+                raised = True
+            else:
+                raised = False
+                await opened.close()
+            created = self.location_exists(backend, config)
+            if not raised or created:
+                pytest.fail(
+                    f"{cls.__name__} declares creates_location; opened with create=False at a "
+                    f"location that does not exist it {'raised' if raised else 'did not raise'} "
+                    f"NotFoundError and {'created' if created else 'did not create'} the "
+                    "location: it must create nothing and raise NotFoundError"
+                )
+            return
+        try:
+            opened = open_backend(config)
+        except HiCacheStoreError:
+            pass  # refusing is fine: the tools report it
+        else:
+            await opened.close()
+        assert not self.location_exists(backend, config), (
+            f"opening {cls.__name__} at a location that does not exist created it "
+            f"({config}), so the read-only tools would "
+            "create an empty store at a mistyped path. A backend that may create its location "
+            "at open declares `creates_location = True` and takes the option `create` "
+            "(with create=False: create nothing, raise NotFoundError)"
+        )
+
     async def test_objects_survive_a_reopen(self, backend: Backend) -> None:
         if not backend.capabilities.persistent:
             pytest.skip("backend is not persistent")
@@ -824,6 +1138,15 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
     # without case, listings treated ``_`` as a wildcard, reads served a stale cache.
 
     async def test_large_batches_map_every_key_to_its_own_buffer(self, backend: Backend) -> None:
+        # A small batch of every call first: the large calls' bounds then follow this
+        # backend's own pace (``CallBounds``), so one that hangs on a large batch fails fast.
+        small = [f"b{i:x}" for i in range(8)]
+        await backend.put(small, [b"s"] * len(small))
+        assert await backend.exists(small) == [True] * len(small)
+        assert await backend.get_into(small, [bytearray(1) for _ in small]) == [1] * len(small)
+        assert [st and st.size for st in await backend.stat(small)] == [1] * len(small)
+        assert await backend.exists_prefix_length(small) == len(small)
+        assert await backend.delete(small) == [True] * len(small)
         keys = [f"c{i:03x}" for i in range(LARGE_BATCH)]
         values = [pattern(50 + (37 * i) % 700, 1000 + i) for i in range(LARGE_BATCH)]
         await backend.put(keys, values)

@@ -46,6 +46,10 @@ class FileOracle:
         assert isinstance(backend, FileBackend)
         return FileBackend(backend.root, durability=backend.durability, index=backend.index_kind)
 
+    def missing_location(self, backend: Backend, path: Path) -> str:
+        assert isinstance(backend, FileBackend)
+        return f"file://{path}?index={backend.index_kind}"
+
 
 class TestFileBackend(FileOracle, BackendTests):
     @pytest.fixture

@@ -32,6 +32,9 @@ class HF3FSOracle:
         return HF3FSBackend(backend.root, engine=backend.engine,  # type: ignore[arg-type]
                             durability=backend.durability)
 
+    def missing_location(self, backend: Backend, path: Path) -> str:
+        return f"hf3fs://{path}?engine=posix"
+
 
 class TestHF3FSPosix(HF3FSOracle, BackendTests):
     """A local directory is not a 3FS mount: ``engine=auto`` must choose POSIX."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,20 @@ class FsspecOracle:
         assert isinstance(backend, FsspecBackend)
         return open_backend({"url": f"fsspec+{backend.protocol}://{backend.root}",
                              "backend": "fsspec", **getattr(self, "extra", {})})
+
+    def missing_location(self, backend: Backend, path: Path) -> dict[str, Any]:
+        # A root beside the fixture's, on the same filesystem (a local path for ``file``).
+        assert isinstance(backend, FsspecBackend)
+        root = path if backend.protocol == "file" else f"{backend.root}-missing-{path.name}"
+        return {"url": f"fsspec+{backend.protocol}://{root}", "backend": "fsspec",
+                **getattr(self, "extra", {})}
+
+    def location_exists(self, backend: Backend, config: str | Mapping[str, Any]) -> bool:
+        assert isinstance(backend, FsspecBackend) and not isinstance(config, str)
+        if backend.protocol == "file":
+            return super().location_exists(backend, config)
+        backend.fs.invalidate_cache()
+        return bool(backend.fs.exists(str(config["url"]).split("://", 1)[1]))
 
 
 class TestFsspecMemory(FsspecOracle, BackendTests):

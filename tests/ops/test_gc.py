@@ -420,6 +420,22 @@ def cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
                           check=False)
 
 
+@pytest.mark.parametrize("command", [["gc", "--max-bytes", "1B", "--dry-run"], ["inspect"]])
+def test_read_only_commands_never_create_an_fsspec_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    command: list[str],
+) -> None:
+    # fsspec makes its root directory at open: it declares creates_location, so these
+    # commands open it with create=False.
+    pytest.importorskip("fsspec")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    typo = tmp_path / "typo"
+    assert main([command[0], f"fsspec+file://{typo}", *command[1:]]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(typo) in err and "nothing was created" in err
+    assert not typo.exists()
+
+
 @pytest.mark.parametrize("command", [["gc", "--max-bytes", "1B", "--dry-run"], ["inspect"],
                                      ["inspect", "--verify"]])
 def test_read_only_commands_never_create_a_store(

@@ -6,17 +6,29 @@ got past the suite (issue 18's list), so each must fail it: ``test_mutants.py`` 
 on all of them and checks that.
 
 Not a product backend: the database is used from the event loop thread without an executor
-(fine for tests, where every call is small).
+(fine for tests, where every call is small: well inside the suite's watch on the loop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import os
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
-from hicache_store.backends import Backend, ByteRange, Capabilities, InvalidRangeError, ObjectStat
+from hicache_store.backends import (
+    Backend,
+    BackendURL,
+    ByteRange,
+    Capabilities,
+    InvalidRangeError,
+    NotFoundError,
+    ObjectStat,
+)
+from hicache_store.backends.types import convert_options
 
 _SCHEMA = "CREATE TABLE IF NOT EXISTS objects (key TEXT PRIMARY KEY, data BLOB, mtime REAL)"
 _CHUNK = 500  # keys per IN (...) query, under SQLite's variable limit
@@ -26,17 +38,28 @@ class SqliteBackend(Backend):
     """Objects as rows of one SQLite table (a file: persistent across reopen)."""
 
     name = "sqlite"
+    # Connecting creates the database file: ``create=False`` (the read-only tools) must not.
+    creates_location = True
     capabilities = Capabilities(
         ranged_reads=True, listing=True, atomic_put=True, persistent=True, mtime=True
     )
     schema = _SCHEMA
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, create: bool = True) -> None:
         super().__init__()
         self.path = path
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        if not create and not os.path.isfile(path):
+            raise NotFoundError(f"no database at {path} (nothing was created)",
+                                backend=self.name, operation="open")
+        target, uri = (path, False) if create else (f"file:{path}?mode=rw", True)
+        self.db = sqlite3.connect(target, uri=uri, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA synchronous = OFF")  # a test backend: no fsync per row
         self.db.execute(self.schema)
+
+    @classmethod
+    def from_url(cls, url: BackendURL, options: dict[str, Any]) -> SqliteBackend:
+        """``sqlite:///path/to/file.db``, option ``create``."""
+        return cls(url.local_path(), **convert_options(options, bools=("create",)))
 
     # -- the core --------------------------------------------------------------------------------
 
@@ -229,6 +252,40 @@ class OverwriteDeletesFirst(SqliteBackend):
         await super()._put(keys, buffers)
 
 
+class CreatesItsLocationUndeclared(SqliteBackend):
+    """Creates its database file at open without declaring ``creates_location``: ``inspect``
+    or ``gc`` pointed at a mistyped path would leave a new, empty store there."""
+
+    creates_location = False
+
+
+class IgnoresCreateFalse(SqliteBackend):
+    """Declares ``creates_location`` and takes ``create``, but creates the file anyway."""
+
+    def __init__(self, path: str, *, create: bool = True) -> None:
+        super().__init__(path)
+
+
+class BlocksTheLoop(SqliteBackend):
+    """Writes each object with a blocking round trip on the event loop's thread (as a
+    synchronous SDK call made without an executor does; here a 50 ms sleep per key)."""
+
+    async def _put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
+        for _ in keys:
+            time.sleep(0.05)  # noqa: ASYNC251 - the defect
+        await super()._put(keys, buffers)
+
+
+class CrashesOnLargeBatches(SqliteBackend):
+    """Its reads share one connection among threads without a lock, a race that ends in
+    SIGSEGV; here the crash comes every time, on the first exists call over 50 keys."""
+
+    async def _exists(self, keys: Sequence[str]) -> list[bool]:
+        if len(keys) > 50:
+            ctypes.string_at(0)  # reads address 0: SIGSEGV
+        return await super()._exists(keys)
+
+
 #: every mutant, by the name of the defect, with the suite test that must catch it.
 MUTANTS: dict[str, tuple[type[SqliteBackend], str]] = {
     "exists_wrong_past_64": (
@@ -244,6 +301,10 @@ MUTANTS: dict[str, tuple[type[SqliteBackend], str]] = {
     "stat_without_mtime": (StatWithoutMtime, "test_stat_reports_the_write_time_when_declared"),
     "wipes_on_open": (WipesOnOpen, "test_objects_survive_a_reopen"),
     "overwrite_deletes_first": (OverwriteDeletesFirst, "test_no_partial_object_is_ever_visible"),
+    "creates_its_location_undeclared": (
+        CreatesItsLocationUndeclared, "test_opening_a_missing_location_creates_nothing"),
+    "ignores_create_false": (IgnoresCreateFalse, "test_opening_a_missing_location_creates_nothing"),
+    "blocks_the_loop": (BlocksTheLoop, "test_large_batches_map_every_key_to_its_own_buffer"),
 }
 
 __all__ = ["MUTANTS", "SqliteBackend"]

@@ -2,6 +2,11 @@
 same name (``example://NAME``), bounded by a number of objects.
 
 This is the template for third-party backends; every method says which contract it keeps.
+Its storage is a dict, so every call finishes on the event loop without blocking it. A backend
+over a network or a disk runs each blocking call on a bounded executor instead (the loop is
+the library's one loop, shared by every call), and a thread that writes into a caller's buffer
+is done before the call returns, raises or is cancelled (see the README). It names no location
+that opening could create, so it keeps ``creates_location = False``.
 """
 
 from __future__ import annotations
