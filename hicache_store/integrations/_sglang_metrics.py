@@ -11,7 +11,10 @@ The adapter's own counters (pages stored and read, failures, refusals, corrupt o
 are cumulative and never drained: ``AdapterMetrics.counters()`` (the adapter's ``counters``
 property), and, when SGLang runs with metrics enabled and ``prometheus_client`` is installed,
 the Prometheus counter ``hicache_store_sglang_events_total{event, tp_rank, pp_rank}`` in the
-scheduler process's registry, which SGLang's ``/metrics`` endpoint serves.
+scheduler process's registry, which SGLang's ``/metrics`` endpoint serves. Its lookups
+(``batch_exists``: pages asked of the store, pages found) are counted as every integration
+counts them (``_lookups``: ``lookup_pages_asked_l3`` / ``lookup_pages_found_l3`` in
+``counters()``, ``hicache_store_lookup_pages_{asked,found}_total{integration="sglang"}``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+from ._lookups import LookupCounters
 
 #: the Prometheus counter of the adapter's events.
 PROMETHEUS_COUNTER = "hicache_store_sglang_events"
@@ -83,6 +88,7 @@ class AdapterMetrics:
         self._bandwidth: dict[str, list[float]] = {"get": [], "set": []}
         self._prometheus = _prometheus_counter() if prometheus_labels is not None else None
         self._labels = prometheus_labels or {}
+        self._lookups = LookupCounters("sglang", labels=prometheus_labels)
 
     def count(self, name: str, n: int = 1) -> None:
         if n <= 0:
@@ -91,6 +97,10 @@ class AdapterMetrics:
             self._counters[name] = self._counters.get(name, 0) + n
         if self._prometheus is not None:
             self._prometheus.labels(event=name, **self._labels).inc(n)
+
+    def lookup(self, asked: int, found: int) -> None:
+        """One ``batch_exists``: ``asked`` pages asked of the store, the first ``found`` held."""
+        self._lookups.count("l3", asked, found)
 
     def record(self, op: str, results: list[bool], page_bytes: int, seconds: float) -> None:
         """One batch call of ``op`` ("get" = prefetch, "set" = backup): its pages and GB/s."""
@@ -115,4 +125,5 @@ class AdapterMetrics:
 
     def counters(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._counters)
+            counters = dict(self._counters)
+        return counters | self._lookups.counters()

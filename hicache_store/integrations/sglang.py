@@ -333,6 +333,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         """How many pages from the start are stored whole for this rank (0 on any error)."""
         def go(reg: _Registered) -> int:
             hits = self._run(reg.link.exists_prefix(list(keys)), reg)
+            self._metrics.lookup(len(keys), hits)
             self._watch.observe(hits, len(keys))
             return hits
 
@@ -401,6 +402,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             transfers = list(pool_transfers or ())
             hashes = check_keys(keys)
             kv = int(self._run(reg.link.exists_prefix(hashes), reg))
+            self._metrics.lookup(len(hashes), kv)
             hits: dict[str, int] = {KV_POOL: kv} if kv else {}
             page_size = reg.geometry.page_size
             specs = []
@@ -617,8 +619,9 @@ class HiCacheStoreStorage(_HiCacheStorage):
     @property
     def counters(self) -> dict[str, int]:
         """Cumulative event counts: ``set_pages``, ``get_pages``, ``*_failed``, ``*_errors``,
-        ``corrupt_objects``, ``set_refused``, ``v2_refused``, ``clear_refused``, and per
-        sidecar pool ``swa_set_pages``, ``mamba_get_pages``, ..."""
+        ``corrupt_objects``, ``set_refused``, ``v2_refused``, ``clear_refused``, per sidecar
+        pool ``swa_set_pages``, ``mamba_get_pages``, ..., and the lookups' pages asked of the
+        store and found (``lookup_pages_asked_l3``, ``lookup_pages_found_l3``)."""
         return self._metrics.counters()
 
     def close(self) -> None:

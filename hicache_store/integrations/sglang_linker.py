@@ -23,6 +23,9 @@ into staging and copies them into the request's device slots layer by layer, com
 the requests). ``offload`` queues a node's pages; an offload thread copies them out of the device
 pool and stores them; completions are popped in order. Only the writer among replicas stores
 (MLA: TP rank 0); the others report success at once. Nothing raises into SGLang's threads.
+``counters`` counts pages loaded and offloaded, failures, refusals, and the lookups' pages
+asked of the store and found (``lookup_pages_asked_l3`` / ``lookup_pages_found_l3``; in
+Prometheus with SGLang's ``--enable-metrics``, ``_lookups``).
 
 **Salt and extra key.** SGLang seeds each request's page-hash chain with its ``cache_salt`` and
 ``extra_key`` (``utils.storage_namespace_seed``), so the keys this linker receives already keep
@@ -54,6 +57,7 @@ from hicache_store.layout.keys import validate_page_hash
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.objects import IOStats, L3Link, PageWrite
 
+from ._lookups import LookupCounters
 from ._sglang_config import AdapterConfig
 from ._sglang_pool import _TORCH_KV_DTYPES
 
@@ -131,6 +135,9 @@ class HiCacheStoreLinker(_Linker):
         self._results: queue.Queue[bool] = queue.Queue()
         self.counters: dict[str, int] = {}
         self._lock = threading.Lock()
+        export = bool(getattr(server_args, "enable_metrics", False))
+        self._lookups = LookupCounters("sglang_linker", labels={
+            "tp_rank": str(tp_rank), "pp_rank": str(int(params.pp_rank))} if export else None)
         self._threads = [
             threading.Thread(target=self._load_loop, daemon=True, name="hicache-linker-load"),
             threading.Thread(target=self._offload_loop, daemon=True, name="hicache-linker-store"),
@@ -189,6 +196,8 @@ class HiCacheStoreLinker(_Linker):
             if not keys:
                 return []
             hit = int(_sync.run_sync(self.link.exists_prefix(keys), timeout=self._timeout()))
+            for name, n in self._lookups.count("l3", len(keys), hit).items():
+                self._count(name, n)
             return list(range(1, hit + 1))
         except Exception as exc:
             self._count("lookup_errors")

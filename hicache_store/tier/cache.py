@@ -382,6 +382,9 @@ class HiCache:
             self.hinting.unreserve(reserved)
             raise ValueError(f"need: no component named {sorted(unknown)}")
         tags = tuple(self.components[name].tag for name in wanted)
+        if reuse:
+            self.metrics.count_lookup("l1", len(hashes), l1)
+            self.metrics.count_lookup("l2", len(hashes) - l1, in_memory - l1)
         req = Request(token_tensor, hashes, [], l1, in_memory - l1, tags, branch_points(nodes))
         req.hints, req.pin_reserved = hints, reserved
         self.hinting.announce(req)

@@ -27,6 +27,26 @@ COMPONENT_COUNTERS = (
     "produce_dropped",
     "fetch_failed",
 )
+#: The tiers a lookup asks, top down: the engine's device pool, host memory, the store.
+LOOKUP_TIERS = ("l1", "l2", "l3")
+#: What every integration counts of its lookups, per tier: the pages a lookup asked the tier
+#: for (those past what the tiers above it held) and the leading pages of those the tier held.
+#: Flat names ``<counter>_<tier>`` (``lookup_pages_asked_l3``); in Prometheus the counters
+#: ``hicache_store_<counter>_total`` labelled ``tier``. A tier's hit rate: found over asked.
+LOOKUP_COUNTERS = ("lookup_pages_asked", "lookup_pages_found")
+
+
+def lookup_counts(tier: str, asked: int, found: int) -> dict[str, int]:
+    """One lookup's counters by flat name; raises ``ValueError`` on an unknown tier or a
+    count that is not ``0 <= found <= asked``."""
+    if tier not in LOOKUP_TIERS:
+        raise ValueError(f"tier must be one of {LOOKUP_TIERS}, got {tier!r}")
+    if not 0 <= found <= asked:
+        raise ValueError(f"a lookup finds 0..{asked} of the {asked} pages asked, not {found}")
+    asked_name, found_name = (f"{counter}_{tier}" for counter in LOOKUP_COUNTERS)
+    return {asked_name: asked, found_name: found}
+
+
 #: the counters the KV's read under their plain names (the KV's own fields once).
 _PLAIN_COUNTERS = COMPONENT_COUNTERS[:7]
 #: the component whose counters keep their plain names (``backups_l2``, not ``backups_l2_kv``)
@@ -57,6 +77,8 @@ class TierMetrics:
     ``tampered``: objects of a sealed namespace that failed authentication (served as misses).
     ``host_pages_quarantined``: host rows whose prefetch was abandoned while their read was
     still in flight, held back from reuse until it ended (``HiCache.quarantined_host_pages``).
+    ``lookups``: pages each ``match`` asked of each tier and found there (``LOOKUP_COUNTERS``,
+    ``count_lookup``), in ``to_dict`` under their flat names.
 
     ``by_component[name][counter]``: the counters of ``COMPONENT_COUNTERS``, one schema for
     every component (``count``). The KV's read as attributes under their plain names
@@ -91,6 +113,12 @@ class TierMetrics:
     host_pages_quarantined: int = 0
     by_component: dict[str, dict[str, int]] = field(default_factory=dict)
     others: dict[str, float] = field(default_factory=dict)
+    lookups: dict[str, int] = field(default_factory=dict)
+
+    def count_lookup(self, tier: str, asked: int, found: int) -> None:
+        """Add one lookup of ``asked`` pages of ``tier`` that found ``found`` of them."""
+        for name, n in lookup_counts(tier, asked, found).items():
+            self.lookups[name] = self.lookups.get(name, 0) + n
 
     def count(self, component: str, counter: str, n: int = 1) -> None:
         """Add ``n`` to ``component``'s ``counter`` (one of ``COMPONENT_COUNTERS``)."""
@@ -133,7 +161,11 @@ class TierMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        del data["by_component"], data["others"]
+        del data["by_component"], data["others"], data["lookups"]
+        data.update(
+            (f"{counter}_{tier}", self.lookups.get(f"{counter}_{tier}", 0))
+            for tier in LOOKUP_TIERS for counter in LOOKUP_COUNTERS
+        )
         data.update((counter, self._plain(counter)) for counter in _PLAIN_COUNTERS)
         data.update(self.extra)
         data["read_amplification"] = self.read_amplification
@@ -142,7 +174,7 @@ class TierMetrics:
 
     def to_prometheus(self, prefix: str = "hicache_store") -> str:
         """The counters in Prometheus text exposition format (via ``prometheus-client``)."""
-        from prometheus_client import CollectorRegistry, Gauge, generate_latest
+        from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
         registry = CollectorRegistry()
         data = self.to_dict()
@@ -151,6 +183,13 @@ class TierMetrics:
             for name, counters in self.by_component.items()
             for counter in counters
         } | set(_PLAIN_COUNTERS)
+        for counter in LOOKUP_COUNTERS:
+            # Counters (``..._total``), named and labelled as every integration's lookups are.
+            lookups = Counter(f"{prefix}_{counter}", counter.replace("_", " "), ["tier"],
+                              registry=registry)
+            for tier in LOOKUP_TIERS:
+                labelled.add(f"{counter}_{tier}")
+                lookups.labels(tier=tier).inc(data[f"{counter}_{tier}"])
         for name, value in data.items():
             if name not in labelled:
                 gauge = Gauge(f"{prefix}_{name}", name.replace("_", " "), registry=registry)

@@ -111,6 +111,8 @@ class Prefetcher:
             log.warning("L3 existence check failed, recomputing instead: %s", exc)
             available, found = 0, {}
         else:
+            if start < len(req.hashes):
+                tier.metrics.count_lookup("l3", len(req.hashes) - start, available)
             if start + available < len(req.hashes):  # the first page L3 says it lacks
                 self.refute_l3(req.hashes[start + available])
         kv_end = start + available

@@ -220,6 +220,29 @@ def test_get_stats_is_logged_by_sglangs_collector(sglang: ModuleType, url: str) 
     rank.close()
 
 
+def test_lookups_count_pages_asked_and_found_for_prometheus(sglang: ModuleType, url: str) -> None:
+    # The L3 hit rate an operator watches: SGLang's controller asks the store for a prompt's
+    # pages (batch_exists); the adapter counts those asked and those found.
+    from prometheus_client import REGISTRY
+
+    rank = sglang.Rank(url, enable_storage_metrics=True)
+    page = rank.geometry.page_size
+    tokens = sglang.tokens_for(5, page, seed=12)
+    assert rank.backup(tokens[: 3 * page], [rank.random_page(s) for s in range(3)]) == 3 * page
+    labels = {"integration": "sglang", "tier": "l3", "tp_rank": "0", "pp_rank": "0"}
+
+    def sample(counter: str) -> float:
+        return REGISTRY.get_sample_value(f"hicache_store_{counter}_total", labels) or 0.0
+
+    before = {c: sample(c) for c in ("lookup_pages_asked", "lookup_pages_found")}
+    assert rank.prefetch(tokens)[1] == 3 * page
+    counters = rank.storage.counters
+    assert (counters["lookup_pages_asked_l3"], counters["lookup_pages_found_l3"]) == (5, 3)
+    assert sample("lookup_pages_asked") == before["lookup_pages_asked"] + 5
+    assert sample("lookup_pages_found") == before["lookup_pages_found"] + 3
+    rank.close()
+
+
 # -- clear ------------------------------------------------------------------------------------------
 
 

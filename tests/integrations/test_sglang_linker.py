@@ -49,7 +49,7 @@ class _Allocator:
 
 
 def make_linker(sglang: ModuleType, url: str, *, heads: int = 4, tp: tuple[int, int] = (0, 1),
-                components: Any = None, **extra: Any) -> Any:
+                components: Any = None, server_args: Any = None, **extra: Any) -> Any:
     memory_pool = sglang.module("sglang.srt.mem_cache.memory_pool")
     factory = sglang.module_any("sglang.srt.mem_cache.unified_cache.linker_factory")
     ct = sglang.module_any("sglang.srt.mem_cache.unified_cache.component_type").ComponentType
@@ -61,7 +61,8 @@ def make_linker(sglang: ModuleType, url: str, *, heads: int = 4, tp: tuple[int, 
                                  token_to_kv_pool_allocator=_Allocator(pool), page_size=P)
     with as_rank(sglang, *tp):
         return factory.create_unified_cache_linker(
-            SimpleNamespace(), params, backend="dynamic", config=linker_config(url, **extra),
+            server_args or SimpleNamespace(), params, backend="dynamic",
+            config=linker_config(url, **extra),
             components=components or {ct.FULL},
         )
 
@@ -138,10 +139,23 @@ def test_offload_lookup_layer_wise_load_through_sglangs_factory_and_wrapper(
         time.sleep(0.01)
     assert w.take_completed_offloads(1) == [True]
 
-    reader = make_linker(sglang, url)
+    from prometheus_client import REGISTRY
+
+    labels = {"integration": "sglang_linker", "tier": "l3", "tp_rank": "0", "pp_rank": "0"}
+
+    def sample(counter: str) -> float:
+        return REGISTRY.get_sample_value(f"hicache_store_{counter}_total", labels) or 0.0
+
+    before = {c: sample(c) for c in ("lookup_pages_asked", "lookup_pages_found")}
+    # SGLang's --enable-metrics: the lookups also go to its Prometheus registry
+    reader = make_linker(sglang, url, server_args=SimpleNamespace(enable_metrics=True))
     r = wrapper(sglang, reader)
     restorable = reader.lookup("req", [kv(sglang, keys + keys_for(sglang, [1] * P))])
     assert restorable == [1, 2, 3]
+    counted = (reader.counters["lookup_pages_asked_l3"], reader.counters["lookup_pages_found_l3"])
+    assert counted == (4, 3)
+    assert sample("lookup_pages_asked") == before["lookup_pages_asked"] + 4
+    assert sample("lookup_pages_found") == before["lookup_pages_found"] + 3
     assert r._sync_restorable_prefix(restorable, num_pages=4, device_hit_pages=0) == 3
     dst = torch.arange(32, 32 + 3 * P)
     assert reader.load("req", [kv(sglang, keys, dst)])

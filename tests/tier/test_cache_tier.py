@@ -251,6 +251,24 @@ def test_metrics_as_dict_and_prometheus_text(model: MiniLlama) -> None:
     tier.close()
 
 
+def test_lookups_count_pages_asked_and_found_per_tier(model: MiniLlama) -> None:
+    # Each tier is asked for the pages past what the tiers above held.
+    backend = open_backend("memory://")
+    doc = write_doc(model, backend, 13)
+    reader = make_tier(l1_pages=16, l2_pages=16, backend=backend)
+    pages = (len(doc) + 1) // PAGE
+    assert check(reader, model, [*doc, 5]) == len(doc)  # from L3
+    assert check(reader, model, [*doc, 5]) == len(doc)  # from L1
+    data = reader.metrics.to_dict()
+    counted = {tier: (data[f"lookup_pages_asked_{tier}"], data[f"lookup_pages_found_{tier}"])
+               for tier in ("l1", "l2", "l3")}
+    assert counted == {"l1": (2 * pages, pages), "l2": (pages, 0), "l3": (pages, pages)}
+    text = reader.metrics.to_prometheus()
+    assert f'hicache_store_lookup_pages_asked_total{{tier="l1"}} {2.0 * pages}' in text
+    assert f'hicache_store_lookup_pages_found_total{{tier="l3"}} {float(pages)}' in text
+    reader.close()
+
+
 def test_timeout_prefetch_gives_up_on_a_slow_l3_and_recomputes(model: MiniLlama) -> None:
     from hicache_store.backends.faulty import FaultConfig, FaultyBackend
 

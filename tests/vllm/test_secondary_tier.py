@@ -192,6 +192,18 @@ def test_history_beyond_vllm_and_primary_is_served_from_the_tier_with_equal_toke
     assert stats.corruptions == 0 and stats.load_failures == 0
 
 
+def test_lookups_count_chunks_asked_and_found(first_run: FirstRun) -> None:
+    # The tier's hit rate for an operator: every promoted chunk was first a lookup that found
+    # it (vLLM may ask again for a chunk it already knows).
+    from prometheus_client import REGISTRY
+
+    stats = first_run.stats
+    assert stats.lookup_pages_asked_l3 >= stats.lookup_pages_found_l3 >= stats.loaded > 0
+    labels = {"integration": "vllm_secondary_tier", "tier": "l3", "tp_rank": "", "pp_rank": ""}
+    exported = REGISTRY.get_sample_value("hicache_store_lookup_pages_found_total", labels)
+    assert exported is not None and exported >= stats.lookup_pages_found_l3
+
+
 # -- a fresh engine process -------------------------------------------------------------------
 
 

@@ -219,6 +219,22 @@ def test_vllm_version_and_block_size(tiny_llama: Path, first_run: FirstRun) -> N
     assert first_run.scheduler.get("lookup_hit_pages", 0) > 0
 
 
+def test_lookups_count_pages_asked_and_found_per_tier(first_run: FirstRun) -> None:
+    # What an operator's hit rate per tier is made of: each tier is asked for the pages past
+    # what the tiers above held, and every page offered to vLLM was found in one of them.
+    from prometheus_client import REGISTRY
+
+    s = first_run.scheduler
+    for tier in ("l2", "l3"):
+        asked, found = s[f"lookup_pages_asked_{tier}"], s.get(f"lookup_pages_found_{tier}", 0)
+        assert 0 <= found <= asked and asked > 0, (tier, asked, found)
+        labels = {"integration": "vllm", "tier": tier, "tp_rank": "", "pp_rank": ""}
+        exported = REGISTRY.get_sample_value("hicache_store_lookup_pages_asked_total", labels)
+        assert exported is not None and exported >= asked  # process-wide, every engine's
+    assert s.get("lookup_pages_found_l2", 0) + s.get("lookup_pages_found_l3", 0) == s[
+        "lookup_hit_pages"]
+
+
 def test_history_outgrows_vllm_cache_and_store_serves_the_evicted_turns(
     workload: Workload, reference: Reference, first_run: FirstRun
 ) -> None:
@@ -331,11 +347,14 @@ def test_without_l2_no_page_is_kept_in_host_memory(engine: Any, reference: Refer
     prompt = extra_prompts(reference.prompts)[1]
     sched, worker = scheduler_connector(engine), worker_connector()
     read = worker.metrics["bytes_loaded"]
+    found = sched.metrics["lookup_pages_found_l3"]
     assert generate(engine, prompt) == reference.by_prompt[tuple(prompt)]
     assert worker.metrics["bytes_loaded"] > read
     assert worker._l2 is None and worker.build_connector_worker_meta() is None
     assert not [k for k in worker.metrics if k.startswith("l2_")]
     assert not sched._l2_pages and "lookup_l2_pages" not in sched.metrics
+    assert "lookup_pages_asked_l2" not in sched.metrics  # no L2 was asked
+    assert sched.metrics["lookup_pages_found_l3"] > found
 
 
 def test_salted_requests_are_neither_loaded_nor_saved(engine: Any, reference: Reference) -> None:

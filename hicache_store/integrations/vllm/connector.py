@@ -87,6 +87,9 @@ is refused and logged, a malformed envelope logged and ignored; neither fails th
 dropped saves, lookups that failed; L2 pages and bytes hit, missed, put and evicted
 (``l2_{hit,miss,put,evicted}_{pages,bytes}``), pages the scheduler found in L2
 (``lookup_l2_pages``), and in ``metrics`` only the bytes L2 holds now (``l2_held_bytes``).
+The scheduler's lookups count the pages asked of L2 and of the store and found there, as
+every integration does (``lookup_pages_{asked,found}_{l2,l3}``; also the Prometheus counters
+``hicache_store_lookup_pages_{asked,found}_total{integration="vllm"}``, ``_lookups``).
 vLLM's own ``vllm:external_prefix_cache_hits`` counts the tokens served from L2 or the store.
 """
 
@@ -118,6 +121,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, open_backend
+from hicache_store.integrations._lookups import LookupCounters
 from hicache_store.kernels.vllm_cpu import pack_blocks, unpack_blocks
 from hicache_store.layout.dtypes import normalize_dtype
 from hicache_store.layout.errors import ConfigError
@@ -380,6 +384,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.backend: Backend = open_backend(self.config.backend)
         self.metrics: Counter[str] = Counter()
         self._interval: Counter[str] = Counter()
+        self._lookups = LookupCounters("vllm", labels={})
         self._breaker = _Breaker(self.config.retry_after_s)
         # Scheduler side.
         self._requests: dict[str, _Tracked] = {}
@@ -431,6 +436,10 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.metrics[name] += n
             self._interval[name] += n
 
+    def _count_lookup(self, tier: str, asked: int, found: int) -> None:
+        for name, n in self._lookups.count(tier, asked, found).items():
+            self._count(name, n)
+
     # ==== scheduler side ========================================================================
 
     def _track(self, request: Request) -> _Tracked:
@@ -474,6 +483,11 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             stored += 1
         if stored > tracked.local_pages:
             self._count("lookup_l2_pages", stored - tracked.local_pages)
+        # Per tier, the pages past what the tiers above held (vLLM's own, then L2).
+        if self.config.l2_bytes:
+            self._count_lookup("l2", len(hashes) - tracked.local_pages,
+                               max(0, stored - tracked.local_pages))
+        above = max(stored, tracked.local_pages)
         if stored < len(hashes):
             if self._breaker.open:
                 self._count("lookups_skipped")
@@ -486,6 +500,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     self._breaker.trip()
                     self._count("lookup_failures")
                     log.warning("hicache-store: lookup failed, treated as a miss: %r", exc)
+                else:
+                    self._count_lookup("l3", len(hashes) - above, max(0, stored - above))
         tracked.stored_pages = stored
         for h in hashes[stored:]:  # what the store lacks must be saved again
             self._saved.pop(h, None)

@@ -123,6 +123,7 @@ from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, open_backend
 from hicache_store.backends.errors import InvalidRangeError, NotSupportedError
 from hicache_store.backends.file import FileBackend
+from hicache_store.integrations._lookups import LookupCounters
 from hicache_store.layout.errors import ConfigError, CorruptObjectError
 from hicache_store.layout.framing import ObjectHeader
 from hicache_store.layout.keys import ObjectCoords, ObjectKey
@@ -220,6 +221,10 @@ class TierStats:
     corruptions: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
+    #: lookups answered (HIT or MISS, one chunk each) and those that found their chunk, named
+    #: as every integration names them (also in Prometheus: ``_lookups``).
+    lookup_pages_asked_l3: int = 0
+    lookup_pages_found_l3: int = 0
 
 
 class _Feed:
@@ -428,6 +433,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self.test_alter_loaded_kv = bool(test_alter_loaded_kv)
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
+        self._lookup_counts = LookupCounters("vllm_secondary_tier", labels={})
         self._jobs: dict[int, _Job] = {}
         self._refreshes: set[asyncio.Future[None]] = set()  # (loop thread only)
         # whether the backend answers from memory at all (else no refresh after a store)
@@ -475,6 +481,10 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         found = self._lookups.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
+        self._lookup_counts.count("l3", 1, int(found))
+        with self._stats_lock:
+            self.stats.lookup_pages_asked_l3 += 1
+            self.stats.lookup_pages_found_l3 += int(found)
         if found:
             self.hints.found(key, req_context)
         return LookupResult.HIT if found else LookupResult.MISS
