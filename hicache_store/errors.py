@@ -41,6 +41,7 @@ from hicache_store.layout.errors import (
     TruncatedObjectError,
     UnknownNamespaceError,
     UnsupportedVersionError,
+    WeightsError,
 )
 
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "UnknownNamespaceError",
     "UnsafeIndexError",
     "UnsupportedVersionError",
+    "WeightsError",
 ]
 
 

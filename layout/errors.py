@@ -62,6 +62,12 @@ class UnknownNamespaceError(HiCacheStoreError, LookupError):
     the operator tools). Also a ``LookupError``, what this raised before the class existed."""
 
 
+class WeightsError(HiCacheStoreError, ValueError):
+    """A model directory's weights cannot be identified: an unreadable file, or a weights file
+    that is not what its suffix says (a safetensors header out of bounds). The message names
+    the file."""
+
+
 class InvalidKeyError(HiCacheStoreError, ValueError):
     """A key is outside the key grammar; refused before any backend sees it."""
 

@@ -19,8 +19,15 @@ a hash of its ``KVCacheNamespace`` (model, dtype, page size, rank replication, t
 layer partition, head group, object layout ``page-unified-v1``), keys print layer ranges
 end-exclusive (``L0-30``), and objects are SGLang's bare payloads. That namespace holds no
 layer count, head dim, revision, tenant salt or hash algorithm (SGLang seeds the page-hash chain
-with a request's ``cache_salt`` instead), so a ukv1 namespace must leave ``model_revision`` and
-``tenant_salt`` empty and use sha256; ``ukv1_grid`` resolves SGLang's grid defaults.
+with a request's ``cache_salt`` instead), so a ukv1 namespace must leave ``tenant_salt`` empty
+and use sha256, and carries a ``model_revision`` in the model id it hashes
+(``{model}@{revision}``); ``ukv1_grid`` resolves SGLang's grid defaults.
+
+**Weights.** KV depends on the weights, not on the model's name: ``model_revision`` is what
+tells two sets of weights under one name apart. The engine integrations and tools fill it
+with ``weights_revision``: an operator's explicit revision, else the weights identity derived
+from the model's files (``hicache_store.weights``), else nothing (the weights are unknown and
+only the model id separates them); an online weight update moves it (``updated_weights``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -256,15 +264,11 @@ class Namespace:
 
     def _check_ukv1(self) -> None:
         """What SGLang's unified keyspace cannot express is refused, never silently dropped."""
-        for name, value, why in (
-            ("model_revision", self.model_revision, "fold it into the model id"),
-            ("tenant_salt", self.tenant_salt, "SGLang isolates tenants with a request's "
-             "cache_salt, which seeds the page-hash chain"),
-        ):
-            if value:
-                raise InvalidNamespaceError(
-                    f"{name}: the sglang-ukv1 key scheme has no {name} ({why})"
-                )
+        if self.tenant_salt:
+            raise InvalidNamespaceError(
+                "tenant_salt: the sglang-ukv1 key scheme has no tenant_salt (SGLang isolates "
+                "tenants with a request's cache_salt, which seeds the page-hash chain)"
+            )
         if self.hash_algo != "sha256":
             raise InvalidNamespaceError("hash_algo: the sglang-ukv1 key scheme keys sha256 pages")
 
@@ -344,12 +348,15 @@ class Namespace:
         """SGLang's ``KVCacheNamespace`` for this namespace, field by field in its order.
 
         Layer partition 0 means one chunk per pipeline stage (``Grid.layer_starts``); MLA is
-        rank-replicated: no head axis (total KV heads and head group 0).
+        rank-replicated: no head axis (total KV heads and head group 0). SGLang's namespace has
+        no revision: a ``model_revision`` is folded into the model id (``{model}@{revision}``),
+        so other weights never share keys; without one the keys are SGLang's own.
         """
         replicated = self.kv_kind == "mla"
+        model_id = f"{self.model}@{self.model_revision}" if self.model_revision else self.model
         return {
             "schema_version": 1,
-            "model_id": self.model,
+            "model_id": model_id,
             "dtype": self.dtype,
             "page_size": self.page_size,
             "rank_replicated": replicated,
@@ -481,6 +488,41 @@ class Namespace:
     @property
     def objects_per_page(self) -> int:
         return self.num_layer_chunks * self.num_head_groups
+
+
+#: an online update's label as it may stand in a revision; any other is hashed.
+_VERSION_LABEL = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def weights_revision(explicit: str | None, identity: str | None) -> str:
+    """The ``model_revision`` a deployment's namespace carries: the one rule every integration
+    and tool applies.
+
+    ``explicit`` (an operator's ``model_revision``) wins when given, an empty one included: no
+    revision at all, to share keys with writers that key none (SGLang's native ukv1 backends),
+    at the price that other weights under the same model id are served. Else ``identity``, the
+    weights identity derived from the model's files (``hicache_store.weights``); else ``""``:
+    the weights are unknown, and only the model id separates them.
+    """
+    if explicit is not None:
+        return explicit
+    return identity or ""
+
+
+def updated_weights(identity: str, version: str) -> str:
+    """The identity of the weights ``identity`` after an online update labelled ``version``.
+
+    ``{identity}+{version}``; a label outside ``[A-Za-z0-9._-]{1,64}`` stands as ``h`` and
+    16 hex characters of its sha256, so the result always fits the namespace. Always composed
+    from the files' identity, never chained: the same label on the same files gives the same
+    identity in every process (every TP rank of a deployment agrees), so a label must name the
+    weights it stands for. Raises ``InvalidNamespaceError`` for an empty label.
+    """
+    if not isinstance(version, str) or not version:
+        raise InvalidNamespaceError(f"a weights update needs a non-empty label, got {version!r}")
+    if not _VERSION_LABEL.fullmatch(version):
+        version = "h" + hashlib.sha256(version.encode()).hexdigest()[:16]
+    return f"{identity}+{version}"
 
 
 #: the field that holds no secret but the salt: shown as set / not set, never by value.

@@ -18,6 +18,8 @@ from hicache_store.layout.namespace import (
     ModelShape,
     Namespace,
     namespace_differences,
+    updated_weights,
+    weights_revision,
 )
 
 BASE = Namespace.create(
@@ -177,3 +179,28 @@ def test_sealed_namespaces_have_their_own_digest_and_plain_ones_keep_theirs() ->
     assert "sealed" not in BASE.to_json()
     with pytest.raises(InvalidNamespaceError, match="sealed"):
         dataclasses.replace(BASE, sealed="yes")  # type: ignore[arg-type]
+
+
+def test_the_weights_revision_rule() -> None:
+    """An explicit revision wins (an empty one: none), else the weights identity, else none;
+    the revision is part of the digest."""
+    assert weights_revision("r1", "fp-abc") == "r1"
+    assert weights_revision("", "fp-abc") == ""
+    assert weights_revision(None, "fp-abc") == "fp-abc"
+    assert weights_revision(None, None) == ""
+    a = dataclasses.replace(BASE, model_revision=weights_revision(None, "fp-aaaa"))
+    b = dataclasses.replace(BASE, model_revision=weights_revision(None, "fp-bbbb"))
+    assert len({a.digest, b.digest, BASE.digest}) == 3
+    assert [d.field for d in namespace_differences(a, b)] == ["model_revision"]
+
+
+def test_an_update_label_composes_with_the_files_identity() -> None:
+    assert updated_weights("fp-abc", "step-7") == "fp-abc+step-7"
+    assert updated_weights("fp-abc", "step-7") == updated_weights("fp-abc", "step-7")
+    odd = updated_weights("fp-abc", "run 3 / step 7")  # outside the label alphabet: hashed
+    assert odd.startswith("fp-abc+h") and len(odd) == len("fp-abc+h") + 16
+    assert odd != updated_weights("fp-abc", "run 3 / step 8")
+    long = updated_weights("hf-" + "0" * 40, "x" * 300)
+    assert dataclasses.replace(BASE, model_revision=long).model_revision == long  # it fits
+    with pytest.raises(InvalidNamespaceError, match="label"):
+        updated_weights("fp-abc", "")

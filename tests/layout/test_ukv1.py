@@ -116,12 +116,25 @@ def test_uniform_grid_and_group_defaults() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("tenant_salt", "t"), ("model_revision", "r1"), ("hash_algo", "xxh3_128")],
+    [("tenant_salt", "t"), ("hash_algo", "xxh3_128")],
 )
 def test_what_the_ukv1_namespace_cannot_hold_is_refused(field: str, value: str) -> None:
     with pytest.raises(InvalidNamespaceError, match=field):
         Namespace.create("m", MHA, "bfloat16", 64, Grid(61, 8), key_scheme="sglang-ukv1",
                          **{field: value})
+
+
+def test_a_ukv1_revision_is_folded_into_the_model_id() -> None:
+    """SGLang's namespace has no revision: the weights' revision is hashed as part of the
+    model id, so other weights under one model name never share SGLang's keys."""
+    bare = Namespace.create("m", MHA, "bfloat16", 64, Grid(61, 8), key_scheme="sglang-ukv1")
+    revised = Namespace.create("m", MHA, "bfloat16", 64, Grid(61, 8), key_scheme="sglang-ukv1",
+                               model_revision="fp-1234")
+    folded = Namespace.create("m@fp-1234", MHA, "bfloat16", 64, Grid(61, 8),
+                              key_scheme="sglang-ukv1")
+    assert revised.ukv1_fields()["model_id"] == "m@fp-1234"
+    assert revised.digest == folded.digest != bare.digest
+    assert bare.ukv1_fields()["model_id"] == "m"  # no revision: SGLang's own keys
 
 
 @pytest.mark.parametrize(
