@@ -18,7 +18,12 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
                      ``$HICACHE_STORE_TENANT_KEY`` are used when set.
 ``model``            the model identity in the namespace (default: SGLang's ``model_name``,
                      the served model path; set it when deployments load one model from
-                     different paths). ``model_revision``: an optional weights fingerprint.
+                     different paths).
+``model_revision``   the weights' revision in the namespace; default: the identity of the
+                     model's files, derived (``_sglang_weights``: the hub snapshot commit, else
+                     a fingerprint), so other weights under the same name never hit. Set it
+                     where the files are not on this host; ``""`` keys no revision (only to
+                     share with writers that key none: other weights are then served).
 ``kv_dtype``         the logical KV dtype; needed for float8 KV (SGLang stores it as uint8):
                      SGLang's ``--kv-cache-dtype`` value (``fp8_e4m3``, ``fp8_e5m2``) or the
                      torch name (``float8_e4m3fn``, ``float8_e5m2``).
@@ -42,9 +47,11 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
                      objects, shared with SGLang deployments that use its native scheme.
                      There ``grid`` is SGLang's ``"{layer_partition}x{head_group}"``
                      (``"0x4"``: one object per PP stage and 4 heads); unset, SGLang's
-                     defaults (one object per stage, this rank's heads). ``tenant_salt``,
-                     ``model_revision`` and ``share_with`` have no place in it (SGLang salts
-                     tenants through the request's ``cache_salt`` in the page hashes).
+                     defaults (one object per stage, this rank's heads). ``tenant_salt`` and
+                     ``share_with`` have no place in it (SGLang salts tenants through the
+                     request's ``cache_salt`` in the page hashes); the weights' revision is
+                     folded into its model id (``{model}@{revision}``), so SGLang's native
+                     backends share these keys only with ``"model_revision": ""``.
 ``object_format``    ``"framed"`` or ``"page-unified-v1"``: stated for clarity, it must be
                      the key scheme's (``framed`` for ``hicache``, ``page-unified-v1`` for
                      ``sglang-ukv1``; see ``hicache_store.objects.format`` for what bare
@@ -156,7 +163,7 @@ class AdapterConfig:
     tenant_salt: str = ""
     tenant_key_file: str | None = None
     model: str | None = None
-    model_revision: str = ""
+    model_revision: str | None = None  # None: derived from the model's files
     kv_dtype: str | None = None
     num_layers: int | None = None
     pp_layers: tuple[int, ...] | None = None
@@ -241,7 +248,8 @@ class AdapterConfig:
             tenant_salt=str(extra.get("tenant_salt", "")),
             tenant_key_file=str(extra["tenant_key_file"]) if extra.get("tenant_key_file") else None,
             model=str(extra["model"]) if extra.get("model") else None,
-            model_revision=str(extra.get("model_revision", "")),
+            model_revision=(None if extra.get("model_revision") is None
+                            else str(extra["model_revision"])),
             kv_dtype=_kv_dtype(extra.get("kv_dtype")),
             num_layers=_optional_int(extra, "num_layers"),
             pp_layers=tuple(int(n) for n in pp_layers) if pp_layers else None,

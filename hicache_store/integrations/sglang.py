@@ -14,13 +14,15 @@ builds it as ``cls(storage_config, kwargs)`` and calls ``register_mem_pool_host(
 
 **What a page becomes.** SGLang's page keys are the sha256 page-hash chain of
 ``layout.hashing``, used as they are. At registration the adapter derives the namespace
-(model, KV kind, dtype, layers, KV heads, head or latent dim, page size, grid, tenant salt,
-sealed or not) and this rank's shard (TP/PP rank and size; MLA and DP-attention pools are
+(model, the weights' revision, KV kind, dtype, layers, KV heads, head or latent dim, page size,
+grid, tenant salt, sealed or not) and this rank's shard (TP/PP rank and size; MLA and DP-attention pools are
 replicated across TP, so only TP rank 0 writes). A page moves between SGLang's host pool
 (``layer_first``, ``page_first``, ``page_first_direct``, ``page_head``; MHA and MLA) and
 unified objects through the kernels' host relayouts; object keys carry the namespace digest,
-never a rank, so a deployment with another TP/PP size reads the same objects, and another
-dtype, model, grid or salt never hits.
+never a rank, so a deployment with another TP/PP size reads the same objects, and other
+weights, another dtype, model, grid or salt never hit. The weights' revision follows SGLang's
+online weight updates (``_sglang_weights``; ``weights_updated`` for the ones SGLang does not
+record): after one, the namespace is derived again and pages stored before miss.
 
 **Tenants.** With a tenant key ring (``tenant_key_file``) the namespace is sealed: SGLang's
 page hashes are keyed with the tenant's secret before they name objects, and every object is
@@ -119,6 +121,7 @@ from ._sglang_v2 import (
     transfer_result,
     transfer_spec,
 )
+from ._sglang_weights import WeightsWatch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -223,6 +226,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         self._sidecars: dict[str, Sidecar] = {}
         self._spares = _Spares()
         self._staging = _Staging(self._spares)
+        self._threads = threading.local()  # the weights each calling thread started under
         self._lock = threading.Lock()
         self._closed = False
         self.events: AdapterEvents | None = None  # KV events (TP rank 0, PP stage 0)
@@ -235,6 +239,46 @@ class HiCacheStoreStorage(_HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Derive the namespace and this rank's shard from the host pool; raise on mismatch."""
         self.mem_pool_host = mem_pool_host
+        # The weights' revision (``_sglang_weights``): a model whose files cannot be read
+        # fails the server here, at start.
+        self._weights = WeightsWatch(
+            self.config.model_revision, getattr(self.storage_config, "model_name", None))
+        registered = self._registration(mem_pool_host, self._weights.revision)
+        namespace, link = registered.namespace, registered.link
+        # Before _registered is set: data calls (other threads) use the watch once it is.
+        self._watch = NamespaceWatch(self.backend, namespace, self._run_startup)
+        manifest = self._watch.at_start(writes=link.can_write)
+        self._registered = registered
+        if self.config.events is not None and self.tp_rank == 0 and self.pp_rank == 0:
+            page_key = self.keys.active.page_key if namespace.sealed and self.keys else None
+            self.events = AdapterEvents(self.config.events, namespace.page_size, page_key)
+        self._spares.make(self._read_staging(self._registered)[2])
+        log.info(
+            "hicache-store: %s on %s, namespace %s (%s %s, %d layers, %d KV heads x %d, "
+            "page %d, grid %s, salt %s, %s, weights %s; manifest %s in the store), %s rank "
+            "%d, %s",
+            type(self).__name__,
+            self.config.backend.get("url", self.config.backend.get("backend")),
+            namespace.digest,
+            namespace.model,
+            namespace.dtype,
+            namespace.num_layers,
+            namespace.num_kv_heads,
+            namespace.head_dim,
+            namespace.page_size,
+            namespace.grid,
+            "set" if namespace.tenant_salt else "none",
+            f"sealed with key {self.keys.active.key_id}" if self.keys else "not sealed",
+            self._weights.describe(),
+            manifest,
+            registered.topology,
+            registered.rank,
+            "writes" if link.can_write else "reads only",
+        )
+
+    def _registration(self, mem_pool_host: Any, revision: str) -> _Registered:
+        """The KV pool's registration under the weights ``revision``; ``ValueError`` when the
+        pool does not match the namespace and topology."""
         geometry, host = describe_host_pool(mem_pool_host)
         cfg = self.config
         mla = geometry.kv_kind == "mla"
@@ -268,7 +312,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             geometry.page_size,
             grid,
             replication=replication,
-            model_revision=cfg.model_revision,
+            model_revision=revision,
             tenant_salt=cfg.tenant_salt,
             key_scheme=cfg.key_scheme,
             sealed=self.keys is not None,
@@ -292,35 +336,74 @@ class HiCacheStoreStorage(_HiCacheStorage):
                 f"{geometry.start_layer}, the topology {topology} puts it at "
                 f"{shard.layer_start}; set \"pp_layers\" to SGLang's split"
             )
-        registered = _Registered.build(geometry, host, topology, rank, link)
-        # Before _registered is set: data calls (other threads) use the watch once it is.
-        self._watch = NamespaceWatch(self.backend, namespace, self._run_startup)
-        manifest = self._watch.at_start(writes=link.can_write)
-        self._registered = registered
-        if self.config.events is not None and self.tp_rank == 0 and self.pp_rank == 0:
-            page_key = self.keys.active.page_key if namespace.sealed and self.keys else None
-            self.events = AdapterEvents(self.config.events, namespace.page_size, page_key)
-        self._spares.make(self._read_staging(self._registered)[2])
-        log.info(
-            "hicache-store: %s on %s, namespace %s (%s %s, %d layers, %d KV heads x %d, "
-            "page %d, grid %s, salt %s, %s; manifest %s in the store), %s rank %d, %s",
-            type(self).__name__,
-            self.config.backend.get("url", self.config.backend.get("backend")),
-            namespace.digest,
-            namespace.model,
-            namespace.dtype,
-            namespace.num_layers,
-            namespace.num_kv_heads,
-            namespace.head_dim,
-            namespace.page_size,
-            grid,
-            "set" if namespace.tenant_salt else "none",
-            f"sealed with key {self.keys.active.key_id}" if self.keys else "not sealed",
-            manifest,
-            topology,
-            rank,
-            "writes" if link.can_write else "reads only",
-        )
+        return _Registered.build(geometry, host, topology, rank, link)
+
+    # -- the weights (``_sglang_weights``) ---------------------------------------------------
+
+    def weights_updated(self, label: str | None = None) -> str:
+        """Say that the served weights changed in a way SGLang does not record (an update from
+        tensors, a process group or IPC without a ``weight_version``): the namespace moves to
+        a new revision, so pages stored before miss. ``label`` names the new weights (the
+        same on every rank, so the ranks agree on the namespace); None: a random one. Returns
+        the new revision. The operator (or the RL framework driving the updates) must call
+        it on every rank; ``update_weights_from_disk`` and updates with a ``weight_version``
+        are followed without it."""
+        revision = self._weights.bump(label)
+        if self._registered is not None:
+            self._follow_weights(self._registered)
+        return revision
+
+    def _follow_weights(self, reg: _Registered) -> _Registered:
+        """The registration of the weights served now: ``reg`` while they are the ones it was
+        made for, else the KV pool and every sidecar registered again under the new revision
+        (pages stored before the update miss from then on)."""
+        revision = self._weights.current()
+        if revision == reg.namespace.model_revision:
+            return reg
+        with self._lock:
+            current = self._registered
+            if current is None or current.namespace.model_revision == revision:
+                return current or reg
+            fresh = self._registration(self.mem_pool_host, revision)
+            watch = NamespaceWatch(self.backend, fresh.namespace, self._run_startup)
+            watch.at_start(writes=fresh.link.can_write)
+            sidecars = {
+                label: make_sidecar(label, pool, self._sidecar_deployment(fresh))
+                for label, pool in self.__dict__.get("registered_pools", {}).items()
+                if label in self._sidecars
+            }
+            self._watch, self._sidecars, self._registered = watch, sidecars, fresh
+        log.info("hicache-store: the served weights changed (%s): namespace %s -> %s",
+                 self._weights.describe(), reg.namespace.digest, fresh.namespace.digest)
+        return fresh
+
+    def _thread_weights(self, reg: _Registered) -> bool:
+        """Whether the calling thread started under the weights ``reg`` is for.
+
+        A thread's pages were computed by the weights served when it started: SGLang's
+        storage threads are stopped and started again by the cache flush that follows a
+        weight update, and a backup still queued when the update is recorded holds KV of the
+        old weights. Such a thread's writes are refused (``set_weights_changed``), never
+        stored under the new revision; its reads use the new one (at worst a miss). Without a
+        flush (``flush_cache=False``, a flush refused, a bare ``update_weight_version``)
+        nothing is backed up until SGLang's ``/flush_cache``."""
+        revision = reg.namespace.model_revision
+        started = getattr(self._threads, "revision", None)
+        if started is None:
+            self._threads.revision = started = revision
+        if started == revision:
+            return True
+        if not getattr(self._threads, "warned", False):
+            self._threads.warned = True
+            log.warning(
+                "hicache-store: the served weights changed since this SGLang thread started "
+                "(%s); its backups are not stored until SGLang flushes its cache "
+                "(/flush_cache), which starts its storage threads again", self._weights.describe())
+        return False
+
+    def _sidecar_deployment(self, reg: _Registered) -> Deployment:
+        return Deployment(reg, self.config, self.backend, self.keys, self.tp_rank, self.tp_size,
+                          self.pp_size, self.replicated)
 
     @property
     def namespace(self) -> Namespace | None:
@@ -373,14 +456,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         elif reg is None:
             raise refuse(label, host_pool, "no KV pool was registered before it")
         else:
-            sidecar = make_sidecar(
-                label,
-                host_pool,
-                Deployment(
-                    reg, self.config, self.backend, self.keys, self.tp_rank, self.tp_size,
-                    self.pp_size, self.replicated,
-                ),
-            )
+            sidecar = make_sidecar(label, host_pool, self._sidecar_deployment(reg))
             watch = NamespaceWatch(self.backend, sidecar.namespace, self._run_startup)
             manifest = watch.at_start(writes=sidecar.link.can_write)
             self._sidecars[label] = sidecar
@@ -647,6 +723,10 @@ class HiCacheStoreStorage(_HiCacheStorage):
             reg = self._registered
             if reg is None or self._closed:
                 self._count(f"{op}_unavailable")
+                return failed
+            reg = self._follow_weights(reg)
+            if not self._thread_weights(reg) and op == "set":
+                self._count("set_weights_changed", 1)
                 return failed
             return fn(reg)
         except BaseException as exc:  # SGLang's daemon threads die on any exception

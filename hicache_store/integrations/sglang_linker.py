@@ -40,6 +40,7 @@ what a CPU run measures; a GPU pipeline (pinned staging, copy streams) is not bu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -60,6 +61,7 @@ from hicache_store.objects import IOStats, L3Link, PageWrite
 from ._lookups import LookupCounters
 from ._sglang_config import AdapterConfig
 from ._sglang_pool import _TORCH_KV_DTYPES
+from ._sglang_weights import WeightsWatch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -84,6 +86,7 @@ class _Job:
 
     keys: list[str]
     slots: torch.Tensor  # page-aligned token slots, len(keys) * page_size
+    link: L3Link | None = None  # an offload's: the weights its KV was computed by
 
 
 class HiCacheStoreLinker(_Linker):
@@ -123,6 +126,8 @@ class HiCacheStoreLinker(_Linker):
                 raise ValueError("hicache-store linker: scaled KV caches are not supported")
         self.pools = {PoolName.KV: self.device_pool}
         tp_rank, tp_size = _tp(params)
+        self._weights = WeightsWatch(self.config.model_revision,
+                                     getattr(server_args, "model_path", None))
         self.link = self._link(params, tp_rank, tp_size)
         self.namespace = self.link.namespace
         self.layout: UnifiedPageLayout = self.link.read_plan.page
@@ -145,9 +150,9 @@ class HiCacheStoreLinker(_Linker):
         for thread in self._threads:
             thread.start()
         log.info(
-            "hicache-store linker: namespace %s, %d layers, rank %d/%d, %s",
+            "hicache-store linker: namespace %s, %d layers, rank %d/%d, %s, weights %s",
             self.namespace.digest, self.num_layers, tp_rank, tp_size,
-            "writes" if self.writer else "reads only",
+            "writes" if self.writer else "reads only", self._weights.describe(),
         )
 
     def _link(self, params: Any, tp_rank: int, tp_size: int) -> L3Link:
@@ -171,21 +176,53 @@ class HiCacheStoreLinker(_Linker):
         namespace = Namespace.create(
             cfg.model or _model_path(), shape, dtype, self.page_size,
             cfg.grid_for(shape, topology, replication), replication=replication,
-            model_revision=cfg.model_revision, tenant_salt=cfg.tenant_salt,
+            model_revision=self._weights.revision, tenant_salt=cfg.tenant_salt,
             key_scheme=cfg.key_scheme,
         )
         self.backend = open_backend(cfg.backend)
-        link = L3Link(
-            self.backend, namespace, topology, topology.rank_of(tp_rank, pp_rank),
-            max_inflight_bytes=cfg.max_inflight_bytes, io_timeout_s=cfg.io_timeout_s,
-            min_bandwidth_mib_s=cfg.min_bandwidth_mib_s,
-        )
+        self._place = (topology, topology.rank_of(tp_rank, pp_rank))
+        link = self._link_for(namespace)
         if link.read_plan.page.num_layers != local_layers:
             raise ValueError(
                 f"hicache-store linker: the device pool holds {local_layers} layers, "
                 f"{topology} puts {link.read_plan.page.num_layers} on this rank"
             )
         return link
+
+    def _link_for(self, namespace: Namespace) -> L3Link:
+        cfg = self.config
+        topology, rank = self._place
+        return L3Link(
+            self.backend, namespace, topology, rank,
+            max_inflight_bytes=cfg.max_inflight_bytes, io_timeout_s=cfg.io_timeout_s,
+            min_bandwidth_mib_s=cfg.min_bandwidth_mib_s,
+        )
+
+    # -- the weights (``_sglang_weights``) ----------------------------------------------------
+
+    def weights_updated(self, label: str | None = None) -> str:
+        """Say that the served weights changed in a way SGLang does not record (see
+        ``HiCacheStoreStorage.weights_updated``): pages stored before miss. Returns the new
+        revision; call it on every rank with the same ``label``."""
+        revision = self._weights.bump(label)
+        self._current_link()
+        return revision
+
+    def _current_link(self) -> L3Link:
+        """The link of the weights served now: a new namespace once they changed."""
+        revision = self._weights.current()
+        link = self.link
+        if revision == link.namespace.model_revision:
+            return link
+        with self._lock:
+            if self.link.namespace.model_revision != revision:
+                old = self.link.namespace.digest
+                self.link = self._link_for(
+                    dataclasses.replace(self.link.namespace, model_revision=revision))
+                self.namespace = self.link.namespace
+                log.info("hicache-store linker: the served weights changed (%s): namespace "
+                         "%s -> %s", self._weights.describe(), old, self.namespace.digest)
+            return self.link
 
     # -- the linker contract ------------------------------------------------------------------
 
@@ -195,7 +232,8 @@ class HiCacheStoreLinker(_Linker):
             keys = _kv_keys(transfers)
             if not keys:
                 return []
-            hit = int(_sync.run_sync(self.link.exists_prefix(keys), timeout=self._timeout()))
+            link = self._current_link()
+            hit = int(_sync.run_sync(link.exists_prefix(keys), timeout=self._timeout()))
             for name, n in self._lookups.count("l3", len(keys), hit).items():
                 self._count(name, n)
             return list(range(1, hit + 1))
@@ -236,6 +274,9 @@ class HiCacheStoreLinker(_Linker):
         if not self.writer:  # a replica: the writer stores the same bytes
             self._results.put(True)
             return True
+        # SGLang's scheduler thread offloads a node once its KV is computed, and records a
+        # weight update on the same thread: the link now is the one of the KV's weights.
+        job.link = self._current_link()
         self._offloads.put(job)
         return True
 
@@ -249,6 +290,8 @@ class HiCacheStoreLinker(_Linker):
         self._pending.clear()
         self._loads.join()
         self._offloads.join()
+        # SGLang flushes its tree (and resets this linker) after a weight update.
+        self._current_link()
         while not self._results.empty():
             self._results.get_nowait()
         self.layer_done_counter.reset()
@@ -283,12 +326,13 @@ class HiCacheStoreLinker(_Linker):
         slots = torch.cat([job.slots for job in jobs])
         rows = self._rows(len(keys))
         stats = IOStats()
+        link = self._current_link()
 
         async def read_all() -> list[bool]:
             import asyncio
 
             return list(await asyncio.gather(
-                *(self.link.read_page(k, rows[i], stats) for i, k in enumerate(keys))
+                *(link.read_page(k, rows[i], stats) for i, k in enumerate(keys))
             ))
 
         done = _sync.run_sync(read_all(), timeout=self._timeout())
@@ -321,10 +365,10 @@ class HiCacheStoreLinker(_Linker):
         for layer in range(self.num_layers):
             self._copy_layer(layer, views, job.slots, into_device=False)
         stats = IOStats()
-
+        link = job.link or self.link
         pages = [PageWrite(k, rows[i], job.keys[i - 1] if i else None)
                  for i, k in enumerate(job.keys)]
-        return all(_sync.run_sync(self.link.write_in_order(pages, stats),
+        return all(_sync.run_sync(link.write_in_order(pages, stats),
                                   timeout=self._timeout()))
 
     # -- pages between the device pool and unified rows -----------------------------------------
