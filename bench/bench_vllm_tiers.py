@@ -219,7 +219,7 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
 
             get_kv_transfer_group().flush()
         elif tier is not None:
-            manager.secondary_tiers[0].drain_jobs()
+            manager.secondary_tiers[0].wait_jobs()
             list(manager.secondary_tiers[0].get_finished_jobs())
     finally:
         close_llm(llm)

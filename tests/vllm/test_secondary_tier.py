@@ -174,7 +174,7 @@ def first_run(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Fir
     try:
         _, outputs = run_workload(llm, tiny_llama)
         tier = tier_of(llm)
-        tier.drain_jobs()
+        tier.wait_jobs()
         run = FirstRun(root, outputs, tier_read_bytes(llm), dataclasses.replace(tier.stats))
     finally:
         close_llm(llm)
@@ -254,7 +254,7 @@ def test_the_store_stays_within_its_capacity(
     try:
         _, outputs = run_workload(llm, tiny_llama)
         tier = tier_of(llm)
-        tier.drain_jobs()
+        tier.wait_jobs()
         assert outputs == reference.outputs
         assert tier.stats.stored > 0 and tier.backend.stats.evictions > 0
         assert store_bytes(root) <= capacity
@@ -268,7 +268,10 @@ def test_the_store_stays_within_its_capacity(
 
 @pytest.fixture(scope="module")
 def second_engine(tiny_llama: Path, first_run: FirstRun) -> Iterator[Any]:
-    llm = start(tiny_llama, f"file://{first_run.root}")
+    # Its resets only empty vLLM's own caches and the primary tier (the weights stay): the
+    # tier keeps its revision across them, so the store serves (test_weights_vllm tests the
+    # default, a new revision per reset).
+    llm = start(tiny_llama, f"file://{first_run.root}", keep_revision_on_reset=True)
     yield llm
     close_llm(llm)
 

@@ -36,8 +36,14 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
 from hicache_store._sync import run_sync
 from hicache_store.backends import open_backend
-from hicache_store.integrations.vllm.secondary_tier import HiCacheStoreTier, row_namespace
+from hicache_store.integrations.vllm.secondary_tier import (
+    ROW_COORDS,
+    HiCacheStoreTier,
+    page_hash_of,
+    row_namespace,
+)
 from hicache_store.layout.errors import ConfigError
+from hicache_store.layout.keys import ObjectKey
 from hicache_store.objects import ObjectIO
 
 ROW = 3 * 4096  # bytes of one primary chunk row
@@ -105,7 +111,7 @@ class Harness:
             for result in self.tier.get_finished_jobs():
                 if result.job_id == job.job_id:
                     return result
-            self.tier.drain_jobs()
+            self.tier.wait_jobs()
         raise AssertionError(f"job {job.job_id} never finished")
 
     def store(self, keys: list[Any], chunks: list[int]) -> JobResult:
@@ -292,6 +298,9 @@ def test_model_revision_and_tenant_salt_are_part_of_the_namespace() -> None:
 
 
 def test_drain_jobs_leaves_every_result_ready(make: Any) -> None:
+    """vLLM's reset hook: every job has ended, stored under the revision it was submitted in;
+    then the tier moves to a new revision (the weights may have changed), where the rows
+    stored before miss."""
     h = make()
     jobs = []
     for c in range(CHUNKS):
@@ -300,10 +309,18 @@ def test_drain_jobs_leaves_every_result_ready(make: Any) -> None:
         h.tier.submit_store(job)
         jobs.append(job.job_id)
     assert h.tier.has_pending_work()
+    before = h.tier.namespace
     h.tier.drain_jobs()
     results = list(h.tier.get_finished_jobs())
     assert sorted(r.job_id for r in results) == jobs and all(r.success for r in results)
     assert not h.tier.has_pending_work()
+    after = h.tier.namespace
+    assert after.digest != before.digest and after.model == before.model
+    stored = [ObjectKey(page_hash_of(key(100 + c)), before.digest, ROW_COORDS)
+              for c in range(CHUNKS)]
+    assert all(run_sync(h.tier.backend.exists([h.tier.io.storage_key(k) for k in stored])))
+    assert not any(run_sync(h.tier.backend.exists(
+        [h.tier.storage_key(key(100 + c)) for c in range(CHUNKS)])))
 
 
 def test_the_store_stays_within_its_capacity(make: Any, tmp_path: Path) -> None:
@@ -423,7 +440,7 @@ def test_loads_read_in_native_code_without_the_loop(make: Any, monkeypatch: pyte
     job = h.job([key(70), key(71), key(72)], [3, 4, 5], promotion=True)
     h.tier.submit_load(job)
     assert h.tier._jobs[job.job_id].native is not None
-    h.tier.drain_jobs()  # waits for the native reads too
+    h.tier.wait_jobs()  # waits for the native reads too
     (result,) = h.tier.get_finished_jobs()
     assert result.job_id == job.job_id and result.success
     assert [h.primary[c].tobytes() for c in (3, 4, 5)] == rows

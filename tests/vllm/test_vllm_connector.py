@@ -379,13 +379,17 @@ def test_namespace_is_the_sglang_adapters_and_prepopulates(
 ) -> None:
     """The connector derives its namespace by the rule the SGLang adapter uses
     (``ops.deployment.Deployment``, no SGLang needed) and names pages with the same chain: an
-    SGLang deployment of this model path, dtype, page size and TP1 looks for the very objects."""
+    SGLang deployment of this model path, its weights (the identity of the same files), dtype,
+    page size and TP1 looks for the very objects."""
     from hicache_store.layout.namespace import ModelShape
     from hicache_store.layout.topology import Topology
     from hicache_store.ops.deployment import Deployment
+    from hicache_store.weights import weights_identity
 
     sglang = Deployment(model_id=str(tiny_llama), dtype="float32", page_size=BLOCK,
-                        topology=Topology(1, 1), shape=ModelShape.mha(4, 2, 64)).namespace()
+                        topology=Topology(1, 1), shape=ModelShape.mha(4, 2, 64),
+                        weights=weights_identity(tiny_llama)).namespace()
+    assert sglang.model_revision.startswith("fp-")
     for conn in (scheduler_connector(engine), worker_connector()):
         assert conn.namespace == sglang
         assert conn.namespace.digest == sglang.digest

@@ -32,6 +32,7 @@ from hicache_store.layout.topology import Topology
 from hicache_store.objects import ObjectIO
 from hicache_store.ops.prepopulate import prepopulate
 from hicache_store.ops.sources import HFSource
+from hicache_store.weights import weights_identity
 
 #: real engines, a minute or more on 2 cores
 pytestmark = pytest.mark.slow
@@ -51,9 +52,14 @@ def counter(llm: Any, name: str) -> float:
 
 
 def namespace(model_dir: Path) -> Namespace:
+    """The engines' namespace: the model path, the identity of its weights (what vLLM's
+    connector derives from the same files), the KV shape, dtype, block size and grid."""
     shape = ModelShape.mha(num_layers=4, num_kv_heads=2, head_dim=64)
     grid = suggest_grid(shape, [Topology(1, 1)], "head_sharded")
-    return Namespace.create(str(model_dir), shape, "float32", BLOCK, grid)
+    identity = weights_identity(model_dir)
+    assert identity is not None
+    return Namespace.create(str(model_dir), shape, "float32", BLOCK, grid,
+                            model_revision=identity.value)
 
 
 @pytest.fixture(scope="module")

@@ -203,7 +203,7 @@ def tier_run(tiny_llama: Path, prompts: Prompts, reference: Any,
             return list(dict.fromkeys(mine))[: len(prompt) // BLOCK]
 
         def settle() -> None:
-            tier.drain_jobs()
+            tier.wait_jobs()
             list(tier.get_finished_jobs())  # what vLLM would poll; the jobs are done
             tier.hints.drain(60)
 

@@ -5,7 +5,8 @@
 process because vLLM's TP workers are spawned processes, which need a ``__main__`` guard.
 ``two_passes``: each prompt is run alone and in order (``first``: computed, or promoted from
 the store where it holds the blocks, and stored into the primary tier and written through to
-the store); the tier's jobs are drained and vLLM's prefix cache and the primary tier emptied;
+the store); the tier's jobs are waited for and vLLM's prefix cache and the primary tier
+emptied (a reset that keeps the tier's revision: ``keep_revision_on_reset``);
 then each prompt extended by a few of its own tokens is run (``second``: every reused block
 can only come from the store). Used by ``test_secondary_tier_tp2.py``.
 """
@@ -28,7 +29,8 @@ def tier_engine(model_dir: Path, url: str, *, canonical: bool, **engine_args: An
     from vllm_support import make_llm
 
     assert not has_kv_transfer_group(), "another engine with a KV connector is still open"
-    config = tier_config(url)
+    # the reset between the passes only empties vLLM's caches: the tier keeps its revision
+    config = tier_config(url, keep_revision_on_reset=True)
     if canonical:
         config.kv_connector_extra_config["canonical_layout"] = True
     return make_llm(model_dir, kv_transfer_config=config, **engine_args)
@@ -39,11 +41,11 @@ def two_passes(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
 
     tier = tier_of(llm)
     result: dict[str, Any] = {"first": generate(llm, prompts)}
-    tier.drain_jobs()
+    tier.wait_jobs()
     result["after_first"] = dataclasses.asdict(tier.stats)
     assert llm.reset_prefix_cache(reset_connector=True)
     result["second"] = generate(llm, [p + p[:EXTEND] for p in prompts])
-    tier.drain_jobs()
+    tier.wait_jobs()
     result["stats"] = dataclasses.asdict(tier.stats)
     result["read_bytes"] = tier_read_bytes(llm)
     result["row_bytes"] = tier.row_bytes

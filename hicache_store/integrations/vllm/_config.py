@@ -9,8 +9,13 @@ Keys (all optional):
                        "64GiB"}``).
 ``model``              the model identity in the namespace (default: vLLM's ``model``, the
                        served path or hub id, which is also what the SGLang adapter and
-                       ``prepopulate`` default to); ``model_revision`` an optional weights
-                       fingerprint.
+                       ``prepopulate`` default to).
+``model_revision``     the weights' revision in the namespace; default: the identity of
+                       vLLM's model files (``_weights``: the hub snapshot commit, else a
+                       fingerprint), so other weights under the same name never hit; ``""``
+                       keys none. A connector reset moves it (``_weights``), unless
+                       ``keep_revision_on_reset`` is true (default false: only where every
+                       reset is known to leave the weights as they were, e.g. sleep/wake).
 ``grid``               the partition grid ``"LxH"``; ``share_with``: the other topologies that
                        share the store (``["tp=2,pp=1"]``); unset, the coarsest grid this
                        deployment writes (the SGLang adapter's and ``prepopulate``'s rule).
@@ -65,6 +70,7 @@ KEYS = frozenset(
         "backend_options",
         "model",
         "model_revision",
+        "keep_revision_on_reset",
         "grid",
         "share_with",
         "tenant_salt",
@@ -92,7 +98,8 @@ class ConnectorConfig:
     url: str = field(default_factory=default_url)
     backend_options: dict[str, Any] = field(default_factory=dict)
     model: str | None = None
-    model_revision: str = ""
+    model_revision: str | None = None  # None: derived from the model's files
+    keep_revision_on_reset: bool = False
     grid: Grid | None = None
     share_with: tuple[Topology, ...] = ()
     tenant_salt: str = ""
@@ -132,7 +139,9 @@ class ConnectorConfig:
             url=str(extra.get("url") or default_url()),
             backend_options=dict(options),
             model=str(extra["model"]) if extra.get("model") else None,
-            model_revision=str(extra.get("model_revision", "")),
+            model_revision=(None if extra.get("model_revision") is None
+                            else str(extra["model_revision"])),
+            keep_revision_on_reset=_flag(extra, "keep_revision_on_reset"),
             grid=parse_grid(extra["grid"]) if extra.get("grid") is not None else None,
             share_with=tuple(Topology.parse(str(t)) for t in share),
             tenant_salt=str(extra.get("tenant_salt", "")),
@@ -157,3 +166,10 @@ def _positive(extra: Mapping[str, Any], key: str, default: float, *,
     if number < 0 or (number == 0 and not allow_zero):
         raise ConfigError(f"{key}: must be {'non-negative' if allow_zero else 'positive'}")
     return number
+
+
+def _flag(extra: Mapping[str, Any], key: str) -> bool:
+    value = extra.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    return value

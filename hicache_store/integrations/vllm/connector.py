@@ -57,6 +57,14 @@ left their L2 each step (``build_connector_worker_meta``); the scheduler counts 
 without a round trip when every worker reported it. A page the scheduler thinks held that a
 worker no longer has is read from the backend, and fails to a recompute if it is not there.
 
+**Weights.** The namespace carries the weights' revision (``_weights``): ``model_revision``,
+else the identity of vLLM's model files, so a model of the same name with other weights never
+hits. vLLM tells a connector of a weight update only through ``reset_cache``
+(``reset_prefix_cache(reset_connector=True)``, ``pause_generation(clear_cache=True)``): each
+reset moves the scheduler to a new revision and the workers follow with the next step's
+metadata; pages a worker packed before keep the revision they were computed under, and its L2
+starts empty.
+
 **Failures.** A miss, a corrupt or truncated object (checksums and header checked on every
 read), a backend error or a late read fails the page and every later page of that request:
 their blocks are reported through ``get_block_ids_with_load_errors``, vLLM truncates the
@@ -135,6 +143,7 @@ from hicache_store.objects import IOStats, L3Link
 from ._config import SUPPORTED_VLLM, ConnectorConfig
 from ._hints import ConnectorHints, KeyOp
 from ._l2 import HostPageCache
+from ._weights import Revision, model_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -179,6 +188,7 @@ class HiCacheStoreMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[PageLoad] = field(default_factory=list)
     saves: list[PageSave] = field(default_factory=list)
     holds: list[KeyOp] = field(default_factory=list)  # kv_hints steps over page hashes
+    revision: str | None = None  # the scheduler's weights revision (None: unchanged)
 
 
 @dataclass
@@ -306,7 +316,7 @@ def model_namespace(
         dtype,
         block,
         grid,
-        model_revision=config.model_revision,
+        model_revision=config.model_revision or "",  # the connector puts the weights' in
         tenant_salt=config.tenant_salt,
     )
     return namespace, topology
@@ -375,6 +385,11 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
         self.namespace, self.topology = model_namespace(self.config, vllm_config, kv_cache_config)
+        model_config = vllm_config.model_config
+        self._revision = Revision(self.config.model_revision, model_identity(
+            str(model_config.model), model_config, vllm_config.load_config),
+            keep_on_reset=self.config.keep_revision_on_reset)
+        self.namespace = dataclasses.replace(self.namespace, model_revision=self._revision.current)
         _check_l2_size(self.config.l2_bytes, self.namespace, self.topology)
         self.block_size = self.namespace.page_size
         self.loads_enabled = transfer.is_kv_consumer
@@ -416,10 +431,12 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # Every object of a page (the scheduler reads no shard): a page counts as stored
             # when each worker rank's objects are all there.
             self._lookup = self._make_link(Topology(1, 1), 0, read_only=True)
+        self._rank = 0  # the worker's rank (register_kv_caches)
         log.info(
-            "hicache-store connector (%s): namespace %s (%s, %s, page %d, grid %s) on %s",
+            "hicache-store connector (%s): namespace %s (%s, %s, page %d, grid %s, weights %s) "
+            "on %s",
             role.name.lower(), self.namespace.digest, self.namespace.model, self.namespace.dtype,
-            self.block_size, self.namespace.grid, self.config.url,
+            self.block_size, self.namespace.grid, self._revision.describe(), self.config.url,
         )
 
     def _make_link(self, topology: Topology, rank: int, *, read_only: bool) -> L3Link:
@@ -534,8 +551,39 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         self._issued[request.request_id] = (first, list(block_ids[first:first + count]))
 
+    def reset_cache(self) -> bool:
+        """vLLM's connector reset (``reset_prefix_cache(reset_connector=True)``, a pause with
+        ``clear_cache``: the one call vLLM makes around a weight update, ``_weights``): a new
+        revision, so nothing stored before is served; the workers follow it with the next
+        step's metadata. Nothing is deleted (the store may be shared)."""
+        old = self.namespace.digest
+        revision = self._revision.reset()
+        if revision == self.namespace.model_revision:  # keep_revision_on_reset
+            return True
+        self._rebind(revision)
+        self._saved.clear()
+        self._l2_pages.clear()
+        log.info("hicache-store connector: reset (the weights may have changed): namespace "
+                 "%s -> %s", old, self.namespace.digest)
+        return True
+
+    def _rebind(self, revision: str) -> None:
+        """Move this instance to the weights ``revision``: its namespace and links (and on a
+        worker its L2, which holds pages of the old weights)."""
+        self.namespace = dataclasses.replace(self.namespace, model_revision=revision)
+        self.hints = ConnectorHints(self.backend, self.namespace.digest, self.block_size,
+                                    self._count)
+        if self._lookup is not None:
+            self._lookup = self._make_link(Topology(1, 1), 0, read_only=True)
+        if self._link is not None:
+            self._link = self._make_link(self.topology, self._rank, read_only=False)
+        if self._l2 is not None:
+            self._l2 = HostPageCache(self.config.l2_bytes, self._l2.page_bytes)
+            self._l2_added, self._l2_evicted = set(), set()
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = HiCacheStoreMetadata(loads=list(self._pending_loads.values()))
+        meta = HiCacheStoreMetadata(loads=list(self._pending_loads.values()),
+                                    revision=self.namespace.model_revision)
         self._pending_loads.clear()
         if not self.saves_enabled:
             meta.holds = self.hints.plan(self._requests)  # the pages found stored
@@ -650,6 +698,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                            self.block_size)
         self._layout = UnifiedPageLayout.for_shard(ns, shard)
         self._layer_index = {n: i for i, n in enumerate(names)}
+        self._rank = rank
         self._link = self._make_link(self.topology, rank, read_only=False)
         if self.config.l2_bytes:
             self._l2 = HostPageCache(self.config.l2_bytes, self._layout.page_bytes)
@@ -659,6 +708,18 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             rank, shard.layer_start, shard.layer_stop, shard.head_start, shard.head_stop,
             self._cache_layout.num_blocks, self._l2.capacity_pages if self._l2 else 0,
         )
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's metadata; a new weights revision from the scheduler (a reset) moves this
+        worker to it before the step loads or saves anything."""
+        super().bind_connector_metadata(connector_metadata)
+        if not isinstance(connector_metadata, HiCacheStoreMetadata):
+            return
+        revision = connector_metadata.revision
+        if revision is not None and revision != self.namespace.model_revision:
+            log.info("hicache-store connector: worker follows the scheduler's weights "
+                     "revision %s", revision)
+            self._rebind(revision)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
@@ -849,7 +910,9 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         pack_blocks(self._cache, self._cache_layout, blocks, staging, self._layout)
         if store:  # the write only reads ``staging``; so does the L2's copy below
             previous = self._save_chain
-            self._save_chain = submit(self._write_pages(saves, staging, nbytes, previous))
+            # the link of the weights the pages were computed by, should a reset follow
+            self._save_chain = submit(
+                self._write_pages(saves, staging, nbytes, previous, self._link))
         if self._l2 is not None:
             first = 0
             for save in saves:
@@ -859,10 +922,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     async def _write_pages(
         self, saves: list[PageSave], staging: torch.Tensor, nbytes: int,
-        previous: concurrent.futures.Future[None] | None,
+        previous: concurrent.futures.Future[None] | None, link: L3Link,
     ) -> None:
-        assert self._link is not None
-        link = self._link
         rows = staging.numpy()
         io = IOStats()
         try:

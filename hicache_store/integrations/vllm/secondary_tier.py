@@ -20,8 +20,10 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   bytes: the model (``{model}#vllm-row-{descriptor digest}``, the descriptor being vLLM's
   release line, the KV dtype, TP / PP / PCP / DCP sizes, tokens per block, blocks per chunk,
   canonical or direct layout, replicated layout, the KV cache layout, the KV groups' token
-  spans and the row size), plus ``model_revision`` and ``tenant_salt``. A deployment that
-  differs in any of them misses; it never reads another's bytes as its own. The one
+  spans and the row size), plus the weights' revision (``_weights``: ``model_revision``, else
+  the identity of vLLM's model files; a connector reset, which reaches this tier as
+  ``drain_jobs``, moves it) and ``tenant_salt``. A deployment that differs in any of them
+  misses; it never reads another's bytes as its own. The one
   exception is by design: vLLM's canonical rows that vLLM certified parallelism-agnostic
   leave the topology out (they are the same bytes under every TP size), so deployments of
   different TP sizes share them.
@@ -80,7 +82,9 @@ Configuration (a ``secondary_tiers`` entry; every key but ``type`` and ``module_
      "url": "file:///var/cache/kv?capacity_bytes=64GiB",   # any backend URL
      "backend_options": {},          # more backend options (JSON object)
      "model": None,                  # default: vLLM's model name
-     "model_revision": "", "tenant_salt": "",
+     "model_revision": None,         # default: the identity of the model's files
+     "keep_revision_on_reset": False,  # true: a reset (drain_jobs) keeps the revision
+     "tenant_salt": "",
      "io_timeout_s": 20.0,           # floor of one store / load batch's deadline
      "lookup_timeout_s": 5.0,        # deadline of one step's existence check
      "lookup_max_age_s": 0.5,        # age of an in-memory answer taken at once (0: exact only)
@@ -94,6 +98,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hashlib
 import logging
 import os
@@ -130,8 +135,10 @@ from hicache_store.layout.keys import ObjectCoords, ObjectKey
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.objects import Arena, Frame, ObjectIO, PendingFrames
 from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
+from hicache_store.weights import WeightsIdentity
 
 from ._hints import TierHints
+from ._weights import Revision, model_identity
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -201,6 +208,17 @@ def row_namespace(
         model_revision=model_revision,
         tenant_salt=tenant_salt,
     )
+
+
+def _model_identity(spec: OffloadingSpec) -> WeightsIdentity | None:
+    """The identity of the weights of ``spec``'s model, at the revision and download folder
+    of vLLM's config where it is current (tiers are built inside vLLM's config context)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    current = get_current_vllm_config_or_none()
+    return model_identity(spec.config.model.name,
+                          None if current is None else current.model_config,
+                          None if current is None else current.load_config)
 
 
 def page_hash_of(key: OffloadKey) -> str:
@@ -392,7 +410,8 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         url: str | None = None,
         backend_options: Mapping[str, Any] | None = None,
         model: str | None = None,
-        model_revision: str = "",
+        model_revision: str | None = None,
+        keep_revision_on_reset: bool = False,
         tenant_salt: str = "",
         io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
         lookup_timeout_s: float = 5.0,
@@ -417,15 +436,18 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self.locality = Locality(locality) if locality is not None else None
         self.row_bytes = self.block_size_bytes
         self._rows = primary_kv_view.cast("B")
+        self._revision = Revision(model_revision, _model_identity(offloading_spec),
+                                  keep_on_reset=bool(keep_revision_on_reset))
         self.namespace = row_namespace(
-            offloading_spec, self.row_bytes, model=model, model_revision=model_revision,
+            offloading_spec, self.row_bytes, model=model, model_revision=self._revision.current,
             tenant_salt=tenant_salt,
         )
         self.url = url or default_url()
         self.backend: Backend = open_backend({"url": self.url, **dict(backend_options or {})})
+        self._io_limits = (io_timeout_s, int(max_inflight_mib * (1 << 20)))
         self.io = ObjectIO(
             self.backend, self.namespace, io_timeout_s=io_timeout_s,
-            max_inflight_bytes=int(max_inflight_mib * (1 << 20)),
+            max_inflight_bytes=self._io_limits[1],
         )
         self._header_bytes = self.io.header_bytes(1)
         self._staging = Arena(self._header_bytes + self.row_bytes, block_slots=8)
@@ -451,12 +473,15 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self._lookups = _Lookups(self)
         # vLLM's kv_hints (``_hints``): holds on the request's row objects
         blocks = offloading_spec.config.cache.blocks_per_chunk
-        self.hints = TierHints(self.backend, self.namespace.digest, self.storage_key, {
-            g.group_id: g.tokens_per_block * blocks for g in offloading_spec.config.groups})
+        self._chunk_tokens = {
+            g.group_id: g.tokens_per_block * blocks for g in offloading_spec.config.groups}
+        self.hints = TierHints(self.backend, self.namespace.digest, self.storage_key,
+                               self._chunk_tokens)
         log.info(
-            "HiCacheStoreTier: rows of %d bytes as objects of namespace %s (%s; %s) on %s",
+            "HiCacheStoreTier: rows of %d bytes as objects of namespace %s (%s; %s; weights "
+            "%s) on %s",
             self.row_bytes, self.namespace.digest, self.namespace.model,
-            row_descriptor(offloading_spec, self.row_bytes), self.url,
+            row_descriptor(offloading_spec, self.row_bytes), self._revision.describe(), self.url,
         )
 
     # -- names --------------------------------------------------------------------------------
@@ -539,15 +564,33 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         return events
 
     def drain_jobs(self) -> None:
+        """vLLM's offloading reset (a connector reset: ``_weights``): wait for every submitted
+        job, then move to a new weights revision, so rows stored before, of weights that may
+        have been replaced, miss from now on (none is deleted)."""
+        self.wait_jobs()
+        old, revision = self.namespace.digest, self._revision.reset()
+        if revision == self.namespace.model_revision:  # keep_revision_on_reset
+            return
+        self.namespace = dataclasses.replace(self.namespace, model_revision=revision)
+        io_timeout_s, max_inflight = self._io_limits
+        self.io = ObjectIO(self.backend, self.namespace, io_timeout_s=io_timeout_s,
+                           max_inflight_bytes=max_inflight)
+        self.hints = TierHints(self.backend, self.namespace.digest, self.storage_key,
+                               self._chunk_tokens)
+        log.info("HiCacheStoreTier: reset (the weights may have changed): namespace %s -> %s",
+                 old, self.namespace.digest)
+
+    def wait_jobs(self) -> None:
         """Wait for every submitted job (each is bounded by ``io_timeout_s`` plus its bytes at
-        the minimum bandwidth: ``objects.io.Deadline``); none is cut short."""
+        the minimum bandwidth: ``objects.io.Deadline``); none is cut short. What
+        ``drain_jobs`` does before a reset, without it (tests, benchmarks, shutdown)."""
         for job in list(self._jobs.values()):
             if job.native is not None:
                 job.native.reads.wait()
         concurrent.futures.wait([job.future for job in self._jobs.values() if job.future is not None])
 
     def shutdown(self) -> None:
-        self.drain_jobs()
+        self.wait_jobs()
         self.hints.drain(30.0)
         self._lookups.shutdown()
         try:
