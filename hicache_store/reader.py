@@ -18,7 +18,12 @@ For offline use (inspecting, evaluating, moving KV to another system) without a 
 or the digest of one whose manifest the store holds (``hicache-store inspect`` lists them): a
 string that is no digest raises ``InvalidNamespaceError`` (a ``ValueError``), a digest the
 store holds no manifest of ``UnknownNamespaceError`` (a ``LookupError``), at the first call
-that needs the namespace.
+that needs the namespace. ``model`` is the model directory (or hub id) whose weights the KV is
+wanted for: its weights identity (``hicache_store.weights``) becomes the namespace's
+``model_revision`` as the engine integrations derive it, unless the ``Namespace`` given carries
+one (an explicit revision wins); a digest whose stored namespace holds other weights raises
+``InvalidNamespaceError``, a ``model`` with no weights files ``WeightsError`` (both
+``ValueError``). Without ``model`` the namespace is read as given.
 The tensors hold this rank's shard: layers ``[kv.layer_start, kv.layer_stop)`` and KV heads
 ``[kv.head_start, kv.head_stop)`` of the model, in the namespace's dtype, on the CPU.
 
@@ -33,6 +38,8 @@ bounded by ``io_timeout_s``. A sealed namespace (a tenant's) needs its key ring:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -42,13 +49,18 @@ import numpy as np
 
 from hicache_store import _sync
 from hicache_store.backends import Backend, aligned_buffer, open_backend
-from hicache_store.layout.errors import UnknownNamespaceError
+from hicache_store.layout.errors import (
+    InvalidNamespaceError,
+    UnknownNamespaceError,
+    WeightsError,
+)
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.keys import validate_page_hash
-from hicache_store.layout.namespace import Namespace
+from hicache_store.layout.namespace import Namespace, weights_revision
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import IOStats, L3Link
 from hicache_store.tenant import KeyRing
+from hicache_store.weights import WeightsIdentity, weights_identity
 
 if TYPE_CHECKING:
     import torch
@@ -89,8 +101,15 @@ class KVReader:
         max_inflight_bytes: int = 256 << 20,
         io_timeout_s: float = 30.0,
         keys: KeyRing | None = None,
+        model: str | os.PathLike[str] | None = None,
     ) -> None:
         self._keys = keys
+        self._weights: WeightsIdentity | None = None
+        if model is not None:
+            self._weights = weights_identity(model)
+            if self._weights is None:
+                raise WeightsError(f"model {model}: no weights files there (nor a hub snapshot "
+                                   "in the local cache)")
         self._owns_backend = not isinstance(store, Backend)
         self.backend: Backend = store if isinstance(store, Backend) else open_backend(store)
         self.topology = topology or Topology()
@@ -113,7 +132,15 @@ class KVReader:
                     raise UnknownNamespaceError(
                         f"the store holds no manifest of namespace {namespace} "
                         "(`hicache-store inspect URL` lists the namespaces it holds)")
+                if self._weights is not None and found.model_revision != self._weights.value:
+                    raise InvalidNamespaceError(
+                        f"model_revision: namespace {namespace} holds the KV of weights "
+                        f"{found.model_revision or '(unknown)'}, not of the model given "
+                        f"({self._weights})")
                 namespace = found
+            elif self._weights is not None:
+                namespace = dataclasses.replace(namespace, model_revision=weights_revision(
+                    namespace.model_revision or None, self._weights.value))
             max_inflight, timeout = self._limits
             self._link = L3Link(self.backend, namespace, self.topology, self.rank,
                                 max_inflight_bytes=max_inflight, io_timeout_s=timeout,

@@ -8,7 +8,10 @@ hit::
     hicache-store doctor file:///var/cache/kv --extra-config @extra.json \\
         --model-id /models/llama --page-size 64 --topology tp=4,pp=1 --prompts prompts.jsonl
 
-Inputs not given are taken from the stored namespaces (so they never count as differences).
+Inputs not given are taken from the stored namespaces (so they never count as differences);
+the weights' revision among them, unless ``--model-path`` (the directory the engine loads,
+whose weights identity the integrations put in the namespace) or a ``model_revision`` is
+given: the report says which, or that it is unknown.
 For a file-layout root (``file://``, ``hf3fs://``) it also reports the root's filesystem type
 and the host its index records, even when the store's open is refused (another host uses the
 index, or the default index on a network filesystem).
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache_store._sync import run_sync
 from hicache_store.backends._file_site import RootSite
@@ -32,6 +35,10 @@ from hicache_store.layout.topology import Topology
 from hicache_store.ops.config import layered, require, resolve
 from hicache_store.ops.progress import counted
 from hicache_store.ops.store import open_store
+from hicache_store.weights import WeightsIdentity, weights_identity
+
+if TYPE_CHECKING:
+    from hicache_store.ops.deployment import Deployment
 
 
 def register(subparsers: Any) -> None:
@@ -44,6 +51,12 @@ def register(subparsers: Any) -> None:
                      help="the deployment's SGLang --hicache-storage-backend-extra-config")
     dep.add_argument("--model-id", metavar="ID",
                      help="SGLang's served model name (default there: its --model-path as given)")
+    dep.add_argument("--model-path", metavar="DIR|ID",
+                     help="the model directory (or hub id) the engine loads: its weights "
+                     "identity is the namespace's revision, as the integrations derive it "
+                     "(default: unknown, taken from the stored namespaces)")
+    dep.add_argument("--model-revision",
+                     help="the deployment's explicit model_revision (overrides --model-path)")
     dep.add_argument("--dtype", help="KV dtype (bfloat16, float16, float8_e4m3fn, ...)")
     dep.add_argument("--page-size", type=int, help="tokens per page (SGLang's --page-size)")
     dep.add_argument("--grid", metavar="LxH", help="partition grid, e.g. 1x1 or 30x2")
@@ -83,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
             "model": ("--model-id", args.model_id),
             "grid": ("--grid", args.grid),
             "kv_dtype": ("--dtype", args.dtype),
+            "model_revision": ("--model-revision", args.model_revision),
         })
+        weights = _weights_of(args.model_path)
         shape_flags = (args.layers, args.kv_heads, args.head_dim)
         if any(v is not None for v in shape_flags) and None in shape_flags:
             raise ValueError("give all of --layers, --kv-heads and --head-dim, or none")
@@ -96,9 +111,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     given = args.extra_config or any(v is not None for v in (
         args.model_id, args.dtype, args.page_size, args.grid, args.tenant_salt,
-        args.tenant_key_file, shape))
+        args.tenant_key_file, shape, args.model_path, args.model_revision))
     deployment = Deployment(config=config, page_size=args.page_size, topology=topology,
-                            shape=shape, hash_algo=args.hash_algo, keys=keys) if given else None
+                            shape=shape, hash_algo=args.hash_algo, keys=keys,
+                            weights=weights) if given else None
     if args.prompts and deployment is None:
         raise UsageError("--prompts needs a deployment (--extra-config or the flags)")
     prompts = _prompts(args) if args.prompts else []
@@ -121,12 +137,44 @@ def run(args: argparse.Namespace) -> int:
 
     found = run_sync(go())
     if args.json:
-        print(json.dumps(_as_json(found), indent=2))
+        print(json.dumps({**_as_json(found), "weights": _weights_json(deployment)}, indent=2))
     else:
-        print("\n".join(_report(url, found, deployment is not None)))
+        lines = _report(url, found, deployment is not None)
+        if deployment is not None:
+            lines.append(f"weights: {_weights_line(deployment)}")
+        print("\n".join(lines))
     if found.refused is not None:
         return 1
     return 0 if deployment is None or found.found else 1
+
+
+def _weights_of(model_path: str | None) -> WeightsIdentity | None:
+    """The weights identity of ``--model-path`` (``ValueError`` when nothing there names
+    weights: a wrong path is not an unknown identity)."""
+    if model_path is None:
+        return None
+    found = weights_identity(model_path)
+    if found is None:
+        raise ValueError(f"--model-path {model_path}: no weights files there (nor a hub "
+                         "snapshot in the local cache)")
+    return found
+
+
+def _weights_line(deployment: Deployment) -> str:
+    """Where the deployment's revision comes from, or that it is unknown."""
+    explicit = deployment.config.model_revision
+    if explicit is not None:
+        return f"model_revision {explicit!r} as given" if explicit else "none (set empty)"
+    if deployment.weights is not None:
+        return str(deployment.weights)
+    return ("unknown: give --model-path (the directory the engine loads) or model_revision; "
+            "taken from the stored namespace, so it counts as no difference")
+
+
+def _weights_json(deployment: Deployment | None) -> dict[str, Any] | None:
+    if deployment is None:
+        return None
+    return {"revision": deployment.model_revision, "source": _weights_line(deployment)}
 
 
 def _prompts(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
@@ -152,8 +200,9 @@ def _describe(ns: Namespace) -> str:
             if ns.kv_kind == "mha" else f"{ns.num_layers} layers, MLA dim {ns.head_dim}")
     salt = "salted" if ns.tenant_salt else "no salt"
     sealed = "  sealed" if ns.sealed else ""
-    return (f"{ns.digest}  {ns.model}  {ns.dtype}  page {ns.page_size}  grid {ns.grid}  "
-            f"{dims}  {salt}{sealed}")
+    weights = f"weights {ns.model_revision}" if ns.model_revision else "weights unknown"
+    return (f"{ns.digest}  {ns.model}  {weights}  {ns.dtype}  page {ns.page_size}  "
+            f"grid {ns.grid}  {dims}  {salt}{sealed}")
 
 
 def _site_lines(site: RootSite) -> list[str]:

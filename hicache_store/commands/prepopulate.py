@@ -66,7 +66,10 @@ def register(subparsers: Any) -> None:
     ns.add_argument("--extra-config", metavar="JSON|@FILE",
                     help="the deployment's SGLang --hicache-storage-backend-extra-config; its "
                     "grid, share_with, tenant_salt, model, model_revision and kv_dtype apply")
-    ns.add_argument("--model-revision", help="revision or weights fingerprint (default: none)")
+    ns.add_argument("--model-revision",
+                    help="the weights' revision in the namespace (default: the identity of "
+                    "--model's files, as the engine integrations derive it; none for "
+                    "--mini-engine)")
     ns.add_argument("--page-size", type=int, default=64,
                     help="tokens per page, SGLang's --page-size (default: 64)")
     ns.add_argument("--layer-partition", type=int,
@@ -121,6 +124,16 @@ def _deployment(args: argparse.Namespace, topology: Topology) -> Deployment:
         raise UsageError(str(exc)) from None
     return Deployment(config=config, model_id=args.model, topology=topology,
                       hash_algo=args.hash_algo)
+
+
+def _weights(deployment: Deployment, source: Any) -> str:
+    """Where the namespace's revision came from, for the summary."""
+    explicit = deployment.config.model_revision
+    if explicit is not None:
+        return f"model_revision {explicit!r} as given" if explicit else "none (set empty)"
+    if source.weights is not None:
+        return str(source.weights)
+    return "unknown (no model files): only the model id tells other weights apart"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -234,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
               f"{namespace.page_size}, grid {namespace.grid}{sealed}) for {topology} "
               f"({counted(report.ranks_writing, 'writing rank')}, "
               f"{report.objects_per_page} objects/page)")
+        print(f"weights: {_weights(deployment, source)}")
         print(f"{counted(report.prompts, 'prompt')}, {counted(report.pages, 'page')}: "
               f"{report.pages_present} present, {verb} {report.pages_written} "
               f"({counted(report.objects_written, 'object')}, "

@@ -11,6 +11,8 @@ its namespace at start from four sources:
 * the extra-config: ``grid`` (else the coarsest grid the deployment's topology and its
   ``share_with`` topologies can all write: ``AdapterConfig.grid_for``), ``tenant_salt``,
   ``model_revision``;
+* the model's files: without ``model_revision``, the identity of the weights SGLang loads
+  (``hicache_store.weights``: the hub snapshot commit, else a fingerprint) is the revision;
 * the tenant key ring (``tenant_key_file``, else ``$HICACHE_STORE_TENANT_KEY_FILE`` /
   ``$HICACHE_STORE_TENANT_KEY``: ``deployment_keys``): with one, the namespace is sealed.
 
@@ -41,9 +43,11 @@ from hicache_store.layout.namespace import (
     ModelShape,
     Namespace,
     namespace_differences,
+    weights_revision,
 )
 from hicache_store.layout.topology import Topology
 from hicache_store.tenant import KeyRing, load_key_ring
+from hicache_store.weights import WeightsIdentity
 
 
 def load_extra_config(text: str) -> dict[str, Any]:
@@ -129,7 +133,8 @@ class Deployment:
     ``model_id`` is SGLang's ``model_name``; ``dtype`` the host pool's KV dtype; ``topology``
     the deployment's TP x PP (used for the default grid); ``config`` the parsed extra-config;
     ``keys`` the tenant key ring (``deployment_keys``): with one, the namespace is sealed, as
-    the adapter's is.
+    the adapter's is; ``weights`` the identity of the model's files (``weights_identity`` of
+    the directory the engine loads), which the extra-config's ``model_revision`` overrides.
     """
 
     config: AdapterConfig = field(default_factory=lambda: parse_adapter_config(None))
@@ -140,6 +145,16 @@ class Deployment:
     shape: ModelShape | None = None
     hash_algo: str = "sha256"
     keys: KeyRing | None = None
+    weights: WeightsIdentity | None = None
+
+    @property
+    def model_revision(self) -> str | None:
+        """The namespace's revision (``weights_revision``); None: unknown (neither the
+        extra-config's ``model_revision`` nor the model's files are given)."""
+        if self.config.model_revision is None and self.weights is None:
+            return None
+        return weights_revision(self.config.model_revision,
+                                self.weights.value if self.weights else None)
 
     @property
     def model(self) -> str | None:
@@ -165,7 +180,7 @@ class Deployment:
             raise ValueError(f"the deployment's {', '.join(missing)} must be given")
         return Namespace.create(
             model, shape, dtype, page_size, self.grid_for(shape),
-            replication=_replication(shape), model_revision=self.config.model_revision,
+            replication=_replication(shape), model_revision=self.model_revision or "",
             hash_algo=self.hash_algo, tenant_salt=self.config.tenant_salt,
             key_scheme=self.config.key_scheme, sealed=self.keys is not None,
         )
@@ -173,10 +188,12 @@ class Deployment:
     def completed_by(self, stored: Namespace) -> Namespace:
         """This deployment's namespace with every unknown input taken from ``stored``."""
         shape = self.shape or stored.shape
+        revision = self.model_revision
         return Namespace.create(
             self.model or stored.model, shape, self.kv_dtype or stored.dtype,
             self.page_size or stored.page_size, self.grid_for(shape),
-            replication=_replication(shape), model_revision=self.config.model_revision,
+            replication=_replication(shape),
+            model_revision=stored.model_revision if revision is None else revision,
             hash_algo=self.hash_algo, tenant_salt=self.config.tenant_salt,
             key_scheme=self.config.key_scheme, sealed=self.keys is not None,
         )

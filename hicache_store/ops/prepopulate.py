@@ -46,7 +46,7 @@ from hicache_store.layout.errors import GridMismatchError
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.keys import ObjectCoords
-from hicache_store.layout.namespace import Namespace
+from hicache_store.layout.namespace import Namespace, weights_revision
 from hicache_store.layout.plans import plan_writes
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import IOStats, L3Link, failures
@@ -94,10 +94,15 @@ class Progress:
 
 
 def namespace_for(
-    source: KVSource, *, page_size: int, grid: Any, **options: Any
+    source: KVSource, *, page_size: int, grid: Any, model_revision: str | None = None,
+    **options: Any,
 ) -> Namespace:
-    """The namespace of ``source``'s KV with a page size, grid and namespace options."""
+    """The namespace of ``source``'s KV with a page size, grid and namespace options; its
+    ``model_revision`` is ``model_revision`` when given, else the identity of the source's
+    weights (``weights_revision``: what the engine integrations derive from the same files)."""
+    identity = source.weights.value if source.weights is not None else None
     return Namespace.create(source.model_name, source.shape, source.dtype, page_size, grid,
+                            model_revision=weights_revision(model_revision, identity),
                             **options)
 
 

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from hicache_store.layout.namespace import ModelShape
+from hicache_store.weights import WeightsIdentity, weights_identity
 
 #: JSONL suffixes; every other file is one text prompt.
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -115,6 +116,9 @@ class KVSource(Protocol):
     model_name: str
     shape: ModelShape
     dtype: str  # the KV dtype, as a layout dtype name (``bfloat16``)
+    #: the identity of the weights the KV is computed by (``hicache_store.weights``); None:
+    #: unknown (no model files, as the demo engine's seeded weights)
+    weights: WeightsIdentity | None
 
     def tokenize(self, prompt: Prompt) -> list[int]: ...
 
@@ -204,6 +208,7 @@ class HFSource:
         # is set): the same string here, so a store prepopulated from the path SGLang serves
         # is found by it (ops.deployment).
         self.model_name = model_name or str(path)
+        self.weights = weights_identity(folder)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         return tokenize_with(self.tokenizer, prompt)

@@ -14,6 +14,7 @@ from hicache_store.demo.engine.config import MiniLlamaConfig
 from hicache_store.demo.engine.model import MiniLlama
 from hicache_store.layout.namespace import ModelShape
 from hicache_store.ops.sources import LayerKV, Prompt, PromptError
+from hicache_store.weights import WeightsIdentity
 
 
 class MiniEngineSource:
@@ -28,6 +29,9 @@ class MiniEngineSource:
         self.shape = ModelShape.mha(config.num_layers, config.num_kv_heads, config.head_dim)
         self.dtype = config.dtype
         self.model_name = model_name or f"mini-llama-{preset}-seed{config.seed}"
+        # Seeded weights, no model files: their identity is unknown (the default model name
+        # carries the preset and the seed instead).
+        self.weights: WeightsIdentity | None = None
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if prompt.input_ids is None:
