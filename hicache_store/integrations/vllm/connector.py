@@ -571,8 +571,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Move this instance to the weights ``revision``: its namespace and links (and on a
         worker its L2, which holds pages of the old weights)."""
         self.namespace = dataclasses.replace(self.namespace, model_revision=revision)
-        self.hints = ConnectorHints(self.backend, self.namespace.digest, self.block_size,
-                                    self._count)
+        self.hints.namespace = self.namespace.digest  # hints naming the old one are refused
         if self._lookup is not None:
             self._lookup = self._make_link(Topology(1, 1), 0, read_only=True)
         if self._link is not None:

@@ -473,10 +473,8 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self._lookups = _Lookups(self)
         # vLLM's kv_hints (``_hints``): holds on the request's row objects
         blocks = offloading_spec.config.cache.blocks_per_chunk
-        self._chunk_tokens = {
-            g.group_id: g.tokens_per_block * blocks for g in offloading_spec.config.groups}
-        self.hints = TierHints(self.backend, self.namespace.digest, self.storage_key,
-                               self._chunk_tokens)
+        self.hints = TierHints(self.backend, self.namespace.digest, self.storage_key, {
+            g.group_id: g.tokens_per_block * blocks for g in offloading_spec.config.groups})
         log.info(
             "HiCacheStoreTier: rows of %d bytes as objects of namespace %s (%s; %s; weights "
             "%s) on %s",
@@ -575,8 +573,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         io_timeout_s, max_inflight = self._io_limits
         self.io = ObjectIO(self.backend, self.namespace, io_timeout_s=io_timeout_s,
                            max_inflight_bytes=max_inflight)
-        self.hints = TierHints(self.backend, self.namespace.digest, self.storage_key,
-                               self._chunk_tokens)
+        self.hints.namespace = self.namespace.digest  # hints naming the old one are refused
         log.info("HiCacheStoreTier: reset (the weights may have changed): namespace %s -> %s",
                  old, self.namespace.digest)
 
