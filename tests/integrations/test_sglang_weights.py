@@ -112,8 +112,6 @@ def test_an_explicit_model_revision_wins(
 def test_online_weight_updates_move_the_namespace(
     sglang: ModuleType, url: str, models: SimpleNamespace
 ) -> None:
-    from hicache_store.layout.namespace import updated_weights
-
     with served(sglang, models.a) as context:
         rank = sglang.Rank(url)
         storage = rank.storage
@@ -122,7 +120,6 @@ def test_online_weight_updates_move_the_namespace(
         assert rank.backup(first, [rank.random_page(40), rank.random_page(41)]) == len(first)
         assert rank.prefetch(first)[0] == len(first)
         before = storage.namespace
-        assert before.model_revision.startswith("fp-")
 
         # update_weights_from_disk: SGLang's ModelRunner.update_model_fields records the path
         context.override("model_runner.update_model_fields", model_path=str(models.b),
@@ -135,6 +132,7 @@ def test_online_weight_updates_move_the_namespace(
         assert storage.namespace.digest != before.digest
         assert rank.prefetch(first)[0] == 0
         assert rank.prefetch(late)[0] == 0
+        assert before.model_revision.startswith("fp-")
         fresh = sglang.tokens_for(2, p, seed=6)
         assert rank.backup(fresh, [rank.random_page(60), rank.random_page(61)]) == len(fresh)
         assert rank.prefetch(fresh)[0] == len(fresh)
@@ -147,6 +145,8 @@ def test_online_weight_updates_move_the_namespace(
         assert storage.namespace.model_revision == after_disk.model_revision + "+rl-step-2"
 
         # an update SGLang does not record: the operator says so
+        from hicache_store.layout.namespace import updated_weights
+
         assert rank.backup(fresh, [rank.random_page(62), rank.random_page(63)]) == len(fresh)
         revision = storage.weights_updated("rl-step-2b")
         assert revision == updated_weights(after_disk.model_revision, "rl-step-2+rl-step-2b")
@@ -227,12 +227,12 @@ def test_the_linker_keeps_other_weights_apart(
     tokens = list(range(300, 300 + 3 * P))
     writer = linker(sglang, url, models.a)
     keys = offloaded(sglang, writer, tokens, seed=7)
-    assert writer.namespace.model_revision.startswith("fp-")
     writer.close()
     for path, pages in ((models.b, 0), (models.a_copy, 3)):
         reader = linker(sglang, url, path)
         assert lookup(sglang, reader, keys) == pages
         reader.close()
+    assert writer.namespace.model_revision.startswith("fp-")
     explicit = linker(sglang, url, models.b, model_revision=writer.namespace.model_revision)
     assert lookup(sglang, explicit, keys) == 3  # an explicit revision wins
     explicit.close()

@@ -74,12 +74,12 @@ def test_prepopulate_keeps_other_weights_apart(
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"text": sentence(0, 40)}])
     first = prepopulate(url, models["a"], prompts, capsys)
     assert first["pages_written"] and first["pages_present"] == 0
-    revision = first["namespace_json"]["model_revision"]  # type: ignore[index]
-    assert revision == weights_identity(models["a"]).value  # type: ignore[union-attr]
     # the same name, config and tokenizer, other weights: nothing of it is there
     other = prepopulate(url, models["b"], prompts, capsys, "--dry-run")
     assert other["pages_present"] == 0 and other["pages_written"] == first["pages_written"]
     assert other["namespace"] != first["namespace"]
+    revision = first["namespace_json"]["model_revision"]  # type: ignore[index]
+    assert revision == weights_identity(models["a"]).value  # type: ignore[union-attr]
     # the same files at another path: all of it is there
     copy = prepopulate(url, models["a_copy"], prompts, capsys, "--dry-run")
     assert copy["pages_present"] == first["pages_written"] and copy["pages_written"] == 0
