@@ -15,8 +15,8 @@ builds it as ``cls(storage_config, kwargs)`` and calls ``register_mem_pool_host(
 **What a page becomes.** SGLang's page keys are the sha256 page-hash chain of
 ``layout.hashing``, used as they are. At registration the adapter derives the namespace
 (model, the weights' revision, KV kind, dtype, layers, KV heads, head or latent dim, page size,
-grid, tenant salt, sealed or not) and this rank's shard (TP/PP rank and size; MLA and DP-attention pools are
-replicated across TP, so only TP rank 0 writes). A page moves between SGLang's host pool
+grid, tenant salt, sealed or not) and this rank's shard (TP/PP rank and size; MLA and
+DP-attention pools are replicated across TP, so only TP rank 0 writes). A page moves between SGLang's host pool
 (``layer_first``, ``page_first``, ``page_first_direct``, ``page_head``; MHA and MLA) and
 unified objects through the kernels' host relayouts; object keys carry the namespace digest,
 never a rank, so a deployment with another TP/PP size reads the same objects, and other
@@ -695,9 +695,10 @@ class HiCacheStoreStorage(_HiCacheStorage):
     @property
     def counters(self) -> dict[str, int]:
         """Cumulative event counts: ``set_pages``, ``get_pages``, ``*_failed``, ``*_errors``,
-        ``corrupt_objects``, ``set_refused``, ``v2_refused``, ``clear_refused``, per sidecar
-        pool ``swa_set_pages``, ``mamba_get_pages``, ..., and the lookups' pages asked of the
-        store and found (``lookup_pages_asked_l3``, ``lookup_pages_found_l3``)."""
+        ``corrupt_objects``, ``set_refused``, ``v2_refused``, ``clear_refused``,
+        ``set_weights_changed`` (backups of a thread started before a weight update), per
+        sidecar pool ``swa_set_pages``, ``mamba_get_pages``, ..., and the lookups' pages asked
+        of the store and found (``lookup_pages_asked_l3``, ``lookup_pages_found_l3``)."""
         return self._metrics.counters()
 
     def close(self) -> None:
