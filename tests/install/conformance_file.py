@@ -39,3 +39,7 @@ class TestInstalledFileBackend(BackendTests):
     async def reopen(self, backend: Backend) -> Backend | None:
         assert isinstance(backend, FileBackend)
         return FileBackend(backend.root, durability=backend.durability, index=backend.index_kind)
+
+    def missing_location(self, backend: Backend, path: Path) -> str:
+        assert isinstance(backend, FileBackend)
+        return f"file://{path}?index={backend.index_kind}"
