@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make run   - set everything up, then run the main job on the embedded default
-#   make test  - set everything up, then run ruff, mypy, the install check and the whole test
-#                suite (the vLLM tests with the vLLM environment, .venv-vllm)
+#   make test  - set everything up, then run ruff, mypy, the strict docs build, the install check
+#                and the whole test suite (the vLLM tests with the vLLM environment, .venv-vllm)
 # and the inner loop, make test-fast: ruff, mypy and every test not marked slow.
 # Both are idempotent: the virtual environments are (re)built only when pyproject.toml changes.
 
@@ -22,7 +22,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 
-.PHONY: setup setup-vllm run plan test test-fast test-install lint typecheck pytest pytest-vllm clean
+.PHONY: setup setup-vllm run plan docs test test-fast test-install lint typecheck pytest pytest-vllm clean
 
 setup: $(STAMP) $(CHAIN_STAMP)
 
@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml tests/plugins/example_backend/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,file,fsspec,s3,metrics,gpu,bench,mooncake,s3test,hf,tenant,events]'
+	$(PY) -m pip install -q -e '.[dev,file,fsspec,s3,metrics,gpu,bench,mooncake,s3test,hf,tenant,events,docs]'
 	# SGLang's storage interface for the adapter tests: --no-deps keeps its CUDA torch and
 	# server dependencies out; these are the small packages its storage modules import.
 	$(PY) -m pip install -q --no-deps sglang==0.5.23 orjson psutil pybase64 requests urllib3 \
@@ -81,6 +81,12 @@ plan: setup
 	$(VENV)/bin/hicache-store plan --layers 60 --kv-heads 8 --head-dim 128 --dtype bfloat16 \
 		--page-size 64 --layer-partition 30 --head-partition 2 \
 		--writer tp=4,pp=2 --reader tp=2,pp=1
+
+# The documentation site (docs/, mkdocs.yml) into .build/site, strictly: a broken link or
+# anchor, a page missing from the nav or any other warning fails the build. Every code block of
+# the pages and the README runs in tests/docs.
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --clean --site-dir .build/site
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -132,7 +138,7 @@ pytest-vllm: setup-vllm
 test-install: setup
 	$(PY) tests/install/check_wheel.py
 
-test: lint typecheck test-install pytest pytest-vllm
+test: lint typecheck docs test-install pytest pytest-vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .build .mypy_cache .ruff_cache .pytest_cache
