@@ -1,37 +1,20 @@
 """Where the file backend's shared index may be used: one host, a local filesystem.
 
-The index (``_file_index``) is SQLite with a write-ahead log plus a fingerprint map. SQLite
-keeps the WAL's lock state in memory shared between the processes that have the database
-open (``index.sqlite3-shm``, mapped), which is coherent only between processes of one running
-kernel; SQLite documents WAL as unsafe on a network filesystem. Pointed at one root from two
-hosts (NFS, Lustre, a 3FS FUSE mount), each host would act on its own view: ``exists``,
-capacity eviction and gc would miss the other host's writes, and both would write the same
-database. A root several hosts use takes ``index=none`` (``_file_noindex``). Two checks at
-open enforce it, both before SQLite touches the database:
+The index (``_file_index``: SQLite with a write-ahead log) is coherent only between the
+processes of one running kernel, so a root several hosts use takes ``index=none``
+(``_file_noindex``). Two checks at open enforce it, both before SQLite touches the database
+(why, and the reasoning behind each rule: docs/design/file-backend.md):
 
-**The filesystem** (``filesystem_of``): ``statfs(2)``'s ``f_type`` of the root (through
-ctypes: ``os.statvfs`` has no type). Authoritative for the path itself, whatever bind mounts,
-symlinks or mount namespaces lie between, where matching ``/proc/self/mountinfo`` by path
-prefix is not. A root on a network or FUSE filesystem (``NETWORK_FILESYSTEMS``) gets the
-default index only when the options ask for it by name (``index=sqlite``: "only this host
-uses this root"); otherwise the open raises ``UnsafeIndexError``. Where ``statfs`` is not
-available (not Linux) the type is unknown and nothing is refused.
+**The filesystem** (``filesystem_of``): ``statfs(2)``'s ``f_type`` of the root. A root on a
+network or FUSE filesystem (``NETWORK_FILESYSTEMS``) gets the default index only when the options
+ask for it by name (``index=sqlite``: "only this host uses this root"); otherwise the open raises
+``UnsafeIndexError``. Where ``statfs`` is not available (not Linux) nothing is refused.
 
-**The host** (``HostClaim.claim``): ``index/host.json`` names the host that uses the index:
-its kernel's boot id (``/proc/sys/kernel/random/boot_id``) and boot time, and the host names
-of the processes that opened the root. What a host is comes from the opener's ``index_hosts``
-option (``INDEX_HOSTS``):
-
-- ``name`` (the default): a host is a host name *and* a boot id. A process whose host name the
-  record does not list is another host, even on the same kernel (another UTS namespace: a
-  container, a pod), and is refused;
-- ``kernel``: a host is a boot id; the containers of one kernel are one host, and a host name
-  not listed yet is added to the record. SQLite's shared memory is coherent between all the
-  processes of one kernel, so this is safe where those containers see the same root; it is
-  asked for by name because a host name is how the operator (and the default) tells hosts
-  apart.
-
-Every open reads the record (one small file) and:
+**The host** (``HostClaim.claim``): ``index/host.json`` records the host that uses the index
+(its kernel's boot id and boot time, and the host names of the processes that opened the root).
+What a host is comes from the opener's ``index_hosts`` option (``INDEX_HOSTS``): ``name`` (the
+default: a host name *and* a boot id) or ``kernel`` (a boot id: the containers of one kernel are
+one host, and a host name not listed yet is added to the record). Every open reads the record:
 
 - no record: writes one (temp file, then ``link``: of openers racing on a new root exactly
   one wins, the others read its record);
@@ -39,35 +22,17 @@ Every open reads the record (one small file) and:
 - the same boot id, this host name not listed: with ``index_hosts=kernel`` the name is added;
   by default, ``UnsafeIndexError`` naming ``index=none`` and ``index_hosts=kernel``;
 - another boot id whose kernel booted before this one and whose host names include this
-  process's: a previous boot of this host, whose processes are all gone: replaced;
-- anything else: another host uses the root, ``UnsafeIndexError`` naming ``index=none`` and
-  the host recorded (``index_hosts`` changes nothing here: another kernel shares no memory).
+  process's: a previous boot of this host: replaced;
+- anything else: ``UnsafeIndexError`` naming ``index=none`` and the host recorded.
 
-Why a file and not a row of the database: another host may not see rows still in the first
-one's write-ahead log (finding them takes the shared memory that does not cross hosts), and
-opening the database from there is the hazard itself. The boot id is what SQLite's shared
-memory needs (one kernel) and two machines are two kernels; host names recognise a reboot,
-tell an operator which host it is, and, by default, tell the containers of one kernel apart.
-The boot-time condition keeps two machines that share a host name (a container image's fixed
-one) from passing for reboots of each other: the one that booted first is refused.
+**While open** (``HostClaim.check``: one ``stat`` before every commit of the index, at most once a
+second): a record that no longer names this host fails this process's index call with
+``UnsafeIndexError``, and from then on every call of this process on the root fails with it
+(``raise_if_taken_over``), even if the record changes again.
 
-**While open** (``HostClaim.check``: one ``stat`` before every commit of the index, and with
-the index's own check that its database is still the one at ``index/``, at most once a
-second): if the record was replaced, it is read again, and a record that no longer names this
-host (another kernel's: two machines with one host name, the later one's first open took the
-record over, or an operator removed the record as the refusal on another host says; or, by
-default, one of this kernel without this host name: the index was removed and rebuilt from
-another container) fails this process's index call with ``UnsafeIndexError``, instead of
-going on with a database another host now writes. **Taken over is final**: from then on
-every call of this process on the root fails with that error (``raise_if_taken_over``), even
-if the record changes again; the process opens the root anew once the hosts are sorted out.
-
-**Stale records and crashes.** A record is one file replaced atomically (temp in ``tmp/``,
-removed at open when its writer is dead, then ``rename`` or ``link``): a crash leaves the old
-record or the new one. No host can tell whether another host's processes are still running,
-so a record of a host that no longer uses the root (the root moved, the host is gone) stays
-until removed by hand: the error says which file (removing it, or the whole ``index/``, is
-safe once that host's processes are stopped).
+A record is one file replaced atomically (temp in ``tmp/``, then ``rename`` or ``link``): a crash
+leaves the old record or the new one. A record of a host that no longer uses the root stays
+until removed by hand; the error names the file.
 """
 
 from __future__ import annotations
