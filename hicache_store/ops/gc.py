@@ -1,76 +1,44 @@
 """Garbage collection of a shared store at any size: the library behind ``hicache-store gc``.
 
-Object stores have no capacity of their own and several engines share one prefix, so one
-process (cron, a sidecar) bounds the store by age and size. gc works on whole *pages* (every
-object sharing a page hash) and on chains: each object header names its page's parent
-(``layout.framing``), so gc rebuilds the chains and only ever deletes a chain's current tail
-(a page none of whose children is stored), so a cached prefix is shortened from its end and
-never holed in the middle:
+gc works on whole *pages* (every object sharing a page hash) and on chains: each object header
+names its page's parent (``layout.framing``), and gc only ever deletes a chain's current tail (a
+page none of whose children is stored), so a cached prefix is shortened from its end, never
+holed. In order:
 
-0. with ``retired`` tenant key ids (``--tenant-key-file F --remove-retired``), first every
-   tail whose header names one of them, repeatedly, whatever its age: readers holding the
-   ring no longer read it, it only takes space. Headers carry key ids, so this needs no secret
-   and never touches another tenant's objects (their key ids are not in the ring) or plain
-   ones;
-1. tails whose newest object is older than ``max_age``, repeatedly (an expired page whose
-   descendants are still fresh stays until they go);
+0. with ``retired`` tenant key ids (``--tenant-key-file F --remove-retired``), every tail whose
+   header names one of them, repeatedly, whatever its age (headers carry key ids: no secret is
+   needed, and no other tenant's or plain object is touched);
+1. tails whose newest object is older than ``max_age``, repeatedly;
 2. then, while the rest exceeds ``max_bytes``, the oldest tails (ties: page hash order).
 
-**Objects without a modification time** (the backend contract allows leaving it out; plugins
-and stores such as Mooncake do) are never aged out: an unknown age is not an old one. For the
-byte budget their pages go after every dated page. The report counts them.
+Objects without a modification time are never aged out, and for the byte budget their pages go
+after every dated page. Namespace manifests (``M_...``) are never deleted. A page's parent comes
+from one of its objects' headers (the next object's when one is corrupt, unreadable or gone);
+pages with no readable header, and bare objects without headers, are chains of their own.
 
-**Bounded memory, any store size.** Nothing per object or per page is held in memory: the
-listing streams (``Backend.list_entries``) into an on-disk working set (SQLite), the chains are
-rebuilt and planned with SQL over indexes, and deletions stream back out in plan order. Memory
-is a few batches plus SQLite's page cache (``CACHE_MIB``); disk is about 100 bytes per object
-while a run lasts.
+Guarantees:
 
-**Resumable.** The working set lives in ``state_dir`` with the run's options and phase
-(scan -> parents -> plan -> delete). A run that is interrupted (Ctrl-C, SIGKILL, a failed
-store) and started again with the same options resumes: a finished scan is not repeated,
-headers already read are not read again, and a deletion continues with the pages it had not
-reached. A run with other options starts over. The listing itself restarts if it was cut.
-``parents.sqlite`` outlives runs: a page's parent never changes (the page hash covers the
-parent's), so each header is read once in the store's life, and a dry run pays the reads of
-the real run that follows it. Two gc runs never share a state directory (a lock file).
+- **Bounded memory**: the listing streams (``Backend.list_entries``) into an on-disk working set
+  (SQLite) in ``state_dir``; memory is a few batches plus ``CACHE_MIB``; disk about 100 bytes per
+  object while a run lasts.
+- **Resumable**: a run interrupted and started again with the same options resumes at its phase
+  (scan -> parents -> plan -> delete); other options start over; ``fresh=True`` starts over
+  keeping ``parents.sqlite``, which outlives runs (a page's parent never changes). Two runs never
+  share a state directory (a lock file).
+- **Deleting in order**: children before parents, ``DELETE_CHUNK`` objects per call; after a
+  failed call the store is asked what is left, and the failed pages' ancestors stay (``kept``).
+- **Most of the store**: with ``refuse_above``, a plan that would delete more than that share of
+  the scanned objects or bytes raises ``GcRefusedError`` before the first delete, saying how
+  much; its plan is kept for the confirmed run.
+- **Holds** (``backends.retention``): on a backend that declares ``capabilities.retention``, a
+  page with a held object is never a tail, so its ancestors stay; deletions go through
+  ``Backend.delete_until_held``, one page a group, children first, so a page pinned at any moment
+  after the scan is kept (``kept``), and so are its ancestors. The report counts ``held`` and
+  ``held_pages``, a dry run too.
+- A header read that fails because the store is down stops the run with the error, resumable.
 
-**Deleting in order.** Pages are deleted in plan order (children before parents), up to
-``DELETE_CHUNK`` objects per call; a backend that deletes a batch in order (file) is left with
-every chain a prefix wherever a run stops. When a call fails, the store is asked which of its
-objects are still there: those pages failed, and their ancestors not yet deleted stay
-(counted as ``kept``) so the failed page stays reachable. A store that deletes a batch in
-another order (S3) may, on a failure or a crash, keep a page whose parent went: it is
-unreachable for readers, exactly as if it had gone too, and the next run deletes it.
-
-**Most of the store.** With ``refuse_above`` (the CLI: ``MOST_OF_THE_STORE``, half, unless
-``--yes``), a plan that would delete more than that share of the scanned objects or bytes is
-refused before the first delete (``GcRefusedError``, saying how much); its plan is kept, so
-the run confirmed with the same options resumes at the deletion.
-
-**What a run sees** is the store at its scan. A page written later under a page the run
-deletes loses its parent (readers stop before it, as for any miss) and is deleted by the next
-run; a resumed run carries its plan over the interruption, so resume soon or start over
-(``fresh=True``, ``gc --fresh``: the parent cache stays).
-
-**Retention** (``backends.retention``). On a backend that declares ``capabilities.retention``
-gc never deletes a pinned or retained object: the scan asks ``retention_of`` for every listed
-key, and a page with a held object is never a tail to delete (so its ancestors stay too: its
-chain stays reachable). Deletions go through ``Backend.delete_until_held``, one page a group,
-children first: the store checks the holds and deletes in one atomic step and stops at the
-first held page, so a page pinned at any moment after the scan is kept (counted as ``kept``),
-and so are its ancestors (blocked before the next call). An entry past its deadline holds
-nothing: the object is collected like any other. The report counts the held objects and
-pages (``held``, ``held_pages``), a dry run too.
-
-Namespace manifests (``M_...``) are never deleted. A page's parent is read from one of its
-objects' headers; when that one is corrupt, unreadable (the store fails on it alone: no read
-permission, a directory under its name) or gone, from the page's next object. Pages none of
-whose headers can be read (counted as ``headers_unreadable``) and pages of a format without
-headers (SGLang's bare objects: their age alone orders them) are chains of their own; an
-object that vanished meanwhile is skipped. A header read that fails for another reason (the
-store is down: a retryable error, or ``exists`` fails too) stops the run with the error,
-resumable.
+Why gc is built this way (chains, what a run sees, S3's unordered deletes):
+docs/design/gc.md.
 """
 
 from __future__ import annotations
