@@ -13,63 +13,28 @@ Subclass it in a test module (the subclass's name must start with ``Test``) and 
   (what a restarted process opens). Required: a backend that declares ``persistent`` must
   return one, and its objects must be there; others may return None.
 - ``def missing_location(self, backend, path) -> str | Mapping | None``: what
-  ``open_backend`` opens to reach a store of ``backend``'s kind at a location that does not
-  exist (naming ``path``, which does not exist, where the location is a path), or None (the
-  default) where the backend names no location that could be missing (a dict in memory).
-  Required of a backend that declares ``Backend.creates_location``. With it the suite checks
-  that opening creates nothing where it must not: the read-only tools (``inspect``, ``doctor``,
-  ``serve-query``) and ``gc`` open a store with ``create=False`` when its backend declares
-  ``creates_location``, and must find ``NotFoundError`` there, not a new empty store; a
-  backend that does not declare it must never create its location at open.
-  ``location_exists(self, backend, config)`` tells whether that location exists (default:
-  the URL's local path, or anything in its parent directory); override it where the location
-  is not a local path.
+  ``open_backend`` opens to reach a store of ``backend``'s kind at ``path``, a location that does
+  not exist, or None (the default) where the backend names no location. Required of a backend
+  that declares ``Backend.creates_location``: with it the suite checks that ``create=False``
+  creates nothing and raises ``NotFoundError`` (how the read-only tools and ``gc`` open a store),
+  and that a backend not declaring it never creates its location at open.
+  ``location_exists(self, backend, config)`` says whether that location exists (default: the
+  URL's local path); override it where the location is not a local path.
 
 Tests switch on the backend's ``capabilities`` (``mtime`` included: declared, ``stat`` must
 report when each object was written).
 
-**Hangs.** Every backend call a test makes is bounded (``CallBounds``), so that a hang fails
-the test instead of hanging the suite (a call blocked inside a thread keeps its thread, but
-the test still fails). The bound detects hangs; it is not a speed limit. A call may take
-``call_timeout_s`` (20 s), plus ``mib_timeout_s`` (2 s) per MiB of its buffers, plus per key
-``key_timeout_s`` (1 s) the first time a method is called, then ``pace_factor`` (20) times
-the slowest seconds per key of the method's earlier calls on that backend (at least
-``pace_floor_s``, 0.01 s). The large-batch test asks a small batch first: a backend that hangs
-on large batches fails there in under half a minute, while one that a busy machine slows down
-is slow on the small batch too and gets the time. Listings are bounded per key yielded.
+Every call a test makes is bounded by ``CallBounds`` (a hang fails the test; the bound grows with
+the call's bytes and keys and the pace of earlier calls, so it is not a speed limit), and watched
+for holding the event loop without yielding (``loop_block_s`` and its per-key and per-MiB
+allowances, plus what the machine's load held up every thread meanwhile): blocking calls belong on
+an executor, and a thread that writes into a caller's buffer must have finished before the call
+returns, raises or is cancelled (``BufferLifetimeTests``). Run the suite under pytest-xdist
+(``pytest -n 2``) so that a backend that crashes the interpreter fails the test it crashed in.
+The bounds and why the suite is built this way: docs/extending/conformance.md,
+docs/design/conformance.md.
 
-**The event loop.** A backend's coroutines run on the caller's event loop, shared with every
-other call and the engine's own I/O. Each call is watched: one during which the loop was held
-without yielding for longer than ``loop_block_s`` (1.5 s, plus ``loop_key_s``, 5 ms, per
-key and ``loop_mib_s``, 0.05 s, per MiB of buffers) plus twice what a loaded machine held up
-every thread of the process meanwhile, fails, naming the method. Blocking calls (a synchronous
-SDK, file or database) belong on an executor; a thread that writes into a caller's buffer must have finished before
-the call returns, raises or is cancelled (``BufferLifetimeTests``).
-
-**Crashes.** A backend that crashes the interpreter (SIGSEGV in a native library, a race on
-a connection shared by threads) ends the pytest process it runs in. Run the suite with
-pytest-xdist (``pytest -n 2``, in the plugin template's pytest configuration; installed with
-the ``testing`` extra): a crash then fails the test it happened in ("worker crashed while
-running ...", pytest's ``faulthandler`` printing the crashing thread's stack) and the run
-goes on in a new worker.
-
-Example::
-
-    class TestMyBackend(BackendTests):
-        @pytest_asyncio.fixture
-        async def backend(self, tmp_path):
-            store = open_backend(f"mine://{tmp_path}")
-            yield store
-            await store.close()
-
-        async def oracle_get(self, backend, key):
-            return raw_read(backend, key)
-
-        async def oracle_set(self, backend, key, data):
-            raw_write(backend, key, data)
-
-        async def reopen(self, backend):
-            return open_backend(f"mine://{backend.root}")
+A worked backend and its test module: docs/extending/backend.md.
 
 Every test is an ``async def`` marked ``pytest.mark.asyncio`` (pytest-asyncio is required).
 """
