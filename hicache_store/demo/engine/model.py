@@ -3,7 +3,7 @@
 Architecture (per layer): RMSNorm -> fused Q/K/V projection -> RoPE (rotate-half, as Llama) ->
 grouped-query causal attention -> O projection -> residual; RMSNorm -> SwiGLU MLP -> residual.
 Then a final RMSNorm and an untied LM head. Weights are random, drawn on the CPU from a
-``torch.Generator`` seeded with ``config.seed`` (so the same config gives the same weights on any
+``torch.Generator`` seeded with ``config.seed`` (the same config gives the same weights on any
 device) and scaled so activations stay O(1) and logits are roughly standard normal.
 
 Two entry points share one implementation:
@@ -14,44 +14,17 @@ Two entry points share one implementation:
   prefill or restored by the cache tier, possibly into different pages); only the suffix is
   computed, its KV written to ``slots[start_pos:]``, and attention runs over cached + new KV.
 
-Exactness: **bit-exact**. ``prefill`` over a cached prefix returns logits ``torch.equal`` to the
-corresponding rows of ``forward_full`` of the whole sequence (same config, device, torch build
-and intra-op thread count), whatever chunking produced the prefix KV and whichever slots or pool
-hold it. This holds by construction, not by luck of rounding:
+Exactness: **bit-exact**, in float32, bfloat16 and float16. ``prefill`` over a cached prefix
+returns logits ``torch.equal`` to the corresponding rows of ``forward_full`` of the whole
+sequence (same config, device, torch build and intra-op thread count), whatever chunking
+produced the prefix KV and whichever slots or pool hold it: rows are computed in blocks of
+``config.compute_block`` tokens aligned to absolute positions, so every op sees the same shapes
+in both paths (why that suffices: docs/design/mini-engine.md). Across devices, torch builds or
+thread counts only rounding-level agreement is promised.
 
-1. Rows are processed in blocks of ``config.compute_block`` tokens aligned to *absolute*
-   positions: block ``b`` holds positions ``[b*B, (b+1)*B)``. A block that is only partly part of
-   the request is padded with zero rows whose results are thrown away (their K/V are never
-   written). So every row-wise op (RMSNorm, projections, RoPE, SwiGLU, LM head) runs on a tensor of
-   the same shape, with the token at the same row, in both paths. GEMM libraries choose kernels
-   by shape (a 1-row matmul, for example, takes a GEMV path that rounds differently from the
-   blocked GEMM), so fixing the shape fixes the arithmetic; no library computes a row's result
-   from the values of other rows.
-2. Attention of block ``b`` reads keys ``[0, (b+1)*B)``: one ``scaled_dot_product_attention``
-   call (explicit causal mask, float32 accumulation inside the fused kernel) whose shapes depend
-   only on ``b``. Keys past the end of the sequence are zero and masked (weight exactly 0), so the
-   result does not depend on how long the sequence is.
-3. The prefix K/V read from the pool are bitwise copies of what an earlier computation wrote
-   (``index_copy_`` / ``index_select``; the pool's dtype is the model dtype), and RoPE tables are
-   computed per block on the CPU from the absolute positions.
-
-In bfloat16/float16 the same argument holds (K/V are rounded to the model dtype once, before they
-are stored, in both paths), so those dtypes are exact too. Across devices, torch builds or
-intra-op thread counts the kernels may differ and only rounding-level agreement is promised (on
-the 2-core CPU this was written on, 1 and 2 threads happen to agree bit for bit as well).
-
-Performance: no Python loop over tokens; per layer, one GEMM per block and projection, one fused
-attention call per block, one ``index_copy_`` and one ``index_select`` per K and V. The ops are
-small (``compute_block`` rows), so on a CPU shared with other busy threads (a cache tier's I/O,
-other processes) intra-op parallelism costs more in OpenMP barriers than it gains:
-``torch.set_num_threads(1)`` is then markedly faster.
-
-Sliding-window layers (``config.window_layers``): the same attention call over the same key range,
-with the mask also hiding keys at or before ``t - sliding_window`` for query ``t``. Their K/V do
-not live in the device pool (which holds the full-attention layers) but in a ``WindowKV`` the caller
-passes to ``prefill``: a per-sequence buffer where only the prefix's last ``sliding_window`` rows
-must be valid (older rows are masked, so whatever finite values they hold, here zeros, never
-change a bit of the result: a masked score is exactly ``-inf`` and its weight exactly 0).
+Sliding-window layers (``config.window_layers``) mask keys at or before ``t - sliding_window``
+for query ``t``; their K/V live not in the device pool but in a ``WindowKV`` the caller passes to
+``prefill``, where only the prefix's last ``sliding_window`` rows must be valid.
 """
 
 from __future__ import annotations
