@@ -19,29 +19,21 @@ for the caller's buffers by construction: reads return new ``bytes`` that the ca
 the caller's buffer on the event loop (never once it has ended), and writes hand the
 filesystem a copy made during the call.
 
-**Calls.** Every request of a batch is its own job on a thread pool of ``max_concurrency``
-threads, as in the s3 backend: whole reads and ranged reads are ``cat_file`` (with
-``start``/``end``), writes ``pipe_file``, ``exists``/``stat`` are ``info``, so a batch has
-``max_concurrency`` requests in flight on sync and async filesystems alike, and each request,
-not the batch, gets ``request_timeout``. The event loop never blocks (fsspec's async
-filesystems, such as s3fs, gcsfs and adlfs, run their own loop in their own thread; calling
-their sync API from pool threads is what they support, and their connection pool is shared by
-the threads). Reads are not zero-copy: fsspec returns ``bytes`` that are copied into the
-caller's buffer.
+**Calls.** Every request of a batch is its own job on a pool of ``max_concurrency`` threads:
+reads are ``cat_file`` (with ``start``/``end``), writes ``pipe_file``, ``exists``/``stat`` are
+``info``; each request gets ``request_timeout``, and the event loop never blocks. Reads are not
+zero-copy (fsspec returns ``bytes``). Why this shape, on sync and async filesystems alike:
+docs/design/object-stores.md.
 
 **Ranges** are never clamped: fsspec returns short data for a range past the end, so a short
 answer is an ``InvalidRangeError``.
 
 **Atomic visibility** depends on the filesystem, so ``atomic_write=auto`` picks per protocol:
-
-- ``direct`` (one ``pipe_file``) for object stores, where a PUT is atomic (s3, gcs, az/abfs,
-  oss, ...), and for ``memory`` (the new object replaces the old one in one dict assignment);
-- ``rename`` for everything else (``file``, ``sftp``, ``hdfs``, ...): the bytes go to a hidden
-  temp file beside the object (its name holds a ``.``, so it can never be taken for a key),
-  then ``mv`` publishes it. That is atomic where the filesystem's rename is (POSIX ``file``,
-  HDFS, SFTP's posix-rename); on a filesystem whose ``mv`` is copy-then-delete (FTP, WebDAV,
-  some FUSE mounts), a reader may see a partial object: use such stores only with framed
-  objects (``ObjectIO`` verifies checksums: a torn object is corrupt, never served).
+``direct`` (one ``pipe_file``) for object stores (s3, gcs, az/abfs, oss, ...) and ``memory``;
+``rename`` for everything else (a hidden temp file beside the object, its name holding a ``.``,
+then ``mv``), atomic where the filesystem's rename is. Where ``mv`` is copy-then-delete (FTP,
+WebDAV, some FUSE mounts) a reader may see a partial object: use such stores only with framed
+objects, whose checksums make a torn object corrupt, never served.
 
 **put_if_absent** is check-then-write (not atomic: ``capabilities.atomic_put`` is false); racing
 writers of one key write the same bytes, which is harmless for content-addressed keys.
