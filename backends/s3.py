@@ -4,63 +4,43 @@ URL and options (URL query values are strings; keyword options override them)::
 
     s3://bucket/prefix?endpoint_url=http://127.0.0.1:8333&region=us-east-1&max_concurrency=32
 
-``endpoint_url`` (default: AWS), ``region``, ``profile``, ``max_concurrency`` (threads and
-pooled connections, default 16), ``multipart_threshold`` (default 64MiB) and
-``multipart_chunksize`` (default 16MiB), ``connect_timeout`` / ``read_timeout`` (seconds,
-default 2 / 5; the read timeout is the longest silence on a connection, not a transfer's
-length), ``max_attempts`` (botocore *standard* retry mode, default 3), ``request_timeout``
-(seconds one request of a call may take from the caller's side, retries and queueing behind
-the other requests of the batch included; default 15), ``conditional_put``
-(default true: ``put_if_absent`` is one ``PUT`` with ``If-None-Match: *``), ``check_bucket``
-(default true: ``HEAD bucket`` at open, so bad credentials fail there), ``range_coalesce_gap``
-(default 0), ``capacity_bytes`` (default none), ``addressing_style`` (auto | path | virtual),
-``verify_ssl``.
+Options (defaults in brackets; each explained in docs/guide/backends/s3.md): ``endpoint_url``
+[AWS], ``region``, ``profile``, ``max_concurrency`` [16], ``multipart_threshold`` [64MiB],
+``multipart_chunksize`` [16MiB], ``connect_timeout`` / ``read_timeout`` [2 / 5 s],
+``max_attempts`` [3, botocore *standard* mode], ``request_timeout`` [15 s: one request of a call
+from the caller's side, queueing and retries included], ``conditional_put`` [true: ``put_if_absent``
+is one ``PUT`` with ``If-None-Match: *``], ``check_bucket`` [true: ``HEAD bucket`` at open],
+``range_coalesce_gap`` [0], ``capacity_bytes`` [none], ``addressing_style``, ``verify_ssl``.
 
-**Credentials** come only from boto3's standard chain (environment, shared config and
-credentials files, ``profile``, container or instance roles) or from the options
-``aws_access_key_id`` / ``aws_secret_access_key`` / ``aws_session_token``. They are handed to
-the boto3 session and not kept on the backend; ``repr``, log lines and error messages never
-contain them (error texts are built from codes, statuses, bucket and key only).
+**Credentials**: boto3's standard chain or the options ``aws_access_key_id`` /
+``aws_secret_access_key`` / ``aws_session_token``; handed to the boto3 session, never kept on
+the backend, logged or put in an error text.
 
-**Event loop.** Every SDK call runs on a bounded thread pool of ``max_concurrency`` threads,
-and botocore's connection pool has the same size, so a batch keeps that many requests in
-flight and the loop never blocks. The boto3 client is thread-safe; the backend binds no loop.
+**Event loop, deadlines and retries.** Every SDK call runs on a bounded pool of
+``max_concurrency`` threads (as many pooled connections). botocore retries throttling, 5xx and connection errors itself
+(standard mode, ``max_attempts`` in all) within ``connect_timeout`` / ``read_timeout``; each
+request awaits at most ``request_timeout``, so a dead, stopped or wedged server is a retryable
+``BackendTimeoutError`` (or ``BackendUnavailableError``) within it, never a hang. A request that
+overran its deadline ends in the background under botocore's own timeouts (about 25 s by
+default).
 
-**Deadlines and retries.** botocore retries throttling, 5xx and connection errors itself
-(standard mode: exponential backoff with jitter, ``max_attempts`` in all) within
-``connect_timeout`` / ``read_timeout``; on top, each request awaits at most
-``request_timeout``, so a dead, stopped or wedged server surfaces as a retryable
-``BackendTimeoutError`` (or ``BackendUnavailableError``) within ``request_timeout`` (15 s by
-default; before, the default was 110 s), never as a hang. A thread whose request overran its
-deadline finishes (or fails) in the background under botocore's own timeouts (at most about
-``max_attempts * (connect_timeout + read_timeout)`` plus backoff, about 25 s by default).
+**Buffer lifetime** (the ``Backend`` contract): threads touch caller memory only inside a
+``Handoff``, while the call still waits: a GET lands in the thread's own memory and is copied
+into the caller's buffer then; a PUT copies the caller's bytes first and uploads the copy. Once
+the call has ended a late answer is dropped (why: docs/design/object-stores.md).
 
-**Buffer lifetime** (the ``Backend`` contract): because a call can give up on its deadline
-while its thread is still inside botocore, the threads never touch caller memory outside a
-``Handoff``: a GET lands in memory of the thread's own and is copied into the caller's buffer
-only while the call still waits; a PUT copies the caller's bytes first (inside the handoff)
-and uploads the copy. Once the call has ended, a late answer is dropped and a late upload
-sends the bytes the caller had when it was still waiting. The copy costs one ``memcpy`` per
-object, small against this backend's network transfer.
+**Visibility.** A single ``PUT`` and a completed multipart upload are atomic (the old object,
+the new one, or nothing); a failed multipart upload is aborted (best effort).
 
-**Visibility.** A single ``PUT`` and a completed multipart upload are atomic in S3: readers see
-the old object, the new one, or nothing. A failed multipart upload is aborted (best effort; a
-bucket lifecycle rule ``AbortIncompleteMultipartUpload`` cleans up what an abort missed).
+**Reads.** Whole objects are read into the request's own memory (a size that does not fit is
+refused from ``Content-Length``); a range is a ``Range`` GET whose clamped answer or 416 is an
+``InvalidRangeError``; ranges of one key within ``range_coalesce_gap`` bytes are one GET.
 
-**Reads.** Whole objects are streamed with ``readinto`` into the request's own memory, then
-copied into the caller's buffer (see "Buffer lifetime"); a size that does not fit is refused
-from the ``Content-Length`` header before any body byte is read. Ranges are ``Range: bytes=a-b``
-GETs; S3 clamps an over-long range, so the returned ``Content-Range`` is checked and a
-clamped answer is an ``InvalidRangeError`` (416 too). Ranges of one key in one batch that touch
-or lie within ``range_coalesce_gap`` bytes become one GET. ``s3_stats`` counts requests and the
-body bytes moved, so "bytes on the wire against bytes asked for" can be measured.
-
-**Delete** learns which keys exist with ``HEAD`` (the ``DeleteObjects`` answer lists every key
-it was given, present or not), then removes them with ``DeleteObjects``, 1000 keys a request.
-A key written between the two steps by another process is not deleted and reported absent.
+**Delete** asks ``HEAD`` which keys exist (``DeleteObjects`` answers for every key given),
+then removes them, 1000 a request; a key written in between is kept and reported absent.
 
 **Capacity.** Object stores have no useful capacity of their own. Three tools, from coarse to
-fine: a bucket lifecycle rule (age-based expiry, see the README), ``hicache-store gc`` (size
+fine: a bucket lifecycle rule (age-based expiry: docs/guide/backends/s3.md), ``hicache-store gc`` (size
 budget and age, prefix-aware), and the optional ``capacity_bytes`` bound enforced here: the
 backend lists its prefix at open and, before each write, deletes objects in chain-aware LRU
 order (``_lru.ChainLRU``) until the batch fits. That bound covers what this process knows
