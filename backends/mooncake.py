@@ -7,12 +7,10 @@ URL and options (see ``_mooncake_config`` for the JSON file and ``MOONCAKE_*`` v
 
 How our contract maps onto Mooncake:
 
-- **Writes** use ``batch_upsert_from``. Mooncake's plain ``put`` of an existing key returns 0
-  and *keeps the old value*; upsert replaces it, which is what our contract says a rewrite
-  does (and for content-addressed keys the bytes are equal anyway). Mooncake publishes an
-  object only when its transfer completed (PutStart/PutEnd), so no reader sees a partial
-  object. ``put_if_absent`` checks, then uses ``batch_put_from`` (which never replaces):
-  two racers may both return True, harmless for equal bytes, so ``atomic_put`` is False.
+- **Writes** use ``batch_upsert_from``, so a rewrite replaces (Mooncake's ``put`` keeps the old
+  value); an object is published only once its transfer completed, so no reader sees a part.
+  ``put_if_absent`` checks, then ``batch_put_from``: two racers may both return True
+  (``atomic_put`` is False; harmless for equal bytes).
 - **Empty objects**: Mooncake cannot store 0 bytes, so an empty object is a one-byte marker
   under ``key + "~empty"`` (a name no valid storage key can take). A non-empty write does not
   remove a stale marker; readers prefer the real key, and ``delete`` removes both.
@@ -41,18 +39,13 @@ register anything for correctness. A registered buffer must stay alive and unmod
 its owner while a call on it is in flight; ``unregister_host_buffer`` waits for in-flight
 calls that use it.
 
-Deadlines and buffer lifetime: the blocking call cannot be interrupted. A call that touches
-only staged memory gives up at ``timeout`` (default 15 s): the caller gets a retryable
-``BackendTimeoutError`` at once, and the worker thread copies between the caller's buffers and
-the slabs only through a ``Handoff``, so once the call has ended a late read's bytes are
-dropped and a late put no longer reads the caller's buffer (its keys are force-removed when it
-returns, since the caller was told it failed). A call that reads into or writes from
-*registered* caller memory (zero-copy: the cache tier's host pool) cannot be given up: the
-transfer engine moves those bytes itself, so the call is awaited to its end, past ``timeout``
-if need be, and its result returned. Mooncake's own RPC and transfer timeouts are lowered to
-10 s at setup (``MOONCAKE_TIMEOUT_ENV``) so that such a call still ends within about
-``timeout`` when the master or a segment holder stops answering (with Mooncake's defaults:
-30 s).
+Deadlines and buffer lifetime: a call that touches only staged memory gives up at ``timeout``
+(default 15 s) with a retryable ``BackendTimeoutError``, and its worker touches the caller's
+buffers only through a ``Handoff`` (a late read's bytes are dropped; a late put's keys are
+force-removed). A call into registered caller memory is awaited to its end, past ``timeout`` if
+need be; Mooncake's RPC and transfer timeouts are lowered to 10 s at setup
+(``MOONCAKE_TIMEOUT_ENV``) so it still ends within about ``timeout`` (why:
+docs/design/mooncake.md).
 """
 
 from __future__ import annotations
