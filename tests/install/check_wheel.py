@@ -12,8 +12,8 @@ pyenv's ``versions/3.X.*``, and a missing one fails the check naming where it lo
    torch first (``link_torch``: this venv's torch 2.13.0, linked, with its dependencies);
 3. from a folder outside the checkout, ``smoke.py``: the package is the venv's, every module
    imports (one that needs an optional package the venv lacks is listed, not failed), the
-   README's quick tour runs (its ``python`` blocks; one that needs a package the venv lacks is
-   listed as not run), ``hicache-store --help`` and every subcommand's;
+   quickstart page's ``python`` blocks run (``docs/getting-started/quickstart.md``; one that needs
+   a package the venv lacks is listed as not run), ``hicache-store --help`` and every subcommand's;
 4. on the oldest and newest Python, the backend conformance suite on the file backend.
 
 torch 2.13.0 for those two comes from the package index only as the CUDA build (about 3 GiB
@@ -117,14 +117,12 @@ def copy_source(dest: Path) -> None:
 
 
 def quick_tour(dest: Path) -> list[Path]:
-    """The README's quick tour (the ``python`` blocks of "## A quick tour"), one file each."""
-    text = (ROOT / "README.md").read_text()
-    start = text.index("\n## A quick tour")
-    end = text.find("\n## ", start + 1)
-    section = text[start : end if end != -1 else len(text)]
-    blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    """The quickstart's ``python`` blocks (``docs/getting-started/quickstart.md``), one file
+    each."""
+    text = (ROOT / "docs" / "getting-started" / "quickstart.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
     if not blocks:
-        raise CheckFailed("the README's quick tour has no python block")
+        raise CheckFailed("the quickstart page has no python block")
     dest.mkdir(parents=True)
     paths = []
     for i, block in enumerate(blocks):

@@ -8,7 +8,7 @@ from a folder outside the checkout (stdlib only; no test framework).
    package (``OPTIONAL``, the extras' packages) that this venv lacks is reported as skipped with
    that package's name; any other failure, a missing ``hicache_store`` module above all, fails;
 3. the framed-object path's deadlines (``object_path``);
-4. each snippet file runs in a fresh interpreter (the README's quick tour); a snippet that
+4. each snippet file runs in a fresh interpreter (the quickstart page's python blocks); a snippet that
    imports an optional package this venv lacks is reported as not run;
 5. ``hicache-store --help`` and each subcommand's ``--help`` exit 0.
 
