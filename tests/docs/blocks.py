@@ -28,9 +28,13 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the settings parser's dependency on 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

@@ -4,6 +4,7 @@ dead, the strict site build fails on one that is, and the README stays a front p
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -21,10 +22,8 @@ README_MAX_LINES = 200
 def _blocks() -> list[Block]:
     out: list[Block] = []
     for page in PAGES:
-        try:
+        with contextlib.suppress(BlockError):  # test_every_block_is_run_parsed_or_marked names it
             out += blocks_of(page)
-        except BlockError:
-            pass  # test_every_block_is_run_parsed_or_marked names it
     return out
 
 
@@ -41,7 +40,7 @@ def test_every_block_is_run_parsed_or_marked() -> None:
         except BlockError as e:
             errors.append(str(e))
     assert not errors, "\n".join(errors)
-    assert len([b for b in BLOCKS if b.runs]) >= 40, "the pages have lost their examples"
+    assert len([b for b in BLOCKS if b.runs]) >= 25, "the pages have lost their examples"
 
 
 @pytest.mark.parametrize(("text", "message"), [
