@@ -86,7 +86,7 @@ plan: setup
 # anchor, a page missing from the nav or any other warning fails the build. Every code block of
 # the pages and the README runs in tests/docs.
 docs: setup
-	$(VENV)/bin/mkdocs build --strict --clean --site-dir .build/site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --clean --site-dir .build/site
 
 lint: setup
 	$(VENV)/bin/ruff check .
