@@ -131,11 +131,11 @@ def blocks_of(page: Path, text: str | None = None) -> list[Block]:
 
 
 def environment(folder: Path) -> dict[str, str]:
-    """The environment a page's blocks run in: this one, less the test runner's and the
-    library's own variables, with this Python's ``bin`` first on ``PATH`` and ``HOME`` in the
-    page's folder."""
+    """The environment a page's blocks run in: this one, less the test runner's, the library's
+    and the XDG base-directory variables, with this Python's ``bin`` first on ``PATH`` and
+    ``HOME`` in the page's folder (so configs and caches are the page's own)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTEST_", "HICACHE_STORE_"))}
+           if not k.startswith(("PYTEST_", "HICACHE_STORE_", "XDG_"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     home = folder / ".home"
     home.mkdir(exist_ok=True)
