@@ -83,8 +83,8 @@ def parse_mooncake_size(value: Any) -> int:
     return parse_size(value)
 
 
-#: seconds a Mooncake call may take by default before ``BackendTimeoutError`` (README
-#: "Deadlines" has every backend's bounds in one table).
+#: seconds a Mooncake call may take by default before ``BackendTimeoutError``
+#: (docs/guide/backends/deadlines.md has every backend's bounds in one table).
 DEFAULT_TIMEOUT = 15.0
 
 

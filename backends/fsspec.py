@@ -80,7 +80,7 @@ DIRECT_WRITE_PROTOCOLS = frozenset({
 #: protocols whose objects live only in this process.
 PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
 ATOMIC_WRITE_MODES = ("auto", "direct", "rename")
-#: seconds one filesystem call may take by default (README "Deadlines").
+#: seconds one filesystem call may take by default (docs/guide/backends/deadlines.md).
 DEFAULT_REQUEST_TIMEOUT = 15.0
 
 

@@ -77,7 +77,7 @@ DELETE_BATCH = 1000
 MIN_PART_SIZE = 5 << 20
 #: default deadlines (seconds): connecting, the longest silence on a connection, and one
 #: request from the caller's side (retries included). A stopped server fails a call in
-#: ``DEFAULT_REQUEST_TIMEOUT``; README "Deadlines" has every backend's bounds in one table.
+#: ``DEFAULT_REQUEST_TIMEOUT``; docs/guide/backends/deadlines.md has every backend's bounds in one table.
 DEFAULT_CONNECT_TIMEOUT = 2.0
 DEFAULT_READ_TIMEOUT = 5.0
 DEFAULT_REQUEST_TIMEOUT = 15.0

@@ -78,7 +78,7 @@ T = TypeVar("T")
 
 #: seconds one backend call of the object path may take (``ObjectIO``, the tier, the SGLang
 #: adapter). Above every built-in backend's own bound for a stopped server (15 s: S3 request,
-#: Mooncake call, fsspec call; README "Deadlines"), so such a server shows up as the backend's
+#: Mooncake call, fsspec call; docs/guide/backends/deadlines.md), so such a server shows up as the backend's
 #: own retryable error; this deadline catches backends without one of their own.
 DEFAULT_IO_TIMEOUT_S = 20.0
 

@@ -340,7 +340,7 @@ async def test_stopped_master_or_holder_fails_default_calls_within_the_bound(
     own_deployment: LocalMooncake,
 ) -> None:
     # Default options only: a stopped master, then a stopped segment holder, fails every call
-    # with a retryable error within the documented bound (README "Deadlines": 15 s), reads
+    # with a retryable error within the documented bound (docs/guide/backends/deadlines.md: 15 s), reads
     # into registered memory included (those cannot be abandoned: Mooncake's own timeouts,
     # lowered at setup, end them).
     store = open_mooncake(own_deployment.url)

@@ -318,7 +318,7 @@ async def test_a_stopped_server_fails_default_calls_within_the_bound(
     own_server: SeaweedServer,
 ) -> None:
     # Default options only. Every kind of call fails with a retryable error within the
-    # documented bound (README "Deadlines": request_timeout, 15 s), not in botocore's 110 s.
+    # documented bound (docs/guide/backends/deadlines.md: request_timeout, 15 s), not in botocore's 110 s.
     store = open_backend(f"s3://{own_server.bucket}/kv", **own_server.options)
     await store.put(["a0"], [b"x" * 100_000])
     _pause(own_server)
