@@ -164,9 +164,14 @@ class IOStats:
     bytes_fetched: int = 0
     bytes_needed: int = 0
     corruptions: int = 0
+    #: storage keys of the objects counted in ``corruptions`` (where the reader knows them):
+    #: what a caller deletes or overwrites so that the next write replaces them.
+    corrupt_keys: list[str] = field(default_factory=list)
     #: objects of a sealed namespace that failed a check: forged, swapped, replayed, another
     #: tenant's (counted apart from ``corruptions``).
     tampered: int = 0
+    #: reads that ended in an error (a backend failure, a deadline), not a miss or a check.
+    errors: int = 0
 
 
 @dataclass(frozen=True)

@@ -398,6 +398,7 @@ class L3Link:
             self._count_corrupt(exc, io)
             return False
         except Exception as exc:
+            io.errors += 1
             log.warning("L3 read of page %s failed: %r", page_hash[:16], exc)
             return False
         if not all(hits):
@@ -443,15 +444,20 @@ class L3Link:
             try:
                 got = await reader.read_frames(keys, frames)
             except Exception as exc:
+                io.errors += 1
                 log.warning("L3 read of %d pages from %s failed: %r",
                             len(page_hashes), page_hashes[0][:16], exc)
                 return 0
             per_page = len(plan.objects)
             for n, (page_hash, row) in enumerate(zip(page_hashes, rows, strict=True)):
                 outcomes = got[n * per_page : (n + 1) * per_page]
-                bad = next((o for o in outcomes if isinstance(o, CorruptObjectError)), None)
+                bad = next((i for i, o in enumerate(outcomes)
+                            if isinstance(o, CorruptObjectError)), None)
                 if bad is not None:
-                    self._count_corrupt(bad, io)
+                    corrupt = outcomes[bad]
+                    assert isinstance(corrupt, CorruptObjectError)
+                    corrupt.key = corrupt.key or reader.storage_key(keys[n * per_page + bad])
+                    self._count_corrupt(corrupt, io)
                     return n
                 if any(o is None for o in outcomes):
                     # Missed under the active key: an older one may have it (or nothing does).
@@ -477,13 +483,20 @@ class L3Link:
             log.warning("L3 object failed authentication, treated as a miss: %s", exc)
         else:
             io.corruptions += 1
+            if exc.key is not None:
+                io.corrupt_keys.append(exc.key)
             log.warning("corrupt L3 object treated as a miss: %s", exc)
 
     async def _read_object(self, key: ObjectKey, obj: ObjectRead, row: Row) -> bool:
-        """One object into ``row``, from the first reader (key) that has it."""
+        """One object into ``row``, from the first reader (key) that has it. A corrupt object
+        raises ``CorruptObjectError`` with its storage key in ``key``."""
         for reader in self.readers:
-            if await self._read_from(reader, key, obj, row):
-                return True
+            try:
+                if await self._read_from(reader, key, obj, row):
+                    return True
+            except CorruptObjectError as exc:
+                exc.key = exc.key or reader.storage_key(key)
+                raise
         return False
 
     async def _read_from(self, reader: ObjectIO, key: ObjectKey, obj: ObjectRead, row: Row) -> bool:

@@ -119,6 +119,8 @@ async def test_damaged_object_fails_the_page(
     io = IOStats()
     assert not await reader.read_page(PAGE, new_row(reader), io)
     assert io.corruptions == 1
+    # Named for the caller to delete or overwrite (the tier's and the connectors' repair).
+    assert io.corrupt_keys == [writer.write_names(PAGE)[1]] and io.errors == 0
 
 
 async def test_damaged_object_outside_the_fetched_layers_is_not_read(store: FileBackend) -> None:
@@ -145,7 +147,17 @@ async def test_missing_object_is_a_miss_not_a_corruption(store: FileBackend) -> 
     await store.delete([writer.write_plan.object_keys(PAGE)[1]])  # type: ignore[union-attr]
     io = IOStats()
     assert not await writer.read_page(PAGE, new_row(writer), io)
-    assert io.corruptions == 0
+    assert io.corruptions == 0 and not io.corrupt_keys and io.errors == 0
+
+
+async def test_a_failing_backend_is_an_error_not_a_corruption() -> None:
+    store = FaultyBackend(MemoryBackend())
+    writer = link(store)
+    assert await writer.write_page(PAGE, full_page(4), IOStats())
+    store.faults = FaultConfig(read_error_rate=1.0)
+    io = IOStats()
+    assert not await writer.read_page(PAGE, new_row(writer), io)
+    assert io.errors == 1 and io.corruptions == 0 and not io.corrupt_keys
 
 
 async def test_any_backend_takes_the_scatter_read() -> None:

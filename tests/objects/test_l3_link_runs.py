@@ -136,6 +136,9 @@ async def test_a_damaged_page_ends_the_prefix_there(store: FileBackend, damage: 
     for want, row in zip(rows[:bad], got[:bad], strict=True):
         assert np.array_equal(row, want)
     assert io.corruptions == (0 if damage == "delete" else 1)
+    # The damaged object is named, for the caller to delete or overwrite; a miss is no error.
+    named = [] if damage == "delete" else [target.write_names(HASHES[bad])[1]]
+    assert io.corrupt_keys == named and io.errors == 0
 
 
 @pytest.mark.parametrize(("topology", "rank"), [(Topology(4, 1), 3), (Topology(1, 2), 1)])

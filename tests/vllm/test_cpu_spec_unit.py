@@ -159,3 +159,34 @@ def test_a_run_outside_either_page_is_refused(regions: Any, run: CopyRun) -> Non
     mapping = CanonicalPageMapping(PAGE * RANKS - FRAG, PAGE, (run,), 1, 0, True)
     with pytest.raises(RuntimeError, match="is empty or falls outside"):
         TorchCopyWorker(engine_caches(0, mapping), 1, region, canonical=True)
+
+
+def test_a_primary_tier_smaller_than_one_long_request_is_named_with_the_size_that_fits() -> None:
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    from hicache_store.integrations.vllm.cpu_spec import primary_sizing_warning
+
+    def config(groups: int, blocks_per_chunk: int) -> OffloadingConfig:
+        return OffloadingConfig(
+            groups=tuple(OffloadingGroupConfig(128, (f"l{g}",), g) for g in range(groups)),
+            worker_kv_bytes_per_block=4096, enable_kv_cache_events=False, extra_config={},
+            engine_id="unit", model=OffloadingModelConfig("tiny", "float32"),
+            cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=blocks_per_chunk),
+            parallel=OffloadingParallelConfig(
+                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                is_parallelism_agnostic=False))
+
+    # 1536 tokens in chunks of 128: 12 rows; two groups: 24; chunks of 4 blocks: 3.
+    assert primary_sizing_warning(config(1, 1), 12, 512, 1536) is None
+    warning = primary_sizing_warning(config(1, 1), 8, 512, 1536)
+    assert warning is not None and "holds 8 chunks" in warning and "fills up to 12" in warning
+    assert "cpu_bytes_to_use to at least 6144 (12 chunks of 512 bytes)" in warning
+    assert "fills up to 24" in str(primary_sizing_warning(config(2, 1), 12, 512, 1536))
+    assert primary_sizing_warning(config(1, 4), 3, 2048, 1536) is None

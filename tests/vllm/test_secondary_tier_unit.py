@@ -471,3 +471,29 @@ def test_a_load_from_a_closed_backend_fails_and_never_hangs(make: Any) -> None:
     result = h.load([key(99)], [1])
     assert not result.success and not result.successful_keys
     assert h.tier.stats.load_failures == 1
+
+
+def test_unknown_keys_of_the_entry_are_refused_as_the_connector_refuses_its_own(
+    tmp_path: Path,
+) -> None:
+    """vLLM's factory passes every key of the ``secondary_tiers`` entry to the tier: a key the
+    tier does not take is one ``ConfigError`` line (the close spelling, the known keys, and
+    where a capacity goes), not Python's ``TypeError`` from the constructor call."""
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    def create(**entry: Any) -> Any:
+        return SecondaryTierFactory.create_secondary_tier(
+            {"type": "HiCacheStoreTier",
+             "module_path": "hicache_store.integrations.vllm.secondary_tier", **entry},
+            memoryview(np.zeros((CHUNKS, ROW), dtype=np.int8)), _Spec(offloading_config()))
+
+    with pytest.raises(ConfigError, match=(
+            r"unknown key\(s\) 'capacity'; known: backend_options, enable_kv_events, .*url"
+            r".*capacity is the backend's option, in its URL: url='file:///path\?capacity_bytes=")):
+        create(url=f"file://{tmp_path}/s", capacity="1GiB")
+    with pytest.raises(ConfigError, match=r"'io_timeout' \(did you mean 'io_timeout_s'\?\)"):
+        create(url=f"file://{tmp_path}/s", io_timeout=3)
+    with pytest.raises(ConfigError, match=r"url 'fiel:///x': no backend named 'fiel'"):
+        create(url="fiel:///x")
+    tier = create(url=f"file://{tmp_path}/s?capacity_bytes=1GiB")
+    tier.shutdown()

@@ -8,5 +8,6 @@ Two routes, both loaded by vLLM from a module path, never imported by hicache-st
   with hicache-store's own hash chain and namespace and stores them as unified, framed objects.
 - ``secondary_tier``: a secondary tier under vLLM's ``OffloadingConnector``.
 
-Importing this package does not import vLLM; its submodules do.
+Importing this package does not import vLLM; its submodules do (and route hicache-store's log
+lines into vLLM's log, in vLLM's format: ``_logging``).
 """

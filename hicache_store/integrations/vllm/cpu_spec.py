@@ -30,11 +30,15 @@ vLLM's own worker would write. Loaded by::
 
 Refused at start-up: KV tensors that are not in host memory, and (vLLM's own check)
 ``canonical_layout`` where a layer has no certified mapping or is not portable while the
-namespace is shared across topologies.
+namespace is shared across topologies. Warned at start-up: a primary tier (``cpu_bytes_to_use``)
+with fewer chunk rows than one request of ``max_model_len`` tokens fills
+(``primary_sizing_warning``): a reused prefix longer than the primary holds cannot be promoted
+whole from a secondary tier.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +55,40 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
+from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from ._logging import attach as attach_logging
+
+log = logging.getLogger(__name__)
+attach_logging()  # this library's lines in vLLM's log, in its format
+
+
+def primary_rows_needed(config: OffloadingConfig, num_tokens: int) -> int:
+    """Chunk rows of the primary tier one request of ``num_tokens`` tokens fills at most: a
+    row per chunk of every KV cache group (a sliding-window or state group fills fewer)."""
+    return sum(-(-num_tokens // (g.tokens_per_block * config.cache.blocks_per_chunk))
+               for g in config.groups)
+
+
+def primary_sizing_warning(
+    config: OffloadingConfig, num_chunks: int, bytes_per_chunk: int, max_model_len: int
+) -> str | None:
+    """Why a primary tier of ``num_chunks`` rows is too small for requests of
+    ``max_model_len`` tokens (and the ``cpu_bytes_to_use`` that is not), or None."""
+    needed = primary_rows_needed(config, max_model_len)
+    if num_chunks >= needed:
+        return None
+    return (
+        f"the CPU primary tier holds {num_chunks} chunks (cpu_bytes_to_use), a request of "
+        f"max_model_len={max_model_len} tokens fills up to {needed}: a reused prefix longer "
+        "than the primary holds cannot be promoted from a secondary tier whole: the rest is "
+        "recomputed, and vLLM 0.32 has been seen to retry such a request forever. Set "
+        "cpu_bytes_to_use to at least "
+        f"{needed * bytes_per_chunk} ({needed} chunks of {bytes_per_chunk} bytes), plus room "
+        "for the requests that run at the same time"
+    )
 
 
 @dataclass(frozen=True)
@@ -243,6 +279,15 @@ class CPUTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]
         return worker
 
     def create_worker(self, kv_caches: CanonicalKVCaches) -> TorchCopyWorker:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()  # (set while vLLM builds a worker)
+        if vllm_config is not None and self.config.parallel.rank == 0:
+            warning = primary_sizing_warning(self.config, self.num_chunks,
+                                             self.kv_bytes_per_chunk,
+                                             vllm_config.model_config.max_model_len)
+            if warning:
+                log.warning("CPUTieringOffloadingSpec: %s", warning)
         if self.config.canonical_layout:
             # vLLM's own check: every layer certified, portable where the namespace is shared.
             self._validate_canonical_refs(kv_caches)

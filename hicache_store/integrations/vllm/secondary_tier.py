@@ -75,7 +75,8 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   where it last stopped, and where the feed cannot name what changed (pruned, rebuilt) it
   compares its rows with a listing. Rows other processes stored are not this tier's events.
 
-Configuration (a ``secondary_tiers`` entry; every key but ``type`` and ``module_path`` optional)::
+Configuration (a ``secondary_tiers`` entry; every key but ``type`` and ``module_path`` optional;
+any other key is refused with one ``ConfigError`` line, as the connector refuses its own)::
 
     {"type": "HiCacheStoreTier",
      "module_path": "hicache_store.integrations.vllm.secondary_tier",
@@ -137,7 +138,9 @@ from hicache_store.objects import Arena, Frame, ObjectIO, PendingFrames
 from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
 from hicache_store.weights import WeightsIdentity
 
+from ._config import check_backend_url, check_tier_options
 from ._hints import TierHints
+from ._logging import attach as attach_logging
 from ._weights import Revision, model_identity
 
 if TYPE_CHECKING:
@@ -147,6 +150,7 @@ if TYPE_CHECKING:
     from hicache_store.backends._file_index import FileIndex
 
 log = logging.getLogger(__name__)
+attach_logging()  # this library's lines in vLLM's log, in its format
 
 #: the object coordinates of every row (one block).
 ROW_COORDS = ObjectCoords(0, 1, None)
@@ -421,7 +425,10 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         locality: str | None = None,
         test_alter_loaded_kv: bool = False,
         backpressure_detector: BackpressureDetector | None = None,
+        **unknown: Any,
     ) -> None:
+        # (vLLM passes every other key of the secondary_tiers entry as a keyword)
+        check_tier_options(unknown)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if not vllm.__version__.startswith("0.32."):
             raise ConfigError(
@@ -443,6 +450,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             tenant_salt=tenant_salt,
         )
         self.url = url or default_url()
+        check_backend_url(self.url)
         self.backend: Backend = open_backend({"url": self.url, **dict(backend_options or {})})
         self._io_limits = (io_timeout_s, int(max_inflight_mib * (1 << 20)))
         self.io = ObjectIO(
