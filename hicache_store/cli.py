@@ -2,7 +2,8 @@
 
 Each subcommand lives in ``hicache_store.commands.<name>`` and exposes
 ``register(subparsers) -> None``, which adds its parser and sets ``func`` (a callable taking the
-parsed namespace and returning an exit code). Exit codes: 0 success, 1 failed, 2 bad usage,
+parsed namespace and returning an exit code); what they share is ``commands/_common.py``, and no
+command imports this module. Exit codes: 0 success, 1 failed, 2 bad usage,
 130 interrupted (Ctrl-C), 143 terminated (SIGTERM). Errors print as one readable line;
 ``--debug`` shows the traceback. An interrupt or SIGTERM cancels the command's work and waits
 (bounded) for what is in flight to end and for its store to close (``_sync.run_sync``), then
@@ -14,16 +15,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
 import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 from hicache_store import __version__
+from hicache_store.commands._common import INSTALL_HINTS
 from hicache_store.errors import ConfigError, UsageError
 
 #: subcommand modules, in the order ``--help`` lists them.
@@ -70,90 +70,6 @@ def _sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-#: optional packages commands import, and how to install each (one line instead of a traceback).
-#: They name the packages, not ``hicache-store[extra]``: the package is on no index, so an
-#: extra installs only from a checkout or a wheel (README "Install as a library").
-INSTALL_HINTS = {
-    "torch": "pip install torch==2.13.0 (the CPU wheel; install it before hicache-store's extras)",
-    "matplotlib": "pip install matplotlib (the bench extra)",
-    "transformers": "pip install transformers tokenizers (the hf extra)",
-    "tokenizers": "pip install transformers tokenizers (the hf extra)",
-    "zmq": "pip install pyzmq (the events extra)",
-}
-
-
-def require_module(name: str, what: str) -> None:
-    """Raise ``UsageError`` now, before any work, if ``name`` cannot be imported."""
-    import importlib.util
-
-    try:
-        found = importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        raise UsageError(f"{what} needs {name}: {INSTALL_HINTS.get(name, f'pip install {name}')}")
-
-
-def doc_summary(doc: str | None) -> str | None:
-    """The first paragraph of a module docstring as help text: reST's ````literal```` marks
-    removed (help is read as plain text)."""
-    return None if not doc else doc.split("\n\n")[0].replace("``", "")
-
-
-def add_store_command(
-    subparsers: Any, name: str, *, help: str, doc: str | None
-) -> argparse.ArgumentParser:
-    """Add subcommand ``name`` of a command that opens one store: described by ``doc``'s first
-    paragraph, its first argument the store's URL (optional on the command line: the
-    ``HICACHE_STORE_URL`` layer of ``ops.config`` gives it)."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        name, help=help, description=doc_summary(doc))
-    parser.add_argument("url", nargs="?", default=None,
-                        help="backend URL, e.g. file:///var/cache/kv (or HICACHE_STORE_URL)")
-    return parser
-
-
-def add_prompts_argument(group: argparse._ActionsContainer) -> None:
-    """``--prompts FILE`` (repeatable; ``ops.sources.load_prompts`` reads them)."""
-    group.add_argument("--prompts", action="append", default=[], metavar="FILE",
-                       help="JSONL (text / messages / input_ids per line) or text file; repeatable")
-
-
-def add_report_arguments(parser: argparse._ActionsContainer, report: str) -> None:
-    """``--json`` (print ``report`` as JSON) and ``--no-progress`` (nothing on stderr)."""
-    parser.add_argument("--json", action="store_true", help=f"print the {report} as JSON")
-    parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
-
-
-def add_json_output(parser: argparse._ActionsContainer, what: str) -> None:
-    """``--json PATH`` of a command that prints a table and writes files (the benchmarks):
-    ``-`` is stdout (the table then goes to stderr), as everywhere: no command writes a file
-    named ``-``. Commands that only report take a bare ``--json`` (``add_report_arguments``),
-    which prints on stdout too."""
-    parser.add_argument("--json", type=Path, metavar="PATH",
-                        help=f"write the {what} as JSON to PATH (- for stdout; the table then "
-                        "goes to stderr)")
-
-
-def json_on_stdout(args: argparse.Namespace) -> bool:
-    """Whether ``--json -`` asked for the JSON on stdout (tables then go to stderr)."""
-    return args.json is not None and str(args.json) == "-"
-
-
-def write_json(path: Path, document: Any) -> None:
-    """``document`` as indented JSON to ``path`` (``-``: stdout). A file is replaced whole
-    (written beside it, then renamed): a reader never sees half a document, and a run that
-    rewrites it as rows finish never leaves it cut."""
-    text = json.dumps(document, indent=2)
-    if str(path) == "-":
-        print(text, flush=True)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
-    partial.replace(path)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -8,7 +8,8 @@
   (``DEMO_COMMANDS``) may, and they too only inside their ``run`` functions, so importing any
   module of the library (``hicache-store --help`` included) never loads the demo.
 * Library logic lives below the commands: nothing outside ``commands/`` and ``cli.py`` imports
-  them; the tier, the object I/O and the rank group (``tier``, ``objects``, ``distributed``)
+  them, and no command imports the dispatcher (``cli``, ``__main__``: what commands share is
+  ``commands/_common.py``); the tier, the object I/O and the rank group (``tier``, ``objects``, ``distributed``)
   import neither the operator tools (``ops``) nor the engine adapters (``integrations``).
 * No import cycle between packages: the units are ``layout``, ``kernels``, ``backends``, each
   subpackage of ``hicache_store`` (``tier``, ``ops``, ``integrations``, ...), each top-level module
@@ -51,6 +52,7 @@ DEMO_COMMANDS = frozenset({
     "hicache_store.commands.prepopulate",
 })
 COMMAND_LAYER = ("hicache_store.commands", "hicache_store.cli", "hicache_store.__main__")
+DISPATCHER = ("hicache_store.cli", "hicache_store.__main__")
 #: the cache tier and what it stands on, and what stands on them (operator tools, engine adapters).
 TIER_LAYER = ("hicache_store.tier", "hicache_store.objects", "hicache_store.distributed")
 TOOL_LAYER = ("hicache_store.ops", "hicache_store.integrations")
@@ -120,6 +122,9 @@ def violations(root: Path) -> list[str]:
                 rule = "kernels and backends import only layout"
             elif _under(name, DEMO) and not _under(module, DEMO) and module not in DEMO_COMMANDS:
                 rule = "the core never imports the demo"
+            elif _under(module, "hicache_store.commands") \
+                    and any(_under(name, d) for d in DISPATCHER):
+                rule = "commands never import the dispatcher"
             elif any(_under(name, c) for c in COMMAND_LAYER) \
                     and not any(_under(module, c) for c in COMMAND_LAYER):
                 rule = "library modules never import the commands"
@@ -230,13 +235,17 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
     (pkg / "commands").mkdir()
     (pkg / "commands" / "bench_pd.py").write_text("from hicache_store.demo.bench import pd\n")
     (pkg / "commands" / "gc.py").write_text("from hicache_store.demo.engine import MiniLlama\n")
+    (pkg / "commands" / "plan.py").write_text("from hicache_store.cli import UsageError\n")
     found = violations(tmp_path)
     assert [f.split(":")[0] for f in found] == [
         "layout/keys.py", "kernels/pack.py", "hicache_store/commands/gc.py",
-        "hicache_store/objects/manifest.py", "hicache_store/ops/gc.py",
-        "hicache_store/ops/sources.py", "hicache_store/reader.py", "hicache_store/tier.py"]
-    assert "hicache_store.ops.sources -> hicache_store.demo.engine" in found[5]
-    assert "hicache_store.objects.manifest -> hicache_store.ops.manifest" in found[3]
+        "hicache_store/commands/plan.py", "hicache_store/objects/manifest.py",
+        "hicache_store/ops/gc.py", "hicache_store/ops/sources.py", "hicache_store/reader.py",
+        "hicache_store/tier.py"]
+    assert "hicache_store.commands.plan -> hicache_store.cli (commands never import the " \
+        "dispatcher)" in found[3]
+    assert "hicache_store.ops.sources -> hicache_store.demo.engine" in found[6]
+    assert "hicache_store.objects.manifest -> hicache_store.ops.manifest" in found[4]
 
 
 def test_no_import_cycle_between_packages() -> None:

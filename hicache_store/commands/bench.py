@@ -1,7 +1,7 @@
 """``hicache-store bench``: measurement commands, one sub-subcommand per module.
 
 Each module in ``BENCH_MODULES`` exposes ``register(subparsers)`` like a top-level command
-module (``hicache_store.cli``); adding a benchmark is adding its module name here.
+module (``hicache_store.cli.COMMAND_MODULES``); adding a benchmark is adding its module name here.
 """
 
 from __future__ import annotations

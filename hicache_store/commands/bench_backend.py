@@ -39,7 +39,7 @@ import numpy as np
 from hicache_store._sync import run_sync
 from hicache_store.backends import Backend, BackendURL, ByteRange, aligned_buffer, open_backend
 from hicache_store.backends.types import parse_size
-from hicache_store.cli import UsageError
+from hicache_store.errors import UsageError
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _BLOCK = 4096  # O_DIRECT's unit of transfer here

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hicache_store.demo.bench.workload import WorkloadSpec
 
-from hicache_store.cli import (
-    UsageError,
+from hicache_store.commands._common import (
     add_json_output,
     json_on_stdout,
     require_module,
     write_json,
 )
+from hicache_store.errors import UsageError
 from hicache_store.ops.progress import ProgressBar
 
 

@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hicache_store.cli import (
-    UsageError,
+from hicache_store.commands._common import (
     add_json_output,
     json_on_stdout,
     require_module,
     write_json,
 )
 from hicache_store.commands.bench_multiturn import add_workload_arguments, workload_spec
+from hicache_store.errors import UsageError
 from hicache_store.ops.progress import ProgressBar
 
 

@@ -38,8 +38,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hicache_store.cli import UsageError, add_json_output, json_on_stdout, write_json
+from hicache_store.commands._common import add_json_output, json_on_stdout, write_json
 from hicache_store.commands.bench_multiturn import add_transfer_policy_arguments
+from hicache_store.errors import UsageError
 from hicache_store.ops.progress import ProgressBar, counted
 
 if TYPE_CHECKING:

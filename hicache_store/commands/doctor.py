@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from hicache_store._sync import run_sync
 from hicache_store.backends._file_site import RootSite
-from hicache_store.cli import UsageError, add_prompts_argument, add_store_command
+from hicache_store.commands._common import add_prompts_argument, add_store_command
+from hicache_store.errors import UsageError
 from hicache_store.layout.namespace import HASH_ALGOS, ModelShape, Namespace
 from hicache_store.layout.topology import Topology
 from hicache_store.ops.config import layered, require, resolve

@@ -23,7 +23,8 @@ import signal
 import threading
 from typing import Any
 
-from hicache_store.cli import UsageError, add_store_command, require_module
+from hicache_store.commands._common import add_store_command, require_module
+from hicache_store.errors import UsageError
 from hicache_store.ops.config import layered, require, resolve
 
 

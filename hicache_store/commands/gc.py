@@ -30,7 +30,8 @@ from typing import Any
 
 from hicache_store._sync import run_sync
 from hicache_store.backends.types import parse_size
-from hicache_store.cli import UsageError, add_report_arguments
+from hicache_store.commands._common import add_report_arguments
+from hicache_store.errors import UsageError
 from hicache_store.layout.errors import ConfigError
 from hicache_store.ops.gc import (
     MOST_OF_THE_STORE,

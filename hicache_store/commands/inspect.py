@@ -26,7 +26,8 @@ from typing import Any
 
 from hicache_store._sync import run_sync
 from hicache_store.backends.types import parse_size
-from hicache_store.cli import UsageError, add_report_arguments, add_store_command
+from hicache_store.commands._common import add_report_arguments, add_store_command
+from hicache_store.errors import UsageError
 from hicache_store.ops.config import layered, require, resolve
 from hicache_store.ops.inspection import StoreReport, inspect_store
 from hicache_store.ops.progress import ProgressBar, counted, human_bytes

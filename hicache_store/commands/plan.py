@@ -21,7 +21,7 @@ import argparse
 import json
 from typing import Any
 
-from hicache_store.cli import UsageError
+from hicache_store.errors import UsageError
 from hicache_store.layout.dtypes import KV_DTYPE_ITEMSIZE
 from hicache_store.layout.errors import GridMismatchError, InvalidNamespaceError
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace

@@ -21,12 +21,12 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from hicache_store._sync import run_sync
-from hicache_store.cli import (
-    UsageError,
+from hicache_store.commands._common import (
     add_prompts_argument,
     add_report_arguments,
     add_store_command,
 )
+from hicache_store.errors import UsageError
 from hicache_store.layout.errors import GridMismatchError, InvalidNamespaceError
 from hicache_store.layout.namespace import HASH_ALGOS, Grid
 from hicache_store.layout.topology import Topology

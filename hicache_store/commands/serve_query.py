@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hicache_store.cli import UsageError, add_store_command
+from hicache_store.commands._common import add_store_command
+from hicache_store.errors import UsageError
 from hicache_store.ops.config import layered, require, resolve
 
 

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hicache_store.cli import UsageError
+from hicache_store.errors import UsageError
 from hicache_store.tenant import (
     new_ring_text,
     parse_key_ring,
