@@ -9,8 +9,10 @@
   module of the library (``hicache-store --help`` included) never loads the demo.
 * Library logic lives below the commands: nothing outside ``commands/`` and ``cli.py`` imports
   them, and no command imports the dispatcher (``cli``, ``__main__``: what commands share is
-  ``commands/_common.py``); the tier, the object I/O and the rank group (``tier``, ``objects``, ``distributed``)
-  import neither the operator tools (``ops``) nor the engine adapters (``integrations``).
+  ``commands/_common.py``); the tier, the object I/O and the rank group (``tier``, ``objects``,
+  ``distributed``), and the SGLang extra-config both tools read (``sglang_config``), import
+  neither the operator tools (``ops``) nor the engine adapters (``integrations``); ``ops`` never
+  imports ``integrations`` (what both need lives below them).
 * No import cycle between packages: the units are ``layout``, ``kernels``, ``backends``, each
   subpackage of ``hicache_store`` (``tier``, ``ops``, ``integrations``, ...), each top-level module
   (``reader``, ``sync``, ...) and the root package itself; an import from one unit into another is
@@ -53,8 +55,10 @@ DEMO_COMMANDS = frozenset({
 })
 COMMAND_LAYER = ("hicache_store.commands", "hicache_store.cli", "hicache_store.__main__")
 DISPATCHER = ("hicache_store.cli", "hicache_store.__main__")
-#: the cache tier and what it stands on, and what stands on them (operator tools, engine adapters).
-TIER_LAYER = ("hicache_store.tier", "hicache_store.objects", "hicache_store.distributed")
+#: the cache tier and what it stands on (with the SGLang extra-config, which the tools share), and
+#: what stands on them (operator tools, engine adapters).
+TIER_LAYER = ("hicache_store.tier", "hicache_store.objects", "hicache_store.distributed",
+              "hicache_store.sglang_config")
 TOOL_LAYER = ("hicache_store.ops", "hicache_store.integrations")
 
 
@@ -131,6 +135,8 @@ def violations(root: Path) -> list[str]:
             elif any(_under(module, c) for c in TIER_LAYER) \
                     and any(_under(name, t) for t in TOOL_LAYER):
                 rule = "the tier and object I/O never import the operator tools or adapters"
+            elif _under(module, "hicache_store.ops") and _under(name, "hicache_store.integrations"):
+                rule = "the operator tools never import the engine adapters"
             if rule:
                 flagged.add(line)
                 found.append(f"{where}:{line}: {module} -> {name} ({rule})")
@@ -227,6 +233,8 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
     (pkg / "ops" / "sources.py").write_text(
         "def mini():\n    from ..demo.engine import MiniLlama\n    return MiniLlama\n")
     (pkg / "ops" / "gc.py").write_text("from hicache_store.commands import gc\n")
+    (pkg / "ops" / "deployment.py").write_text(
+        "def parse():\n    from hicache_store.integrations import sglang\n    return sglang\n")
     (pkg / "tier.py").write_text(
         "import importlib\nimportlib.import_module('hicache_store.demo.bench.pd')\n")
     (pkg / "objects").mkdir()
@@ -240,11 +248,13 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
     assert [f.split(":")[0] for f in found] == [
         "layout/keys.py", "kernels/pack.py", "hicache_store/commands/gc.py",
         "hicache_store/commands/plan.py", "hicache_store/objects/manifest.py",
-        "hicache_store/ops/gc.py", "hicache_store/ops/sources.py", "hicache_store/reader.py",
-        "hicache_store/tier.py"]
+        "hicache_store/ops/deployment.py", "hicache_store/ops/gc.py",
+        "hicache_store/ops/sources.py", "hicache_store/reader.py", "hicache_store/tier.py"]
     assert "hicache_store.commands.plan -> hicache_store.cli (commands never import the " \
         "dispatcher)" in found[3]
-    assert "hicache_store.ops.sources -> hicache_store.demo.engine" in found[6]
+    assert "hicache_store.ops.deployment -> hicache_store.integrations (the operator tools " \
+        "never import the engine adapters)" in found[5]
+    assert "hicache_store.ops.sources -> hicache_store.demo.engine" in found[7]
     assert "hicache_store.objects.manifest -> hicache_store.ops.manifest" in found[4]
 
 

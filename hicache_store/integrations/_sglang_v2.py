@@ -57,6 +57,7 @@ from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import IOStats, L3Link, PageWrite
+from hicache_store.sglang_config import AdapterConfig
 from hicache_store.tenant import KeyRing
 from hicache_store.tier.components import (
     RECURRENT_TAG,
@@ -66,7 +67,6 @@ from hicache_store.tier.components import (
     component_namespace,
 )
 
-from ._sglang_config import AdapterConfig
 from ._sglang_pool import Registered, describe_host_pool, host_slots
 
 #: SGLang's pool names (``PoolName``) this module knows.

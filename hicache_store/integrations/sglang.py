@@ -7,7 +7,7 @@ Launch SGLang with::
         "module_path": "hicache_store.integrations.sglang", "class_name": "HiCacheStoreStorage",
         "interface_v1": 1, "url": "file:///var/cache/kv", "grid": "1x1"}'
 
-(the extra-config keys are documented in ``_sglang_config``). SGLang's ``StorageBackendFactory``
+(the extra-config keys are documented in ``hicache_store.sglang_config``). SGLang's ``StorageBackendFactory``
 imports this module, checks that ``HiCacheStoreStorage`` subclasses its ``HiCacheStorage`` (it
 does whenever SGLang is importable; without SGLang it is a plain class with the same methods),
 builds it as ``cls(storage_config, kwargs)`` and calls ``register_mem_pool_host(host_pool)``.
@@ -100,9 +100,9 @@ from hicache_store.layout.keys import ObjectKey, validate_page_hash
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import WritePlan
 from hicache_store.objects import Frame, IOStats, L3Link, PageWrite
+from hicache_store.sglang_config import AdapterConfig
 from hicache_store.tenant import KeyRing, load_key_ring
 
-from ._sglang_config import AdapterConfig
 from ._sglang_events import AdapterEvents
 from ._sglang_metrics import AdapterMetrics
 from ._sglang_namespace import NamespaceWatch

@@ -11,7 +11,7 @@ to an external store. Load this linker with::
 SGLang's ``linker_factory`` imports this module, checks that ``HiCacheStoreLinker`` is a
 concrete ``UnifiedCacheLinker`` and builds it per worker as ``cls(server_args, params,
 components=..., extra_config=..., forward_stream=...)``. ``linker_extra_config`` takes the
-storage adapter's extra-config keys (``_sglang_config``: ``url``, ``grid``, ``tenant_salt``,
+storage adapter's extra-config keys (``hicache_store.sglang_config``: ``url``, ``grid``, ``tenant_salt``,
 ``key_scheme``, ...), so the linker and the adapter derive the same namespace and share stored
 pages, across TP/PP sizes as the adapter does.
 
@@ -57,9 +57,9 @@ from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.keys import validate_page_hash
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.objects import IOStats, L3Link, PageWrite
+from hicache_store.sglang_config import AdapterConfig
 
 from ._lookups import LookupCounters
-from ._sglang_config import AdapterConfig
 from ._sglang_pool import _TORCH_KV_DTYPES
 from ._sglang_weights import WeightsWatch
 

@@ -19,7 +19,8 @@ its namespace at start from four sources:
 ``Deployment`` holds what an operator knows of these, any of it possibly unknown, so that
 ``prepopulate`` writes under the namespace the engine will look in, and ``doctor`` can name the
 fields in which a deployment differs from what a store holds. Both parse the extra-config with
-the adapter's own parser (``AdapterConfig``), so a typo fails the same way everywhere.
+the adapter's own parser (``hicache_store.sglang_config.AdapterConfig``), so a typo fails the
+same way everywhere.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from hicache_store.integrations._sglang_config import AdapterConfig
 from hicache_store.layout.namespace import (
     Difference,
     Grid,
@@ -46,6 +46,7 @@ from hicache_store.layout.namespace import (
     weights_revision,
 )
 from hicache_store.layout.topology import Topology
+from hicache_store.sglang_config import AdapterConfig
 from hicache_store.tenant import KeyRing, load_key_ring
 from hicache_store.weights import WeightsIdentity
 

@@ -11,9 +11,9 @@ import pytest
 from _kv_subscriber import Subscriber
 from test_sglang import StandInPool, adapter, keys_for, random_pages, slots
 
-from hicache_store.integrations._sglang_config import AdapterConfig
 from hicache_store.layout.errors import ConfigError
 from hicache_store.layout.keys import parse_key
+from hicache_store.sglang_config import AdapterConfig
 from hicache_store.tenant import KEY_FILE_ENV, KEY_TEXT_ENV, format_key_ring
 
 

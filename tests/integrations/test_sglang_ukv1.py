@@ -20,13 +20,13 @@ import torch
 
 from hicache_store._sync import run_sync
 from hicache_store.backends import aligned_buffer, open_backend
-from hicache_store.integrations._sglang_config import sglang_stage_sizes
 from hicache_store.layout.keys import format_key, parse_key
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import plan_reads, plan_writes
 from hicache_store.layout.topology import Topology
 from hicache_store.layout.ukv1 import ukv1_grid
 from hicache_store.objects import IOStats, L3Link
+from hicache_store.sglang_config import sglang_stage_sizes
 
 
 @dataclass(frozen=True)

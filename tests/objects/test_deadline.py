@@ -8,7 +8,6 @@ import pytest
 
 from hicache_store.backends import open_backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
-from hicache_store.integrations._sglang_config import AdapterConfig
 from hicache_store.layout.errors import ConfigError
 from hicache_store.layout.keys import ObjectCoords, ObjectKey
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
@@ -19,6 +18,7 @@ from hicache_store.objects import (
     Frame,
     ObjectIO,
 )
+from hicache_store.sglang_config import AdapterConfig
 
 MiB = 1 << 20
 NS = Namespace.create("m", ModelShape.mha(4, 2, 8), "float16", 4, Grid(4, 2))

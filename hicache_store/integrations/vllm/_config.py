@@ -57,11 +57,11 @@ from typing import Any
 
 from hicache_store.backends import BackendURL, get_backend_class
 from hicache_store.backends.errors import UnknownBackendError
-from hicache_store.integrations._sglang_config import parse_grid
 from hicache_store.layout.errors import ConfigError
 from hicache_store.layout.namespace import Grid
 from hicache_store.layout.topology import Topology
 from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
+from hicache_store.sglang_config import parse_grid
 
 #: the vLLM releases this connector is written and tested against (its connector API is marked
 #: experimental and changes between minor releases).

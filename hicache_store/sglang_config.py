@@ -1,4 +1,9 @@
-"""The adapter's keys in SGLang's ``--hicache-storage-backend-extra-config`` JSON.
+"""The adapter's keys in SGLang's ``--hicache-storage-backend-extra-config`` JSON, and their parser.
+
+One parser for everything that reads the extra-config: the SGLang adapter and linker
+(``integrations``) and the operator tools that derive a deployment's namespace
+(``ops.deployment``), so a key means the same, and a typo fails the same way, everywhere. It sits
+below both: neither imports the other.
 
 SGLang hands the backend the whole extra-config dict (``storage_config.extra_config``) after
 popping its own prefetch keys. The keys read here, all optional except ``url``:
