@@ -54,7 +54,7 @@ component writes none) and the policy ranks the victim above them (``_admit_rows
 ``SessionEviction.goes_before_current``): then the pages the policy would give up first are
 the new ones, and L2 keeps the prefix that fits beside what it holds. This is the order the
 block-level simulator measures (it admits, then evicts), so ``lru`` and ``session`` hit in
-the tier exactly what the simulator reports (``tests/trace/test_trace_weka.py``).
+the tier exactly what the simulator reports (``tests/bench/test_trace_format_weka.py``).
 
 **Ranks** (``group``, e.g. ``distributed.TorchGroup``): every number that changes what is
 computed is agreed as the minimum over ranks at the same point on every rank, and every request

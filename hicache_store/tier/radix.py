@@ -42,7 +42,7 @@ history of each page: one request clock (``begin_request``), and each use of a p
 every copy it holds, in path order (``touch``). A policy's order is a function of that history
 (``lru``: last use, then deeper first; ``arc``: used by one request or again, then last use), so
 pools holding copies of the same pages keep and give up the same pages
-(``tests/hybrid/test_eviction_order.py``). Pools differ only in what they may give up (a KV pool
+(``tests/tier/test_components_eviction_order.py``). Pools differ only in what they may give up (a KV pool
 its evictable leaves, so a chain loses its tail; a component copy any time it is unlocked) and,
 with ``arc``, in the adaptive target and ghost lists, which are evidence about that pool's own
 capacity. Ordering component copies by their page's KV policy state instead was not chosen: a

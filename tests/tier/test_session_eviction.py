@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trace"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from _trace_helpers import random_tree_trace
 
 from hicache_store.demo.bench.trace_format import SessionFields, Trace, TraceRequest

@@ -150,7 +150,7 @@ async def test_a_shard_reader_takes_its_part_of_each_page(
     reader = link(store, topology=topology, rank=rank)
     got = new_rows(reader)
     assert await reader.read_prefix(HASHES, got, IOStats()) == PAGES
-    # Each page equals what the page-by-page path assembles (exact shards: test_l3_link.py).
+    # Each page equals what the page-by-page path assembles (exact shards: test_pages_l3_link.py).
     for row, h in zip(got, HASHES, strict=True):
         one = new_rows(reader, 1)[0]
         assert await reader.read_page(h, one, IOStats())
