@@ -83,7 +83,6 @@ NO_TEST_FILE: dict[str, str] = {
     "hicache_store/integrations/vllm/_config.py": "private part of the vLLM connector: tests/vllm/test_vllm_startup.py",
     "hicache_store/integrations/vllm/_logging.py": "private part of the vLLM connector: tests/vllm/test_vllm_startup.py (its log lines)",
     "hicache_store/integrations/vllm/_l2.py": "runs without vLLM, unlike tests/vllm/: tests/integrations/test_vllm_l2.py",
-    "hicache_store/objects/arena.py": "the staging of ObjectIO: tests/objects/test_io.py (writes reuse their staging)",
     "hicache_store/objects/failures.py": "the failed-write log: tests/backends/test_file_full_disk.py",
     "hicache_store/objects/manifest.py": "manifests on a backend, through ops.manifest: tests/ops/test_inspection_verify.py",
     "hicache_store/objects/sealed.py": "the sealed format: tests/tenant/ and tests/objects/test_offload.py",

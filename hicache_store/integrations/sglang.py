@@ -92,7 +92,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from hicache_store import _sync
-from hicache_store.backends import Backend, aligned_buffer, open_backend
+from hicache_store.backends import Backend, open_backend
 from hicache_store.backends._aio import result_within, timeout_at
 from hicache_store.kernels.ops import host_to_unified, unified_to_host
 from hicache_store.kernels.pools import HostPool
@@ -100,6 +100,7 @@ from hicache_store.layout.keys import ObjectKey, validate_page_hash
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import WritePlan
 from hicache_store.objects import Frame, IOStats, L3Link, PageWrite
+from hicache_store.objects.arena import Arenas, round_up
 from hicache_store.sglang_config import AdapterConfig
 from hicache_store.tenant import KeyRing, load_key_ring
 
@@ -125,7 +126,6 @@ from ._sglang_weights import WeightsWatch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_ALIGN = 4096
 #: Reads: pages in flight at once, each read into its own staging row and relaid out into the
 #: pool as soon as it lands (within ``staging_mib``). A window, not chunks: no read waits for
 #: a slower neighbour of its chunk, and the staging is smaller (16 rows = 128 MiB for 8 MiB
@@ -147,60 +147,38 @@ SGLANG_AVAILABLE = _HiCacheStorage is not object
 __all__ = ["SGLANG_AVAILABLE", "HiCacheStoreStorage"]
 
 
-def _round_up(n: int, to: int = _ALIGN) -> int:
-    return -(-n // to) * to
-
-
 _Buffer = tuple[memoryview, torch.Tensor]
 _StagingKey = tuple[str, int, int]  # (purpose, slot, bytes)
 
 
-class _Spares:
-    """Read staging made ahead, at registration; the first thread that reads adopts it.
+class _Staging(threading.local):
+    """Per-thread, page-aligned staging buffers, reused across calls.
 
-    Read staging is populated (see ``aligned_buffer``), which costs about what reading the
-    same bytes from disk does here: made ahead, that cost is paid once at start-up, not in
-    the first prefetch.
+    Their memory is slots of arenas (``objects.arena``) shared by every thread: ``reads`` (the
+    ``get`` buffers) populated, since DMA into pages the CPU never touched is slow (see
+    ``aligned_buffer``); ``writes`` (``set``) not, the CPU fills them first and faults their
+    pages in as it writes. A thread keeps the slot of each (purpose, slot) until ``buffers`` is
+    cleared (I/O may still land in it: the slot is dropped, never reused) or it needs another
+    size there (the old slot is given back).
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._buffers: dict[_StagingKey, _Buffer] = {}
-
-    def make(self, key: _StagingKey) -> None:
-        made = _new_buffer(key[2], populate=True)
-        with self._lock:
-            self._buffers.setdefault(key, made)
-
-    def take(self, key: _StagingKey) -> _Buffer | None:
-        with self._lock:
-            return self._buffers.pop(key, None)
-
-
-class _Staging(threading.local):
-    """Per-thread, page-aligned staging buffers, reused across calls (spares adopted first)."""
-
-    def __init__(self, spares: _Spares) -> None:
+    def __init__(self, reads: Arenas, writes: Arenas) -> None:
         self.buffers: dict[_StagingKey, _Buffer] = {}
-        self.spares = spares
+        self.reads = reads
+        self.writes = writes
 
-    def get(self, purpose: str, slot: int, nbytes: int, *, populate: bool = False) -> _Buffer:
-        """The thread's buffer for (purpose, slot) of ``nbytes``; ``populate`` for buffers
-        that reads land in (DMA into pages the CPU never touched is slow, see
-        ``aligned_buffer``); buffers the CPU fills first fault their pages in as it writes."""
+    def get(self, purpose: str, slot: int, nbytes: int) -> _Buffer:
+        """The thread's ``purpose`` (``get`` or ``set``) buffer ``slot`` of ``nbytes`` or more."""
         key = (purpose, slot, nbytes)
         found = self.buffers.get(key)
         if found is None:
+            arenas = self.reads if purpose == "get" else self.writes
             for stale in [k for k in self.buffers if k[:2] == (purpose, slot)]:
-                del self.buffers[stale]
-            found = self.spares.take(key) or _new_buffer(nbytes, populate=populate)
-            self.buffers[key] = found
+                view, _ = self.buffers.pop(stale)
+                arenas.arena(len(view)).give(view)
+            view = arenas.arena(nbytes).take()
+            found = self.buffers[key] = view, torch.frombuffer(view, dtype=torch.uint8)
         return found
-
-
-def _new_buffer(nbytes: int, *, populate: bool) -> _Buffer:
-    view = aligned_buffer(nbytes, populate=populate)
-    return view, torch.frombuffer(view, dtype=torch.uint8)
 
 
 class HiCacheStoreStorage(_HiCacheStorage):
@@ -224,8 +202,8 @@ class HiCacheStoreStorage(_HiCacheStorage):
         self.backend: Backend = open_backend(self.config.backend)
         self._registered: _Registered | None = None
         self._sidecars: dict[str, Sidecar] = {}
-        self._spares = _Spares()
-        self._staging = _Staging(self._spares)
+        # Read staging made at registration is adopted by the first thread that reads.
+        self._staging = _Staging(Arenas(block_slots=1, populate=True), Arenas(block_slots=1))
         self._threads = threading.local()  # the weights each calling thread started under
         self._lock = threading.Lock()
         self._closed = False
@@ -252,7 +230,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         if self.config.events is not None and self.tp_rank == 0 and self.pp_rank == 0:
             page_key = self.keys.active.page_key if namespace.sealed and self.keys else None
             self.events = AdapterEvents(self.config.events, namespace.page_size, page_key)
-        self._spares.make(self._read_staging(self._registered)[2])
+        self._make_read_staging(self._registered)
         log.info(
             "hicache-store: %s on %s, namespace %s (%s %s, %d layers, %d KV heads x %d, "
             "page %d, grid %s, salt %s, %s, weights %s; manifest %s in the store), %s rank "
@@ -765,10 +743,19 @@ class HiCacheStoreStorage(_HiCacheStorage):
         return max(1, self.config.staging_bytes // row_bytes)
 
     def _read_staging(self, reg: _Registered) -> tuple[int, int, _StagingKey]:
-        """(rows, row bytes, staging key) of the read window (one source for reads and spares)."""
-        row = _round_up(reg.layout.page_bytes)
+        """(rows, row bytes, staging key) of the read window (one source for reads and the
+        window made at registration)."""
+        row = round_up(reg.layout.page_bytes)
         slots = max(1, min(_READ_WINDOW_PAGES, self.config.staging_bytes // row))
         return slots, row, ("get", 0, slots * row)
+
+    def _make_read_staging(self, reg: _Registered) -> None:
+        """Make a read window now, populated, for the first thread that reads to take: faulting
+        it in costs about what reading the same bytes from disk does here, paid once at
+        start-up instead of in the first prefetch."""
+        arena = self._staging.reads.arena(self._read_staging(reg)[2][2])
+        if not arena.free:
+            arena.give(arena.take())
 
     # writes -------------------------------------------------------------------------------
 
@@ -812,7 +799,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         io = reg.link.io
         header = io.header_bytes(obj.coords.num_layers)
         payload = obj.nbytes
-        stride = header + _round_up(payload)
+        stride = header + round_up(payload)
         per_chunk = self._chunk_pages(stride)
         results: list[bool] = []
         # each chunk's puts, and how long they may take
@@ -856,7 +843,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         object and stores the chunk's pages oldest first, in runs; they share the chunk's
         deadline (``Deadline`` of its bytes) to start by."""
         link = reg.link
-        row = _round_up(reg.layout.page_bytes)
+        row = round_up(reg.layout.page_bytes)
         per_chunk = self._chunk_pages(row)
         page_bytes = sum(link.io.frame_bytes(o.coords.num_layers, o.nbytes) for o in plan.objects)
         results: list[bool] = []
@@ -946,7 +933,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         page_bytes = reg.layout.page_bytes
         n = len(keys)
         slots, row, key = self._read_staging(reg)
-        _view, tensor = self._staging.get(*key, populate=True)
+        _view, tensor = self._staging.get(*key)
         staging = tensor.as_strided((slots, page_bytes), (row, 1), 0)
         rows = staging.numpy()
         io = IOStats()

@@ -7,7 +7,8 @@ TLB shootdown per object. An arena makes ``block_slots`` slots with one mapping,
 while its peak concurrency grows. Its peak is bounded by the callers' own bounds (the byte
 budgets of ``ObjectIO``); memory is never returned to the OS before the arena is dropped.
 
-Slots are 4096-byte aligned and their size is a multiple of 4096 (O_DIRECT-ready).
+Slots are 4096-byte aligned and their size is a multiple of 4096 (O_DIRECT-ready). ``Arenas``
+keeps one arena per slot size, made on first use, for callers whose buffers come in a few sizes.
 
 Lifetime: a slot handed back must no longer be read or written by anyone. ``ObjectIO`` hands a
 read slot back only after the backend call it was given to has returned, raised or been
@@ -65,3 +66,31 @@ class Arena:
             raise ValueError(f"arena: a slot of {len(slot)} bytes is not one of mine")
         with self._lock:
             self._free.append(slot)
+
+
+class Arenas:
+    """One ``Arena`` per slot size (``nbytes`` rounded up to 4096), made on first use; thread-safe.
+
+    ``block_slots`` and ``populate`` apply to every arena made here.
+    """
+
+    def __init__(self, *, block_slots: int = 8, populate: bool = False) -> None:
+        self.block_slots = block_slots
+        self.populate = populate
+        self._arenas: dict[int, Arena] = {}
+        self._lock = threading.Lock()
+
+    def made(self) -> list[Arena]:
+        """The arenas made so far, one per slot size."""
+        with self._lock:
+            return list(self._arenas.values())
+
+    def arena(self, nbytes: int) -> Arena:
+        """The arena whose slots hold ``nbytes`` bytes."""
+        size = round_up(nbytes)
+        with self._lock:
+            found = self._arenas.get(size)
+            if found is None:
+                found = Arena(size, block_slots=self.block_slots, populate=self.populate)
+                self._arenas[size] = found
+            return found

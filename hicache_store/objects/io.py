@@ -68,7 +68,7 @@ from hicache_store.layout.keys import ObjectKey, is_page_hash, parse_key, valida
 from hicache_store.layout.namespace import MAX_LAYERS_PER_OBJECT, Namespace
 from hicache_store.tenant import KeyRing
 
-from .arena import Arena
+from .arena import Arenas
 from .format import FRAMED, FramedFormat, ObjectFormat, format_for
 from .offload import off_loop
 from .writes import Outcome, PageOut, queue_of
@@ -183,19 +183,6 @@ class Frame:
     parent_hash: str | None = None
 
 
-@dataclass
-class _HeaderSlots:
-    """Header arenas by header size (objects of more layers have longer headers)."""
-
-    arenas: dict[int, Arena] = field(default_factory=dict)
-
-    def arena(self, nbytes: int) -> Arena:
-        found = self.arenas.get(nbytes)
-        if found is None:
-            found = self.arenas[nbytes] = Arena(nbytes, block_slots=32)
-        return found
-
-
 class ObjectIO:
     """Stored objects of one namespace on one backend. See the module docstring.
 
@@ -230,7 +217,8 @@ class ObjectIO:
         self.io_timeout_s = io_timeout_s
         self.read_budget = ByteBudget(max_inflight_bytes)
         self.write_budget = ByteBudget(max_inflight_bytes)
-        self._headers = _HeaderSlots()
+        # by header size (objects of more layers have longer headers)
+        self._headers = Arenas(block_slots=32)
 
     # -- sizes ------------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ from hicache_store.layout.plans import (
 from hicache_store.layout.topology import Topology
 from hicache_store.tenant import KeyRing
 
-from .arena import Arena
+from .arena import Arena, Arenas
 from .format import ObjectFormat
 from .io import DEFAULT_MIN_BANDWIDTH_MIB_S, Deadline, Frame, IOStats, ObjectIO
 from .sealed import SealedFormat
@@ -148,8 +148,8 @@ class L3Link:
         #: re-validating them in ``exists_prefix``'s batch. Leave False for hashes an engine
         #: passes in. (Reads and writes always validate: ``ObjectKey`` checks its parts.)
         self.trusted_hashes = False
-        self._frames: dict[int, Arena] = {}  # write staging by frame size
-        self._scratch: dict[int, Arena] = {}  # head-subset reads by fetch size
+        self._frames = Arenas()  # write staging by frame size
+        self._scratch = Arenas()  # head-subset reads by fetch size
 
     @classmethod
     def for_component(
@@ -357,7 +357,7 @@ class L3Link:
         frames: list[Frame] = []
         for obj in self.write_plan.objects:
             header = self.io.header_bytes(obj.coords.num_layers)
-            arena = _arena(self._frames, header + obj.nbytes)
+            arena = self._frames.arena(header + obj.nbytes)
             slot = arena.take()
             taken.append((arena, slot))
             frame = slot[: header + obj.nbytes]
@@ -436,7 +436,7 @@ class L3Link:
             for page_hash in page_hashes:
                 for obj in plan.objects:
                     size = reader.header_bytes(obj.coords.num_layers) + obj.payload_bytes
-                    arena = _arena(self._scratch, size)
+                    arena = self._scratch.arena(size)
                     slot = arena.take()
                     taken.append((arena, slot))
                     keys.append(ObjectKey(page_hash, digest, obj.coords))
@@ -511,7 +511,7 @@ class L3Link:
             )
             return header is not None
         # A head subset: the whole group's layers into scratch, sliced after verification.
-        arena = _arena(self._scratch, obj.fetch_bytes)
+        arena = self._scratch.arena(obj.fetch_bytes)
         slot = arena.take()
         try:
             header = await reader.read_blocks(
@@ -537,10 +537,3 @@ def _tagged(plan: P, component: int) -> P:
         for o in plan.objects
     )
     return dataclasses.replace(plan, objects=objects)
-
-
-def _arena(arenas: dict[int, Arena], nbytes: int) -> Arena:
-    found = arenas.get(nbytes)
-    if found is None:
-        found = arenas[nbytes] = Arena(nbytes)
-    return found

@@ -27,7 +27,6 @@ from hicache_store.layout.topology import Topology
 from hicache_store.objects import (
     DEFAULT_IO_TIMEOUT_S,
     FRAMED,
-    Arena,
     ByteBudget,
     Frame,
     IOStats,
@@ -318,25 +317,11 @@ async def test_page_writes_reuse_their_staging() -> None:
         got = np.empty_like(row)
         assert await link.read_page(f"{i + 100:064x}", got, IOStats())
         assert (got == i).all()
-    frames = list(link._frames.values())
+    frames = link._frames.made()
     assert len(frames) == 1
     assert frames[0].blocks == 1, "one mapping for 50 pages, not one per object"
-    assert all(a.blocks == 1 for a in link.io._headers.arenas.values())
+    assert all(a.blocks == 1 for a in link.io._headers.made())
     await store.close()
-
-
-def test_arena_hands_out_aligned_slots_and_takes_them_back() -> None:
-    arena = Arena(5000, block_slots=2)
-    a, b = arena.take(), arena.take()
-    assert len(a) == len(b) == 8192
-    assert {np.frombuffer(s, dtype=np.uint8).ctypes.data % 4096 for s in (a, b)} == {0}
-    arena.give(a)
-    assert arena.take() is a
-    assert arena.blocks == 1
-    arena.take()
-    assert arena.blocks == 2
-    with pytest.raises(ValueError, match="not one of mine"):
-        arena.give(memoryview(bytearray(10)))
 
 
 class _XorFormat:
