@@ -6,7 +6,7 @@ venv::
     .venv/bin/python bench/bench_sglang_hybrid.py --states 64 --rounds 2
 
 One SGLang 0.5.23 ``MambaPoolHost`` (page_first, built on CPU by the tests' harness
-``tests/integrations/sglang_cpu.py``): ``--states`` slots of 16 layers x (float32 temporal state
+``tests/sglang/sglang_cpu.py``): ``--states`` slots of 16 layers x (float32 temporal state
 16 x 64 x 64 + bfloat16 conv state 2048 x 4), 4.25 MiB per state. Each state is moved in its
 own ``batch_set_v2`` / ``batch_get_v2`` call, one ``PoolTransfer(MAMBA)`` of one key, as SGLang's
 controller backs up and prefetches one radix node's state:
@@ -39,7 +39,7 @@ from bench_sglang import storage_config, timed
 from hicache_store.commands.bench_backend import drop_page_cache
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "integrations"))
+sys.path.insert(0, str(ROOT / "tests" / "sglang"))
 import sglang_cpu  # noqa: E402
 
 LAYERS, HEADS, DIM, CONV = 16, 16, 64, (2048, 4)

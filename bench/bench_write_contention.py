@@ -11,7 +11,7 @@ the file as the "Writes under contention" section of BENCHMARKS.md. The disk is 
 ``--writers`` competing processes that rewrite and fsync 1 MiB files on the same filesystem
 (``tests/_disk_load.py``) for the whole of each measurement:
 
-* **SGLang backup**: SGLang 0.5.23's own ``HybridCacheController`` (``tests/integrations/
+* **SGLang backup**: SGLang 0.5.23's own ``HybridCacheController`` (``tests/sglang/
   sglang_cpu.py``) backs up ``--pages`` pages (one ``batch_set_v1``, SGLang's batch of 128) of
   a model of 4 layers x 8 KV heads x head dim 64, 16 tokens a page, through the adapter on
   ``file://`` (``durability=data``): grid 1x1, 32 objects of 4 KiB a page, and grid 4x8, one
@@ -41,7 +41,7 @@ from _markdown import replace_section
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "integrations"))
+sys.path.insert(0, str(ROOT / "tests" / "sglang"))
 
 from _disk_load import competing_writers  # noqa: E402
 

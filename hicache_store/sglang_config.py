@@ -25,8 +25,9 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
                      the served model path; set it when deployments load one model from
                      different paths).
 ``model_revision``   the weights' revision in the namespace; default: the identity of the
-                     model's files, derived (``_sglang_weights``: the hub snapshot commit, else
-                     a fingerprint), so other weights under the same name never hit. Set it
+                     model's files, derived (``integrations.sglang._weights``: the hub
+                     snapshot commit, else a fingerprint), so other weights under the same
+                     name never hit. Set it
                      where the files are not on this host; ``""`` keys no revision (only to
                      share with writers that key none: other weights are then served).
 ``kv_dtype``         the logical KV dtype; needed for float8 KV (SGLang stores it as uint8):

@@ -5,7 +5,7 @@ SGLang 0.5.23's ``hicache_key_scheme.plan_unified_kv`` cuts a page by two fleet-
 (layers per object; default 0: one object per pipeline stage, its layer range). ``ukv1_grid``
 turns those settings, resolved exactly as SGLang resolves them for a topology, into a ``Grid``;
 a ``Namespace(key_scheme="sglang-ukv1")`` with that grid then has SGLang's digest and its plans
-SGLang's keys (``tests/integrations/test_sglang_ukv1.py`` holds them to SGLang's function).
+SGLang's keys (``tests/sglang/test_sglang_storage_ukv1.py`` holds them to SGLang's function).
 """
 
 from __future__ import annotations

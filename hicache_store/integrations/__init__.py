@@ -1,7 +1,8 @@
-"""Engine integrations: adapters that plug hicache-store into inference engines.
+"""Engine integrations: hicache-store inside inference engines, loaded by each engine from a
+module path and never imported by hicache-store itself.
 
-* ``hicache_store.integrations.sglang``: ``HiCacheStoreStorage``, an SGLang HiCache storage
-  backend loaded with ``--hicache-storage-backend dynamic`` (unified, topology-free L3 on any
-  hicache-store backend). Importing it does not need SGLang; it subclasses SGLang's
-  ``HiCacheStorage`` when SGLang is importable.
+* ``sglang/``: SGLang's HiCache storage backend (``hicache_store.integrations.sglang``) and its
+  external cache linker (``hicache_store.integrations.sglang_linker``, the linker's load path).
+* ``vllm/``: vLLM's KV connector and secondary tier.
+* ``_lookups``: the lookup counters every integration reports.
 """

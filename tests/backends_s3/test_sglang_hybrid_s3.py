@@ -1,5 +1,5 @@
 """Hybrid models (KV + SWA, KV + Mamba) through SGLang 0.5.23's real controller on a real S3
-server (SeaweedFS on loopback): the cases of ``tests/integrations/hybrid_cases``."""
+server (SeaweedFS on loopback): the cases of ``tests/sglang/hybrid_cases``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from .seaweed import SeaweedServer
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "integrations"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "sglang"))
 import hybrid_cases as cases
 import sglang_cpu
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.s3
 
 @pytest.fixture
 def sglang() -> Iterator[ModuleType]:
-    """As ``tests/integrations/conftest.py``: SGLang's own classes, no stub touched."""
+    """As ``tests/sglang/conftest.py``: SGLang's own classes, no stub touched."""
     with sglang_cpu.imported() as mod:
         yield mod
 

@@ -1,7 +1,7 @@
 """SGLang's unified keyspace (``key_scheme="sglang-ukv1"``) at the layout layer.
 
 The keys and digests are held to SGLang's own ``plan_unified_kv`` in
-``tests/integrations/test_sglang_ukv1.py``; here: the key grammar, per-stage grids, what the
+``tests/sglang/test_sglang_storage_ukv1.py``; here: the key grammar, per-stage grids, what the
 scheme refuses, and that this library's own digests did not move.
 """
 

@@ -3,7 +3,7 @@
 An object is exactly its payload, stored under SGLang's key; pages round-trip through
 ``L3Link`` for any reader topology; a wrong size is caught, and (the documented loss) a flipped
 byte is not. SGLang's own ``PageUnifiedLayout`` and keys are held to these objects in
-``tests/integrations/test_sglang_ukv1.py``.
+``tests/sglang/test_sglang_storage_ukv1.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The SGLang side of the cross-engine vLLM tests, run by the project's main ``.venv`` (which has
 SGLang 0.5.23; ``.venv-vllm`` does not) as a subprocess of ``test_vllm_sglang.py``.
 
-Every storage call is made by SGLang's own classes driven on CPU (``tests/integrations/
+Every storage call is made by SGLang's own classes driven on CPU (``tests/sglang/
 sglang_cpu.Rank``: a real ``MHATokenToKVPoolHost`` in the given host layout and SGLang's
 ``HybridCacheController`` with the hicache-store adapter attached through SGLang's factory),
 for the tiny Llama of ``vllm_support`` (4 layers, 2 KV heads of 64, float32, page 128, TP1)
@@ -40,7 +40,7 @@ from hicache_store.layout.topology import Topology
 from hicache_store.objects import ObjectIO
 from hicache_store.ops.sources import HFSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sglang"))
 import sglang_cpu
 
 PAGE = 128

@@ -3,7 +3,7 @@
 SGLang 0.5.23 lives in the project's main ``.venv`` (``make setup``), vLLM in ``.venv-vllm``:
 the SGLang side runs as a subprocess of the main venv's Python (``sglang_store.py``: SGLang's
 real host pool and cache controller with the hicache-store adapter, as
-``tests/integrations/sglang_cpu.Rank`` drives them). Without that venv (or where SGLang does
+``tests/sglang/sglang_cpu.Rank`` drives them). Without that venv (or where SGLang does
 not import in it) these tests skip, saying so. Both sides name the tiny Llama by its folder
 path, float32, page 128, TP1: the same namespace (the SGLang side reports its digest, checked
 against the connector's) and the same sha256 page chain (the SGLang side checks its own

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sglang import StandInPool, adapter, keys_for, random_pages, same, slots
+from test_sglang_storage import StandInPool, adapter, keys_for, random_pages, same, slots
 
 from hicache_store.layout.errors import MissingKeyError
 from hicache_store.layout.framing import decode_header, encode_object

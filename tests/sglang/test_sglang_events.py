@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from _kv_subscriber import Subscriber
-from test_sglang import StandInPool, adapter, keys_for, random_pages, slots
+from test_sglang_storage import StandInPool, adapter, keys_for, random_pages, slots
 
 from hicache_store.layout.errors import ConfigError
 from hicache_store.layout.keys import parse_key

@@ -33,7 +33,7 @@ from hicache_store.layout.errors import WeightsError
 from hicache_store.layout.namespace import updated_weights, weights_revision
 from hicache_store.weights import WeightsIdentity, weights_identity
 
-log = logging.getLogger("hicache_store.integrations.sglang")
+log = logging.getLogger(__name__)
 
 #: SGLang's ``--weight-version`` when none is given: not an update.
 DEFAULT_WEIGHT_VERSION = "default"

@@ -1,5 +1,5 @@
 """Hybrid-model cases on SGLang's real controller and ``HostPoolGroup`` (``sglang_cpu``), for
-any store URL: the file tests (``test_sglang_hybrid``) and the S3 tests on SeaweedFS
+any store URL: the file tests (``test_sglang_v2_hybrid``) and the S3 tests on SeaweedFS
 (``tests/backends_s3/test_sglang_hybrid_s3``) run the same cases.
 
 Sidecar bytes are written and compared through SGLang's own pool methods

@@ -21,7 +21,7 @@ DP-attention pools are replicated across TP, so only TP rank 0 writes). A page m
 unified objects through the kernels' host relayouts; object keys carry the namespace digest,
 never a rank, so a deployment with another TP/PP size reads the same objects, and other
 weights, another dtype, model, grid or salt never hit. The weights' revision follows SGLang's
-online weight updates (``_sglang_weights``; ``weights_updated`` for the ones SGLang does not
+online weight updates (``_weights``; ``weights_updated`` for the ones SGLang does not
 record): after one, the namespace is derived again and pages stored before miss.
 
 **Tenants.** With a tenant key ring (``tenant_key_file``) the namespace is sealed: SGLang's
@@ -72,12 +72,12 @@ or a corrupt object is ``False`` (per page) or ``0``, logged and counted in ``co
 Configuration errors (a missing ``url``, a pool that does not match the namespace, a hybrid
 model's sidecar pool the adapter does not store) raise at construction or registration, so that a misconfigured server
 fails at startup instead of silently recomputing. ``get_stats`` returns SGLang's
-``StorageMetrics`` (``_sglang_metrics``); ``clear`` deletes nothing unless ``allow_clear``.
+``StorageMetrics`` (``_metrics``); ``clear`` deletes nothing unless ``allow_clear``.
 
 **Not supported** (refused at startup with a message): attention context parallelism and DCP
 (``attn_cp_size``/``dcp_size`` > 1), the ``page_unified`` and NPU host layouts, the sidecar
 pools of SGLang's v2 multi-pool interface other than ``swa`` and ``mamba`` (those are stored
-as cache components, see ``_sglang_v2``).
+as cache components, see ``_v2``).
 """
 
 from __future__ import annotations
@@ -104,12 +104,12 @@ from hicache_store.objects.arena import Arenas, round_up
 from hicache_store.sglang_config import AdapterConfig
 from hicache_store.tenant import KeyRing, load_key_ring
 
-from ._sglang_events import AdapterEvents
-from ._sglang_metrics import AdapterMetrics
-from ._sglang_namespace import NamespaceWatch
-from ._sglang_pool import Registered as _Registered
-from ._sglang_pool import describe_host_pool, host_slots, page_view
-from ._sglang_v2 import (
+from ._events import AdapterEvents
+from ._metrics import AdapterMetrics
+from ._namespace import NamespaceWatch
+from ._pool import Registered as _Registered
+from ._pool import describe_host_pool, host_slots, page_view
+from ._v2 import (
     KV_POOL,
     Deployment,
     PagedSidecar,
@@ -122,7 +122,7 @@ from ._sglang_v2 import (
     transfer_result,
     transfer_spec,
 )
-from ._sglang_weights import WeightsWatch
+from ._weights import WeightsWatch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -217,7 +217,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Derive the namespace and this rank's shard from the host pool; raise on mismatch."""
         self.mem_pool_host = mem_pool_host
-        # The weights' revision (``_sglang_weights``): a model whose files cannot be read
+        # The weights' revision (``_weights``): a model whose files cannot be read
         # fails the server here, at start.
         self._weights = WeightsWatch(
             self.config.model_revision, getattr(self.storage_config, "model_name", None))
@@ -316,7 +316,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             )
         return _Registered.build(geometry, host, topology, rank, link)
 
-    # -- the weights (``_sglang_weights``) ---------------------------------------------------
+    # -- the weights (``_weights``) --------------------------------------------------------
 
     def weights_updated(self, label: str | None = None) -> str:
         """Say that the served weights changed in a way SGLang does not record (an update from
@@ -422,7 +422,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             "get", [False] * len(keys), lambda reg: self._get_pages(reg, keys, host_indices)
         )
 
-    # -- the v2 (multi-pool) interface: KV + SWA / Mamba sidecars, see _sglang_v2 -----------
+    # -- the v2 (multi-pool) interface: KV + SWA / Mamba sidecars, see _v2 -----------------
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Accept the KV pool again; make a sidecar pool a cache component (``swa``,
@@ -449,7 +449,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
         self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
     ) -> Any:
         """The KV prefix, cut to the lengths every transfer's pool can resume at (its hit
-        policy, ``_sglang_v2``), with every such length in ``restorable_prefix_pages``.
+        policy, ``_v2``), with every such length in ``restorable_prefix_pages``.
         A transfer of a pool that is not stored: no hit. Never raises."""
 
         def go(reg: _Registered) -> Any:
@@ -666,7 +666,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` of the calls since the last call (drained); never None.
 
-        Our cumulative counters are ``counters`` (and Prometheus, see ``_sglang_metrics``).
+        Our cumulative counters are ``counters`` (and Prometheus, see ``_metrics``).
         """
         return self._metrics.drain()
 

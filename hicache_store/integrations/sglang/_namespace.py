@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from hicache_store.backends.base import Backend
 from hicache_store.layout.namespace import Namespace, namespace_differences
 
-log = logging.getLogger("hicache_store.integrations.sglang")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: exists calls with no hit at all before the store's other namespaces are looked at.

@@ -4,7 +4,7 @@ These tests call the adapter directly (fast, every layout and failure case); the
 stand-ins with exactly the attributes the adapter reads (``HOST_POOL_ATTRIBUTES``), plus
 SGLang's generic-path page methods; ``test_stand_in_matches_sglang_source`` checks those names
 and every layout's buffer shape against SGLang's class source. SGLang's real controller and
-host pools drive the adapter in ``test_sglang_controller.py``. Pages are put into and taken
+host pools drive the adapter in ``test_sglang_storage_controller.py``. Pages are put into and taken
 out of the stand-ins by plain tensor indexing written here (the oracle), never by the kernels
 under test.
 """
@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import torch
 
-from hicache_store.integrations._sglang_pool import HOST_POOL_ATTRIBUTES
 from hicache_store.integrations.sglang import SGLANG_AVAILABLE, HiCacheStoreStorage
+from hicache_store.integrations.sglang._pool import HOST_POOL_ATTRIBUTES
 from hicache_store.layout.host import PoolLayout
 
 needs_sglang = pytest.mark.skipif(
@@ -663,7 +663,7 @@ def test_namespace_reported_at_start_and_manifest_written(
 def test_keeps_missing_while_the_store_holds_the_model_warns_once(
     url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from hicache_store.integrations._sglang_namespace import MISSES_BEFORE_CHECK
+    from hicache_store.integrations.sglang._namespace import MISSES_BEFORE_CHECK
 
     pool = StandInPool("page_first")
     pool.put(0, random_pages(1)[0])

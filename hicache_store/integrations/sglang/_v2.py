@@ -67,7 +67,7 @@ from hicache_store.tier.components import (
     component_namespace,
 )
 
-from ._sglang_pool import Registered, describe_host_pool, host_slots
+from ._pool import Registered, describe_host_pool, host_slots
 
 #: SGLang's pool names (``PoolName``) this module knows.
 KV_POOL = "kv"

@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._lookups import LookupCounters
+from hicache_store.integrations._lookups import LookupCounters
 
 #: the Prometheus counter of the adapter's events.
 PROMETHEUS_COUNTER = "hicache_store_sglang_events"
