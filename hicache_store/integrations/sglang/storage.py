@@ -30,27 +30,14 @@ encrypted and authenticated per layer block (``hicache_store.objects.sealed``), 
 the staging buffer. Without a ring, keys and bytes are exactly as above (SGLang's hashes as
 they are). Objects that fail authentication are misses counted as ``tamper``.
 
-**Data path.** Writes: the pages of a batch are relayouted straight into page-aligned framed
-buffers (header space, then the unified payload, when the rank writes one object per page, the
-case of every grid a topology can write whole), the headers are filled in and each object is
-put from there (the file backend writes it with O_DIRECT). A rank that writes several objects
-per page goes through ``L3Link.write_in_order``. Reads: ``L3Link.read_page`` assembles each page
-into an aligned staging row from verified objects (ranges of objects for layer sub-ranges,
-sliced head groups), then the rows are relayouted into the pool. Reads never land in the pool
-directly, even where a host page is byte for byte the unified page (MLA ``page_first_direct``):
-a read that outlives the call's deadline cannot always be stopped in its I/O thread and could
-write into slots SGLang has already given to another request; staging rows are dropped instead.
-A staging row is reused for the next page only once ``read_page`` has returned, which the
-``Backend`` buffer-lifetime contract makes the moment no read into the row is in flight (also
-after a page's deadline passed: the row stays out of use until its I/O ended). When I/O
-outlives a whole call, this thread's staging is dropped, never reused, so a read still in
-flight lands in memory nobody uses.
-
-Writes cut batches into chunks of ``staging_mib`` with two buffers per thread, so the relayout
-of one chunk overlaps the puts of the previous one. Reads keep a window of up to 16 pages in
-flight (within ``staging_mib``), one staging row each; the calling thread relays each page
-out as it lands and reuses its row for the next page. The read window is made (and its pages
-faulted in) at registration, so the first prefetch does not pay for it.
+**Data path.** Pages move through page-aligned staging (``objects.arena``), never straight
+between the pool and the store: writes relayout a batch into framed buffers and put them (a
+rank that writes several objects per page: ``L3Link.write_in_order``); reads assemble each page
+into a staging row from verified objects (``L3Link.read_page``), a window of up to 16 rows in
+flight, and relayout each row into the pool as it lands. Only the calling thread writes into
+the pool, and only before it returns. A row is reused once its read has returned; staging
+that I/O may still touch after a call is dropped, never reused. The read window is made at
+registration. Why each of these: ``docs/design/sglang.md``.
 
 **Deadlines.** A ``batch_get_v1``, and each chunk of a ``batch_set_v1`` (the whole call, unless
 it holds more than ``staging_mib``), has one deadline from the bytes it moves:
