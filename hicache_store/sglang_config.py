@@ -38,7 +38,7 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
 ``num_kv_heads``     the model's KV heads; default local heads x TP size (right whenever TP
                      size <= KV heads).
 ``io_timeout_s``     the floor of every call's deadline (default 20 s, above every built-in
-                     backend's own bound: README "Deadlines").
+                     backend's own bound: docs/guide/backends/deadlines.md).
 ``min_bandwidth_mib_s`` the slowest rate a batch is given time for (default 16 MiB/s): a
                      ``batch_get_v1``, or a ``batch_set_v1`` (per ``staging_mib`` chunk),
                      moving ``n`` bytes ends within ``io_timeout_s + n / min_bandwidth``

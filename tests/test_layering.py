@@ -1,4 +1,4 @@
-"""The import layering of the library (README "Layout"), checked on the source, not assumed.
+"""The import layering of the library (ARCHITECTURE.md), checked on the source, not assumed.
 
 * ``layout`` imports no other part of the library; ``kernels`` and ``backends`` import only
   ``layout`` (and themselves).

@@ -21,7 +21,7 @@ __all__ = ["INSTALL_HINTS", "add_json_output", "add_prompts_argument", "add_repo
 
 #: optional packages commands import, and how to install each (one line instead of a traceback).
 #: They name the packages, not ``hicache-store[extra]``: the package is on no index, so an
-#: extra installs only from a checkout or a wheel (README "Install as a library").
+#: extra installs only from a checkout or a wheel (docs/getting-started/install.md).
 INSTALL_HINTS = {
     "torch": "pip install torch==2.13.0 (the CPU wheel; install it before hicache-store's extras)",
     "matplotlib": "pip install matplotlib (the bench extra)",
