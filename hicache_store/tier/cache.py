@@ -48,13 +48,12 @@ every component is one ``Held`` on the page tree (``tier.radix``), and the tier'
 ``_apply_backup``) are written once for all of them; what is special about the KV is two
 properties of its pools (``Pools.prefix_closed``, ``Pools.ordered``).
 
-**L2 admission.** A request's new pages take L2 rows by evicting the L2 policy's victims,
-except where L2 may do without them (no L3 write needs their L2 copy: L3 has them, or this
-component writes none) and the policy ranks the victim above them (``_admit_rows``,
-``SessionEviction.goes_before_current``): then the pages the policy would give up first are
-the new ones, and L2 keeps the prefix that fits beside what it holds. This is the order the
-block-level simulator measures (it admits, then evicts), so ``lru`` and ``session`` hit in
-the tier exactly what the simulator reports (``tests/bench/test_trace_format_weka.py``).
+**L2 admission.** A request's new pages take L2 rows by evicting the L2 policy's victims.
+The tail of them L2 may do without (no L3 write needs their L2 copy: L3 has them, or this
+component writes none) is admitted into the policy first and room is made after, so the
+policy may give up the new pages themselves (``_admit_rows``): the order the block-level
+simulator measures (it admits, then evicts), so every policy hits in the tier exactly what
+the simulator reports (``tests/bench/test_trace_format_weka.py``).
 
 **Ranks** (``group``, e.g. ``distributed.TorchGroup``): every number that changes what is
 computed is agreed as the minimum over ranks at the same point on every rank, and every request
@@ -81,7 +80,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -143,6 +142,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: the L2 "row" of a copy admitted into its pool's policy before it has a row
+#: (``HiCache._admit_first``; never outside that call).
+_UNPLACED = -1
 
 
 def _policy(name: str, capacity: int) -> EvictionPolicy[PageNode]:
@@ -883,45 +885,88 @@ class HiCache:
         self._free_rows(part, count)
         return part.host.alloc(count)
 
-    def _free_rows(
-        self, part: Pools, count: int, goes_first: Callable[[PageNode], bool] | None = None
-    ) -> None:
-        """Evict ``part``'s L2 victims until ``count`` rows are free, or none is left (with
-        ``goes_first``: or the next victim is one it says to keep)."""
+    def _free_rows(self, part: Pools, count: int) -> None:
+        """Evict ``part``'s L2 victims until ``count`` rows are free, or none is left."""
         while part.host.free_pages < count:
             node = self.tree.pop_victim(Tier.L2, part.tag)
-            if node is None or (goes_first is not None and not goes_first(node)):
+            if node is None:
                 return
             self._drop(node, part)
             self.metrics.count(part.name, "evictions_l2")
 
-    def _admit_rows(self, part: Pools, missing: list[PageNode]) -> tuple[list[int] | None, int]:
-        """Host rows for ``missing`` (a chain's pages L2 lacks, in chain order), making room
-        as ``_alloc_rows`` does, and how many of its last pages were refused.
+    def _admit_rows(self, part: Pools, missing: list[PageNode]) -> int:
+        """Give L2 rows to ``missing`` (a chain's pages L2 lacks, in chain order) as far as
+        L2 takes them, making room in ``cache`` mode; returns how many of its first pages now
+        have a row (their copies set; the caller fills the rows).
 
-        L2 may do without a tail of pages that need no L2 copy for an L3 backup (this
-        component writes none, or L3 has them): for those, room is made only by evicting
-        pages the policy would evict before them (``goes_before_current``: where the current
-        session is predicted back last, keeping its new pages would cost better ones). None
-        when not every page got a row (the caller keeps the prefix that fits)."""
-        policy = self.tree.policy(Tier.L2, part.tag)
-        goes_first = getattr(policy, "goes_before_current", None)
-        optional = 0
-        if goes_first is not None and self.config.host_mode == "cache":
+        The tail of pages L2 may do without (no L3 write needs their L2 copy: this component
+        writes none, or L3 has them) is admitted into the policy first and only then is room
+        made, so the policy ranks them with what L2 holds and may give them up at once
+        (refused, counted ``l2_admissions_refused``): the order of the block-level simulator,
+        which admits a request's pages and then evicts (``trace_sim.simulate``). The pages
+        before that tail (an L3 write needs them) get their rows first, as before: an L2
+        eviction costs a prefetch later, a refused page would cost a miss."""
+        tag = part.tag
+        rows = part.host.alloc(len(missing))
+        if rows is None and self.config.host_mode == "cache":
+            optional = 0
             for node in reversed(missing):
-                held = node.held(part.tag)
+                held = node.held(tag)
                 if part.writes and (held is None or not held.in_l3):
                     break
                 optional += 1
-        if not optional:
-            return self._alloc_rows(part, len(missing)), 0
-        rows = part.host.alloc(len(missing))
-        if rows is not None:
-            return rows, 0
-        self._free_rows(part, len(missing) - optional)  # what L3 backups need, as before
-        self._free_rows(part, len(missing), goes_first)
-        short = len(missing) - part.host.free_pages
-        return part.host.alloc(len(missing)), min(optional, max(0, short))
+            required = len(missing) - optional
+            self._free_rows(part, required)
+            if optional and part.host.free_pages >= required:
+                return self._admit_first(part, missing, required)
+            self._free_rows(part, len(missing))
+            rows = part.host.alloc(len(missing))
+        if rows is None:  # L2 cannot take them all: keep as long a prefix as fits
+            fit = part.host.free_pages
+            self.metrics.count(part.name, "backups_dropped", len(missing) - fit)
+            rows = part.host.alloc(fit)
+        assert rows is not None
+        for node, row in zip(missing, rows, strict=False):
+            self.tree.set_copy(node, tag, Tier.L2, row)
+        return len(rows)
+
+    def _admit_first(self, part: Pools, missing: list[PageNode], required: int) -> int:
+        """``_admit_rows`` for a tail L2 may do without, past the ``required`` first pages
+        (for which room was made): rows for those, the tail admitted as copies without a row
+        (``_UNPLACED``, not reported to the tree's observer), then the policy's victims
+        evicted until the tail that stays has rows (a victim in the tail is refused)."""
+        tag, tree = part.tag, self.tree
+        head, tail = missing[:required], missing[required:]
+        rows = part.host.alloc(required)
+        assert rows is not None
+        for node, row in zip(head, rows, strict=True):
+            tree.set_copy(node, tag, Tier.L2, row)
+            tree.hold_host(node, tag)  # its row is not filled yet: not evictable meanwhile
+        for node in tail:
+            tree.set_copy(node, tag, Tier.L2, _UNPLACED, report=False)
+        unplaced = {id(n) for n in tail}
+        kept = len(tail)
+        while part.host.free_pages < kept:
+            victim = tree.pop_victim(Tier.L2, tag)
+            if victim is not None and id(victim) not in unplaced:
+                self._drop(victim, part)
+                self.metrics.count(part.name, "evictions_l2")
+                continue
+            kept -= 1
+            assert victim is None or victim is tail[kept]  # a leaf of the tail: its last page
+            tree.set_copy(tail[kept], tag, Tier.L2, None, report=False)
+            if victim is None:  # every other copy is held: no room for it
+                self.metrics.count(part.name, "backups_dropped")
+            else:
+                self.metrics.note("l2_admissions_refused")
+        rows = part.host.alloc(kept)
+        assert rows is not None
+        for node, row in zip(tail, rows, strict=False):
+            tree.set_copy(node, tag, Tier.L2, row)
+            tree.report(node, tag, Tier.L2)
+        for node in head:
+            tree.release_host(node, tag)
+        return required + kept
 
     def _drop(self, node: PageNode, part: Pools) -> None:
         """Give up ``node``'s L2 copy of ``part`` unless a transfer holds it."""
@@ -954,24 +999,14 @@ class HiCache:
             for n in pinned:
                 self.tree.hold_host(n, tag)
             try:
-                rows, refused = self._admit_rows(part, missing)
+                placed = self._admit_rows(part, missing)
             finally:
                 for n in pinned:
                     self.tree.release_host(n, tag)
-            if rows is None:  # L2 cannot take them all: keep as long a prefix as fits
-                fit = part.host.free_pages
-                rows = part.host.alloc(fit) if fit else None
-                left = len(missing) - fit
-                if refused:
-                    self.metrics.note("l2_admissions_refused", min(refused, left))
-                if left > refused:
-                    self.metrics.count(part.name, "backups_dropped", left - refused)
-                if rows is None:
-                    return
-                missing = missing[:fit]
-            part.pack([l1_of(n, tag) for n in missing], rows)  # type: ignore[misc]
-            for n, row in zip(missing, rows, strict=True):
-                self.tree.set_copy(n, tag, Tier.L2, row)
+            if not placed:
+                return
+            del missing[placed:]
+            part.pack([l1_of(n, tag) for n in missing], [l2_of(n, tag) for n in missing])  # type: ignore[misc]
             self.metrics.count(part.name, "backups_l2", len(missing))
             self.metrics.count(part.name, "bytes_l1_to_l2", len(missing) * part.layout.page_bytes)
         self._queue_l3(chain, part)

@@ -68,9 +68,11 @@ Policies (``EVICTION_POLICIES``; measured in BENCHMARKS.md, "Production traces")
     use is estimated as ``now + its age``. Without any session signal it *is* its fallback. Of
     the hint actions it reads ``session_end`` (the session's pages go first, like a finished
     subagent's, unless the session sends another request); pins, retention and prefetch are
-    the tier's to honour. The tier asks it, before a request's new pages push out a page L2
-    holds, whether that page goes first (``goes_before_current``): where the current session
-    is predicted back last, its new pages are what L2 gives up (unless an L3 write needs them).
+    the tier's to honour.
+
+The tier admits a request's new pages into the policy before it makes room for them (unless
+an L3 write needs their L2 copy), as the simulator does, so every policy may rank them below
+what the pool holds and give them up at once (``HiCache._admit_rows``).
 """
 
 from __future__ import annotations
@@ -724,24 +726,6 @@ class SessionEviction(Generic[N]):
             return other if session is None else session[0]
         other_next = self._now + (self._now - self._fallback_time[other])
         return session[0] if session[1] >= other_next else other
-
-    def goes_before_current(self, victim: N) -> bool:
-        """Whether ``victim`` (from ``victim()``) leaves before pages the current request
-        would add: the order had those pages been admitted as leaves of the current session,
-        used now, and the pool then evicted down to its size (the simulator's order,
-        ``trace_sim.simulate``). The tier asks before it makes room for pages L2 may do
-        without (``HiCache._admit_rows``): where the current session is predicted back last,
-        its new pages, not better ones, are what the pool would give up."""
-        stream = self._current
-        if stream is None or self._off_path_victim() is victim:
-            return True
-        owned = self._owned.get(victim)
-        current = self._predict(stream)
-        if owned is None:  # a fallback page: its next use is estimated as now + its age
-            return self._now + (self._now - self._fallback_time[victim]) > current
-        if owned.stream is stream:
-            return True  # its own leaf off this request's chain: older than the new pages
-        return self._predict(owned.stream) >= current
 
     @property
     def fallback_pages(self) -> int:

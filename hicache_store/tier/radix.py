@@ -460,15 +460,21 @@ class PageTree:
             last.next = held
         return held
 
-    def set_copy(self, node: PageNode, tag: int, tier: Tier, value: int | bool | None) -> None:
+    def set_copy(
+        self, node: PageNode, tag: int, tier: Tier, value: int | bool | None, *,
+        report: bool = True,
+    ) -> None:
         """Set where ``node``'s copy of component ``tag`` is: ``tier`` L1 / L2 take a page,
         slot or row (None drops the copy; an L1 copy that moves or goes takes the L1 copies of
-        the components following its pages with it), L3 takes whether a copy is known."""
+        the components following its pages with it), L3 takes whether a copy is known.
+        ``report=False``: the ``observer`` is not told (a copy admitted only to be ranked,
+        whose appearance the caller reports with ``report`` once it stays)."""
         held = self.held(node, tag)
         was_in_memory = node.in_memory
+        observer = self.observer if report else None
         if tier is Tier.L3:
-            if self.observer is not None and held.in_l3 != bool(value):
-                self.observer(node, tag, tier, bool(value))
+            if observer is not None and held.in_l3 != bool(value):
+                observer(node, tag, tier, bool(value))
             held.in_l3 = bool(value)
         else:
             pool = self._pools[tag]
@@ -487,8 +493,8 @@ class PageTree:
                 held.l2 = slot
                 policy = pool.l2
             if (old is None) != (slot is None):
-                if self.observer is not None and tier is Tier.L2:
-                    self.observer(node, tag, tier, slot is not None)
+                if observer is not None and tier is Tier.L2:
+                    observer(node, tag, tier, slot is not None)
                 if policy is not None:
                     if slot is not None:
                         policy.admit(node)
@@ -509,6 +515,12 @@ class PageTree:
         if in_memory != was_in_memory:
             self._in_memory += 1 if in_memory else -1
         self._changed(node)
+
+    def report(self, node: PageNode, tag: int, tier: Tier) -> None:
+        """Tell the ``observer`` that ``node``'s copy of ``tag`` in ``tier`` appeared (one set
+        with ``report=False``)."""
+        if self.observer is not None:
+            self.observer(node, tag, tier, True)
 
     def set_pending(self, node: PageNode, tag: int, pending: bool) -> None:
         """Whether an L3 backup of ``node``'s copy of component ``tag`` is queued or running."""

@@ -17,6 +17,7 @@ from hicache_store.demo.bench.trace_format import (
     read_weka,
 )
 from hicache_store.demo.bench.trace_sim import lru_reference
+from hicache_store.tier.eviction import EVICTION_POLICIES
 
 
 def request(t: float, ids: list[int], extra: int = 0, **fields: Any) -> dict[str, Any]:
@@ -280,10 +281,10 @@ def random_sessions(seed: int, count: int = 6) -> dict[str, object]:
 def test_the_tier_replay_equals_the_simulator_on_random_sessions(
     tmp_path: Path, seed: int
 ) -> None:
-    """Through the tier (L2 alone) ``lru`` and ``session`` hit exactly what the block-level
-    simulator of the same policy hits: the figures the simulator publishes for them are the
-    tier's. (``arc`` is not exact: the simulator admits a request's pages before it evicts,
-    so a ghost hit moves ARC's target first; the tier makes room first.)"""
+    """Through the tier (L2 alone) every policy hits exactly what the block-level simulator
+    of the same policy hits: the figures the simulator publishes are the tier's. (``arc``
+    shows the order: the simulator admits a request's pages before it evicts, so a ghost hit
+    moves ARC's target before the eviction; the tier must do the same.)"""
     from hicache_store.demo.bench.trace_replay import ReplaySetup, longest_request_pages, replay
     from hicache_store.demo.bench.trace_sim import block_policy, simulate
 
@@ -291,7 +292,7 @@ def test_the_tier_replay_equals_the_simulator_on_random_sessions(
     l1 = longest_request_pages(trace, 64)
     differ = []
     for capacity in (6, 12):
-        for policy in ("lru", "session"):
+        for policy in EVICTION_POLICIES:
             simulated = simulate(trace, capacity, block_policy(policy, trace, capacity))
             setup = ReplaySetup(page_size=64, l1_pages=l1, l2_pages=capacity, backend_url=None,
                                 eviction_policy=policy)

@@ -155,6 +155,34 @@ def test_a_subscriber_rebuilds_l2_and_l3_from_events_alone(
     assert final["CPU"] == set() and final["STORAGE"] == in_store
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc", "session"])
+def test_pages_l2_refuses_at_once_are_never_reported(
+        tmp_path: Path, model: MiniLlama, policy: str) -> None:
+    """Without L3 a request's new pages are ranked by the policy before L2 makes room, and
+    those it gives up at once never had an L2 copy: no event names them. Every page reported
+    stored was copied to L2, every one reported removed was evicted from it."""
+    pool = DeviceKVPool.for_model(CONFIG, num_pages=8, page_size=PAGE)
+    config = TierConfig(l1_pages=8, l2_pages=4, eviction_policy=policy,
+                        events_endpoint=f"ipc://{tmp_path}/ev",
+                        events_replay_endpoint=f"ipc://{tmp_path}/replay", events_topic="kv")
+    tier = HiCache(namespace(), config, pool)
+    workload(tier, model, seed=3, n=30)
+    events = events_of(tier)
+    in_l2 = {bytes.fromhex(n.page_hash) for n in tier.tree.nodes()
+             if (h := n.held(KV.tag)) is not None and h.l2 is not None}
+    metrics = tier.metrics.to_dict()
+    tier.close()
+
+    def pages(kind: str) -> int:
+        return sum(len(e["block_hashes"]) for e in events
+                   if e["type"] == kind and e["medium"] == "CPU")
+
+    assert metrics["l2_admissions_refused"] > 0  # new pages were refused at once
+    assert pages("BlockStored") == metrics["backups_l2"]
+    assert pages("BlockRemoved") == metrics["evictions_l2"] > 0
+    assert page_sets(events)["CPU"] == in_l2
+
+
 def test_a_sealed_namespace_publishes_keyed_hashes_and_no_tokens(
         tmp_path: Path, model: MiniLlama) -> None:
     ns = namespace(sealed=True)
