@@ -117,8 +117,8 @@ def register(subparsers: Any) -> None:
     policy.add_argument(
         "--eviction-policy",
         metavar="NAME",
-        help="order of eviction in every pool of the tier, KV and components (lru, arc; "
-        "default: the tier's default)",
+        help="order of eviction in every pool of the tier, KV and components (lru, arc, "
+        "session; default: the tier's default, session, which is arc without hints)",
     )
     policy.add_argument(
         "--events", metavar="ADDR",

@@ -48,9 +48,11 @@ class TierConfig:
     past it is abandoned, and its host page quarantined until the I/O has ended.
     ``eviction_policy``: the order of eviction in every pool, the KV's and the components'
     (window pages, checkpoints, draft KV): one order across components (``tier.radix``;
-    ``tier.eviction``: ``EVICTION_POLICIES``): ``arc`` by default (prefix-closed ARC: on
-    production traces it keeps 1.5-5.7 points more of the prompt than LRU at mid-size pools,
-    BENCHMARKS.md "Production traces"); ``lru`` is SGLang's order.
+    ``tier.eviction``: ``EVICTION_POLICIES``): ``session`` by default (the order of
+    predicted return for requests whose hints name a session, prefix-closed ARC for the
+    others: without hints it is ``arc``, which on production traces keeps 1.5-5.7 points more
+    of the prompt than LRU at mid-size pools, BENCHMARKS.md "Production traces"); ``lru`` is
+    SGLang's order.
     ``l3_record_pages``: pages the tree remembers beyond what L1 and L2 hold (pages only L3
     holds); older ones are forgotten and probed again when needed. None: ``l1_pages +
     l2_pages``, so the tree never holds more than twice the pages of the memory tiers plus

@@ -26,7 +26,7 @@ Policies (``EVICTION_POLICIES``; measured in BENCHMARKS.md, "Production traces")
     Least recently used leaf first; the pages of one request share its time, and among equal
     times the deeper page goes first.
 
-``arc`` (the default)
+``arc``
     ARC (Megiddo and Modha, FAST'03) made prefix-closed. Pages used by one request only are in
     list T1, pages a later request used again are in T2; each list evicts its least recently
     used leaf. Evicted pages leave their key in a ghost list (B1 from T1, B2 from T2, each
@@ -42,7 +42,7 @@ Policies (``EVICTION_POLICIES``; measured in BENCHMARKS.md, "Production traces")
     longer memory pushes ``p`` up at small pools and loses hits: BENCHMARKS.md, "Production
     traces").
 
-``session``
+``session`` (the default)
     Retention by predicted return time, for agent sessions (``SessionEviction``). It takes two
     more calls, with what an engine knows at the time (``tier.hints``): ``hint_request(hints)``
     after ``begin_request`` (the request's session, the previous response's stop reason and end
@@ -93,8 +93,9 @@ N = TypeVar("N", bound=Hashable)
 #: eviction policy names (``TierConfig.eviction_policy``, ``bench trace --policy``).
 EVICTION_POLICIES: tuple[str, ...] = ("lru", "arc", "session")
 
-#: the policy a pool uses unless told otherwise.
-DEFAULT_EVICTION_POLICY = "arc"
+#: the policy a pool uses unless told otherwise: without session hints it is ``arc``, call
+#: for call; with them it keeps the sessions predicted back soonest.
+DEFAULT_EVICTION_POLICY = "session"
 
 #: ghost entries per page of pool capacity, per ghost list (B1, B2: what adapts ``p``), as in ARC.
 DEFAULT_GHOST_FACTOR = 1.0

@@ -109,6 +109,17 @@ def test_arc_keeps_a_returning_chain_that_lru_loses() -> None:
     assert arc.counts.l2.hit_tokens == returns_kept * (2 * BLOCK - PAGE)
 
 
+def test_the_default_is_session_which_is_arc_without_hints() -> None:
+    # The returning chain of the test above, in a trace without sessions: the default policy
+    # (session) orders every page by its fallback, ARC, and hits exactly what arc hits.
+    assert TierConfig(l1_pages=1, l2_pages=1).eviction_policy == "session"
+    chains = [[0, 1] if i % 4 == 0 else [100 + 2 * i, 101 + 2 * i] for i in range(40)]
+    trace = make_trace(chains, block=BLOCK)
+    default = replay(trace, setup(4, eviction_policy=DEFAULT_EVICTION_POLICY))
+    arc = replay(trace, setup(4, eviction_policy="arc"))
+    assert default.counts.l2.hit_tokens == arc.counts.l2.hit_tokens > 0
+
+
 def test_whole_blocks_give_a_partial_block_a_whole_blocks_space() -> None:
     # L2 of 2 blocks (8 pages). r1's last block holds 100 tokens: as a whole block (the
     # reference's accounting) it takes 4 pages and pushes block 1 out, so r2 misses, as in the
@@ -251,7 +262,7 @@ def test_bench_trace_refuses_bad_flags(
 
 def test_policy_default_names_the_tiers_default() -> None:
     # "default" is the tier's own default; each name once, in order. (That "lru" really runs
-    # LRU under a tier whose default is ARC: test_arc_keeps_a_returning_chain_that_lru_loses.)
+    # LRU under a tier whose default is not: test_arc_keeps_a_returning_chain_that_lru_loses.)
     assert TierConfig(l1_pages=1, l2_pages=1).eviction_policy == DEFAULT_EVICTION_POLICY
     assert resolve_policies("default, lru,default") == [DEFAULT_EVICTION_POLICY, "lru"]
 
