@@ -145,7 +145,13 @@ def run(args: argparse.Namespace) -> int:
     if args.chart:
         require_module("matplotlib", "--chart")
     from hicache_store.demo.bench.hybrid import hybrid_config, run_hybrid_setup
-    from hicache_store.demo.bench.multiturn import default_setups, fresh_directory, run_setup
+    from hicache_store.demo.bench.multiturn import (
+        default_setups,
+        describe_l2_effect,
+        fresh_directory,
+        l2_effect,
+        run_setup,
+    )
     from hicache_store.demo.bench.multiturn import write_chart as draw
     from hicache_store.demo.bench.workload import generate
     from hicache_store.demo.engine.config import MiniLlamaConfig
@@ -209,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     summaries = []
+    results = {}
     for setup in setups:
         # Redraws one line on a terminal; plain lines every few seconds into logs and pipes.
         bar = ProgressBar(total, "requests", label=f"  {setup.name:<9}",
@@ -231,13 +238,21 @@ def run(args: argparse.Namespace) -> int:
             result = run_setup(model, spec, setup, args.page_size, options, progress)
         bar.close()
         summaries.append(result.summary())
+        results[setup.name] = result
     table = sys.stderr if json_on_stdout(args) else sys.stdout  # stdout carries the JSON alone
     print(render_table(summaries), file=table)
+    effect = None
+    if "L1" in results and "L1+L2" in results:
+        effect = l2_effect(results["L1"], results["L1+L2"])
+        print(describe_l2_effect(effect, ("L1", "L1+L2")), file=table)
     if hybrid is not None:
         print(file=table)
         print(render_components(summaries), file=table)
     if args.json:
-        write_json(args.json, {"workload": vars(spec), "results": summaries})
+        document: dict[str, Any] = {"workload": vars(spec), "results": summaries}
+        if effect is not None:
+            document["l2_effect"] = effect
+        write_json(args.json, document)
     if args.chart:
         args.chart.parent.mkdir(parents=True, exist_ok=True)
         draw(summaries, args.chart)
