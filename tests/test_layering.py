@@ -13,6 +13,9 @@
   ``distributed``), and the SGLang extra-config both tools read (``sglang_config``), import
   neither the operator tools (``ops``) nor the engine adapters (``integrations``); ``ops`` never
   imports ``integrations`` (what both need lives below them).
+* The cache tier's request protocol (``tier.cache``: ``HiCache``) stands above its
+  collaborators: no other module of ``tier`` imports it (the package's ``__init__`` re-exports
+  it). The collaborators are built with the residency primitives (``tier.residency``) instead.
 * No import cycle between packages: the units are ``layout``, ``kernels``, ``backends``, each
   subpackage of ``hicache_store`` (``tier``, ``ops``, ``integrations``, ...), each top-level module
   (``reader``, ``sync``, ...) and the root package itself; an import from one unit into another is
@@ -60,6 +63,9 @@ DISPATCHER = ("hicache_store.cli", "hicache_store.__main__")
 TIER_LAYER = ("hicache_store.tier", "hicache_store.objects", "hicache_store.distributed",
               "hicache_store.sglang_config")
 TOOL_LAYER = ("hicache_store.ops", "hicache_store.integrations")
+#: the tier's request protocol, and the tier modules that may import it (the package's face).
+TIER_PROTOCOL = "hicache_store.tier.cache"
+TIER_PROTOCOL_IMPORTERS = frozenset({"hicache_store.tier", TIER_PROTOCOL})
 
 
 def _under(name: str, package: str) -> bool:
@@ -137,6 +143,9 @@ def violations(root: Path) -> list[str]:
                 rule = "the tier and object I/O never import the operator tools or adapters"
             elif _under(module, "hicache_store.ops") and _under(name, "hicache_store.integrations"):
                 rule = "the operator tools never import the engine adapters"
+            elif _under(module, "hicache_store.tier") and _under(name, TIER_PROTOCOL) \
+                    and module not in TIER_PROTOCOL_IMPORTERS:
+                rule = "the tier's collaborators never import its request protocol (tier.cache)"
             if rule:
                 flagged.add(line)
                 found.append(f"{where}:{line}: {module} -> {name} ({rule})")
@@ -256,6 +265,27 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path: Path) -> None:
         "never import the engine adapters)" in found[5]
     assert "hicache_store.ops.sources -> hicache_store.demo.engine" in found[7]
     assert "hicache_store.objects.manifest -> hicache_store.ops.manifest" in found[4]
+
+
+def test_the_checker_catches_a_tier_collaborator_importing_the_protocol(tmp_path: Path) -> None:
+    """A collaborator of the tier that imports ``tier.cache`` (for a type only, or the module
+    itself) is reported; the package's ``__init__`` re-exporting ``HiCache`` is not."""
+    for folder in PACKAGES:
+        (tmp_path / folder).mkdir()
+    tier = tmp_path / "hicache_store" / "tier"
+    tier.mkdir()
+    (tier / "__init__.py").write_text("from .cache import HiCache\n")
+    (tier / "cache.py").write_text("from .prefetch import Prefetcher\n")
+    (tier / "prefetch.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .cache import HiCache\n")
+    (tier / "restore.py").write_text("from . import cache\n")
+    (tier / "prefix.py").write_text("from .residency import Residency\n")
+    found = violations(tmp_path)
+    assert [f.split(" (")[0] for f in found] == [
+        "hicache_store/tier/prefetch.py:3: hicache_store.tier.prefetch -> hicache_store.tier.cache",
+        "hicache_store/tier/restore.py:1: hicache_store.tier.restore -> hicache_store.tier.cache",
+    ]
+    assert all("never import its request protocol" in f for f in found)
 
 
 def test_no_import_cycle_between_packages() -> None:

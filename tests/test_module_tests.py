@@ -106,6 +106,8 @@ NO_TEST_FILE: dict[str, str] = {
     "hicache_store/tier/config.py": "TierConfig, built by every tier test (tests/tier/test_cache_tier.py)",
     "hicache_store/tier/group.py": "rank agreement: tests/distributed/test_ranks.py",
     "hicache_store/tier/hinting.py": "the tier's side of hints: tests/tier/test_tier_hints.py",
+    "hicache_store/tier/links.py": "the L3 links and host-buffer registration HiCache is built with: tests/tier/test_backup_runs.py, test_l3_knowledge.py",
+    "hicache_store/tier/loads.py": "L2 -> L1 loads through HiCache: tests/tier/test_shared_loads.py, test_cache_tier.py",
     "hicache_store/tier/host_pool.py": "the L2 rows HiCache keeps: tests/tier/test_cache_tier.py",
     "hicache_store/tier/metrics.py": "the tier's counters: tests/integrations/test_lookups.py, tests/tier/",
     "hicache_store/tier/pins.py": "the pages hints hold: tests/tier/test_tier_hints.py",
@@ -113,6 +115,7 @@ NO_TEST_FILE: dict[str, str] = {
     "hicache_store/tier/prefetch.py": "the prefetch protocol through HiCache: tests/tier/test_abandoned_reads.py",
     "hicache_store/tier/prefix.py": "the resume prefix through HiCache: tests/tier/test_components_*.py",
     "hicache_store/tier/request.py": "match / prepare records, through HiCache: tests/tier/test_cache_tier.py",
+    "hicache_store/tier/residency.py": "the residency primitives through HiCache: tests/tier/test_cache_tier.py, test_tier_events.py (L2 admission), tests/bench/test_trace_format_weka.py",
     "hicache_store/tier/restore.py": "component restores through HiCache: tests/tier/test_components_*.py",
     "hicache_store/tier/transfers.py": "L2 <-> L3 transfers: tests/tier/test_backup_runs.py",
 }

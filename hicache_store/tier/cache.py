@@ -40,20 +40,15 @@ Every state change is prepare-then-complete: pages and objects are locked from `
 or ``prepare`` (components) until ``complete``, and L2 copies an L3 transfer reads or fills are
 locked until its completion is applied in ``poll``, so nothing is evicted or reused in flight.
 Policy (what to keep, when to wait) lives here; bytes move in ``kernels`` (L1 <-> L2, through
-``tier.pools``) and ``objects`` (L2 <-> L3, through ``tier.transfers``). Its collaborators:
+``tier.pools``) and ``objects`` (L2 <-> L3, through ``tier.transfers``). Every copy of every
+component is one ``Held`` on the page tree (``tier.radix``); the primitives that make room for
+copies and give them up (``tier.residency``: make room, evict, take and drop rows, back up,
+apply a backup; L2 admission in the simulator's order) are written once for the KV and every
+component. The request protocol here and each collaborator are built with that one
+``Residency``:
 ``tier.prefetch`` (the prefetch protocol), ``tier.prefix`` (the prefix over every component
-and across ranks), ``tier.restore`` (component objects on the request path). Every copy of
-every component is one ``Held`` on the page tree (``tier.radix``), and the tier's primitives
-(``_make_room`` / ``_evict``, ``_alloc_rows`` / ``_drop``, ``_backup`` / ``_queue_l3`` /
-``_apply_backup``) are written once for all of them; what is special about the KV is two
-properties of its pools (``Pools.prefix_closed``, ``Pools.ordered``).
-
-**L2 admission.** A request's new pages take L2 rows by evicting the L2 policy's victims.
-The tail of them L2 may do without (no L3 write needs their L2 copy: L3 has them, or this
-component writes none) is admitted into the policy first and room is made after, so the
-policy may give up the new pages themselves (``_admit_rows``): the order the block-level
-simulator measures (it admits, then evicts), so every policy hits in the tier exactly what
-the simulator reports (``tests/bench/test_trace_format_weka.py``).
+and across ranks), ``tier.restore`` (component objects on the request path), ``tier.loads``
+(L2 -> L1 loads), ``tier.hinting`` (the engine's hints); none of them knows ``HiCache``.
 
 **Ranks** (``group``, e.g. ``distributed.TorchGroup``): every number that changes what is
 computed is agreed as the minimum over ranks at the same point on every rank, and every request
@@ -75,7 +70,6 @@ until the read has ended (counted in ``quarantined_host_pages``).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import logging
 import math
@@ -84,7 +78,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from hicache_store._sync import run_sync, submit
+from hicache_store._sync import submit
 from hicache_store.backends.base import Backend
 from hicache_store.kernels.ops import Backend as KernelBackend
 from hicache_store.kernels.pools import DevicePool
@@ -93,11 +87,9 @@ from hicache_store.layout.host import UnifiedPageLayout
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology, shard_of
 from hicache_store.objects import L3Link
-from hicache_store.objects.manifest import ensure_manifest
 from hicache_store.tenant import KeyRing
 
-from . import checks, restore
-from . import prefix as prefixes
+from . import checks
 from .components import KV, Component, Placement
 from .config import TierConfig
 from .events import TierEvents
@@ -114,11 +106,13 @@ from .group import (
 from .hinting import Hinting
 from .hints import RequestHints, ResponseEnd
 from .host_pool import HostPagePool
+from .links import open_link, register_host_pool, unregister_host_pool
+from .loads import Loads
 from .metrics import TierMetrics
-from .pools import LayerLoad, Pools, SlotList, wait_for_loads
-from .prefetch import Prefetcher, _timed
-from .prefix import LIMITED_BY_PREFETCH, LIMITED_BY_RANKS
-from .radix import Held, PageNode, PageTree, Tier, branch_points, l1_of, l2_of, parent_hash
+from .pools import Pools, SlotList
+from .prefetch import Prefetcher
+from .prefix import LIMITED_BY_PREFETCH, LIMITED_BY_RANKS, Prefixes
+from .radix import PageNode, PageTree, Tier, branch_points, l1_of, l2_of
 from .request import (
     ComponentSlots,
     DevicePagePool,
@@ -126,9 +120,12 @@ from .request import (
     Request,
     TierCapacityError,
     page_slots,
+    timed_io,
     tokens_digest,
 )
-from .transfers import BackupDone, BackupEvent, BackupItem, ReadEnded, Transfers
+from .residency import Residency
+from .restore import Restorer
+from .transfers import BackupDone, BackupEvent, ReadEnded, Transfers
 
 __all__ = [
     "ComponentSlots",
@@ -141,10 +138,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: the L2 "row" of a copy admitted into its pool's policy before it has a row
-#: (``HiCache._admit_first``; never outside that call).
-_UNPLACED = -1
 
 
 def _policy(name: str, capacity: int) -> EvictionPolicy[PageNode]:
@@ -215,8 +208,10 @@ class HiCache:
         self._backend = backend
         self._keys = keys
         if backend is not None:
-            self.l3 = self._link(namespace, self.topology, rank, KV.tag, read_only=False)
-            self._registered = self._register_host_pool(backend)
+            self.l3 = open_link(
+                backend, namespace, self.topology, rank, config, keys, tag=KV.tag, read_only=False
+            )
+            self._registered = register_host_pool(backend, self.host, config.io_timeout_s)
         # The KV's pools: prefix-closed, their backups acknowledged in the deciding stage's
         # order (``Pools``); L1 is the engine's page pool.
         self.kv = Pools(
@@ -227,25 +222,27 @@ class HiCache:
         self.components: dict[str, Component] = {}
         for component in components:
             self._add_component(component)
-        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hicache-load")
         self._closed = False  # set by ``close``: requests are refused from then on
         self._transfers = Transfers(submit)
-        self.prefetcher = Prefetcher(self)
+        self.ack_wait_s = ack_wait_s if ack_wait_s is not None else 2 * config.io_timeout_s + 10
+        # The residency primitives, and the collaborators built with them.
+        self.residency = Residency(self.tree, self.parts, config, self.metrics, self._transfers)
+        page = namespace.page_size
+        self.prefixes = Prefixes(self.residency, page, self.group)
+        self.prefetcher = Prefetcher(self.residency, self.prefixes, self.group, self.ack_wait_s)
+        self.restorer = Restorer(self.residency, self.components, page)
+        owned = [namespace.digest, *(c.namespace.digest for c in self.components.values())]
+        self.hinting = Hinting(self.residency, owned, page)
         self._ready: list[BackupDone] = []  # ordered completions awaiting the agreement
-        self._ordered_in_flight = 0
         # Bounded: an engine that never drains them cannot grow it (the oldest go first).
         self._events: collections.deque[BackupEvent] = collections.deque(maxlen=1 << 16)
         self._last_rounds = 0
         self._decides_acks = self.group.size == 1 or rank in ack_deciders(
             namespace, self.topology
         )
-        self.ack_wait_s = ack_wait_s if ack_wait_s is not None else 2 * config.io_timeout_s + 10
         self.requests_seen = 0
-        # id(node) -> the L2 -> L1 load filling its L1 copy, while a request that prepared it
-        # is in flight (or, for a failed load, while a request still holds the copy): a later
-        # request using that copy waits for the same load (and fails with it).
-        self._filling: dict[int, LayerLoad] = {}
-        self.hinting = Hinting(self)
+        layers = range(self.layout.layer_start, self.layout.layer_stop)
+        self.loads = Loads(self.kv, layers if config.layerwise_load else None)
         # KV events (``tier.events``): rank 0 publishes; the tree reports every L2/L3 change.
         self.events: TierEvents | None = None
         if config.events_endpoint is not None and rank == 0:
@@ -253,20 +250,6 @@ class HiCache:
             self.tree.observer = self.events.changed
 
     # == construction ========================================================================
-
-    def _link(
-        self, namespace: Namespace, topology: Topology, rank: int, tag: int, *, read_only: bool
-    ) -> L3Link:
-        """An L3 link of one component (its manifest written when the link writes)."""
-        assert self._backend is not None
-        link = L3Link.for_component(
-            self._backend, namespace, topology, rank, self.config, keys=self._keys,
-            component=tag, read_only=read_only,
-        )
-        link.trusted_hashes = True  # the tier hashes tokens itself
-        if link.can_write:
-            self._write_manifest(namespace)
-        return link
 
     def _add_component(self, component: Component) -> None:
         """Plug ``component``'s pools in: its shard, host pool, L3 link and tree policies."""
@@ -287,7 +270,10 @@ class HiCache:
         host = HostPagePool(component.l2_slots if self.config.l2_pages else 0, layout.page_bytes)
         link = None
         if self._backend is not None and host.num_pages:
-            link = self._link(ns, topology, rank, spec.tag, read_only=read_only)
+            link = open_link(
+                self._backend, ns, topology, rank, self.config, self._keys, tag=spec.tag,
+                read_only=read_only,
+            )
         count = component.slots
         self.parts[spec.tag] = Pools(
             spec, ns, layout, component.device, host, link, self.kernel_backend,
@@ -304,29 +290,6 @@ class HiCache:
             follows=KV.tag,
         )
         self.components[component.name] = component
-
-    def _register_host_pool(self, backend: Backend) -> bool:
-        """Offer the KV's L2 pool to backends that read into registered memory without a copy
-        (Mooncake's ``register_buffer``, 3FS's USRBIO iovec). Best effort: unregistered, the
-        backend stages through its own buffers."""
-        register = getattr(backend, "register_host_buffer", None)
-        if register is None or self.host.num_pages == 0:
-            return False
-        try:
-            run_sync(register(self.host.data.numpy().data), timeout=self.config.io_timeout_s)
-        except Exception as exc:
-            log.warning("could not register the host pool with the backend: %s", exc)
-            return False
-        return True
-
-    def _write_manifest(self, namespace: Namespace) -> None:
-        """Record ``namespace`` in L3 (``M_{digest}``) so operators' tools can describe it.
-        Best effort: a store that cannot take it still serves KV; tools then show it unknown."""
-        assert self._backend is not None
-        try:
-            run_sync(ensure_manifest(self._backend, namespace), timeout=self.config.io_timeout_s)
-        except Exception as exc:
-            log.warning("could not write the namespace manifest: %s", exc)
 
     # == the request path ===================================================================
 
@@ -391,7 +354,7 @@ class HiCache:
         req.hints, req.pin_reserved = hints, reserved
         self.hinting.announce(req)
         held_nodes = nodes[:in_memory]
-        self._hold(req, held_nodes)
+        self.residency.hold(req, held_nodes)
         self.tree.touch(held_nodes)
         if reuse and self.l3 is not None and (in_memory < len(hashes) or tags):
             self.prefetcher.start(req)
@@ -412,6 +375,8 @@ class HiCache:
         io_before = req.io_s
         if req.prefetch is not None:
             waited = self.prefetcher.settle(req)
+            if self.group.size > 1:
+                self._drain()  # its ended reads' rows are back before the request computes
         else:
             # Every rank must reach every agreement, in the same order: a rank that started no
             # prefetch (nothing in L3, or its existence check failed) joins with 0, so the
@@ -420,26 +385,25 @@ class HiCache:
             self.group.agree_min(0, "prefetch_pages")
         # A prompt must leave at least one token to compute (its logits are the output).
         usable = min(len(req.nodes), (len(req.tokens) - 1) // page)
-        prefix = prefixes.agree(self, req, usable)
-        self._release(req, req.nodes[prefix:])
+        prefix, self._last_rounds = self.prefixes.agree(req, usable)
+        self.residency.release(req, req.nodes[prefix:])
         del req.nodes[prefix:]
         req.prefix_pages = prefix
         req.loading = [n for n in req.nodes if l1_of(n, KV.tag) is None]
-        # L1 copies another request's load is still filling: this request waits for it too.
-        req.borrowed = [(n, load) for n in req.nodes if (load := self._filling.get(id(n)))]
         new_pages = math.ceil(len(req.tokens) / page) - prefix
-        self._make_room(self.kv, len(req.loading) + new_pages)
+        self.residency.make_room(self.kv, len(req.loading) + new_pages)
         for node, device_page in zip(req.loading, self.pool.alloc(len(req.loading)), strict=True):
             self.tree.set_copy(node, KV.tag, Tier.L1, device_page)
         req.new_device_pages = self.pool.alloc(new_pages)
-        if req.loading:
-            self._start_load(req)
-        wait_layer = wait_for_loads(self._loads(req))
-        with _timed(req):
-            restored = restore.restore(self, req)
+        # L1 copies another request's load is still filling: this request waits for it too.
+        wait_layer = self.loads.start(req)
+        with timed_io(req):
+            restored = self.restorer.restore(req, self.prefetcher.unpin)
         for tag in req.need:
             part = self.parts[tag]
-            req.components[part.name] = ComponentSlots(restored[tag], restore.produce(self, req, part))
+            req.components[part.name] = ComponentSlots(
+                restored[tag], self.restorer.produce(req, part)
+            )
         slots = self._slots(req)
         self._count_hits(req)
         if self.group.size > 1:
@@ -478,7 +442,7 @@ class HiCache:
         )
         needed = math.ceil(len(req.tokens) / page) - req.prefix_pages - len(req.new_device_pages)
         if needed > 0:
-            self._make_room(self.kv, needed)
+            self.residency.make_room(self.kv, needed)
             req.new_device_pages.extend(self.pool.alloc(needed))
         return self._slots(req)
 
@@ -500,14 +464,14 @@ class HiCache:
         self.prefetcher.drop(req)
         if req.hints is not None:
             self.hinting.abort(req)
-        for load in self._loads(req):
+        for load in self.loads.of(req):
             with contextlib.suppress(Exception):
                 load.wait_all()
         for node in req.host_locked:
             self.tree.release_host(node, KV.tag)
         req.host_locked.clear()
         self.prefetcher.unpin(req)
-        restore.release(self, req)
+        self.restorer.release(req)
         for name, slots in req.components.items():  # slots taken for objects never produced
             part = self.parts[self.components[name].tag]
             if part.slots is not None:
@@ -515,7 +479,7 @@ class HiCache:
         req.components.clear()
         self.pool.free(req.new_device_pages)
         req.new_device_pages = []
-        self._release(req, list(req.nodes))
+        self.residency.release(req, list(req.nodes))
         # Its own load's L1 copies, and copies another request's failed load filled. One that
         # another request still holds stays (that request waits for the same load: it fails
         # with it, or the copy is good) and so does its failed load's entry, so that a later
@@ -527,11 +491,9 @@ class HiCache:
                 continue
             self.pool.free([held.l1])
             self.tree.set_copy(node, KV.tag, Tier.L1, None)  # drops objects restored beside it
-            self._filling.pop(id(node), None)
+            self.loads.discard(node)
         if req.load is not None and not req.load.failed:  # copies others hold are good
-            for node in req.loading:
-                if self._filling.get(id(node)) is req.load:
-                    del self._filling[id(node)]
+            self.loads.forget(req.load, req.loading)
         req.load, req.borrowed, req.loading, req.nodes = None, [], [], []
         self.poll()
 
@@ -545,23 +507,15 @@ class HiCache:
         started = time.perf_counter()
         page = self.namespace.page_size
         io_before = req.io_s
-        loads = self._loads(req)
-        if loads:
-            with _timed(req):
-                for load in loads:  # raises if a copy the request computed with failed
-                    load.wait_all()
+        self.loads.finish(req)  # raises if a copy the request computed with failed
         if req.load is not None:
             self.metrics.bytes_l2_to_l1 += len(req.loading) * self.layout.page_bytes
-            for node in req.loading:
-                if self._filling.get(id(node)) is req.load:
-                    del self._filling[id(node)]
-        req.borrowed = []
         for node in req.host_locked:
             self.tree.release_host(node, KV.tag)
         req.host_locked.clear()
         if self.config.host_mode == "buffer_only":
             for node in req.loading:
-                self._drop(node, self.kv)
+                self.residency.drop(node, self.kv)
         self.hinting.resume(req)
         full = len(req.tokens) // page
         path = self.tree.insert(req.hashes[:full])
@@ -573,11 +527,11 @@ class HiCache:
                 node.hits = max(node.hits, 1)
             else:  # cached meanwhile by another request: keep that copy
                 spare.append(device_page)
-        produced = restore.keep_produced(self, req, path)
+        produced = self.restorer.keep_produced(req, path)
         self.pool.free(spare)
         self.tree.touch(path)
-        self._release(req, req.nodes)
-        restore.release(self, req)
+        self.residency.release(req, req.nodes)
+        self.restorer.release(req)
         threshold = self.config.backup_threshold
         if threshold and self.config.l2_pages:
             hot = [n for n in path if n.hits >= threshold]
@@ -586,13 +540,13 @@ class HiCache:
                 for name, slots in req.components.items()
                 for i, _ in slots.restored
             ]
-            with _timed(req):  # the L1 -> L2 copies are data movement, not bookkeeping
+            with timed_io(req):  # the L1 -> L2 copies are data movement, not bookkeeping
                 if hot:
-                    self._backup(hot[-1], self.kv)
+                    self.residency.backup(hot[-1], self.kv)
                 # New objects, and used ones a backup missed (only what is missing moves).
                 for node, tag in [*produced, *restored]:
                     if node.hits >= threshold:
-                        self._backup(node, self.parts[tag])
+                        self.residency.backup(node, self.parts[tag])
         if req.hints is not None:
             self.hinting.complete(req, path)
         self.poll()
@@ -608,7 +562,7 @@ class HiCache:
         for part in self.parts.values():
             if part.slots is not None:
                 while (node := self.tree.pop_victim(Tier.L1, part.tag)) is not None:
-                    self._evict(node, part)
+                    self.residency.evict(node, part)
 
     def drop(self, page_hash: str, component: str) -> bool:
         """Drop this rank's L1 and L2 copies of one component object (a rank that lost state;
@@ -625,7 +579,7 @@ class HiCache:
         if held.l1 is not None and part.slots is not None:
             part.slots.free([held.l1])
             self.tree.set_copy(node, part.tag, Tier.L1, None)
-        self._drop(node, part)
+        self.residency.drop(node, part)
         if self.events is not None:
             self.events.flush()
         return True
@@ -645,7 +599,7 @@ class HiCache:
         else:
             agreed = len(self._ready)
         for done in self._ready[:agreed]:
-            self._apply_backup(done)
+            self._applied(done)
         del self._ready[:agreed]
         self.prefetcher.retire()
         self.hinting.poll()
@@ -664,15 +618,22 @@ class HiCache:
             elif self.parts[ack.tag].ordered:
                 self._ready.append(ack)
             else:
-                self._apply_backup(ack)
+                self._applied(ack)
+
+    def _applied(self, done: BackupDone) -> None:
+        """Apply a finished backup and report it (``drain_events``; the hints' L3 holds)."""
+        event = self.residency.apply_backup(done)
+        self._events.append(event)
+        if done.tag == KV.tag:
+            self.hinting.backed_up(done.node, event.ok)
 
     def _await_ready(self, agreed: int) -> None:
         deadline = time.monotonic() + self.ack_wait_s
         while len(self._ready) < agreed:
-            if self._ordered_in_flight < agreed:
+            if self.residency.ordered_in_flight < agreed:
                 raise CacheEventDivergenceError(
                     f"rank {self.rank}: the first stage applied {agreed} backup completions "
-                    f"but this rank has only {self._ordered_in_flight} backups queued"
+                    f"but this rank has only {self.residency.ordered_in_flight} backups queued"
                 )
             if time.monotonic() > deadline:
                 raise CacheEventDivergenceError(
@@ -720,21 +681,13 @@ class HiCache:
         try:
             self.flush()
         finally:
-            self._loader.shutdown(wait=True)
+            self.loads.close()
             if self.events is not None:
                 events, self.events = self.events, None
                 self.tree.observer = None
                 events.close([n for n in self.tree.nodes() if l2_of(n, KV.tag) is not None])
             if self._registered and self.l3 is not None:
-                unregister = getattr(self.l3.backend, "unregister_host_buffer", None)
-                if unregister is not None:
-                    try:
-                        run_sync(
-                            unregister(self.host.data.numpy().data),
-                            timeout=self.config.io_timeout_s,
-                        )
-                    except Exception as exc:
-                        log.warning("could not unregister the host pool: %s", exc)
+                unregister_host_pool(self.l3.backend, self.host, self.config.io_timeout_s)
 
     def _check_open(self, call: str) -> None:
         if self._closed:
@@ -752,11 +705,11 @@ class HiCache:
         agree with a full scan; every host row in use is referenced by the tree or a prefetch,
         and every component slot is free or referenced.
         """
-        checks.check_tier(self)
+        checks.check_tier(self.residency, self.loads.filling, self.hinting.pins, self.prefetcher)
 
     def host_pages_referenced(self) -> int:
         """KV host rows the tree or a prefetch holds (must always equal ``host.used``)."""
-        return checks.rows_referenced(self, KV.tag)
+        return checks.rows_referenced(self.residency, self.prefetcher, KV.tag)
 
     def quarantined_host_pages(self) -> int:
         """Host rows held by abandoned prefetch reads that have not ended yet; they return to
@@ -771,24 +724,6 @@ class HiCache:
 
     # == internals: the request's KV pages ===================================================
 
-    def _hold(self, req: Request, nodes: Sequence[PageNode]) -> None:
-        """Lock ``nodes`` for ``req``: their L1 copy, and their L2 copy when it must be loaded."""
-        for node in nodes:
-            self.tree.lock(node, KV.tag)
-            node.hits += 1
-            if l1_of(node, KV.tag) is None:
-                self.tree.hold_host(node, KV.tag)
-                req.host_locked.append(node)
-        req.nodes.extend(nodes)
-
-    def _release(self, req: Request, nodes: Sequence[PageNode]) -> None:
-        released = set(map(id, nodes))
-        for node in nodes:
-            self.tree.unlock(node, KV.tag)
-        for node in [n for n in req.host_locked if id(n) in released]:
-            self.tree.release_host(node, KV.tag)
-        req.host_locked = [n for n in req.host_locked if id(n) not in released]
-
     def _count_hits(self, req: Request) -> None:
         page = self.namespace.page_size
         m = self.metrics
@@ -801,275 +736,3 @@ class HiCache:
         m.hit_tokens_l2 += l2 * page
         m.hit_tokens_l3 += l3 * page
         m.computed_tokens += len(req.tokens) - req.prefix_pages * page
-
-    def _loads(self, req: Request) -> list[LayerLoad]:
-        """The L2 -> L1 loads ``req`` computes with: other requests' it borrows, then its own."""
-        loads = list({id(load): load for _, load in req.borrowed}.values())
-        return loads if req.load is None else [*loads, req.load]
-
-    def _start_load(self, req: Request) -> None:
-        nodes = req.loading
-        kv = self.kv
-        with _timed(req):
-            rows = kv.host_runs([n.held(KV.tag).l2 for n in nodes])  # type: ignore[union-attr,misc]
-        slots = [l1_of(n, KV.tag) for n in nodes]
-
-        def copy(layers: tuple[int, int] | None) -> None:
-            kv.unpack(rows, slots, layers)  # type: ignore[arg-type]
-
-        if not self.config.layerwise_load:
-            req.load = LayerLoad(self._loader, lambda _layer: copy(None), range(1), per_layer=False)
-        else:
-            start, stop = self.layout.layer_start, self.layout.layer_stop
-            req.load = LayerLoad(
-                self._loader, lambda layer: copy((layer, layer + 1)), range(start, stop)
-            )
-        for node in nodes:
-            self._filling[id(node)] = req.load
-
-    # == internals: copies of every component ================================================
-
-    def _make_room(self, part: Pools, needed: int) -> None:
-        """Evict ``part``'s L1 copies (its policy's victims) until ``needed`` pages or slots
-        are free; ``TierCapacityError`` when every other copy is locked."""
-        slots = part.slots
-        assert slots is not None
-        if slots.num_free_pages >= needed:
-            return
-        while (node := self.tree.pop_victim(Tier.L1, part.tag)) is not None:
-            self._evict(node, part)
-            if slots.num_free_pages >= needed:
-                return
-        raise TierCapacityError(
-            f"{part.name}: L1 holds {slots.num_free_pages} free pages after eviction; the "
-            f"request needs {needed}: give the device pool more pages than the longest request"
-        )
-
-    def _alloc(self, part: Pools, *, required: bool = True) -> int | None:
-        """A free L1 slot of ``part`` (evicting if needed); None when every copy is locked and
-        the slot is not ``required``."""
-        assert part.slots is not None
-        try:
-            self._make_room(part, 1)
-        except TierCapacityError:
-            if required:
-                raise
-            return None
-        return part.slots.alloc(1)[0]
-
-    def _evict(self, node: PageNode, part: Pools) -> None:
-        """Give up ``node``'s L1 copy of ``part`` (and of the components following its pages).
-        Write-back backs it up first: a copy that L2 lacks, or that L3 lacks where this rank
-        writes (an L2 copy alone is not a backup: its L3 write may have failed or been dropped,
-        and L2 would then evict the only copy); a chain only from the copy that needs it."""
-        held = node.held(part.tag)
-        assert held is not None
-        assert held.l1 is not None
-        assert part.slots is not None
-        if self.config.write_policy == "write_back" and self.config.l2_pages:
-            dirty = part.writes and not (held.in_l3 or held.l3_pending)
-            if not part.prefix_closed or held.l2 is None or dirty:
-                self._backup(node, part)
-            for other in node.records():
-                if other.l1 is not None and self.parts[other.tag].follows == part.tag:
-                    self._backup(node, self.parts[other.tag])  # it loses its L1 copy with the page
-        part.slots.free([held.l1])
-        self.tree.set_copy(node, part.tag, Tier.L1, None)
-        self.metrics.count(part.name, "evictions_l1")
-
-    def _alloc_rows(self, part: Pools, count: int) -> list[int] | None:
-        """``count`` host rows of ``part`` (in ``cache`` mode evicting its L2 victims)."""
-        rows = part.host.alloc(count)
-        if rows is not None or self.config.host_mode == "buffer_only":
-            return rows
-        self._free_rows(part, count)
-        return part.host.alloc(count)
-
-    def _free_rows(self, part: Pools, count: int) -> None:
-        """Evict ``part``'s L2 victims until ``count`` rows are free, or none is left."""
-        while part.host.free_pages < count:
-            node = self.tree.pop_victim(Tier.L2, part.tag)
-            if node is None:
-                return
-            self._drop(node, part)
-            self.metrics.count(part.name, "evictions_l2")
-
-    def _admit_rows(self, part: Pools, missing: list[PageNode]) -> int:
-        """Give L2 rows to ``missing`` (a chain's pages L2 lacks, in chain order) as far as
-        L2 takes them, making room in ``cache`` mode; returns how many of its first pages now
-        have a row (their copies set; the caller fills the rows).
-
-        The tail of pages L2 may do without (no L3 write needs their L2 copy: this component
-        writes none, or L3 has them) is admitted into the policy first and only then is room
-        made, so the policy ranks them with what L2 holds and may give them up at once
-        (refused, counted ``l2_admissions_refused``): the order of the block-level simulator,
-        which admits a request's pages and then evicts (``trace_sim.simulate``). The pages
-        before that tail (an L3 write needs them) get their rows first, as before: an L2
-        eviction costs a prefetch later, a refused page would cost a miss."""
-        tag = part.tag
-        rows = part.host.alloc(len(missing))
-        if rows is None and self.config.host_mode == "cache":
-            optional = 0
-            for node in reversed(missing):
-                held = node.held(tag)
-                if part.writes and (held is None or not held.in_l3):
-                    break
-                optional += 1
-            required = len(missing) - optional
-            self._free_rows(part, required)
-            if optional and part.host.free_pages >= required:
-                return self._admit_first(part, missing, required)
-            self._free_rows(part, len(missing))
-            rows = part.host.alloc(len(missing))
-        if rows is None:  # L2 cannot take them all: keep as long a prefix as fits
-            fit = part.host.free_pages
-            self.metrics.count(part.name, "backups_dropped", len(missing) - fit)
-            rows = part.host.alloc(fit)
-        assert rows is not None
-        for node, row in zip(missing, rows, strict=False):
-            self.tree.set_copy(node, tag, Tier.L2, row)
-        return len(rows)
-
-    def _admit_first(self, part: Pools, missing: list[PageNode], required: int) -> int:
-        """``_admit_rows`` for a tail L2 may do without, past the ``required`` first pages
-        (for which room was made): rows for those, the tail admitted as copies without a row
-        (``_UNPLACED``, not reported to the tree's observer), then the policy's victims
-        evicted until the tail that stays has rows (a victim in the tail is refused)."""
-        tag, tree = part.tag, self.tree
-        head, tail = missing[:required], missing[required:]
-        rows = part.host.alloc(required)
-        assert rows is not None
-        for node, row in zip(head, rows, strict=True):
-            tree.set_copy(node, tag, Tier.L2, row)
-            tree.hold_host(node, tag)  # its row is not filled yet: not evictable meanwhile
-        for node in tail:
-            tree.set_copy(node, tag, Tier.L2, _UNPLACED, report=False)
-        unplaced = {id(n) for n in tail}
-        kept = len(tail)
-        while part.host.free_pages < kept:
-            victim = tree.pop_victim(Tier.L2, tag)
-            if victim is not None and id(victim) not in unplaced:
-                self._drop(victim, part)
-                self.metrics.count(part.name, "evictions_l2")
-                continue
-            kept -= 1
-            assert victim is None or victim is tail[kept]  # a leaf of the tail: its last page
-            tree.set_copy(tail[kept], tag, Tier.L2, None, report=False)
-            if victim is None:  # every other copy is held: no room for it
-                self.metrics.count(part.name, "backups_dropped")
-            else:
-                self.metrics.note("l2_admissions_refused")
-        rows = part.host.alloc(kept)
-        assert rows is not None
-        for node, row in zip(tail, rows, strict=False):
-            tree.set_copy(node, tag, Tier.L2, row)
-            tree.report(node, tag, Tier.L2)
-        for node in head:
-            tree.release_host(node, tag)
-        return required + kept
-
-    def _drop(self, node: PageNode, part: Pools) -> None:
-        """Give up ``node``'s L2 copy of ``part`` unless a transfer holds it."""
-        held = node.held(part.tag)
-        if held is None or held.l2 is None or held.host_lock:
-            return
-        part.host.free([held.l2])
-        self.tree.set_copy(node, part.tag, Tier.L2, None)
-
-    def _backup(self, node: PageNode, part: Pools) -> None:
-        """Copy ``node``'s object of ``part`` to the tiers below that miss it: L1 -> L2 if L2
-        has none, then L2 -> L3 if L3 has none (only what is missing moves). For a
-        prefix-closed pool the unit is the chain up to ``node``: ancestors first (L2 stays
-        prefix-closed), as long a prefix as L2 can take (the rest counted), none past a hole."""
-        if not part.host.num_pages:
-            return
-        tag, buffer_only = part.tag, self.config.host_mode == "buffer_only"
-        chain = node.path() if part.prefix_closed else [node]
-        missing: list[PageNode] = []
-        for n in chain:
-            held = n.held(tag)
-            if held is None or not held.in_memory:
-                return  # a hole: the chain cannot be backed up as a prefix
-            # In buffer-only mode L2 is only a staging area on the way to L3.
-            if held.l2 is None and not (buffer_only and (held.in_l3 or held.l3_pending)):
-                missing.append(n)
-        if missing:
-            # Pin the chain's existing L2 copies: evicting one to make room would leave a hole.
-            pinned = [n for n in chain if l2_of(n, tag) is not None]
-            for n in pinned:
-                self.tree.hold_host(n, tag)
-            try:
-                placed = self._admit_rows(part, missing)
-            finally:
-                for n in pinned:
-                    self.tree.release_host(n, tag)
-            if not placed:
-                return
-            del missing[placed:]
-            part.pack([l1_of(n, tag) for n in missing], [l2_of(n, tag) for n in missing])  # type: ignore[misc]
-            self.metrics.count(part.name, "backups_l2", len(missing))
-            self.metrics.count(part.name, "bytes_l1_to_l2", len(missing) * part.layout.page_bytes)
-        self._queue_l3(chain, part)
-
-    def _queue_l3(self, chain: Sequence[PageNode], part: Pools) -> None:
-        """Queue L3 backups of ``chain``'s L2 copies of ``part`` that L3 lacks (up to the first
-        without an L2 copy, as many as the queue has room for); in ``buffer_only`` mode the
-        L2 copies not queued are dropped."""
-        tag, buffer_only = part.tag, self.config.host_mode == "buffer_only"
-        if not part.writes:
-            if buffer_only:
-                for node in chain:
-                    self._drop(node, part)
-            return
-        todo: list[tuple[PageNode, Held]] = []
-        for node in chain:
-            held = node.held(tag)
-            assert held is not None
-            if held.in_l3 or held.l3_pending:
-                continue
-            if held.l2 is None:
-                break
-            todo.append((node, held))
-        room = max(0, self.config.max_queued_backup_pages - self._transfers.in_flight)
-        if len(todo) > room:  # the queue is full: the tail waits for a later backup
-            self.metrics.count(part.name, "backups_dropped", len(todo) - room)
-            del todo[room:]
-        if buffer_only:
-            queued = {id(n) for n, _ in todo}
-            for node in chain:
-                if id(node) not in queued:
-                    self._drop(node, part)
-        if not todo:
-            return
-        items = []
-        for node, held in todo:
-            self.tree.set_pending(node, tag, True)
-            self.tree.hold_host(node, tag)
-            row = part.host.row(held.l2)  # type: ignore[arg-type]
-            items.append(BackupItem(node, tag, held, row, parent_hash(node), part.prefix_closed))
-        if part.ordered:
-            self._ordered_in_flight += len(todo)
-        self._transfers.queue_backups(items, self._links())
-
-    def _apply_backup(self, done: BackupDone) -> None:
-        self._transfers.in_flight -= 1
-        node, tag, ok = done.node, done.tag, done.ok
-        part = self.parts[tag]
-        if ok:
-            self.metrics.bytes_l2_to_l3 += done.io.bytes_moved
-        self._events.append(BackupEvent(node.page_hash, part.name, ok))
-        if part.ordered:
-            self._ordered_in_flight -= 1
-        self.tree.release_host(node, tag)
-        if ok:
-            self.tree.set_copy(node, tag, Tier.L3, True)
-        if tag == KV.tag:
-            self.hinting.backed_up(node, ok)
-        self.metrics.count(part.name, "backups_l3" if ok else "backups_l3_failed")
-        self.tree.set_pending(node, tag, False)
-        if self.config.host_mode == "buffer_only":
-            self._drop(node, part)
-
-    def _links(self) -> dict[int, L3Link]:
-        return {tag: part.link for tag, part in self.parts.items() if part.link is not None}
-

@@ -72,7 +72,7 @@ Policies (``EVICTION_POLICIES``; measured in BENCHMARKS.md, "Production traces")
 
 The tier admits a request's new pages into the policy before it makes room for them (unless
 an L3 write needs their L2 copy), as the simulator does, so every policy may rank them below
-what the pool holds and give them up at once (``HiCache._admit_rows``).
+what the pool holds and give them up at once (``tier.residency.Residency._admit_rows``).
 """
 
 from __future__ import annotations

@@ -57,22 +57,21 @@ import collections
 import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from collections.abc import Collection, Sequence
+from typing import cast
 
 from hicache_store._sync import submit
 from hicache_store.backends.errors import PinBudgetError
 from hicache_store.backends.retention import Retention, hold_owner, hold_owners
+from hicache_store.objects import L3Link
 
 from .components import KV, Tier
 from .eviction import HintedEvictionPolicy, takes_hints
 from .hints import RequestHints, ResponseEnd
 from .pins import PinTable
 from .radix import PageNode
-
-if TYPE_CHECKING:
-    from .cache import HiCache
-    from .request import Request
+from .request import Request
+from .residency import Residency
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +94,13 @@ def _l3_owner(owner: str) -> str:
 
 
 class Hinting:
-    """The hints state of one tier (module docstring)."""
+    """The hints state of one tier over ``residency`` (module docstring): ``namespaces`` the
+    digests the tier owns (its model's and its components'), pages of ``page_size`` tokens."""
 
-    def __init__(self, tier: HiCache) -> None:
-        self.tier = tier
-        config = tier.config
+    def __init__(self, residency: Residency, namespaces: Collection[str], page_size: int) -> None:
+        self.residency = residency
+        self.page_size = page_size
+        config = residency.config
         budgets = {"L1": int(config.l1_pages * config.pin_fraction)}
         if config.l2_pages and config.host_mode == "cache":
             budgets["L2"] = int(config.l2_pages * config.pin_fraction)
@@ -111,9 +112,12 @@ class Hinting:
         self._l3_held: dict[str, set[str]] = collections.defaultdict(set)
         # L3 calls running: their kind (``pinned``, ``retained``, ``released``) and pages
         self._calls: list[tuple[concurrent.futures.Future[None], str, int]] = []
-        owned = {tier.namespace.digest}
-        owned.update(c.namespace.digest for c in tier.components.values())
-        self._namespaces = owned
+        self._namespaces = set(namespaces)
+
+    @property
+    def _link(self) -> L3Link | None:
+        """The KV's L3 link (holds reach L3 through it)."""
+        return self.residency.parts[KV.tag].link
 
     # == match ===============================================================================
 
@@ -145,7 +149,7 @@ class Hinting:
         """The pools' policies that take hints."""
         return [
             cast("HintedEvictionPolicy[PageNode]", p)
-            for p in self.tier.tree.policies.values()
+            for p in self.residency.tree.policies.values()
             if takes_hints(p)
         ]
 
@@ -161,15 +165,14 @@ class Hinting:
         pages reserved (``Request.pin_reserved``)."""
         self.check(tokens, hints)
         self.expire(hints.now_s)
-        page = self.tier.namespace.page_size
         end = max(
-            (self._range(tokens, page, a.start_token, a.end_token)[1]
+            (self._range(tokens, self.page_size, a.start_token, a.end_token)[1]
              for a in hints.actions if a.action == "pin"),
             default=0,
         )
         if not end:
             return 0
-        known = [self.tier.tree.get(h) for h in hashes[:end]]
+        known = [self.residency.tree.get(h) for h in hashes[:end]]
         new = sum(1 for n in known if n is None or not self.pins.is_pinned(n))
         self.pins.reserve(new)
         return new
@@ -177,7 +180,7 @@ class Hinting:
     def expire(self, now_s: float) -> None:
         """Drop the pins whose deadline has passed at ``now_s``."""
         for node in self.pins.expire(now_s):
-            self.tier.tree.unpin(node, KV.tag)
+            self.residency.tree.unpin(node, KV.tag)
         self._gauge()
 
     @staticmethod
@@ -195,7 +198,7 @@ class Hinting:
         hints = req.hints
         assert hints is not None
         owner = owner_of(hints)
-        page = self.tier.namespace.page_size
+        page = self.page_size
         wall = time.time()
         try:
             for action in hints.actions:
@@ -210,7 +213,7 @@ class Hinting:
                 if action.action == "pin":
                     for node in nodes:
                         if self.pins.hold(node, owner, until):
-                            self.tier.tree.pin(node, KV.tag)
+                            self.residency.tree.pin(node, KV.tag)
                     pin = Retention(hold_owner(_l3_owner(owner), pinned=True), wall_until, True)
                     self._hold_l3(nodes, owner, pin)
                 elif action.action == "retain":
@@ -218,7 +221,7 @@ class Hinting:
                                           wall_until, False, action.priority)
                     self._hold_l3(nodes, owner, retention)
                 elif action.action == "prefetch":
-                    self.tier.metrics.note("hint_prefetch")
+                    self.residency.metrics.note("hint_prefetch")
                 elif action.action in ("demote", "drop"):
                     self._let_go(nodes, owner, drop=action.action == "drop")
                 elif action.action == "session_end":
@@ -245,27 +248,28 @@ class Hinting:
     def end_session(self, owner: str) -> None:
         """Release every pin and L3 hold of ``owner``."""
         for node in self.pins.release_owner(owner):
-            self.tier.tree.unpin(node, KV.tag)
+            self.residency.tree.unpin(node, KV.tag)
         pages = self._l3_held.pop(owner, set())
         self._release_l3(sorted(pages), owner)
         self._gauge()
 
     def _let_go(self, nodes: Sequence[PageNode], owner: str, *, drop: bool) -> None:
         """``demote`` / ``drop`` of ``nodes`` (module docstring)."""
-        tier, tree = self.tier, self.tier.tree
+        res, tree = self.residency, self.residency.tree
+        kv = res.parts[KV.tag]
         for node in nodes:
             if self.pins.release(node, owner):
                 tree.unpin(node, KV.tag)
         moved = 0
         for node in sorted(nodes, key=lambda n: -n.depth):  # leaves first: prefix-closed
             if tree.is_evictable(node, Tier.L1, KV.tag):
-                tier._evict(node, tier.kv)
+                res.evict(node, kv)
                 moved += 1
             if drop and tree.is_evictable(node, Tier.L2, KV.tag):
-                tier._drop(node, tier.kv)
-                tier.metrics.count(tier.kv.name, "evictions_l2")
+                res.drop(node, kv)
+                res.metrics.count(kv.name, "evictions_l2")
                 moved += 1
-        tier.metrics.note("hint_dropped_copies" if drop else "hint_demoted_copies", moved)
+        res.metrics.note("hint_dropped_copies" if drop else "hint_demoted_copies", moved)
         if drop:
             held = self._l3_held.get(owner)
             names = [n.page_hash for n in nodes if held is not None and n.page_hash in held]
@@ -277,11 +281,11 @@ class Hinting:
 
     def _l3_ready(self) -> bool:
         """Whether holds can reach L3 (counting the actions that cannot, when L3 exists)."""
-        link = self.tier.l3
+        link = self._link
         if link is None or not link.can_write:
             return False
         if not link.backend.capabilities.retention:
-            self.tier.metrics.note("hint_l3_unsupported")
+            self.residency.metrics.note("hint_l3_unsupported")
             return False
         return True
 
@@ -296,7 +300,7 @@ class Hinting:
             elif held is not None and held.l3_pending:
                 self._after_backup.setdefault(node.page_hash, []).append((owner, retention))
             else:
-                self.tier.metrics.note("hint_l3_not_stored")
+                self.residency.metrics.note("hint_l3_not_stored")
         self._retain(stored, owner, retention)
 
     def backed_up(self, node: PageNode, ok: bool) -> None:
@@ -305,13 +309,13 @@ class Hinting:
         if waiting is None:
             return
         if not ok:
-            self.tier.metrics.note("hint_l3_not_stored", len(waiting))
+            self.residency.metrics.note("hint_l3_not_stored", len(waiting))
             return
         for owner, retention in waiting:
             self._retain([node.page_hash], owner, retention)
 
     def _keys(self, pages: Sequence[str]) -> list[str]:
-        link = self.tier.l3
+        link = self._link
         assert link is not None
         return [key for page in pages for key in link.write_names(page)]
 
@@ -320,16 +324,17 @@ class Hinting:
         if not keys:
             return
         self._l3_held[owner].update(pages)
-        backend = self.tier.l3.backend  # type: ignore[union-attr]
+        backend = self._link.backend  # type: ignore[union-attr]
         kind = "pinned" if retention.pinned else "retained"
         self._calls.append((submit(backend.retain(keys, retention)), kind, len(pages)))
 
     def _release_l3(self, pages: Sequence[str], owner: str) -> None:
-        if not pages or self.tier.l3 is None or not self.tier.l3.backend.capabilities.retention:
+        link = self._link
+        if not pages or link is None or not link.backend.capabilities.retention:
             return
         keys = self._keys(pages)
         if keys:
-            backend = self.tier.l3.backend
+            backend = link.backend
 
             async def release() -> None:
                 for holder in hold_owners(_l3_owner(owner)):
@@ -346,12 +351,12 @@ class Hinting:
                 continue
             error = future.exception()
             if error is None:
-                self.tier.metrics.note(f"hint_l3_{kind}_pages", pages)
+                self.residency.metrics.note(f"hint_l3_{kind}_pages", pages)
             elif isinstance(error, PinBudgetError):
-                self.tier.metrics.note("hint_l3_refused_pages", pages)
+                self.residency.metrics.note("hint_l3_refused_pages", pages)
                 log.warning("L3 refused a pin: %s", error)
             else:
-                self.tier.metrics.note("hint_l3_failed_pages", pages)
+                self.residency.metrics.note("hint_l3_failed_pages", pages)
                 log.warning("an L3 retention call failed: %s", error)
         self._calls = running
 
@@ -359,4 +364,4 @@ class Hinting:
         return not self._calls
 
     def _gauge(self) -> None:
-        self.tier.metrics.others["pinned_pages"] = self.pins.pinned
+        self.residency.metrics.others["pinned_pages"] = self.pins.pinned

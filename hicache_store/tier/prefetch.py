@@ -1,7 +1,9 @@
 """The prefetch protocol: what a request reads from L3 while it waits, and how it is settled.
 
-A collaborator of the tier's policy (``HiCache`` keeps the primitives and decides the prefix);
-one ``Prefetcher`` per tier, used on the engine's thread. In the order a request meets it:
+A collaborator of the request protocol (``tier.cache`` decides the prefix), built with the
+tier's residency (``tier.residency``: the rows, the tree, the transfers) and its prefix
+arithmetic (``tier.prefix``); one ``Prefetcher`` per tier, used on the engine's thread. In the
+order a request meets it:
 
 1. ``start`` (from ``match``): probe L3 past what memory holds (the KV pages' leading run, then
    the component objects a resume there would need), plan the prefix every needed component
@@ -12,7 +14,7 @@ one ``Prefetcher`` per tier, used on the engine's thread. In the order a request
    all; ``wait_complete``; ``timeout``), agree with the other ranks on how many KV pages
    arrived, hand the rows that arrived to the tree, and *abandon* the rest: a row whose read
    has not ended is quarantined and returns to its pool when the read ends (``return_row``,
-   from the ``ReadEnded`` completion), never earlier.
+   from the ``ReadEnded`` completion, which the tier applies in ``poll``), never earlier.
 3. ``unpin`` (once ``prepare`` has restored the planned objects) or ``drop`` (from ``abort``).
 
 L3 knowledge is kept honest here too: an existence check that says a page is missing, or a
@@ -22,46 +24,43 @@ the object.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
 from hicache_store._sync import run_sync
-from hicache_store.objects import IOStats
+from hicache_store.objects import IOStats, L3Link
 
 from .components import KV, ComponentMatch, Tier
 from .config import prefetch_timeout
-from .group import CacheEventDivergenceError
-from .prefix import best
+from .group import CacheEventDivergenceError, RankGroup
+from .prefix import Prefixes
 from .radix import PageNode
+from .request import Request, timed_io
+from .residency import Residency
 from .transfers import Fetch, Prefetch
-
-if TYPE_CHECKING:
-    from .cache import HiCache
-    from .request import Request
 
 log = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
-def _timed(req: Request) -> Iterator[None]:
-    """Count the enclosed time as the request's I/O (data movement), not bookkeeping."""
-    started = time.perf_counter()
-    try:
-        yield
-    finally:
-        req.io_s += time.perf_counter() - started
-
-
 class Prefetcher:
-    """The prefetches of one tier: starts, settles and retires them (see the module
-    docstring). ``ops``: those whose rows are not all back in their pools or in the tree."""
+    """The prefetches of one tier over ``residency``, its prefixes chosen by ``prefixes``,
+    agreed in ``group`` (a rank waits ``ack_wait_s`` at most for its reads to end): starts,
+    settles and retires them (see the module docstring). ``ops``: those whose rows are not all
+    back in their pools or in the tree."""
 
-    def __init__(self, tier: HiCache) -> None:
-        self.tier = tier
+    def __init__(
+        self, residency: Residency, prefixes: Prefixes, group: RankGroup, ack_wait_s: float
+    ) -> None:
+        self.residency = residency
+        self.prefixes = prefixes
+        self.group = group
+        self.ack_wait_s = ack_wait_s
         self.ops: list[Prefetch] = []
+
+    @property
+    def _link(self) -> L3Link | None:
+        return self.residency.parts[KV.tag].link
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -91,19 +90,19 @@ class Prefetcher:
     def start(self, req: Request) -> None:
         """Probe L3 beyond what memory holds, pick the prefix every needed component can
         resume at, and read its missing KV pages and component objects into L2."""
-        tier = self.tier
-        link = tier.l3
+        res = self.residency
+        link = self._link
         assert link is not None
-        page = tier.namespace.page_size
+        page = self.prefixes.page_size
         start = len(req.nodes)
         usable = (len(req.tokens) - 1) // page
         available = 0
         found: dict[int, list[bool]] = {}
         try:
-            with _timed(req):  # round trips to the backend: I/O, not bookkeeping
+            with timed_io(req):  # round trips to the backend: I/O, not bookkeeping
                 if start < len(req.hashes):
                     available = run_sync(
-                        link.exists_prefix(req.hashes[start:]), timeout=tier.config.io_timeout_s
+                        link.exists_prefix(req.hashes[start:]), timeout=res.config.io_timeout_s
                     )
                 if req.need:
                     found = self._probe_components(req, min(start + available, usable))
@@ -112,7 +111,7 @@ class Prefetcher:
             available, found = 0, {}
         else:
             if start < len(req.hashes):
-                tier.metrics.count_lookup("l3", len(req.hashes) - start, available)
+                res.metrics.count_lookup("l3", len(req.hashes) - start, available)
             if start + available < len(req.hashes):  # the first page L3 says it lacks
                 self.refute_l3(req.hashes[start + available])
         kv_end = start + available
@@ -122,7 +121,7 @@ class Prefetcher:
             cap = min(kv_end, usable)
             plans = self._plans(req, cap, found)
             kv_end = max(start, plans[0].prefix_pages)
-        if (kv_end - start) * page < tier.config.prefetch_threshold_tokens:
+        if (kv_end - start) * page < res.config.prefetch_threshold_tokens:
             kv_end = start  # too little KV to fetch: resume where memory allows
             if req.need:
                 plans = self._plans(req, min(start, usable), found)
@@ -133,22 +132,20 @@ class Prefetcher:
             raise
         if op is None:
             return
-        tier.metrics.prefetch_started += 1
-        tier._transfers.start_prefetch(
-            op, tier._links(), lambda f: tier.parts[f.tag].host.row(f.row)
-        )
+        res.metrics.prefetch_started += 1
+        res.transfers.start_prefetch(op, res.links(), lambda f: res.parts[f.tag].host.row(f.row))
         self.ops.append(op)
         req.prefetch = op
 
     def unpin(self, req: Request) -> None:
         """Release the plan's pins (``_pin_planned``)."""
         for node, tag in req.pinned:
-            self.tier.tree.release_host(node, tag)
+            self.residency.tree.release_host(node, tag)
         req.pinned = []
 
     def _pin_planned(self, req: Request, plan: ComponentMatch) -> None:
         """Hold the L2 copies of the component objects ``plan`` restores (``req.pinned``)."""
-        tree, parts = self.tier.tree, self.tier.parts
+        tree, parts = self.residency.tree, self.residency.parts
         nodes = tree.match(req.hashes)
         pinned = {(id(node), tag) for node, tag in req.pinned}
         for tag in req.need:
@@ -163,11 +160,12 @@ class Prefetcher:
     ) -> Prefetch | None:
         """Rows for the KV pages ``[start, kv_end)`` and the L3 objects ``plans`` restore, as
         one prefetch (None: nothing to fetch)."""
-        tier = self.tier
+        res = self.residency
         kv_fetch: list[Fetch] = []
         if kv_end > start:
-            host = tier.kv.host
-            host_pages = tier._alloc_rows(tier.kv, kv_end - start)
+            kv = res.parts[KV.tag]
+            host = kv.host
+            host_pages = res.alloc_rows(kv, kv_end - start)
             count = kv_end - start
             while host_pages is None and count > 0:
                 count = min(count - 1, host.free_pages)
@@ -186,12 +184,12 @@ class Prefetcher:
         for plan in plans:
             self._pin_planned(req, plan)
             for tag in req.need:
-                part = tier.parts[tag]
+                part = res.parts[tag]
                 for i, where in plan.restore[part.name]:
                     if where is not Tier.L3 or part.link is None or (tag, i) in wanted:
                         continue
                     wanted.add((tag, i))
-                    rows = tier._alloc_rows(part, 1)
+                    rows = res.alloc_rows(part, 1)
                     if rows is None:
                         continue  # the prefix will end before this object (prepare recomputes)
                     extra.append(Fetch(tag, i, req.hashes[i], rows[0]))
@@ -205,10 +203,10 @@ class Prefetcher:
         """The prefix to prefetch for (L1, L2 and L3 objects count), and the one to fall back to
         if the L3 component objects it reads fail (corrupt or gone): fetching both keeps a
         failed read from sending the request back to what memory holds."""
-        tier = self.tier
-        first = best(tier, req, cap, cap, found)
+        first = self.prefixes.best(req, cap, cap, found)
+        tags = {part.name: tag for tag, part in self.residency.parts.items()}
         fetched = {
-            (tier.components[name].tag, i)
+            (tags[name], i)
             for name, objects in first.restore.items()
             if name != KV.name
             for i, where in objects
@@ -220,16 +218,16 @@ class Prefetcher:
             tag: [hit and (tag, i) not in fetched for i, hit in enumerate(flags)]
             for tag, flags in found.items()
         }
-        return [first, best(tier, req, cap, cap, without, known_l3=False)]
+        return [first, self.prefixes.best(req, cap, cap, without, known_l3=False)]
 
     def _probe_components(self, req: Request, pages: int) -> dict[int, list[bool]]:
         """Per needed component: which of the first ``pages`` pages' objects L3 holds (pages
         whose object is in memory are not probed)."""
-        tier = self.tier
-        nodes = tier.tree.match(req.hashes[:pages])
+        res = self.residency
+        nodes = res.tree.match(req.hashes[:pages])
         out: dict[int, list[bool]] = {}
         for tag in req.need:
-            link = tier.parts[tag].link
+            link = res.parts[tag].link
             if link is None:
                 continue
             todo = [
@@ -241,7 +239,7 @@ class Prefetcher:
             if todo:  # everything in memory: no round trip
                 hits = run_sync(
                     link.exists_pages([req.hashes[i] for i in todo]),
-                    timeout=tier.config.io_timeout_s,
+                    timeout=res.config.io_timeout_s,
                 )
             flags = [False] * pages
             for i, hit in zip(todo, hits, strict=True):
@@ -252,22 +250,25 @@ class Prefetcher:
     # -- settle ---------------------------------------------------------------------------
 
     def settle(self, req: Request) -> float:
-        """Wait as the policy says, take what arrived, and return the seconds waited."""
-        tier = self.tier
-        tree, m = tier.tree, tier.metrics
+        """Wait as the policy says, take what arrived, and return the seconds waited. With
+        several ranks, also wait (``ack_wait_s`` at most) until every read of the prefetch has
+        ended: the tier then applies their completions (``poll``) before the request computes,
+        so that L2 free space does not depend on read timing."""
+        res = self.residency
+        tree, m, config = res.tree, res.metrics, res.config
         op = req.prefetch
         assert op is not None
-        policy = tier.config.prefetch_policy
+        policy = config.prefetch_policy
         started = time.perf_counter()
         timed_out = False
         if policy == "wait_complete":
-            timed_out = not op.finished.wait(tier.config.io_timeout_s)
+            timed_out = not op.finished.wait(config.io_timeout_s)
         elif policy == "timeout":
-            limit = prefetch_timeout(tier.config, len(op.kv) * tier.namespace.page_size)
+            limit = prefetch_timeout(config, len(op.kv) * self.prefixes.page_size)
             timed_out = not op.finished.wait(limit)
         waited = time.perf_counter() - started
         done = op.completed_prefix()
-        agreed = tier.group.agree_min(done, "prefetch_pages")
+        agreed = self.group.agree_min(done, "prefetch_pages")
         if agreed == len(op.kv):
             m.prefetch_complete += 1
         elif timed_out:
@@ -293,10 +294,10 @@ class Prefetcher:
             if held is None or held.l2 is None:
                 tree.set_copy(node, KV.tag, Tier.L2, fetch.row)
             else:
-                tier.kv.host.free([fetch.row])
+                res.parts[KV.tag].host.free([fetch.row])
             fetch.row = -1  # owned by the tree now
             tree.set_copy(node, KV.tag, Tier.L3, True)
-        tier._hold(req, nodes)
+        res.hold(req, nodes)
         tree.touch(nodes)
         req.l3_pages = agreed
         op.settled = True
@@ -305,13 +306,13 @@ class Prefetcher:
         for fetch in op.extra:
             if fetch.done is False:  # a corrupt or vanished object: absent from now on
                 req.l3_found[fetch.tag][fetch.index] = False
-                m.count(tier.parts[fetch.tag].name, "fetch_failed")
+                m.count(res.parts[fetch.tag].name, "fetch_failed")
                 if fetch.index < len(known):  # so that its next backup replaces it (KV: above)
                     refuted.append((known[fetch.index], fetch.tag))
             if fetch.done is not True or fetch.index >= len(known):
                 self.abandon(fetch)
                 continue
-            node, part = known[fetch.index], tier.parts[fetch.tag]
+            node, part = known[fetch.index], res.parts[fetch.tag]
             held = node.held(fetch.tag)
             if held is not None and held.in_memory:
                 part.host.free([fetch.row])  # a copy arrived meanwhile
@@ -324,15 +325,13 @@ class Prefetcher:
         # fetch may land on the same page.
         for node, tag in refuted:
             tree.set_copy(node, tag, Tier.L3, False)
-        if tier.group.size > 1:
-            # Rows of abandoned reads come back before the request computes, so L2 free space
-            # (and with it L2 eviction) does not depend on read timing (at most the reads in
-            # flight remain: reads past the agreed prefix are skipped).
-            if not op.finished.wait(tier.ack_wait_s):
-                raise CacheEventDivergenceError(
-                    f"rank {tier.rank}: a prefetch did not end within {tier.ack_wait_s}s"
+        # Rows of abandoned reads come back before the request computes, so L2 free space
+        # (and with it L2 eviction) does not depend on read timing (at most the reads in
+        # flight remain: reads past the agreed prefix are skipped).
+        if self.group.size > 1 and not op.finished.wait(self.ack_wait_s):
+            raise CacheEventDivergenceError(
+                    f"rank {self.group.rank}: a prefetch did not end within {self.ack_wait_s}s"
                 )
-            tier._drain()
         return waited
 
     def drop(self, req: Request) -> None:
@@ -362,12 +361,12 @@ class Prefetcher:
         ranks must queue alike (the backup-ack agreement), so a rank-local refutation would
         make them diverge.
         """
-        tier = self.tier
-        if tier.group.size > 1:
+        if self.group.size > 1:
             return
-        node = tier.tree.get(page_hash)
+        tree = self.residency.tree
+        node = tree.get(page_hash)
         if node is not None and node.resident(Tier.L3, KV.tag):
-            tier.tree.set_copy(node, KV.tag, Tier.L3, False)
+            tree.set_copy(node, KV.tag, Tier.L3, False)
 
     def abandon(self, fetch: Fetch) -> None:
         """The engine stops waiting for ``fetch``: its row returns now if its read has ended,
@@ -376,11 +375,11 @@ class Prefetcher:
         if fetch.done is not None:
             self.return_row(fetch)
         elif fetch.row >= 0:
-            self.tier.metrics.host_pages_quarantined += 1
+            self.residency.metrics.host_pages_quarantined += 1
 
     def return_row(self, fetch: Fetch) -> None:
         """Free an abandoned fetch's row (once: row -1 afterwards); its read has ended."""
         assert fetch.done is not None, "a row freed while its read may still write into it"
         if fetch.row >= 0:
-            self.tier.parts[fetch.tag].host.free([fetch.row])
+            self.residency.parts[fetch.tag].host.free([fetch.row])
             fetch.row = -1

@@ -3,8 +3,10 @@ engine, the engine pool the tier allocates L1 pages from, and the slots of a req
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -113,3 +115,13 @@ def tokens_digest(tokens: torch.Tensor) -> str:
     """A short digest of a request's tokens (an argument of its logged decisions)."""
     data = tokens.to(torch.int64).numpy().astype("<u4").tobytes()
     return hashlib.sha256(data).hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def timed_io(req: Request) -> Iterator[None]:
+    """Count the enclosed time as the request's I/O (data movement), not bookkeeping."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        req.io_s += time.perf_counter() - started

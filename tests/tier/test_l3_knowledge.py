@@ -51,7 +51,7 @@ def serve(tier: HiCache, model: MiniLlama, tokens: list[int]) -> int:
     full recompute; return the tokens it reused."""
     tier.evict_device()
     for node in list(tier.tree.nodes()):  # a cold L2: what the tier knows of L3 stays
-        tier._drop(node, tier.kv)
+        tier.residency.drop(node, tier.kv)
     served = serve_checked(tier, model, tokens, message="wrong KV reached the engine",
                            invariants=False)
     tier.flush(timeout=30)
