@@ -155,3 +155,17 @@ def test_l2_mib_key() -> None:
         ConnectorConfig.from_extra({"l2_mib": -1})
     with pytest.raises(ConfigError, match="l2_mib: expected a number"):
         ConnectorConfig.from_extra({"l2_mib": "lots"})
+
+
+@pytest.mark.parametrize(("policy", "gone"), [("lru", "a"), ("arc", "b"), ("session", "b")])
+def test_evicts_in_the_order_of_the_tiers_policy(policy: str, gone: str) -> None:
+    """The L2 orders its pages by the cache tier's eviction policies: ``a`` was used again,
+    ``b`` once, more recently. LRU gives up ``a``; ARC (and ``session`` without hints, which is
+    ARC) keeps the page used twice and gives up ``b``."""
+    l2 = HostPageCache(2 * PAGE, PAGE, policy=policy)
+    l2.put(["a"], [page(0)])
+    assert l2.copy_into(["a"], torch.empty((1, PAGE), dtype=torch.uint8)) == [True]
+    l2.put(["b"], [page(1)])
+    assert l2.put(["c"], [page(2)])[1] == [gone]
+    with pytest.raises(ValueError, match="eviction policy 'fifo'"):
+        HostPageCache(2 * PAGE, PAGE, policy="fifo")

@@ -1,10 +1,14 @@
-"""The connector's L2: pages of this worker's shard kept in host memory, bounded, LRU.
+"""The connector's L2: pages of this worker's shard kept in host memory, bounded.
 
 Each entry is one page in the ``page_unified`` row format the connector packs and reads (the
 row a stored object of the page is a slice of), in a ``tier.host_pool.HostPagePool`` row,
 keyed by page hash. At most ``capacity_bytes // page_bytes`` pages are held; when a new page
-needs a row the least recently used page goes first, a chain's tail before its head
-(``backends._lru.ChainLRU``, the order the bounded backends keep).
+needs a row, the page that goes is the choice of one of the cache tier's eviction policies
+(``tier.eviction``, ``lru`` by default): each call (a ``put`` or a ``copy_into``) is one use
+of its pages in chain order, so with ``lru`` the least recently used page goes first, a
+chain's tail before its head (the order the bounded backends keep, ``backends._lru``). Every
+held page may go except those of the call being served (the L2 is not prefix-closed: a call
+hands over a stretch of a chain, not always from its first page).
 
 **What it holds is what was put, byte for byte, by construction.** ``put`` copies the
 caller's bytes into a row and ``copy_into`` copies a row out; no reference to a row ever
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache_store.backends._lru import ChainLRU
+from hicache_store.tier.eviction import EvictionPolicy, make_eviction_policy
 from hicache_store.tier.host_pool import HostPagePool
 
 
@@ -38,9 +42,10 @@ class L2Counts:
 
 
 class HostPageCache:
-    """Up to ``capacity_bytes`` of ``page_bytes``-byte pages keyed by page hash."""
+    """Up to ``capacity_bytes`` of ``page_bytes``-byte pages keyed by page hash, evicted in the
+    order of the tier's eviction policy ``policy`` (``tier.eviction.EVICTION_POLICIES``)."""
 
-    def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, page_bytes: int, *, policy: str = "lru") -> None:
         if capacity_bytes < 0 or page_bytes < 1:
             raise ValueError(f"L2: {capacity_bytes} bytes of {page_bytes}-byte pages")
         self.page_bytes = page_bytes
@@ -48,7 +53,11 @@ class HostPageCache:
         # Untouched rows cost no memory: the pool's allocation is committed as rows fill.
         self._pool = HostPagePool(self.capacity_pages, page_bytes, pin=False)
         self._rows: dict[str, int] = {}
-        self._lru = ChainLRU()
+        # A page's place in the last call that used it (ties within a call: the tail first).
+        self._depth: dict[str, int] = {}
+        self._policy: EvictionPolicy[str] = make_eviction_policy(
+            policy, max(self.capacity_pages, 1), self._depth.__getitem__, _same
+        )
         self.counts = L2Counts()
 
     def __contains__(self, page_hash: object) -> bool:
@@ -75,7 +84,8 @@ class HostPageCache:
             if row is not None:
                 out[i].copy_(self._pool.data[row])
             found.append(row is not None)
-        self._lru.touch_batch([h for h, hit in zip(hashes, found, strict=True) if hit])
+        self._policy.begin_request()
+        self._used(hashes)
         hits = sum(found)
         self.counts.hits += hits
         self.counts.misses += len(hashes) - hits
@@ -88,7 +98,7 @@ class HostPageCache:
         head first).
 
         A page already held is only marked used (its bytes are those of the same page). Rows
-        are made free by evicting least recently used pages, never one of ``hashes``; when the
+        are made free by evicting the policy's victims, never one of ``hashes``; when the
         batch outgrows the whole L2, its head is kept and the rest is not. Returns the pages
         added and the pages evicted.
         """
@@ -96,18 +106,27 @@ class HostPageCache:
             raise ValueError(f"L2: {len(hashes)} pages, {len(rows)} rows")
         added: list[str] = []
         evicted: list[str] = []
-        batch = set(hashes)
+        policy = self._policy
+        policy.begin_request()  # one use: pages admitted now are not "used again" below
+        held = [h for h in dict.fromkeys(hashes) if h in self._rows]
+        for page_hash in held:  # the call's own pages stay while it is served
+            policy.set_evictable(page_hash, False)
         for i, page_hash in enumerate(hashes):
             if page_hash in self._rows:
                 continue
             self._check_rows(rows[i], None)
-            row = self._free_row(batch, evicted)
+            row = self._free_row(evicted)
             if row is None:
                 break
             self._pool.data[row].copy_(rows[i])
             self._rows[page_hash] = row
+            self._depth[page_hash] = i
+            policy.admit(page_hash)
             added.append(page_hash)
-        self._lru.add_batch([(h, self.page_bytes) for h in hashes if h in self._rows])
+            held.append(page_hash)
+        for page_hash in held:
+            policy.set_evictable(page_hash, True)
+        self._used(hashes)
         self.counts.puts += len(added)
         self.counts.evictions += len(evicted)
         return added, evicted
@@ -116,18 +135,29 @@ class HostPageCache:
         counts, self.counts = self.counts, L2Counts()
         return counts
 
-    def _free_row(self, keep: set[str], evicted: list[str]) -> int | None:
+    def _used(self, hashes: Sequence[str]) -> None:
+        """The held pages of ``hashes`` used by the call (in chain order; after the policy's
+        ``begin_request`` for the call)."""
+        policy = self._policy
+        for i, page_hash in enumerate(hashes):
+            if page_hash in self._rows:
+                self._depth[page_hash] = i
+                policy.touch(page_hash)
+
+    def _free_row(self, evicted: list[str]) -> int | None:
+        """A free row, evicting the policy's victims (never a page of the call: not
+        evictable meanwhile); None when every held page is the call's."""
         while True:
             rows = self._pool.alloc(1)
             if rows is not None:
                 return rows[0]
-            victim = self._lru.oldest(excluding=keep)
+            victim = self._policy.victim()
             if victim is None:
                 return None
-            page_hash, _ = victim
-            self._lru.discard(page_hash)
-            self._pool.free([self._rows.pop(page_hash)])
-            evicted.append(page_hash)
+            self._policy.evict(victim)
+            del self._depth[victim]
+            self._pool.free([self._rows.pop(victim)])
+            evicted.append(victim)
 
     def _check_rows(self, rows: torch.Tensor, count: int | None) -> None:
         """``rows`` must be ``[count, page_bytes]`` uint8 (one ``[page_bytes]`` row: None)."""
@@ -136,3 +166,8 @@ class HostPageCache:
             raise ValueError(
                 f"L2: expected uint8 {shape}, got {rows.dtype} {tuple(rows.shape)}"
             )
+
+
+def _same(page_hash: str) -> str:
+    """A page's key after it left (ARC's ghosts): its hash."""
+    return page_hash
