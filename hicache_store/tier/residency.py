@@ -30,8 +30,8 @@ up the new pages themselves: the order the block-level simulator measures (it ad
 evicts), so every policy hits in the tier exactly what the simulator reports
 (``tests/bench/test_trace_format_weka.py``).
 
-What is special about the KV is two properties of its pools (``Pools.prefix_closed``,
-``Pools.ordered``), never a test of its tag here.
+Past a request's KV page holds, what is special about the KV is two properties of its pools
+(``Pools.prefix_closed``, ``Pools.ordered``), never a test of its tag.
 """
 
 from __future__ import annotations
