@@ -84,6 +84,15 @@ class Capabilities:
     - ``retention``: ``retain`` / ``release`` / ``retention_of`` work, eviction honours
       them (``hicache_store.backends.retention``) and ``delete_until_held`` never deletes a
       held object; otherwise the first three raise ``NotSupportedError`` (and nothing is held).
+    - ``host_buffers``: ``host_buffers()`` registers host memory that the backend then reads
+      into and writes from without a copy (``backends.protocols.HostBuffers``).
+    - ``inline_exists``: ``inline_exists()`` answers ``exists`` on the caller's own thread,
+      without the library's event loop (``backends.protocols.InlineExists``).
+    - ``native_reads``: ``native_reads()`` reads whole objects and checksums spans of them in
+      native code, startable without a Python thread (``backends.protocols.NativeReads``).
+
+    The last three are optional abilities with a protocol each; without the flag, their
+    accessor raises ``NotSupportedError``.
     """
 
     ranged_reads: bool = False
@@ -95,6 +104,9 @@ class Capabilities:
     shared: bool = False
     mtime: bool = False
     retention: bool = False
+    host_buffers: bool = False
+    inline_exists: bool = False
+    native_reads: bool = False
 
     def replace(self, **changes: bool) -> Capabilities:
         return dataclasses.replace(self, **changes)
