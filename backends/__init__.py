@@ -18,7 +18,7 @@ from __future__ import annotations
 from hicache_store.layout.errors import ConfigError
 
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer
-from .base import Backend, PendingReads, reads_are_uses, reads_not_counted
+from .base import Backend, reads_are_uses, reads_not_counted
 from .errors import (
     BackendClosedError,
     BackendError,
@@ -36,6 +36,7 @@ from .errors import (
     UnknownBackendError,
     UnsafeIndexError,
 )
+from .protocols import HostBuffers, InlineExists, NativeReads, PendingReads
 from .registry import (
     ENTRY_POINT_GROUP,
     BackendSpec,
@@ -80,6 +81,9 @@ __all__ = [
     "NotFoundError",
     "NotSupportedError",
     "DeletedUntilHeld",
+    "HostBuffers",
+    "InlineExists",
+    "NativeReads",
     "ObjectStat",
     "PendingReads",
     "OutOfSpaceError",

@@ -1,11 +1,12 @@
-"""The async ``Backend`` ABC: a small core each backend implements, helpers written once on top.
+"""The async ``Backend`` ABC: the contract every backend keeps, a small core it implements.
 
-Public API (what callers use; implemented here, once, for every backend)::
+Public API (validated here, once, for every backend)::
 
     exists(keys)                      -> list[bool]
     get_into(keys, buffers, ranges)   -> list[int | None]   bytes read, None = miss
     get_scatter(key, buffers, range)  -> int | None         one range into several buffers
     put(keys, buffers)                -> None
+    put_if_absent(key, buffer)        -> bool               True = this call wrote it
     delete(keys)                      -> list[bool]         False = was absent
     delete_until_held(groups)         -> DeletedUntilHeld   stops at the first held group
     stat(keys)                        -> list[ObjectStat | None]
@@ -14,18 +15,19 @@ Public API (what callers use; implemented here, once, for every backend)::
     close()
     retain(keys, retention) / release(keys, owner) / retention_of(keys)   (``retention``)
 
-    helpers: exists_prefix_length, exists_prefix_pages, get_ranges, put_if_absent, get_bytes,
-             put_bytes
-    exists_now(keys, max_age_s)       -> list[bool] | None  at once, or None (then exists)
-    exists_blocking(keys)             -> list[bool] | None  on the caller's own thread, or None
-    get_into_summed(keys, buffers, spans) -> (bytes read, xxh3_64 of each span) per key
-    start_get_into_summed(...)        -> PendingReads (done / wait / result), or None
+    helpers (``backends.helpers``, written once on the core): exists_prefix_length,
+    exists_prefix_pages, get_ranges, get_bytes
+    optional abilities (``backends.protocols``: a ``Capabilities`` flag and an accessor each):
+    host_buffers(), inline_exists(), native_reads()
 
 Core (what a backend implements; the public method has already validated everything):
 ``_exists``, ``_get_into``, ``_put``, ``_delete``, ``_stat``; optionally ``_list_prefix``,
-``_list_entries``, ``_put_if_absent``, ``_get_scatter``, ``_get_into_summed``, ``_close``;
-with ``capabilities.retention``, ``_retain``, ``_release``, ``_retention_of`` and
-``_delete_until_held`` (its hold check and delete one atomic step).
+``_list_entries``, ``_put_if_absent``, ``_get_scatter``, ``_close``; with
+``capabilities.retention``, ``_retain``, ``_release``, ``_retention_of`` and
+``_delete_until_held`` (its hold check and delete one atomic step); with
+``capabilities.host_buffers``, ``_register_host_buffer`` and ``_unregister_host_buffer``; with
+``capabilities.inline_exists``, ``_exists_now`` and ``_exists_blocking``; with
+``capabilities.native_reads``, ``_get_into_summed`` and ``_start_get_into_summed``.
 
 Contracts every backend keeps (the conformance suite in ``hicache_store.testing`` checks them):
 
@@ -43,19 +45,10 @@ Contracts every backend keeps (the conformance suite in ``hicache_store.testing`
   returned count, and never keeps a reference after returning.
 - **Buffer lifetime.** Once ``get_into`` / ``get_scatter`` returns, raises, times out or is
   cancelled, no byte is written into the caller's buffers any more; once ``put`` /
-  ``put_if_absent`` ends the same way, they are not read any more. Callers (the cache tier)
-  hand that memory to the next page the moment a call ends, so a late read landing there would
-  serve another page's KV. Enforced here once for cancellation (``_guarded``): the public
-  methods run the core in a task of its own and, when the caller is cancelled (an
-  ``asyncio.wait_for`` deadline included), flag the call abandoned and return only once the
-  core has ended, so I/O already running in a thread or a request finishes first (I/O not
-  yet started is skipped: ``abandonable``). A cancelled call may therefore outlast the
-  caller's deadline by the time the I/O in flight takes; each backend bounds that time (see
-  its docstring). A backend whose core gives up early on a deadline of its own (a request
-  timeout) must not leave I/O aimed at the caller's memory behind: it lands such I/O in
-  memory of its own and copies out only while the caller still waits (``Handoff``), or waits
-  for the I/O to end. The conformance suite checks every backend
-  (``hicache_store.testing.lifetime``).
+  ``put_if_absent`` ends the same way, they are not read any more. Kept here once, for every
+  backend, by the machinery of ``backends.lifetime`` (its docstring says how, and what a
+  backend whose core gives up early on a deadline of its own must do). The conformance suite
+  checks every backend (``hicache_store.testing.lifetime``).
 - **Ranges** are ``ByteRange`` (end exclusive). A range reaching past the object's end, or a
   buffer too small for the object or range, raises ``InvalidRangeError``; nothing is clamped.
 - **Scatter reads** (``get_scatter``) fill several buffers, in order, from one contiguous range
@@ -72,23 +65,29 @@ Contracts every backend keeps (the conformance suite in ``hicache_store.testing`
 from __future__ import annotations
 
 import abc
-import asyncio
 import contextlib
 import contextvars
-import itertools
-import logging
-import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
-
-import xxhash
 
 from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_keys
 
 from .errors import BackendClosedError, InvalidRangeError, NotSupportedError
-from .prefix import DEFAULT_FANOUT, search_prefix
+from .helpers import Helpers
+
+# The lifetime machinery and the buffer views, re-exported where backends long found them.
+from .lifetime import (
+    CallAbandoned,
+    Handoff,
+    abandonable,
+    gather_settled,
+    guarded,
+    outlast,
+    until_abandoned,
+)
+from .protocols import HostBuffers, InlineExists, NativeReads, PendingReads, SummedReads
 from .retention import Retention
 from .types import (
     BackendStats,
@@ -99,45 +98,17 @@ from .types import (
     ObjectStat,
     validate_prefix,
 )
+from .views import as_byte_view, is_buffer, scatter_views
 
 if TYPE_CHECKING:
-    from typing import TypeAlias
+    from typing_extensions import Self
 
-    import numpy as np
-    from typing_extensions import Buffer, Self
+    from .views import BufferLike
 
-    #: what callers may pass as a buffer: anything exporting the buffer protocol.
-    BufferLike: TypeAlias = Buffer | np.ndarray[Any, Any]
-
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: keys ``stat``-ed per call by the default ``_list_entries``.
 LIST_STAT_BATCH = 1000
-
-class _Call:
-    """One buffer-touching call whose caller may give up (see ``Backend._guarded``).
-
-    ``flag`` is read by worker threads (``abandonable``); ``waiters`` are the event-loop waits
-    that give way at once when the caller gives up (``until_abandoned``).
-    """
-
-    def __init__(self) -> None:
-        self.flag = threading.Event()
-        self.waiters: set[asyncio.Future[None]] = set()
-
-    def abandon(self) -> None:
-        self.flag.set()
-        for waiter in self.waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-
-#: the call whose core runs in this context (``Backend._guarded``), if any.
-_CURRENT_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
-    "hicache_store_current_call", default=None
-)
-
 
 #: False inside ``reads_not_counted``: reads there are not uses (see that function).
 _READS_ARE_USES: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -167,212 +138,7 @@ def reads_are_uses() -> bool:
     return _READS_ARE_USES.get()
 
 
-class CallAbandoned(Exception):
-    """Raised instead of starting I/O for a call whose caller already gave up.
-
-    Only the core of an abandoned call sees it; the public method drops the core's outcome and
-    raises ``CancelledError`` to its caller.
-    """
-
-
-def abandonable(fn: Callable[..., T]) -> Callable[..., T]:
-    """``fn`` wrapped for a worker thread: it raises ``CallAbandoned`` instead of running when
-    the caller of the current call has given up by the time a thread picks it up.
-
-    Call it on the event loop, in the core of a public read or write (it captures that call's
-    flag from the context); outside one it returns ``fn`` itself. This is how a cancelled
-    batch skips the I/O it has not started, while the public method waits for the I/O that
-    has: a thread's ``preadv`` cannot be interrupted, only not started.
-    """
-    call = _CURRENT_CALL.get()
-    if call is None:
-        return fn
-    flag = call.flag
-
-    def job(*args: Any, **kwargs: Any) -> T:
-        if flag.is_set():
-            raise CallAbandoned
-        return fn(*args, **kwargs)
-
-    return job
-
-
-async def until_abandoned(aw: Awaitable[T]) -> T:
-    """Await ``aw``, unless the caller of the current call gives up first: then ``aw`` is
-    cancelled and ``CallAbandoned`` raised at once.
-
-    The public methods wait for a core to end after its caller gave up (``_guarded``); this is
-    how a core says that a wait may end early because nothing aimed at the caller's buffers is
-    in flight during it: injected latency, queueing, a request whose answer lands in memory of
-    the backend's own and reaches the caller only through a ``Handoff``. Never around I/O into
-    (or out of) caller memory. Outside a guarded call it is a plain ``await``.
-    """
-    call = _CURRENT_CALL.get()
-    if call is None:
-        return await aw
-    task = asyncio.ensure_future(aw)
-    if call.flag.is_set():
-        task.cancel()
-        await _outlast(task)
-        raise CallAbandoned
-    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    call.waiters.add(gone)
-    try:
-        either: list[asyncio.Future[Any]] = [task, gone]
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        await _outlast(task)
-        raise
-    finally:
-        call.waiters.discard(gone)
-    if not task.done():
-        task.cancel()
-        await _outlast(task)
-        raise CallAbandoned
-    return task.result()
-
-
-async def gather_settled(*aws: Awaitable[T]) -> list[T]:
-    """``asyncio.gather`` that ends only when every awaitable has: results in order, or the
-    first exception (by position) once all are done.
-
-    Plain ``gather`` raises the first failure at once and leaves the others running: for reads
-    into caller memory that would end a call while sibling I/O still writes (the buffer
-    lifetime contract). Use it wherever a call fans out I/O that touches caller buffers.
-    """
-    outcomes = await asyncio.gather(*aws, return_exceptions=True)
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException):
-            raise outcome
-    return outcomes  # type: ignore[return-value]  # no exception left: every item is a T
-
-
-class Handoff:
-    """Caller memory touched from a worker thread only while the caller still waits.
-
-    For backends whose core gives up on a deadline of its own while a thread is still busy
-    (a request that cannot be interrupted): the thread lands its I/O in memory of its own and
-    copies between that memory and the caller's buffers only inside ``deliver``; the event
-    loop calls ``close`` before raising. ``close`` waits for a copy already running (one
-    ``memcpy``, never I/O), and every later ``deliver`` is refused, so nothing touches the
-    caller's buffers after the call ended.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._open = True
-
-    def deliver(self, copy: Callable[[], None]) -> bool:
-        """Run ``copy`` (a worker thread's copy to or from caller memory) unless the caller
-        has gone; True when it ran."""
-        with self._lock:
-            if not self._open:
-                return False
-            copy()
-            return True
-
-    def close(self) -> None:
-        """The caller stops waiting: wait for a copy in progress, refuse every later one."""
-        with self._lock:
-            self._open = False
-
-
-async def _outlast(task: asyncio.Future[Any]) -> None:
-    """Wait until ``task`` is done, through any number of cancellations of the waiter."""
-    while not task.done():
-        try:
-            await asyncio.wait([task])
-        except asyncio.CancelledError:
-            continue  # cancelled again: the I/O is still running, keep waiting for it
-    if not task.cancelled():
-        task.exception()  # the caller gave up: its outcome is dropped (and marked retrieved)
-
-
-def as_byte_view(buffer: BufferLike, *, writable: bool, what: str = "buffer") -> memoryview:
-    """A flat byte view of a caller's buffer (no copy). Refuses non-contiguous memory."""
-    view = memoryview(buffer)  # type: ignore[arg-type]  # ndarray exports the buffer protocol
-    if not view.c_contiguous:
-        raise ValueError(f"{what} must be C-contiguous")
-    if writable and view.readonly:
-        raise ValueError(f"{what} is read-only; reads need writable memory")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-def scatter_views(views: Sequence[memoryview], length: int) -> list[memoryview]:
-    """The leading ``length`` bytes of ``views`` taken in order, as non-empty views.
-
-    Later views are cut or dropped so the result covers exactly ``length`` bytes (raises
-    ``ValueError`` when the views hold fewer). What a scatter read fills, and nothing more.
-    """
-    parts: list[memoryview] = []
-    left = length
-    for view in views:
-        if left == 0:
-            break
-        take = min(left, len(view))
-        if take:
-            parts.append(view[:take])
-            left -= take
-    if left:
-        raise ValueError(f"buffers hold {length - left} of the {length} bytes to scatter")
-    return parts
-
-
-def span_sums(view: memoryview, spans: Sequence[tuple[int, int]], n: int | None) -> tuple[int, ...]:
-    """The xxh3_64 of each ``(offset, length)`` span of ``view``, of which ``n`` bytes were
-    read: empty for a miss (``n`` None) or a span past ``n`` (``Backend.get_into_summed``)."""
-    if n is None or any(off + length > n for off, length in spans):
-        return ()
-    return tuple(xxhash.xxh3_64_intdigest(view[off : off + length]) for off, length in spans)
-
-
-def _is_buffer(obj: object) -> bool:
-    """Whether ``obj`` itself exports the buffer protocol (a numpy array, an mmap...)."""
-    try:
-        memoryview(obj)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    return True
-
-
-class PendingReads(abc.ABC):
-    """A ``get_into_summed`` under way in native code (``Backend.start_get_into_summed``).
-
-    ``done()`` never waits; ``wait()`` waits for the reads (the buffers are not written
-    after it returns); ``result()`` waits, then returns the bytes read and sums per key, or
-    raises what ``get_into_summed`` raises, the same each time it is called. Dropping the
-    handle waits for the reads before the buffers are let go."""
-
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
-        self._outcome: tuple[list[int | None], list[tuple[int, ...]]] | BaseException | None = None
-
-    @abc.abstractmethod
-    def done(self) -> bool:
-        """Whether every read has ended (never waits)."""
-
-    @abc.abstractmethod
-    def wait(self) -> None:
-        """Wait for every read to end."""
-
-    @abc.abstractmethod
-    def _result(self) -> tuple[list[int | None], list[tuple[int, ...]]]:
-        """Wait, then the outcome of the reads (raising as ``get_into_summed``)."""
-
-    def result(self) -> tuple[list[int | None], list[tuple[int, ...]]]:
-        if self._outcome is None:
-            try:
-                self._outcome = self._result()
-                self._backend._count_reads(self._outcome[0])
-            except BaseException as exc:
-                self._outcome = exc
-        if isinstance(self._outcome, BaseException):
-            raise self._outcome
-        return self._outcome
-
-
-class Backend(abc.ABC):
+class Backend(Helpers, abc.ABC):
     """An async key-value object store holding KV-cache objects. See the module docstring.
 
     Subclasses set ``name`` (the registry name) and ``capabilities``, call
@@ -521,7 +287,7 @@ class Backend(abc.ABC):
                 offset += len(part)
         return n
 
-    async def _close(self) -> None:  # noqa: B027 - optional hook, empty by default
+    async def _close(self) -> None:
         """Release resources. Called once."""
 
     # -- public API: validation here, once --------------------------------------------------
@@ -539,57 +305,11 @@ class Backend(abc.ABC):
             exc.backend, exc.operation = self.name, operation
             raise
 
-    async def _guarded(self, core: Coroutine[Any, Any, T]) -> T:
-        """Run the core of a call that touches caller buffers; the call ends when the core has.
-
-        The core runs as a task of its own, shielded from the caller's cancellation. When the
-        caller is cancelled (or its ``wait_for`` deadline passes), the call is flagged
-        abandoned, then this waits for the core to end before re-raising ``CancelledError``:
-        no I/O of the call is left running against the caller's buffers. An abandoned core
-        skips what it has not started (``abandonable`` thread jobs) and its waits that touch
-        no caller memory end at once (``until_abandoned``), so the wait is only for I/O
-        already in flight. Nested calls (a wrapper backend forwarding to another) share the
-        outermost call.
-        """
-        call = _CURRENT_CALL.get() or _Call()
-        token = _CURRENT_CALL.set(call)
-        try:
-            task = asyncio.ensure_future(core)  # the task copies the context: it sees ``call``
-        finally:
-            _CURRENT_CALL.reset(token)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            call.abandon()
-            await _outlast(task)
-            raise
-
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is stored (a miss is False)."""
         self._check_open("exists")
         checked = self._check_keys(keys, "exists")
         return await self._exists(checked) if checked else []
-
-    def exists_now(self, keys: Sequence[str], max_age_s: float = 0.0) -> list[bool] | None:
-        """``exists`` answered at once on the caller's thread, or None when this backend
-        cannot answer without waiting (I/O, or a lock another thread holds): then call
-        ``exists``. For callers that must not block but gain from an answer now (a
-        scheduler deciding whether a request waits a step for its lookup). ``max_age_s`` > 0
-        accepts an answer that may miss the changes of the last ``max_age_s`` seconds (the
-        file backend's in-memory index as last brought up to date, with no database call
-        at all): for a caller to whom a stale answer costs only a miss (recompute) or a
-        failed read (then a miss). The default answers None."""
-        return None
-
-    def exists_blocking(self, keys: Sequence[str]) -> list[bool] | None:
-        """``exists`` answered on the caller's thread, which may wait for this backend's local
-        I/O (an index on the local disk), or None when this backend cannot answer without its
-        event loop: then call ``exists``. For a thread of the caller's own that may block but
-        should not hand each check to the library's loop and back (vLLM's lookup thread,
-        where every hand-off waits for the GIL behind the engine's busy scheduler loop).
-        Never call it on an event loop's thread. Raises what ``exists`` raises (a closed
-        backend, an invalid key). The default answers None."""
-        return None
 
     async def get_into(
         self,
@@ -628,7 +348,7 @@ class Backend(abc.ABC):
                 )
         if not checked:
             return []
-        results = await self._guarded(self._fetch_into(checked, views, list(ranges)))
+        results = await guarded(self._fetch_into(checked, views, list(ranges)))
         self._count_reads(results)
         return results
 
@@ -654,7 +374,7 @@ class Backend(abc.ABC):
         """
         self._check_open("get_scatter")
         (checked,) = self._check_keys([key], "get_scatter")
-        if isinstance(buffers, str) or _is_buffer(buffers):
+        if isinstance(buffers, str) or is_buffer(buffers):
             raise TypeError("get_scatter: buffers must be a sequence of buffers, not one buffer")
         if byte_range is not None and not isinstance(byte_range, ByteRange):
             raise TypeError(f"get_scatter: byte_range must be a ByteRange or None, got {byte_range!r}")
@@ -675,7 +395,7 @@ class Backend(abc.ABC):
             )
         else:
             parts = scatter_views(views, byte_range.length)
-        n = await self._guarded(self._get_scatter(checked, parts, byte_range))
+        n = await guarded(self._get_scatter(checked, parts, byte_range))
         self.stats.reads += 1
         if n is not None:
             self.stats.read_hits += 1
@@ -715,54 +435,6 @@ class Backend(abc.ABC):
             results.append(rng.length)
         return results
 
-    #: whether ``get_into_summed`` hashes inside the read itself (the file backend's C reads),
-    #: with no pass over the bytes and no thread hand-off of its own: then a reader of
-    #: checksummed objects should prefer it to ``get_into`` followed by its own hashing.
-    @property
-    def sums_reads(self) -> bool:
-        return False
-
-    async def get_into_summed(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[BufferLike],
-        spans: Sequence[Sequence[tuple[int, int]]],
-    ) -> tuple[list[int | None], list[tuple[int, ...]]]:
-        """``get_into`` of whole objects, and the xxh3_64 of byte spans of each buffer read.
-
-        ``spans[i]`` lists ``(offset, length)`` pairs inside ``buffers[i]`` (``ValueError``
-        otherwise, before anything is read). Returns per key the bytes read (None: a miss),
-        and per key the checksums of its spans in order: empty for a miss, or when the object
-        is shorter than a span's end. Raises, and keeps the buffer lifetime rule, as
-        ``get_into``. For readers that verify checksummed objects (``objects.ObjectIO``):
-        where ``sums_reads`` is True the hashing costs no pass and no hand-off of its own.
-        """
-        checked, views, plans = self._summed_plan(keys, buffers, spans)
-        if not checked:
-            return [], []
-        results, sums = await self._guarded(self._get_into_summed(checked, views, plans))
-        self._count_reads(results)
-        return results, sums
-
-    def start_get_into_summed(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[BufferLike],
-        spans: Sequence[Sequence[tuple[int, int]]],
-    ) -> PendingReads | None:
-        """Start ``get_into_summed`` without the library's loop and without a Python thread
-        (the reads run in native code that never takes the GIL), or return None, having read
-        nothing, where this backend cannot (then call ``get_into_summed``). The handle's
-        ``done()`` answers at once, ``result()`` waits for the reads and returns or raises what
-        ``get_into_summed`` would (its checks, raised here before anything is read, too). The
-        buffers are written until ``done()`` is True, ``wait()`` or ``result()`` has returned,
-        or the dropped handle has been collected (which waits for the reads). No deadline
-        applies: for a caller that polls from a thread holding the GIL (vLLM's scheduler: a
-        load job of a few local objects found done with no thread hand-off). Statistics count
-        the reads when the result is taken."""
-        checked, views, plans = self._summed_plan(keys, buffers, spans)
-        return self._start_get_into_summed(checked, views, plans) if checked else None
-
     def _summed_plan(
         self,
         keys: Sequence[str],
@@ -793,18 +465,17 @@ class Backend(abc.ABC):
 
     async def _get_into_summed(
         self, keys: list[str], views: list[memoryview], spans: list[list[tuple[int, int]]]
-    ) -> tuple[list[int | None], list[tuple[int, ...]]]:
-        """Whole-object reads (``_fetch_into``), then each span hashed here; backends that can
-        hash inside their reads override this (``sums_reads``)."""
-        results = await self._fetch_into(keys, views, [None] * len(keys))
-        sums = [span_sums(view, plan, n) for view, plan, n in zip(views, spans, results, strict=True)]
-        return results, sums
+    ) -> SummedReads:
+        """With ``capabilities.native_reads``: whole-object reads that checksum ``spans`` of
+        each view read (a non-empty, validated batch; the buffer lifetime rule applies)."""
+        raise NotSupportedError("native reads", backend=self.name, operation="get_into")
 
     def _start_get_into_summed(
         self, keys: list[str], views: list[memoryview], spans: list[list[tuple[int, int]]]
-    ) -> PendingReads | None:
-        """The core of ``start_get_into_summed`` (a non-empty batch): None unless overridden."""
-        return None
+    ) -> PendingReads:
+        """With ``capabilities.native_reads``: ``_get_into_summed`` started in native code,
+        without the event loop or a Python thread (a non-empty, validated batch)."""
+        raise NotSupportedError("native reads", backend=self.name, operation="get_into")
 
     async def put(self, keys: Sequence[str], buffers: Sequence[BufferLike]) -> None:
         """Store each buffer under its key; each object becomes visible all at once.
@@ -820,9 +491,25 @@ class Backend(abc.ABC):
         views = [as_byte_view(b, writable=False) for b in buffers]
         if not checked:
             return
-        await self._guarded(self._put(checked, views))
+        await guarded(self._put(checked, views))
         self.stats.writes += len(checked)
         self.stats.bytes_written += sum(len(v) for v in views)
+
+    async def put_if_absent(self, key: str, buffer: BufferLike) -> bool:
+        """Store unless the key exists; True when this call wrote it.
+
+        Atomic (exactly one racing caller wins) when ``capabilities.atomic_put``; otherwise
+        two racing callers may both write, which is harmless for content-addressed keys.
+        Buffer lifetime as ``put``.
+        """
+        self._check_open("put_if_absent")
+        (checked,) = self._check_keys([key], "put_if_absent")
+        view = as_byte_view(buffer, writable=False)
+        wrote = await guarded(self._put_if_absent(checked, view))
+        if wrote:
+            self.stats.writes += 1
+            self.stats.bytes_written += len(view)
+        return wrote
 
     async def delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove each key; True when it was present, False for a miss."""
@@ -944,6 +631,49 @@ class Backend(abc.ABC):
             f"{self.name} declares retention but has no atomic delete_until_held",
             backend=self.name, operation="delete_until_held")
 
+    # -- optional abilities (``backends.protocols``): a flag and an accessor each -------------
+
+    def host_buffers(self) -> HostBuffers:
+        """Registration of host memory for zero-copy I/O (``HostBuffers``).
+        ``NotSupportedError`` unless ``capabilities.host_buffers``."""
+        self._require("host_buffers", self.capabilities.host_buffers)
+        return _HostBuffers(self)
+
+    def inline_exists(self) -> InlineExists:
+        """``exists`` on the caller's own thread (``InlineExists``). ``NotSupportedError``
+        unless ``capabilities.inline_exists``."""
+        self._require("inline_exists", self.capabilities.inline_exists)
+        return _InlineExists(self)
+
+    def native_reads(self) -> NativeReads:
+        """Reads checksummed in native code, startable without a thread (``NativeReads``).
+        ``NotSupportedError`` unless ``capabilities.native_reads``."""
+        self._require("native_reads", self.capabilities.native_reads)
+        return _NativeReads(self)
+
+    def _require(self, ability: str, declared: bool) -> None:
+        self._check_open(ability)
+        if not declared:
+            raise NotSupportedError(f"{self.name} does not offer {ability} (capability not "
+                                    "declared)", backend=self.name, operation=ability)
+
+    async def _register_host_buffer(self, buffer: BufferLike) -> bool:
+        """With ``capabilities.host_buffers``: register ``buffer``; True when I/O on it is now
+        zero-copy (``HostBuffers.register``)."""
+        raise NotSupportedError("host buffers", backend=self.name, operation="host_buffers")
+
+    async def _unregister_host_buffer(self, buffer: BufferLike) -> None:
+        """With ``capabilities.host_buffers``: undo ``_register_host_buffer``."""
+        raise NotSupportedError("host buffers", backend=self.name, operation="host_buffers")
+
+    def _exists_now(self, keys: list[str], max_age_s: float) -> list[bool] | None:
+        """With ``capabilities.inline_exists``: ``InlineExists.now`` of validated keys."""
+        return None
+
+    def _exists_blocking(self, keys: list[str]) -> list[bool]:
+        """With ``capabilities.inline_exists``: ``InlineExists.blocking`` of validated keys."""
+        raise NotSupportedError("inline exists", backend=self.name, operation="exists")
+
     async def close(self) -> None:
         """Release resources. Idempotent; every other call afterwards raises
         ``BackendClosedError``."""
@@ -967,127 +697,105 @@ class Backend(abc.ABC):
     ) -> None:
         await self.close()
 
-    # -- helpers, written once ----------------------------------------------------------------
 
-    async def exists_prefix_length(self, keys: Sequence[str], *, chunk: int = 1024) -> int:
-        """How many keys from the start exist consecutively (what engines' ``batch_exists``
-        returns). Probes ``chunk`` keys at a time and stops at the first miss."""
-        self._check_open("exists")
-        checked = self._check_keys(keys, "exists")
-        count = 0
-        for start in range(0, len(checked), max(1, chunk)):
-            hits = await self._exists(checked[start : start + chunk])
-            for hit in hits:
-                if not hit:
-                    return count
-                count += 1
-        return count
 
-    async def exists_prefix_pages(
+# -- the objects the capability accessors hand out (``backends.protocols``) -------------------
+
+
+class _HostBuffers:
+    """``HostBuffers`` over a backend's ``_register_host_buffer`` / ``_unregister_host_buffer``."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    async def register(self, buffer: BufferLike) -> bool:
+        self._backend._check_open("register_host_buffer")
+        return bool(await self._backend._register_host_buffer(buffer))
+
+    async def unregister(self, buffer: BufferLike) -> None:
+        # (closed: the backend released its registrations with everything else)
+        if not self._backend.closed:
+            await self._backend._unregister_host_buffer(buffer)
+
+
+class _InlineExists:
+    """``InlineExists`` over a backend's ``_exists_now`` / ``_exists_blocking``."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    def now(self, keys: Sequence[str], max_age_s: float = 0.0) -> list[bool] | None:
+        backend = self._backend
+        if backend.closed:
+            return None  # no answer at once: ``exists`` says what is wrong
+        checked = backend._check_keys(keys, "exists")
+        return backend._exists_now(checked, max_age_s) if checked else []
+
+    def blocking(self, keys: Sequence[str]) -> list[bool]:
+        backend = self._backend
+        backend._check_open("exists")
+        checked = backend._check_keys(keys, "exists")
+        return backend._exists_blocking(checked) if checked else []
+
+
+class _NativeReads:
+    """``NativeReads`` over a backend's ``_get_into_summed`` / ``_start_get_into_summed``."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    async def get_into_summed(
         self,
-        count: int,
-        keys_of: Callable[[int], Sequence[str]],
-        *,
-        ordered: bool = True,
-        fanout: int = DEFAULT_FANOUT,
-    ) -> int:
-        """How many leading pages of ``count`` have every one of their keys stored.
+        keys: Sequence[str],
+        buffers: Sequence[BufferLike],
+        spans: Sequence[Sequence[tuple[int, int]]],
+    ) -> SummedReads:
+        backend = self._backend
+        checked, views, plans = backend._summed_plan(keys, buffers, spans)
+        if not checked:
+            return [], []
+        results, sums = await guarded(backend._get_into_summed(checked, views, plans))
+        backend._count_reads(results)
+        return results, sums
 
-        ``keys_of(i)`` gives the keys page ``i`` needs; it is called only for the pages
-        probed. With ``ordered`` (the store is written parent-first and evicted tails-first,
-        as this library does), the boundary is searched for in O(log count) round trips of
-        at most ``fanout`` pages each, then verified; otherwise pages are probed in order
-        and the probe stops at the first missing one. The search, its cost and its exact
-        guarantee are in ``hicache_store.backends.prefix``. One ``exists`` call per round trip.
-        """
-        self._check_open("exists")
-
-        async def probe(pages: Sequence[int]) -> list[bool]:
-            groups = [self._check_keys(keys_of(page), "exists") for page in pages]
-            flat = [key for group in groups for key in group]
-            hits = await self._exists(flat) if flat else []
-            ends = list(itertools.accumulate(len(group) for group in groups))
-            return [all(hits[end - len(group) : end]) for group, end in zip(groups, ends, strict=True)]
-
-        return await search_prefix(count, probe, ordered=ordered, fanout=fanout)
-
-    async def get_ranges(
+    def start(
         self,
-        key: str,
-        ranges: Sequence[ByteRange],
-        *,
-        coalesce_bytes: int = 1 << 20,
-        max_concurrency: int = 8,
-    ) -> list[memoryview] | None:
-        """Fetch several ranges of one object; None on a miss.
+        keys: Sequence[str],
+        buffers: Sequence[BufferLike],
+        spans: Sequence[Sequence[tuple[int, int]]],
+    ) -> PendingReads:
+        backend = self._backend
+        checked, views, plans = backend._summed_plan(keys, buffers, spans)
+        if not checked:
+            return _NoReads(backend._count_reads)
+        return backend._start_get_into_summed(checked, views, plans)
 
-        Ranges less than ``coalesce_bytes`` apart are merged into one read, and at most
-        ``max_concurrency`` merged reads run at once. Returns one read-only view per range, in
-        the order given (views may share memory with each other).
-        """
-        if not ranges:
-            return [] if (await self.exists([key]))[0] else None
-        order = sorted(range(len(ranges)), key=lambda i: ranges[i].start)
-        groups: list[tuple[ByteRange, list[int]]] = []
-        for i in order:
-            rng = ranges[i]
-            if groups and rng.start <= groups[-1][0].end + coalesce_bytes:
-                merged, members = groups[-1]
-                groups[-1] = (ByteRange(merged.start, max(merged.end, rng.end)), [*members, i])
-            else:
-                groups.append((rng, [i]))
-        limit = asyncio.Semaphore(max(1, max_concurrency))
 
-        async def fetch(rng: ByteRange) -> memoryview | None:
-            async with limit:
-                buf = bytearray(rng.length)
-                got = await self.get_into([key], [buf], [rng])
-                return memoryview(buf).toreadonly() if got[0] is not None else None
+class _NoReads(PendingReads):
+    """The reads of an empty batch: done from the start."""
 
-        datas = await asyncio.gather(*(fetch(rng) for rng, _ in groups))
-        out: list[memoryview | None] = [None] * len(ranges)
-        for (merged, members), data in zip(groups, datas, strict=True):
-            if data is None:
-                return None
-            for i in members:
-                rng = ranges[i]
-                out[i] = data[rng.start - merged.start : rng.end - merged.start]
-        return [view for view in out if view is not None]
+    def done(self) -> bool:
+        return True
 
-    async def put_if_absent(self, key: str, buffer: BufferLike) -> bool:
-        """Store unless the key exists; True when this call wrote it.
-
-        Atomic (exactly one racing caller wins) when ``capabilities.atomic_put``; otherwise
-        two racing callers may both write, which is harmless for content-addressed keys.
-        """
-        self._check_open("put_if_absent")
-        (checked,) = self._check_keys([key], "put_if_absent")
-        view = as_byte_view(buffer, writable=False)
-        wrote = await self._guarded(self._put_if_absent(checked, view))
-        if wrote:
-            self.stats.writes += 1
-            self.stats.bytes_written += len(view)
-        return wrote
-
-    async def get_bytes(self, key: str, byte_range: ByteRange | None = None) -> bytes | None:
-        """A whole object (or range) as new ``bytes``; None on a miss. For small objects and
-        tools: it costs a ``stat`` and a copy. Hot paths use ``get_into``."""
-        if byte_range is not None:
-            buf = bytearray(byte_range.length)
-            got = await self.get_into([key], [buf], [byte_range])
-            return bytes(buf) if got[0] is not None else None
-        for _attempt in range(3):
-            (st,) = await self.stat([key])
-            if st is None:
-                return None
-            buf = bytearray(st.size)
-            try:
-                (n,) = await self.get_into([key], [buf])
-            except InvalidRangeError:
-                continue  # replaced by a larger object between stat and read: try again
-            return None if n is None else bytes(buf[:n])
+    def wait(self) -> None:
         return None
 
-    async def put_bytes(self, key: str, data: BufferLike) -> None:
-        """Store one object (a one-key ``put``)."""
-        await self.put([key], [data])
+    def _result(self) -> SummedReads:
+        return [], []
+
+
+__all__ = [
+    "LIST_STAT_BATCH",
+    "Backend",
+    "CallAbandoned",
+    "Handoff",
+    "PendingReads",
+    "abandonable",
+    "as_byte_view",
+    "gather_settled",
+    "outlast",
+    "reads_are_uses",
+    "reads_not_counted",
+    "scatter_views",
+    "until_abandoned",
+]

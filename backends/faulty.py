@@ -45,8 +45,9 @@ from typing import Any
 
 from hicache_store.layout.errors import ConfigError
 
-from .base import Backend, until_abandoned
+from .base import Backend
 from .errors import BackendTimeoutError, BackendUnavailableError, OutOfSpaceError
+from .lifetime import until_abandoned
 from .retention import Retention
 from .types import (
     BackendURL,
@@ -109,7 +110,10 @@ class FaultyBackend(Backend):
     def __init__(self, inner: Backend, faults: FaultConfig | None = None) -> None:
         super().__init__()
         self.inner = inner
-        self.capabilities: Capabilities = inner.capabilities
+        # The optional abilities bypass the injected faults (their own paths, never wrapped):
+        # not offered here.
+        self.capabilities: Capabilities = inner.capabilities.replace(
+            host_buffers=False, inline_exists=False, native_reads=False)
         self.injected: Counter[str] = Counter()
         self._faults = FaultConfig()
         self._rng = random.Random(0)

@@ -60,7 +60,7 @@ from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
 from ._aio import wait_for
-from .base import Backend, abandonable, until_abandoned
+from .base import Backend
 from .errors import (
     BackendError,
     BackendIOError,
@@ -69,6 +69,7 @@ from .errors import (
     NotFoundError,
     translate_os_error,
 )
+from .lifetime import abandonable, until_abandoned
 from .types import BackendURL, ByteRange, Capabilities, ObjectStat, convert_options
 
 T = TypeVar("T")

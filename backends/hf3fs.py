@@ -1,12 +1,18 @@
 """``hf3fs:///mnt/3fs/prefix``: KV objects on 3FS, through USRBIO where it can, POSIX otherwise.
 
+**The file backend, configured.** ``HF3FSBackend`` is ``FileBackend`` with another default
+index and one more I/O engine (``backends._file_io``); it overrides no read or write of the
+file backend, only the choice of the engine at open.
+
 **Engines.** ``engine=auto`` (default) picks ``usrbio`` when ``hf3fs_fuse`` can be imported
 *and* the root lies on a 3FS FUSE mount (``/proc/mounts`` fstype ``fuse.hf3fs``/``hf3fs``, and
 ``hf3fs_fuse.io.extract_mount_point`` agrees); anywhere else it picks ``posix``: the file
-backend's own fast path (``os.preadv``/``pwrite``, O_DIRECT when aligned, a thread pool).
+backend's own engine (``io_engine``: the C accelerator where it is built, O_DIRECT when
+aligned, a thread pool), so a 3FS root read through FUSE is exactly a ``file://`` root.
 ``engine=usrbio`` insists (and fails to open without the module or a mount point);
 ``engine=posix`` never touches USRBIO. The choice and its reason are in ``engine`` /
-``engine_reason``, in ``stats`` (``usrbio_*`` counters) and in one INFO log line at open.
+``engine_reason`` (the file engine in use in ``io_engine``), in ``stats`` (``usrbio_*``
+counters) and in one INFO log line at open.
 
 **On-disk organisation: one file per object in hash-sharded directories** (the file backend's
 layout, reused as is: ``layout.json``, ``objects/ab/cd/<key>``, ``tmp/``). Why not slot files in
@@ -32,15 +38,17 @@ Everything else the file backend guarantees holds unchanged: temp + rename publi
 ``put_if_absent``), ``durability`` modes, eviction that goes on past an object it cannot
 delete, stale temp cleanup at open.
 
-**USRBIO I/O.** A batch is one job: open every file, ``register_fd`` each, prepare one ring
-entry per object (or per staging-sized piece), ``submit`` once, ``wait`` for all of them,
+**USRBIO I/O** (``UsrbioFiles``). A batch is one job: open every file, ``register_fd`` each,
+prepare one ring entry per object (or per buffer of a scatter read, or per staging-sized
+piece), ``submit`` once, ``wait`` for all of them,
 ``deregister_fd``, close; reads and writes have their own rings. A caller buffer inside a
 registered host region (``allocate_host_buffer``, ``register_host_buffer``) is read into /
 written from directly; any other buffer is copied through a registered staging region.
 Writes still go to a temp file, flushed per ``durability``, then renamed.
 
 Options (besides the file backend's ``durability``, ``capacity_bytes``, ``io_threads``,
-``direct_io``, ``page_cache``, ``create``, ``index``, ``lock_timeout``): ``engine`` (auto | usrbio | posix), ``ring_entries`` (default 1024),
+``direct_io``, ``page_cache``, ``create``, ``index``, ``lock_timeout``, ``io_engine``):
+``engine`` (auto | usrbio | posix), ``ring_entries`` (default 1024),
 ``staging_bytes`` (per direction, default 256 MiB), ``usrbio_timeout`` (seconds, default 60: a
 ring wait longer than this fails the call, retryably, and the ring is not used again; I/O that
 reads into or writes from registered caller memory is waited for past it instead, since it
@@ -60,12 +68,13 @@ from typing import Any, Literal
 
 from hicache_store.layout.errors import ConfigError
 
-from ._aligned import address_of, aligned_buffer
+from ._aligned import address_of
+from ._file_io import FileEngine, Placement, ReadItem, WriteOutcome
 from ._hf3fs_usrbio import IoOp, UsrbioEngine, is_hf3fs_fstype, load_usrbio, mount_of, shm_buf
-from .base import Backend, as_byte_view
-from .errors import BackendError, InvalidRangeError, translate_os_error
+from .errors import BackendError, InvalidRangeError
 from .file import FileBackend
-from .types import BackendStats, BackendURL, ByteRange, convert_options, parse_size
+from .types import BackendStats, BackendURL, convert_options, parse_size
+from .views import as_byte_view, scatter_views
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +133,9 @@ class HF3FSBackend(FileBackend):
 
     name = "hf3fs"
     default_index = "none"
+    # The cache tier offers its host pool: registered with USRBIO (zero-copy), accepted as is
+    # by the file engines (their reads land in caller memory anyway).
+    capabilities = FileBackend.capabilities.replace(host_buffers=True)
 
     def __init__(
         self,
@@ -142,28 +154,29 @@ class HF3FSBackend(FileBackend):
         staging = parse_size(staging_bytes, option="staging_bytes")
         if staging < 4096:
             raise ConfigError(f"staging_bytes must be at least 4096, got {staging}")
-        super().__init__(root, **file_options)
+        self._wanted = (engine, ring_entries, staging, float(usrbio_timeout))
+        #: ``usrbio`` or ``posix`` (the file backend's own engine, ``io_engine``), and why.
+        self.engine: str = "posix"
+        self.engine_reason: str = ""
+        self.mount_point: str | None = None
+        super().__init__(root, **file_options)  # opens the engine (``_open_engine``)
         self.stats = HF3FSStats(**self.stats.as_dict())
-        self._usrbio: UsrbioEngine | None = None
-        try:
-            chosen, reason, io, mount = choose_engine(str(self.root), engine)
-            if chosen == "usrbio":
-                assert io is not None
-                assert mount is not None
-                self._usrbio = UsrbioEngine(
-                    io, mount, entries=ring_entries, staging_bytes=staging,
-                    timeout_s=float(usrbio_timeout),
-                )
-        except BaseException:
-            self._pool.shutdown(wait=False)
-            raise
-        if self._usrbio is not None:
-            # Zero-copy only into registered host regions; other buffers bounce via staging.
-            self.capabilities = self.capabilities.replace(zero_copy_reads=False)
-        self.engine: str = chosen
-        self.engine_reason: str = reason
-        self.mount_point: str | None = mount
-        log.info("hf3fs backend at %s: engine=%s (%s)", self.root, chosen, reason)
+        log.info("hf3fs backend at %s: engine=%s (%s)", self.root, self.engine, self.engine_reason)
+
+    def _open_engine(self, io_engine: str, places: Placement) -> FileEngine:
+        # docstring inherited: USRBIO where ``engine`` chooses it, else the file engine.
+        wanted, ring_entries, staging, timeout = self._wanted
+        chosen, self.engine_reason, io, mount = choose_engine(str(self.root), wanted)
+        self.engine, self.mount_point = chosen, mount
+        if chosen != "usrbio":
+            return super()._open_engine(io_engine, places)
+        if io_engine != "auto":
+            raise ConfigError(f"io_engine={io_engine} is the file engine; engine=usrbio "
+                              "moves this store's bytes")
+        assert io is not None
+        assert mount is not None
+        return UsrbioFiles(places, UsrbioEngine(io, mount, entries=ring_entries,
+                                                staging_bytes=staging, timeout_s=timeout))
 
     @classmethod
     def from_url(cls, url: BackendURL, options: dict[str, Any]) -> HF3FSBackend:
@@ -177,153 +190,125 @@ class HF3FSBackend(FileBackend):
     def __repr__(self) -> str:
         return f"HF3FSBackend({str(self.root)!r}, engine={self.engine!r})"
 
-    # -- host memory (zero-copy with USRBIO) ---------------------------------------------------
+    # -- host memory (zero-copy with USRBIO; ``host_buffers()`` is the generic way) ----------
 
     async def allocate_host_buffer(self, nbytes: int) -> memoryview:
-        """Memory for the cache tier's host pool that USRBIO reads into with no copy.
+        """Memory for the cache tier's host pool that this store reads into with no copy.
 
         USRBIO engine: a new ``/dev/shm`` region, registered as an iovec (freed at ``close``;
         the returned view must not be used after it). POSIX engine: page-aligned memory, so the
         file path can use O_DIRECT into it."""
         self._check_open("allocate_host_buffer")
-        if self._usrbio is None:
-            return aligned_buffer(nbytes, populate=True)  # reads land in it
-        return await asyncio.to_thread(self._usrbio.allocate_region, nbytes)
+        return await asyncio.to_thread(self._engine.allocate, nbytes)
 
     async def register_host_buffer(self, buffer: Any) -> bool:
-        """Register existing host memory (a ``SharedMemory`` or a buffer mapped from
-        ``/dev/shm``) for zero-copy USRBIO. Returns whether I/O on it is now zero-copy: always
-        True in POSIX mode (reads land in caller buffers directly anyway); False for anonymous
-        memory under USRBIO, which then bounces through the staging region."""
+        """``host_buffers().register``: existing host memory (a ``SharedMemory`` or a buffer
+        mapped from ``/dev/shm``) for zero-copy USRBIO. True in POSIX mode (reads land in
+        caller buffers directly anyway); False for anonymous memory under USRBIO, which then
+        bounces through the staging region."""
         self._check_open("register_host_buffer")
-        if self._usrbio is None:
-            return True
-        target = buffer if isinstance(buffer, SharedMemory) else _extent(buffer)
-        ok = await asyncio.to_thread(self._usrbio.register_region, target)
-        if not ok:
-            log.info("hf3fs: host buffer is not /dev/shm memory; its I/O uses the staging copy")
-        return ok
+        return await self._register_host_buffer(buffer)
 
     async def unregister_host_buffer(self, buffer: Any) -> None:
-        """Undo ``register_host_buffer`` / ``allocate_host_buffer`` (no call may be using it)."""
-        if self._usrbio is None:
-            return
-        view = shm_buf(buffer) if isinstance(buffer, SharedMemory) else as_byte_view(
-            buffer, writable=False, what="host buffer")
-        self._usrbio.unregister_region(address_of(view))
+        """``host_buffers().unregister`` (no call may be using the buffer)."""
+        if not self.closed:
+            await self._unregister_host_buffer(buffer)
 
-    # -- USRBIO reads --------------------------------------------------------------------------
 
-    async def _get_into(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[memoryview],
-        ranges: Sequence[ByteRange | None],
-    ) -> list[int | None]:
-        # docstring inherited
-        if self._usrbio is None:
-            return await super()._get_into(keys, buffers, ranges)
-        results: list[int | None] = await self._run_io(
-            self._translated, "get_into", None, self._usrbio_read,
-            list(keys), list(buffers), list(ranges),
-        )
-        await self._after_reads(keys, results)
-        return results
+class UsrbioFiles(FileEngine):
+    """The ``usrbio`` engine: a batch of reads or of writes is one job and one ring batch
+    (``_hf3fs_usrbio.UsrbioEngine``); the files are the file backend's own."""
 
-    async def _get_scatter(
-        self, key: str, buffers: Sequence[memoryview], byte_range: ByteRange | None
-    ) -> int | None:
-        # docstring inherited. Under USRBIO: the generic one range per buffer, which
-        # ``_get_into`` submits as one ring batch; the POSIX engine keeps the file backend's
-        # single preadv.
-        if self._usrbio is None:
-            return await super()._get_scatter(key, buffers, byte_range)
-        return await Backend._get_scatter(self, key, buffers, byte_range)
+    name = "usrbio"
+    # Zero-copy only into registered host regions; other buffers bounce via staging.
+    zero_copy_reads = False
 
-    def _read_one(self, key: str, view: memoryview, rng: ByteRange | None) -> int | None:
-        if self._usrbio is None:
-            return super()._read_one(key, view, rng)
-        return self._usrbio_read([key], [view], [rng])[0]
+    def __init__(self, places: Placement, usrbio: UsrbioEngine) -> None:
+        super().__init__(places)
+        self.usrbio = usrbio
 
-    def _usrbio_read(
-        self, keys: list[str], views: list[memoryview], ranges: list[ByteRange | None]
-    ) -> list[int | None]:
-        engine = self._usrbio
-        assert engine is not None
-        results: list[int | None] = [None] * len(keys)
+    def read_run(self, count: int, threads: int) -> int:
+        # docstring inherited: the whole batch in one ring batch
+        return max(1, count)
+
+    def write_run(self, count: int, threads: int) -> int:
+        # docstring inherited: the whole put in one ring batch
+        return max(1, count)
+
+    def read(self, items: Sequence[ReadItem], missing: list[str]) -> list[int | None]:
+        # docstring inherited. One ring entry per buffer an item fills.
+        engine = self.usrbio
+        backend = self.places.backend
+        results: list[int | None] = [None] * len(items)
         fds: list[int] = []
         registered: list[int] = []
         ops: list[tuple[int, IoOp]] = []
         try:
-            for i, (key, view, rng) in enumerate(zip(keys, views, ranges, strict=True)):
+            for i, (key, views, rng) in enumerate(items):
                 try:
-                    fd = os.open(os.path.join(self._shard_dir(key), key), os.O_RDONLY | _O_CLOEXEC)
+                    fd = os.open(self.places.final_path(key), os.O_RDONLY | _O_CLOEXEC)
                 except FileNotFoundError:
-                    self._index.repair_missing(key)
+                    missing.append(key)
                     continue
+                except OSError as exc:
+                    self.fail(exc, "get_into", key)
                 fds.append(fd)
                 size = os.fstat(fd).st_size
                 if rng is None:
-                    if size > len(view):
+                    capacity = sum(len(v) for v in views)
+                    if size > capacity:
                         raise InvalidRangeError(
-                            f"object of {size} bytes does not fit a {len(view)}-byte buffer",
-                            backend=self.name, operation="get_into", key=key,
+                            f"object of {size} bytes does not fit a {capacity}-byte buffer",
+                            backend=backend, operation="get_into", key=key,
                         )
                     start, length = 0, size
                 else:
-                    rng.check_within(size, backend=self.name, key=key)
+                    rng.check_within(size, backend=backend, key=key)
                     start, length = rng.start, rng.length
                 results[i] = length
                 if length:
                     engine.register_fd(fd)
                     registered.append(fd)
-                    ops.append((i, IoOp(fd, start, view[:length])))
+                    offset = start
+                    for part in scatter_views(views, length):
+                        ops.append((i, IoOp(fd, offset, part)))
+                        offset += len(part)
             if ops:
                 engine.transfer(True, [op for _, op in ops])
             for i, op in ops:
                 if op.error is not None:
-                    raise self._op_error(op.error, "get_into", keys[i])
+                    self.fail(op.error, "get_into", items[i][0])
         finally:
             self._release_fds(registered, fds)
         return results
 
-    # -- USRBIO writes -------------------------------------------------------------------------
+    def write(self, keys: Sequence[str], views: Sequence[memoryview]) -> list[WriteOutcome]:
+        # docstring inherited
+        return self._write(keys, views, False)
 
-    async def _write_batch(
-        self, keys: Sequence[str], buffers: Sequence[memoryview]
-    ) -> list[bool | BaseException]:
-        # docstring inherited: one ring batch for the whole put under USRBIO
-        if self._usrbio is None:
-            return await super()._write_batch(keys, buffers)
-        outcomes: list[bool | BaseException] = await self._run_io(
-            self._usrbio_write, list(keys), list(buffers), False
-        )
-        return outcomes
-
-    def _write_one(self, key: str, view: memoryview, exclusive: bool) -> bool:
-        if self._usrbio is None:
-            return super()._write_one(key, view, exclusive)
-        outcome = self._usrbio_write([key], [view], exclusive)[0]
+    def write_exclusive(self, key: str, view: memoryview) -> bool:
+        # docstring inherited
+        outcome = self._write([key], [view], True)[0]
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
 
-    def _usrbio_write(
-        self, keys: list[str], views: list[memoryview], exclusive: bool
-    ) -> list[bool | BaseException]:
+    def _write(
+        self, keys: Sequence[str], views: Sequence[memoryview], exclusive: bool
+    ) -> list[WriteOutcome]:
         """Write each view to a temp file through one ring batch, flush, publish.
 
         Per-key outcome: True (published), False (exclusive and present), or the error."""
-        engine = self._usrbio
-        assert engine is not None
-        outcomes: list[bool | BaseException] = [True] * len(keys)
+        engine = self.usrbio
+        places = self.places
+        outcomes: list[WriteOutcome] = [True] * len(keys)
         temps: list[str | None] = [None] * len(keys)
         fd_of: list[int | None] = [None] * len(keys)
         registered: list[int] = []
         ops: list[tuple[int, IoOp]] = []
         try:
             for i, (key, view) in enumerate(zip(keys, views, strict=True)):
-                tmp = self._temp_path()
+                tmp = places.temp_path()
                 try:
                     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
                     temps[i], fd_of[i] = tmp, fd
@@ -332,22 +317,22 @@ class HF3FSBackend(FileBackend):
                         registered.append(fd)
                         ops.append((i, IoOp(fd, 0, view)))
                 except OSError as exc:
-                    outcomes[i] = self._op_error(exc, "put", key)
+                    outcomes[i] = self.translated(exc, "put", key)
             if ops:
                 engine.transfer(False, [op for _, op in ops])
             for i, op in ops:
                 if op.error is not None:
-                    outcomes[i] = self._op_error(op.error, "put", keys[i])
+                    outcomes[i] = self.translated(op.error, "put", keys[i])
             while registered:
                 engine.deregister_fd(registered.pop())
             for i, fd_or_none in enumerate(fd_of):
                 if fd_or_none is None:
                     continue
                 try:
-                    if outcomes[i] is True and self.durability != "none":
-                        (os.fdatasync if self.durability == "data" else os.fsync)(fd_or_none)
+                    if outcomes[i] is True and places.durability != "none":
+                        (os.fdatasync if places.durability == "data" else os.fsync)(fd_or_none)
                 except OSError as exc:
-                    outcomes[i] = self._op_error(exc, "put", keys[i])
+                    outcomes[i] = self.translated(exc, "put", keys[i])
                 finally:
                     fd_of[i] = None
                     os.close(fd_or_none)
@@ -356,10 +341,10 @@ class HF3FSBackend(FileBackend):
                 if staged is None or outcomes[i] is not True:
                     continue
                 try:
-                    outcomes[i] = self._publish(key, staged, exclusive)
+                    outcomes[i] = places.publish(key, staged, exclusive)
                     temps[i] = None
                 except OSError as exc:
-                    outcomes[i] = self._op_error(exc, "put", key)
+                    outcomes[i] = self.translated(exc, "put", key)
         finally:
             self._release_fds(registered, [fd for fd in fd_of if fd is not None])
             for leftover in temps:
@@ -368,63 +353,55 @@ class HF3FSBackend(FileBackend):
                         os.unlink(leftover)
         return outcomes
 
-    # -- helpers -------------------------------------------------------------------------------
-
     def _release_fds(self, registered: list[int], fds: list[int]) -> None:
-        engine = self._usrbio
-        assert engine is not None
         for fd in registered:
             with contextlib.suppress(OSError):
-                engine.deregister_fd(fd)
+                self.usrbio.deregister_fd(fd)
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
-    def _op_error(self, exc: BaseException, operation: str, key: str) -> BaseException:
-        if isinstance(exc, BackendError):
-            if getattr(exc, "key", None) is None:
-                exc.key = key
-            return exc
-        if isinstance(exc, OSError):
-            err = translate_os_error(exc, backend=self.name, operation=operation, key=key)
-            err.__cause__ = exc
-            return err
-        return exc
+    # -- host memory --------------------------------------------------------------------------
 
-    def _sync_stats(self) -> None:
-        engine = self._usrbio
-        stats = self.stats
-        if engine is not None and isinstance(stats, HF3FSStats):
-            stats.usrbio_submissions = engine.submissions
-            stats.usrbio_ios = engine.ios
-            stats.usrbio_staged_bytes = engine.staged_bytes
-            stats.usrbio_zero_copy_bytes = engine.zero_copy_bytes
+    def allocate(self, nbytes: int) -> memoryview:
+        # docstring inherited: a new ``/dev/shm`` region, registered as an iovec
+        return self.usrbio.allocate_region(nbytes)
 
-    async def get_into(self, keys: Sequence[str], buffers: Sequence[Any],
-                       ranges: Sequence[ByteRange | None] | None = None) -> list[int | None]:
-        try:
-            return await super().get_into(keys, buffers, ranges)
-        finally:
-            self._sync_stats()
+    def register(self, buffer: Any) -> bool:
+        # docstring inherited: False for memory outside ``/dev/shm`` (staged)
+        target = buffer if isinstance(buffer, SharedMemory) else _extent(buffer)
+        ok = self.usrbio.register_region(target)
+        if not ok:
+            log.info("hf3fs: host buffer is not /dev/shm memory; its I/O uses the staging copy")
+        return ok
 
-    async def put(self, keys: Sequence[str], buffers: Sequence[Any]) -> None:
-        try:
-            await super().put(keys, buffers)
-        finally:
-            self._sync_stats()
+    def unregister(self, buffer: Any) -> None:
+        # docstring inherited
+        view = shm_buf(buffer) if isinstance(buffer, SharedMemory) else as_byte_view(
+            buffer, writable=False, what="host buffer")
+        self.usrbio.unregister_region(address_of(view))
 
-    async def _close(self) -> None:
-        await super()._close()
-        if self._usrbio is not None:
-            self._usrbio.close()
-            self._sync_stats()
+    # -- bookkeeping --------------------------------------------------------------------------
+
+    def account(self, stats: BackendStats) -> None:
+        # docstring inherited
+        usrbio = self.usrbio
+        if isinstance(stats, HF3FSStats):
+            stats.usrbio_submissions = usrbio.submissions
+            stats.usrbio_ios = usrbio.ios
+            stats.usrbio_staged_bytes = usrbio.staged_bytes
+            stats.usrbio_zero_copy_bytes = usrbio.zero_copy_bytes
+
+    def close(self) -> None:
+        # docstring inherited
+        self.usrbio.close()
 
 
-__all__ = ["ENGINES", "HF3FSBackend", "HF3FSStats", "choose_engine"]
+__all__ = ["ENGINES", "HF3FSBackend", "HF3FSStats", "UsrbioFiles", "choose_engine"]
 
 
 def _extent(buffer: Any) -> tuple[int, int]:
-    """``(address, length)`` of a writable host buffer: what a registration thread gets in
-    place of a view (``UsrbioEngine.register_region``)."""
+    """``(address, length)`` of a writable host buffer: what ``UsrbioEngine.register_region``
+    takes in place of a view (no export of the buffer outlives the call)."""
     with as_byte_view(buffer, writable=True, what="host buffer") as view:
         return address_of(view), len(view)

@@ -32,11 +32,11 @@ How our contract maps onto Mooncake:
   force-removed ones under a reader. Between processes it cannot be ordered from here: those
   races stay Mooncake's, and the framed-object checksums reject their bytes at the tier.
 
-Zero-copy and buffer ownership: memory registered with ``register_host_buffer`` (the cache
+Zero-copy and buffer ownership: memory registered with ``host_buffers().register`` (the cache
 tier's host pool) is handed to the transfer engine directly. Any other caller buffer is
 copied through registered staging slabs (``bounce`` bytes in all), so callers never need to
 register anything for correctness. A registered buffer must stay alive and unmodified by
-its owner while a call on it is in flight; ``unregister_host_buffer`` waits for in-flight
+its owner while a call on it is in flight; ``host_buffers().unregister`` waits for in-flight
 calls that use it.
 
 Deadlines and buffer lifetime: a call that touches only staged memory gives up at ``timeout``
@@ -71,9 +71,11 @@ from ._mooncake_client import (
     release,
 )
 from ._mooncake_config import MooncakeConfig
-from .base import Backend, CallAbandoned, Handoff, as_byte_view, until_abandoned
+from .base import Backend
 from .errors import BackendTimeoutError, InvalidRangeError
+from .lifetime import CallAbandoned, Handoff, until_abandoned
 from .types import BackendURL, ByteRange, Capabilities, ObjectStat
+from .views import as_byte_view
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,7 +94,7 @@ class MooncakeBackend(Backend):
     """
 
     name = "mooncake"
-    capabilities = Capabilities(ranged_reads=True, eviction=True, shared=True)
+    capabilities = Capabilities(ranged_reads=True, eviction=True, shared=True, host_buffers=True)
 
     def __init__(self, config: MooncakeConfig) -> None:
         super().__init__()
@@ -184,22 +186,20 @@ class MooncakeBackend(Backend):
         while self._pending:
             await asyncio.wrap_future(next(iter(self._pending)))
 
-    # -- registration of host memory (zero-copy) ---------------------------------------------
+    # -- registration of host memory (zero-copy: ``capabilities.host_buffers``) ---------------
 
-    async def register_host_buffer(self, buffer: Any) -> None:
-        """Register a caller's host memory (e.g. the cache tier's host pool) for zero-copy.
-
-        The buffer must be C-contiguous and writable, and stay alive until
-        ``unregister_host_buffer`` (the client keeps a reference to it). Reads into and writes
-        from any slice of it then skip the staging copy.
-        """
+    async def _register_host_buffer(self, buffer: Any) -> bool:
+        # docstring inherited. The buffer must stay alive until unregistered (the client keeps
+        # a reference to it); reads into and writes from any slice of it then skip the staging
+        # copy.
         view = as_byte_view(buffer, writable=True, what="host buffer")
         client = await asyncio.to_thread(self._client_sync)
         region = await asyncio.to_thread(client.register, view, buffer)
         self._host_regions[region.start] = region.end - region.start
+        return True
 
-    async def unregister_host_buffer(self, buffer: Any) -> None:
-        """Undo ``register_host_buffer`` after waiting for in-flight calls."""
+    async def _unregister_host_buffer(self, buffer: Any) -> None:
+        # docstring inherited. After waiting for in-flight calls.
         view = as_byte_view(buffer, writable=True, what="host buffer")
         start = address_of(view)
         if self._client is None or self._host_regions.pop(start, None) is None:

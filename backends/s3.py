@@ -65,8 +65,9 @@ from hicache_store.layout.keys import validate_storage_key
 from . import _s3_errors
 from ._lru import ChainLRU
 from ._s3_io import Fetch, ViewReader, parse_content_range, plan_fetches, read_exact
-from .base import Backend, CallAbandoned, Handoff, abandonable, until_abandoned
+from .base import Backend
 from .errors import BackendError, BackendIOError, CapacityError, InvalidRangeError
+from .lifetime import CallAbandoned, Handoff, abandonable, until_abandoned
 from .types import BackendURL, ByteRange, Capabilities, ObjectStat, convert_options, parse_size
 
 T = TypeVar("T")

@@ -5,7 +5,7 @@ TCP), then writes and reads N objects of S bytes, alternating, R rounds:
 
 - ``raw``: ``batch_upsert_from`` / ``batch_get_into`` called directly on registered memory;
 - ``ours-registered``: ``MooncakeBackend.put`` / ``get_into`` on the same registered memory
-  (``register_host_buffer``: the cache tier's path, zero-copy);
+  (``host_buffers().register``: the cache tier's path, zero-copy);
 - ``ours-staged``: the same calls on ordinary (unregistered) buffers, through staging slabs.
 
 Usage: ``python bench/bench_mooncake.py [--objects 256] [--size-mib 1] [--rounds 5]``.
@@ -44,8 +44,8 @@ async def run(deployment: LocalMooncake, objects: int, size: int, rounds: int) -
     total = objects * size
     src = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
     dst = np.zeros(total, dtype=np.uint8)
-    await store.register_host_buffer(src)
-    await store.register_host_buffer(dst)
+    await store.host_buffers().register(src)
+    await store.host_buffers().register(dst)
     plain_src, plain_dst = bytearray(src.tobytes()), bytearray(total)
     keys = [f"B{i:06d}" for i in range(objects)]
     ptr_src, ptr_dst = src.ctypes.data, dst.ctypes.data

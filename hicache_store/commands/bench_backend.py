@@ -38,6 +38,7 @@ import numpy as np
 
 from hicache_store._sync import run_sync
 from hicache_store.backends import Backend, BackendURL, ByteRange, aligned_buffer, open_backend
+from hicache_store.backends.file_layout import object_path
 from hicache_store.backends.types import parse_size
 from hicache_store.errors import UsageError
 
@@ -327,10 +328,16 @@ class RawBaseline:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+#: the schemes whose stores are the file layout (``backends.file.object_path``).
+FILE_LAYOUT_SCHEMES = ("file", "hf3fs")
+
+
 def _file_root(url: str) -> Path | None:
+    """The root of a file-layout store's URL (its objects' files known by ``object_path``),
+    else None."""
     with contextlib.suppress(ValueError):
         parsed = BackendURL.parse(url)
-        if parsed.scheme == "file" and parsed.location:
+        if parsed.scheme in FILE_LAYOUT_SCHEMES and parsed.location:
             return Path(parsed.location).expanduser().resolve()
     return None
 
@@ -381,13 +388,13 @@ def run(args: argparse.Namespace) -> int:
     store = open_backend(args.url)
     progress = Progress(enabled=not args.quiet and sys.stderr.isatty())
     run_id = os.urandom(4).hex()
-    path_of = getattr(store, "path_of", None)  # file-based backends: where each object lives
 
     def own_files() -> list[Path]:
-        paths = [Path(path_of(object_key(run_id, i))) for i in range(cfg.objects)] if path_of else []
+        paths = ([] if root is None else
+                 [object_path(root, object_key(run_id, i)) for i in range(cfg.objects)])
         return paths + (sorted(baseline.dir.iterdir()) if baseline is not None else [])
 
-    drop = _cold_read_preparation(cfg.drop_caches, own_files if path_of or baseline else None)
+    drop = _cold_read_preparation(cfg.drop_caches, own_files if root or baseline else None)
     try:
         raw_write = raw_read = None
         if baseline is not None:

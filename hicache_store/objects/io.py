@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from hicache_store.backends._aio import wait_for
-from hicache_store.backends.base import Backend, PendingReads
+from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import InvalidRangeError
+from hicache_store.backends.protocols import PendingReads
 from hicache_store.backends.types import ByteRange
 from hicache_store.layout.errors import (
     CorruptObjectError,
@@ -382,8 +383,8 @@ class ObjectIO:
         try:
             got: Sequence[int | None] | None
             if spans is not None:
-                got, sums = await self._bounded(
-                    self.backend.get_into_summed(storage_keys, list(frames), spans), total)
+                got, sums = await self._bounded(self.backend.native_reads().get_into_summed(
+                    storage_keys, list(frames), spans), total)
             else:
                 got = await self._bounded(self.backend.get_into(storage_keys, list(frames)), total)
         except InvalidRangeError:
@@ -408,7 +409,7 @@ class ObjectIO:
     def start_read_frames(
         self, keys: Sequence[ObjectKey], frames: Sequence[memoryview]
     ) -> PendingFrames | None:
-        """Start ``read_frames`` in the backend's native code (``Backend.start_get_into_summed``:
+        """Start ``read_frames`` in the backend's native code (``NativeReads.start``:
         the reads and their checksums run without the GIL and without a Python thread), for
         objects of the plain framed format; else None, having read nothing (then call
         ``read_frames``). The handle's ``result()`` verifies and returns what ``read_frames``
@@ -420,9 +421,7 @@ class ObjectIO:
         if spans is None:
             return None
         storage_keys = [self.storage_key(k) for k in keys]
-        reads = self.backend.start_get_into_summed(storage_keys, list(frames), spans)
-        if reads is None:
-            return None
+        reads = self.backend.native_reads().start(storage_keys, list(frames), spans)
         return PendingFrames(self, list(keys), list(frames), headers, storage_keys, reads)
 
     def _frame_headers(self, keys: Sequence[ObjectKey], frames: Sequence[memoryview]) -> list[int]:
@@ -475,9 +474,9 @@ class ObjectIO:
         self, keys: Sequence[ObjectKey], frames: Sequence[memoryview], headers: Sequence[int]
     ) -> list[list[tuple[int, int]]] | None:
         """The layer blocks of each frame as ``(offset, length)`` spans, when the backend
-        hashes inside its reads (``Backend.sums_reads``) and the format checks blocks by
+        hashes inside its reads (``capabilities.native_reads``) and the format checks blocks by
         their checksums alone (plain framed objects); else None (read, then verify)."""
-        if not self.backend.sums_reads or not isinstance(self.format, FramedFormat):
+        if not self.backend.capabilities.native_reads or not isinstance(self.format, FramedFormat):
             return None
         spans = []
         for key, frame, header_len in zip(keys, frames, headers, strict=True):

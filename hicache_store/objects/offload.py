@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 # The one "wait for it through any number of cancellations" (the buffer lifetime contract).
-from hicache_store.backends.base import _outlast
+from hicache_store.backends.lifetime import outlast
 
 T = TypeVar("T")
 
@@ -67,5 +67,5 @@ async def off_loop(nbytes: int, fn: Callable[[], T]) -> T:
     try:
         return await asyncio.shield(job)
     except asyncio.CancelledError:
-        await _outlast(job)
+        await outlast(job)
         raise

@@ -35,7 +35,8 @@ import numpy as np
 import numpy.typing as npt
 
 from hicache_store.backends._aio import wait_for
-from hicache_store.backends.base import Backend, gather_settled
+from hicache_store.backends.base import Backend
+from hicache_store.backends.lifetime import gather_settled
 from hicache_store.backends.prefix import search_prefix
 from hicache_store.layout.errors import CorruptObjectError, GridMismatchError, MissingKeyError
 from hicache_store.layout.keys import ObjectKey

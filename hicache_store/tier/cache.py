@@ -80,6 +80,7 @@ import torch
 
 from hicache_store._sync import submit
 from hicache_store.backends.base import Backend
+from hicache_store.backends.protocols import HostBuffers
 from hicache_store.kernels.ops import Backend as KernelBackend
 from hicache_store.kernels.pools import DevicePool
 from hicache_store.layout.hashing import page_hashes
@@ -204,7 +205,8 @@ class HiCache:
         self.metrics = TierMetrics()
         self.host = HostPagePool(config.l2_pages, self.layout.page_bytes)
         self.l3: L3Link | None = None
-        self._registered = False
+        #: where the host pool is registered (``links.register_host_pool``), if anywhere
+        self._registered: HostBuffers | None = None
         self._backend = backend
         self._keys = keys
         if backend is not None:
@@ -686,8 +688,8 @@ class HiCache:
                 events, self.events = self.events, None
                 self.tree.observer = None
                 events.close([n for n in self.tree.nodes() if l2_of(n, KV.tag) is not None])
-            if self._registered and self.l3 is not None:
-                unregister_host_pool(self.l3.backend, self.host, self.config.io_timeout_s)
+            if self._registered is not None:
+                unregister_host_pool(self._registered, self.host, self.config.io_timeout_s)
 
     def _check_open(self, call: str) -> None:
         if self._closed:

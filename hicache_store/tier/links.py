@@ -12,6 +12,7 @@ import logging
 
 from hicache_store._sync import run_sync
 from hicache_store.backends.base import Backend
+from hicache_store.backends.protocols import HostBuffers
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import L3Link
@@ -50,26 +51,25 @@ def open_link(
     return link
 
 
-def register_host_pool(backend: Backend, host: HostPagePool, timeout: float) -> bool:
+def register_host_pool(backend: Backend, host: HostPagePool, timeout: float) -> HostBuffers | None:
     """Offer ``host`` to a backend that reads into registered memory without a copy
-    (Mooncake's ``register_buffer``, 3FS's USRBIO iovec); whether it took it."""
-    register = getattr(backend, "register_host_buffer", None)
-    if register is None or host.num_pages == 0:
-        return False
+    (``capabilities.host_buffers``: Mooncake's ``register_buffer``, 3FS's USRBIO iovec); where
+    it went, or ``None``. Best effort: unregistered, the backend stages through its own
+    buffers."""
+    if not backend.capabilities.host_buffers or host.num_pages == 0:
+        return None
+    buffers = backend.host_buffers()
     try:
-        run_sync(register(host.data.numpy().data), timeout=timeout)
+        run_sync(buffers.register(host.data.numpy().data), timeout=timeout)
     except Exception as exc:
         log.warning("could not register the host pool with the backend: %s", exc)
-        return False
-    return True
+        return None
+    return buffers
 
 
-def unregister_host_pool(backend: Backend, host: HostPagePool, timeout: float) -> None:
-    """Take back what ``register_host_pool`` offered."""
-    unregister = getattr(backend, "unregister_host_buffer", None)
-    if unregister is None:
-        return
+def unregister_host_pool(buffers: HostBuffers, host: HostPagePool, timeout: float) -> None:
+    """Take back what ``register_host_pool`` offered to ``buffers``."""
     try:
-        run_sync(unregister(host.data.numpy().data), timeout=timeout)
+        run_sync(buffers.unregister(host.data.numpy().data), timeout=timeout)
     except Exception as exc:
         log.warning("could not unregister the host pool: %s", exc)

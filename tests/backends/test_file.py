@@ -21,7 +21,7 @@ from hicache_store.backends import (
     aligned_buffer,
     open_backend,
 )
-from hicache_store.backends import file as file_module
+from hicache_store.backends import _file_io as file_io
 from hicache_store.backends._aligned import is_aligned
 from hicache_store.backends.errors import BackendIOError
 from hicache_store.backends.file import FileBackend
@@ -217,7 +217,7 @@ async def test_entries_that_are_not_files_are_never_objects(tmp_path: Path, inde
     """A directory or a symlink under a key's name in a shard directory (an operator's mkdir,
     a copy tool's link) is not an object: a rebuilt index, or a store without one, must not
     list it, report it present, or hand it to gc, whose read of it failed with EISDIR."""
-    from hicache_store.backends.file import shard_of
+    from hicache_store.backends.file_layout import shard_of
 
     root = tmp_path / "s"
     url = f"file://{root}" + ("?index=none" if index == "none" else "")
@@ -282,10 +282,12 @@ def test_missing_root_without_create(tmp_path: Path) -> None:
 
 
 async def test_enospc_from_the_filesystem_is_clean(
-    store: FileBackend, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the Python writes, whose pwrite fails
+    store = FileBackend(tmp_path / "store", durability="full", capacity_bytes=1 << 20,
+                        io_engine="posix")
     await store.put(["a0"], [b"kept"])
-    monkeypatch.setattr(file_module, "_fileio", None)  # the Python writes, whose pwrite fails
     real_pwrite = os.pwrite
 
     def full(fd: int, data: object, offset: int) -> int:
@@ -298,6 +300,7 @@ async def test_enospc_from_the_filesystem_is_clean(
     assert await store.exists(["a1", "a2"]) == [False, False]
     assert await store.get_bytes("a0") == b"kept"
     assert list((store.root / "tmp").iterdir()) == []
+    await store.close()
 
 
 async def test_stat_reports_size_and_mtime(store: FileBackend) -> None:
@@ -345,8 +348,7 @@ async def test_scatter_read_direct_and_buffered_paths_agree(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The pure-Python read path (the C accelerator's: test_file_released_reads.py).
-    monkeypatch.setattr(file_module, "_fileio", None)
-    store = FileBackend(tmp_path / "s", direct_io="auto")
+    store = FileBackend(tmp_path / "s", direct_io="auto", io_engine="posix")
     if not store.direct_io:
         pytest.skip("the filesystem under tmp_path has no O_DIRECT")
     size = 4096 + 2 * (1 << 20) + 17  # header block, payload, an unaligned tail
@@ -354,13 +356,13 @@ async def test_scatter_read_direct_and_buffered_paths_agree(
     src[:] = pattern(size, 2)
     await store.put(["a0"], [src])
     direct: list[int] = []
-    real = file_module._pread_direct
+    real = file_io._pread_direct
 
     def spy(fd: int, views: list[memoryview], offset: int, length: int) -> None:
         direct.append(len(views))
         real(fd, views, offset, length)
 
-    monkeypatch.setattr(file_module, "_pread_direct", spy)
+    monkeypatch.setattr(file_io, "_pread_direct", spy)
     whole = ByteRange(0, size)
     # Aligned buffers, aligned offset: O_DIRECT, both buffers in one vectored read.
     header, payload = aligned_buffer(4096), aligned_buffer(size - 4096)
@@ -388,8 +390,8 @@ async def test_scatter_read_resumes_after_short_reads(
 ) -> None:
     # preadv may move fewer bytes than asked (signals, the kernel's per-call limit): the read
     # goes on from where it stopped, across buffer boundaries.
-    monkeypatch.setattr(file_module, "_fileio", None)  # the pure-Python read path
-    store = FileBackend(tmp_path / "s", direct_io="never")
+    # the pure-Python read path
+    store = FileBackend(tmp_path / "s", direct_io="never", io_engine="posix")
     data = pattern(10_000, 4)
     await store.put(["a0"], [data])
     real = os.preadv

@@ -19,6 +19,7 @@ from file_audit import audit, snapshot_files
 
 from hicache_store.backends import BackendClosedError, BackendUnavailableError, aligned_buffer
 from hicache_store.backends import _file_index as index_module
+from hicache_store.backends._file_io import PosixEngine
 from hicache_store.backends._pagecache import is_cached
 from hicache_store.backends.file import FileBackend
 from hicache_store.testing import pattern
@@ -382,8 +383,10 @@ async def test_a_key_busy_in_a_live_process_waits_then_fails(tmp_path: Path) -> 
 async def test_a_cancelled_put_settles_before_the_cancellation_returns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = FileBackend(tmp_path / "s", io_threads=2)
-    real = store._write_one
+    store = FileBackend(tmp_path / "s", io_threads=2, io_engine="posix")  # a job per object
+    engine = store._engine
+    assert isinstance(engine, PosixEngine)
+    real = engine.write_one
     started = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -392,7 +395,7 @@ async def test_a_cancelled_put_settles_before_the_cancellation_returns(
         time.sleep(0.3)
         return real(key, view, exclusive)
 
-    monkeypatch.setattr(store, "_write_one", slow)
+    monkeypatch.setattr(engine, "write_one", slow)
     data = bytearray(b"z" * 1000)
     task = asyncio.create_task(store.put(["a0", "a1"], [data, data]))
     await started.wait()
@@ -578,34 +581,35 @@ def test_a_torn_feed_row_is_refused() -> None:
 async def test_a_recent_answer_never_misses_this_processs_changes_and_ages_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # ``exists_now(max_age_s=...)``: the in-memory set as last brought up to date, with no
-    # database call, only while that began after this process's last put or delete and at
+    # ``inline_exists().now(max_age_s=...)``: the in-memory set as last brought up to date,
+    # with no database call, only while that began after this process's last put or delete and at
     # most ``max_age_s`` ago; other processes' writes of that window may be missed.
     store = FileBackend(tmp_path / "s", durability="none")
+    inline = store.inline_exists()
     await store.put(["a0"], [b"mine"])
-    assert store.exists_now(["a0"], max_age_s=60) is None  # the put is newer than the set
+    assert inline.now(["a0"], max_age_s=60) is None  # the put is newer than the set
     assert await store.exists(["a0"]) == [True]  # brings it up to date
-    assert store.exists_now(["a0", "b0"], max_age_s=60) == [True, False]
+    assert inline.now(["a0", "b0"], max_age_s=60) == [True, False]
     write_in_child(tmp_path / "s", ["b0"])
     # another process's write, not seen yet: the recent answer misses it, an exact one cannot
     # be had at once, a blocking one (the caller's thread) finds it
-    assert store.exists_now(["b0"], max_age_s=60) == [False]
-    assert store.exists_now(["b0"]) is None
-    assert store.exists_blocking(["b0", "c0"]) == [True, False]
-    assert store.exists_now(["b0"], max_age_s=60) == [True]
+    assert inline.now(["b0"], max_age_s=60) == [False]
+    assert inline.now(["b0"]) is None
+    assert inline.blocking(["b0", "c0"]) == [True, False]
+    assert inline.now(["b0"], max_age_s=60) == [True]
     await store.delete(["a0"])
-    assert store.exists_now(["a0"], max_age_s=60) is None  # this process's delete
-    assert store.exists_blocking(["a0"]) == [False]
+    assert inline.now(["a0"], max_age_s=60) is None  # this process's delete
+    assert inline.blocking(["a0"]) == [False]
     clock = [time.monotonic()]
     monkeypatch.setattr(index_module.time, "monotonic", lambda: clock[0])
-    assert store.exists_now(["b0"], max_age_s=1.0) == [True]
+    assert inline.now(["b0"], max_age_s=1.0) == [True]
     clock[0] += 1.5
-    assert store.exists_now(["b0"], max_age_s=1.0) is None  # too old now
+    assert inline.now(["b0"], max_age_s=1.0) is None  # too old now
     monkeypatch.undo()
     await store.close()
     with pytest.raises(BackendClosedError):
-        store.exists_blocking(["b0"])
-    assert store.exists_now(["b0"], max_age_s=60) is None
+        inline.blocking(["b0"])
+    assert inline.now(["b0"], max_age_s=60) is None
 
 
 def test_write_transactions_of_a_process_are_granted_in_the_order_they_asked(

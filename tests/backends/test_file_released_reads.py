@@ -10,11 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 
 from hicache_store.backends import aligned_buffer
 from hicache_store.backends import file as file_module
+from hicache_store.backends._file_io import SUMS_IN_C, PosixEngine
 from hicache_store.backends._pagecache import is_cached
-from hicache_store.backends.errors import BackendClosedError, BackendIOError, InvalidRangeError
+from hicache_store.backends.errors import (
+    BackendClosedError,
+    BackendIOError,
+    InvalidRangeError,
+    NotSupportedError,
+)
 from hicache_store.backends.file import FileBackend
 from hicache_store.backends.types import ByteRange
 
@@ -42,9 +49,18 @@ async def read_batch(store: FileBackend, keys: list[str], ranges: list[ByteRange
 async def stored_patterns(tmp_path: Path) -> tuple[FileBackend, list[str]]:
     """A file store holding one object of each of ``SIZES`` (``pattern`` bytes), and its keys."""
     store = FileBackend(tmp_path / "s", io_threads=2)
+    assert store.io_engine == "native"
     keys = [f"{i:04x}" for i in range(len(SIZES))]
     await store.put(keys, [pattern(n, i) for i, n in enumerate(SIZES)])
     return store, keys
+
+
+async def with_python_engine(store: FileBackend) -> FileBackend:
+    """``store`` closed and its root opened again with the posix engine (the Python reads)."""
+    await store.close()
+    python = FileBackend(store.root, io_threads=store.io_threads, io_engine="posix")
+    assert python.io_engine == "posix"
+    return python
 
 
 @pytest.mark.parametrize("aligned", [True, False])
@@ -55,7 +71,7 @@ async def test_the_released_path_reads_what_the_python_path_reads(
     asked = [*keys, "ffff", keys[0], keys[2]]
     ranges = [None] * len(keys) + [None, ByteRange(4096, 8192), ByteRange(100, 4196)]
     released = await read_batch(store, asked, ranges, aligned)
-    monkeypatch.setattr(file_module, "_fileio", None)
+    store = await with_python_engine(store)
     python = await read_batch(store, asked, ranges, aligned)
     assert released == python
     got, data = released
@@ -74,6 +90,7 @@ async def test_a_scatter_read_is_the_python_paths_too(
     store = FileBackend(tmp_path / "s")
     size = 4096 + 65536 + 17  # header block, payload, an unaligned tail
     await store.put(["a0"], [pattern(size, 5)])
+    assert store.io_engine == "native"
 
     def buffers() -> list[memoryview]:
         if aligned:
@@ -83,7 +100,7 @@ async def test_a_scatter_read_is_the_python_paths_too(
     out = []
     for accelerated in (True, False):
         if not accelerated:
-            monkeypatch.setattr(file_module, "_fileio", None)
+            store = await with_python_engine(store)
         head, body = buffers()
         assert await store.get_scatter("a0", [head, body], None) == size
         part = aligned_buffer(8192)
@@ -107,8 +124,8 @@ async def test_a_read_is_used_by_the_run_and_not_the_python_reader(
     def refuse(*args: object) -> None:
         raise AssertionError("the per-key Python reader ran")
 
-    monkeypatch.setattr(store, "_read_one", refuse)
-    monkeypatch.setattr(FileBackend, "_read_into", refuse)
+    monkeypatch.setattr(PosixEngine, "_read_into", refuse)
+    monkeypatch.setattr(PosixEngine, "read", refuse)
     buf = bytearray(9000)
     assert await store.get_into(["a0"], [buf], [None]) == [9000]
     assert bytes(buf) == pattern(9000, 1)
@@ -209,7 +226,7 @@ def test_checksums_of_spans_are_xxhashs_own_and_only_of_bytes_read(tmp_path: Pat
     # (in either buffer of a scatter read, empty ones too) sums as xxhash sums it in Python.
     import xxhash
 
-    assert file_module._SUMS_IN_C, "the file backend binds xxh3 when the accelerator is built"
+    assert SUMS_IN_C, "the file backend binds xxh3 when the accelerator is built"
     data = pattern(9000, 5)
     path = tmp_path / "f"
     path.write_bytes(data)
@@ -238,29 +255,40 @@ def test_checksums_of_spans_are_xxhashs_own_and_only_of_bytes_read(tmp_path: Pat
 async def test_summed_reads_are_the_python_paths(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aligned: bool
 ) -> None:
-    # ``get_into_summed`` in one C call (reads and sums) against the base class's reads then
-    # sums in Python: the same sizes, misses, bytes and checksums.
+    # ``native_reads().get_into_summed`` in one C call (reads and sums) against the Python
+    # engine's reads, then sums in Python: the same sizes, misses, bytes and checksums.
     store, keys = await stored_patterns(tmp_path)
     asked = [*keys, "ffff"]
     spans = [[(0, 1), (0, n), (n // 2, n - n // 2)] for n in SIZES] + [[(0, 10)]]
 
-    async def summed() -> tuple[list[int | None], list[tuple[int, ...]], list[bytes]]:
-        bufs = [aligned_buffer(70_000) if aligned else memoryview(bytearray(70_001))[1:]
+    def buffers() -> list[memoryview]:
+        return [aligned_buffer(70_000) if aligned else memoryview(bytearray(70_001))[1:]
                 for _ in asked]
-        got, sums = await store.get_into_summed(asked, bufs, spans)
+
+    async def summed() -> tuple[list[int | None], list[tuple[int, ...]], list[bytes]]:
+        bufs = buffers()
+        got, sums = await store.native_reads().get_into_summed(asked, bufs, spans)
         return got, sums, [bytes(b) for b in bufs]
 
-    assert store.sums_reads
+    async def read_then_summed() -> tuple[list[int | None], list[tuple[int, ...]], list[bytes]]:
+        bufs = buffers()
+        got = await store.get_into(asked, bufs)
+        sums = [() if n is None or any(o + k > n for o, k in item) else
+                tuple(xxhash.xxh3_64_intdigest(b[o : o + k]) for o, k in item)
+                for b, item, n in zip(bufs, spans, got, strict=True)]
+        return got, sums, [bytes(b) for b in bufs]
+
+    assert store.capabilities.native_reads
     released = await summed()
-    monkeypatch.setattr(file_module, "_fileio", None)
-    assert not store.sums_reads
-    python = await summed()
+    with pytest.raises(ValueError, match="outside a buffer"):
+        await store.native_reads().get_into_summed(keys[:1], [bytearray(10)], [[(5, 6)]])
+    store = await with_python_engine(store)
+    assert not store.capabilities.native_reads
+    python = await read_then_summed()
     assert released == python
     got, sums, _ = released
     assert got == [*SIZES, None]
     assert sums[-1] == () and all(len(s) == 3 for s in sums[:-1])
-    with pytest.raises(ValueError, match="outside a buffer"):
-        await store.get_into_summed(keys[:1], [bytearray(10)], [[(5, 6)]])
     await store.close()
 
 
@@ -284,10 +312,9 @@ async def test_released_writes_make_the_python_paths_files(
 
     stores = {}
     for path in ("released", "python"):
-        if path == "python":
-            monkeypatch.setattr(file_module, "_fileio", None)
-        store = FileBackend(tmp_path / path, durability=durability)  # type: ignore[arg-type]
-        assert store._released_writes == (path == "released")
+        store = FileBackend(tmp_path / path, durability=durability,  # type: ignore[arg-type]
+                            io_engine="native" if path == "released" else "posix")
+        assert store.io_engine == ("native" if path == "released" else "posix")
         keys = [f"{i:04x}" for i in range(len(sizes))]
         await store.put(keys, buffers())
         stores[path] = [await store.get_bytes(k) for k in keys]
@@ -302,10 +329,9 @@ async def test_a_failed_write_fails_its_own_key_and_leaves_no_temp_file(
 ) -> None:
     # A directory where an object's file must go: its rename fails (EISDIR), in C as in
     # Python; the put raises that error and the other object of the batch is stored.
-    if not released:
-        monkeypatch.setattr(file_module, "_fileio", None)
-    store = FileBackend(tmp_path / "s", durability="none")
-    assert store._released_writes == released
+    store = FileBackend(tmp_path / "s", durability="none",
+                        io_engine="native" if released else "posix")
+    assert store.io_engine == ("native" if released else "posix")
     store.path_of("bbbb").mkdir(parents=True)
     with pytest.raises(BackendIOError) as caught:
         await store.put(["aaaa", "bbbb"], [b"a" * 5000, b"b" * 5000])
@@ -349,7 +375,7 @@ def test_reads_started_on_their_own_thread_are_read_files_own(tmp_path: Path) ->
 
 
 async def test_a_started_summed_read_is_get_into_summeds_own(tmp_path: Path) -> None:
-    # ``start_get_into_summed``: the same sizes, misses, bytes, sums and statistics as
+    # ``native_reads().start``: the same sizes, misses, bytes, sums and statistics as
     # ``get_into_summed``; a miss repairs the index (on the pool, not the caller's thread);
     # an error is raised by ``result`` (each time), a bad span before anything is read.
     store, keys = await stored_patterns(tmp_path)
@@ -361,11 +387,12 @@ async def test_a_started_summed_read_is_get_into_summeds_own(tmp_path: Path) -> 
         return [aligned_buffer(70_000) for _ in asked]
 
     expected_bufs = buffers()
-    expected = await store.get_into_summed(asked, expected_bufs, spans)
+    reads = store.native_reads()
+    expected = await reads.get_into_summed(asked, expected_bufs, spans)
     assert expected[0][1] is None and expected[0][-1] is None
     reads_before = store.stats.reads
     bufs = buffers()
-    pending = store.start_get_into_summed(asked, bufs, spans)
+    pending = reads.start(asked, bufs, spans)
     assert pending is not None
     pending.wait()
     assert pending.done()
@@ -373,25 +400,27 @@ async def test_a_started_summed_read_is_get_into_summeds_own(tmp_path: Path) -> 
     assert [bytes(b) for b in bufs] == [bytes(b) for b in expected_bufs]
     assert store.stats.reads == reads_before + len(asked)  # counted once
     # an object larger than its buffer: InvalidRangeError from result(), as get_into_summed
-    pending = store.start_get_into_summed([keys[2]], [bytearray(100)], [[(0, 100)]])
+    pending = reads.start([keys[2]], [bytearray(100)], [[(0, 100)]])
     assert pending is not None
     for _ in range(2):
         with pytest.raises(InvalidRangeError):
             pending.result()
     with pytest.raises(ValueError, match="outside a buffer"):
-        store.start_get_into_summed(keys[:1], [bytearray(10)], [[(5, 6)]])
+        reads.start(keys[:1], [bytearray(10)], [[(5, 6)]])
     await store.close()
     with pytest.raises(BackendClosedError):
-        store.start_get_into_summed(keys[:1], [bytearray(10)], [[(0, 10)]])
+        reads.start(keys[:1], [bytearray(10)], [[(0, 10)]])
 
 
 async def test_without_the_accelerator_nothing_is_started(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store, keys = await stored_patterns(tmp_path)
-    monkeypatch.setattr(file_module, "_fileio", None)
+    store = await with_python_engine(store)
     buf = bytearray(70_000)
-    assert store.start_get_into_summed(keys[:1], [buf], [[(0, 10)]]) is None
+    assert not store.capabilities.native_reads
+    with pytest.raises(NotSupportedError):
+        store.native_reads().start(keys[:1], [buf], [[(0, 10)]])
     assert buf == bytearray(70_000)  # nothing read
     await store.close()
 
@@ -400,21 +429,22 @@ async def test_without_the_accelerator_nothing_is_started(
 async def test_a_batch_spread_over_the_pool_stores_every_object_and_fails_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_files: bool
 ) -> None:
-    # Where files are slow to make (``_write_cost_s`` over the rule) a put's writes go in
-    # several jobs of at least ``_WRITE_JOB_MIN`` objects, else in one: either way every
-    # object lands as written, and a failure in one job fails only its own key.
+    # Where files are slow to make (the engine's ``write_cost_s`` over the rule) a put's
+    # writes go in several jobs of at least ``_WRITE_JOB_MIN`` objects, else in one: either
+    # way every object lands as written, and a failure in one job fails only its own key.
     store = FileBackend(tmp_path / "s", durability="none", io_threads=4)
-    assert store._released_writes
+    assert store.io_engine == "native"
+    engine = store._engine
     jobs: list[int] = []
-    write_run = store._write_run_released
+    write_run = engine.write
 
     def counted(keys: Any, buffers: Any) -> Any:
         jobs.append(len(keys))
         return write_run(keys, buffers)
 
-    monkeypatch.setattr(store, "_write_run_released", counted)
+    monkeypatch.setattr(engine, "write", counted)
     cost = 1.0 if slow_files else 0.0
-    store._write_cost_s = cost
+    engine.write_cost_s = cost  # type: ignore[attr-defined]
     keys = [f"{i:04x}" for i in range(32)]
     data = [pattern(700 + i, i) for i in range(32)]
     store.path_of(keys[20]).mkdir(parents=True)  # its rename fails (EISDIR)

@@ -101,18 +101,16 @@ PIN_THEN_DIE = textwrap.dedent(
     """
     import asyncio, os, signal, sys
     from hicache_store.backends import Retention
-    from hicache_store.backends import file as file_module
     from hicache_store.backends.file import FileBackend
 
     async def main(root, capacity):
+        # (the Python writes, whose rename is os.rename)
         store = FileBackend(root, durability="none", direct_io="never", capacity_bytes=capacity,
-                            pin_fraction=0.5)
+                            pin_fraction=0.5, io_engine="posix")
         await store.put(["P000", "P001", "P002"], [b"p" * 1000] * 3)
         await store.retain(["P000", "P001"], Retention("child", None, pinned=True))
         await store.retain(["P002"], Retention("child", None, pinned=False, priority=3))
         # killed mid-way through its next put: the object renamed, the index not settled
-        # (the Python writes, whose rename is this one)
-        file_module._fileio = None
         os.rename = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
         await store.put(["P003"], [b"q" * 1000])
 

@@ -56,7 +56,7 @@ async def test_registered_host_buffer_is_zero_copy(
 ) -> None:
     store = open_mooncake(mooncake_url(), timeout=20)
     pool = np.zeros(16 * MiB, dtype=np.uint8)
-    await store.register_host_buffer(pool)
+    assert await store.host_buffers().register(pool) is True  # zero-copy from now on
     try:
         src = np.random.default_rng(1).integers(0, 256, 8 * MiB, dtype=np.uint8)
         pool[: 8 * MiB] = src
@@ -75,17 +75,17 @@ async def test_registered_host_buffer_is_zero_copy(
         assert n == 100 and np.array_equal(pool[8 * MiB : 8 * MiB + 100], src[3 * MiB + 500 : 3 * MiB + 600])
     finally:
         monkeypatch.undo()
-        await store.unregister_host_buffer(pool)
+        await store.host_buffers().unregister(pool)
         await store.close()
 
 
 async def test_overlapping_registration_is_refused(mooncake_url: Callable[..., str]) -> None:
     store = open_mooncake(mooncake_url(), timeout=20)
     pool = np.zeros(MiB, dtype=np.uint8)
-    await store.register_host_buffer(pool)
+    await store.host_buffers().register(pool)
     try:
         with pytest.raises(ValueError, match="overlaps"):
-            await store.register_host_buffer(pool[4096:])
+            await store.host_buffers().register(pool[4096:])
     finally:
         await store.close()
 
@@ -346,7 +346,7 @@ async def test_stopped_master_or_holder_fails_default_calls_within_the_bound(
     store = open_mooncake(own_deployment.url)
     pinned = np.zeros(MiB, dtype=np.uint8)
     try:
-        await store.register_host_buffer(pinned)
+        await store.host_buffers().register(pinned)
         await store.put(["STOP0"], [b"s" * MiB])
         for who in ("master", "holder"):
             proc = getattr(own_deployment, who)
@@ -373,5 +373,5 @@ async def test_stopped_master_or_holder_fails_default_calls_within_the_bound(
             await store.drain()
             await asyncio.sleep(own_deployment.client_ttl + 2)  # heartbeats resume
     finally:
-        await store.unregister_host_buffer(pinned)
+        await store.host_buffers().unregister(pinned)
         await store.close()

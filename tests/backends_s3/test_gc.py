@@ -78,7 +78,7 @@ async def test_inspect_and_verify_over_s3(seaweed: SeaweedServer, s3_prefix: str
     victim = next(iter(chain_objects(chains[1])))
     data = bytearray((await store.get_bytes(victim)) or b"")
     data[-1] ^= 1
-    await store.put_bytes(victim, bytes(data))
+    await store.put([victim], [bytes(data)])
     found = await inspect_store(store, verify=True, delete_corrupt=True)
     assert found.verify is not None and found.verify.corrupt == 1
     assert found.verify.corrupt_examples[0]["key"] == victim

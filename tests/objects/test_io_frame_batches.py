@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hicache_store.backends import Backend, InvalidRangeError, open_backend
-from hicache_store.backends import file as file_module
+from hicache_store.backends._file_io import SUMS_IN_C
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
 from hicache_store.layout.errors import (
     CorruptObjectError,
@@ -68,7 +68,7 @@ def flipped(data: bytes) -> bytes:
 def backend_for(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Backend:
     """``file`` (its C reads where built), ``file-python`` (without them) or a memory URL."""
     if url == "file-python":
-        monkeypatch.setattr(file_module, "_fileio", None)
+        return open_backend(f"file://{tmp_path}/s?io_engine=posix")
     return open_backend(f"file://{tmp_path}/s" if url.startswith("file") else url)
 
 
@@ -82,9 +82,9 @@ async def test_every_kind_of_object_gets_its_own_outcome(
     tmp_path: Path, url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # "file": reads and checksums in one C call where the accelerator is built
-    # (``get_into_summed``); "file-python": the pure-Python reads, verified after.
+    # (``native_reads``); "file-python": the pure-Python reads, verified after.
     backend = backend_for(url, tmp_path, monkeypatch)
-    assert backend.sums_reads == (url == "file" and file_module._SUMS_IN_C)
+    assert backend.capabilities.native_reads == (url == "file" and SUMS_IN_C)
     io = ObjectIO(backend, NS)
     originals = await store_intact(io, 5)
     # 0 intact, 1 truncated, 2 one payload byte flipped, 3 stored longer than its frame,
@@ -199,7 +199,7 @@ async def test_started_reads_give_read_frames_outcomes_or_do_not_start(
     expected = await io.read_frames(keys, expected_frames)
     frames = frames_for(io, 5)
     pending = io.start_read_frames(keys, frames)
-    if url != "file" or not file_module._SUMS_IN_C:
+    if url != "file" or not SUMS_IN_C:
         assert pending is None
         assert all(bytes(f) == bytes(len(f)) for f in frames)  # nothing read
         await backend.close()

@@ -47,8 +47,8 @@ async def object_keys(backend: FileBackend, digest: str) -> list[str]:
 async def test_inspect_lists_namespaces_from_manifests(tmp_path: Path) -> None:
     backend, ns = await filled(tmp_path)
     # An object of a namespace without a manifest, and a key that is no object at all.
-    await backend.put_bytes("a" * 64 + "_" + "0" * 16 + "_L0-0_H0", b"x" * 10)
-    await backend.put_bytes("X_ab12", b"hello")
+    await backend.put(["a" * 64 + "_" + "0" * 16 + "_L0-0_H0"], [b"x" * 10])
+    await backend.put(["X_ab12"], [b"hello"])
     report = await inspect_store(backend)
     known, unknown = sorted(report.namespaces, key=lambda n: n.namespace is None)
     assert known.namespace == ns and known.digest == ns.digest
@@ -125,7 +125,7 @@ async def test_verify_reads_through_a_small_window(tmp_path: Path) -> None:
 
 async def test_verify_checks_manifests_and_geometry(tmp_path: Path) -> None:
     backend, ns = await filled(tmp_path, Topology(1, 1))
-    await backend.put_bytes(manifest_key(ns.digest), b"{not json")
+    await backend.put([manifest_key(ns.digest)], [b"{not json"])
     report = await inspect_store(backend, verify=True)
     (item,) = report.namespaces
     assert item.namespace is None and "not JSON" in (item.manifest_error or "")

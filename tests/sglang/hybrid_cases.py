@@ -167,7 +167,7 @@ def corrupt_state(sglang: ModuleType, url: str | Store, pool: str) -> None:
     (key, *_) = sidecar_keys(writer, pool, writer.hashes(tokens)[-1])
     data = bytearray(run(backend.get_bytes(key)))
     data[-1] ^= 0xFF  # the last payload byte
-    run(backend.put_bytes(key, bytes(data)))
+    run(backend.put([key], [bytes(data)]))
     writer.close()
 
     reader = hybrid_rank(sglang, url, (pool,))

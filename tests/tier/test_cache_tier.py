@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -214,15 +215,18 @@ def test_the_host_pool_is_offered_to_backends_that_register_memory(model: MiniLl
     from hicache_store.backends.memory import MemoryBackend
 
     class Registering(MemoryBackend):
+        capabilities = MemoryBackend.capabilities.replace(host_buffers=True)
+
         def __init__(self) -> None:
             super().__init__()
             self.registered: list[int] = []
             self.unregistered: list[int] = []
 
-        async def register_host_buffer(self, buffer: memoryview) -> None:
+        async def _register_host_buffer(self, buffer: Any) -> bool:
             self.registered.append(memoryview(buffer).nbytes)
+            return True
 
-        async def unregister_host_buffer(self, buffer: memoryview) -> None:
+        async def _unregister_host_buffer(self, buffer: Any) -> None:
             self.unregistered.append(memoryview(buffer).nbytes)
 
     backend = Registering()
@@ -232,6 +236,17 @@ def test_the_host_pool_is_offered_to_backends_that_register_memory(model: MiniLl
     check(tier, model, doc)
     tier.close()
     assert backend.unregistered == [tier.host.data.numel()]
+
+    # The capability decides, not the methods a backend happens to have: undeclared, the pool
+    # is never offered.
+    class Undeclared(Registering):
+        capabilities = MemoryBackend.capabilities
+
+    quiet = Undeclared()
+    tier = make_tier(l1_pages=16, l2_pages=8, backend=quiet)
+    check(tier, model, doc)
+    tier.close()
+    assert quiet.registered == [] and quiet.unregistered == []
 
 
 def test_metrics_as_dict_and_prometheus_text(model: MiniLlama) -> None:

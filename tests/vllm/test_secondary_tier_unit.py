@@ -191,7 +191,7 @@ def test_a_lookup_the_backend_answers_now_takes_no_retry_and_a_failed_load_still
     # asynchronous one): a loaded machine may take longer between the two, hence the tries.
     for _ in range(5):
         run_sync(fresh.tier.backend.exists(names))
-        if fresh.tier.backend.exists_now(names) == [True, True, False]:
+        if fresh.tier.backend.inline_exists().now(names) == [True, True, False]:
             break
     else:
         raise AssertionError("the file index never answered at once")

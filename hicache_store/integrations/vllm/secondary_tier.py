@@ -30,13 +30,13 @@ through ``objects.ObjectIO``) on any hicache-store backend:
 * **Bounded.** The backend's own capacity and eviction: ``file:///path?capacity_bytes=64GiB``
   (least recently used first; the file backend's default is 90% of the filesystem).
 * **Non-blocking.** ``lookup`` answers at once where the backend can without waiting
-  (``Backend.exists_now``: the file backend's in-memory index, as last brought up to date if
+  (``InlineExists.now``: the file backend's in-memory index, as last brought up to date if
   that was at most ``lookup_max_age_s`` ago, without a database call: a change of the last
   moments missed costs a recompute or a failed load, then recompute; each store job brings
   it up to date after its write), else ``RETRY`` while the
   existence check of its key runs (vLLM's ``AsyncLookupManager``: one batched check per
   scheduler step on vLLM's lookup thread, answered on that thread where the backend can
-  (``Backend.exists_blocking``: the file backend's index), else through the library's loop
+  (``InlineExists.blocking``: the file backend's index), else through the library's loop
   bounded by ``lookup_timeout_s``; a failed or late check is a miss). Either way the verdict
   lives in vLLM's lookup state, so a key whose load failed answers MISS for the rest of the
   request (vLLM's livelock guard). Stores run on the library's sync-bridge loop
@@ -126,7 +126,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager, LookupPh
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from hicache_store._sync import run_sync, submit
-from hicache_store.backends import Backend, open_backend
+from hicache_store.backends import Backend, InlineExists, open_backend
 from hicache_store.backends.errors import InvalidRangeError, NotSupportedError
 from hicache_store.backends.file import FileBackend
 from hicache_store.integrations._lookups import LookupCounters
@@ -319,7 +319,7 @@ class _Feed:
 
 class _Lookups(AsyncLookupManager):  # type: ignore[misc]
     """vLLM's async lookup state machine over one batched ``exists`` per step, with the
-    answers a backend gives at once (``Backend.exists_now``: the file backend's index) taken
+    answers a backend gives at once (``InlineExists.now``: the file backend's index) taken
     without a RETRY: a new key the backend answers now enters vLLM's state already resolved,
     so the request does not wait a scheduler step, and vLLM's own bookkeeping (``mark_miss``
     after a failed load, ``cleanup`` when the request ends) applies to it unchanged."""
@@ -332,18 +332,20 @@ class _Lookups(AsyncLookupManager):  # type: ignore[misc]
         # First this thread's own connection to the backend's index and a read of it (~100 ms
         # on a busy 2-core machine), so that the first request's check does not wait for them.
         try:
-            self._tier.backend.exists_blocking([self._tier.storage_key(bytes(36))])
+            if self._tier.inline is not None:
+                self._tier.inline.blocking([self._tier.storage_key(bytes(36))])
         except Exception as exc:  # the checks themselves report what is wrong
             log.debug("HiCacheStoreTier: warming the lookup thread failed: %r", exc)
         super()._worker()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
-        if key not in self._lookup_state:
+        inline = self._tier.inline
+        if key not in self._lookup_state and inline is not None:
             try:
-                now = self._tier.backend.exists_now([self._tier.storage_key(key)],
-                                                    max_age_s=self._tier.lookup_max_age_s)
+                now = inline.now([self._tier.storage_key(key)],
+                                 max_age_s=self._tier.lookup_max_age_s)
             except Exception as exc:  # never into the scheduler: the asynchronous check decides
-                log.debug("HiCacheStoreTier: exists_now failed: %r", exc)
+                log.debug("HiCacheStoreTier: an inline exists failed: %r", exc)
                 now = None
             if now is not None:
                 self._lookup_state[key] = LookupState(
@@ -359,11 +361,8 @@ class _Lookups(AsyncLookupManager):  # type: ignore[misc]
         # this thread, else from memory), without the hand-offs to the library's loop and
         # its pool and back, each of which waits for the GIL behind the engine's busy loop
         # (most of a step's lookup time, ~100 ms per request, before).
-        now = tier.backend.exists_blocking(names)  # (exact: no need to try exists_now first)
-        if now is None:
-            now = tier.backend.exists_now(names)
-        if now is not None:
-            return now
+        if tier.inline is not None:
+            return tier.inline.blocking(names)  # (exact: no need to try ``now`` first)
         return run_sync(tier.backend.exists(names), timeout=tier.lookup_timeout_s)
 
 
@@ -466,8 +465,10 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self._lookup_counts = LookupCounters("vllm_secondary_tier", labels={})
         self._jobs: dict[int, _Job] = {}
         self._refreshes: set[asyncio.Future[None]] = set()  # (loop thread only)
-        # whether the backend answers from memory at all (else no refresh after a store)
-        self._answers_now = type(self.backend).exists_now is not Backend.exists_now
+        #: ``exists`` on the caller's thread, where the backend offers it (the file backend's
+        #: index); else lookups go through the library's loop and no store refreshes a view
+        self.inline: InlineExists | None = (
+            self.backend.inline_exists() if self.backend.capabilities.inline_exists else None)
         self._events: list[OffloadingEvent] | None = None
         if enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
@@ -655,7 +656,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             self.stats.stored += n
             self.stats.store_failures += len(keys) - n
             self.stats.bytes_stored += n * self.row_bytes
-        if any(stored) and self._answers_now:
+        if any(stored) and self.inline is not None:
             self._refresh_soon(keys[stored.index(True)])
         if self._feed is not None:
             for key in await self._feed.gone():

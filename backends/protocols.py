@@ -1,0 +1,145 @@
+"""The optional abilities of a backend: one ``Capabilities`` flag and one small protocol each.
+
+A caller asks the flag, then the backend for the protocol; never ``getattr`` or a concrete
+type::
+
+    if backend.capabilities.host_buffers:
+        zero_copy = await backend.host_buffers().register(pool)
+
+===================  ==========================  ==============================================
+flag                 accessor                    what it offers
+===================  ==========================  ==============================================
+``host_buffers``     ``host_buffers()``          register host memory the backend then reads
+                                                 into and writes from without a copy
+``inline_exists``    ``inline_exists()``         ``exists`` answered on the caller's own
+                                                 thread, without the library's event loop
+``native_reads``     ``native_reads()``          reads that checksum what they read, in native
+                                                 code, started without a Python thread
+===================  ==========================  ==============================================
+
+Without its flag an accessor raises ``NotSupportedError``. A backend that declares a flag
+implements the matching core hooks (``backends.base``); the accessor's object validates keys
+and buffers and refuses a closed backend, as the public methods do.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .views import BufferLike
+
+#: per key the bytes read (None: a miss) and the xxh3_64 of each span asked (empty for a miss
+#: or an object shorter than a span's end).
+SummedReads = tuple[list[int | None], list[tuple[int, ...]]]
+
+
+class HostBuffers(Protocol):
+    """Host memory registered with the backend (``capabilities.host_buffers``): Mooncake's
+    transfer engine, 3FS's USRBIO iovecs. The cache tier offers its host pool at start and
+    takes it back at close; best effort either way."""
+
+    async def register(self, buffer: BufferLike) -> bool:
+        """Register ``buffer`` (C-contiguous, writable, alive until ``unregister``). True when
+        I/O on any slice of it is now zero-copy; False when the backend accepted it but still
+        copies through memory of its own (3FS: memory outside ``/dev/shm``). Raises the
+        backend's error when it cannot register at all."""
+        ...
+
+    async def unregister(self, buffer: BufferLike) -> None:
+        """Undo ``register`` (a buffer never registered: nothing). No call may be using it."""
+        ...
+
+
+class InlineExists(Protocol):
+    """``exists`` on the caller's own thread (``capabilities.inline_exists``: the file
+    backend's index), for callers on an engine's threads, where every hand-off to the
+    library's loop waits for the GIL behind the engine's busy scheduler."""
+
+    def now(self, keys: Sequence[str], max_age_s: float = 0.0) -> list[bool] | None:
+        """``exists`` answered at once, or None when the backend cannot answer without
+        waiting (I/O, or a lock another thread holds): then call ``blocking`` or ``exists``.
+        ``max_age_s`` > 0 accepts an answer that may miss the changes of the last
+        ``max_age_s`` seconds: for a caller to whom a stale answer costs only a miss
+        (recompute) or a failed read (then a miss)."""
+        ...
+
+    def blocking(self, keys: Sequence[str]) -> list[bool]:
+        """``exists``, exact, on the caller's thread, which may wait for the backend's local
+        I/O. Never call it on an event loop's thread. Raises what ``exists`` raises."""
+        ...
+
+
+class NativeReads(Protocol):
+    """Whole-object reads that also checksum byte spans of what they read, in native code
+    that never takes the GIL (``capabilities.native_reads``: the file backend's C reads).
+    For readers of checksummed objects (``objects.ObjectIO``): the hashing costs no pass over
+    the bytes and no thread hand-off of its own."""
+
+    async def get_into_summed(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[BufferLike],
+        spans: Sequence[Sequence[tuple[int, int]]],
+    ) -> SummedReads:
+        """``get_into`` of whole objects, and the xxh3_64 of byte spans of each buffer read.
+
+        ``spans[i]`` lists ``(offset, length)`` pairs inside ``buffers[i]`` (``ValueError``
+        otherwise, before anything is read). Raises, and keeps the buffer lifetime rule, as
+        ``get_into``."""
+        ...
+
+    def start(
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[BufferLike],
+        spans: Sequence[Sequence[tuple[int, int]]],
+    ) -> PendingReads:
+        """Start ``get_into_summed`` without the library's loop and without a Python thread.
+        Its checks raise here, before anything is read. The buffers are written until
+        ``done()`` is True, ``wait()`` or ``result()`` has returned, or the dropped handle has
+        been collected (which waits for the reads). No deadline applies: for a caller that
+        polls from a thread holding the GIL (vLLM's scheduler)."""
+        ...
+
+
+class PendingReads(abc.ABC):
+    """Reads under way in native code (``NativeReads.start``).
+
+    ``done()`` never waits; ``wait()`` waits for the reads (the buffers are not written after
+    it returns); ``result()`` waits, then returns the bytes read and sums per key, or raises
+    what ``get_into_summed`` raises, the same each time it is called. ``counted`` is told the
+    results once, when they are first taken (the backend's statistics). Dropping the handle
+    waits for the reads before the buffers are let go."""
+
+    def __init__(self, counted: Callable[[list[int | None]], None]) -> None:
+        self._counted = counted
+        self._outcome: SummedReads | BaseException | None = None
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """Whether every read has ended (never waits)."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Wait for every read to end."""
+
+    @abc.abstractmethod
+    def _result(self) -> SummedReads:
+        """Wait, then the outcome of the reads (raising as ``get_into_summed``)."""
+
+    def result(self) -> SummedReads:
+        if self._outcome is None:
+            try:
+                self._outcome = self._result()
+                self._counted(self._outcome[0])
+            except BaseException as exc:
+                self._outcome = exc
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
+
+
+__all__ = ["HostBuffers", "InlineExists", "NativeReads", "PendingReads", "SummedReads"]
