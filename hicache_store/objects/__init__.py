@@ -11,7 +11,7 @@
 * ``sealed``: ``SealedFormat``, the format of a sealed namespace (keyed names, AES-GCM blocks).
 
 Users: the cache tier (pages and component state), the SGLang adapter, ``prepopulate``,
-context-parallel restore, and the operator tools (``read_header`` / ``read_object``).
+context-parallel restore, and the operator tools (``read_headers`` / ``read_object``).
 """
 
 from __future__ import annotations

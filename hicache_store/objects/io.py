@@ -10,7 +10,7 @@ What it guarantees, once:
   no mapping per object.
 * **Reads are verified** before a byte counts: the header is checked against the key asked for
   and the size the reader expects, then every layer block read (``ObjectFormat.open_header`` /
-  ``open_blocks``). A read of a whole object (``read_frame``, ``read_blocks`` of every layer)
+  ``open_blocks``). A read of a whole object (``read_frames``, ``read_blocks`` of every layer)
   also checks the stored size: an object longer or shorter than the frame is corrupt (a read
   of some layers cannot see bytes after them). Layer ranges (``read_blocks``) land straight in
   the caller's memory; headers land in slots of a reused arena.
@@ -330,47 +330,22 @@ class ObjectIO:
 
     # -- reads ------------------------------------------------------------------------------
 
-    async def read_frame(self, key: ObjectKey, frame: memoryview) -> ObjectHeader | None:
-        """Read a whole object into ``frame`` (its exact stored size) and verify every block.
-
-        ``None`` on a miss. ``CorruptObjectError`` when the object is corrupt, including a
-        stored size other than ``len(frame)``.
-        """
-        header_len = self.header_bytes(key.coords.num_layers)
-        payload_len = len(frame) - header_len
-        if payload_len <= 0:
-            raise ValueError(f"{key}: a frame of {len(frame)} bytes has no payload")
-        storage_key = self.storage_key(key)
-        taken = await self.read_budget.acquire(len(frame))
-        try:
-            # The whole object, no range: the backend refuses one larger than the frame.
-            got = await self._bounded(self.backend.get_into([storage_key], [frame]), len(frame))
-        except InvalidRangeError as exc:
-            raise CorruptObjectError(f"{storage_key}: stored larger than its frame: {exc}") from exc
-        finally:
-            await self.read_budget.release(taken)
-        (n,) = got
-        if n is None:
-            return None
-        if n != len(frame):
-            raise TruncatedObjectError(f"{storage_key}: stored {n} bytes, the frame is {len(frame)}")
-        header = self.format.open_header(key, frame[:header_len], payload_bytes=payload_len)
-        await self._open(header, frame[header_len:], key.coords.layer_start, key.coords.layer_stop)
-        return header
-
     async def read_frames(
         self, keys: Sequence[ObjectKey], frames: Sequence[memoryview]
     ) -> list[ObjectHeader | CorruptObjectError | None]:
-        """``read_frame`` of many whole objects in one backend call (``get_into``), then every
-        frame verified in one step: per key the checked header, ``None`` on a miss, or the
-        ``CorruptObjectError`` (returned, not raised: a corrupt object fails only its own key).
+        """Read whole objects into ``frames`` (each its object's exact stored size) in one
+        backend call, then verify every frame: per key the checked header, ``None`` on a miss,
+        or the ``CorruptObjectError`` (returned, not raised: a corrupt object fails only its
+        own key), including a stored size other than the frame's.
 
-        For callers that read a batch of small objects together (vLLM's secondary tier: one
-        job of chunk rows), where a backend call, a budget wait and a verification per object
-        would cost a thread hand-off each. A backend that refuses the batch because an object
-        is larger than its frame (``InvalidRangeError``) has the batch read again key by key
-        (``read_frame``), so that only that object is corrupt. A backend failure or the
-        batch's deadline (``deadline.seconds`` of all the frames' bytes) raises.
+        One backend call (``get_into``, or ``native_reads().get_into_summed`` where the
+        backend checksums inside its reads) for a batch of objects read together (vLLM's
+        secondary tier: one job of chunk rows), where a call, a budget wait and a
+        verification per object would cost a thread hand-off each. A backend that refuses the
+        batch because an object is larger than its frame (``InvalidRangeError``) has the batch
+        read again key by key, so that only that object is corrupt. A frame that cannot hold
+        a payload is a ``ValueError``; a backend failure or the batch's deadline
+        (``deadline.seconds`` of all the frames' bytes) raises.
         """
         headers = self._frame_headers(keys, frames)
         if not keys:
@@ -387,13 +362,18 @@ class ObjectIO:
                     storage_keys, list(frames), spans), total)
             else:
                 got = await self._bounded(self.backend.get_into(storage_keys, list(frames)), total)
-        except InvalidRangeError:
+        except InvalidRangeError as exc:
+            if len(keys) == 1:
+                larger = CorruptObjectError(f"{storage_keys[0]}: stored larger than its frame: {exc}")
+                larger.__cause__ = exc
+                return [larger]
             got = None  # one is stored larger than its frame: find it key by key
         finally:
             await self.read_budget.release(taken)
         if got is None:
-            return list(await asyncio.gather(*(self._frame_or_error(k, f)
-                                               for k, f in zip(keys, frames, strict=True))))
+            singles = await asyncio.gather(*(self.read_frames([k], [f])
+                                             for k, f in zip(keys, frames, strict=True)))
+            return [one for (one,) in singles]
         out = self._verified(keys, frames, headers, storage_keys, got, sums)
         if sums is None:  # the blocks were not summed in the read: open each payload
             for i, (key, frame, header_len) in enumerate(zip(keys, frames, headers, strict=True)):
@@ -486,14 +466,6 @@ class ObjectIO:
                 return None  # open_header refuses it: read, then verify as usual
             spans.append([(header_len + i * block, block) for i in range(layers)])
         return spans
-
-    async def _frame_or_error(
-        self, key: ObjectKey, frame: memoryview
-    ) -> ObjectHeader | CorruptObjectError | None:
-        try:
-            return await self.read_frame(key, frame)
-        except CorruptObjectError as exc:
-            return exc
 
     async def read_blocks(
         self,
@@ -597,11 +569,10 @@ class ObjectIO:
 
     # -- tools ------------------------------------------------------------------------------
 
-    async def read_header(self, storage_key: str) -> ObjectHeader | None:
-        """The checked header of a stored object, ``None`` on a miss (operator tools).
-
-        The header must describe the key it is stored under. ``CorruptObjectError`` otherwise.
-        """
+    async def _read_header(self, storage_key: str) -> ObjectHeader | None:
+        """The checked header of one stored object, ``None`` on a miss (``read_headers``' way
+        for an object shorter than its probe or with a longer header). The header must
+        describe the key it is stored under; ``CorruptObjectError`` otherwise."""
         expected = _parsed(storage_key)
         probe = payload_offset(1)
         for length in (probe, payload_offset(MAX_LAYERS_PER_OBJECT)):
@@ -626,9 +597,10 @@ class ObjectIO:
     async def read_headers(
         self, storage_keys: Sequence[str]
     ) -> list[ObjectHeader | CorruptObjectError | None]:
-        """``read_header`` of many objects in one backend call (operator tools that read a
-        header per page of a whole store: ``gc``): per key the checked header, ``None`` on a
-        miss, or the ``CorruptObjectError`` (returned, not raised). Objects shorter than the
+        """The checked headers of stored objects, in one backend call (operator tools that read
+        a header per page of a whole store: ``gc``): per key the header, which must describe
+        the key it is stored under, ``None`` on a miss, or the ``CorruptObjectError``
+        (returned, not raised). Objects shorter than the
         first probe, or with a longer header, are read again one by one. Objects of a format
         with no header (SGLang's bare objects) are not read: their header is the format's,
         synthesised from the key (``payload_offset`` 0, no parent, ``payload_length`` 0:
@@ -673,19 +645,19 @@ class ObjectIO:
                 if n is None:
                     out.append(None)
                 elif n < 0 or sample is None:
-                    out.append(await self.read_header(storage_key))
+                    out.append(await self._read_header(storage_key))
                 else:
                     try:
                         out.append(decode_header(buf, expected=storage_key))
                     except TruncatedObjectError:
-                        out.append(await self.read_header(storage_key))  # a longer header
+                        out.append(await self._read_header(storage_key))  # a longer header
             except CorruptObjectError as exc:
                 out.append(exc)
         return out
 
     async def read_object(self, storage_key: str) -> tuple[ObjectHeader, memoryview] | None:
         """A whole stored object, verified (its stored size included): header and payload
-        (operator tools; the cache's data path uses ``read_frame`` / ``read_blocks``)."""
+        (operator tools; the cache's data path uses ``read_frames`` / ``read_blocks``)."""
         found = await self._stored(storage_key)
         if found is None:
             return None
@@ -694,7 +666,9 @@ class ObjectIO:
         header_len = self.header_bytes(key.coords.num_layers)
         if size <= header_len:
             raise TruncatedObjectError(f"{storage_key}: {size} bytes hold no payload")
-        header = await self.read_frame(key, frame)
+        (header,) = await self.read_frames([key], [frame])
+        if isinstance(header, CorruptObjectError):
+            raise header
         if header is None:
             return None
         return header, frame[header_len:]

@@ -74,7 +74,7 @@ async def test_put_seals_the_callers_frame_in_place_and_reads_back(store: FileBa
     header = decode_header(frame.buffer, expected=key())
     assert header.parent_hash == H2
     out = memoryview(bytearray(len(frame.buffer)))
-    got = await io.read_frame(key(), out)
+    (got,) = await io.read_frames([key()], [out])
     assert isinstance(got, ObjectHeader)
     assert bytes(out) == stored
 
@@ -82,7 +82,7 @@ async def test_put_seals_the_callers_frame_in_place_and_reads_back(store: FileBa
 async def test_read_frame_miss_is_none(store: FileBackend) -> None:
     io = ObjectIO(store, NS)
     out = memoryview(bytearray(io.frame_bytes(4, PAYLOAD)))
-    assert await io.read_frame(key(), out) is None
+    assert await io.read_frames([key()], [out]) == [None]
 
 
 @pytest.mark.parametrize("damage", ["appended", "truncated", "flipped", "swapped"])
@@ -112,8 +112,8 @@ async def test_read_frame_refuses_every_stored_size_but_the_frames(
         "flipped": PayloadChecksumError,
         "swapped": KeyMismatchError,
     }[damage]
-    with pytest.raises(expected):
-        await io.read_frame(key(), out)
+    (got,) = await io.read_frames([key()], [out])
+    assert isinstance(got, expected)
 
 
 async def test_read_blocks_lands_exactly_the_layers_asked_for(store: FileBackend) -> None:
@@ -183,19 +183,19 @@ async def test_header_and_object_reads_for_tools(store: FileBackend) -> None:
     io = ObjectIO(store, NS)
     data = payload(7)
     assert await io.put([frame_of(io, data, parent=H2)]) == [True]
-    header = await io.read_header(format_key(key()))
-    assert header is not None
+    (header,) = await io.read_headers([format_key(key())])
+    assert isinstance(header, ObjectHeader)
     assert header.parent_hash == H2
     found = await io.read_object(format_key(key()))
     assert found is not None
     assert np.array_equal(np.frombuffer(found[1], dtype=np.uint8), data)
-    assert await io.read_header(format_key(key(H2))) is None
+    assert await io.read_headers([format_key(key(H2))]) == [None]
     assert await io.read_object(format_key(key(H2))) is None
     # A valid object stored under another page's key: its header does not describe that key.
     assert await io.put([frame_of(io, payload(8), H2)]) == [True]
     store.path_of(format_key(key(H2))).write_bytes(store.path_of(format_key(key())).read_bytes())
-    with pytest.raises(KeyMismatchError):
-        await io.read_header(format_key(key(H2)))
+    (mismatch,) = await io.read_headers([format_key(key(H2))])
+    assert isinstance(mismatch, KeyMismatchError)
 
 
 @pytest.mark.parametrize("bad", [123, None, b"abc", "../etc/passwd", ""])
