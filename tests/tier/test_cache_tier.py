@@ -238,9 +238,15 @@ def test_the_host_pool_is_offered_to_backends_that_register_memory(model: MiniLl
     assert backend.unregistered == [tier.host.data.numel()]
 
     # The capability decides, not the methods a backend happens to have: undeclared, the pool
-    # is never offered.
+    # is never offered (the tier used to look for methods of these names).
     class Undeclared(Registering):
         capabilities = MemoryBackend.capabilities
+
+        async def register_host_buffer(self, buffer: Any) -> bool:
+            return await self._register_host_buffer(buffer)
+
+        async def unregister_host_buffer(self, buffer: Any) -> None:
+            await self._unregister_host_buffer(buffer)
 
     quiet = Undeclared()
     tier = make_tier(l1_pages=16, l2_pages=8, backend=quiet)
