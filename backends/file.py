@@ -43,17 +43,16 @@ always go buffered.
 flight on the device. The pool runs the jobs of the oldest call first (``_call_order``): a
 put's later steps (write, settle) go before the first step of any put that began after it, so
 many concurrent puts end in the order they began instead of all together; a put whose caller
-gave up before its first step began is never begun. What moves the bytes is an engine chosen once at open (``_file_io``;
-``io_engine``): ``native``, the default where the C accelerator ``_fileio`` is built
-(``setup.py``), makes a run of reads, or a put's run of writes, in one call that releases the
-GIL once (in a process whose other threads keep the interpreter busy, an inference engine,
-each reacquisition waits up to the switch interval, and a read took five of them), and can
-compute checksums of what it read in the same call (``native_reads``: XXH3 taken from the
-``xxhash`` package), so a reader of framed objects verifies a batch without taking the GIL
-back per object; ``posix``, one Python system call at a time. Both read and write the same
-files with the same misses, errors and read policy. ``hf3fs://`` adds a third (USRBIO).
-The index, capacity, eviction and the buffer lifetime rule are this module's, whatever the
-engine.
+gave up before its first step began is never begun. What moves the bytes is an engine chosen
+once at open (``_file_io``; ``io_engine``): ``native``, the default where the C accelerator
+``_fileio`` is built (``setup.py``), makes a run of reads, or a put's run of writes, in one
+call that releases the GIL once (in a process whose other threads keep the interpreter busy, an
+inference engine, each reacquisition waits up to the switch interval, and a read took five of
+them), and can compute checksums of what it read in the same call (``native_reads``: XXH3 taken
+from the ``xxhash`` package), so a reader of framed objects verifies a batch without taking the
+GIL back per object; ``posix``, one Python system call at a time. Both read and write the same
+files with the same misses, errors and read policy. ``hf3fs://`` adds a third (USRBIO). The
+index, capacity, eviction and the buffer lifetime rule are this module's, whatever the engine.
 
 **Index** (``_file_index``; its docstring has the design and the protocol). A SQLite database
 in ``index/`` lists every object with its size and eviction rank, shared by every process
@@ -163,8 +162,6 @@ DURABILITY_MODES: tuple[str, ...] = ("none", "data", "full")
 DIRECT_IO_MODES: tuple[str, ...] = ("auto", "never")
 PAGE_CACHE_MODES: tuple[str, ...] = ("second", "never", "always")
 INDEX_KINDS: tuple[str, ...] = ("sqlite", "none")
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _INLINE_EXISTS = 4096  # at most ~1 ms of lookups on the caller's thread
 
 T = TypeVar("T")

@@ -6,7 +6,7 @@ again), warm read (a third time: the file backend reads cold bytes with O_DIRECT
 key to the page cache on its second cold read, so its third read is the first from the cache),
 range read (one ``--range-fraction`` slice from the middle of every object) and exists
 (``--exists-keys`` probes). Cold reads: by default only the benchmark's own files leave the page
-cache (``--drop-caches files``: fsync and ``POSIX_FADV_DONTNEED`` per file of a ``file://``
+cache (``--drop-caches files``: fsync and ``POSIX_FADV_DONTNEED`` per file of a ``file://`` or ``hf3fs://``
 store, no root needed, nothing else on the machine is touched); ``--drop-caches all`` drops the
 whole machine's page cache (root only, and said on stderr); other backends have nothing to drop. For local paths it also
 measures a raw baseline in the same run on the same filesystem: the same bytes written and read
@@ -65,7 +65,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--threads", type=int, default=16,
                         help="raw baseline threads (16, the file backend's default pool)")
     parser.add_argument("--baseline", choices=("auto", "no"), default="auto",
-                        help="raw O_DIRECT baseline: auto = for file:// URLs (auto)")
+                        help="raw O_DIRECT baseline: auto = for file:// and hf3fs:// URLs (auto)")
     parser.add_argument("--drop-caches", choices=("files", "all", "no"), default="files",
                         help="before cold reads: evict only the benchmark's files from the page "
                         "cache (files, the default), drop the whole machine's page cache (all: "

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import xxhash
 
+from hicache_store.backends import _file_io as engines
 from hicache_store.backends import aligned_buffer
-from hicache_store.backends import file as file_module
 from hicache_store.backends._file_io import SUMS_IN_C, PosixEngine
 from hicache_store.backends._pagecache import is_cached
 from hicache_store.backends.errors import (
@@ -196,7 +196,7 @@ async def test_o_direct_only_for_aligned_cold_reads(tmp_path: Path) -> None:
     if not store.direct_io:
         pytest.skip("the filesystem under tmp_path has no O_DIRECT")
     path = tmp_path / "f"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | file_module._O_DIRECT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | engines._O_DIRECT, 0o644)
     src = aligned_buffer(8192)
     src[:] = pattern(8192, 4)
     os.write(fd, src)
