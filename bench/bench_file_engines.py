@@ -1,0 +1,173 @@
+"""The file family's writes and reads against raw O_DIRECT, two source trees in one run.
+
+Run from the repository root::
+
+    .venv/bin/python bench/bench_file_engines.py --before /path/to/tree --rounds 4 --write-md
+
+``--before`` is another checkout laid out as the installed package (a folder holding
+``hicache_store/`` with ``backends``, ``layout`` and ``kernels`` inside it, C accelerators
+built), e.g. main before a change; without it only this tree runs. Each round runs, in a fresh
+process each (``hicache-store bench backend --json``), ``file://`` (with its raw O_DIRECT
+baseline, measured in the same process just before) and ``hf3fs://`` with ``engine=posix``
+(its POSIX path; no 3FS runs here), as configured by default (no index) and with
+``index=sqlite`` (the file backend's index, separating the engine from the index), on the same
+directory, for each tree in turn; the trees'
+order and the two backends' order alternate from round to round. Durable writes (``durability=data``),
+cold reads after evicting the run's own files from the page cache. A backend's figure is
+read against the raw baseline of its tree's ``file://`` run of the same round (the raw code
+is the same in both trees). ``--write-md`` replaces the "I/O engines against raw O_DIRECT"
+section of docs/benchmarks/file.md (the dated run log, docs/benchmarks/log.md, is kept by
+hand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _markdown import replace_section
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = ("write", "cold read", "warm read", "range read")
+#: what each round runs: hf3fs:// as configured by default (no index: 3FS roots are shared by
+#: hosts) and with the file backend's index, which separates the engine from the index.
+SYSTEMS = {
+    "file://": "file://{where}/file?durability=data",
+    "hf3fs:// posix": "hf3fs://{where}/hf3fs?durability=data&engine=posix",
+    "hf3fs:// posix, index=sqlite": "hf3fs://{where}/hf3fs-i?durability=data&engine=posix&index=sqlite",
+}
+
+
+def bench(tree: Path | None, url: str, args: argparse.Namespace, *, baseline: bool) -> dict[str, Any]:
+    """One ``hicache-store bench backend`` run of ``url`` in a fresh process (``tree``: the
+    other source tree first on the path; None: this one)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_STORE_")}
+    env.pop("PYTHONPATH", None)
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    cmd = [sys.executable, "-m", "hicache_store", "bench", "backend", url,
+           "--objects", str(args.objects), "--size", args.size, "--batch", str(args.batch),
+           "--exists-keys", "1000", "--baseline", "auto" if baseline else "no", "--json",
+           "--quiet"]
+    # (run outside the repository: its hicache_store/ folder must not shadow ``tree``)
+    done = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr}")
+    out = json.loads(done.stdout)
+    return {m["phase"]: m for m in out["measures"]}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    where = Path(args.dir)
+    trees: dict[str, Path | None] = {"after": None}
+    if args.before:
+        trees = {"before": Path(args.before), "after": None}
+    rows: list[dict[str, Any]] = []
+    load_start = os.getloadavg()[0]
+    for round_no in range(args.rounds):
+        order = list(trees) if round_no % 2 == 0 else list(reversed(trees))
+        for name in order:
+            shutil.rmtree(where, ignore_errors=True)
+            # (which backend goes first alternates too: a later one runs on a busier disk)
+            names = SYSTEMS if round_no % 2 == 0 else tuple(reversed(SYSTEMS))
+            got = {system: bench(trees[name], SYSTEMS[system].format(where=where), args,
+                                 baseline=system == "file://")
+                   for system in names}
+            raw = {p: got["file://"][p]["raw_gbps"] for p in ("write", "cold read")}
+            for system in SYSTEMS:
+                measures = got[system]
+                row: dict[str, Any] = {"round": round_no + 1, "tree": name, "system": system}
+                for phase in PHASES:
+                    row[phase] = measures[phase]["gbps"]
+                for phase in ("write", "cold read"):
+                    row[f"raw {phase}"] = raw[phase]
+                    row[f"{phase} %"] = 100 * measures[phase]["gbps"] / raw[phase]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    shutil.rmtree(where, ignore_errors=True)
+    return {"rows": rows, "objects": args.objects, "size": args.size, "batch": args.batch,
+            "load_start": load_start, "load_end": os.getloadavg()[0],
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def render(results: dict[str, Any], cmd: str) -> str:
+    rows = results["rows"]
+    when = results.get("when", time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    lines = [
+        "## I/O engines against raw O_DIRECT",
+        "",
+        f"Last logged {when[:10]}, on the 2-vCPU development VM (no GPU), load as stated.",
+        "",
+        f"Command: `{cmd}`. Per round, in a fresh process each, `hicache-store bench backend` "
+        f"of `file://` (with its raw O_DIRECT baseline, 16 threads, measured just before in "
+        f"the same process) and of `hf3fs://?engine=posix` (the POSIX path; no 3FS here; "
+        f"by default without an index, and with `index=sqlite` as `file://` has), "
+        f"{results['objects']} objects of {results['size']}, batches of {results['batch']}, "
+        "`durability=data`, cold reads after evicting the run's own files; the trees' order "
+        "alternates by round, and so does the backends' order. `before`: main before the I/O engines (hf3fs overrode the file "
+        "backend's reads and writes, so its POSIX path ran Python system calls); `after`: the "
+        "file backend's engine chosen at open, hf3fs its configuration. GB/s = 10^9 bytes/s; "
+        "% = of the same round's raw baseline. Load average "
+        f"{results['load_start']:.1f} at the start, {results['load_end']:.1f} at the end "
+        f"(2 cores shared with other sessions: read rows of one round against each other). "
+        f"Run {when}.",
+        "",
+        "| round | tree | system | write | cold read | warm read | range read (1/4) "
+        "| write % of raw | cold read % of raw |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['round']} | {row['tree']} | {row['system']} | {row['write']:.2f} "
+            f"| {row['cold read']:.2f} | {row['warm read']:.2f} | {row['range read']:.2f} "
+            f"| {row['write %']:.0f}% | {row['cold read %']:.0f}% |")
+    lines += ["", "Median over the rounds (% of raw):", ""]
+    for tree in dict.fromkeys(row["tree"] for row in rows):
+        for system in dict.fromkeys(row["system"] for row in rows):
+            mine = [r for r in rows if r["tree"] == tree and r["system"] == system]
+            lines.append(
+                f"- {tree}, {system}: write {statistics.median(r['write %'] for r in mine):.0f}%, "
+                f"cold read {statistics.median(r['cold read %'] for r in mine):.0f}%, "
+                f"warm read {statistics.median(r['warm read'] for r in mine):.2f} GB/s")
+    lines += ["", "Every run and study of this subject: [run log](log.md#file-io-engines)."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", help="another source tree (see the module docstring)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--objects", type=int, default=128)
+    parser.add_argument("--size", default="8MiB")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--dir", default=str(ROOT / ".build" / "bench-engines"))
+    parser.add_argument("--write-md", action="store_true",
+                        help="update docs/benchmarks/file.md")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--from-json", help="render the results of an earlier --json run")
+    args = parser.parse_args()
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+    else:
+        results = run(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+    cmd = ".venv/bin/python bench/bench_file_engines.py " + " ".join(
+        a for a in sys.argv[1:] if not a.startswith(("--write-md", "--from-json")))
+    text = render(results, cmd)
+    print(text)
+    if args.write_md:
+        replace_section(ROOT / "docs" / "benchmarks" / "file.md", text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
