@@ -40,6 +40,7 @@ from hicache_store.integrations.vllm.secondary_tier import (
     ROW_COORDS,
     HiCacheStoreTier,
     page_hash_of,
+    row_descriptor,
     row_namespace,
 )
 from hicache_store.layout.errors import ConfigError
@@ -285,6 +286,22 @@ def test_only_portable_canonical_rows_are_shared_across_tp_sizes() -> None:
     assert digest(agnostic=True, tp=1) != digest(agnostic=True, tp=2)
     assert digest(agnostic=True, tp=1) != shared
     assert digest(canonical=True, agnostic=True, dtype="bfloat16") != shared
+
+
+def test_a_hybrids_namespace_names_the_layers_of_each_group() -> None:
+    """Two groups (sliding and full layers, or state and attention): another assignment of the
+    layers to the groups, or another order of the groups, is another namespace; one group's
+    descriptor names no layers (stores written before keep their namespace)."""
+    def digest(*groups: tuple[str, ...]) -> str:
+        config = dataclasses.replace(offloading_config(), groups=tuple(
+            OffloadingGroupConfig(16, layers, i) for i, layers in enumerate(groups)))
+        return row_namespace(_Spec(config), ROW).digest
+
+    hybrid = digest(("l0", "l2"), ("l1", "l3"))
+    assert hybrid == digest(("l0", "l2"), ("l1", "l3"))
+    assert digest(("l1", "l3"), ("l0", "l2")) != hybrid
+    assert digest(("l0", "l1"), ("l2", "l3")) != hybrid
+    assert "l0" not in row_descriptor(_Spec(offloading_config()), ROW)
 
 
 def test_model_revision_and_tenant_salt_are_part_of_the_namespace() -> None:

@@ -83,6 +83,73 @@ def make_tiny_llama(folder: Path, *, seed: int = 0) -> Path:
     return folder
 
 
+#: the tiny model of each family vLLM serves here (``make_tiny_model``): transformers'
+#: config class, its arguments, and the dtype vLLM runs it in on this CPU.
+FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
+    # every other layer sliding (window 64) beside full attention: 2 KV cache groups
+    "gemma2": ("Gemma2Config", {
+        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "sliding_window": 64, "tie_word_embeddings": True}, "float32"),
+    # every layer sliding (window 64): 1 group
+    "mistral": ("MistralConfig", {
+        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "sliding_window": 64, "tie_word_embeddings": False}, "float32"),
+    # MLA: latent 512 + rope 64 (the only latent vLLM's CPU MLA backend compiles), block 16
+    "deepseek_v2": ("DeepseekV2Config", {
+        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 512,
+        "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
+        "first_k_dense_replace": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "moe_intermediate_size": 128, "tie_word_embeddings": False},
+        "float32"),
+    # gated delta net + full attention (layers linear, full, linear, full): bf16 only on CPU
+    "qwen3_next": ("Qwen3NextConfig", {
+        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "tie_word_embeddings": False}, "bfloat16"),
+}
+
+
+def make_tiny_model(folder: Path, family: str, *, seed: int = 0) -> Path:
+    """A tiny random model of ``family`` (``FAMILIES``) with the test tokenizer, saved under
+    ``folder``; returns ``folder``. ``"llama"`` is ``make_tiny_llama``."""
+    import torch
+    import transformers
+
+    if family == "llama":
+        return make_tiny_llama(folder, seed=seed)
+    make_tiny_llama(folder, seed=seed)  # the tokenizer (its weights are overwritten below)
+    for stale in folder.glob("*.safetensors"):
+        stale.unlink()
+    config_name, kwargs, dtype = FAMILIES[family]
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    config = getattr(transformers, config_name)(
+        vocab_size=max(tok.vocab_size, 256), max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype=dtype, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+        if family == "deepseek_v2":
+            # Sharper logits: the tiny MLA model's top tokens are otherwise within 0.05 of each
+            # other, and greedy decoding flips on the last bits of any float sum.
+            model.get_output_embeddings().weight.mul_(10.0)
+        if family == "gemma2":
+            # Gemma scales embeddings by sqrt(hidden_size): undo it, or the token's own
+            # embedding drowns what attention adds and the output ignores the KV.
+            model.get_input_embeddings().weight.div_(config.hidden_size ** 0.5)
+    model.to(getattr(torch, dtype)).save_pretrained(folder)
+    return folder
+
+
 def sentence(start: int, words: int) -> str:
     """``words`` words of the tokenizer's corpus from ``start`` on (cycling)."""
     return " ".join(WORDS[(start + i) % len(WORDS)] for i in range(words))

@@ -193,6 +193,11 @@ def row_descriptor(spec: OffloadingSpec, row_bytes: int) -> str:
     }
     if "topology" not in topology:
         parts["worker_bytes_per_block"] = config.worker_kv_bytes_per_block
+    if len(config.groups) > 1:
+        # A hybrid's rows: which layers each group holds (a model's sliding, state and full
+        # layers; their windows and state shapes are its config's, in the weights identity).
+        parts["group_layers"] = "|".join(
+            f"{g.group_id}:{','.join(g.layer_names)}" for g in config.groups)
     return ";".join(f"{k}={v}" for k, v in parts.items())
 
 
