@@ -88,6 +88,7 @@ NO_TEST_FILE: dict[str, str] = {
     "hicache_store/integrations/sglang_linker.py": "the linker's load path, which tests/sglang/test_sglang_linker.py loads it by",
     "hicache_store/integrations/vllm/_config.py": "private part of the vLLM connector: tests/vllm/test_vllm_startup.py",
     "hicache_store/integrations/vllm/_logging.py": "private part of the vLLM connector: tests/vllm/test_vllm_startup.py (its log lines)",
+    "hicache_store/integrations/vllm/_caches.py": "private part of the vLLM connector (its groups' caches): tests/vllm/test_vllm_families.py and tests/vllm/test_vllm_cpu_cache_layout.py",
     "hicache_store/integrations/vllm/_l2.py": "runs without vLLM, unlike tests/vllm/: tests/integrations/test_vllm_l2.py",
     "hicache_store/objects/failures.py": "the failed-write log: tests/backends/test_file_full_disk.py",
     "hicache_store/objects/manifest.py": "manifests on a backend, through ops.manifest: tests/ops/test_inspection_verify.py",

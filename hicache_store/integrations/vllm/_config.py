@@ -36,7 +36,11 @@ Keys (all optional):
                        out first. Memory is taken as pages arrive, up to this bound; a non-zero
                        value below one page of the worker's shard is refused.
 ``page_size``          stated for clarity: it must equal vLLM's block size.
-``test_alter_loaded_kv``  TEST ONLY: alter every 97th byte of each page after it was verified
+``allow_cpu_mla``      serve an MLA model on vLLM's CPU platform (default off: refused). vLLM
+                       0.32's CPU MLA computes a prefill over a restored context differently
+                       from a full prefill (vLLM turns prefix caching off for MLA there), so the
+                       tokens then follow vLLM's own offloading's, not a recompute's.
+``test_alter_loaded_kv``  TEST ONLY: zero every 97th byte of each page after it was verified
                        and before it reaches vLLM (and save nothing), to show that wrong KV
                        does change the tokens.
 
@@ -87,6 +91,7 @@ KEYS = frozenset(
         "max_pending_save_mib",
         "l2_mib",
         "page_size",
+        "allow_cpu_mla",
         "test_alter_loaded_kv",
     }
 )
@@ -179,6 +184,7 @@ class ConnectorConfig:
     max_pending_save_bytes: int = 256 << 20
     l2_bytes: int = DEFAULT_L2_MIB << 20
     page_size: int | None = None
+    allow_cpu_mla: bool = False
     test_alter_loaded_kv: bool = False
 
     @property
@@ -215,6 +221,7 @@ class ConnectorConfig:
             max_pending_save_bytes=int(_positive(extra, "max_pending_save_mib", 256) * (1 << 20)),
             l2_bytes=int(_positive(extra, "l2_mib", DEFAULT_L2_MIB, allow_zero=True) * (1 << 20)),
             page_size=int(extra["page_size"]) if extra.get("page_size") is not None else None,
+            allow_cpu_mla=bool(extra.get("allow_cpu_mla", False)),
             test_alter_loaded_kv=bool(extra.get("test_alter_loaded_kv", False)),
         )
 

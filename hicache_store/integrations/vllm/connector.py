@@ -81,9 +81,18 @@ the backend for ``retry_after_s`` (lookups miss, saves are dropped), so a stoppe
 one deadline, then recompute at full speed; damaged or missing objects are not a backend
 failure (the breaker would drop the saves that replace them).
 
+**Other families** (the connector is ``SupportsHMA``: vLLM keeps its hybrid memory allocator
+on). A model whose cache is not one group of full-attention MHA (sliding window, hybrids of
+sliding and full or of gated-delta-net state and full attention, MLA) has one *part* per KV
+cache group (``_groups``: its namespace, its tier hit rule) and its caches (``_caches``); a hit
+is the longest prefix at which every part can resume (``tier.components.match_components``).
+Those loads are asynchronous (``get_transfer_results``: vLLM 0.32 takes a hybrid model's
+failed load only for a whole request, which it then recomputes); no L2, PP 1.
+
 **Refused at start-up** (one ``ConfigError`` line each; what needs no model already in vLLM's
-front-end process, see the end of this module): a vLLM other than 0.32.x, models with
-more than one KV cache group (hybrid, sliding-window or cross-attention layers), MLA, an
+front-end process, see the end of this module): a vLLM other than 0.32.x, KV cache groups
+``_groups`` does not take (cross-attention, chunked-local, sparse indexers; states without
+per-block snapshots or under TP > 1), MLA on vLLM's CPU platform unless ``allow_cpu_mla``, an
 attention backend other than vLLM's CPU one, a CPU attention ISA whose cache layout is not
 the one checked at start-up (``vec`` is; AMX's bf16 layout is not known to this connector),
 quantized KV (fp8: per-tensor scales the namespace does not carry), a ``page_size`` other than
@@ -125,7 +134,6 @@ import sys
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -136,7 +144,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -152,13 +162,16 @@ from hicache_store.kernels.vllm_cpu import pack_blocks, unpack_blocks
 from hicache_store.layout.dtypes import normalize_dtype
 from hicache_store.layout.errors import ConfigError
 from hicache_store.layout.hashing import page_hashes
-from hicache_store.layout.host import UnifiedPageLayout, VllmCpuLayout, row_major_strides
+from hicache_store.layout.host import UnifiedPageLayout, VllmCpuLayout
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology, shard_of, shards
 from hicache_store.objects import IOStats, L3Link
+from hicache_store.tier.components import Tier, match_components
 
+from ._caches import GroupCache, check_cache_layout, group_cache, vllm_cpu_cache
 from ._config import SUPPORTED_VLLM, ConnectorConfig, check_backend_url
+from ._groups import STATE, GroupPart, describe_groups, with_revision
 from ._hints import ConnectorHints, KeyOp
 from ._l2 import HostPageCache
 from ._logging import attach as attach_logging
@@ -185,11 +198,14 @@ SAVED_MEMORY = 1 << 16
 
 @dataclass
 class PageLoad:
-    """Pages of one request to restore: ``hashes[i]`` into vLLM block ``block_ids[i]``."""
+    """Pages of one request to restore: ``hashes[i]`` into vLLM block ``block_ids[i]`` (of
+    the KV cache group of part ``part``)."""
 
     req_id: str
     block_ids: list[int]
     hashes: list[str]
+    part: int = 0
+    tokens: int = 0  # (parts) the request's external tokens, on its first part's load
 
 
 @dataclass
@@ -201,6 +217,7 @@ class PageSave:
     block_ids: list[int]
     hashes: list[str]
     parents: list[str | None]
+    part: int = 0
 
 
 @dataclass
@@ -294,6 +311,11 @@ class HiCacheStorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 per_engine[engine_idx].inc(value)
 
 
+def _part_key(part: int, page_hash: str) -> str:
+    """The scheduler's name of one part's object(s) of a page (its saved / refuted lists)."""
+    return f"{part}:{page_hash}"
+
+
 def apply_l2_report(
     held: OrderedDict[str, None], report: HiCacheStoreWorkerMeta, workers: int
 ) -> None:
@@ -340,51 +362,74 @@ def check_transfer_config(transfer: Any) -> ConnectorConfig:
     return config
 
 
-def model_namespace(
-    config: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> tuple[Namespace, Topology]:
-    """The deployment's namespace and topology, or a ``ConfigError`` naming what is refused."""
+def is_plain_mha(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig) -> bool:
+    """One KV cache group of full-attention MHA/GQA: the connector's first route, with its
+    own namespace rule (the SGLang adapter's), synchronous layer-wise loads and the L2."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    model_config = vllm_config.model_config
+    groups = kv_cache_config.kv_cache_groups
+    spec = groups[0].kv_cache_spec
+    return (len(groups) == 1 and type(spec) is FullAttentionSpec
+            and not getattr(spec, "sliding_window", None)
+            and not getattr(spec, "attention_chunk_size", None)
+            and not vllm_config.model_config.use_mla)
+
+
+def deployment(
+    config: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[Namespace, Topology, list[GroupPart] | None]:
+    """The deployment's namespace (the first part's), topology, and parts (None for one group
+    of full-attention MHA: ``model_namespace``), or a ``ConfigError`` naming what is refused."""
     parallel = vllm_config.parallel_config
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(
-            f"HiCacheStoreConnector: {len(groups)} KV cache groups (a hybrid, sliding-window "
-            "or cross-attention model); only models whose layers are all full attention in "
-            "one group are supported"
-        )
-    spec = groups[0].kv_cache_spec
-    if type(spec) is not FullAttentionSpec or getattr(spec, "sliding_window", None):
-        raise ConfigError(
-            f"HiCacheStoreConnector: KV cache spec {type(spec).__name__} is not supported "
-            "(full attention only)"
-        )
-    if model_config.use_mla:
-        raise ConfigError("HiCacheStoreConnector: MLA models are not supported")
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         raise ConfigError(
             f"HiCacheStoreConnector: kv_cache_dtype {vllm_config.cache_config.cache_dtype!r} is "
             "not supported (quantized KV has scales the namespace does not carry); use 'auto'"
         )
-    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
-        raise ConfigError("HiCacheStoreConnector: K and V head sizes differ")
-    block = int(spec.block_size)
+    block = int(groups[0].kv_cache_spec.block_size)
     if config.page_size is not None and config.page_size != block:
         raise ConfigError(
             f"HiCacheStoreConnector: page_size {config.page_size} must equal vLLM's block "
             f"size {block} (set --block-size instead)"
         )
+    if parallel.decode_context_parallel_size > 1 or getattr(
+        parallel, "prefill_context_parallel_size", 1
+    ) > 1:
+        raise ConfigError("HiCacheStoreConnector: context parallelism is not supported")
+    topology = Topology(int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size))
+    if is_plain_mha(kv_cache_config, vllm_config):
+        return (*model_namespace(config, vllm_config, kv_cache_config), None)
+    if topology.pp_size > 1:
+        raise ConfigError("HiCacheStoreConnector: pipeline parallelism is supported for models "
+                          "of one full-attention KV cache group only")
+    if any(type(g.kv_cache_spec).__name__ in ("FullAttentionSpec", "SlidingWindowSpec")
+           for g in groups) and kv_cache_config.kv_cache_layout not in (None, "LBHNC"):
+        raise ConfigError(
+            f"HiCacheStoreConnector: KV cache layout {kv_cache_config.kv_cache_layout}; only "
+            "vLLM's CPU layout LBHNC is supported"
+        )
+    model = config.model or str(vllm_config.model_config.model)
+    parts = describe_groups(config, vllm_config, kv_cache_config, topology, model)
+    return parts[0].namespace, topology, parts
+
+
+def model_namespace(
+    config: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[Namespace, Topology]:
+    """The namespace and topology of one KV cache group of full-attention MHA (the rule the
+    SGLang adapter and ``prepopulate`` follow), or a ``ConfigError`` naming what is refused."""
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        raise ConfigError("HiCacheStoreConnector: K and V head sizes differ")
+    block = int(spec.block_size)
     if kv_cache_config.kv_cache_layout not in (None, "LBHNC"):
         raise ConfigError(
             f"HiCacheStoreConnector: KV cache layout {kv_cache_config.kv_cache_layout}; only "
             "vLLM's CPU layout LBHNC is supported"
         )
-    if parallel.decode_context_parallel_size > 1 or getattr(
-        parallel, "prefill_context_parallel_size", 1
-    ) > 1:
-        raise ConfigError("HiCacheStoreConnector: context parallelism is not supported")
     shape = ModelShape.mha(
         num_layers=int(model_config.get_total_num_hidden_layers()),
         num_kv_heads=int(model_config.get_total_num_kv_heads()),
@@ -449,7 +494,7 @@ class _Tracked:
     skip: str = ""  # why this request is neither loaded nor saved
 
 
-class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """hicache-store as a vLLM KV connector; see the module docstring."""
 
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
@@ -461,14 +506,21 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = check_transfer_config(transfer)
-        self.namespace, self.topology = model_namespace(self.config, vllm_config, kv_cache_config)
         model_config = vllm_config.model_config
         self._revision = Revision(self.config.model_revision, model_identity(
             str(model_config.model), model_config, vllm_config.load_config),
             keep_on_reset=self.config.keep_revision_on_reset)
+        self.namespace, self.topology, parts = deployment(self.config, vllm_config,
+                                                          kv_cache_config)
         self.namespace = dataclasses.replace(self.namespace, model_revision=self._revision.current)
-        _check_l2_size(self.config.l2_bytes, self.namespace, self.topology)
-        self.block_size = self.namespace.page_size
+        #: the KV cache groups as parts (see ``_groups``), or None for one group of
+        #: full-attention MHA (the first route: synchronous layer-wise loads, the L2)
+        self.parts: list[GroupPart] | None = (
+            None if parts is None else [with_revision(p, self._revision.current) for p in parts])
+        if parts is None:
+            _check_l2_size(self.config.l2_bytes, self.namespace, self.topology)
+        #: vLLM's block size: a page (a state part's namespace has pages of one state)
+        self.block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         self.loads_enabled = transfer.is_kv_consumer
         self.saves_enabled = transfer.is_kv_producer
         if self.config.url.startswith("file://"):
@@ -480,7 +532,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._breaker = _Breaker(self.config.retry_after_s)
         # Scheduler side.
         self._requests: dict[str, _Tracked] = {}
-        self._pending_loads: dict[str, PageLoad] = {}
+        self._pending_loads: dict[str, list[PageLoad]] = {}
         self._saved: OrderedDict[str, None] = OrderedDict()
         # Pages a worker failed to read from the store (a damaged or vanished object, an
         # error): not offered from the store again, whatever it answers, until saved anew.
@@ -503,6 +555,9 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._l2_added: set[str] = set()
         self._l2_evicted: set[str] = set()
         self._failed_pages: set[str] = set()  # loads that failed, this step
+        self._caches: list[GroupCache] = []  # parts: each group's cache
+        self._part_links: list[L3Link] = []  # parts: each part's link (worker: this rank's)
+        self._async: dict[str, _RequestLoad] = {}  # parts: loads in flight, by request
         self._refuted_pages: set[str] = set()  # reads from the store among them
         self._counts_tokens = False  # (the first worker counts tokens for the Prometheus metrics)
         self._lock = threading.Lock()
@@ -512,6 +567,9 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # Every object of a page (the scheduler reads no shard): a page counts as stored
             # when each worker rank's objects are all there.
             self._lookup = self._make_link(Topology(1, 1), 0, read_only=True)
+            if self.parts is not None:
+                self._part_links = [self._part_link(p, Topology(1, 1), 0, read_only=True)
+                                    for p in self.parts]
         self._rank = 0  # the worker's rank (register_kv_caches)
         log.info(
             "hicache-store connector (%s): namespace %s (%s, %s, page %d, grid %s, weights %s) "
@@ -519,6 +577,17 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             role.name.lower(), self.namespace.digest, self.namespace.model, self.namespace.dtype,
             self.block_size, self.namespace.grid, self._revision.describe(), self.config.url,
         )
+
+    def _part_link(self, part: GroupPart, topology: Topology, rank: int, *,
+                   read_only: bool) -> L3Link:
+        link = L3Link(
+            self.backend, part.namespace, Topology(1, 1) if part.kind == STATE else topology,
+            0 if part.kind == STATE else rank,
+            max_inflight_bytes=self.config.max_inflight_bytes,
+            io_timeout_s=self.config.io_timeout_s, read_only=read_only, component=part.spec.tag,
+        )
+        link.trusted_hashes = True
+        return link
 
     def _make_link(self, topology: Topology, rank: int, *, read_only: bool) -> L3Link:
         link = L3Link(
@@ -575,6 +644,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if usable * self.block_size <= num_computed_tokens:
             return 0, False
         hashes = self._hashes(tracked, usable * self.block_size)
+        if self.parts is not None:
+            return self._match_parts(tracked, hashes, num_computed_tokens)
         # Leading pages every worker holds in L2 need no backend round trip.
         stored = 0
         while stored < len(hashes) and hashes[stored] in self._l2_pages:
@@ -616,11 +687,96 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._count("lookup_hit_pages", external // self.block_size)
         return external, False
 
+    def _match_parts(
+        self, tracked: _Tracked, hashes: list[str], num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """``get_num_new_matched_tokens`` of a model of several parts: the longest prefix at
+        which every part can resume (``match_components``), loaded asynchronously (vLLM 0.32
+        takes a failed load of a hybrid model only for a whole request)."""
+        assert self.parts is not None
+        local = tracked.local_pages
+        if self._breaker.open:
+            self._count("lookups_skipped")
+            return 0, False
+        try:
+            found = run_sync(self._exists_parts(hashes[local:]), self.config.lookup_timeout_s)
+        except Exception as exc:  # a failed lookup is a miss, never an engine error
+            self._breaker.trip()
+            self._count("lookup_failures")
+            log.warning("hicache-store: lookup failed, treated as a miss: %r", exc)
+            return 0, False
+        availability: dict[str, list[Tier | None]] = {}
+        refuted = 0
+        for part, present in zip(self.parts, found, strict=True):
+            marks: list[Tier | None] = [Tier.L1] * local  # vLLM's own pages
+            for h, there in zip(hashes[local:], present, strict=True):
+                if there and _part_key(part.group, h) in self._refuted:
+                    refuted += 1
+                    there = False
+                marks.append(Tier.L3 if there else None)
+            availability[part.name] = marks
+        if refuted:
+            self._count("lookup_refuted_pages", refuted)
+        match = match_components([p.spec for p in self.parts], availability, self.block_size)
+        stored = tracked.stored_pages = match.prefix_pages
+        for h in hashes[stored:]:  # what the store lacks must be saved again
+            for part in self.parts:
+                self._saved.pop(_part_key(part.group, h), None)
+        external = stored * self.block_size - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        self._count("lookup_hit_pages", stored - local)
+        return external, True
+
+    async def _exists_parts(self, hashes: list[str]) -> list[list[bool]]:
+        """Per part, per page: whether its object(s) of that page are all stored."""
+        return list(await asyncio.gather(*(link.exists_pages(hashes)
+                                           for link in self._part_links)))
+
+    def _null_block(self) -> int:
+        """vLLM's null block (a block table's entry for a block a group does not hold)."""
+        manager = self._kv_cache_manager
+        pool = getattr(manager, "block_pool", None)
+        return int(pool.null_block.block_id) if pool is not None else 0
+
+    def _alloc_parts(self, tracked: _Tracked, block_ids: tuple[list[int], ...],
+                     num_external_tokens: int) -> None:
+        """Loads of every part for the prefix the lookup offered, into the blocks vLLM
+        allocated for it (a window part: the window's; a state part: the prefix end's)."""
+        assert self.parts is not None
+        first, stored = tracked.local_pages, tracked.stored_pages
+        count = -(-num_external_tokens // self.block_size)
+        hashes = tracked.hashes
+        req_id = tracked.request.request_id
+        null = self._null_block()
+        loads = []
+        wrong = first + count != stored or count * self.block_size != num_external_tokens
+        for part in self.parts:
+            ids = block_ids[part.group]
+            pages = [i for i in part.spec.pages_needed(stored, self.block_size) if i >= first]
+            if any(i >= len(ids) or ids[i] == null for i in pages):
+                wrong = True
+            loads.append(PageLoad(req_id, [ids[i] if i < len(ids) else null for i in pages],
+                                  [hashes[i] for i in pages], part=part.group))
+        if wrong:
+            # Never leave vLLM with blocks it thinks were loaded: names that match no object
+            # fail the load, and vLLM recomputes the request.
+            log.error("hicache-store: vLLM took %d external tokens after %d pages of its own "
+                      "(%d pages were offered) or left a needed block unallocated; "
+                      "recomputing", num_external_tokens, first, stored - first)
+            for load in loads:
+                load.hashes = [""] * len(load.hashes)
+        loads[0].tokens = num_external_tokens
+        self._pending_loads[req_id] = loads
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         tracked = self._track(request)
         if num_external_tokens <= 0:
+            return
+        if self.parts is not None:
+            self._alloc_parts(tracked, blocks.get_block_ids(), num_external_tokens)
             return
         (block_ids,) = blocks.get_block_ids()
         # The external tokens are the stored pages after vLLM's own (what the lookup offered).
@@ -634,9 +790,9 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                       "%d pages were offered; recomputing them",
                       num_external_tokens, first, tracked.stored_pages - first)
             hashes = [""] * count
-        self._pending_loads[request.request_id] = PageLoad(
+        self._pending_loads[request.request_id] = [PageLoad(
             request.request_id, list(block_ids[first:first + count]), list(hashes)
-        )
+        )]
 
     def reset_cache(self) -> bool:
         """vLLM's connector reset (``reset_prefix_cache(reset_connector=True)``, a pause with
@@ -662,14 +818,24 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.hints.namespace = self.namespace.digest  # hints naming the old one are refused
         if self._lookup is not None:
             self._lookup = self._make_link(Topology(1, 1), 0, read_only=True)
-        if self._link is not None:
+        if self.parts is not None:
+            self.parts = [with_revision(p, revision) for p in self.parts]
+            worker = self._link is not None
+            self._part_links = [
+                self._part_link(p, self.topology if worker else Topology(1, 1),
+                                self._rank if worker else 0, read_only=not worker)
+                for p in self.parts]
+            if worker:
+                self._link = self._part_links[0]
+        elif self._link is not None:
             self._link = self._make_link(self.topology, self._rank, read_only=False)
         if self._l2 is not None:
             self._l2 = HostPageCache(self.config.l2_bytes, self._l2.page_bytes)
             self._l2_added, self._l2_evicted = set(), set()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = HiCacheStoreMetadata(loads=list(self._pending_loads.values()),
+        meta = HiCacheStoreMetadata(loads=[load for loads in self._pending_loads.values()
+                                           for load in loads],
                                     revision=self.namespace.model_revision)
         self._pending_loads.clear()
         if not self.saves_enabled:
@@ -686,6 +852,9 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if tracked is None or tracked.skip:
                 continue
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if self.parts is not None:
+                meta.saves.extend(self._plan_save_parts(tracked, computed, done))
+                continue
             save = self._plan_save(tracked, computed, done)
             if save is not None:
                 meta.saves.append(save)
@@ -756,6 +925,48 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             [hashes[i - 1] if i else None for i in pages],
         )
 
+    def _plan_save_parts(self, tracked: _Tracked, computed: int, done: int) -> list[PageSave]:
+        """Per part, the pages that become complete in this step and are not known to be
+        stored, from the blocks vLLM holds for them (a window part's blocks left behind are
+        vLLM's null block: never saved). A state part's snapshot is saved only where the step
+        ends exactly at a page end: the state in that block is the state *at* that end."""
+        assert self.parts is not None
+        tracked.planned = min(tracked.planned, computed // self.block_size)
+        start = max(tracked.planned, tracked.stored_pages)
+        end = done // self.block_size
+        if end <= start:
+            return []
+        assert self._kv_cache_manager is not None
+        block_ids = self._kv_cache_manager.get_block_ids(tracked.request.request_id)
+        hashes = self._hashes(tracked, end * self.block_size)
+        tracked.planned = end
+        null = self._null_block()
+        saves = []
+        for part in self.parts:
+            ids = block_ids[part.group]
+            if part.kind == STATE:
+                pages = [end - 1] if done % self.block_size == 0 else []
+            else:
+                pages = list(range(start, end))
+            pages = [i for i in pages if i < len(ids) and ids[i] != null
+                     and _part_key(part.group, hashes[i]) not in self._saved]
+            if not pages:
+                continue
+            for i in pages:
+                self._saved[_part_key(part.group, hashes[i])] = None
+                self._refuted.pop(_part_key(part.group, hashes[i]), None)
+            saves.append(PageSave(
+                tracked.request.request_id, [ids[i] for i in pages], [hashes[i] for i in pages],
+                [hashes[i - 1] if i else None for i in pages], part=part.group))
+        while len(self._saved) > SAVED_MEMORY:
+            self._saved.popitem(last=False)
+        return saves
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -775,6 +986,10 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ns = self.namespace
         rank = self.topology.rank_of(get_tp_group().rank_in_group, get_pp_group().rank_in_group)
         self._counts_tokens = rank == 0  # every rank loads its shard of the same pages
+        self._rank = rank
+        if self.parts is not None:
+            self._register_parts(kv_caches, rank)
+            return
         shard = shard_of(ns, self.topology, rank)
         names = sorted(kv_caches, key=extract_layer_index)
         indices = [extract_layer_index(n) for n in names]
@@ -785,7 +1000,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         tensors = [kv_caches[n] for n in names]
         heads = shard.head_stop - shard.head_start
-        self._cache, self._cache_layout = _vllm_cpu_cache(
+        self._cache, self._cache_layout = vllm_cpu_cache(
             tensors, heads, ns.head_dim, self.block_size
         )
         check_cache_layout(self._vllm_config, self._cache.dtype, heads, ns.head_dim,
@@ -815,9 +1030,114 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                      "revision %s", revision)
             self._rebind(revision)
 
+    def _register_parts(self, kv_caches: dict[str, torch.Tensor], rank: int) -> None:
+        """Each part's cache (``_caches``) and this rank's link of it."""
+        assert self.parts is not None
+        for part in self.parts:
+            link = self._part_link(part, self.topology, rank, read_only=False)
+            state = part.kind == STATE  # (one state per block, TP 1: the whole of it)
+            shard = shard_of(part.namespace, Topology(1, 1) if state else self.topology,
+                             0 if state else rank)
+            layout = UnifiedPageLayout.for_shard(part.namespace, shard)
+            missing = [n for n in part.layers if n not in kv_caches]
+            if missing:
+                raise ConfigError(f"HiCacheStoreConnector: vLLM registered no KV cache for "
+                                  f"layers {missing} of group {part.group}")
+            cache = group_cache(part, [kv_caches[n] for n in part.layers], layout,
+                                self._vllm_config)
+            self._caches.append(cache)
+            self._part_links.append(link)
+            log.info("hicache-store connector: rank %d, part %s (%s, %s, layers %s): pages of "
+                     "%d bytes, namespace %s", rank, part.name, part.kind, part.rule.value,
+                     list(part.indices), cache.page_bytes, part.namespace.digest)
+        self._link = self._part_links[0]  # (kv_hints act on the first part's objects)
+
+    def _start_part_loads(self, loads: list[PageLoad]) -> None:
+        """Start the reads of each request's pages of every part (into fresh staging); they
+        end in ``get_transfer_results``, before vLLM schedules the request."""
+        by_request: dict[str, list[PageLoad]] = {}
+        for load in loads:
+            by_request.setdefault(load.req_id, []).append(load)
+        deadline = time.monotonic() + self.config.io_timeout_s * 2 + 1.0
+        for req_id, request_loads in by_request.items():
+            staging = [torch.empty((len(load.hashes), self._caches[load.part].page_bytes),
+                                   dtype=torch.uint8) for load in request_loads]
+            pending = _RequestLoad(request_loads, staging, deadline)
+            if self._breaker.open:
+                self._count("loads_skipped", pending.num_pages)
+            else:
+                pending.future = submit(self._read_part_pages(pending))
+            self._async[req_id] = pending
+
+    async def _read_part_pages(self, pending: _RequestLoad) -> tuple[list[list[bool]], IOStats]:
+        io = IOStats()
+        outcome = await asyncio.gather(*(
+            asyncio.gather(*(self._part_links[load.part].read_page(h, rows[i], io)
+                             for i, h in enumerate(load.hashes)))
+            for load, rows in zip(pending.loads, (s.numpy() for s in pending.staging),
+                                  strict=True)))
+        self._count("corrupt_objects", io.corruptions)
+        self._count("bytes_loaded", io.bytes_moved)
+        return [[bool(hit) for hit in part] for part in outcome], io
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """(Parts) The requests whose loads ended: every page of every part verified and
+        copied into vLLM's blocks, or failed (``failed_recving``: vLLM recomputes the
+        request, and its next lookup no longer offers the pages that failed)."""
+        results = KVConnectorTransferResults()
+        now = time.monotonic()
+        for req_id, pending in list(self._async.items()):
+            if pending.future is not None and not pending.future.done() and now < pending.deadline:
+                continue
+            del self._async[req_id]
+            results.finished_recving.add(req_id)
+            if not self._finish_part_load(pending):
+                results.failed_recving.add(req_id)
+        return results
+
+    def _finish_part_load(self, pending: _RequestLoad) -> bool:
+        """Copy a request's verified pages into vLLM's blocks; False when any failed."""
+        future = pending.future
+        read: list[list[bool]] = [[False] * len(load.hashes) for load in pending.loads]
+        if future is not None:
+            try:
+                read, io = future.result(0)
+            except Exception as exc:  # late (cancelled) or a bug: failed loads, recomputed
+                log.warning("hicache-store: load failed, recomputing: %r", exc)
+                future.cancel()
+                self._breaker.trip()
+            else:
+                if io.errors and not any(any(part) for part in read):
+                    self._breaker.trip()
+                if io.corrupt_keys:
+                    self._drop_corrupt(io.corrupt_keys)
+        ok = all(all(part) for part in read)
+        for load, arrived in zip(pending.loads, read, strict=True):
+            for h, hit in zip(load.hashes, arrived, strict=True):
+                if not hit:
+                    self._refuted_pages.add(_part_key(load.part, h))
+                if not ok:
+                    self._failed_pages.add(_part_key(load.part, h))
+        tokens = pending.loads[0].tokens
+        if ok:
+            for load, staging in zip(pending.loads, pending.staging, strict=True):
+                if not load.hashes:
+                    continue
+                if self.config.test_alter_loaded_kv:
+                    staging.view(torch.uint8)[:, ::97] = 0  # wrong, and still finite
+                self._caches[load.part].unpack(
+                    staging, torch.tensor(load.block_ids, dtype=torch.int64))
+        self._count("pages_loaded" if ok else "load_failures", pending.num_pages)
+        if self._counts_tokens:
+            self._count("tokens_loaded" if ok else "tokens_load_failed", tokens)
+        return ok
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, HiCacheStoreMetadata) or not meta.loads:
+            return
+        if self.parts is not None:
+            self._start_part_loads(meta.loads)
             return
         assert self._link is not None
         assert self._layout is not None
@@ -861,7 +1181,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.config.test_alter_loaded_kv:
             for i, good in enumerate(step.ok):
                 if good:
-                    step.staging[i].view(torch.uint8)[::97] ^= 0x5A
+                    step.staging[i].view(torch.uint8)[::97] = 0  # wrong, and still finite
 
     def _settle_reads(
         self, step: _StepLoad, future: concurrent.futures.Future[tuple[list[bool], IOStats]]
@@ -1007,20 +1327,26 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         if self.config.test_alter_loaded_kv:
             return  # KV computed over altered pages must not reach the store
-        self._save([s for s in meta.saves if s.req_id not in failed_reqs])
+        saves = [s for s in meta.saves if s.req_id not in failed_reqs]
+        if self.parts is None:
+            self._save(saves)
+            return
+        for number, cache in enumerate(self._caches):
+            self._save([s for s in saves if s.part == number], cache, self._part_links[number])
 
-    def _save(self, saves: list[PageSave]) -> None:
+    def _save(self, saves: list[PageSave], part: GroupCache | None = None,
+              link: L3Link | None = None) -> None:
         """Pack the pages out of vLLM's blocks; write them in the background (unless the
-        breaker is open or too much is pending: dropped, counted) and keep them in L2."""
-        assert self._cache is not None
-        assert self._cache_layout is not None
-        assert self._layout is not None
-        assert self._link is not None
+        breaker is open or too much is pending: dropped, counted) and keep them in L2.
+        ``part`` / ``link``: one part's cache and link (no L2), else the first route's."""
         if not saves:
             return
+        page_bytes = part.page_bytes if part is not None else self._layout_page_bytes()
+        link = link if link is not None else self._link
+        assert link is not None
         pages = sum(len(s.hashes) for s in saves)
-        nbytes = pages * self._layout.page_bytes
-        store = self._link.can_write
+        nbytes = pages * page_bytes
+        store = link.can_write
         if store and self._breaker.open:
             self._count("saves_dropped", pages)
             store = False
@@ -1032,22 +1358,32 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     store = False
                 else:
                     self._pending_save_bytes += nbytes
-        if not store and self._l2 is None:
+        l2 = self._l2 if part is None else None
+        if not store and l2 is None:
             return
-        staging = torch.empty((pages, self._layout.page_bytes), dtype=torch.uint8)
+        staging = torch.empty((pages, page_bytes), dtype=torch.uint8)
         blocks = torch.tensor([b for s in saves for b in s.block_ids], dtype=torch.int64)
-        pack_blocks(self._cache, self._cache_layout, blocks, staging, self._layout)
+        if part is not None:
+            part.pack(blocks, staging)
+        else:
+            assert self._cache is not None
+            assert self._cache_layout is not None
+            assert self._layout is not None
+            pack_blocks(self._cache, self._cache_layout, blocks, staging, self._layout)
         if store:  # the write only reads ``staging``; so does the L2's copy below
             previous = self._save_chain
             # the link of the weights the pages were computed by, should a reset follow
-            self._save_chain = submit(
-                self._write_pages(saves, staging, nbytes, previous, self._link))
-        if self._l2 is not None:
+            self._save_chain = submit(self._write_pages(saves, staging, nbytes, previous, link))
+        if l2 is not None:
             first = 0
             for save in saves:
                 count = len(save.hashes)
                 self._l2_put(save.hashes, staging[first:first + count])
                 first += count
+
+    def _layout_page_bytes(self) -> int:
+        assert self._layout is not None
+        return self._layout.page_bytes
 
     async def _write_pages(
         self, saves: list[PageSave], staging: torch.Tensor, nbytes: int,
@@ -1135,6 +1471,21 @@ class HiCacheStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
 
 # -- worker helpers --------------------------------------------------------------------------
+
+
+@dataclass
+class _RequestLoad:
+    """(Parts) One request's asynchronous loads: a staging tensor per part's load (fresh, never
+    reused: a read past its deadline lands in memory nobody uses), ended by ``deadline``."""
+
+    loads: list[PageLoad]
+    staging: list[torch.Tensor]
+    deadline: float
+    future: concurrent.futures.Future[tuple[list[list[bool]], IOStats]] | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return sum(len(load.hashes) for load in self.loads)
 
 
 @dataclass
@@ -1238,78 +1589,6 @@ def _unkeyable(request: Request) -> str:
     if getattr(request, "lora_request", None) is not None:
         return "lora"
     return ""
-
-
-def _vllm_cpu_cache(
-    tensors: Sequence[torch.Tensor], heads: int, head_dim: int, block_size: int
-) -> tuple[torch.Tensor, VllmCpuLayout]:
-    """vLLM's per-layer CPU KV tensors as one storage and its layout, every assumption checked.
-
-    Each layer must be ``[blocks, heads, block_size, 2 * head_dim]``, contiguous, and the layers
-    consecutive slices of one allocation (vLLM 0.32's ``LBHNC`` CPU cache).
-    """
-    first = tensors[0]
-    expected = (first.shape[0], heads, block_size, 2 * head_dim)
-    per_layer = int(np.prod(expected))
-    for i, t in enumerate(tensors):
-        if tuple(t.shape) != expected or not t.is_contiguous():
-            raise ConfigError(
-                f"HiCacheStoreConnector: KV layer {i} is {tuple(t.shape)} strides {t.stride()}; "
-                f"expected a contiguous [blocks, heads, block_size, 2 * head_dim] = {expected} "
-                "(vLLM's CPU attention cache)"
-            )
-        if t.device.type != "cpu" or t.dtype != first.dtype:
-            raise ConfigError(
-                f"HiCacheStoreConnector: KV layer {i} on {t.device} {t.dtype}; only vLLM's CPU "
-                "cache is supported"
-            )
-        same = t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        if not same or t.storage_offset() != first.storage_offset() + i * per_layer:
-            raise ConfigError(
-                "HiCacheStoreConnector: vLLM's KV layers are not consecutive slices of one "
-                "allocation (layout LBHNC expected)"
-            )
-    layout = VllmCpuLayout(len(tensors), heads, head_dim, block_size, int(first.shape[0]))
-    whole = first.as_strided(layout.shape, row_major_strides(layout.shape),
-                             first.storage_offset())
-    return whole, layout
-
-
-def check_cache_layout(
-    vllm_config: VllmConfig, dtype: torch.dtype, heads: int, head_dim: int, block_size: int
-) -> None:
-    """Hold ``VllmCpuLayout`` to vLLM's own cache writer for this deployment's attention ISA.
-
-    Writes random K and V (exact in ``dtype``) into block 1 of a scratch two-block cache with
-    ``cpu_attn_reshape_and_cache``, as vLLM's attention does, and reads them back through the
-    layout's offsets. Refuses to start (``ConfigError``) on any difference.
-    """
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    isa = _get_attn_isa(vllm_config.model_config.dtype, block_size, head_dim, cache_dtype)
-    layout = VllmCpuLayout(1, heads, head_dim, block_size, 2)
-    scratch = torch.zeros(layout.shape, dtype=dtype)
-    per_layer = scratch[0].view(2, heads, 2 * block_size, head_dim)
-    key_cache, value_cache = per_layer.chunk(2, dim=2)
-    gen = torch.Generator().manual_seed(0)
-    key = torch.randn((block_size, heads, head_dim), generator=gen).to(dtype)
-    value = torch.randn((block_size, heads, head_dim), generator=gen).to(dtype)
-    slots = torch.arange(block_size, 2 * block_size, dtype=torch.int64)  # block 1
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa,
-                                   kv_cache_dtype=cache_dtype)
-    t, h, d = np.meshgrid(np.arange(block_size), np.arange(heads), np.arange(head_dim),
-                          indexing="ij")
-    flat = scratch.reshape(-1)
-    for plane, written in ((0, key), (1, value)):
-        at = torch.from_numpy(layout.element_offsets(plane, block_size + t, 0, h, d))
-        if not torch.equal(flat[at], written):
-            raise ConfigError(
-                f"HiCacheStoreConnector: vLLM's CPU KV cache layout for attention ISA {isa!r} "
-                f"({dtype}) is not the one this connector knows ({'K' if plane == 0 else 'V'} "
-                "differs); this ISA is not supported"
-            )
 
 
 # -- the front-end check ---------------------------------------------------------------------
