@@ -32,14 +32,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 TIER_LABEL = "1:HiCacheStoreTier"
 
 
-def tier_engine(model: Path, family: str, root: Path) -> Any:
+def tier_engine(model: Path, family: str, root: Path, *, chunk_tokens: int | None = None,
+                **engine: Any) -> Any:
+    """An engine with the tier under vLLM's offloading; ``chunk_tokens``: tokens per offloaded
+    chunk (vLLM's ``block_size`` key; default one engine block)."""
     from vllm.distributed.kv_transfer.kv_transfer_state import has_kv_transfer_group
 
     assert not has_kv_transfer_group(), "another engine with a KV connector is still open"
-    return make_llm(model, dtype=FAMILIES[family][2], max_model_len=768,
+    chunk = {} if chunk_tokens is None else {"block_size": chunk_tokens}
+    dtype = FAMILIES[family][2] if family in FAMILIES else "float32"
+    return make_llm(model, dtype=dtype, max_model_len=768, **engine,
                     kv_transfer_config=KVTransferConfig(
                         kv_connector="OffloadingConnector", kv_role="kv_both",
                         kv_connector_extra_config={
+                            **chunk,
                             "spec_name": "CPUTieringOffloadingSpec",
                             "spec_module_path": "hicache_store.integrations.vllm.cpu_spec",
                             "cpu_bytes_to_use": 32 << 20,
@@ -102,5 +108,33 @@ def test_every_family_is_promoted_from_the_tier(family: str, tmp_path: Path) -> 
         assert run(llm, prompts) != second
         assert tier.stats.loaded > loaded
         print(f"\n{family}: {groups} KV cache groups, {loaded} rows promoted")
+    finally:
+        close_llm(llm)
+
+
+def test_chunks_of_several_engine_blocks_are_promoted_with_equal_tokens(tmp_path: Path) -> None:
+    """A stored chunk other than vLLM's block: engine blocks of 32 tokens, chunks of 128 (four
+    blocks a row); the tokens equal the first pass's and those of a block-128 engine."""
+    import transformers
+
+    model = make_tiny_model(tmp_path / "model", "llama")
+    tok = transformers.AutoTokenizer.from_pretrained(str(model))
+    prompts = [list(tok(sentence(3 + 7 * c, 420), add_special_tokens=False)["input_ids"])
+               [:391 + 13 * c] for c in range(3)]
+    llm = tier_engine(model, "llama", tmp_path / "store", chunk_tokens=128, block_size=32)
+    try:
+        tier = tier_of(llm)
+        first = run(llm, prompts)
+        tier.drain_jobs()
+        assert llm.reset_prefix_cache(reset_connector=True)
+        second = run(llm, prompts)
+        # every whole chunk of each prompt but the one holding its last token
+        assert tier.stats.loaded == sum((len(p) - 1) // 128 for p in prompts)
+        assert second == first
+    finally:
+        close_llm(llm)
+    llm = make_llm(model, max_model_len=768)
+    try:
+        assert run(llm, prompts) == first
     finally:
         close_llm(llm)
