@@ -35,6 +35,7 @@ from .errors import (
     PinBudgetError,
     UnknownBackendError,
     UnsafeIndexError,
+    WriterFencedError,
 )
 from .protocols import HostBuffers, InlineExists, NativeReads, PendingReads
 from .registry import (
@@ -89,6 +90,7 @@ __all__ = [
     "OutOfSpaceError",
     "UnknownBackendError",
     "UnsafeIndexError",
+    "WriterFencedError",
     "aligned_buffer",
     "available_backends",
     "backends",

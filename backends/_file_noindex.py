@@ -31,8 +31,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from ._file_index import EvictionCount, Reservation
 from .errors import CapacityError
+from .index import EvictionCount, IndexFeatures, ObjectIndex, Reservation
 
 #: how long a size estimate is trusted (this process's own changes are added meanwhile).
 RESAMPLE_SECONDS = 30.0
@@ -41,11 +41,11 @@ SAMPLE_DIRS = 64
 _MAX_EMPTY_ROUNDS = 8
 
 
-class NoIndex:
-    """The ``FileIndex`` interface answered from the file system. Thread-safe."""
+class NoIndex(ObjectIndex):
+    """The ``ObjectIndex`` contract answered from the file system, estimated where it must be
+    (``features``: not exact; no retention, no feed). Thread-safe."""
 
-    rebuilt = False
-    recovered = 0
+    features = IndexFeatures(hosts=True)
 
     def __init__(
         self,
@@ -213,6 +213,13 @@ class NoIndex:
 
     def adopt(self, keys: Sequence[str]) -> int:
         return sum(self.exists(keys))
+
+    def delete_until_held(self, groups: Sequence[Sequence[str]]) -> tuple[int, list[bool]]:
+        # no index, no holds: every group goes
+        return len(groups), self.delete([key for group in groups for key in group])
+
+    def delete_unindexed(self, keys: Sequence[str]) -> int:
+        return 0  # the files are the index: none is unaccounted
 
     def recover(self) -> int:
         return 0

@@ -8,8 +8,8 @@ change in the same transactions as the rows they describe: a delete or an evicti
 key's entries with its row, so no entry outlives its object and none is left behind by a
 crash. An index rebuilt from ``objects/`` (``index/`` removed) starts with no holds.
 
-Every function here runs inside a transaction its caller opened (``FileIndex._read`` or
-``_write``); none commits.
+Every function here runs inside a transaction its caller opened (``IndexDB.read`` or
+``write``, ``_file_index_db``); none commits.
 
 **Eviction order** (``UNHELD``, ``retained_victims``), the one of
 ``backends.retention``: rows with no holding entry in the index's usual rank order, then

@@ -94,6 +94,13 @@ class BackendClosedError(BackendUnavailableError):
         super().__init__(message, retryable=False, backend=backend, operation=operation)
 
 
+class WriterFencedError(BackendUnavailableError):
+    """This writer's lease on a shared index lapsed (the process was stopped or cut off) and
+    another process reclaimed its puts in flight: a put that reserved before that cannot
+    settle, and is reported failed (its objects were not stored). Retryable: the next call
+    registers the writer anew."""
+
+
 class NotSupportedError(BackendError):
     """The backend does not offer this operation (see its ``capabilities``)."""
 

@@ -54,7 +54,8 @@ GIL back per object; ``posix``, one Python system call at a time. Both read and 
 files with the same misses, errors and read policy. ``hf3fs://`` adds a third (USRBIO). The
 index, capacity, eviction and the buffer lifetime rule are this module's, whatever the engine.
 
-**Index** (``_file_index``; its docstring has the design and the protocol). A SQLite database
+**Index** (``backends.index``: the contract; ``_file_index``: the SQLite index, its design and
+the modules of its protocol). A SQLite database
 in ``index/`` lists every object with its size and eviction rank, shared by every process
 that opens the root on one host; ``exists`` reads a memory-mapped set of key fingerprints kept
 up to date from the database's change feed. Open costs the same at any store size, no
@@ -74,7 +75,9 @@ for the store at open) bounds the bytes of the whole store, counted in the share
 (objects plus writes in flight, whichever process makes them). Before a batch is written, room
 is made by deleting objects in rank order: least recently written or read first, and within one
 call's keys (a chain in order) the deepest first (``_lru.chain_ranks``), so a chain loses its
-tail before its head. The order is an on-disk index read a page at a time. An object that
+tail before its head; the objects of one page (every layer chunk and head group, whichever
+call wrote them) are one unit: read or written, the whole page is recent, and evicted, it goes
+whole (``backends.index``). The order is an on-disk index read a page at a time. An object that
 cannot be deleted is counted (``stats.eviction_failures``), moved to the back of the line, and
 eviction goes on with the next one; if no room can be made the write raises ``CapacityError``.
 
@@ -112,11 +115,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
-from hicache_store.layout.errors import ConfigError, InvalidKeyError
-from hicache_store.layout.keys import validate_storage_key
+from hicache_store.layout.errors import ConfigError
 
 from ._call_order import CallOrderPool, one_call
-from ._file_index import DB_NAME, FileIndex, ObjectIndex, Reservation
+from ._file_index import DB_NAME, FileIndex
 from ._file_io import (
     IO_ENGINES,
     FileEngine,
@@ -129,6 +131,7 @@ from ._file_io import (
     probe_direct_io,
 )
 from ._file_noindex import NoIndex
+from ._file_objects import FileObjects, list_dir
 from ._file_root import prepare_root, remove_stale_temps, write_layout
 from ._file_site import (
     RootSite,
@@ -140,6 +143,7 @@ from ._file_site import (
 from .base import Backend, reads_are_uses
 from .errors import BackendError, NotSupportedError, translate_os_error
 from .file_layout import object_path
+from .index import ObjectIndex, Reservation
 from .lifetime import abandonable, gather_settled
 from .protocols import PendingReads, SummedReads
 from .retention import DEFAULT_PIN_FRACTION, Retention, pin_budget_bytes
@@ -281,28 +285,22 @@ class FileBackend(Backend):
                                      writer=lambda: self._token)
             self._final_path = self._places.final_path
             self.index_kind: IndexKind = index
+            #: the objects as the index sees them (``index.ObjectSite``).
+            self._site = FileObjects(str(self._objects), str(self._tmp), self._final_path)
             self._index: ObjectIndex
-            #: the shared index, where retention lives (None: ``index=none``, no retention).
-            self._holds: FileIndex | None = None
             unindexed = upgrade or not (self.root / "index" / DB_NAME).exists()
             if index == "none" or (read_only and unindexed):  # (read-only: a root not
                 # indexed, or whose index/ was removed, is read from its files, never indexed)
-                self._index = NoIndex(str(self._objects), self._final_path, _list_dir)
-                self.capabilities = type(self).capabilities.replace(retention=False)
-            elif read_only:
-                self._index = FileIndex(
-                    str(self.root), str(self._objects), self._final_path, token=self._token,
-                    lock_timeout=lock_timeout, index_hosts=index_hosts, clock=clock,
-                    read_only=True,
-                )
-                self.capabilities = type(self).capabilities.replace(retention=False)
+                self._index = NoIndex(str(self._objects), self._final_path, list_dir)
             else:
-                self._index = self._holds = FileIndex(
-                    str(self.root), str(self._objects), self._final_path, token=self._token,
+                self._index = FileIndex(
+                    str(self.root), self._site, token=self._token,
                     durable=durability == "full", lock_timeout=lock_timeout,
-                    walk=functools.partial(_walk, self._objects),
-                    index_hosts=index_hosts, clock=clock,
+                    index_hosts=index_hosts, clock=clock, read_only=read_only,
                 )
+            # (read-only: no retention is reported)
+            self.capabilities = type(self).capabilities.replace(
+                retention=self._index.features.retention and not read_only)
             try:
                 #: the engine that moves the bytes (``_file_io``), chosen once, here.
                 self._engine = self._open_engine(io_engine, self._places)
@@ -383,8 +381,7 @@ class FileBackend(Backend):
         # Also refused once another host has taken the root's index over (``_file_site``):
         # every call of this process fails from then on, reads included.
         super()._check_open(operation)
-        if self._holds is not None:
-            self._holds.host.raise_if_taken_over()
+        self._index.check()
 
     def _check_writable(self, operation: str) -> None:
         if self.read_only:
@@ -430,15 +427,8 @@ class FileBackend(Backend):
         return self._translated("exists", None, self._index.exists, keys)
 
     def _stat_paths(self, keys: Sequence[str]) -> list[ObjectStat | None]:
-        out: list[ObjectStat | None] = []
-        for key in keys:
-            try:
-                st = os.stat(self._final_path(key))
-            except FileNotFoundError:
-                out.append(None)
-                continue
-            out.append(ObjectStat(key, st.st_size, st.st_mtime))
-        return out
+        return [None if found is None else ObjectStat(key, found.size, found.mtime)
+                for key, found in zip(keys, self._site.measure(keys), strict=True)]
 
     async def _stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
         # docstring inherited. From the files themselves (the truth for sizes and mtimes).
@@ -638,11 +628,11 @@ class FileBackend(Backend):
                             reservation)
         return wrote
 
-    def change_feed(self) -> FileIndex:
-        """The shared index, for readers of its named change feed (``FileIndex.changes_after``
-        and ``listing``: the store-wide KV events). ``NotSupportedError`` with ``index=none``
+    def change_feed(self) -> ObjectIndex:
+        """The shared index, for readers of its named change feed (``changes_after`` and
+        ``listing``: the store-wide KV events). ``NotSupportedError`` with ``index=none``
         (no index, no feed)."""
-        if not isinstance(self._index, FileIndex):
+        if not self._index.features.change_feed:
             raise NotSupportedError(
                 "the change feed needs the shared index; this store was opened with index=none",
                 backend=self.name, operation="change_feed",
@@ -654,40 +644,35 @@ class FileBackend(Backend):
         """Bytes of the objects in the store (the shared index's count, all processes')."""
         return self._index.totals()[0]
 
-    # -- retention (``_file_retention``: in the shared index) ------------------------------------
+    # -- retention (kept in the index: ``_file_retention``) --------------------------------------
 
     async def _retain(self, keys: Sequence[str], retention: Retention) -> None:
         # docstring inherited
-        await self._run(self._translated, "retain", None, self._shared_index().retain, keys,
+        await self._run(self._translated, "retain", None, self._index.retain, keys,
                         retention, self.pin_budget_bytes)
 
     async def _release(self, keys: Sequence[str], owner: str) -> None:
         # docstring inherited
-        await self._run(self._translated, "release", None, self._shared_index().release, keys,
-                        owner)
+        await self._run(self._translated, "release", None, self._index.release, keys, owner)
 
     async def _retention_of(self, keys: Sequence[str]) -> list[tuple[Retention, ...]]:
         # docstring inherited
         return await self._run(self._translated, "retention_of", None,
-                               self._shared_index().retention_of, keys)
+                               self._index.retention_of, keys)
 
     def pinned_bytes(self) -> int:
         """Bytes of the store's objects pinned now (every process's pins); 0 with
         ``index=none``."""
-        return 0 if self._holds is None else self._holds.pinned_bytes()
+        return self._index.pinned_bytes()
 
     def _check_retention(self, operation: str) -> None:
-        if self._holds is None:
+        if not self._index.features.retention:
             raise NotSupportedError(
                 f"{self.root} is open with index=none: retention is kept in the shared index "
                 "(index=sqlite), so this store cannot pin or retain objects",
                 backend=self.name, operation=operation,
             )
         super()._check_retention(operation)
-
-    def _shared_index(self) -> FileIndex:
-        assert self._holds is not None  # capabilities.retention is False without it
-        return self._holds
 
     # -- core: delete / list / close ---------------------------------------------------------
 
@@ -702,8 +687,7 @@ class FileBackend(Backend):
         # docstring inherited. The holds are checked inside the index's write transaction
         # that removes the rows (``FileIndex.delete_until_held``).
         done, removed = await _to_completion(self._run(
-            self._translated, "delete_until_held", None, self._shared_index().delete_until_held,
-            groups))
+            self._translated, "delete_until_held", None, self._index.delete_until_held, groups))
         return DeletedUntilHeld(done, tuple(removed))
 
     async def _list_prefix(self, prefix: str) -> AsyncIterator[str]:
@@ -804,36 +788,6 @@ class _ReadUpkeep:
 # -- small blocking helpers (run on pool threads) --------------------------------------------
 
 
-def _is_storage_key(name: str) -> bool:
-    try:
-        validate_storage_key(name)
-    except InvalidKeyError:
-        return False
-    return True
-
-
-def _list_dir(directory: str) -> Iterator[tuple[str, int, float]]:
-    """``(key, size, mtime)`` of the object files in one shard directory (foreign files, never
-    ours to index or evict, are skipped; so is anything but a regular file under a key's name:
-    a directory or a symlink is not an object, and reading it fails instead of missing)."""
-    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
-        for entry in entries:
-            if not _is_storage_key(entry.name) or not entry.is_file(follow_symlinks=False):
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            yield entry.name, st.st_size, st.st_mtime
-
-
-def _walk(objects: Path) -> Iterator[tuple[str, int, float]]:
-    """``(key, size, mtime)`` of every object file: what a new index is built from."""
-    for top in _scandir_dirs(objects):
-        for sub in _scandir_dirs(top.path):
-            yield from _list_dir(sub.path)
-
-
 def _existing_ancestor(path: Path) -> str:
     """``path``, or its nearest ancestor that exists (a root about to be created lives on
     that one's filesystem)."""
@@ -843,13 +797,6 @@ def _existing_ancestor(path: Path) -> str:
     return "/"
 
 
-def _scandir_dirs(path: str | os.PathLike[str]) -> Iterator[os.DirEntry[str]]:
-    try:
-        with os.scandir(path) as entries:
-            dirs = [e for e in entries if e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
-        return iter(())
-    return iter(dirs)
 
 
 def _fsync_dirs(paths: Sequence[str]) -> None:

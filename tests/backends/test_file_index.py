@@ -19,6 +19,9 @@ from file_audit import audit, snapshot_files
 
 from hicache_store.backends import BackendClosedError, BackendUnavailableError, aligned_buffer
 from hicache_store.backends import _file_index as index_module
+from hicache_store.backends import _file_index_db as index_db
+from hicache_store.backends import _file_index_membership as membership
+from hicache_store.backends import _file_index_recovery as recovery
 from hicache_store.backends._file_io import PosixEngine
 from hicache_store.backends._pagecache import is_cached
 from hicache_store.backends.file import FileBackend
@@ -184,7 +187,7 @@ async def test_a_process_follows_its_index_when_it_is_removed_and_rebuilt(
     see those writes, and its own must reach the index the others read. It used to go on
     with the removed file: blind to every later write of the others, and they to its own,
     for its lifetime."""
-    monkeypatch.setattr(index_module, "REPLACED_CHECK_SECONDS", 0.0)
+    monkeypatch.setattr(index_db, "REPLACED_CHECK_SECONDS", 0.0)
     root = tmp_path / "s"
     store = FileBackend(root, durability="none")
     await store.put(["a0"], [b"aaa"])
@@ -205,7 +208,7 @@ async def test_a_process_follows_its_index_when_it_is_removed_and_rebuilt(
 async def test_a_process_rebuilds_its_removed_index_itself(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(index_module, "REPLACED_CHECK_SECONDS", 0.0)
+    monkeypatch.setattr(index_db, "REPLACED_CHECK_SECONDS", 0.0)
     root = tmp_path / "s"
     store = FileBackend(root, durability="none")
     await store.put(["a0"], [b"aaa"])
@@ -225,7 +228,7 @@ async def test_a_process_rebuilds_its_removed_index_itself(
 async def test_snapshots_replace_the_change_feed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(index_module, "MIN_DELTA", 50)
+    monkeypatch.setattr(membership, "MIN_DELTA", 50)
     store = FileBackend(tmp_path / "s", durability="none")
     other = FileBackend(tmp_path / "s", durability="none")
     keys = [f"a{i:04d}" for i in range(400)]
@@ -364,7 +367,7 @@ async def test_a_key_busy_in_a_live_process_waits_then_fails(tmp_path: Path) -> 
     db = sqlite3.connect(tmp_path / "s" / "index" / "index.sqlite3")
     # A delete in flight in another live process (pid: ours; another owner token).
     db.execute("INSERT INTO pending VALUES ('a0', 'del', 0, ?, ?, 'other', 1, ?)",
-               (os.getpid(), index_module._pid_namespace(), time.time()))
+               (os.getpid(), recovery.pid_namespace(), time.time()))
     db.commit()
     t0 = time.monotonic()
     with pytest.raises(BackendUnavailableError):
@@ -631,11 +634,11 @@ def test_write_transactions_of_a_process_are_granted_in_the_order_they_asked(
 
     def commit_back_to_back() -> None:
         nonlocal granted
-        with index._write():
+        with index._db.write():
             pass  # this thread's connection, opened before counting
         for _ in range(rounds):
             asked = granted
-            with index._write() as con:
+            with index._db.write() as con:
                 con.execute("UPDATE meta SET value = value WHERE name = 'count'")
                 overtaken.append(granted - asked)
                 granted += 1

@@ -147,7 +147,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
-    from hicache_store.backends._file_index import FileIndex
+    from hicache_store.backends.index import ObjectIndex
 
 log = logging.getLogger(__name__)
 attach_logging()  # this library's lines in vLLM's log, in its format
@@ -266,7 +266,7 @@ class _Feed:
     store event (evicted at once: a store far smaller than a step's writes) is not reported.
     Memory: one entry per row of this tier in the store (bounded by the store's capacity)."""
 
-    def __init__(self, index: FileIndex) -> None:
+    def __init__(self, index: ObjectIndex) -> None:
         self._index = index
         # the last change now: asking past every change answers with the last one
         self._seq = index.changes_after(sys.maxsize, limit=1).last
