@@ -18,6 +18,7 @@ from __future__ import annotations
 from hicache_store.layout.errors import ConfigError
 
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer
+from ._file_site import RootSite
 from .base import Backend, reads_are_uses, reads_not_counted
 from .errors import (
     BackendClosedError,
@@ -75,6 +76,7 @@ __all__ = [
     "CapacityError",
     "PinBudgetError",
     "Retention",
+    "RootSite",
     "ConfigError",
     "DuplicateBackendError",
     "InvalidRangeError",

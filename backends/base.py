@@ -18,7 +18,7 @@ Public API (validated here, once, for every backend)::
     helpers (``backends.helpers``, written once on the core): exists_prefix_length,
     exists_prefix_pages, get_ranges, get_bytes
     optional abilities (``backends.protocols``: a ``Capabilities`` flag and an accessor each):
-    host_buffers(), inline_exists(), native_reads()
+    host_buffers(), inline_exists(), native_reads(), change_feed()
 
 Core (what a backend implements; the public method has already validated everything):
 ``_exists``, ``_get_into``, ``_put``, ``_delete``, ``_stat``; optionally ``_list_prefix``,
@@ -27,7 +27,8 @@ Core (what a backend implements; the public method has already validated everyth
 ``_delete_until_held`` (its hold check and delete one atomic step); with
 ``capabilities.host_buffers``, ``_register_host_buffer`` and ``_unregister_host_buffer``; with
 ``capabilities.inline_exists``, ``_exists_now`` and ``_exists_blocking``; with
-``capabilities.native_reads``, ``_get_into_summed`` and ``_start_get_into_summed``.
+``capabilities.native_reads``, ``_get_into_summed`` and ``_start_get_into_summed``; with
+``capabilities.change_feed``, ``_change_feed``.
 
 Contracts every backend keeps (the conformance suite in ``hicache_store.testing`` checks them):
 
@@ -87,7 +88,14 @@ from .lifetime import (
     outlast,
     until_abandoned,
 )
-from .protocols import HostBuffers, InlineExists, NativeReads, PendingReads, SummedReads
+from .protocols import (
+    ChangeFeed,
+    HostBuffers,
+    InlineExists,
+    NativeReads,
+    PendingReads,
+    SummedReads,
+)
 from .retention import Retention
 from .types import (
     BackendStats,
@@ -103,8 +111,8 @@ from .views import as_byte_view, is_buffer, scatter_views
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+    from ._file_site import RootSite
     from .views import BufferLike
-
 T = TypeVar("T")
 
 #: keys ``stat``-ed per call by the default ``_list_entries``.
@@ -176,6 +184,13 @@ class Backend(Helpers, abc.ABC):
         if url.location:
             raise ConfigError(f"the {cls.name} backend takes no location, got {url.location!r}")
         return cls(**options)
+
+    @classmethod
+    def root_site(cls, url: BackendURL) -> RootSite | None:
+        """Where the store at ``url`` keeps its objects on this host, read without opening it
+        (nothing created or claimed): its filesystem, its index and the host recorded, for
+        ``hicache-store doctor``. None for a backend that keeps no root on a filesystem."""
+        return None
 
     # -- the core each backend implements -----------------------------------------------------
 
@@ -673,6 +688,17 @@ class Backend(Helpers, abc.ABC):
     def _exists_blocking(self, keys: list[str]) -> list[bool]:
         """With ``capabilities.inline_exists``: ``InlineExists.blocking`` of validated keys."""
         raise NotSupportedError("inline exists", backend=self.name, operation="exists")
+
+    def change_feed(self) -> ChangeFeed:
+        """The store's feed of every change of presence, whoever made it (``ChangeFeed``;
+        follow it with ``backends.feed.FeedFollower``). ``NotSupportedError`` unless
+        ``capabilities.change_feed``."""
+        self._require("change_feed", self.capabilities.change_feed)
+        return self._change_feed()
+
+    def _change_feed(self) -> ChangeFeed:
+        """With ``capabilities.change_feed``: the store's ``ChangeFeed``."""
+        raise NotSupportedError("change feed", backend=self.name, operation="change_feed")
 
     async def close(self) -> None:
         """Release resources. Idempotent; every other call afterwards raises

@@ -145,7 +145,7 @@ from .errors import BackendError, NotSupportedError, translate_os_error
 from .file_layout import object_path
 from .index import ObjectIndex, Reservation
 from .lifetime import abandonable, gather_settled
-from .protocols import PendingReads, SummedReads
+from .protocols import ChangeFeed, PendingReads, SummedReads
 from .retention import DEFAULT_PIN_FRACTION, Retention, pin_budget_bytes
 from .types import (
     BackendURL,
@@ -217,6 +217,7 @@ class FileBackend(Backend):
         shared=True,
         mtime=True,
         retention=True,
+        change_feed=True,
     )
 
     def __init__(
@@ -300,7 +301,8 @@ class FileBackend(Backend):
                 )
             # (read-only: no retention is reported)
             self.capabilities = type(self).capabilities.replace(
-                retention=self._index.features.retention and not read_only)
+                retention=self._index.features.retention and not read_only,
+                change_feed=self._index.features.change_feed)
             try:
                 #: the engine that moves the bytes (``_file_io``), chosen once, here.
                 self._engine = self._open_engine(io_engine, self._places)
@@ -349,6 +351,11 @@ class FileBackend(Backend):
         is this host by ``index_hosts``' rule (``_file_site``; ``hicache-store doctor``
         reports it)."""
         return root_site(str(root), index_hosts)
+
+    @classmethod
+    def root_site(cls, url: BackendURL) -> RootSite | None:
+        # docstring inherited
+        return cls.site(url.local_path(), url.query.get("index_hosts", "name"))
 
     def __repr__(self) -> str:
         return f"FileBackend({str(self.root)!r}, durability={self.durability!r})"
@@ -628,15 +635,17 @@ class FileBackend(Backend):
                             reservation)
         return wrote
 
-    def change_feed(self) -> ObjectIndex:
-        """The shared index, for readers of its named change feed (``changes_after`` and
-        ``listing``: the store-wide KV events). ``NotSupportedError`` with ``index=none``
-        (no index, no feed)."""
-        if not self._index.features.change_feed:
+    def change_feed(self) -> ChangeFeed:
+        # docstring inherited. The index's feed (``changes_after``, ``listing``); the
+        # capability is declared by an index that keeps one (not ``index=none``).
+        if not self._closed and not self.capabilities.change_feed:
             raise NotSupportedError(
                 "the change feed needs the shared index; this store was opened with index=none",
                 backend=self.name, operation="change_feed",
             )
+        return super().change_feed()
+
+    def _change_feed(self) -> ChangeFeed:
         return self._index
 
     @property

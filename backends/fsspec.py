@@ -59,7 +59,7 @@ from typing import Any, TypeVar
 from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
-from ._aio import wait_for
+from .aio import wait_for
 from .base import Backend
 from .errors import (
     BackendError,

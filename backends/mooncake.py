@@ -57,7 +57,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ._aio import wait_for
 from ._aligned import address_of
 from ._mooncake_client import (
     INVALID_PARAMS,
@@ -71,6 +70,7 @@ from ._mooncake_client import (
     release,
 )
 from ._mooncake_config import MooncakeConfig
+from .aio import wait_for
 from .base import Backend
 from .errors import BackendTimeoutError, InvalidRangeError
 from .lifetime import CallAbandoned, Handoff, until_abandoned

@@ -15,6 +15,9 @@ flag                 accessor                    what it offers
                                                  thread, without the library's event loop
 ``native_reads``     ``native_reads()``          reads that checksum what they read, in native
                                                  code, started without a Python thread
+``change_feed``      ``change_feed()``           every change of presence of every object,
+                                                 whoever made it, numbered in order
+                                                 (followed by ``backends.feed.FeedFollower``)
 ===================  ==========================  ==============================================
 
 Without its flag an accessor raises ``NotSupportedError``. A backend that declares a flag
@@ -29,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from .index import FeedChanges
     from .views import BufferLike
 
 #: per key the bytes read (None: a miss) and the xxh3_64 of each span asked (empty for a miss
@@ -142,4 +146,21 @@ class PendingReads(abc.ABC):
         return self._outcome
 
 
-__all__ = ["HostBuffers", "InlineExists", "NativeReads", "PendingReads", "SummedReads"]
+class ChangeFeed(Protocol):
+    """The store's change feed (``capabilities.change_feed``: a store with an index that
+    names every change, ``backends.index``). Calls block (a database or a network round trip):
+    call them off an event loop.
+
+    ``changes_after(seq, limit)``: the named changes after number ``seq`` (``FeedChanges``:
+    ``(key, present)`` in order through ``upto``, and ``last``, the number of the last
+    change); ``complete`` is False when the feed cannot name every one of them (pruned by a
+    compaction, or numbered anew by a rebuilt index). ``listing()``: ``(last, keys)``, every
+    key present as of change ``last``."""
+
+    def changes_after(self, seq: int, limit: int = 64) -> FeedChanges: ...
+
+    def listing(self) -> tuple[int, list[str]]: ...
+
+
+__all__ = ["ChangeFeed", "HostBuffers", "InlineExists", "NativeReads", "PendingReads",
+           "SummedReads"]

@@ -90,8 +90,11 @@ class Capabilities:
       without the library's event loop (``backends.protocols.InlineExists``).
     - ``native_reads``: ``native_reads()`` reads whole objects and checksums spans of them in
       native code, startable without a Python thread (``backends.protocols.NativeReads``).
+    - ``change_feed``: ``change_feed()`` gives the store's feed of every change of presence,
+      whoever made it (``backends.protocols.ChangeFeed``; ``backends.feed.FeedFollower``
+      follows it).
 
-    The last three are optional abilities with a protocol each; without the flag, their
+    The last four are optional abilities with a protocol each; without the flag, their
     accessor raises ``NotSupportedError``.
     """
 
@@ -107,6 +110,7 @@ class Capabilities:
     host_buffers: bool = False
     inline_exists: bool = False
     native_reads: bool = False
+    change_feed: bool = False
 
     def replace(self, **changes: bool) -> Capabilities:
         return dataclasses.replace(self, **changes)

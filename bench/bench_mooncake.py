@@ -24,8 +24,8 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from hicache_store.backends import open_backend
-from hicache_store.backends._mooncake_local import LocalMooncake
 from hicache_store.backends.mooncake import MooncakeBackend
+from hicache_store.backends.mooncake_local import LocalMooncake
 
 GiB = float(1 << 30)
 

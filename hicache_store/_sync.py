@@ -25,7 +25,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from hicache_store.backends._aio import result_within
+from hicache_store.backends.aio import result_within
 
 T = TypeVar("T")
 

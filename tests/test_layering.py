@@ -16,6 +16,11 @@
 * The cache tier's request protocol (``tier.cache``: ``HiCache``) stands above its
   collaborators: no other module of ``tier`` imports it (the package's ``__init__`` re-exports
   it). The collaborators are built with the residency primitives (``tier.residency``) instead.
+* Above ``backends/``, only the storage layer's public contract: no module of the library
+  outside ``layout``, ``kernels`` and ``backends`` imports a concrete file backend
+  (``backends.file``, ``backends.hf3fs``) or a private module of ``backends`` (``backends._*``).
+  Optional abilities are declared capabilities (``Capabilities``) with small protocols
+  (``backends.protocols``), never found by a backend's concrete type.
 * No import cycle between packages: the units are ``layout``, ``kernels``, ``backends``, each
   subpackage of ``hicache_store`` (``tier``, ``ops``, ``integrations``, ...), each top-level module
   (``reader``, ``sync``, ...) and the root package itself; an import from one unit into another is
@@ -66,6 +71,12 @@ TOOL_LAYER = ("hicache_store.ops", "hicache_store.integrations")
 #: the tier's request protocol, and the tier modules that may import it (the package's face).
 TIER_PROTOCOL = "hicache_store.tier.cache"
 TIER_PROTOCOL_IMPORTERS = frozenset({"hicache_store.tier", TIER_PROTOCOL})
+#: the storage layer's concrete backends that nothing above it may name (their abilities are
+#: capabilities of ``Backend``).
+CONCRETE_BACKENDS = ("hicache_store.backends.file", "hicache_store.backends.hf3fs")
+#: private imports from above ``backends/`` still allowed, each with the work that removes it
+#: (none now).
+PRIVATE_ALLOWED: frozenset[tuple[str, str]] = frozenset()
 
 
 def _under(name: str, package: str) -> bool:
@@ -78,6 +89,15 @@ def _lower_layer(module: str) -> str | None:
         if _under(module, layer):
             return layer
     return None
+
+
+def _below_the_contract(name: str) -> bool:
+    """Whether ``name`` is a module of ``backends`` that only ``backends`` may import: a
+    private one (``backends._x``) or a concrete file backend."""
+    if not _under(name, "hicache_store.backends") or name == "hicache_store.backends":
+        return False
+    first = name.split(".")[2]
+    return first.startswith("_") or any(_under(name, c) for c in CONCRETE_BACKENDS)
 
 
 def source_modules(root: Path) -> Iterator[tuple[str, Path]]:
@@ -146,6 +166,10 @@ def violations(root: Path) -> list[str]:
             elif _under(module, "hicache_store.tier") and _under(name, TIER_PROTOCOL) \
                     and module not in TIER_PROTOCOL_IMPORTERS:
                 rule = "the tier's collaborators never import its request protocol (tier.cache)"
+            elif not _lower_layer(module) and _below_the_contract(name) and not any(
+                    module == m and _under(name, n) for m, n in PRIVATE_ALLOWED):
+                rule = ("above backends/, only their public contract: no concrete file "
+                        "backend, no private module")
             if rule:
                 flagged.add(line)
                 found.append(f"{where}:{line}: {module} -> {name} ({rule})")
@@ -286,6 +310,33 @@ def test_the_checker_catches_a_tier_collaborator_importing_the_protocol(tmp_path
         "hicache_store/tier/restore.py:1: hicache_store.tier.restore -> hicache_store.tier.cache",
     ]
     assert all("never import its request protocol" in f for f in found)
+
+
+def test_nothing_above_backends_names_a_concrete_backend_or_a_private_module(
+        tmp_path: Path) -> None:
+    """The ways a layer above could reach below the contract, each planted once: the
+    concrete file backend, hf3fs, a private index module (absolute, relative, lazy, by
+    ``import_module``). The public contract (``backends``, ``backends.feed``, ...) is fine."""
+    for folder in PACKAGES:
+        (tmp_path / folder).mkdir()
+    pkg = tmp_path / "hicache_store"
+    for sub in ("events", "commands", "integrations"):
+        (pkg / sub).mkdir()
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "events" / "store.py").write_text(
+        "from hicache_store.backends.file import FileBackend\n"
+        "from hicache_store.backends.feed import FeedFollower\n")
+    (pkg / "commands" / "events.py").write_text(
+        "def run():\n    from ..backends.hf3fs import HF3FSBackend\n    return HF3FSBackend\n")
+    (pkg / "integrations" / "tier.py").write_text(
+        "import importlib\nimportlib.import_module('hicache_store.backends._file_index')\n"
+        "from hicache_store.backends import _lru, Backend\n")
+    (tmp_path / "backends" / "file.py").write_text("from ._file_index import FileIndex\n")
+    found = violations(tmp_path)
+    assert sorted(f.split(": ", 1)[0] for f in found) == [
+        "hicache_store/commands/events.py:2", "hicache_store/events/store.py:1",
+        "hicache_store/integrations/tier.py:2", "hicache_store/integrations/tier.py:3"], found
+    assert all("only their public contract" in f for f in found)
 
 
 def test_no_import_cycle_between_packages() -> None:

@@ -28,7 +28,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from hicache_store._sync import run_sync
-from hicache_store.backends._file_site import RootSite
+from hicache_store.backends import RootSite
 from hicache_store.commands._common import add_prompts_argument, add_store_command
 from hicache_store.errors import UsageError
 from hicache_store.layout.namespace import HASH_ALGOS, ModelShape, Namespace

@@ -1,4 +1,4 @@
-"""``hicache-store events URL --pub ADDR``: publish what happens to a shared file store.
+"""``hicache-store events URL --pub ADDR``: publish what happens to a shared store.
 
 Every writer's puts, every process's capacity evictions, gc and operator deletes, as KV events
 in vLLM's wire format with medium ``STORAGE`` (``hicache_store.events.store``), until
@@ -12,8 +12,10 @@ connect to it). The first line on stdout names both addresses (port 0 picks a fr
 first batch (sequence number 0, at every start) is ``AllBlocksCleared`` then the whole store,
 so a subscriber that kept its view across a restart of this command drops what went while it
 was down (a sequence number lower than the last one seen: replay from 0); then each look at
-the store's change feed (every ``--interval`` seconds) is one batch. SIGINT or SIGTERM stops it cleanly. Needs the file
-backend's shared index (not ``index=none``) and the ``events`` extra (pyzmq).
+the store's change feed (every ``--interval`` seconds) is one batch. SIGINT or SIGTERM stops
+it cleanly. Needs a store with a change feed (``capabilities.change_feed``: a file root's
+shared index, not ``index=none``; any store indexed by Valkey) and the ``events`` extra
+(pyzmq).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from hicache_store.ops.config import layered, require, resolve
 def register(subparsers: Any) -> None:
     parser = add_store_command(
         subparsers, "events",
-        help="publish a file store's page changes as KV events for routers", doc=__doc__)
+        help="publish a store's page changes as KV events for routers", doc=__doc__)
     parser.add_argument("--namespace", metavar="DIGEST",
                         help="only this namespace's pages (default: every namespace's)")
     parser.add_argument("--pub", metavar="ADDR", required=True,
@@ -54,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
     require_module("zmq", "KV events")
     from hicache_store import sync
     from hicache_store.backends.errors import NotSupportedError
-    from hicache_store.backends.file import FileBackend
     from hicache_store.events.publisher import EventPublisher, PublisherConfig
     from hicache_store.events.store import StoreEvents
     from hicache_store.ops.store import open_store
@@ -65,10 +66,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     backend = open_store(url, existing=True)
-    if not isinstance(backend, FileBackend):
+    if not backend.capabilities.change_feed:
         sync.close(backend)
-        raise UsageError(f"{url}: store-wide events need a file store's change feed (README "
-                         "\"KV events\": what each backend can report)")
+        raise UsageError(f"{url}: store-wide events need a store with a change feed (README "
+                         "\"KV events\": what each backend and index can report)")
     try:
         publisher = EventPublisher(config)
     except OSError as exc:

@@ -1,8 +1,8 @@
-"""Store-wide KV events: what happens to a shared file store, whoever does it.
+"""Store-wide KV events: what happens to a shared store, whoever does it.
 
-Every process that writes, evicts or deletes through a file root records each change in the
-root's shared index, named (``FileIndex.changes_after``); ``StoreEvents`` reads that feed and
-publishes the pages that appear and go as ``BlockStored`` / ``BlockRemoved`` with medium
+Every process that writes, evicts or deletes through a store with a change feed (a file root's
+shared index, a fleet's Valkey index: ``capabilities.change_feed``) records each change there,
+named; ``StoreEvents`` follows that feed (``backends.feed.FeedFollower``) and publishes the pages that appear and go as ``BlockStored`` / ``BlockRemoved`` with medium
 ``STORAGE``: every writer's puts, every process's capacity evictions, gc and operator deletes
 through the library. Deletes behind the store's back (``rm``) are seen when the index learns
 of them (a read that misses repairs the row).
@@ -16,7 +16,7 @@ tokens are not in the store's index: ``parent_block_hash`` is None and ``token_i
 
 **Catching up.** Whenever the feed cannot name every change since the last look (a
 compaction pruned it before this process read it, an index rebuilt, rows written by an older
-version), the current listing is read in one transaction and the difference from what was
+version), the follower lists the store as of one change and the difference from what was
 published goes out (removals, then stores): subscribers converge on the store's listing
 either way.
 
@@ -36,7 +36,8 @@ import threading
 from collections.abc import Iterable
 
 from hicache_store._sync import run_sync
-from hicache_store.backends.file import FileBackend
+from hicache_store.backends import Backend
+from hicache_store.backends.feed import FeedFollower
 from hicache_store.layout.keys import object_key_parts
 from hicache_store.layout.manifest import manifest_key
 from hicache_store.objects.manifest import read_manifest
@@ -51,33 +52,34 @@ BLOCKS_PER_EVENT = 512
 
 
 class StoreEvents:
-    """Publishes a file store's page changes (module docstring). ``namespace``: only that
-    namespace digest's pages (None: every namespace's)."""
+    """Publishes a store's page changes (module docstring). ``namespace``: only that
+    namespace digest's pages (None: every namespace's). ``NotSupportedError`` for a store
+    without a change feed."""
 
-    def __init__(self, backend: FileBackend, publisher: EventPublisher, *,
+    def __init__(self, backend: Backend, publisher: EventPublisher, *,
                  namespace: str | None = None) -> None:
         self.backend = backend
-        self.index = backend.change_feed()
+        self.follower = FeedFollower(backend.change_feed(), from_start=True)
         self.publisher = publisher
         self.namespace = namespace
-        self.seq = 0
-        self.resyncs = 0
-        self._started = False
         #: page hash -> (namespace digest, objects held).
         self.pages: dict[str, tuple[str, int]] = {}
         self._page_sizes: dict[str, int] = {}
+        self._started = False  # the first listing published (with AllBlocksCleared)
+
+    @property
+    def resyncs(self) -> int:
+        """How many times the feed was read over from a listing (the start included)."""
+        return self.follower.resyncs
 
     def poll(self) -> int:
         """Publish what changed since the last call (the whole store at the first); return
         the number of pages reported stored or removed."""
-        if not self._started:
-            self._started = True
-            return self._resync(cleared=True)
         reported = 0
         while True:
-            found = self.index.changes_after(self.seq)
-            if not found.complete:
-                return reported + self._resync()
+            found = self.follower.read()
+            if found.listing is not None:
+                reported += self._resync(found.listing)
             # Each page touched: whether it was held before this look (only the net change
             # of a look is published: a page stored and removed in one look is neither).
             before: dict[str, tuple[str, bool]] = {}
@@ -95,9 +97,8 @@ class StoreEvents:
                     self.pages.pop(page_hash, None)
             stored = [(h, d) for h, (d, held) in before.items() if not held and h in self.pages]
             removed = [(h, d) for h, (d, held) in before.items() if held and h not in self.pages]
-            self.seq = found.upto
             reported += self._publish(stored, removed)
-            if found.upto >= found.last:
+            if not found.more:
                 return reported
 
     def run(self, stop: threading.Event, interval_s: float = 0.05) -> None:
@@ -109,11 +110,9 @@ class StoreEvents:
                 log.exception("kv events: reading the store's change feed failed; retrying")
             stop.wait(interval_s)
 
-    def _resync(self, *, cleared: bool = False) -> int:
-        """Publish the difference between what was published and the store's listing;
-        ``cleared`` (at start): ``AllBlocksCleared``, then the whole listing."""
-        self.resyncs += 1
-        last, keys = self.index.listing()
+    def _resync(self, keys: list[str]) -> int:
+        """Publish the difference between what was published and the store's listing; at
+        the first (the start): ``AllBlocksCleared``, then the whole listing."""
         now: dict[str, tuple[str, int]] = {}
         for key in keys:
             page = self._page_of(key)
@@ -122,7 +121,8 @@ class StoreEvents:
                 now[page[0]] = (digest, count + 1)
         removed = [(h, d) for h, (d, _) in self.pages.items() if h not in now]
         stored = [(h, d) for h, (d, _) in now.items() if h not in self.pages]
-        self.pages, self.seq = now, last
+        cleared = not self._started
+        self.pages, self._started = now, True
         return self._publish(stored, removed, cleared=cleared)
 
     def _page_of(self, key: str) -> tuple[str, str] | None:

@@ -47,7 +47,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from hicache_store.backends._aio import wait_for
+from hicache_store.backends.aio import wait_for
 from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import InvalidRangeError
 from hicache_store.backends.protocols import PendingReads

@@ -34,7 +34,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from hicache_store.backends._aio import wait_for
+from hicache_store.backends.aio import wait_for
 from hicache_store.backends.base import Backend
 from hicache_store.backends.lifetime import gather_settled
 from hicache_store.backends.prefix import search_prefix

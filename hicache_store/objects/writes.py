@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from hicache_store.backends._aio import timeout_at
+from hicache_store.backends.aio import timeout_at
 from hicache_store.backends.base import Backend
 from hicache_store.layout.errors import HiCacheStoreError
 

@@ -24,10 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hicache_store.backends import get_backend_class
-from hicache_store.backends._file_site import RootSite
+from hicache_store.backends import RootSite, get_backend_class
 from hicache_store.backends.base import Backend
-from hicache_store.backends.file import FileBackend
 from hicache_store.backends.types import BackendURL
 from hicache_store.layout.namespace import Difference, Namespace
 from hicache_store.reader import KVReader
@@ -112,14 +110,12 @@ async def diagnose(
 
 
 def site_of(url: str) -> RootSite | None:
-    """Where the root of a file-layout URL lives (``FileBackend.site``); None for the others."""
+    """Where the root of a URL lives (``Backend.root_site``: file-layout roots); None for the
+    others."""
     if "://" not in url:
         return None  # a bare backend name: not a file-layout root
     parsed = BackendURL.parse(url)
-    cls = get_backend_class(parsed.scheme)
-    if not issubclass(cls, FileBackend):
-        return None
-    return cls.site(parsed.local_path(), parsed.query.get("index_hosts", "name"))
+    return get_backend_class(parsed.scheme).root_site(parsed)
 
 
 async def _prompt_hits(

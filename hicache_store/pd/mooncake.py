@@ -10,7 +10,7 @@ Bounded waits: the engine reads ``MC_TRANSFER_TIMEOUT`` (seconds, default 30) wh
 this class sets it from ``timeout_s`` unless the environment already does. It also sets
 ``MC_TCP_BIND_ADDRESS`` to ``host`` unless set (Mooncake 0.3.13 still opens some listeners on
 the wildcard address: run the processes under the loopback shim of
-``hicache_store.backends._mooncake_local`` where that matters, as ``bench pd`` does).
+``hicache_store.backends.mooncake_local`` where that matters, as ``bench pd`` does).
 Receiver-side protection: the engine refuses a write whose destination is outside memory the
 peer registered (checked in ``tests/pd``), so a wrong address fails rather than corrupts.
 """

@@ -55,8 +55,8 @@ from typing import Any
 
 import pytest
 
-from hicache_store.backends._aio import wait_for
-from hicache_store.backends._aligned import aligned_buffer
+from hicache_store.backends import aligned_buffer
+from hicache_store.backends.aio import wait_for
 from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import (
     BackendClosedError,

@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from hicache_store.backends._aio import wait_for
-from hicache_store.backends._aligned import aligned_buffer
+from hicache_store.backends import aligned_buffer
+from hicache_store.backends.aio import wait_for
 from hicache_store.backends.base import Backend
 from hicache_store.backends.types import ByteRange
 

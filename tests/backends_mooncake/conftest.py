@@ -2,7 +2,7 @@
 
 One ``mooncake_master`` and one separate ``mooncake_client`` segment holder (256 MB) start on
 first use, on free 127.0.0.1 ports with P2PHANDSHAKE metadata, and stop by PID at the end of
-the session (``backends._mooncake_local.LocalMooncake``). Without the binaries
+the session (``backends.mooncake_local.LocalMooncake``). Without the binaries
 (``pip install mooncake-transfer-engine-non-cuda``) or ``libibverbs1`` the tests are skipped
 with that reason; nothing is installed from here.
 """
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from hicache_store.backends import open_backend
-from hicache_store.backends._mooncake_local import LocalMooncake, binaries_available
 from hicache_store.backends.mooncake import MooncakeBackend
+from hicache_store.backends.mooncake_local import LocalMooncake, binaries_available
 
 
 @pytest.fixture(scope="session")

@@ -17,13 +17,13 @@ import pytest
 from hicache_store.backends import open_backend
 from hicache_store.backends._mooncake_client import SharedClient
 from hicache_store.backends._mooncake_config import DEFAULT_TIMEOUT
-from hicache_store.backends._mooncake_local import LocalMooncake
 from hicache_store.backends.errors import (
     BackendTimeoutError,
     BackendUnavailableError,
     InvalidRangeError,
 )
 from hicache_store.backends.mooncake import MooncakeBackend
+from hicache_store.backends.mooncake_local import LocalMooncake
 from hicache_store.backends.types import ByteRange
 
 pytestmark = pytest.mark.mooncake
@@ -227,7 +227,7 @@ async def test_too_small_buffer_and_range_past_end(mooncake_url: Callable[..., s
 
 
 async def test_unreachable_master_fails_fast() -> None:
-    from hicache_store.backends._mooncake_local import free_port
+    from hicache_store.backends.mooncake_local import free_port
 
     # Fast: the refused connection fails the call, long before its 600 s timeout (the hang
     # detector, 120 s, fails the test if the call waited for it instead).

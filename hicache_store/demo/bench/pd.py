@@ -256,10 +256,10 @@ def summarize(records: list[dict[str, Any]], answer_tokens: int) -> dict[str, An
 
 def loopback_env(transport: str, workdir: Path) -> dict[str, str]:
     """Environment for worker processes: Mooncake's listeners on loopback only (the
-    ``LD_PRELOAD`` shim of ``backends._mooncake_local``, when a C compiler is there)."""
+    ``LD_PRELOAD`` shim of ``backends.mooncake_local``, when a C compiler is there)."""
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     if transport == "mooncake":
-        from hicache_store.backends._mooncake_local import build_loopback_shim
+        from hicache_store.backends.mooncake_local import build_loopback_shim
 
         shim = build_loopback_shim(workdir)
         if shim is not None:

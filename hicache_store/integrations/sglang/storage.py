@@ -80,7 +80,7 @@ import torch
 
 from hicache_store import _sync
 from hicache_store.backends import Backend, open_backend
-from hicache_store.backends._aio import result_within, timeout_at
+from hicache_store.backends.aio import result_within, timeout_at
 from hicache_store.kernels.ops import host_to_unified, unified_to_host
 from hicache_store.kernels.pools import HostPool
 from hicache_store.layout.keys import ObjectKey, validate_page_hash

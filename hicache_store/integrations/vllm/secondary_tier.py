@@ -104,7 +104,6 @@ import hashlib
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -127,8 +126,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, InlineExists, open_backend
-from hicache_store.backends.errors import InvalidRangeError, NotSupportedError
-from hicache_store.backends.file import FileBackend
+from hicache_store.backends.errors import InvalidRangeError
+from hicache_store.backends.feed import ChangeFeed, FeedFollower
 from hicache_store.integrations._lookups import LookupCounters
 from hicache_store.layout.errors import ConfigError, CorruptObjectError
 from hicache_store.layout.framing import ObjectHeader
@@ -147,7 +146,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
-    from hicache_store.backends.index import ObjectIndex
 
 log = logging.getLogger(__name__)
 attach_logging()  # this library's lines in vLLM's log, in its format
@@ -256,33 +254,30 @@ class TierStats:
 
 class _Feed:
     """The rows this tier stored that are still in the store, followed through the backend's
-    named change feed (``FileBackend.change_feed``), for removal events.
+    change feed (``capabilities.change_feed``; ``backends.feed.FeedFollower``), for removal
+    events.
 
     ``stored`` records rows as their store events are emitted (so a row's removal event
     always comes after its store event); ``gone`` (on the loop, one reader at a time) reads
     the feed from the last change it saw and returns the recorded rows that left the store
-    since, forgetting them. Where the feed cannot name its changes it compares the rows with
-    a listing of the store instead. A row that leaves the store between its write and its
-    store event (evicted at once: a store far smaller than a step's writes) is not reported.
-    Memory: one entry per row of this tier in the store (bounded by the store's capacity)."""
+    since, forgetting them. Where the feed cannot name its changes the follower gives a
+    listing of the store instead, and the rows are compared with it. A row that leaves the
+    store between its write and its store event (evicted at once: a store far smaller than a
+    step's writes) is not reported. Memory: one entry per row of this tier in the store
+    (bounded by the store's capacity)."""
 
-    def __init__(self, index: ObjectIndex) -> None:
-        self._index = index
-        # the last change now: asking past every change answers with the last one
-        self._seq = index.changes_after(sys.maxsize, limit=1).last
+    def __init__(self, feed: ChangeFeed) -> None:
+        self._follower = FeedFollower(feed, from_start=False)
         self._rows: dict[str, OffloadKey] = {}
         self._lock = threading.Lock()
         self._reading: asyncio.Lock | None = None
 
     @classmethod
     def of(cls, backend: Backend) -> _Feed | None:
-        """The feed of ``backend``, or None where it has none (another backend, no index)."""
-        if not isinstance(backend, FileBackend):
+        """The feed of ``backend``, or None where it has none."""
+        if not backend.capabilities.change_feed:
             return None
-        try:
-            return cls(backend.change_feed())
-        except NotSupportedError:
-            return None
+        return cls(backend.change_feed())
 
     def stored(self, rows: Iterable[tuple[str, OffloadKey]]) -> None:
         with self._lock:
@@ -305,17 +300,13 @@ class _Feed:
     def _read(self) -> list[OffloadKey]:
         latest: dict[str, bool] = {}  # each key's last change: stored again after an eviction
         while True:
-            changes = self._index.changes_after(self._seq, limit=256)
-            if not changes.complete:
-                last, listed = self._index.listing()
-                present = set(listed)
+            found = self._follower.read()
+            if found.listing is not None:
+                present = set(found.listing)
                 with self._lock:
                     latest = {k: k in present for k in self._rows}
-                self._seq = last
-                break
-            latest.update(changes.changes)
-            self._seq = changes.upto
-            if changes.upto >= changes.last:
+            latest.update(found.changes)
+            if not found.more:
                 break
         with self._lock:
             return [self._rows.pop(k) for k, there in latest.items()
