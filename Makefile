@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml tests/plugins/example_backend/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,file,fsspec,s3,metrics,gpu,bench,mooncake,s3test,hf,tenant,events,docs]'
+	$(PY) -m pip install -q -e '.[dev,file,fsspec,s3,metrics,gpu,bench,mooncake,s3test,hf,tenant,events,docs,valkey,valkeytest]'
 	# SGLang's storage interface for the adapter tests: --no-deps keeps its CUDA torch and
 	# server dependencies out; these are the small packages its storage modules import.
 	$(PY) -m pip install -q --no-deps sglang==0.5.23 orjson psutil pybase64 requests urllib3 \

@@ -105,6 +105,7 @@ class FileIndex(ObjectIndex):
         self._clock = clock
         self.rebuilt = False
         self.recovered = 0
+        self.writer = token
         if not read_only:
             os.makedirs(self.dir, exist_ok=True)
         owner = Owner(os.getpid(), pid_namespace(), token)

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -28,8 +29,13 @@ STALE_TEMP_SECONDS = 3600.0
 
 
 def layout_marker(index: str) -> dict[str, object]:
-    """The marker of a version-2 root: every process of a root must use the same index."""
+    """The marker of a version-2 root: every process of a root must use the same index. A
+    root indexed by a fleet's server also records its ``index_id`` (``index_id``)."""
     return {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, "shard_levels": 2, "index": index}
+
+
+def _without_id(found: object) -> object:
+    return {k: v for k, v in found.items() if k != "index_id"} if isinstance(found, dict) else found
 
 
 def prepare_root(root: Path, *, create: bool, read_only: bool, index: str, backend: str) -> bool:
@@ -52,11 +58,12 @@ def prepare_root(root: Path, *, create: bool, read_only: bool, index: str, backe
         return True
     except ValueError:
         found = None
-    if found == layout_marker(index):
+    if _without_id(found) == layout_marker(index):
         return False
     if found == _LAYOUT_V1:
         return True
-    if isinstance(found, dict) and found == {**layout_marker(index), "index": found.get("index")}:
+    if isinstance(found, dict) and _without_id(found) == {
+            **layout_marker(index), "index": found.get("index")}:
         raise BackendError(
             f"{root} is used with index={found['index']}; open it with that index "
             f"(every process of a root must use the same one), not index={index}",
@@ -75,15 +82,40 @@ def write_layout(root: Path, temp_name: str, index: str) -> None:
     os.replace(tmp, root / "layout.json")  # racing openers write the same content
 
 
-def remove_stale_temps(tmp: Path) -> int:
-    """Delete the temp files under ``tmp`` left by dead writers (named ``<pid>-...``) or
-    older than ``STALE_TEMP_SECONDS``; return how many. Live writers' stay."""
+def index_id(root: Path, temp_name: str) -> str:
+    """The root's name in a fleet's index (``layout.json``'s ``index_id``, the same for every
+    host whatever path it mounts the root at): read, or made by the first opener (``link``: of
+    openers racing on a new root exactly one writes it, and all use its id)."""
+    marker = root / "layout.json"
+    for _ in range(3):
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            found = json.loads(marker.read_text())
+            if isinstance(found, dict) and isinstance(found.get("index_id"), str):
+                return str(found["index_id"])
+        tmp = root / "tmp" / temp_name
+        tmp.write_text(json.dumps({**layout_marker("valkey"), "index_id": secrets.token_hex(8)}))
+        try:
+            if marker.exists():  # a version-1 root, upgraded: its marker is replaced
+                os.replace(tmp, marker)
+            else:
+                os.link(tmp, marker)
+        except FileExistsError:
+            pass  # another opener's id: read it above
+        finally:
+            tmp.unlink(missing_ok=True)
+    raise BackendError(f"{marker} names no index_id", backend="file", operation="open")
+
+
+def remove_stale_temps(tmp: Path, *, by_pid: bool = True) -> int:
+    """Delete the temp files under ``tmp`` left by dead writers (``by_pid``: named
+    ``<pid>-...`` by a writer of this host, whose pids tell) or older than
+    ``STALE_TEMP_SECONDS``; return how many. Live writers' stay."""
     removed = 0
     now = time.time()
     with os.scandir(tmp) as entries:
         for entry in entries:
             owner = entry.name.split("-", 1)[0]
-            alive = owner.isdigit() and pid_alive(int(owner))
+            alive = not by_pid or (owner.isdigit() and pid_alive(int(owner)))
             try:
                 fresh = now - entry.stat(follow_symlinks=False).st_mtime < STALE_TEMP_SECONDS
             except FileNotFoundError:
@@ -99,6 +131,7 @@ def remove_stale_temps(tmp: Path) -> int:
 __all__ = [
     "LAYOUT_FORMAT",
     "LAYOUT_VERSION",
+    "index_id",
     "STALE_TEMP_SECONDS",
     "layout_marker",
     "prepare_root",

@@ -112,7 +112,9 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
     from ._file_site import RootSite
+    from .index import IndexCheck
     from .views import BufferLike
+
 T = TypeVar("T")
 
 #: keys ``stat``-ed per call by the default ``_list_entries``.
@@ -645,6 +647,16 @@ class Backend(Helpers, abc.ABC):
         raise NotSupportedError(
             f"{self.name} declares retention but has no atomic delete_until_held",
             backend=self.name, operation="delete_until_held")
+
+    async def check_index(self, *, repair: bool = False,
+                          rebuild: bool = False) -> IndexCheck | None:
+        """What the store's index (``backends.index``) holds against a listing of the store
+        (``IndexCheck``: ``doctor``); ``repair`` removes objects the index does not account
+        for and unindexes keys whose object is gone (``gc``'s reconcile); ``rebuild`` builds
+        the index anew from the listing (``gc --rebuild-index``). None for a store without an
+        index of its own."""
+        self._check_open("check_index")
+        return None
 
     # -- optional abilities (``backends.protocols``): a flag and an accessor each -------------
 

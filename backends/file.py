@@ -131,8 +131,8 @@ from ._file_io import (
     probe_direct_io,
 )
 from ._file_noindex import NoIndex
-from ._file_objects import FileObjects, list_dir
-from ._file_root import prepare_root, remove_stale_temps, write_layout
+from ._file_objects import CHARGES, Charge, FileObjects, list_dir
+from ._file_root import index_id, prepare_root, remove_stale_temps, write_layout
 from ._file_site import (
     RootSite,
     check_filesystem,
@@ -140,10 +140,12 @@ from ._file_site import (
     filesystem_of,
     root_site,
 )
+from ._index_check import check_index
+from ._valkey_index import ValkeyIndex
 from .base import Backend, reads_are_uses
-from .errors import BackendError, NotSupportedError, translate_os_error
+from .errors import BackendError, BackendUnavailableError, NotSupportedError, translate_os_error
 from .file_layout import object_path
-from .index import ObjectIndex, Reservation
+from .index import IndexCheck, ObjectIndex, Reservation, fleet_index_url
 from .lifetime import abandonable, gather_settled
 from .protocols import ChangeFeed, PendingReads, SummedReads
 from .retention import DEFAULT_PIN_FRACTION, Retention, pin_budget_bytes
@@ -160,7 +162,7 @@ from .types import (
 Durability = Literal["none", "data", "full"]
 DirectIO = Literal["auto", "never"]
 PageCache = Literal["second", "never", "always"]
-IndexKind = Literal["sqlite", "none"]
+IndexKind = Literal["sqlite", "none", "valkey"]
 IndexHosts = Literal["name", "kernel"]
 DURABILITY_MODES: tuple[str, ...] = ("none", "data", "full")
 DIRECT_IO_MODES: tuple[str, ...] = ("auto", "never")
@@ -231,19 +233,29 @@ class FileBackend(Backend):
         page_cache: PageCache = "second",
         create: bool = True,
         lock_timeout: float = 30.0,
-        index: IndexKind | None = None,
+        index: str | None = None,
         index_hosts: IndexHosts = "name",
         pin_fraction: float | str = DEFAULT_PIN_FRACTION,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         read_only: bool = False,
         io_engine: str = "auto",
+        index_lease_s: float = 10.0,
+        index_timeout_s: float = 2.0,
+        capacity_counts: Charge | None = None,
     ) -> None:
         super().__init__()
         explicit_index = index is not None
         index = self.default_index if index is None else index
-        if index not in INDEX_KINDS:
-            raise ConfigError(f"index must be one of {INDEX_KINDS}, got {index!r}")
+        fleet_url = fleet_index_url(index)
+        if fleet_url is None and index not in INDEX_KINDS:
+            raise ConfigError(f"index must be one of sqlite, none or a server URL "
+                              f"(valkey://host:port/N, redis://...), got {index!r}")
+        kind: IndexKind = "valkey" if fleet_url is not None else index  # type: ignore[assignment]
         check_index_hosts(index_hosts)
+        if capacity_counts not in (None, *CHARGES):
+            raise ConfigError(f"capacity_counts must be one of {CHARGES}, got {capacity_counts!r}")
+        if index_lease_s <= 0 or index_timeout_s <= 0:
+            raise ConfigError("index_lease_s and index_timeout_s must be > 0")
         if durability not in DURABILITY_MODES:
             raise ConfigError(f"durability must be one of {DURABILITY_MODES}, got {durability!r}")
         if direct_io not in DIRECT_IO_MODES:
@@ -265,39 +277,54 @@ class FileBackend(Backend):
         self.page_cache: PageCache = page_cache
         self._objects = self.root / "objects"
         self._tmp = self.root / "tmp"
-        self._token = secrets.token_hex(4)
+        self._token = secrets.token_hex(8)
         self._lock = threading.Lock()  # guards the stats counters
         try:
             #: the filesystem of the root (None where ``statfs`` is unavailable), checked
             #: before anything is created: the default index is refused on a network or FUSE
             #: filesystem unless asked for by name (``_file_site``).
             self.filesystem = filesystem_of(_existing_ancestor(self.root))
-            if index == "sqlite":
+            if kind == "sqlite":
                 check_filesystem(str(self.root), self.filesystem, explicit=explicit_index)
             self.read_only = read_only
             upgrade = prepare_root(self.root, create=create and not read_only,
-                                   read_only=read_only, index=index, backend=self.name)
+                                   read_only=read_only, index=kind, backend=self.name)
             self.direct_io = (direct_io == "auto" and not read_only and probe_direct_io(
                 self._tmp, f"{os.getpid()}-{self._token}-probe.tmp"))
-            self.removed_temp_files = 0 if read_only else remove_stale_temps(self._tmp)
-            #: where objects and temp files go, and how a temp file becomes an object
+            # A fleet's temp files are another host's as often as this one's: only age tells
+            # (a lapsed writer's are removed by whoever reclaims it).
+            self.removed_temp_files = 0 if read_only else remove_stale_temps(
+                self._tmp, by_pid=kind != "valkey")
+            #: where objects and temp files go, and how a temp file becomes an object; temp
+            #: files are named by the index's writer (a fleet's writer changes when its lease
+            #: lapses: the temp files of the lapsed one are then a reclaimer's to remove)
             self._places = Placement(self.name, self.root, durability=durability,
                                      direct_io=self.direct_io, page_cache=page_cache,
-                                     writer=lambda: self._token)
+                                     writer=lambda: self._index.writer or self._token)
             self._final_path = self._places.final_path
-            self.index_kind: IndexKind = index
-            #: the objects as the index sees them (``index.ObjectSite``).
-            self._site = FileObjects(str(self._objects), str(self._tmp), self._final_path)
+            self.index_kind: IndexKind = kind
+            #: the objects as the index sees them (``index.ObjectSite``): the bound counts
+            #: allocated blocks with a fleet's index, the files' sizes otherwise.
+            charge: Charge = capacity_counts or ("allocated" if kind == "valkey" else "size")
+            self._site = FileObjects(str(self._objects), str(self._tmp), self._final_path,
+                                     charge=charge)
             self._index: ObjectIndex
             unindexed = upgrade or not (self.root / "index" / DB_NAME).exists()
-            if index == "none" or (read_only and unindexed):  # (read-only: a root not
-                # indexed, or whose index/ was removed, is read from its files, never indexed)
+            if kind == "none" or (read_only and kind == "sqlite" and unindexed):  # (read-only:
+                # a root not indexed, or whose index/ was removed, is read from its files)
                 self._index = NoIndex(str(self._objects), self._final_path, list_dir)
+            elif fleet_url is not None:
+                self._index = ValkeyIndex(
+                    fleet_url, index_id(self.root, f"{os.getpid()}-{self._token}-layout.tmp"), self._site,
+                    writer=self._token,
+                    lease_s=index_lease_s, timeout_s=index_timeout_s, lock_timeout=lock_timeout,
+                    clock=clock, connections=max(16, 2 * io_threads),
+                )
             else:
                 self._index = FileIndex(
                     str(self.root), self._site, token=self._token,
                     durable=durability == "full", lock_timeout=lock_timeout,
-                    index_hosts=index_hosts, clock=clock, read_only=read_only,
+                    index_hosts=index_hosts, clock=clock or time.time, read_only=read_only,
                 )
             # (read-only: no retention is reported)
             self.capabilities = type(self).capabilities.replace(
@@ -309,8 +336,8 @@ class FileBackend(Backend):
             except BaseException:
                 self._index.close()
                 raise
-            if upgrade and not read_only:
-                write_layout(self.root, f"{os.getpid()}-{self._token}-layout.tmp", index)
+            if upgrade and not read_only and kind != "valkey":  # (a fleet's: by ``index_id``)
+                write_layout(self.root, f"{os.getpid()}-{self._token}-layout.tmp", kind)
         except OSError as exc:
             raise translate_os_error(exc, backend=self.name, operation="open") from exc
         #: the name of the engine in use (``posix``, ``native``, ``usrbio``).
@@ -339,7 +366,8 @@ class FileBackend(Backend):
     def _typed_options(options: dict[str, Any]) -> dict[str, Any]:
         """``options`` with the file backend's URL-query strings converted to their types."""
         return convert_options(
-            options, ints=("io_threads",), floats=("lock_timeout", "pin_fraction"),
+            options, ints=("io_threads",),
+            floats=("lock_timeout", "pin_fraction", "index_lease_s", "index_timeout_s"),
             sizes=("capacity_bytes",),
             bools=("create", "read_only"),
         )
@@ -566,10 +594,7 @@ class FileBackend(Backend):
         sizes = [len(view) for view in buffers]
         # Not begun when the caller has given up by then (``abandonable``): nothing reserved,
         # nothing to settle, no transaction spent on a put nobody waits for.
-        reservation = await self._run(
-            abandonable(self._translated), "put", None, self._index.reserve, keys, sizes,
-            self.capacity_bytes, self.pin_budget_bytes,
-        )
+        reservation = await self._reserve(keys, sizes, abandon=True)
         outcomes: list[WriteOutcome] = []
         try:
             await self._make_room(reservation)
@@ -583,6 +608,23 @@ class FileBackend(Backend):
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
+
+    async def _reserve(self, keys: Sequence[str], sizes: Sequence[int], *,
+                       abandon: bool = False) -> Reservation:
+        """The index's reservation of a put (``abandon``: not begun once its caller gave up);
+        a refusal because a fleet's index cannot be reached is counted
+        (``stats.index_refusals``; the index logs an outage once)."""
+        step = abandonable(self._translated) if abandon else self._translated
+        try:
+            reservation: Reservation = await self._run(
+                step, "put", None, self._index.reserve, keys, sizes, self.capacity_bytes,
+                self.pin_budget_bytes)
+            return reservation
+        except BackendUnavailableError as exc:
+            if exc.backend == "index":
+                with self._lock:
+                    self.stats.index_refusals += 1
+            raise
 
     async def _make_room(self, reservation: Reservation) -> None:
         counts = await self._run(
@@ -620,10 +662,7 @@ class FileBackend(Backend):
             return await _to_completion(self._put_one_if_absent(key, buffer))
 
     async def _put_one_if_absent(self, key: str, buffer: memoryview) -> bool:
-        reservation = await self._run(
-            self._translated, "put_if_absent", key, self._index.reserve, [key], [len(buffer)],
-            self.capacity_bytes, self.pin_budget_bytes,
-        )
+        reservation = await self._reserve([key], [len(buffer)])
         try:
             await self._make_room(reservation)
             wrote = bool(await self._run_io(self._engine.write_exclusive, key, buffer))
@@ -634,6 +673,14 @@ class FileBackend(Backend):
             await self._run(self._translated, "put_if_absent", None, self._index.settle_put,
                             reservation)
         return wrote
+
+    async def check_index(self, *, repair: bool = False,
+                          rebuild: bool = False) -> IndexCheck | None:
+        # docstring inherited
+        self._check_open("check_index")
+        return await self._run(self._translated, "check_index", None, functools.partial(
+            check_index, self._index, self._site, self.index_kind, repair=repair,
+            rebuild=rebuild))
 
     def change_feed(self) -> ChangeFeed:
         # docstring inherited. The index's feed (``changes_after``, ``listing``); the

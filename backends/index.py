@@ -86,6 +86,17 @@ class IndexFeatures:
     leases: bool = False
 
 
+@dataclass(frozen=True)
+class Measured:
+    """An object as the store holds it: ``size`` its length in bytes, ``charged`` the bytes the
+    store charges for it (what the bound counts: the file's allocated blocks, or ``size``),
+    ``mtime`` its last write (unix seconds)."""
+
+    size: int
+    charged: int
+    mtime: float
+
+
 @dataclass
 class Reservation:
     """The announced puts of one call, released by ``settle_put``.
@@ -93,7 +104,9 @@ class Reservation:
     ``keys`` in the call's (chain) order; ``batch`` numbers it among its writer's calls;
     ``incoming`` the bytes it adds; ``started`` wall-clock seconds. ``victims``: keys an
     implementation that makes room inside ``reserve`` took out of the index for this put,
-    whose objects ``make_room`` removes."""
+    whose objects ``make_room`` removes. ``writer``: the incarnation that made it.
+    ``stored``: what the put itself stored, by key, when it knows (a store whose every write
+    is one atomic request: S3); ``settle_put`` may take it instead of measuring those keys."""
 
     keys: list[str]
     batch: int
@@ -101,6 +114,7 @@ class Reservation:
     started: float = 0.0
     victims: list[str] = field(default_factory=list)
     writer: str = ""
+    stored: dict[str, Measured] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,17 +135,6 @@ class FeedChanges:
     complete: bool
 
 
-@dataclass(frozen=True)
-class Measured:
-    """An object as the store holds it: ``size`` its length in bytes, ``charged`` the bytes the
-    store charges for it (what the bound counts: the file's allocated blocks, or ``size``),
-    ``mtime`` its last write (unix seconds)."""
-
-    size: int
-    charged: int
-    mtime: float
-
-
 class ObjectSite(Protocol):
     """What an index asks of the store that holds the bytes. Blocking, thread-safe."""
 
@@ -150,6 +153,52 @@ class ObjectSite(Protocol):
 
     def charge_of(self, size: int) -> int:
         """The bytes an object of ``size`` bytes will be charged, at most (a reservation)."""
+
+
+#: the URL schemes of a fleet's index server (the ``index`` option of a backend).
+FLEET_SCHEMES: tuple[str, ...] = ("valkey", "valkeys", "redis", "rediss")
+
+
+def fleet_index_url(index: str | None) -> str | None:
+    """The server URL when an ``index`` option names a fleet's index (``valkey://host:port/N``,
+    ``redis://...``; TLS as ``valkeys://`` / ``rediss://``), else None."""
+    if not isinstance(index, str) or "://" not in index:
+        return None
+    return index if index.split("://", 1)[0].lower() in FLEET_SCHEMES else None
+
+
+@dataclass
+class IndexCheck:
+    """What a store's index holds against a listing of the store (``Backend.check_index``).
+
+    ``indexed_*``: the index's own totals; ``listed_*``: what a walk of the store found
+    (bytes as the bound charges them). ``unindexed``: objects the store holds that the index
+    does not (published by a writer that lost its lease, or behind the index's back);
+    ``missing``: keys the index holds whose object is gone; ``examples``: a few of both.
+    ``usage``: bytes per namespace digest. ``details``: the implementation's own facts
+    (``rebuilt_at``: when a fleet's index was last built from a walk, ms; ``writers``).
+    With a repair: ``removed`` unindexed objects removed, ``repaired`` missing keys unindexed;
+    ``rebuilt``: the index was built anew from the walk."""
+
+    kind: str
+    indexed_bytes: int
+    indexed_objects: int
+    listed_bytes: int
+    listed_objects: int
+    unindexed: int = 0
+    missing: int = 0
+    examples: list[str] = field(default_factory=list)
+    usage: dict[str, int] = field(default_factory=dict)
+    details: dict[str, int] = field(default_factory=dict)
+    removed: int = 0
+    repaired: int = 0
+    rebuilt: bool = False
+
+    @property
+    def consistent(self) -> bool:
+        """The index and the listing agree, object for object."""
+        return (self.unindexed, self.missing) == (0, 0) and (
+            self.indexed_bytes, self.indexed_objects) == (self.listed_bytes, self.listed_objects)
 
 
 def page_of(key: str) -> str:
@@ -182,6 +231,9 @@ class ObjectIndex(abc.ABC):
     rebuilt: bool = False
     #: pending changes of dead writers this process reconciled when it opened.
     recovered: int = 0
+    #: the name this process's unpublished work carries (its temp files); "" where the
+    #: backend names it itself.
+    writer: str = ""
 
     # -- presence and sizes -------------------------------------------------------------------
 
@@ -325,6 +377,15 @@ class ObjectIndex(abc.ABC):
         """Raise when this process may not use the index any more (another host took the
         store's index over); every call of the backend asks first."""
 
+    def rebuild(self) -> None:
+        """Drop the index and build it again from a walk of the store: what it held beyond the
+        store (pins, retention, the feed's numbers) is gone."""
+        raise self._unsupported("rebuild")
+
+    def details(self) -> dict[str, int]:
+        """The implementation's own facts for ``IndexCheck.details``."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Release connections and threads; the index's state stays for the next opener."""
 
@@ -336,6 +397,6 @@ class ObjectIndex(abc.ABC):
 
 
 __all__ = [
-    "EvictionCount", "FeedChanges", "IndexFeatures", "Measured", "ObjectIndex", "ObjectSite",
-    "Reservation", "is_page_prefix", "page_depths", "page_of",
+    "FLEET_SCHEMES", "EvictionCount", "FeedChanges", "IndexCheck", "IndexFeatures", "Measured", "ObjectIndex", "ObjectSite",
+    "Reservation", "fleet_index_url", "is_page_prefix", "page_depths", "page_of",
 ]

@@ -46,6 +46,17 @@ backend lists its prefix at open and, before each write, deletes objects in chai
 order (``_lru.ChainLRU``) until the batch fits. That bound covers what this process knows
 (objects it listed at open, wrote, or found); several writers sharing a prefix each enforce
 their own view, so give each a share, or use ``gc`` from one place.
+
+**A fleet's index** (``index=valkey://host:port/N`` or ``redis://...``: ``backends.index``,
+``_valkey_index``). Every process and host that writes the prefix shares one index on that
+server: one ``capacity_bytes`` bound with chain-aware, page-whole eviction for all of them
+(without ``capacity_bytes``: no bound, the rest as below), pins and retention
+(``pin_fraction``, default 0.25; ``clock``), the change feed (``hicache-store events``,
+``capabilities.change_feed``), ``exists`` in one round trip per batch (no ``HEAD`` per key),
+the writers' leases and their recovery (``index_lease_s``, default 10), and calls to the
+server bounded by ``index_timeout_s`` (default 2; unreachable: writes refused, ``exists``
+falls back to ``HEAD``). Reads, ``stat`` and listings still ask the store. The prefix's name
+in the index is its bucket and prefix (one index server per S3 service).
 """
 
 from __future__ import annotations
@@ -53,22 +64,49 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
+import secrets
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import xxhash
 
 from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
 from . import _s3_errors
+from ._index_check import check_index
 from ._lru import ChainLRU
 from ._s3_io import Fetch, ViewReader, parse_content_range, plan_fetches, read_exact
+from ._s3_objects import S3Objects
+from ._valkey_index import ValkeyIndex
 from .base import Backend
-from .errors import BackendError, BackendIOError, CapacityError, InvalidRangeError
+from .errors import (
+    BackendError,
+    BackendIOError,
+    BackendUnavailableError,
+    CapacityError,
+    InvalidRangeError,
+)
+from .index import IndexCheck, Measured, Reservation, fleet_index_url
 from .lifetime import CallAbandoned, Handoff, abandonable, until_abandoned
-from .types import BackendURL, ByteRange, Capabilities, ObjectStat, convert_options, parse_size
+from .retention import DEFAULT_PIN_FRACTION, Retention, pin_budget_bytes
+from .types import (
+    BackendURL,
+    ByteRange,
+    Capabilities,
+    DeletedUntilHeld,
+    ObjectStat,
+    convert_options,
+    parse_size,
+)
+
+if TYPE_CHECKING:
+    from .protocols import ChangeFeed
 
 T = TypeVar("T")
 
@@ -84,7 +122,8 @@ DEFAULT_READ_TIMEOUT = 5.0
 DEFAULT_REQUEST_TIMEOUT = 15.0
 
 _INT_OPTIONS = ("max_concurrency", "max_attempts")
-_FLOAT_OPTIONS = ("connect_timeout", "read_timeout", "request_timeout")
+_FLOAT_OPTIONS = ("connect_timeout", "read_timeout", "request_timeout", "pin_fraction",
+                  "index_lease_s", "index_timeout_s")
 _SIZE_OPTIONS = ("multipart_threshold", "multipart_chunksize", "capacity_bytes",
                  "range_coalesce_gap")
 _BOOL_OPTIONS = ("conditional_put", "check_bucket", "verify_ssl")
@@ -149,10 +188,20 @@ class S3Backend(Backend):
         capacity_bytes: int | str | None = None,
         addressing_style: str = "auto",
         verify_ssl: bool = True,
+        index: str | None = None,
+        index_lease_s: float = 10.0,
+        index_timeout_s: float = 2.0,
+        pin_fraction: float | str = DEFAULT_PIN_FRACTION,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         super().__init__()
         if not bucket:
             raise ConfigError("s3:// needs a bucket, e.g. s3://my-bucket/kv")
+        fleet_url = fleet_index_url(index)
+        if index not in (None, "none") and fleet_url is None:
+            raise ConfigError(f"index must be none or a server URL (valkey://host:port/N, "
+                              f"redis://...), got {index!r}")
+        pin_budget_bytes(0, float(pin_fraction))  # checks the fraction
         for name, count in (("max_concurrency", max_concurrency), ("max_attempts", max_attempts)):
             if count < 1:
                 raise ConfigError(f"{name} must be >= 1, got {count}")
@@ -179,7 +228,13 @@ class S3Backend(Backend):
             caps = caps.replace(atomic_put=False)
         if self.capacity_bytes is not None:
             caps = caps.replace(eviction=True)
+        if fleet_url is not None:
+            caps = caps.replace(retention=True, change_feed=True)
         self.capabilities = caps
+        #: the fleet's index (None: the store alone answers; see the module docstring).
+        self._index: ValkeyIndex | None = None
+        self.pin_budget_bytes = pin_budget_bytes(
+            self.capacity_bytes if self.capacity_bytes is not None else 0, float(pin_fraction))
         # The SDK after every option is checked: a bad option is a ConfigError, boto3 or not.
         try:
             import boto3
@@ -220,7 +275,14 @@ class S3Backend(Backend):
                         TimeoutError(), backend=self.name, operation="open",
                         bucket=self.bucket, key=None,
                     ) from exc
-            if self.capacity_bytes is not None:
+            if fleet_url is not None:
+                site = S3Objects(self._head, self._delete_objects, self._list_page)
+                self._index = ValkeyIndex(
+                    fleet_url, xxhash.xxh3_64_hexdigest(f"s3:{bucket}/{self.prefix}".encode()), site,
+                    writer=secrets.token_hex(8), lease_s=index_lease_s,
+                    timeout_s=index_timeout_s, clock=clock,
+                    connections=max(16, 2 * max_concurrency))
+            elif self.capacity_bytes is not None:
                 self._scan_prefix()
         except BaseException:
             self._pool.shutdown(wait=False)
@@ -314,8 +376,17 @@ class S3Backend(Backend):
         return list(found)
 
     async def _exists(self, keys: Sequence[str]) -> list[bool]:
-        # docstring inherited
+        # docstring inherited. With a fleet's index: the index, in one round trip (it asks
+        # the store itself when it cannot answer).
+        if self._index is not None:
+            return await self._index_call(self._index.exists, keys)
         return [st is not None for st in await self._heads(keys, "exists")]
+
+    async def _index_call(self, fn: Callable[..., T], *args: Any) -> T:
+        """A call of the fleet's index on the pool (bounded by the index's own timeouts;
+        never abandoned: a reservation's settle must run whatever the caller does)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn, *args)
 
     async def _stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
         # docstring inherited
@@ -501,6 +572,9 @@ class S3Backend(Backend):
         # docstring inherited. Each object is one atomic PUT (or completed multipart upload),
         # so on failure every object of the batch is whole or absent.
         latest = dict(zip(keys, buffers, strict=True))  # a key repeated: the last one wins
+        if self._index is not None:
+            await self._put_indexed(latest, if_absent=False)
+            return
         if self.capacity_bytes is not None:
             await self._reserve(latest)
         handoff = Handoff()
@@ -525,6 +599,8 @@ class S3Backend(Backend):
         # Atomic in the store: of racing conditional PUTs exactly one gets 200, the others 412.
         if not self.conditional_put:
             return await super()._put_if_absent(key, buffer)
+        if self._index is not None:
+            return await self._put_indexed({key: buffer}, if_absent=True)
         if self.capacity_bytes is not None:
             await self._reserve({key: buffer})
         handoff = Handoff()
@@ -538,6 +614,90 @@ class S3Backend(Backend):
             with self._lock:
                 self._lru.add(key, len(buffer))
         return wrote
+
+    async def _put_indexed(self, latest: dict[str, memoryview], *, if_absent: bool) -> bool:
+        """A put through the fleet's index: reserve (with its room), evict, upload, settle
+        from what the uploads stored (module docstring). ``if_absent``: one conditional PUT;
+        whether it stored."""
+        assert self._index is not None
+        index = self._index
+        capacity = self.capacity_bytes if self.capacity_bytes is not None else 1 << 62
+        keys = list(latest)
+        try:
+            reservation: Reservation = await self._index_call(
+                index.reserve, keys, [len(v) for v in latest.values()], capacity,
+                self.pin_budget_bytes if self.capacity_bytes is not None else None)
+        except BackendUnavailableError as exc:
+            if exc.backend == "index":
+                with self._lock:
+                    self.stats.index_refusals += 1
+            raise
+        results: list[Any] = []
+        try:
+            counts = await self._index_call(index.make_room, capacity, reservation)
+            with self._lock:
+                self.stats.evictions += counts.evicted
+                self.stats.eviction_failures += counts.failed
+            handoff = Handoff()
+            try:
+                if if_absent:
+                    (key, view), = latest.items()
+                    results = [await self._run("put_if_absent", key, self._put_single, key, view,
+                                               True, handoff)]
+                else:
+                    results = await asyncio.gather(
+                        *(self._put_one(k, v, handoff) for k, v in latest.items()),
+                        return_exceptions=True)
+            finally:
+                handoff.close()
+            now = time.time()
+            reservation.stored = {
+                key: Measured(len(view), len(view), now)
+                for (key, view), result in zip(latest.items(), results, strict=True)
+                if not isinstance(result, BaseException) and result is not False}
+        finally:
+            await asyncio.shield(self._index_call(index.settle_put, reservation))
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return bool(results) and results[0] is not False
+
+    # -- retention, the change feed, the index (a fleet's index only) ----------------------------
+
+    async def _retain(self, keys: Sequence[str], retention: Retention) -> None:
+        # docstring inherited
+        assert self._index is not None  # (the capability is declared with an index only)
+        await self._index_call(self._index.retain, keys, retention, self.pin_budget_bytes)
+
+    async def _release(self, keys: Sequence[str], owner: str) -> None:
+        # docstring inherited
+        assert self._index is not None
+        await self._index_call(self._index.release, keys, owner)
+
+    async def _retention_of(self, keys: Sequence[str]) -> list[tuple[Retention, ...]]:
+        # docstring inherited
+        assert self._index is not None
+        return await self._index_call(self._index.retention_of, keys)
+
+    async def _delete_until_held(self, groups: list[list[str]]) -> DeletedUntilHeld:
+        # docstring inherited. The index reads the holds in the step that takes the keys out.
+        assert self._index is not None
+        done, removed = await self._index_call(self._index.delete_until_held, groups)
+        return DeletedUntilHeld(done, tuple(removed))
+
+    def _change_feed(self) -> ChangeFeed:
+        assert self._index is not None
+        return self._index
+
+    async def check_index(self, *, repair: bool = False,
+                          rebuild: bool = False) -> IndexCheck | None:
+        # docstring inherited
+        self._check_open("check_index")
+        if self._index is None:
+            return None
+        return await self._index_call(functools.partial(
+            check_index, self._index, self._index._site, "valkey", repair=repair,
+            rebuild=rebuild))
 
     # -- delete / list ----------------------------------------------------------------------------
 
@@ -557,6 +717,16 @@ class S3Backend(Backend):
 
     async def _delete(self, keys: Sequence[str]) -> list[bool]:
         # docstring inherited. HEAD first: DeleteObjects reports absent keys as deleted too.
+        if self._index is not None:  # (the index removes through the same two calls)
+            unique_keys = list(dict.fromkeys(keys))
+            done = dict(zip(unique_keys, await self._index_call(self._index.delete, unique_keys),
+                            strict=True))
+            first: set[str] = set()
+            out: list[bool] = []
+            for key in keys:
+                out.append(done[key] and key not in first)
+                first.add(key)
+            return out
         unique = list(dict.fromkeys(keys))
         present = [st.key for st in await self._heads(unique, "delete") if st is not None]
         failed = []
@@ -629,7 +799,10 @@ class S3Backend(Backend):
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the objects this backend accounts for (capacity mode)."""
+        """Bytes of the objects this backend accounts for (capacity mode; with a fleet's
+        index, every writer's)."""
+        if self._index is not None:
+            return self._index.totals()[0]
         with self._lock:
             return self._lru.total_bytes
 
@@ -680,4 +853,6 @@ class S3Backend(Backend):
     async def _close(self) -> None:
         # docstring inherited
         await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        if self._index is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._index.close)
         self._client.close()

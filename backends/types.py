@@ -151,6 +151,8 @@ class BackendStats:
     deletes: int = 0
     evictions: int = 0
     eviction_failures: int = 0
+    #: writes refused because the store's shared index could not be reached
+    index_refusals: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 from hicache_store._sync import run_sync
 from hicache_store.backends import RootSite
+from hicache_store.backends.index import IndexCheck
 from hicache_store.commands._common import add_prompts_argument, add_store_command
 from hicache_store.errors import UsageError
 from hicache_store.layout.namespace import HASH_ALGOS, ModelShape, Namespace
@@ -225,10 +227,34 @@ def _site_lines(site: RootSite) -> list[str]:
     return lines
 
 
+def _index_lines(check: IndexCheck) -> list[str]:
+    """The store's index against a listing (``Backend.check_index``)."""
+    lines = [f"  index ({check.kind}): {check.indexed_objects} objects, {check.indexed_bytes} "
+             f"bytes; listing: {check.listed_objects} objects, {check.listed_bytes} bytes"]
+    if check.consistent:
+        lines.append("  the index and the listing agree")
+    else:
+        lines.append(f"  differs: {check.unindexed} objects not indexed (published by a writer "
+                     f"that lost its lease, or placed by hand), {check.missing} indexed but gone"
+                     " (hicache-store gc reconciles both)")
+        lines += [f"    e.g. {key}" for key in check.examples]
+    lines += [f"  namespace {ns or '(none)'}: {size} bytes" for ns, size in
+              sorted(check.usage.items())]
+    if check.details.get("rebuilt_at"):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(check.details["rebuilt_at"] / 1000))
+        lines.append(f"  rebuilt from a listing of the store at {when}: pins and retention set "
+                     "before then were lost with the old index")
+    if "writers" in check.details:
+        lines.append(f"  writers registered: {check.details['writers']}")
+    return lines
+
+
 def _report(url: str, found: Any, has_deployment: bool) -> list[str]:
     lines = [] if found.site is None else _site_lines(found.site)
     if found.refused is not None:
         return [*lines, f"{url}: refused: {found.refused}"]
+    if found.index is not None:
+        lines += _index_lines(found.index)
     if not found.listing:
         lines.append(f"{url}: this backend cannot list keys; only the deployment's own "
                      "manifest was looked up")
@@ -278,6 +304,8 @@ def _as_json(found: Any) -> dict[str, Any]:
     return {
         "site": _site_json(found.site),
         "refused": found.refused,
+        "index": None if found.index is None else {
+            **vars(found.index), "consistent": found.index.consistent},
         "listing": found.listing,
         "namespaces": [ns.to_json() for ns in found.namespaces],
         "unreadable_manifests": found.unreadable,

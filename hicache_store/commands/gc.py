@@ -19,6 +19,13 @@ terminal, a plain line every few seconds otherwise); ``--json`` prints the repor
 ``--tenant-key-file F --remove-retired`` first deletes the objects sealed with keys the ring
 retires, whatever their age. Exit code 1 when some deletions failed. Library:
 ``hicache_store.ops.gc``.
+
+On a store with an index of its own (a file root; any store indexed by Valkey) gc first
+reconciles the index with a listing of the store (``Backend.check_index``): objects the index
+does not account for (published by a writer that lost its lease) are removed, keys whose
+object is gone are unindexed. ``--rebuild-index`` builds the index anew from the listing
+instead (a fleet's index lost with its server; the pins and retention it held are gone), and
+may be given alone.
 """
 
 from __future__ import annotations
@@ -26,9 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from typing import Any
 
 from hicache_store._sync import run_sync
+from hicache_store.backends.errors import NotSupportedError
+from hicache_store.backends.index import IndexCheck
 from hicache_store.backends.types import parse_size
 from hicache_store.commands._common import add_report_arguments
 from hicache_store.errors import UsageError
@@ -101,6 +111,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--yes", action="store_true",
                         help="delete even when the plan takes more than half of the store's "
                              "objects or bytes (refused otherwise, saying how much)")
+    parser.add_argument("--rebuild-index", action="store_true",
+                        help="build the store's index anew from a listing (its pins and "
+                             "retention are lost); alone, or before the collection")
     add_report_arguments(parser, "report")
     parser.set_defaults(func=run)
 
@@ -125,8 +138,11 @@ def run(args: argparse.Namespace) -> int:
     retired = _retired_ids(args)
     if args.prefix:
         raise UsageError(f"--prefix: {PREFIX_REFUSED}")
-    if args.max_bytes is None and args.max_age is None and not retired:
-        raise UsageError("give --max-bytes, --max-age, --remove-retired or a combination")
+    rebuild = getattr(args, "rebuild_index", False)
+    collect = not (args.max_bytes is None and args.max_age is None and not retired)
+    if not collect and not rebuild:
+        raise UsageError("give --max-bytes, --max-age, --remove-retired, --rebuild-index or a "
+                         "combination")
     try:
         max_bytes = None if args.max_bytes is None else parse_budget(args.max_bytes)
         max_age = None if args.max_age is None else parse_duration(args.max_age)
@@ -145,13 +161,23 @@ def run(args: argparse.Namespace) -> int:
         bars[phase].total = total
         bars[phase].update(done)
 
-    async def go() -> GcReport:
+    async def go() -> GcReport | None:
         backend = open_store(args.url, existing=True)
         try:
             if max_age is not None and not backend.capabilities.mtime:
                 raise UsageError(
                     f"--max-age: the {backend.name} backend records no modification times, so "
                     "nothing could be aged out; use --max-bytes")
+            if rebuild and args.dry_run:
+                raise UsageError("--rebuild-index changes the index: not with --dry-run")
+            try:
+                check = await backend.check_index(repair=not args.dry_run, rebuild=rebuild)
+            except NotSupportedError as exc:
+                raise UsageError(f"--rebuild-index: {exc}") from None
+            if check is not None:
+                _print_index(check, args)
+            if not collect:
+                return None
             return await collect_garbage(
                 backend, max_bytes=max_bytes, max_age=max_age, prefix=args.prefix,
                 dry_run=args.dry_run, state_dir=state_dir, progress=progress,
@@ -171,11 +197,31 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for bar in bars.values():
             bar.close()
+    if report is None:
+        return 0
     if getattr(args, "json", False):
         print(json.dumps(report.as_dict(), indent=2))
     else:
         _print_text(report, bool(retired))
     return 1 if report.failures else 0
+
+
+def _print_index(check: IndexCheck, args: argparse.Namespace) -> None:
+    """One line on stderr: what the reconcile (or rebuild) of the store's index did (nothing
+    when the index and the store agreed)."""
+    if not (check.rebuilt or check.removed or check.repaired or check.unindexed
+            or check.missing):
+        return
+    if check.rebuilt:
+        what = (f"index rebuilt from a listing: {check.indexed_objects} objects, "
+                f"{check.indexed_bytes} bytes (pins and retention it held are gone)")
+    elif args.dry_run:
+        what = (f"index: {check.unindexed} objects not indexed and {check.missing} indexed but "
+                "gone would be reconciled")
+    else:
+        what = (f"index reconciled: {check.removed} objects it did not account for removed, "
+                f"{check.repaired} gone objects unindexed")
+    print(what, file=sys.stderr)
 
 
 def _print_text(report: GcReport, retired: bool) -> None:

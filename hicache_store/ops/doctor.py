@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from hicache_store.backends import RootSite, get_backend_class
 from hicache_store.backends.base import Backend
+from hicache_store.backends.index import IndexCheck
 from hicache_store.backends.types import BackendURL
 from hicache_store.layout.namespace import Difference, Namespace
 from hicache_store.reader import KVReader
@@ -59,6 +60,7 @@ class Diagnosis:
     prompts: list[PromptHit] = field(default_factory=list)
     site: RootSite | None = None  # a file-layout root's filesystem and host (``site_of``)
     refused: str | None = None  # why the store's open was refused (then nothing else is known)
+    index: IndexCheck | None = None  # the store's index against a listing (``check_index``)
 
     @property
     def hit_tokens(self) -> int:
@@ -76,6 +78,7 @@ async def diagnose(
 ) -> Diagnosis:
     """Look at ``backend`` for ``deployment`` (None: only list) and ``prompts`` (origin, ids)."""
     result = Diagnosis(listing=backend.capabilities.listing)
+    result.index = await backend.check_index()
     if result.listing:
         for key in await list_manifests(backend):
             try:

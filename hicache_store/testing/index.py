@@ -415,6 +415,31 @@ class IndexTests(abc.ABC):
             (Retention("p", None, True),), (), ()]
         assert second.pinned_bytes() == 100
 
+    def test_delete_until_held_stops_at_the_first_held_group(self, env: IndexEnv) -> None:
+        index = env.open()
+        self._retention(index)
+        put(index, env.site, ["a0", "a1", "b0", "c0"])
+        index.retain(["b0"], Retention("r", None, pinned=False), pin_budget=0)
+        done, removed = index.delete_until_held([["a0", "a1"], ["b0"], ["c0"]])
+        assert (done, removed) == (1, [True, True])
+        assert index.exists(["a0", "a1", "b0", "c0"]) == [False, False, True, True]
+        index.release(["b0"], "r")
+        assert index.delete_until_held([["b0"], ["c0"]]) == (2, [True, True])
+
+    def test_a_rewrite_that_grows_a_pinned_object_is_charged_as_a_pin(
+            self, env: IndexEnv) -> None:
+        index = env.open()
+        self._retention(index)
+        put(index, env.site, ["a0"], [100])
+        index.retain(["a0"], Retention("p", None, pinned=True), pin_budget=250)
+        with pytest.raises(PinBudgetError):
+            index.reserve(["a0"], [400], CAPACITY, pin_budget=250)
+        assert index.reserved_bytes() == 0
+        reservation = index.reserve(["a0"], [200], CAPACITY, pin_budget=250)
+        env.site.publish("a0", b"x" * 200)
+        index.settle_put(reservation)
+        assert index.pinned_bytes() == 200
+
     def test_retained_objects_go_after_the_rest_and_holds_end_with_their_object(
             self, env: IndexEnv) -> None:
         index = env.open()
