@@ -102,12 +102,22 @@ class StoreEvents:
                 return reported
 
     def run(self, stop: threading.Event, interval_s: float = 0.05) -> None:
-        """``poll`` every ``interval_s`` until ``stop`` is set."""
+        """``poll`` every ``interval_s`` until ``stop`` is set. A feed that fails (its index
+        unreachable) is logged once, with the count of failed looks when it answers again,
+        not at every look."""
+        failed = 0
         while not stop.is_set():
             try:
                 self.poll()
             except Exception:
-                log.exception("kv events: reading the store's change feed failed; retrying")
+                if not failed:
+                    log.exception("kv events: reading the store's change feed failed; retrying")
+                failed += 1
+            else:
+                if failed:
+                    log.warning("kv events: the change feed answers again (%d looks failed)",
+                                failed)
+                failed = 0
             stop.wait(interval_s)
 
     def _resync(self, keys: list[str]) -> int:

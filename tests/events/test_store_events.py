@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from _kv_subscriber import Batch, Subscriber
 
-from hicache_store.backends import open_backend
+from hicache_store.backends import BackendUnavailableError, open_backend
 from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import NotSupportedError
 from hicache_store.backends.file import FileBackend
@@ -304,3 +304,40 @@ def test_a_subscriber_that_keeps_its_view_across_a_restart_of_the_events_process
         subscriber.wait(60)
         asyncio.run(backend.close())
     assert subscriber.returncode == 0, subscriber.stderr.read() if subscriber.stderr else ""
+
+
+def test_a_failing_feed_is_logged_once_per_outage(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A look at the feed every 50 ms while the index cannot answer (a fleet's server down for
+    a while) is one log record with its traceback, and one when it answers again: a line per
+    look filled the log (and blocked an events process whose stderr was a pipe)."""
+    import logging
+    import threading
+
+    from hicache_store.events.store import StoreEvents
+
+    backend = open_backend(f"file://{tmp_path}/s")
+    publisher = EventPublisher(PublisherConfig(f"ipc://{tmp_path}/p", f"ipc://{tmp_path}/r",
+                                               bind=True))
+    watcher = StoreEvents(backend, publisher)
+    polls = {"n": 0}
+    stop = threading.Event()
+
+    def poll() -> int:
+        polls["n"] += 1
+        if polls["n"] <= 20:
+            raise BackendUnavailableError("down", backend="index", operation="changes_after")
+        if polls["n"] >= 25:
+            stop.set()
+        return 0
+
+    watcher.poll = poll  # type: ignore[method-assign]
+    caplog.set_level(logging.WARNING, logger="hicache_store.events.store")
+    try:
+        watcher.run(stop, interval_s=0.001)
+    finally:
+        publisher.close()
+        asyncio.run(backend.close())
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "failed" in messages[0] and "answers again (20 looks failed)" in messages[1]
