@@ -18,10 +18,14 @@ identity in the index's other tables (in flight, holds) is ``fp + suffix``.
 | 2 | 32 bytes (sha256) | 8 bytes |
 | 3 | 16 bytes | ``ukv1-`` + 8 bytes (SGLang's unified keyspace) |
 | 4 | 32 bytes | ``ukv1-`` + 8 bytes |
+
+``pack`` keeps the last 65,536 keys it packed (the keys of chains an engine asks about again
+and again).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,6 +49,7 @@ class Packed:
         return self.fp + self.suffix
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def pack(key: str) -> Packed:
     parts = object_key_parts(key)
     if parts is None:

@@ -81,12 +81,32 @@ local function charged_of(objs)
   for _, o in pairs(objs) do n = n + o[2] end
   return n
 end
+-- a change of what is stored: one object of a page, with the bytes it is charged (tallied
+-- here, written once at the end of the step: ``flush_tallies``)
+local tally_total, tally_count, tally_ns = 0, 0, {}
+local function account(prefix, delta_bytes, delta_count)
+  tally_total = tally_total + delta_bytes
+  tally_count = tally_count + delta_count
+  if delta_bytes ~= 0 then
+    local ns = ns_of(prefix)
+    tally_ns[ns] = (tally_ns[ns] or 0) + delta_bytes
+  end
+end
+local function flush_tallies()
+  if tally_total ~= 0 then redis.call("HINCRBY", M, "total", tally_total) end
+  if tally_count ~= 0 then redis.call("HINCRBY", M, "count", tally_count) end
+  for ns, delta in pairs(tally_ns) do
+    if delta ~= 0 then redis.call("HINCRBY", P .. "N", ns, delta) end
+  end
+  tally_total, tally_count, tally_ns = 0, 0, {}
+end
 -- the feed: changes gathered in order, written as one stream entry per run of one presence
 local changes = {}
 local function change(present, prefix, suffix)
   changes[#changes + 1] = {present, string.char(#prefix) .. prefix .. string.char(#suffix) .. suffix}
 end
 local function flush_feed(maxlen)
+  flush_tallies()
   local i = 1
   while i <= #changes do
     local present = changes[i][1]
@@ -100,14 +120,6 @@ local function flush_feed(maxlen)
                "p", present and "1" or "0", "n", fmt(#names), "k", table.concat(names))
   end
   changes = {}
-end
--- a change of what is stored: one object of a page, with the bytes it is charged
-local function account(prefix, delta_bytes, delta_count)
-  if delta_bytes ~= 0 then
-    redis.call("HINCRBY", M, "total", delta_bytes)
-    redis.call("HINCRBY", P .. "N", ns_of(prefix), delta_bytes)
-  end
-  if delta_count ~= 0 then redis.call("HINCRBY", M, "count", delta_count) end
 end
 -- make one object of page fp match a measurement (size < 0: absent); returns whether present
 local function set_object(fp, prefix, suffix, size, charged)
@@ -374,6 +386,7 @@ for i, v in ipairs(batch.victims) do if not kept[i] then victims[#victims + 1] =
 batch.victims = victims
 local exclude = {}
 for _, k in ipairs(batch.keys) do exclude[k[1] .. k[3]] = true end
+flush_tallies()  -- (the objects indexed again count before the room is measured)
 local total = tonumber(redis.call("HGET", M, "total") or "0")
 local reserved = tonumber(redis.call("HGET", M, "reserved") or "0")
 local need = total + reserved - capacity
@@ -489,7 +502,12 @@ for i = 4, #ARGV, 6 do
     end
   end
 end
-if ARGV[3] == "build" then changes = {} else flush_feed(maxlen) end
+if ARGV[3] == "build" then
+  changes = {}  -- (a build is no change: a feed reader starts over from a listing)
+  flush_tallies()
+else
+  flush_feed(maxlen)
+end
 return {"OK", n}
 """
 

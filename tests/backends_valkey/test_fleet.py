@@ -115,7 +115,8 @@ class Fleet:
                     'mount --bind "$1" /proc/sys/kernel/random/boot_id && hostname "$2" && '
                     'shift 2 && exec "$@"', "sh", str(boot), f"host{writer.host}", *argv]
         env = {**os.environ, "PYTHONPATH": str(WORKER.parent)}
-        writer.proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE)
+        with open(writer.log.with_suffix(".err"), "a") as err:  # (a pipe could fill up)
+            writer.proc = subprocess.Popen(argv, env=env, stderr=err)
 
     def kept_pins(self) -> set[str]:
         pins: set[str] = set()
@@ -168,8 +169,11 @@ def _held(batches: list[tuple[int, list[Any]]]) -> set[bytes]:
         for event in batch[1]:
             if event["type"] == "BlockStored":
                 held.update(event["block_hashes"])
-            else:
+            elif event["type"] == "BlockRemoved":
                 held.difference_update(event["block_hashes"])
+            else:
+                assert event["type"] == "AllBlocksCleared"
+                held.clear()
     return held
 
 
@@ -196,12 +200,12 @@ def run_fleet(tmp: Path, url: str, root: Path, *, hosts: bool,
     asyncio.run(manifest())
     pub, replay = f"ipc://{tmp}/pub", f"ipc://{tmp}/replay"
     events = subprocess.Popen(
-        [sys.executable, "-m", "hicache_store", "events", url, "--namespace", namespace.digest,
+        [sys.executable, "-X", "faulthandler", "-m", "hicache_store", "events", url, "--namespace", namespace.digest,
          "--pub", pub, "--replay", replay, "--history", "1000000", "--interval", "0.05"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=open(tmp / "events.err", "w"), text=True)  # noqa: SIM115
     assert events.stdout is not None
     first = events.stdout.readline()
-    assert first.startswith("publishing"), first + (events.stderr.read() if events.stderr else "")
+    assert first.startswith("publishing"), first + (tmp / "events.err").read_text()
     sub = Subscriber(pub, replay)
     stop = threading.Event()
 
@@ -224,8 +228,8 @@ def run_fleet(tmp: Path, url: str, root: Path, *, hosts: bool,
         counts = []
         for w in fleet.writers:
             assert w.proc is not None
-            _, err = w.proc.communicate(timeout=SECONDS + 300)
-            assert w.proc.returncode == 0, err.decode()[-3000:]
+            w.proc.wait(timeout=SECONDS + 300)
+            assert w.proc.returncode == 0, w.log.with_suffix(".err").read_text()[-3000:]
         for w in fleet.writers:
             lines = w.log.read_text().splitlines()
             counts += [json.loads(line[5:]) for line in lines if line.startswith("done ")]
@@ -235,8 +239,8 @@ def run_fleet(tmp: Path, url: str, root: Path, *, hosts: bool,
         fleet.sample()
         # recovery: gc reconciles the index with the files (and bounds the store), then an
         # open reclaims what lapsed writers left
-        gc = _cli("gc", url, "--max-bytes", str(CAPACITY), "--state-dir", str(tmp / "gc"),
-                  "--no-progress")
+        gc = _cli("gc", url, "--max-bytes", f"{CAPACITY}B", "--state-dir", str(tmp / "gc"),
+                  "--no-progress", "--yes")
         assert gc.returncode == 0, gc.stderr
         # the events of the still store: the subscriber converges on its listing
         listed = _listing(url)
@@ -265,10 +269,10 @@ def run_fleet(tmp: Path, url: str, root: Path, *, hosts: bool,
         try:
             events.wait(30)
         except subprocess.TimeoutExpired:
-            events.kill()
+            events.send_signal(signal.SIGABRT)  # (faulthandler: every thread's stack)
             events.wait()
-            raise AssertionError("the events process did not stop on SIGTERM: " + (
-                events.stderr.read()[-5000:] if events.stderr else "")) from None
+            raise AssertionError("the events process did not stop on SIGTERM: " +
+                                 (tmp / "events.err").read_text()[-6000:]) from None
     return fleet, counts
 
 
@@ -376,11 +380,9 @@ def stop_past_the_lease(index: int) -> Any:
 
 
 def run_gc(fleet: Fleet, started: float) -> None:
-    print(f"gc at {time.monotonic() - fleet.t0:.2f} s", flush=True)
-    done = _cli("gc", fleet.url, "--max-bytes", str(CAPACITY * 7 // 10), "--state-dir",
-                str(fleet.tmp / "gc-mid"), "--no-progress")
+    done = _cli("gc", fleet.url, "--max-bytes", f"{CAPACITY * 7 // 10}B", "--state-dir",
+                str(fleet.tmp / "gc-mid"), "--no-progress", "--yes")
     assert done.returncode in (0, 1), done.stderr  # (1: a deletion raced a writer)
-    print(f"gc done at {time.monotonic() - fleet.t0:.2f} s", flush=True)
 
 
 def restart_server(server: ValkeyServer, *, crash: bool, down_s: float) -> Any:
