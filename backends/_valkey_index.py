@@ -81,6 +81,7 @@ log = logging.getLogger(__name__)
 _BUCKETS = 1 << 16
 _SCAN_CHUNK = 2048
 _SCRIPT_KEYS = 2000  # keys per script call (a put or delete of more goes in several)
+_EXISTS_KEYS = 65_536  # keys per exists call (one string argument of about 20 bytes a key)
 _RANK_EPOCH_MS = 1704067200000
 _BUILD_LOCK_MS = 60_000
 
@@ -208,11 +209,10 @@ class ValkeyIndex(ObjectIndex):
         packed = [pack(key) for key in keys]
         try:
             out: list[bool] = []
-            for start in range(0, len(packed), _SCRIPT_KEYS):
-                args: list[bytes] = []
-                for p in packed[start : start + _SCRIPT_KEYS]:
-                    args += [p.fp, p.suffix]
-                reply = self._script("exists", args, "exists")
+            for start in range(0, len(packed), _EXISTS_KEYS):
+                blob = b"".join(p.fp + bytes([len(p.suffix)]) + p.suffix
+                                for p in packed[start : start + _EXISTS_KEYS])
+                reply = self._script("exists", [blob], "exists")
                 if reply[0] != b"OK":
                     return self._probe(keys)
                 out += [bit == ord("1") for bit in reply[1]]
@@ -773,7 +773,7 @@ def _objects(value: bytes) -> Iterator[tuple[str, int]]:
     n = value[0]
     prefix = value[1 : 1 + n]
     for line in value[1 + n :].split(b"\n")[1:]:
-        suffix, size, _charged = line.split(b" ")
+        suffix, size = line.split(b" ")[:2]  # (then the bytes charged, where they differ)
         yield unpack(prefix, suffix), int(size)
 
 

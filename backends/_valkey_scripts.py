@@ -10,7 +10,7 @@ all of them in one slot; ``KEYS[1]`` is the meta hash and every other key is nam
 | key | type | holds |
 |---|---|---|
 | ``M`` | hash | ``ready``, ``seq`` (last change), ``total`` (bytes charged), ``count``, ``reserved`` (bytes of puts in flight), ``batches``, ``epoch``, ``rebuilt_at`` |
-| ``P:<4 hex>`` | hash | page records: fingerprint -> prefix and ``\\n<suffix> <size> <charged>`` per object (``_valkey_keys``) |
+| ``P:<4 hex>`` | hash | page records: fingerprint -> prefix and ``\\n<suffix> <size>[ <charged>]`` per object (charged when it is not the size; ``_valkey_keys``) |
 | ``R`` | sorted set | page fingerprint -> rank (eviction order: smallest first) |
 | ``BP`` / ``BD`` | hash | object -> puts / deletes in flight on it |
 | ``W`` | hash | writer -> who (host, pid) |
@@ -53,15 +53,20 @@ local function load(fp)
   local n = string.byte(v, 1)
   local prefix = string.sub(v, 2, 1 + n)
   local objs = {}
-  for s, a, b in string.gmatch(string.sub(v, 2 + n), "\n([^ \n]*) (%d+) (%d+)") do
-    objs[s] = {tonumber(a), tonumber(b)}
+  for s, a, b in string.gmatch(string.sub(v, 2 + n), "\n([^ \n]*) (%d+) ?(%d*)") do
+    local size = tonumber(a)
+    objs[s] = {size, tonumber(b) or size}
   end
   return prefix, objs
 end
 local function fmt(x) return string.format("%d", x) end
 local function save(fp, prefix, objs)
   local parts = {string.char(#prefix), prefix}
-  for s, o in pairs(objs) do parts[#parts + 1] = "\n" .. s .. " " .. fmt(o[1]) .. " " .. fmt(o[2]) end
+  for s, o in pairs(objs) do
+    local entry = "\n" .. s .. " " .. fmt(o[1])
+    if o[2] ~= o[1] then entry = entry .. " " .. fmt(o[2]) end  -- (charged: when it differs)
+    parts[#parts + 1] = entry
+  end
   if #parts > 2 then
     redis.call("HSET", bucket(fp), fp, table.concat(parts))
   else
@@ -93,10 +98,10 @@ local function account(prefix, delta_bytes, delta_count)
   end
 end
 local function flush_tallies()
-  if tally_total ~= 0 then redis.call("HINCRBY", M, "total", tally_total) end
-  if tally_count ~= 0 then redis.call("HINCRBY", M, "count", tally_count) end
+  if tally_total ~= 0 then redis.call("HINCRBY", M, "total", fmt(tally_total)) end
+  if tally_count ~= 0 then redis.call("HINCRBY", M, "count", fmt(tally_count)) end
   for ns, delta in pairs(tally_ns) do
-    if delta ~= 0 then redis.call("HINCRBY", P .. "N", ns, delta) end
+    if delta ~= 0 then redis.call("HINCRBY", P .. "N", ns, fmt(delta)) end
   end
   tally_total, tally_count, tally_ns = 0, 0, {}
 end
@@ -161,7 +166,7 @@ local function busy(oid)
   return redis.call("HEXISTS", P .. "BP", oid) == 1 or redis.call("HEXISTS", P .. "BD", oid) == 1
 end
 local function count_busy(table_name, oid, by)
-  local n = redis.call("HINCRBY", P .. table_name, oid, by)
+  local n = redis.call("HINCRBY", P .. table_name, oid, fmt(by))
   if n <= 0 then redis.call("HDEL", P .. table_name, oid) end
 end
 -- holds of one object at time now: pinned, retained, highest priority (expired entries go)
@@ -314,8 +319,8 @@ if need > 0 then
   blob = evict(victims, batch)
 end
 for _, k in ipairs(keys) do count_busy("BP", k[1] .. k[3], 1) end
-for _, pg in ipairs(pinned_growth) do redis.call("HINCRBY", P .. "BG", pg[1], pg[2]) end
-redis.call("HINCRBY", M, "reserved", growth)
+for _, pg in ipairs(pinned_growth) do redis.call("HINCRBY", P .. "BG", pg[1], fmt(pg[2])) end
+redis.call("HINCRBY", M, "reserved", fmt(growth))
 local id = redis.call("HINCRBY", M, "batches", 1)
 redis.call("HSET", P .. "Q:" .. w, id, cmsgpack.pack(batch))
 flush_feed(maxlen)
@@ -355,7 +360,7 @@ for _, v in ipairs(batch.victims or {}) do
 end
 for fp, s in pairs(pages) do redis.call("ZADD", P .. "R", "GT", s, fp) end
 for _, pg in ipairs(batch.pg or {}) do count_busy("BG", pg[1], -pg[2]) end
-redis.call("HINCRBY", M, "reserved", -(batch.g or 0))
+redis.call("HINCRBY", M, "reserved", fmt(-(batch.g or 0)))
 redis.call("HDEL", P .. "Q:" .. w, id)
 flush_feed(maxlen)
 return {"OK"}
@@ -460,14 +465,22 @@ flush_feed(maxlen)
 return {"OK", id, chosen, groups}
 """
 
-#: ARGV: per key: fp, suffix. A string of "1" / "0" (or NOINDEX).
+#: ARGV[1]: the keys as one string, each its fp (8 bytes), its suffix's length (1 byte) and
+#: its suffix (one argument: a client encodes one string faster than thousands). {OK, a
+#: string of "1" / "0"} (or NOINDEX).
 EXISTS = "#!lua flags=no-writes\n" + PRELUDE + r"""
 if not ready() then return {"NOINDEX"} end
+local blob = ARGV[1]
 local out = {}
-for i = 1, #ARGV, 2 do
-  local v = redis.call("HGET", bucket(ARGV[i]), ARGV[i])
+local at = 1
+while at <= #blob do
+  local fp = string.sub(blob, at, at + 7)
+  local n = string.byte(blob, at + 8)
+  local suffix = string.sub(blob, at + 9, at + 8 + n)
+  at = at + 9 + n
+  local v = redis.call("HGET", bucket(fp), fp)
   local hit = "0"
-  if v and string.find(v, "\n" .. ARGV[i + 1] .. " ", 2 + string.byte(v, 1), true) then hit = "1" end
+  if v and string.find(v, "\n" .. suffix .. " ", 2 + string.byte(v, 1), true) then hit = "1" end
   out[#out + 1] = hit
 end
 return {"OK", table.concat(out)}

@@ -614,12 +614,11 @@ class FileBackend(Backend):
         """The index's reservation of a put (``abandon``: not begun once its caller gave up);
         a refusal because a fleet's index cannot be reached is counted
         (``stats.index_refusals``; the index logs an outage once)."""
-        step = abandonable(self._translated) if abandon else self._translated
+        step: Callable[..., Reservation] = (
+            abandonable(self._translated) if abandon else self._translated)
         try:
-            reservation: Reservation = await self._run(
-                step, "put", None, self._index.reserve, keys, sizes, self.capacity_bytes,
-                self.pin_budget_bytes)
-            return reservation
+            return await self._run(step, "put", None, self._index.reserve, keys, sizes,
+                                   self.capacity_bytes, self.pin_budget_bytes)
         except BackendUnavailableError as exc:
             if exc.backend == "index":
                 with self._lock:

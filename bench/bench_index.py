@@ -31,6 +31,7 @@ import hashlib
 import importlib.util
 import os
 import secrets
+import shutil
 import statistics
 import sys
 import tempfile
@@ -268,6 +269,7 @@ def main() -> None:
             rows["valkey"][f"memory per object, {groups} a page, B"] = f"{per:.0f}"
     finally:
         server.remove()
+        shutil.rmtree(work, ignore_errors=True)
     names = list(dict.fromkeys(k for row in rows.values() for k in row))
     table = ["| measure | SQLite index | Valkey index |", "|---|---|---|"]
     table += [f"| {n} | {rows['sqlite'].get(n, '-')} | {rows['valkey'].get(n, '-')} |"
