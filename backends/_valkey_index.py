@@ -56,7 +56,7 @@ from typing import Any
 import msgpack
 
 from ._valkey_keys import names, pack, unpack
-from ._valkey_link import Link
+from ._valkey_link import RETRY_S, Link
 from ._valkey_scripts import SCRIPTS
 from .errors import (
     BackendUnavailableError,
@@ -84,6 +84,8 @@ _SCRIPT_KEYS = 2000  # keys per script call (a put or delete of more goes in sev
 _EXISTS_KEYS = 65_536  # keys per exists call (one string argument of about 20 bytes a key)
 _RANK_EPOCH_MS = 1704067200000
 _BUILD_LOCK_MS = 60_000
+_BUILD_CHUNK = 500  # objects per step of a build
+_BUILD_TRIES = 5
 
 
 def rank_seconds(score: float) -> float:
@@ -617,14 +619,12 @@ class ValkeyIndex(ObjectIndex):
         chunk: list[tuple[str, Measured]] = []
         for item in self._site.walk():
             chunk.append(item)
-            if len(chunk) >= 1000:
-                found += self._set_from([k for k, _ in chunk], [m for _, m in chunk], "open",
-                                        mode="build")
+            if len(chunk) >= _BUILD_CHUNK:
+                found += self._build_chunk(chunk)
                 chunk = []
                 self._link.call("open", self._link.client.pexpire, lock, _BUILD_LOCK_MS)
         if chunk:
-            found += self._set_from([k for k, _ in chunk], [m for _, m in chunk], "open",
-                                    mode="build")
+            found += self._build_chunk(chunk)
         # change numbers above any the lost index gave: a feed reader starts over
         base = time.time_ns() // 1000
         self._script("built", [base, secrets.randbits(48), "1" if found else "0"], "open")
@@ -633,6 +633,19 @@ class ValkeyIndex(ObjectIndex):
             log.warning("the index of %s at %s was built from a walk of the store (%d objects):"
                         " pins and retention set before it was lost are gone", self.root_id,
                         self.url, found)
+
+    def _build_chunk(self, chunk: list[tuple[str, Measured]]) -> int:
+        """Index one chunk of a walk; a step that timed out is tried again (setting keys from
+        the store twice sets them once: the step is idempotent), up to a few times."""
+        for attempt in range(_BUILD_TRIES):
+            try:
+                return self._set_from([k for k, _ in chunk], [m for _, m in chunk], "open",
+                                      mode="build")
+            except BackendUnavailableError:
+                if attempt == _BUILD_TRIES - 1:
+                    raise
+                time.sleep(RETRY_S * (attempt + 2))  # (the link refuses calls meanwhile)
+        raise AssertionError("unreachable")
 
     def clear(self) -> None:
         """Delete every key of this store's index (a rebuild starts from nothing). The page

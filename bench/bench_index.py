@@ -218,7 +218,7 @@ def memory_per_object(server: Any, count: int, groups: int) -> float:
     client.execute_command("FLUSHALL", "SYNC")
     before = int(client.info("memory")["used_memory"])
     index = ValkeyIndex(server.url, f"mem{groups}", SyntheticSite(count, groups),
-                        writer="bench")
+                        writer="bench", timeout_s=30.0)
     try:
         assert index.totals()[1] == count // groups * groups
     finally:

@@ -40,6 +40,9 @@ class TestFileValkeyBackend(BackendTests):
         assert isinstance(backend, FileBackend)
         return FileBackend(backend.root, durability=backend.durability, index=self.url)
 
+    def missing_location(self, backend: Backend, path: Path) -> str:
+        return f"file://{path}?index={self.url}"
+
 
 class TestFileValkeyRetention(RetentionTests):
     @pytest.fixture(autouse=True)
