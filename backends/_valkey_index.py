@@ -56,7 +56,8 @@ from typing import Any
 import msgpack
 
 from ._valkey_keys import names, pack, unpack
-from ._valkey_link import RETRY_S, Link
+from ._valkey_link import Link
+from ._valkey_pages import Builder, Pages
 from ._valkey_scripts import SCRIPTS
 from .errors import (
     BackendUnavailableError,
@@ -77,20 +78,8 @@ from .retention import Retention, check_pin_budget
 
 log = logging.getLogger(__name__)
 
-#: the 65,536 page hashes (``_valkey_keys``), scanned this many per round trip in a listing
-_BUCKETS = 1 << 16
-_SCAN_CHUNK = 2048
 _SCRIPT_KEYS = 2000  # keys per script call (a put or delete of more goes in several)
 _EXISTS_KEYS = 65_536  # keys per exists call (one string argument of about 20 bytes a key)
-_RANK_EPOCH_MS = 1704067200000
-_BUILD_LOCK_MS = 60_000
-_BUILD_CHUNK = 500  # objects per step of a build
-_BUILD_TRIES = 5
-
-
-def rank_seconds(score: float) -> float:
-    """The time (unix seconds) a page's rank records (``_valkey_scripts``)."""
-    return (int(score) // 4096 + _RANK_EPOCH_MS) / 1000.0
 
 
 class ValkeyIndex(ObjectIndex):
@@ -130,6 +119,8 @@ class ValkeyIndex(ObjectIndex):
         self._touched_at = time.monotonic()
         self._stop = threading.Event()
         self.rebuilt = False
+        self._builder = Builder(self._link, site, writer, self._set_from, self._waiting)
+        self._pages = Pages(self._link, self._ready)
         self._ready()
         self._register(self.writer)
         self._heart = threading.Thread(target=self._beat, name="hicache-index-lease", daemon=True)
@@ -408,7 +399,7 @@ class ValkeyIndex(ObjectIndex):
         return self._set_from(keys, self._site.measure(keys), "adopt")
 
     def _set_from(self, keys: Sequence[str], found: Sequence[Measured | None], operation: str,
-                  *, mode: str = "") -> int:
+                  mode: str = "") -> int:
         indexed = 0
         for start in range(0, len(keys), _SCRIPT_KEYS):
             args: list[Any] = [self._feed_max, "0", mode]
@@ -589,169 +580,39 @@ class ValkeyIndex(ObjectIndex):
         reservation = Reservation(keys, batch, 0, victims=victims, writer=me)
         self.settle_put(reservation)
 
-    # -- building the index from the store -----------------------------------------------------------
+    # -- the index built whole, and read whole (``_valkey_pages``) --------------------------------
 
     def _ready(self) -> None:
-        """Make sure the index exists: build it from a walk of the store when it does not
-        (one process builds, under a lock; the others wait up to ``lock_timeout``)."""
-        link = self._link
-        if link.call("open", link.client.hexists, link.meta, "ready"):
-            return
-        lock = link.key("L")
-        for pause in self._waiting():
-            if link.call("open", link.client.set, lock, self._base, nx=True, px=_BUILD_LOCK_MS):
-                try:
-                    if not link.call("open", link.client.hexists, link.meta, "ready"):
-                        self._build(lock)
-                finally:
-                    link.call("open", link.client.delete, lock)
-                return
-            if link.call("open", link.client.hexists, link.meta, "ready"):
-                return
-            time.sleep(max(pause, 0.05) - pause)
-        raise BackendUnavailableError(
-            f"the index at {self.url} is being built by another process (waited "
-            f"{self.lock_timeout} s)", backend="index", operation="open")
-
-    def _build(self, lock: str) -> None:
-        self.clear()
-        found = 0
-        chunk: list[tuple[str, Measured]] = []
-        for item in self._site.walk():
-            chunk.append(item)
-            if len(chunk) >= _BUILD_CHUNK:
-                found += self._build_chunk(chunk)
-                chunk = []
-                self._link.call("open", self._link.client.pexpire, lock, _BUILD_LOCK_MS)
-        if chunk:
-            found += self._build_chunk(chunk)
-        # change numbers above any the lost index gave: a feed reader starts over
-        base = time.time_ns() // 1000
-        self._script("built", [base, secrets.randbits(48), "1" if found else "0"], "open")
-        self.rebuilt = found > 0
-        if found:
-            log.warning("the index of %s at %s was built from a walk of the store (%d objects):"
-                        " pins and retention set before it was lost are gone", self.root_id,
-                        self.url, found)
-
-    def _build_chunk(self, chunk: list[tuple[str, Measured]]) -> int:
-        """Index one chunk of a walk; a step that timed out is tried again (setting keys from
-        the store twice sets them once: the step is idempotent), up to a few times."""
-        for attempt in range(_BUILD_TRIES):
-            try:
-                return self._set_from([k for k, _ in chunk], [m for _, m in chunk], "open",
-                                      mode="build")
-            except BackendUnavailableError:
-                if attempt == _BUILD_TRIES - 1:
-                    raise
-                time.sleep(RETRY_S * (attempt + 2))  # (the link refuses calls meanwhile)
-        raise AssertionError("unreachable")
+        """Make sure the index exists (built from a walk of the store when it does not)."""
+        if self._builder.ready():
+            self.rebuilt = True
 
     def clear(self) -> None:
-        """Delete every key of this store's index (a rebuild starts from nothing). The page
-        hashes are deleted only where pages may be left (a rank set exists): a new store, or
-        one whose server lost everything, has none."""
-        link = self._link
-        writers = link.call("clear", link.client.hkeys, link.key("W"))
-        names_ = [link.key(n) for n in ("R", "BP", "BD", "W", "T", "N", "F")]
-        names_ += [link.key(f"Q:{bytes(w).decode()}") for w in writers]
-        names_ += [link.key(f"H:{bytes(w).decode()}") for w in writers]
-        if link.call("clear", link.client.exists, link.key("R")):
-            names_ += [link.key(f"P:{b:04x}") for b in range(_BUCKETS)]
-        names_.append(link.meta)
-        for start in range(0, len(names_), _SCAN_CHUNK):
-            batch = names_[start : start + _SCAN_CHUNK]
-
-            def drop(pipe: Any, batch: list[str] = batch) -> None:
-                for name in batch:
-                    pipe.delete(name)
-
-            link.pipeline("clear", drop)
+        """Delete every key of this store's index (``Builder.clear``)."""
+        self._builder.clear()
 
     def rebuild(self) -> None:
-        """Drop the index and build it again from a walk of the store (``gc --rebuild-index``):
-        the pins and retention of the old one are gone."""
+        # docstring inherited. (``gc --rebuild-index``)
         self._link.call("rebuild", self._link.client.hdel, self._link.meta, "ready")
         self._ready()
         self._register(self.writer)
 
-    # -- the change feed and listings ---------------------------------------------------------------
-
     def changes_after(self, seq: int, limit: int = 64) -> FeedChanges:
         # docstring inherited
-        link = self._link
-        entries, last = link.pipeline("changes_after", lambda pipe: [
-            pipe.xrange(link.key("F"), min=f"{seq + 1}-0", max="+", count=limit),
-            pipe.hget(link.meta, "seq")])
-        last_seq = int(last or 0)
-        changes: list[tuple[str, bool]] = []
-        at = seq
-        for entry_id, fields in entries:
-            entry_seq = int(bytes(entry_id).split(b"-")[0])
-            count = int(fields[b"n"])
-            if entry_seq - count != at:
-                return FeedChanges(last_seq, seq, [], complete=False)
-            present = fields[b"p"] == b"1"
-            changes += [(key, present) for key in names(bytes(fields[b"k"]))]
-            at = entry_seq
-        if not entries and last_seq != seq:
-            return FeedChanges(last_seq, seq, [], complete=False)
-        return FeedChanges(last_seq, at, changes, complete=True)
+        return self._pages.changes_after(seq, limit)
 
     def listing(self) -> tuple[int, list[str]]:
-        # docstring inherited. The buckets are read a chunk at a time while writers go on;
-        # the changes made meanwhile are read from the feed and applied, so the listing is
-        # exact as of its change number.
-        self._ready()
-        for _ in range(5):
-            before = int(self._link.call("listing", self._link.client.hget, self._link.meta,
-                                         "seq") or 0)
-            keys = {key for page in self._pages("") for key, _, _ in page}
-            after = before
-            while True:
-                found = self.changes_after(after, limit=1024)
-                if not found.complete:
-                    break
-                for key, present in found.changes:
-                    (keys.add if present else keys.discard)(key)
-                after = found.upto
-                if after >= found.last:
-                    return after, sorted(keys)
-        raise BackendUnavailableError("the change feed moved faster than a listing",
-                                      backend="index", operation="listing")
+        # docstring inherited
+        return self._pages.listing()
 
     def key_pages(self, prefix: str) -> Iterator[list[str]]:
         # docstring inherited. In no particular order.
-        for page in self._pages(prefix):
+        for page in self._pages.pages(prefix):
             yield [key for key, _, _ in page]
 
     def entry_pages(self, prefix: str) -> Iterator[list[tuple[str, int, float]]]:
         # docstring inherited. In no particular order; sizes are the objects' lengths.
-        yield from self._pages(prefix)
-
-    def _pages(self, prefix: str) -> Iterator[list[tuple[str, int, float]]]:
-        link = self._link
-        for start in range(0, _BUCKETS, _SCAN_CHUNK):
-
-            def read(pipe: Any, start: int = start) -> None:
-                for b in range(start, start + _SCAN_CHUNK):
-                    pipe.hgetall(link.key(f"P:{b:04x}"))
-
-            records = link.pipeline("list", read)
-            pages = [(bytes(fp), bytes(value)) for record in records
-                     for fp, value in record.items()]
-            if not pages:
-                continue
-            scores = link.call("list", link.client.zmscore, link.key("R"),
-                               [fp for fp, _ in pages])
-            out: list[tuple[str, int, float]] = []
-            for (_, value), score in zip(pages, scores, strict=True):
-                when = rank_seconds(score) if score is not None else 0.0
-                for key, size in _objects(value):
-                    if key.startswith(prefix):
-                        out.append((key, size, when))
-            if out:
-                yield out
+        yield from self._pages.pages(prefix)
 
     # -- close ----------------------------------------------------------------------------------------
 
@@ -781,13 +642,4 @@ def _items(value: Any) -> list[Any]:
     return list(value or [])
 
 
-def _objects(value: bytes) -> Iterator[tuple[str, int]]:
-    """``(key, size)`` of each object of a page record (``_valkey_scripts``)."""
-    n = value[0]
-    prefix = value[1 : 1 + n]
-    for line in value[1 + n :].split(b"\n")[1:]:
-        suffix, size = line.split(b" ")[:2]  # (then the bytes charged, where they differ)
-        yield unpack(prefix, suffix), int(size)
-
-
-__all__ = ["ValkeyIndex", "rank_seconds"]
+__all__ = ["ValkeyIndex"]
