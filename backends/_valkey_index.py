@@ -388,10 +388,16 @@ class ValkeyIndex(ObjectIndex):
             self._script("touch", args, "get_into")
 
     def repair_missing(self, key: str) -> None:
-        # docstring inherited
+        # docstring inherited. The read's miss may be stale by now (a put stored the key again
+        # since: its repair was queued, or its process stopped): the store is asked again, and
+        # the step skips the key if its page was settled or read after that look began.
         p = pack(key)
         with contextlib.suppress(BackendUnavailableError):
-            self._script("set", [self._feed_max, "1", "", p.fp, p.prefix, p.suffix, -1, 0, 0],
+            seconds, micros = self._link.call("get_into", self._link.client.time)
+            if self._site.measure([key])[0] is not None:
+                return
+            look = int(seconds) * 1000 + int(micros) // 1000
+            self._script("set", [self._feed_max, look, "", p.fp, p.prefix, p.suffix, -1, 0, 0],
                          "get_into")
 
     def adopt(self, keys: Sequence[str]) -> int:
@@ -402,7 +408,7 @@ class ValkeyIndex(ObjectIndex):
                   mode: str = "") -> int:
         indexed = 0
         for start in range(0, len(keys), _SCRIPT_KEYS):
-            args: list[Any] = [self._feed_max, "0", mode]
+            args: list[Any] = [self._feed_max, "", mode]
             for key, m in zip(keys[start : start + _SCRIPT_KEYS],
                               found[start : start + _SCRIPT_KEYS], strict=True):
                 p = pack(key)

@@ -498,16 +498,22 @@ end
 return {"OK"}
 """
 
-#: ARGV: feed maxlen, skip busy ("1": a repair), then per key: fp, prefix, suffix, size
-#: (-1: absent), charged, mtime (ms). Sets each key from the store (a repair, an adoption,
-#: a build); a new page ranks by its mtime.
+#: ARGV: feed maxlen, a repair's look ("": none; else the server's ms before the store was
+#: asked), mode ("build" or ""), then per key: fp, prefix, suffix, size (-1: absent),
+#: charged, mtime (ms). Sets each key from the store (a repair, an adoption, a build); a new
+#: page ranks by its mtime. A repair leaves alone a key with a change in flight and a key
+#: whose page was settled or read since its look (the look is stale: a put came after it).
 SET = PRELUDE + r"""
 if not ready() and ARGV[3] ~= "build" then return {"NOINDEX"} end
-local maxlen, repair = ARGV[1], ARGV[2] == "1"
+local maxlen, look = ARGV[1], tonumber(ARGV[2])
+local function changed_since(fp)
+  local s = redis.call("ZSCORE", P .. "R", fp)
+  return s ~= false and s ~= nil and math.floor(tonumber(s) / 4096) + EPOCH >= look
+end
 local n = 0
 for i = 4, #ARGV, 6 do
   local fp, prefix, suffix = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  if not (repair and busy(fp .. suffix)) then
+  if not (look and (busy(fp .. suffix) or changed_since(fp))) then
     local fresh = redis.call("HEXISTS", bucket(fp), fp) == 0
     if set_object(fp, prefix, suffix, tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])) then
       n = n + 1

@@ -303,7 +303,10 @@ class ObjectIndex(abc.ABC):
 
     @abc.abstractmethod
     def repair_missing(self, key: str) -> None:
-        """A read found no object for ``key``: if indexed, with no change in flight, it goes."""
+        """A read found no object for ``key``: if indexed, with no change in flight, it goes,
+        but only if the store, asked again now, has no object either and nothing stored it
+        since (a miss that arrives late, after another process stored the key again and
+        perhaps pinned it, removes nothing)."""
 
     @abc.abstractmethod
     def adopt(self, keys: Sequence[str]) -> int:

@@ -202,6 +202,19 @@ class IndexTests(abc.ABC):
         assert index.exists(["a0"]) == [False]
         assert index.totals() == (0, 0)
 
+    def test_a_late_repair_keeps_an_object_stored_again(self, env: IndexEnv) -> None:
+        # A read's miss reaches the index late (queued, or its process stopped) after another
+        # process stored the key again and pinned it: the repair looks at the store again.
+        index, other = env.open(), env.open()
+        put(other, env.site, ["a0", "a1"])
+        if index.features.retention:
+            other.retain(["a0"], Retention("pinner", None, pinned=True), pin_budget=200)
+        index.repair_missing("a0")
+        assert index.exists(["a0", "a1"]) == [True, True]
+        assert index.totals() == (200, 2)
+        if index.features.retention:
+            assert [r.owner for r in index.retention_of(["a0"])[0]] == ["pinner"]
+
     # -- the bound and the eviction order ---------------------------------------------------------
 
     def test_a_put_larger_than_the_capacity_is_refused(self, env: IndexEnv) -> None:
