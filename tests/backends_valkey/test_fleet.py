@@ -318,6 +318,17 @@ def check_after(fleet: Fleet, url: str, tmp: Path, *, pins: bool = True) -> None
             await store.close()
 
     asyncio.run(go())
+    if not pins:
+        # the manifest's pin went with the index, and the manifest (the oldest object) with
+        # the evictions after: an engine that starts stores it again, as this does
+        async def manifest() -> None:
+            store = open_backend(url)
+            try:
+                await ensure_manifest(store, namespace)
+            finally:
+                await store.close()
+
+        asyncio.run(manifest())
     _query_agrees(url, namespace.digest)
     if fleet.root is not None and (fleet.root / "tmp").exists():
         left = [n for n in os.listdir(fleet.root / "tmp") if n.endswith(".tmp")]
