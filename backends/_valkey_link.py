@@ -53,6 +53,7 @@ class Link:
             valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError)
         self._response_error: type[BaseException] = valkey.exceptions.ResponseError
         self.url = url
+        self.root_id = root_id
         self.prefix = f"hc:{{{root_id}}}:"
         self.meta = self.prefix + "M"
         self.timeout_s = timeout_s

@@ -175,7 +175,7 @@ class Builder:
         if found:
             log.warning("the index of %s at %s was built from a walk of the store (%d objects):"
                         " pins and retention set before it was lost are gone",
-                        self._link.prefix, self._link.url, found)
+                        self._link.root_id, self._link.url, found)
         return found > 0
 
     def _build_chunk(self, chunk: list[tuple[str, Measured]]) -> int:
