@@ -19,8 +19,8 @@ Valkey index of one (``index=valkey://...``), on this host:
 - Valkey memory per object at ``--memory-objects`` objects (``used_memory`` over the index
   built from a walk of that many objects: two objects a page, and one);
 
-and prints one Markdown table (``--markdown``: also written into BENCHMARKS.md). ``bench
-multiturn`` with L3 on each index is run separately (see BENCHMARKS.md for the command).
+and prints one Markdown table (``--markdown``: also written into ``docs/benchmarks/fleet.md``).
+``bench multiturn`` with L3 on each index is run separately (that page has the command).
 """
 
 from __future__ import annotations
@@ -282,7 +282,8 @@ def main() -> None:
         sys.path.insert(0, str(ROOT / "bench"))
         from _markdown import replace_section
 
-        replace_section(ROOT / "BENCHMARKS.md", "## The fleet's index: SQLite vs Valkey\n\n"
+        replace_section(ROOT / "docs" / "benchmarks" / "fleet.md",
+                        "## SQLite vs Valkey on one host\n\n"
                         "Command: `.venv/bin/python bench/bench_index.py --objects "
                         f"{args.objects} --memory-objects {args.memory_objects} --markdown`"
                         f" (one host, Valkey 9.1 on loopback; load average at the end "
