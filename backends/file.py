@@ -314,11 +314,11 @@ class FileBackend(Backend):
                 # a root not indexed, or whose index/ was removed, is read from its files)
                 self._index = NoIndex(str(self._objects), self._final_path, list_dir)
             elif fleet_url is not None:
+                root_id = index_id(self.root, f"{os.getpid()}-{self._token}-layout.tmp")
                 self._index = ValkeyIndex(
-                    fleet_url, index_id(self.root, f"{os.getpid()}-{self._token}-layout.tmp"), self._site,
-                    writer=self._token,
-                    lease_s=index_lease_s, timeout_s=index_timeout_s, lock_timeout=lock_timeout,
-                    clock=clock, connections=max(16, 2 * io_threads),
+                    fleet_url, root_id, self._site, writer=self._token, lease_s=index_lease_s,
+                    timeout_s=index_timeout_s, lock_timeout=lock_timeout, clock=clock,
+                    connections=max(16, 2 * io_threads),
                 )
             else:
                 self._index = FileIndex(

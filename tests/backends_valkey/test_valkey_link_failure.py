@@ -142,7 +142,7 @@ async def test_a_writer_whose_lease_lapsed_cannot_settle_and_gc_removes_what_it_
             assert time.monotonic() < deadline, "the lapsed writer was never reclaimed"
             await asyncio.sleep(0.2)
         # it wakes and publishes, then tries to settle
-        await asyncio.to_thread(sleeper._write_one, "a0", memoryview(_blob("a0")), False)
+        await asyncio.to_thread(sleeper._engine.write, ["a0"], [memoryview(_blob("a0"))])
         with pytest.raises(WriterFencedError):
             await asyncio.to_thread(index.settle_put, reservation)
         assert await other.exists(["a0"]) == [False]
