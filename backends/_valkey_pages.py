@@ -12,11 +12,12 @@ The keys and scripts are ``_valkey_scripts``'.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from ._valkey_keys import names, unpack
 from ._valkey_link import RETRY_S, Link
@@ -24,14 +25,30 @@ from .errors import BackendUnavailableError
 from .index import FeedChanges, Measured, ObjectSite
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-#: the 65,536 page hashes (``_valkey_keys``), read this many per round trip in a listing
+#: the 65,536 page hashes (``_valkey_keys``), read this many per round trip in a listing (a
+#: round trip's work stays far inside one ``timeout_s`` on a loaded server)
 BUCKETS = 1 << 16
-SCAN_CHUNK = 2048
+SCAN_CHUNK = 512
 _RANK_EPOCH_MS = 1704067200000
 _BUILD_LOCK_MS = 60_000
 _BUILD_CHUNK = 500  # objects per step of a build
-_BUILD_TRIES = 5
+_TRIES = 5  # tries of one idempotent step of a build or a listing that timed out
+
+
+def retried(step: Callable[[], T]) -> T:
+    """``step()``, tried again after a timeout (the link refuses calls for ``RETRY_S`` after
+    one), up to ``_TRIES`` times: for idempotent steps of bulk work, which a loaded server may
+    answer late once."""
+    for attempt in range(_TRIES):
+        try:
+            return step()
+        except BackendUnavailableError:
+            if attempt == _TRIES - 1:
+                raise
+            time.sleep(RETRY_S * (attempt + 2))
+    raise AssertionError("unreachable")
 
 
 def rank_seconds(score: float) -> float:
@@ -101,13 +118,14 @@ class Pages:
                 for b in range(start, start + SCAN_CHUNK):
                     pipe.hgetall(link.key(f"P:{b:04x}"))
 
-            records = link.pipeline("list", read)
+            records = retried(functools.partial(link.pipeline, "list", read))
             pages = [(bytes(fp), bytes(value)) for record in records
                      for fp, value in record.items()]
             if not pages:
                 continue
-            scores = link.call("list", link.client.zmscore, link.key("R"),
-                               [fp for fp, _ in pages])
+            fps = [fp for fp, _ in pages]
+            scores: list[Any] = retried(functools.partial(
+                link.call, "list", link.client.zmscore, link.key("R"), fps))
             out: list[tuple[str, int, float]] = []
             for (_, value), score in zip(pages, scores, strict=True):
                 when = rank_seconds(score) if score is not None else 0.0
@@ -179,17 +197,10 @@ class Builder:
         return found > 0
 
     def _build_chunk(self, chunk: list[tuple[str, Measured]]) -> int:
-        """Index one chunk of a walk; a step that timed out is tried again (setting keys from
-        the store twice sets them once: the step is idempotent), up to a few times."""
-        for attempt in range(_BUILD_TRIES):
-            try:
-                return self._set_from([k for k, _ in chunk], [m for _, m in chunk], "open",
-                                      "build")
-            except BackendUnavailableError:
-                if attempt == _BUILD_TRIES - 1:
-                    raise
-                time.sleep(RETRY_S * (attempt + 2))  # (the link refuses calls meanwhile)
-        raise AssertionError("unreachable")
+        """Index one chunk of a walk (setting keys from the store twice sets them once: the
+        step is idempotent, and tried again after a timeout)."""
+        return retried(lambda: self._set_from([k for k, _ in chunk], [m for _, m in chunk],
+                                              "open", "build"))
 
     def clear(self) -> None:
         """Delete every key of this store's index (a rebuild starts from nothing). The page
