@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 import time
 from collections.abc import Sequence
 
@@ -204,18 +205,25 @@ async def test_the_same_wait_off_the_loop_passes() -> None:
 
 
 class HoldsEveryThread(MemoryBackend):
-    """``exists`` runs C code that keeps the interpreter lock (no thread runs meanwhile), as a
-    machine too loaded to run the process does for every thread at once."""
+    """``exists`` keeps the interpreter lock for ``STALL_S`` (no other thread runs meanwhile),
+    as a machine too loaded to run the process does to every thread at once."""
 
     async def _exists(self, keys: Sequence[str]) -> list[bool]:
-        started = time.monotonic()
-        sum(range(1_000_000))
-        per_item = (time.monotonic() - started) / 1_000_000
-        sum(range(int(STALL_S / per_item)))  # one C call, the lock held throughout
+        # The interpreter hands the lock to another thread only every switch interval: set
+        # past the stall, this loop keeps it for STALL_S of the clock whatever the load (a C
+        # call sized by a timing taken first ran short when the load changed in between).
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(STALL_S * 10)
+        try:
+            end = time.monotonic() + STALL_S
+            while time.monotonic() < end:
+                pass
+        finally:
+            sys.setswitchinterval(interval)
         return await super()._exists(keys)
 
 
-#: how long ``HoldsEveryThread`` holds every thread (roughly: the machine's load varies it).
+#: how long ``HoldsEveryThread`` holds every thread.
 STALL_S = 3.0
 
 
