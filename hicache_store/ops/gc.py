@@ -43,7 +43,6 @@ docs/design/gc.md.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -60,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache_store.backends import Backend, BackendError, reads_not_counted
+from hicache_store.backends.lifetime import gather_settled
 from hicache_store.backends.types import ObjectStat
 from hicache_store.layout.errors import CorruptObjectError, HiCacheStoreError
 from hicache_store.layout.framing import ObjectHeader
@@ -547,7 +547,8 @@ async def _read_parents(backend: Backend, state: GcState,
         last = rows[-1][0]
         keys = [page + tail for page, tail in rows]
         chunks = [keys[i : i + HEADER_BATCH] for i in range(0, len(keys), HEADER_BATCH)]
-        found = [h for part in await asyncio.gather(*(_headers(io, c) for c in chunks))
+        # settled: a cancelled gc closes its store only once every read has ended
+        found = [h for part in await gather_settled(*(_headers(io, c) for c in chunks))
                  for h in part]
         for i, (page, tail) in enumerate(rows):
             if not isinstance(found[i], ObjectHeader):

@@ -32,7 +32,6 @@ reports it and the CLI exits 1); the run goes on, and a rerun retries it.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 
 from hicache_store.backends.base import Backend
+from hicache_store.backends.lifetime import gather_settled
 from hicache_store.layout.errors import GridMismatchError
 from hicache_store.layout.hashing import page_hashes
 from hicache_store.layout.host import UnifiedPageLayout
@@ -291,7 +291,9 @@ async def _write_waves(namespace: Namespace,
     depth = max((len(pages) for _kv, pages in computed), default=0)
     for wave in range(depth):
         items = [(kv, pages[wave]) for kv, pages in computed if wave < len(pages)]
-        results = await asyncio.gather(*(
+        # Settled: a cancelled run (Ctrl-C) ends when every write of the wave has, so the
+        # caller's close never overtakes one (plain gather ends at its first cancelled child).
+        results = await gather_settled(*(
             one(kv, page, h, link) for kv, (page, h, ranks) in items for link in ranks))
         index = 0
         for _kv, (_page, _h, ranks) in items:
