@@ -41,3 +41,9 @@ def normalize_dtype(name: str) -> str:
 def dtype_itemsize(name: str) -> int:
     """Bytes per element of a (canonical or ``torch.``-prefixed) KV dtype."""
     return KV_DTYPE_ITEMSIZE[normalize_dtype(name)]
+
+
+def is_float8(name: str) -> bool:
+    """Whether a (canonical or ``torch.``-prefixed) KV dtype is a float8 format: KV that was
+    quantized with scales, and means nothing without them."""
+    return str(name).removeprefix("torch.").startswith("float8_")

@@ -28,6 +28,13 @@ tells two sets of weights under one name apart. The engine integrations and tool
 with ``weights_revision``: an operator's explicit revision, else the weights identity derived
 from the model's files (``hicache_store.weights``), else nothing (the weights are unknown and
 only the model id separates them); an online weight update moves it (``updated_weights``).
+
+**KV scales.** float8 KV bytes mean nothing without the per-layer k/v scales they were
+quantized with: the same bytes read back under other scales are fluent garbage, and nothing
+downstream notices. ``kv_scales`` holds ``kv_scales_digest`` of the scales a deployment's
+engine uses, so pages stored under other scales miss. It is part of the digest only when set
+(namespaces without it keep theirs); ``check_kv_scales`` is the one rule the integrations apply
+at start-up: a float8 dtype without scales is refused, never stored.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import struct
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,7 +52,7 @@ from typing import Any, Literal
 
 import msgpack
 
-from .dtypes import dtype_itemsize, normalize_dtype
+from .dtypes import dtype_itemsize, is_float8, normalize_dtype
 from .errors import InvalidNamespaceError
 
 KVKind = Literal["mha", "mla"]
@@ -191,11 +199,21 @@ class Namespace:
     #: payloads encrypted and authenticated (AES-256-GCM) per layer block. Readers without the
     #: ring find nothing. Part of the digest, so sealed and plain KV never meet.
     sealed: bool = False
+    #: ``kv_scales_digest`` of the per-layer k/v scales float8 KV was quantized with; empty
+    #: for unscaled KV. Part of the digest, so KV under other scales never hits.
+    kv_scales: str = ""
 
     def __post_init__(self) -> None:
         _require_text("model", self.model, allow_empty=False)
         _require_text("model_revision", self.model_revision, allow_empty=True)
         _require_text("tenant_salt", self.tenant_salt, allow_empty=True)
+        if not isinstance(self.kv_scales, str) or (
+            self.kv_scales and not _KV_SCALES_DIGEST.fullmatch(self.kv_scales)
+        ):
+            raise InvalidNamespaceError(
+                f"kv_scales: expected kv_scales_digest's output (kvs- and 16 hex), got "
+                f"{self.kv_scales!r}"
+            )
         _require_choice("kv_kind", self.kv_kind, KV_KINDS)
         _require_choice("replication", self.replication, REPLICATIONS)
         _require_choice("hash_algo", self.hash_algo, HASH_ALGOS)
@@ -305,9 +323,9 @@ class Namespace:
     def canonical_fields(self) -> list[tuple[str, Any]]:
         """The fields in their canonical order, as plain values (the encoding's input).
 
-        Fields added after version 1 (``key_scheme``, ``layer_starts``, ``sealed``) follow only
-        when they differ from their default, so every namespace that existed before keeps its
-        digest.
+        Fields added after version 1 (``key_scheme``, ``layer_starts``, ``sealed``,
+        ``kv_scales``) follow only when they differ from their default, so every namespace that
+        existed before keeps its digest.
         """
         values = {
             "layers_per_chunk": self.grid.layers_per_chunk,
@@ -320,6 +338,8 @@ class Namespace:
             fields.append(("layer_starts", list(self.grid.layer_starts)))
         if self.sealed:
             fields.append(("sealed", True))
+        if self.kv_scales:
+            fields.append(("kv_scales", self.kv_scales))
         return fields
 
     def canonical_encoding(self) -> bytes:
@@ -350,10 +370,13 @@ class Namespace:
         Layer partition 0 means one chunk per pipeline stage (``Grid.layer_starts``); MLA is
         rank-replicated: no head axis (total KV heads and head group 0). SGLang's namespace has
         no revision: a ``model_revision`` is folded into the model id (``{model}@{revision}``),
-        so other weights never share keys; without one the keys are SGLang's own.
+        so other weights never share keys; without one the keys are SGLang's own. Nor has it
+        scales: ``kv_scales`` is folded in the same way (``{model}@{revision}~{kv_scales}``).
         """
         replicated = self.kv_kind == "mla"
         model_id = f"{self.model}@{self.model_revision}" if self.model_revision else self.model
+        if self.kv_scales:
+            model_id = f"{model_id}~{self.kv_scales}"
         return {
             "schema_version": 1,
             "model_id": model_id,
@@ -386,7 +409,7 @@ class Namespace:
         if not isinstance(data, dict):
             raise InvalidNamespaceError("namespace JSON must be an object")
         expected = set(CANONICAL_FIELDS)
-        optional = {"key_scheme", "layer_starts", "sealed"}
+        optional = {"key_scheme", "layer_starts", "sealed", "kv_scales"}
         body = {k: v for k, v in data.items() if k not in ("format", "version", "digest")}
         missing = expected - body.keys()
         unknown = body.keys() - expected - optional
@@ -525,6 +548,57 @@ def updated_weights(identity: str, version: str) -> str:
     return f"{identity}+{version}"
 
 
+#: the form of ``kv_scales_digest``'s output.
+_KV_SCALES_DIGEST = re.compile(r"kvs-[0-9a-f]{16}")
+_KV_SCALES_TAG = b"hicache-store/kv-scales/1"
+
+
+def kv_scales_digest(k_scales: Sequence[float], v_scales: Sequence[float]) -> str:
+    """The ``kv_scales`` of a deployment whose layer *i* quantizes K with ``k_scales[i]`` and V
+    with ``v_scales[i]`` (the engine's per-tensor scales, in layer order, every layer of the
+    model).
+
+    ``kvs-`` and 16 hex characters of a sha256 over the scales as float32 little-endian bytes
+    (the bytes of the engines' float32 scale tensors), so equal scales give equal digests on
+    every host and any scale that differs in any layer changes it. A scale that is not a finite
+    positive number, or lists of different or zero lengths, raise ``InvalidNamespaceError``.
+    """
+    k, v = list(k_scales), list(v_scales)
+    if not k or len(k) != len(v):
+        raise InvalidNamespaceError(
+            f"kv_scales: expected one k and one v scale per layer, got {len(k)} k and "
+            f"{len(v)} v scales"
+        )
+    for name, values in (("k", k), ("v", v)):
+        for layer, value in enumerate(values):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0.0 < float(value) < float("inf")
+            ):
+                raise InvalidNamespaceError(
+                    f"kv_scales: layer {layer}'s {name} scale {value!r} is not a finite "
+                    "positive number"
+                )
+    try:
+        packed = struct.pack(f"<{len(k)}f{len(v)}f", *k, *v)
+    except OverflowError:
+        raise InvalidNamespaceError("kv_scales: a scale is beyond float32's range") from None
+    return "kvs-" + hashlib.sha256(_KV_SCALES_TAG + packed).hexdigest()[:DIGEST_HEX_CHARS]
+
+
+def check_kv_scales(dtype: str, kv_scales: str, *, setting: str) -> None:
+    """The start-up rule for scaled KV: a float8 ``dtype`` needs its ``kv_scales``.
+
+    Raises ``InvalidNamespaceError`` (one line, naming ``setting``: where the operator or the
+    engine provides the scales) when ``dtype`` is a float8 dtype and ``kv_scales`` is empty;
+    float8 KV stored without its scales would be served to readers under other scales.
+    """
+    if is_float8(dtype) and not kv_scales:
+        raise InvalidNamespaceError(
+            f"{normalize_dtype(dtype)} KV needs its per-layer k/v scales in the namespace and "
+            f"none were found: set {setting}; float8 KV is not stored without them"
+        )
+
+
 #: the field that holds no secret but the salt: shown as set / not set, never by value.
 _SECRET_FIELDS = frozenset({"tenant_salt"})
 
@@ -552,9 +626,10 @@ def namespace_differences(mine: Namespace, stored: Namespace) -> list[Difference
     Empty exactly when the two namespaces are equal (same canonical fields, so same digest).
     """
     out: list[Difference] = []
-    # Fields past version 1 (key_scheme, layer_starts, sealed) appear only when set: compare the
-    # union, a missing one at its default.
-    defaults: dict[str, Any] = {"key_scheme": "hicache", "layer_starts": None, "sealed": False}
+    # Fields past version 1 (key_scheme, layer_starts, sealed, kv_scales) appear only when set:
+    # compare the union, a missing one at its default.
+    defaults: dict[str, Any] = {
+        "key_scheme": "hicache", "layer_starts": None, "sealed": False, "kv_scales": ""}
     ours, theirs = dict(mine.canonical_fields()), dict(stored.canonical_fields())
     for name in [*ours, *(n for n in theirs if n not in ours)]:
         value, other = ours.get(name, defaults.get(name)), theirs.get(name, defaults.get(name))

@@ -17,6 +17,8 @@ from hicache_store.layout.namespace import (
     Grid,
     ModelShape,
     Namespace,
+    check_kv_scales,
+    kv_scales_digest,
     namespace_differences,
     updated_weights,
     weights_revision,
@@ -204,3 +206,81 @@ def test_an_update_label_composes_with_the_files_identity() -> None:
     assert dataclasses.replace(BASE, model_revision=long).model_revision == long  # it fits
     with pytest.raises(InvalidNamespaceError, match="label"):
         updated_weights("fp-abc", "")
+
+
+FP8 = dataclasses.replace(BASE, dtype="float8_e4m3fn")
+K_SCALES, V_SCALES = [0.5 + i / 64 for i in range(32)], [0.25 + i / 128 for i in range(32)]
+
+
+def test_fp8_kv_under_other_scales_has_another_digest() -> None:
+    """The scales are part of the identity: one k or v scale of one layer moves the digest."""
+    scaled = dataclasses.replace(FP8, kv_scales=kv_scales_digest(K_SCALES, V_SCALES))
+    assert scaled.digest not in (FP8.digest, BASE.digest)
+    other_k = [*K_SCALES[:-1], K_SCALES[-1] * 2]
+    other_v = [*V_SCALES[:3], V_SCALES[3] + 2**-10, *V_SCALES[4:]]
+    swapped = kv_scales_digest(V_SCALES, K_SCALES)  # k and v are not interchangeable
+    digests = {
+        dataclasses.replace(FP8, kv_scales=scales).digest
+        for scales in (kv_scales_digest(other_k, V_SCALES), kv_scales_digest(K_SCALES, other_v),
+                       swapped)
+    }
+    assert len(digests | {scaled.digest}) == 4
+    assert [d.field for d in namespace_differences(scaled, FP8)] == ["kv_scales"]
+
+
+def test_equal_scales_give_the_same_digest_in_another_process() -> None:
+    """Equal scales on another host (here: another process, another hash seed) hit: the
+    digest depends on the scale values alone, as float32 bytes (a tensor's, a Python float's)."""
+    mine = dataclasses.replace(FP8, kv_scales=kv_scales_digest(K_SCALES, V_SCALES))
+    code = (
+        "import dataclasses; from hicache_store.layout.namespace import *;"
+        "ns = Namespace.create('meta-llama/Llama-3-8B', ModelShape.mha(32, 8, 128),"
+        " 'float8_e4m3fn', 64, Grid(16, 2));"
+        "k = [0.5 + i / 64 for i in range(32)]; v = [0.25 + i / 128 for i in range(32)];"
+        "print(dataclasses.replace(ns, kv_scales=kv_scales_digest(k, v)).digest)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={"PYTHONHASHSEED": "7"})
+    assert out.stdout.strip() == mine.digest
+    assert kv_scales_digest([1, 1], [1, 1]) == kv_scales_digest([1.0, 1.0], [1.0, 1.0])
+
+
+def test_kv_scales_round_trip_through_json_and_old_digests_stay() -> None:
+    assert "kv_scales" not in dict(FP8.canonical_fields())
+    assert BASE.digest == "38874e9b2c1b1d58"  # namespaces without scales keep their keys
+    scaled = dataclasses.replace(FP8, kv_scales=kv_scales_digest(K_SCALES, V_SCALES))
+    data = json.loads(scaled.to_json_text())
+    assert data["kv_scales"] == scaled.kv_scales
+    assert Namespace.from_json(data) == scaled
+
+
+@pytest.mark.parametrize(
+    ("k", "v", "match"),
+    [
+        ([1.0], [1.0, 1.0], "1 k and 2 v scales"),
+        ([], [], "0 k and 0 v"),
+        ([1.0, 0.0], [1.0, 1.0], "layer 1's k scale 0.0"),
+        ([1.0], [float("nan")], "layer 0's v scale nan"),
+        ([1.0], [float("inf")], "not a finite positive"),
+        ([1e39], [1.0], "float32"),
+        ([True], [1.0], "layer 0's k scale True"),
+    ],
+)
+def test_impossible_scales_are_refused(k: list[float], v: list[float], match: str) -> None:
+    with pytest.raises(InvalidNamespaceError, match=match):
+        kv_scales_digest(k, v)
+
+
+def test_a_kv_scales_field_is_only_a_scales_digest() -> None:
+    with pytest.raises(InvalidNamespaceError, match="kv_scales"):
+        dataclasses.replace(FP8, kv_scales="0.5,0.25")
+
+
+def test_float8_kv_without_scales_is_refused_naming_the_setting() -> None:
+    for dtype in ("float8_e4m3fn", "torch.float8_e5m2", "float8_e4m3fnuz"):
+        with pytest.raises(InvalidNamespaceError, match=r"KV needs its per-layer k/v scales .*"
+                           r"set THE-SETTING; float8 KV is not stored"):
+            check_kv_scales(dtype, "", setting="THE-SETTING")
+        check_kv_scales(dtype, kv_scales_digest([1.0], [1.0]), setting="x")
+    for dtype in ("bfloat16", "float16", "float32", "uint8"):
+        check_kv_scales(dtype, "", setting="x")  # unscaled KV needs none

@@ -21,7 +21,7 @@ from hicache_store.layout.keys import (
     validate_storage_key,
     validate_storage_keys,
 )
-from hicache_store.layout.namespace import Grid, ModelShape, Namespace
+from hicache_store.layout.namespace import Grid, ModelShape, Namespace, kv_scales_digest
 from hicache_store.layout.plans import plan_reads, plan_writes
 from hicache_store.layout.topology import Topology
 from hicache_store.layout.ukv1 import ukv1_grid
@@ -135,6 +135,19 @@ def test_a_ukv1_revision_is_folded_into_the_model_id() -> None:
     assert revised.ukv1_fields()["model_id"] == "m@fp-1234"
     assert revised.digest == folded.digest != bare.digest
     assert bare.ukv1_fields()["model_id"] == "m"  # no revision: SGLang's own keys
+
+
+def test_ukv1_kv_scales_are_folded_into_the_model_id() -> None:
+    """SGLang's namespace has no scales either: float8 KV under other scales gets other keys."""
+    def ns(scales: str, revision: str = "") -> Namespace:
+        return Namespace.create("m", MHA, "float8_e4m3fn", 64, Grid(61, 8),
+                                key_scheme="sglang-ukv1", model_revision=revision,
+                                kv_scales=scales)
+    a, b = kv_scales_digest([1.0], [1.0]), kv_scales_digest([0.5], [1.0])
+    assert ns(a, "fp-1").ukv1_fields()["model_id"] == f"m@fp-1~{a}"
+    assert ns(a).ukv1_fields()["model_id"] == f"m~{a}"
+    assert len({ns("").digest, ns(a).digest, ns(b).digest}) == 3
+    assert ns(a).digest == ns(a).digest
 
 
 @pytest.mark.parametrize(

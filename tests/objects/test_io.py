@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from hicache_store.backends import open_backend
 from hicache_store.backends.faulty import FaultConfig, FaultyBackend
@@ -22,7 +23,7 @@ from hicache_store.layout.errors import (
 )
 from hicache_store.layout.framing import ObjectHeader, decode_header
 from hicache_store.layout.keys import ObjectCoords, ObjectKey, format_key
-from hicache_store.layout.namespace import Grid, ModelShape, Namespace
+from hicache_store.layout.namespace import Grid, ModelShape, Namespace, kv_scales_digest
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import (
     DEFAULT_IO_TIMEOUT_S,
@@ -366,3 +367,45 @@ async def test_a_format_seals_and_opens_in_one_place_each(store: FileBackend) ->
     plain = await ObjectIO(store, NS).read_object(format_key(key()))
     assert plain is not None
     assert np.array_equal(np.frombuffer(plain[1], dtype=np.uint8), data ^ 0x5A)
+
+
+def fp8_namespace(dtype: str, k_scales: list[float], v_scales: list[float]) -> Namespace:
+    return Namespace.create("m", ModelShape.mha(4, 2, 8), dtype, 4, Grid(4, 2),
+                            kv_scales=kv_scales_digest(k_scales, v_scales))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+async def test_fp8_pages_round_trip_exactly_and_only_under_their_scales(
+    store: FileBackend, dtype: torch.dtype
+) -> None:
+    """float8 pages (every bit pattern: NaNs, infinities, negative zero) come back byte for
+    byte under their scales; under other scales they are not found, never served."""
+    name = str(dtype).removeprefix("torch.")
+    k_scales, v_scales = [0.5, 0.25, 2.0, 1.0], [1.0, 0.125, 4.0, 1.0]
+    ns = fp8_namespace(name, k_scales, v_scales)
+    assert ns.layer_block_bytes() * 4 == PAYLOAD // 2  # one byte a value: half float16's
+    pages = torch.arange(PAYLOAD // 2, dtype=torch.int64).remainder(256).to(torch.uint8)
+    pages = pages[torch.randperm(pages.numel(), generator=torch.Generator().manual_seed(3))]
+    kv = pages.view(dtype).reshape(4, 2, 4, 2, 8)  # layers x K/V x tokens x heads x dim
+    io = ObjectIO(store, ns)
+    header = io.header_bytes(4)
+    buf = memoryview(bytearray(header + kv.numel()))
+    np.frombuffer(buf, dtype=np.uint8)[header:] = kv.view(torch.uint8).flatten().numpy()
+    fp8_key = ObjectKey(H1, ns.digest, COORDS)
+    assert await io.put([Frame(fp8_key, buf)]) == [True]
+
+    # The same scales, the digest rebuilt elsewhere (from float32 tensors): a hit.
+    again = fp8_namespace(name, torch.tensor(k_scales).tolist(), torch.tensor(v_scales).tolist())
+    assert again == ns
+    out = memoryview(bytearray(len(buf)))
+    (got,) = await ObjectIO(store, again).read_frames([ObjectKey(H1, again.digest, COORDS)], [out])
+    assert isinstance(got, ObjectHeader)
+    back = torch.frombuffer(bytearray(out[header:]), dtype=torch.uint8).view(dtype)
+    assert torch.equal(back.view(torch.uint8), kv.view(torch.uint8).flatten())
+
+    # One layer's v scale differs: another namespace, nothing there.
+    other = fp8_namespace(name, k_scales, [*v_scales[:3], 2.0])
+    assert other.digest != ns.digest
+    (miss,) = await ObjectIO(store, other).read_frames(
+        [ObjectKey(H1, other.digest, COORDS)], [memoryview(bytearray(len(buf)))])
+    assert miss is None
