@@ -33,6 +33,13 @@ popping its own prefetch keys. The keys read here, all optional except ``url``:
 ``kv_dtype``         the logical KV dtype; needed for float8 KV (SGLang stores it as uint8):
                      SGLang's ``--kv-cache-dtype`` value (``fp8_e4m3``, ``fp8_e5m2``) or the
                      torch name (``float8_e4m3fn``, ``float8_e5m2``).
+``kv_scales``        required for float8 KV: the per-layer k/v scales the model's attention
+                     layers quantize with (SGLang loads them from the checkpoint, 1.0 where it
+                     has none), ``{"k": [...], "v": [...]}`` one number per layer of the
+                     model, or one number each for every layer. Their digest is in the
+                     namespace, so KV stored under other scales never hits. SGLang gives a
+                     storage backend no access to its layers: float8 KV without this key is
+                     refused at start-up, never stored.
 ``num_layers``       the model's layer count; needed with PP (a stage's pool holds only its
                      own layers). ``pp_layers``: explicit per-stage layer counts.
 ``num_kv_heads``     the model's KV heads; default local heads x TP size (right whenever TP
@@ -90,7 +97,7 @@ from typing import Any
 
 from hicache_store.events.publisher import PublisherConfig
 from hicache_store.layout.errors import ConfigError, HiCacheStoreError
-from hicache_store.layout.namespace import Grid, ModelShape
+from hicache_store.layout.namespace import Grid, ModelShape, check_kv_scales, kv_scales_digest
 from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology
 from hicache_store.layout.ukv1 import ukv1_grid
@@ -124,6 +131,7 @@ ADAPTER_KEYS = frozenset(
         "model",
         "model_revision",
         "kv_dtype",
+        "kv_scales",
         "num_layers",
         "pp_layers",
         "num_kv_heads",
@@ -171,6 +179,8 @@ class AdapterConfig:
     model: str | None = None
     model_revision: str | None = None  # None: derived from the model's files
     kv_dtype: str | None = None
+    #: the ``kv_scales`` key as given: k scales, v scales (one each: every layer's).
+    kv_scales: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     num_layers: int | None = None
     pp_layers: tuple[int, ...] | None = None
     num_kv_heads: int | None = None
@@ -200,6 +210,30 @@ class AdapterConfig:
         if self.grid is not None:
             return self.grid
         return suggest_grid(shape, [topology, *self.share_with], replication)
+
+    def kv_scales_for(self, dtype: str, num_layers: int) -> str:
+        """The namespace's ``kv_scales`` for a deployment of ``num_layers`` layers (the model's,
+        not a PP stage's) keeping ``dtype`` KV: the one rule the adapter and the operator tools
+        share. Raises ``ConfigError`` (one line naming ``kv_scales``) for a float8 dtype
+        without scales or scales for another layer count."""
+        if self.kv_scales is None:
+            try:
+                check_kv_scales(dtype, "", setting=_KV_SCALES_SETTING)
+            except ValueError as exc:
+                raise ConfigError(f"extra-config: {exc}") from None
+            return ""
+        k, v = self.kv_scales
+        if len(k) == 1 and len(v) == 1:
+            k, v = k * num_layers, v * num_layers
+        if len(k) != num_layers or len(v) != num_layers:
+            raise ConfigError(
+                f'extra-config: "kv_scales" holds {len(k)} k and {len(v)} v scales for a model '
+                f"of {num_layers} layers; give one per layer, or one each for every layer"
+            )
+        try:
+            return kv_scales_digest(k, v)
+        except ValueError as exc:
+            raise ConfigError(f'extra-config: "kv_scales": {exc}') from None
 
     def topology(self, tp_size: int, pp_size: int, num_layers: int) -> Topology:
         """The deployment's topology, its PP stages as SGLang splits them (``pp_layers``, else
@@ -257,6 +291,7 @@ class AdapterConfig:
             model_revision=(None if extra.get("model_revision") is None
                             else str(extra["model_revision"])),
             kv_dtype=_kv_dtype(extra.get("kv_dtype")),
+            kv_scales=_kv_scales(extra.get("kv_scales")),
             num_layers=_optional_int(extra, "num_layers"),
             pp_layers=tuple(int(n) for n in pp_layers) if pp_layers else None,
             num_kv_heads=_optional_int(extra, "num_kv_heads"),
@@ -315,6 +350,36 @@ def _kv_dtype(value: Any) -> str | None:
     if not value:
         return None
     return KV_DTYPE_ALIASES.get(str(value), str(value))
+
+
+_KV_SCALES_SETTING = (
+    '"kv_scales" in the extra-config ({"k": [...], "v": [...]}, the scales SGLang loads '
+    "from the checkpoint, 1.0 where it has none)"
+)
+
+
+def _kv_scales(value: Any) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """``kv_scales``: ``{"k": ..., "v": ...}``, each a number or a list of numbers."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or set(value) != {"k", "v"}:
+        raise ConfigError(
+            f'extra-config: "kv_scales" must be {{"k": [...], "v": [...]}}, got {value!r}'
+        )
+
+    def scales(name: str) -> tuple[float, ...]:
+        given = value[name]
+        items = given if isinstance(given, list) else [given]
+        if not items or any(
+            isinstance(x, bool) or not isinstance(x, (int, float)) for x in items
+        ):
+            raise ConfigError(
+                f'extra-config: "kv_scales" {name!r} must be a number or a list of numbers, '
+                f"got {given!r}"
+            )
+        return tuple(float(x) for x in items)
+
+    return scales("k"), scales("v")
 
 
 #: the object format each key scheme stores.

@@ -184,19 +184,24 @@ class Deployment:
             replication=_replication(shape), model_revision=self.model_revision or "",
             hash_algo=self.hash_algo, tenant_salt=self.config.tenant_salt,
             key_scheme=self.config.key_scheme, sealed=self.keys is not None,
+            kv_scales=self.config.kv_scales_for(dtype, shape.num_layers),
         )
 
     def completed_by(self, stored: Namespace) -> Namespace:
         """This deployment's namespace with every unknown input taken from ``stored``."""
         shape = self.shape or stored.shape
         revision = self.model_revision
+        dtype = self.kv_dtype or stored.dtype
+        scales = (stored.kv_scales if self.config.kv_scales is None
+                  else self.config.kv_scales_for(dtype, shape.num_layers))
         return Namespace.create(
-            self.model or stored.model, shape, self.kv_dtype or stored.dtype,
+            self.model or stored.model, shape, dtype,
             self.page_size or stored.page_size, self.grid_for(shape),
             replication=_replication(shape),
             model_revision=stored.model_revision if revision is None else revision,
             hash_algo=self.hash_algo, tenant_salt=self.config.tenant_salt,
             key_scheme=self.config.key_scheme, sealed=self.keys is not None,
+            kv_scales=scales,
         )
 
     def differences(self, stored: Namespace) -> list[Difference]:

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 
+from hicache_store.layout.namespace import kv_scales_digest
+
 P = 4  # page size
 
 
@@ -49,12 +51,13 @@ class _Allocator:
 
 
 def make_linker(sglang: ModuleType, url: str, *, heads: int = 4, tp: tuple[int, int] = (0, 1),
-                components: Any = None, server_args: Any = None, **extra: Any) -> Any:
+                components: Any = None, server_args: Any = None,
+                dtype: torch.dtype = torch.bfloat16, **extra: Any) -> Any:
     memory_pool = sglang.module("sglang.srt.mem_cache.memory_pool")
     factory = sglang.module_any("sglang.srt.mem_cache.unified_cache.linker_factory")
     ct = sglang.module_any("sglang.srt.mem_cache.unified_cache.component_type").ComponentType
     cip = sglang.module_any("sglang.srt.mem_cache.cache_init_params")
-    pool = memory_pool.MHATokenToKVPool(size=64, page_size=P, dtype=torch.bfloat16, head_num=heads,
+    pool = memory_pool.MHATokenToKVPool(size=64, page_size=P, dtype=dtype, head_num=heads,
                                         head_dim=8, layer_num=3, device="cpu",
                                         enable_memory_saver=False, start_layer=0, end_layer=3)
     params = cip.CacheInitParams(disable=False, req_to_token_pool=None,
@@ -235,6 +238,17 @@ def test_hybrid_components_are_refused_at_startup(sglang: ModuleType, url: str) 
     ct = sglang.module_any("sglang.srt.mem_cache.unified_cache.component_type").ComponentType
     with pytest.raises(ValueError, match="SWA"):
         make_linker(sglang, url, components={ct.FULL, ct.SWA})
+
+
+def test_fp8_kv_needs_its_scales_at_startup(sglang: ModuleType, url: str) -> None:
+    """A float8 device pool: refused without ``kv_scales`` (one line naming it); with them,
+    their digest is in the namespace."""
+    with pytest.raises(ValueError, match=r'float8_e4m3fn KV needs its per-layer k/v scales.*'
+                       r'"kv_scales" in the extra-config'):
+        make_linker(sglang, url, dtype=torch.float8_e4m3fn)
+    linker = make_linker(sglang, url, dtype=torch.float8_e4m3fn, kv_scales={"k": 0.5, "v": 1.0})
+    assert linker.link.namespace.kv_scales == kv_scales_digest([0.5] * 3, [1.0] * 3)
+    linker.close()
 
 
 def test_the_linker_and_the_storage_adapter_share_pages(sglang: ModuleType, url: str) -> None:

@@ -27,6 +27,7 @@ import torch
 from hicache_store.integrations.sglang import SGLANG_AVAILABLE, HiCacheStoreStorage
 from hicache_store.integrations.sglang._pool import HOST_POOL_ATTRIBUTES
 from hicache_store.layout.host import PoolLayout
+from hicache_store.layout.namespace import kv_scales_digest
 
 needs_sglang = pytest.mark.skipif(
     not SGLANG_AVAILABLE,
@@ -582,8 +583,16 @@ def test_config_errors_raise_at_startup(url: str) -> None:
         store.register_mem_pool_host(pool)
     for spelling in ("float8_e4m3fn", "fp8_e4m3"):  # torch's name, SGLang's --kv-cache-dtype
         store = HiCacheStoreStorage(make_config(url=url, kv_dtype=spelling), {})
+        with pytest.raises(ValueError, match="kv_scales"):  # float8 KV needs its scales
+            store.register_mem_pool_host(pool)
+        store = HiCacheStoreStorage(
+            make_config(url=url, kv_dtype=spelling, kv_scales={"k": 0.5, "v": 0.25}), {})
         store.register_mem_pool_host(pool)
         assert store.namespace is not None and store.namespace.dtype == "float8_e4m3fn"
+        assert store.namespace.kv_scales == kv_scales_digest([0.5] * L, [0.25] * L)
+    for bad in ({"k": 1.0}, {"k": "1", "v": 1.0}, [1.0, 1.0], {"k": [], "v": []}):
+        with pytest.raises(ValueError, match="kv_scales"):
+            HiCacheStoreStorage(make_config(url=url, kv_dtype="fp8_e4m3", kv_scales=bad), {})
     assert importlib.util.find_spec("hicache_store.integrations.sglang") is not None
 
 

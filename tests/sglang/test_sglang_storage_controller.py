@@ -282,3 +282,56 @@ def test_threads_keep_running_after_failed_calls(sglang: ModuleType, url: str) -
     assert all(t.is_alive() for t in (ctrl.backup_thread, ctrl.prefetch_thread,
                                        ctrl.prefetch_io_aux_thread))
     rank.close()
+
+
+# -- float8 KV: stored under its scales, refused without them ---------------------------------
+
+#: the per-layer k/v scales of the tests' 4-layer model (SGLang's RadixAttention k/v_scale).
+FP8_SCALES = {"k": [0.5, 0.25, 2.0, 1.0], "v": [1.0, 0.125, 4.0, 1.0]}
+
+
+def _fp8_rank(sglang: ModuleType, url: str, scales: dict[str, Any] | None,
+              layout: str = "page_first") -> Any:
+    extra: dict[str, Any] = {"kv_dtype": "fp8_e4m3"}
+    if scales is not None:
+        extra["kv_scales"] = scales
+    return sglang.Rank(url, layout=layout, geometry=sglang.Geometry(dtype=torch.float8_e4m3fn),
+                       extra=extra)
+
+
+def test_fp8_pages_are_served_only_under_their_scales(sglang: ModuleType, url: str) -> None:
+    """SGLang's float8 pools (uint8 buffers): pages round-trip byte for byte to a reader with
+    the same scales (another layout, the scales given another way), and a reader whose scales
+    differ in one layer finds nothing."""
+    writer = _fp8_rank(sglang, url, FP8_SCALES)
+    assert writer.host.kv_buffer.dtype == torch.uint8  # SGLang keeps float8 KV as its bytes
+    tokens = sglang.tokens_for(3, writer.geometry.page_size)
+    g = torch.Generator().manual_seed(5)
+    pages = [torch.randint(0, 256, tuple(writer.page(0).shape), generator=g, dtype=torch.uint8)
+             for _ in range(3)]
+    assert writer.backup(tokens, pages) == len(tokens)
+    writer.close()
+
+    same_scales = {"k": [float(x) for x in torch.tensor(FP8_SCALES["k"])], "v": FP8_SCALES["v"]}
+    reader = _fp8_rank(sglang, url, same_scales, layout="page_head")
+    hit, loaded, host_indices = reader.prefetch(tokens)
+    assert (hit, loaded) == (len(tokens), len(tokens))
+    assert host_indices is not None
+    for i, data in enumerate(pages):
+        assert torch.equal(reader.host_page_of(host_indices, i), data)
+    reader.close()
+
+    other = _fp8_rank(sglang, url, {"k": FP8_SCALES["k"], "v": [1.0, 0.125, 4.0, 2.0]})
+    hit, _, _ = other.prefetch(tokens)
+    assert hit == 0
+    other.close()
+
+
+def test_fp8_kv_without_its_scales_is_refused_at_startup(sglang: ModuleType, url: str) -> None:
+    with pytest.raises(ValueError, match=r'float8_e4m3fn KV needs its per-layer k/v scales.*'
+                       r'set "kv_scales" in the extra-config') as caught:
+        _fp8_rank(sglang, url, None)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ValueError, match=r'"kv_scales" holds 3 k and 3 v scales for a model '
+                       "of 4 layers"):
+        _fp8_rank(sglang, url, {"k": [1.0] * 3, "v": [1.0] * 3})

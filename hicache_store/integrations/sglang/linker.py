@@ -177,7 +177,7 @@ class HiCacheStoreLinker(_Linker):
             cfg.model or _model_path(), shape, dtype, self.page_size,
             cfg.grid_for(shape, topology, replication), replication=replication,
             model_revision=self._weights.revision, tenant_salt=cfg.tenant_salt,
-            key_scheme=cfg.key_scheme,
+            key_scheme=cfg.key_scheme, kv_scales=cfg.kv_scales_for(dtype, num_layers),
         )
         self.backend = open_backend(cfg.backend)
         self._place = (topology, topology.rank_of(tp_rank, pp_rank))

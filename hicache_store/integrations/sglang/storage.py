@@ -270,10 +270,11 @@ class HiCacheStoreStorage(_HiCacheStorage):
         model = cfg.model or getattr(self.storage_config, "model_name", None) or ""
         if not model:
             raise ValueError('hicache-store: SGLang gave no model_name; set "model"')
+        kv_dtype = geometry.kv_dtype(cfg.kv_dtype)
         namespace = Namespace.create(
             model,
             shape,
-            geometry.kv_dtype(cfg.kv_dtype),
+            kv_dtype,
             geometry.page_size,
             grid,
             replication=replication,
@@ -281,6 +282,7 @@ class HiCacheStoreStorage(_HiCacheStorage):
             tenant_salt=cfg.tenant_salt,
             key_scheme=cfg.key_scheme,
             sealed=self.keys is not None,
+            kv_scales=cfg.kv_scales_for(kv_dtype, num_layers),
         )
         link = L3Link(
             self.backend,
