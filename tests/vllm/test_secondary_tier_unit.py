@@ -39,6 +39,7 @@ from hicache_store.backends import open_backend
 from hicache_store.integrations.vllm.secondary_tier import (
     ROW_COORDS,
     HiCacheStoreTier,
+    check_unscaled_kv,
     page_hash_of,
     row_descriptor,
     row_namespace,
@@ -514,3 +515,19 @@ def test_unknown_keys_of_the_entry_are_refused_as_the_connector_refuses_its_own(
         create(url="fiel:///x")
     tier = create(url=f"file://{tmp_path}/s?capacity_bytes=1GiB")
     tier.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_kv_is_refused_at_startup_naming_the_setting(make: Any, dtype: str) -> None:
+    """float8 rows would be stored without their per-layer k/v scales (the tier never sees the
+    attention layers) and served under other scales: the tier does not start."""
+    message = (rf"HiCacheStoreTier: {dtype} KV needs its per-layer k/v scales .* set "
+               r"--kv-cache-dtype auto")
+    with pytest.raises(ConfigError, match=message):
+        row_namespace(_Spec(offloading_config(dtype=dtype)), ROW)
+    with pytest.raises(ConfigError, match=message):
+        make(config=offloading_config(dtype=dtype))
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype 'fp8_ds_mla' KV needs its per-layer"):
+        check_unscaled_kv("uint8", "fp8_ds_mla")
+    check_unscaled_kv("bfloat16", "auto")
+    assert row_namespace(_Spec(offloading_config(dtype="bfloat16")), ROW).dtype == "uint8"

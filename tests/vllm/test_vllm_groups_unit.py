@@ -29,6 +29,7 @@ from vllm.v1.kv_cache_interface import (
 
 from hicache_store.integrations.vllm._config import ConnectorConfig
 from hicache_store.integrations.vllm._groups import describe_groups
+from hicache_store.integrations.vllm.connector import deployment
 from hicache_store.layout.errors import ConfigError
 from hicache_store.layout.topology import Topology
 from hicache_store.tier.components import HitRule
@@ -138,3 +139,17 @@ def test_what_is_not_supported_is_refused_with_one_line(
 def test_a_state_under_tensor_parallelism_is_refused() -> None:
     with pytest.raises(ConfigError, match="under tensor parallelism"):
         describe((state(), layers(0)), (full(), layers(1)), tp=2)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"])
+def test_the_connector_refuses_quantized_kv_naming_the_setting(cache_dtype: str) -> None:
+    """float8 KV without its per-layer scales in the namespace would be served under other
+    scales: the connector refuses it at start-up, before any part is described."""
+    kv = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(layers(0, 1), full())])
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype))
+    with pytest.raises(ConfigError, match=rf"kv_cache_dtype '{cache_dtype}' is not supported "
+                       r"\(quantized KV needs its per-layer k/v scales.*use 'auto'"):
+        deployment(ConnectorConfig(), vllm_config, kv)  # type: ignore[arg-type]

@@ -385,7 +385,8 @@ def deployment(
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         raise ConfigError(
             f"HiCacheStoreConnector: kv_cache_dtype {vllm_config.cache_config.cache_dtype!r} is "
-            "not supported (quantized KV has scales the namespace does not carry); use 'auto'"
+            "not supported (quantized KV needs its per-layer k/v scales in the namespace, and "
+            "the scheduler's lookups cannot see the workers' attention layers); use 'auto'"
         )
     block = int(groups[0].kv_cache_spec.block_size)
     if config.page_size is not None and config.page_size != block:

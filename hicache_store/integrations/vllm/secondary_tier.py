@@ -26,7 +26,9 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   misses; it never reads another's bytes as its own. The one
   exception is by design: vLLM's canonical rows that vLLM certified parallelism-agnostic
   leave the topology out (they are the same bytes under every TP size), so deployments of
-  different TP sizes share them.
+  different TP sizes share them. float8 KV (any ``fp8`` ``--kv-cache-dtype``) is refused at
+  start-up (``check_unscaled_kv``): its per-layer k/v scales live in the attention layers,
+  which a tier never sees, so rows could not carry them.
 * **Bounded.** The backend's own capacity and eviction: ``file:///path?capacity_bytes=64GiB``
   (least recently used first; the file backend's default is 90% of the filesystem).
 * **Non-blocking.** ``lookup`` answers at once where the backend can without waiting
@@ -129,10 +131,10 @@ from hicache_store.backends import Backend, InlineExists, open_backend
 from hicache_store.backends.errors import InvalidRangeError
 from hicache_store.backends.feed import ChangeFeed, FeedFollower
 from hicache_store.integrations._lookups import LookupCounters
-from hicache_store.layout.errors import ConfigError, CorruptObjectError
+from hicache_store.layout.errors import ConfigError, CorruptObjectError, InvalidNamespaceError
 from hicache_store.layout.framing import ObjectHeader
 from hicache_store.layout.keys import ObjectCoords, ObjectKey
-from hicache_store.layout.namespace import Grid, ModelShape, Namespace
+from hicache_store.layout.namespace import Grid, ModelShape, Namespace, check_kv_scales
 from hicache_store.objects import Arena, Frame, ObjectIO, PendingFrames
 from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
 from hicache_store.weights import WeightsIdentity
@@ -203,7 +205,12 @@ def row_namespace(
     spec: OffloadingSpec, row_bytes: int, *, model: str | None = None,
     model_revision: str = "", tenant_salt: str = "",
 ) -> Namespace:
-    """The namespace of a deployment's rows (see the module docstring)."""
+    """The namespace of a deployment's rows (see the module docstring).
+
+    Raises ``ConfigError`` for float8 KV: its per-layer k/v scales live in the model's
+    attention layers, which a secondary tier never sees, so rows would be stored without them
+    and served under other scales."""
+    check_unscaled_kv(spec.config.model.dtype)
     name = model or spec.config.model.name
     digest = hashlib.sha256(row_descriptor(spec, row_bytes).encode()).hexdigest()[:16]
     return Namespace.create(
@@ -215,6 +222,24 @@ def row_namespace(
         model_revision=model_revision,
         tenant_salt=tenant_salt,
     )
+
+
+def check_unscaled_kv(kv_dtype: str, cache_dtype: str | None = None) -> None:
+    """Refuse quantized KV (``ConfigError``, one line naming ``--kv-cache-dtype``): a float8
+    ``kv_dtype`` (the offloading config's) or an ``fp8*`` ``cache_dtype`` (vLLM's setting).
+    Their per-layer k/v scales live in the attention layers, which a tier never sees."""
+    setting = "--kv-cache-dtype auto (a secondary tier cannot see the attention layers' scales)"
+    if cache_dtype is not None and cache_dtype.startswith("fp8"):
+        # fp8 variants whose cache is not a float8 tensor (fp8_ds_mla: uint8) are refused too
+        raise ConfigError(
+            f"HiCacheStoreTier: kv_cache_dtype {cache_dtype!r} KV needs its per-layer k/v "
+            f"scales in the namespace and none were found: set {setting}; quantized KV is not "
+            "stored without them"
+        )
+    try:
+        check_kv_scales(kv_dtype, "", setting=setting)
+    except InvalidNamespaceError as exc:
+        raise ConfigError(f"HiCacheStoreTier: {exc}") from None
 
 
 def _model_identity(spec: OffloadingSpec) -> WeightsIdentity | None:
@@ -436,6 +461,11 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             raise ConfigError(f"lookup_max_age_s must be 0 or more, not {lookup_max_age_s}")
         self.lookup_max_age_s = float(lookup_max_age_s)
         self.locality = Locality(locality) if locality is not None else None
+        from vllm.config import get_current_vllm_config_or_none
+
+        current = get_current_vllm_config_or_none()
+        check_unscaled_kv(offloading_spec.config.model.dtype,
+                          None if current is None else str(current.cache_config.cache_dtype))
         self.row_bytes = self.block_size_bytes
         self._rows = primary_kv_view.cast("B")
         self._revision = Revision(model_revision, _model_identity(offloading_spec),
