@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from hicache_store.kernels.pools import DevicePool
-from hicache_store.layout.namespace import Grid, ModelShape, Namespace
+from hicache_store.layout.dtypes import is_float8
+from hicache_store.layout.namespace import Grid, ModelShape, Namespace, check_kv_scales
 
 
 class Tier(enum.IntEnum):
@@ -177,7 +178,11 @@ def component_namespace(
     model's revision, tenant salt and page-hash algorithm (so a tenant's or a revision's
     components never hit another's), its own ``shape``, ``dtype`` and ``grid``; ``page_size``
     the model's unless given (1 for a checkpoint: one state vector per layer). A sealed
-    model's components are sealed too, with the same tenant key ring."""
+    model's components are sealed too, with the same tenant key ring. A float8 component
+    carries the model's ``kv_scales`` (the scales are the model's); one whose model has none
+    raises ``InvalidNamespaceError`` (``check_kv_scales``)."""
+    scales = model.kv_scales if is_float8(dtype) else ""
+    check_kv_scales(dtype, scales, setting=f"the kv_scales of {model.model}'s namespace")
     return Namespace.create(
         f"{model.model}#{part}",
         shape,
@@ -188,6 +193,7 @@ def component_namespace(
         tenant_salt=model.tenant_salt,
         hash_algo=model.hash_algo,
         sealed=model.sealed,
+        kv_scales=scales,
     )
 
 

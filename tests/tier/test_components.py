@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from hicache_store.tier.components import ComponentSpec, HitRule, match_components
+from hicache_store.layout.errors import InvalidNamespaceError
+from hicache_store.layout.namespace import Grid, ModelShape, Namespace, kv_scales_digest
+from hicache_store.tier.components import (
+    ComponentSpec,
+    HitRule,
+    component_namespace,
+    match_components,
+)
 from hicache_store.tier.radix import Tier
 
 PAGE = 4
@@ -118,3 +125,27 @@ def test_matches_brute_force() -> None:
         assert m.prefix_pages == _brute(subset, avail, n)
         for s in subset:
             assert [i for i, _ in m.restore[s.name]] == list(s.pages_needed(m.prefix_pages, PAGE))
+
+
+def test_a_float8_component_carries_the_models_scales() -> None:
+    """A window of float8 KV is read under the model's scales, so other scales miss it too;
+    a state component (not float8) keeps no scales; a float8 component of a model whose
+    namespace has none is refused."""
+    scales = kv_scales_digest([0.5], [0.25])
+    model = Namespace.create("m", ModelShape.mha(4, 2, 8), "float8_e4m3fn", PAGE, Grid(4, 2),
+                             kv_scales=scales)
+    window = component_namespace(model, "swa", ModelShape.mha(2, 2, 8), "float8_e4m3fn",
+                                 Grid(2, 2))
+    assert window.kv_scales == scales
+    other = component_namespace(
+        Namespace.create("m", ModelShape.mha(4, 2, 8), "float8_e4m3fn", PAGE, Grid(4, 2),
+                         kv_scales=kv_scales_digest([0.5], [0.5])),
+        "swa", ModelShape.mha(2, 2, 8), "float8_e4m3fn", Grid(2, 2))
+    assert other.digest != window.digest
+    state = component_namespace(model, "mamba", ModelShape.mla(2, 64), "uint8", Grid(2, 1),
+                                page_size=1)
+    assert state.kv_scales == ""
+    unscaled = Namespace.create("m", ModelShape.mha(4, 2, 8), "bfloat16", PAGE, Grid(4, 2))
+    with pytest.raises(InvalidNamespaceError, match="the kv_scales of m's namespace"):
+        component_namespace(unscaled, "swa", ModelShape.mha(2, 2, 8), "float8_e4m3fn",
+                            Grid(2, 2))
