@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
     backend = open_store(url, existing=True)
     if not backend.capabilities.change_feed:
         sync.close(backend)
-        raise UsageError(f"{url}: store-wide events need a store with a change feed (README "
-                         "\"KV events\": what each backend and index can report)")
+        raise UsageError(f"{url}: store-wide events need a store with a change feed (docs/guide/"
+                         "routers.md, \"What each backend can report\")")
     try:
         publisher = EventPublisher(config)
     except OSError as exc:

@@ -44,8 +44,9 @@ class TierConfig:
     slow backend never blocks compute.
     ``io_timeout_s``: an L3 operation slower than this counts as failed (degrade to recompute).
     Default 20 s, above every built-in backend's own bound for a stopped server (15 s), so that
-    such a server shows up as the backend's retryable error first (README "Deadlines"). A read
-    past it is abandoned, and its host page quarantined until the I/O has ended.
+    such a server shows up as the backend's retryable error first
+    (docs/guide/backends/deadlines.md). A read past it is abandoned, and its host page
+    quarantined until the I/O has ended.
     ``eviction_policy``: the order of eviction in every pool, the KV's and the components'
     (window pages, checkpoints, draft KV): one order across components (``tier.radix``;
     ``tier.eviction``: ``EVICTION_POLICIES``): ``session`` by default (the order of
