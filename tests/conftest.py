@@ -23,6 +23,10 @@ from pathlib import Path
 
 import pytest
 
+# The shared suites (``BackendTests``, ``IndexTests``) assert inside the package: rewritten like
+# a test module's, a failure there shows the values it compared.
+pytest.register_assert_rewrite("hicache_store.testing")
+
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 

@@ -302,7 +302,7 @@ class IndexTests(abc.ABC):
         counts = index.make_room(200, reservation)
         env.site.publish("c0", b"c" * 100)
         index.settle_put(reservation)
-        assert (counts.evicted, counts.failed) == (1, 1)
+        assert (counts.evicted, counts.failed) == (1, 1), counts
         assert index.exists(["a0", "b0", "c0"]) == [True, False, True]
         assert index.totals() == (200, 2)
 
