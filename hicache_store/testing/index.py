@@ -198,6 +198,7 @@ class IndexTests(abc.ABC):
         assert index.exists(["a0"]) == [True]
         assert index.totals() == (70, 1)
         del env.site.objects["a0"]  # removed behind the index's back
+        _later()  # a repair whose look shares the adoption's millisecond may be taken as stale
         index.repair_missing("a0")
         assert index.exists(["a0"]) == [False]
         assert index.totals() == (0, 0)
