@@ -368,7 +368,8 @@ return {"OK"}
 
 #: ARGV: writer, batch, capacity, feed maxlen, now, then per victim of the batch that could
 #: not be removed: its index in the batch's victims, size, charged. They are indexed again
-#: (last in line) and room is made once more from other pages.
+#: (last in line) and room is made once more from other pages: never from an object that
+#: failed to go for this batch (``batch.stuck``), so the step ends in room or ``NOROOM``.
 ROOM = PRELUDE + r"""
 if not ready() then return {"NOINDEX"} end
 local w, id, capacity, maxlen, now = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], clock(ARGV[5])
@@ -378,9 +379,11 @@ if not raw then return {"FENCED"} end
 local batch = cmsgpack.unpack(raw)
 local ms = now_ms()
 local kept = {}
+batch.stuck = batch.stuck or {}
 for i = 6, #ARGV, 3 do
   local v = batch.victims[tonumber(ARGV[i])]
   kept[tonumber(ARGV[i])] = true
+  batch.stuck[#batch.stuck + 1] = v[1] .. v[3]
   if set_object(v[1], v[2], v[3], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])) then
     redis.call("ZADD", P .. "R", "GT", score(ms, 0), v[1])
   end
@@ -391,6 +394,9 @@ for i, v in ipairs(batch.victims) do if not kept[i] then victims[#victims + 1] =
 batch.victims = victims
 local exclude = {}
 for _, k in ipairs(batch.keys) do exclude[k[1] .. k[3]] = true end
+-- an object that could not be removed is not picked again for this put (it would fail
+-- again, and the step would go round for ever): the room comes from other pages, or none
+for _, oid in ipairs(batch.stuck) do exclude[oid] = true end
 flush_tallies()  -- (the objects indexed again count before the room is measured)
 local total = tonumber(redis.call("HGET", M, "total") or "0")
 local reserved = tonumber(redis.call("HGET", M, "reserved") or "0")

@@ -307,6 +307,37 @@ class IndexTests(abc.ABC):
         assert index.exists(["a0", "b0", "c0"]) == [True, False, True]
         assert index.totals() == (200, 2)
 
+    def test_objects_that_cannot_be_removed_end_in_no_room_not_in_a_loop(
+            self, env: IndexEnv) -> None:
+        """Every object eviction could take fails to go: each is tried once for the put (a
+        failure is not picked again for it), and the put is refused for want of room. The
+        objects stay indexed, and the reservation is released."""
+        index = env.open()
+        put(index, env.site, ["a0"], capacity=200)
+        _later()
+        put(index, env.site, ["b0"], capacity=200)
+        env.site.fail_removal.update({"a0", "b0"})
+        outcome: list[object] = []
+
+        def room() -> None:
+            reservation = index.reserve(["c0"], [100], 200)
+            try:
+                outcome.append(index.make_room(200, reservation))
+            except CapacityError as exc:
+                outcome.append(exc)
+            finally:
+                index.settle_put(reservation)
+
+        worker = threading.Thread(target=room, daemon=True)
+        worker.start()
+        worker.join(60.0)  # a hang detector: the step is a few round trips
+        assert not worker.is_alive(), "make_room kept picking objects that cannot be removed"
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], CapacityError), outcome
+        assert index.exists(["a0", "b0", "c0"]) == [True, True, False]
+        assert index.totals() == (200, 2)
+        assert index.reserved_bytes() == 0
+
     def test_concurrent_writers_never_pass_the_bound(self, env: IndexEnv) -> None:
         """Four processes, 25 puts each of 2-4 objects, racing: at every settle the indexed
         bytes fit the capacity, and what is indexed is exactly what the store holds."""
