@@ -1,8 +1,14 @@
-"""Writing a benchmark's section into BENCHMARKS.md (shared by the bench scripts)."""
+"""Writing a benchmark's section into a page of the docs site (shared by the bench scripts).
+
+``--write-md`` runs land in the run log (``RUN_LOG``), under the section of the same heading;
+the subject pages under ``docs/benchmarks/`` carry the current figures, edited by hand."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+#: the dated run log of the docs site, whose sections keep the bench scripts' headings
+RUN_LOG = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "log.md"
 
 
 def replace_section(path: Path, section: str) -> None:

@@ -11,7 +11,7 @@ and LMCache ``LocalDiskBackend`` (each in the peer interpreter ``.build/bench-ve
 ``bench_backend_peers.py``), then raw O_DIRECT again (to show drift within the run). Then exists
 over 10,000 keys: hicache-store in the writing process, in a freshly started process and for
 keys another process wrote after we opened, against SGLang's
-``batch_exists``. ``--write-md`` replaces the "Backends" section of BENCHMARKS.md.
+``batch_exists``. ``--write-md`` replaces the "Backends" section of the run log (docs/benchmarks/log.md).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _markdown import replace_section
+from _markdown import RUN_LOG, replace_section
 
 from hicache_store.backends.file import FileBackend
 from hicache_store.commands.bench_backend import (
@@ -211,7 +211,7 @@ def main() -> int:
         "--peer-python", default=str(ROOT / ".build" / "bench-venv" / "bin" / "python")
     )
     parser.add_argument("--skip-peers", action="store_true")
-    parser.add_argument("--write-md", action="store_true", help="update BENCHMARKS.md")
+    parser.add_argument("--write-md", action="store_true", help="update the run log (docs/benchmarks/log.md)")
     parser.add_argument("--json", help="also write the raw results to this file")
     args = parser.parse_args()
     data = Path(args.dir)
@@ -262,7 +262,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if args.write_md:
-        replace_section(ROOT / "BENCHMARKS.md", text)
+        replace_section(RUN_LOG, text)
     return 0
 
 

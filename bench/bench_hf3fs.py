@@ -9,7 +9,7 @@ raw O_DIRECT again (drift within the run). On a local directory the backend's en
 (the file backend's fast path): no 3FS can run on the machines this project is built on. With
 ``--dir`` on a real 3FS mount (and ``hf3fs_fuse`` installed) ``engine=auto`` picks USRBIO; the
 engine that ran is printed and written with the figures. ``--write-md`` replaces the "3FS"
-section of BENCHMARKS.md and nothing else.
+section of the run log (docs/benchmarks/log.md) and nothing else.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _markdown import replace_section
+from _markdown import RUN_LOG, replace_section
 
 from hicache_store.backends.hf3fs import HF3FSBackend
 from hicache_store.commands.bench_backend import (
@@ -126,7 +126,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--dir", default=str(ROOT / ".build" / "bench-hf3fs"),
                         help="where to write (a 3FS mount directory selects USRBIO)")
-    parser.add_argument("--write-md", action="store_true", help="update BENCHMARKS.md")
+    parser.add_argument("--write-md", action="store_true", help="update the run log (docs/benchmarks/log.md)")
     args = parser.parse_args()
     data = Path(args.dir)
     data.mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,7 @@ def main() -> int:
     text = render(results, cmd)
     print(text)
     if args.write_md:
-        replace_section(ROOT / "BENCHMARKS.md", text)
+        replace_section(RUN_LOG, text)
     return 0
 
 

@@ -17,7 +17,7 @@ Both sides move the same pages of one page_first MHA host pool (2 x 32 layers x 
 
 Cold reads follow ``sync; echo 3 > /proc/sys/vm/drop_caches``. Every read is checked bit-exact
 against the pool's bytes before the pool was cleared. ``--write-md`` replaces the "SGLang"
-section of BENCHMARKS.md.
+section of the run log (docs/benchmarks/log.md).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _markdown import RUN_LOG, replace_section
 
 from hicache_store.commands.bench_backend import drop_page_cache
 from hicache_store.integrations.sglang import HiCacheStoreStorage
@@ -194,7 +195,7 @@ def main() -> int:
     md = render(args, table, exact, cold, load0, load1, page_bytes)
     print(md)
     if args.write_md:
-        write_section(ROOT / "BENCHMARKS.md", md)
+        replace_section(RUN_LOG, md)
     return 0
 
 
@@ -241,19 +242,6 @@ def render(
         "",
     ]
     return "\n".join(lines)
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) the '## SGLang' section, leaving every other section as it is."""
-    text = path.read_text()
-    start = text.find("\n## SGLang\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + 1)
-        rest = "\n" + text[end + 1 :] if end >= 0 else ""
-        text = text[: start + 1] + section.rstrip("\n") + "\n" + rest
-    path.write_text(text)
 
 
 if __name__ == "__main__":

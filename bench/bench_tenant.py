@@ -12,7 +12,7 @@ after ``sync; echo 3 > /proc/sys/vm/drop_caches``, once plain and once with
 staging buffer), alternating in each round so both see the same machine state. Every read is
 checked bit-exact. Also measured: the AEAD alone (one thread, in place, 8 MiB objects of 32
 layer blocks), which bounds what sealing can cost. ``--write-md`` replaces the "Tenant
-sealing" section of BENCHMARKS.md.
+sealing" section of the run log (docs/benchmarks/log.md).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _markdown import RUN_LOG, replace_section
 from bench_sglang import BATCH, PAGE_SIZE, PageFirstPool, storage_config, timed
 
 from hicache_store.backends import aligned_buffer
@@ -173,7 +174,7 @@ def main() -> int:
     md = render(args, rows, total, page_bytes, aead, load0, load1)
     print(md)
     if args.write_md:
-        write_section(ROOT / "BENCHMARKS.md", md)
+        replace_section(RUN_LOG, md)
     return 0
 
 
@@ -248,19 +249,6 @@ def render(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]], tota
         "",
     ]
     return "\n".join(lines)
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) this benchmark's section, leaving every other section as it is."""
-    text = path.read_text()
-    start = text.find(f"\n## {SECTION}\n")
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + 1)
-        rest = "\n" + text[end + 1 :] if end >= 0 else ""
-        text = text[: start + 1] + section.rstrip("\n") + "\n" + rest
-    path.write_text(text)
 
 
 if __name__ == "__main__":

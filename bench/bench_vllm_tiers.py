@@ -231,7 +231,7 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
 
 
 def section(args: argparse.Namespace, table: str, load: str, reading: str) -> str:
-    """The BENCHMARKS.md section of a run (``table`` as printed, ``load`` the machine's load
+    """The run log's section of a run (``table`` as printed, ``load`` the machine's load
     averages during it, ``reading`` what the figures say)."""
     return f"""## vLLM: secondary tiers side by side (`bench/bench_vllm_tiers.py`)
 
@@ -278,7 +278,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where the stores go (default: a temp dir)")
     parser.add_argument("--only", default="", help="comma-separated runs (default: all; the "
                         "first one listed is the token reference)")
-    parser.add_argument("--write", action="store_true", help="write the section into BENCHMARKS.md")
+    parser.add_argument("--write", action="store_true", help="write the section into the run log (docs/benchmarks/log.md)")
     parser.add_argument("--reading", default="", help="the paragraph that reads the figures")
     args = parser.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench-vllm-tiers-"))
@@ -355,11 +355,10 @@ def main() -> None:
     table = header + "\n" + "\n".join(rows)
     print(table)
     if args.write:
-        from _markdown import replace_section
+        from _markdown import RUN_LOG, replace_section
 
         load = ", ".join(f"{x:.0f}" for x in os.getloadavg())
-        replace_section(Path(__file__).resolve().parents[1] / "BENCHMARKS.md",
-                        section(args, table, load, args.reading))
+        replace_section(RUN_LOG, section(args, table, load, args.reading))
     if args.dir is None:
         shutil.rmtree(base, ignore_errors=True)
     os._exit(0)  # engines' daemon threads (vLLM's, the sync bridge's) must not hold the exit

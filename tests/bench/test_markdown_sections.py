@@ -1,0 +1,37 @@
+"""The bench scripts' ``--write-md``: a run replaces its own section of the run log and
+nothing else, and no script writes into the retired BENCHMARKS.md map."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+from _markdown import RUN_LOG, replace_section  # noqa: E402
+
+
+def test_a_section_is_replaced_in_place_and_the_others_kept(tmp_path: Path) -> None:
+    log = tmp_path / "log.md"
+    log.write_text("# Run log\n\n## A\n\nold a\n\n## B\n\nold b\n\n## C\n\nc\n")
+    replace_section(log, "## B\n\nnew b\n")
+    assert log.read_text() == "# Run log\n\n## A\n\nold a\n\n## B\n\nnew b\n\n## C\n\nc\n"
+    replace_section(log, "## D\n\nd\n")
+    assert log.read_text().endswith("## C\n\nc\n\n## D\n\nd\n")
+
+
+def test_the_run_log_is_the_docs_site_page() -> None:
+    assert BENCH.parent / "docs" / "benchmarks" / "log.md" == RUN_LOG
+    assert RUN_LOG.is_file()
+
+
+@pytest.mark.parametrize("script", sorted(BENCH.glob("bench_*.py")), ids=lambda p: p.name)
+def test_no_script_writes_the_retired_benchmarks_file(script: Path) -> None:
+    text = script.read_text()
+    assert not re.search(r'"BENCHMARKS\.md"', text), (
+        f"{script.name} writes BENCHMARKS.md, which is now a map of the docs site: "
+        "write RUN_LOG (bench/_markdown.py)")
