@@ -37,7 +37,6 @@ bounded by ``io_timeout_s``. A sealed namespace (a tenant's) needs its key ring:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
@@ -49,6 +48,7 @@ import numpy as np
 
 from hicache_store import _sync
 from hicache_store.backends import Backend, aligned_buffer, open_backend
+from hicache_store.backends.lifetime import gather_settled
 from hicache_store.layout.errors import (
     InvalidNamespaceError,
     UnknownNamespaceError,
@@ -177,7 +177,7 @@ class KVReader:
         rows = np.frombuffer(aligned_buffer(max(1, len(hashes)) * layout.page_bytes),
                              dtype=np.uint8).reshape(max(1, len(hashes)), layout.page_bytes)
         io = IOStats()
-        ok = await asyncio.gather(*(link.read_page(h, rows[i], io) for i, h in enumerate(hashes)))
+        ok = await gather_settled(*(link.read_page(h, rows[i], io) for i, h in enumerate(hashes)))
         pages = ok.index(False) if False in ok else len(ok)
         return _tensors(link, rows[:pages], pages, io.corruptions)
 

@@ -136,7 +136,6 @@ NO_TEST_FILE: dict[str, str] = {
     "hicache_store/tier/request.py": "match / prepare records, through HiCache: tests/tier/test_cache_tier.py",
     "hicache_store/tier/residency.py": "the residency primitives through HiCache: tests/tier/test_cache_tier.py, test_tier_events.py (L2 admission), tests/bench/test_trace_format_weka.py",
     "hicache_store/tier/restore.py": "component restores through HiCache: tests/tier/test_components_*.py",
-    "hicache_store/tier/transfers.py": "L2 <-> L3 transfers: tests/tier/test_backup_runs.py",
 }
 
 

@@ -50,6 +50,7 @@ from typing import TypeVar
 from hicache_store.backends.aio import wait_for
 from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import InvalidRangeError
+from hicache_store.backends.lifetime import gather_settled
 from hicache_store.backends.protocols import PendingReads
 from hicache_store.backends.types import ByteRange
 from hicache_store.layout.errors import (
@@ -371,7 +372,7 @@ class ObjectIO:
         finally:
             await self.read_budget.release(taken)
         if got is None:
-            singles = await asyncio.gather(*(self.read_frames([k], [f])
+            singles = await gather_settled(*(self.read_frames([k], [f])
                                              for k, f in zip(keys, frames, strict=True)))
             return [one for (one,) in singles]
         out = self._verified(keys, frames, headers, storage_keys, got, sums)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hicache_store.backends.lifetime import gather_settled
 from hicache_store.objects import IOStats, L3Link, PageWrite
 
 if TYPE_CHECKING:
@@ -179,7 +180,9 @@ class Transfers:
 
         async def run() -> None:
             try:
-                await asyncio.gather(*(one(f) for f in op.extra))
+                # settled: a failed read ends the prefetch only once its siblings stopped
+                # writing into their rows
+                await gather_settled(*(one(f) for f in op.extra))
                 failed = False
                 for chunk in _runs(op.kv, rows(op.kv[0]).nbytes if op.kv else 0):
                     read = 0 if failed else await read_run(chunk)
