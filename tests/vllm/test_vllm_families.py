@@ -7,6 +7,8 @@ Per family, in this process, one engine at a time:
   beyond vLLM's 3-4 MiB of KV, so later turns are served from the store), token ids equal;
   vLLM's own counter (``vllm:external_prefix_cache_hits``) and the connector's
   (``vllm:hicache_store_loaded_tokens``) show the tokens the store served.
+* a new OS process on the same store (nothing of the first engine's process left): each
+  conversation's last prompt served from the store, tokens equal;
 * a fresh engine on the same store: each conversation's whole history served from its first
   request, tokens equal; the test-only altered-bytes switch changes the tokens (the check can
   fail); every object corrupted on disk: misses, tokens equal, nothing served.
@@ -23,7 +25,10 @@ vLLM's own offloading route.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -149,6 +154,50 @@ def test_the_workload_is_served_from_the_store_with_equal_tokens(family: Family)
           f"{family.worker.get('pages_loaded', 0)} pages loaded, {family.worker['pages_saved']} saved")
 
 
+def most_served(family: Family, prompts: list[list[int]]) -> int:
+    """Every full page of each prompt but the one with its last token."""
+    return sum((len(p) - 1) // family.block * family.block for p in prompts)
+
+
+def test_a_new_os_process_is_served_from_the_store(family: Family, tmp_path: Path) -> None:
+    """Runs before the store is damaged below (the tests of a family run in file order)."""
+    prompts = [list(p) for p in family.final]
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, __file__, family.name, str(family.model), str(family.root),
+         str(prompts_file)],
+        check=False, capture_output=True, text=True, env=env, timeout=1800,  # a hang detector
+    )
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert lines, done.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["outputs"] == [family.final[tuple(p)] for p in prompts]
+    assert result["served"] == result["offered"]
+    assert 0 < result["served"] <= most_served(family, prompts)
+    if family.name != "qwen3_next":  # (a state part hits only at its checkpoints)
+        assert result["served"] == most_served(family, prompts)
+    assert result["corrupt_objects"] == 0
+
+
+def _serve_in_this_process(name: str, model: str, root: str, prompts_file: str) -> None:
+    """The new process of ``test_a_new_os_process_is_served_from_the_store``."""
+    prompts = json.loads(Path(prompts_file).read_text())
+    llm = engine(Path(model), name, {"url": f"file://{root}"})
+    try:
+        outputs = [generate(llm, p) for p in prompts]
+        result = {"outputs": outputs,
+                  "served": counter(llm, "vllm:hicache_store_loaded_tokens"),
+                  "offered": counter(llm, "vllm:external_prefix_cache_hits"),
+                  "corrupt_objects": worker_connector().metrics.get("corrupt_objects", 0)}
+    finally:
+        close_llm(llm)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
 @pytest.fixture
 def fresh(family: Family) -> Iterator[Any]:
     llm = engine(family.model, family.name, {"url": f"file://{family.root}"})
@@ -167,7 +216,7 @@ def test_a_fresh_engine_is_served_then_altered_bytes_show_then_corrupt_objects_m
     assert served == counter(fresh, "vllm:external_prefix_cache_hits")
     # Every full page of each history but the one with the last token: from the store
     # (a state part only at page ends where a step ended, so a hybrid hit may stop earlier).
-    most = sum((len(p) - 1) // family.block * family.block for p in prompts)
+    most = most_served(family, prompts)
     assert 0 < served <= most
     if family.name != "qwen3_next":
         assert served == most
@@ -288,3 +337,7 @@ def test_mla_latents_serve_vllm_exactly_as_vllms_own_offloading_does(
         assert worker.metrics["corrupt_objects"] >= len(prompts)
     finally:
         close_llm(llm)
+
+
+if __name__ == "__main__":
+    _serve_in_this_process(*sys.argv[1:5])
