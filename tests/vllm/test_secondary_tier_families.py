@@ -9,11 +9,16 @@ again: every reused chunk is promoted from hicache-store (vLLM's own tier counte
 tokens equal the first pass's; then the test-only switch that zeroes loaded rows changes them.
 MLA (block 16) runs here too: both passes restore through vLLM's own path, whose CPU MLA
 prefill over a restored context differs from a full one, so its second pass is compared with
-the rows' own reproducibility (a third pass gives the same tokens).
+the rows' own reproducibility (a third pass gives the same tokens). Last, a new OS process on the
+same store gives the second pass's tokens from the tier's rows.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +115,42 @@ def test_every_family_is_promoted_from_the_tier(family: str, tmp_path: Path) -> 
         print(f"\n{family}: {groups} KV cache groups, {loaded} rows promoted")
     finally:
         close_llm(llm)
+    result = in_a_new_process(family, model, tmp_path / "store", prompts)
+    assert result["outputs"] == second
+    assert result["loaded"] > 0
+    assert result["read_bytes"] == result["bytes_loaded"] > 0
+    assert result["corruptions"] == 0
+
+
+def in_a_new_process(family: str, model: Path, root: Path, prompts: list[list[int]]) -> Any:
+    """``prompts`` through a tier engine on ``root`` in a new OS process: nothing of this
+    process's caches can serve them."""
+    prompts_file = root.parent / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, __file__, family, str(model), str(root), str(prompts_file)],
+        check=False, capture_output=True, text=True, env=env, timeout=1800,  # a hang detector
+    )
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _serve_in_this_process(family: str, model: str, root: str, prompts_file: str) -> None:
+    prompts = json.loads(Path(prompts_file).read_text())
+    llm = tier_engine(Path(model), family, Path(root))
+    try:
+        outputs = run(llm, prompts)
+        tier = tier_of(llm)
+        result = {"outputs": outputs, "loaded": tier.stats.loaded,
+                  "bytes_loaded": tier.stats.bytes_loaded, "read_bytes": read_bytes(llm),
+                  "corruptions": tier.stats.corruptions}
+    finally:
+        close_llm(llm)
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 def test_chunks_of_several_engine_blocks_are_promoted_with_equal_tokens(tmp_path: Path) -> None:
@@ -138,3 +179,7 @@ def test_chunks_of_several_engine_blocks_are_promoted_with_equal_tokens(tmp_path
         assert run(llm, prompts) == first
     finally:
         close_llm(llm)
+
+
+if __name__ == "__main__":
+    _serve_in_this_process(*sys.argv[1:5])
