@@ -68,7 +68,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import contextvars
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence, Set
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -146,6 +146,17 @@ def reads_not_counted() -> Iterator[None]:
 def reads_are_uses() -> bool:
     """Whether a read made now counts as a use (False inside ``reads_not_counted``)."""
     return _READS_ARE_USES.get()
+
+
+def removed_once(keys: Sequence[str], removed: Set[str]) -> list[bool]:
+    """``_delete``'s answer for a batch whose keys in ``removed`` were removed: a key repeated
+    in the batch was removed once, so True for its first place and False for the others."""
+    seen: set[str] = set()
+    out = []
+    for key in keys:
+        out.append(key in removed and key not in seen)
+        seen.add(key)
+    return out
 
 
 class Backend(Helpers, abc.ABC):

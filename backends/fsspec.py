@@ -60,7 +60,7 @@ from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
 from .aio import wait_for
-from .base import Backend
+from .base import Backend, removed_once
 from .errors import (
     BackendError,
     BackendIOError,
@@ -320,13 +320,7 @@ class FsspecBackend(Backend):
         # docstring inherited. A key repeated in a batch is removed once: True, then False.
         unique = list(dict.fromkeys(keys))
         found = await asyncio.gather(*(self._run("delete", k, self._delete_one, k) for k in unique))
-        gone = {k for k, hit in zip(unique, found, strict=True) if hit}
-        seen: set[str] = set()
-        removed = []
-        for key in keys:
-            removed.append(key in gone and key not in seen)
-            seen.add(key)
-        return removed
+        return removed_once(keys, {k for k, hit in zip(unique, found, strict=True) if hit})
 
     def _ls(self) -> list[str]:
         try:
