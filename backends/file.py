@@ -52,7 +52,8 @@ them), and can compute checksums of what it read in the same call (``native_read
 from the ``xxhash`` package), so a reader of framed objects verifies a batch without taking the
 GIL back per object; ``posix``, one Python system call at a time. Both read and write the same
 files with the same misses, errors and read policy. ``hf3fs://`` adds a third (USRBIO). The
-index, capacity, eviction and the buffer lifetime rule are this module's, whatever the engine.
+index, capacity, eviction and the buffer lifetime rule are this module's, whatever the engine:
+the pool and its error edge are ``_file_jobs``, a put's steps ``_file_writes``.
 
 **Index** (``backends.index``: the contract; ``_file_index``: the SQLite index, its design and
 the modules of its protocol). A SQLite database
@@ -125,11 +126,10 @@ from ._file_io import (
     NativePendingReads,
     Placement,
     ReadItem,
-    WriteOutcome,
-    fsync_dir,
     open_engine,
     probe_direct_io,
 )
+from ._file_jobs import FileJobs
 from ._file_noindex import NoIndex
 from ._file_objects import CHARGES, Charge, FileObjects, list_dir
 from ._file_root import index_id, prepare_root, remove_stale_temps, write_layout
@@ -140,13 +140,14 @@ from ._file_site import (
     filesystem_of,
     root_site,
 )
+from ._file_writes import FileWrites
 from ._index_check import check_index
 from ._valkey_index import ValkeyIndex
 from .base import Backend, reads_are_uses
-from .errors import BackendError, BackendUnavailableError, NotSupportedError, translate_os_error
+from .errors import NotSupportedError, translate_os_error
 from .file_layout import object_path
-from .index import IndexCheck, ObjectIndex, Reservation, fleet_index_url
-from .lifetime import abandonable, gather_settled
+from .index import IndexCheck, ObjectIndex, fleet_index_url
+from .lifetime import gather_settled
 from .protocols import ChangeFeed, PendingReads, SummedReads
 from .retention import DEFAULT_PIN_FRACTION, Retention, pin_budget_bytes
 from .types import (
@@ -350,8 +351,14 @@ class FileBackend(Backend):
             capacity = int(0.9 * (usage.free + self._index.totals()[0]))
         self.capacity_bytes = capacity
         self.pin_budget_bytes = pin_budget_bytes(capacity, float(pin_fraction))
-        self._pool = CallOrderPool(io_threads, "hicache-file")
+        #: the pool every blocking step runs on (``_file_jobs``).
+        self._jobs = FileJobs(self.name, io_threads)
+        self._pool = self._jobs.pool
         self._upkeep = _ReadUpkeep(self.name, self._index, self._pool, counted=not read_only)
+        #: the put protocol (``_file_writes``).
+        self._writes = FileWrites(self._engine, self._index, self._places, self._jobs,
+                                  io_threads=io_threads, capacity_bytes=capacity,
+                                  pin_budget_bytes=self.pin_budget_bytes, lock=self._lock)
 
     @classmethod
     def from_url(cls, url: BackendURL, options: dict[str, Any]) -> FileBackend:
@@ -392,25 +399,11 @@ class FileBackend(Backend):
         """The final path of a (validated) key (``object_path``). Public for tests and tools."""
         return object_path(self.root, key)
 
-    # -- running blocking work -----------------------------------------------------------------
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, fn, *args)
+    # -- running blocking work (``_file_jobs``) --------------------------------------------------
 
     async def _run_io(self, fn: Callable[..., T], *args: Any) -> T:
-        """``_run`` for a job that reads into or writes from the caller's buffers.
-
-        Buffer lifetime (base module docstring): such a job whose caller gave up before a
-        thread picked it up does not start (``abandonable``); one already in its ``preadv`` /
-        ``pwrite`` runs to the end, and the public method waits for it (one object's syscalls
-        on a local or mounted filesystem), so the caller's memory is never touched after the
-        call ended. Waiting, not staging: reads keep landing straight in the caller's buffer
-        with O_DIRECT (BENCHMARKS.md "Buffer lifetime"). Bookkeeping jobs (the index) use
-        ``_run``: they must run even for an abandoned call.
-        """
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, abandonable(fn), *args)
+        """A job that reads into or writes from the caller's buffers (``FileJobs.run_io``)."""
+        return await self._jobs.run_io(fn, *args)
 
     def _check_open(self, operation: str) -> None:
         # Also refused once another host has taken the root's index over (``_file_site``):
@@ -423,14 +416,6 @@ class FileBackend(Backend):
             raise NotSupportedError(f"{self.root} is open read-only: {operation} writes",
                                     backend=self.name, operation=operation)
 
-    def _translated(self, operation: str, key: str | None, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            return fn(*args)
-        except BackendError:
-            raise  # already ours (some of ours are also OSErrors)
-        except OSError as exc:
-            raise translate_os_error(exc, backend=self.name, operation=operation, key=key) from exc
-
     # -- core: exists / stat -------------------------------------------------------------------
 
     async def _exists(self, keys: Sequence[str]) -> list[bool]:
@@ -442,7 +427,7 @@ class FileBackend(Backend):
             hits = self._index.exists_if_current(keys)
             if hits is not None:
                 return hits
-        return await self._run(self._translated, "exists", None, self._index.exists, keys)
+        return await self._jobs.call("exists", self._index.exists, keys)
 
     def _exists_now(self, keys: list[str], max_age_s: float) -> list[bool] | None:
         # docstring inherited. The index's fingerprint set when it is recent enough, else when
@@ -459,7 +444,7 @@ class FileBackend(Backend):
     def _exists_blocking(self, keys: list[str]) -> list[bool]:
         # docstring inherited. The index's ``exists`` on the caller's thread (thread-safe: each
         # thread has its own SQLite connection), as the pool would run it.
-        return self._translated("exists", None, self._index.exists, keys)
+        return self._jobs.translated("exists", None, self._index.exists, keys)
 
     def _stat_paths(self, keys: Sequence[str]) -> list[ObjectStat | None]:
         return [None if found is None else ObjectStat(key, found.size, found.mtime)
@@ -467,7 +452,7 @@ class FileBackend(Backend):
 
     async def _stat(self, keys: Sequence[str]) -> list[ObjectStat | None]:
         # docstring inherited. From the files themselves (the truth for sizes and mtimes).
-        return await self._run(self._translated, "stat", None, self._stat_paths, keys)
+        return await self._jobs.call("stat", self._stat_paths, keys)
 
     async def adopt(self, keys: Sequence[str]) -> int:
         """Index objects placed under ``objects/`` by other means (a restore, a copy, a test
@@ -476,7 +461,7 @@ class FileBackend(Backend):
         self._check_open("adopt")
         self._check_writable("adopt")
         checked = self._check_keys(keys, "adopt")
-        return await self._run(self._translated, "adopt", None, self._index.adopt, checked)
+        return await self._jobs.call("adopt", self._index.adopt, checked)
 
     # -- core: reads (the engine's runs, ``_file_io``) -----------------------------------------
 
@@ -562,13 +547,13 @@ class FileBackend(Backend):
         return results, sums
 
     def _repair(self, missing: list[str]) -> None:
-        self._translated("get_into", None, self._upkeep.repair, missing)
+        self._jobs.translated("get_into", None, self._upkeep.repair, missing)
 
     async def _after_reads(self, keys: Sequence[str], results: Sequence[int | None]) -> None:
         """Count the hits as uses (eviction order), writing them to the index now and then."""
         self._engine.account(self.stats)
         if self._upkeep.touched(keys, results):
-            await self._run(self._translated, "get_into", None, self._index.flush_touches)
+            await self._jobs.call("get_into", self._index.flush_touches)
 
     # -- host memory (``capabilities.host_buffers``: the engine's) -------------------------------
 
@@ -587,97 +572,19 @@ class FileBackend(Backend):
         # that began after it (``_call_order``).
         self._check_writable("put")
         with one_call():
-            await _to_completion(self._put_batch(keys, buffers))
-
-    async def _put_batch(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
-        """Reserve (evicting if needed), write, settle: the index stays exact whatever fails."""
-        sizes = [len(view) for view in buffers]
-        # Not begun when the caller has given up by then (``abandonable``): nothing reserved,
-        # nothing to settle, no transaction spent on a put nobody waits for.
-        reservation = await self._reserve(keys, sizes, abandon=True)
-        outcomes: list[WriteOutcome] = []
-        try:
-            await self._make_room(reservation)
-            outcomes = await self._write_batch(keys, buffers)
-            if self.durability == "full" and any(o is True for o in outcomes):
-                dirs = sorted({self._places.shard_dir(k)
-                               for k, o in zip(keys, outcomes, strict=True) if o is True})
-                await self._run(self._translated, "put", None, _fsync_dirs, dirs)
-        finally:
-            await self._run(self._translated, "put", None, self._index.settle_put, reservation)
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-
-    async def _reserve(self, keys: Sequence[str], sizes: Sequence[int], *,
-                       abandon: bool = False) -> Reservation:
-        """The index's reservation of a put (``abandon``: not begun once its caller gave up);
-        a refusal because a fleet's index cannot be reached is counted
-        (``stats.index_refusals``; the index logs an outage once)."""
-        step: Callable[..., Reservation] = (
-            abandonable(self._translated) if abandon else self._translated)
-        try:
-            return await self._run(step, "put", None, self._index.reserve, keys, sizes,
-                                   self.capacity_bytes, self.pin_budget_bytes)
-        except BackendUnavailableError as exc:
-            if exc.backend == "index":
-                with self._lock:
-                    self.stats.index_refusals += 1
-            raise
-
-    async def _make_room(self, reservation: Reservation) -> None:
-        counts = await self._run(
-            self._translated, "put", None, self._index.make_room, self.capacity_bytes, reservation
-        )
-        with self._lock:
-            self.stats.evictions += counts.evicted
-            self.stats.eviction_failures += counts.failed
-
-    async def _write_batch(
-        self, keys: Sequence[str], buffers: Sequence[memoryview]
-    ) -> list[WriteOutcome]:
-        """Write and publish each object; per key True (published) or the error it raised.
-
-        The I/O step of ``_put`` (the reservation, eviction, directory fsyncs and the index
-        are around it): jobs of the engine's runs (``FileEngine.write_run``).
-        """
-        per_job = self._engine.write_run(len(keys), self.io_threads)
-        starts = range(0, len(keys), per_job)
-        runs = [self._run_io(self._engine.write, keys[i : i + per_job], buffers[i : i + per_job])
-                for i in starts]
-        out: list[WriteOutcome] = []
-        ended = await asyncio.gather(*runs, return_exceptions=True)
-        for start, run in zip(starts, ended, strict=True):
-            count = len(keys[start : start + per_job])
-            # A job that failed as a whole failed each of its objects.
-            out.extend([run] * count if isinstance(run, BaseException) else run)
-        self._engine.account(self.stats)
-        return out
+            await _to_completion(self._writes.put(keys, buffers, self.stats))
 
     async def _put_if_absent(self, key: str, buffer: memoryview) -> bool:
         self._check_writable("put_if_absent")
         # Atomic across threads and processes: link() refuses an existing name.
         with one_call():
-            return await _to_completion(self._put_one_if_absent(key, buffer))
-
-    async def _put_one_if_absent(self, key: str, buffer: memoryview) -> bool:
-        reservation = await self._reserve([key], [len(buffer)])
-        try:
-            await self._make_room(reservation)
-            wrote = bool(await self._run_io(self._engine.write_exclusive, key, buffer))
-            self._engine.account(self.stats)
-            if wrote and self.durability == "full":
-                await self._run(fsync_dir, self._places.shard_dir(key))
-        finally:
-            await self._run(self._translated, "put_if_absent", None, self._index.settle_put,
-                            reservation)
-        return wrote
+            return await _to_completion(self._writes.put_if_absent(key, buffer, self.stats))
 
     async def check_index(self, *, repair: bool = False,
                           rebuild: bool = False) -> IndexCheck | None:
         # docstring inherited
         self._check_open("check_index")
-        return await self._run(self._translated, "check_index", None, functools.partial(
+        return await self._jobs.call("check_index", functools.partial(
             check_index, self._index, self._site, self.index_kind, repair=repair,
             rebuild=rebuild))
 
@@ -703,17 +610,16 @@ class FileBackend(Backend):
 
     async def _retain(self, keys: Sequence[str], retention: Retention) -> None:
         # docstring inherited
-        await self._run(self._translated, "retain", None, self._index.retain, keys,
-                        retention, self.pin_budget_bytes)
+        await self._jobs.call("retain", self._index.retain, keys, retention,
+                              self.pin_budget_bytes)
 
     async def _release(self, keys: Sequence[str], owner: str) -> None:
         # docstring inherited
-        await self._run(self._translated, "release", None, self._index.release, keys, owner)
+        await self._jobs.call("release", self._index.release, keys, owner)
 
     async def _retention_of(self, keys: Sequence[str]) -> list[tuple[Retention, ...]]:
         # docstring inherited
-        return await self._run(self._translated, "retention_of", None,
-                               self._index.retention_of, keys)
+        return await self._jobs.call("retention_of", self._index.retention_of, keys)
 
     def pinned_bytes(self) -> int:
         """Bytes of the store's objects pinned now (every process's pins); 0 with
@@ -734,15 +640,13 @@ class FileBackend(Backend):
     async def _delete(self, keys: Sequence[str]) -> list[bool]:
         # docstring inherited
         self._check_writable("delete")
-        return await _to_completion(
-            self._run(self._translated, "delete", None, self._index.delete, keys)
-        )
+        return await _to_completion(self._jobs.call("delete", self._index.delete, keys))
 
     async def _delete_until_held(self, groups: list[list[str]]) -> DeletedUntilHeld:
         # docstring inherited. The holds are checked inside the index's write transaction
         # that removes the rows (``FileIndex.delete_until_held``).
-        done, removed = await _to_completion(self._run(
-            self._translated, "delete_until_held", None, self._index.delete_until_held, groups))
+        done, removed = await _to_completion(self._jobs.call(
+            "delete_until_held", self._index.delete_until_held, groups))
         return DeletedUntilHeld(done, tuple(removed))
 
     async def _list_prefix(self, prefix: str) -> AsyncIterator[str]:
@@ -764,16 +668,15 @@ class FileBackend(Backend):
     async def _pages(self, operation: str, pages: Iterator[list[T]]) -> AsyncIterator[list[T]]:
         """Each page of a blocking page iterator, fetched on the pool (one job per page)."""
         while True:
-            page = await self._run(self._translated, operation, None, next, pages, None)
+            page = await self._jobs.call(operation, next, pages, None)
             if page is None:
                 return
             yield page
 
     async def _close(self) -> None:
         # Running jobs finish (they own their file descriptors); nothing new starts.
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._pool.shutdown, True)
-        await loop.run_in_executor(None, self._index.close)
+        await self._jobs.shutdown()
+        await asyncio.get_running_loop().run_in_executor(None, self._index.close)
         self._engine.close()
         self._engine.account(self.stats)
 
@@ -851,9 +754,3 @@ def _existing_ancestor(path: Path) -> str:
             return str(candidate)
     return "/"
 
-
-
-
-def _fsync_dirs(paths: Sequence[str]) -> None:
-    for path in paths:
-        fsync_dir(path)

@@ -65,6 +65,8 @@ NO_TEST_FILE: dict[str, str] = {
     "backends/_s3_io.py": "private helpers of backends.s3: tests/backends_s3/test_s3_behaviour.py",
     "backends/_s3_client.py": "private part of backends.s3 (client, pool, deadlines, the requests): tests/backends_s3/test_s3_behaviour.py, test_s3_conformance.py",
     "backends/_s3_capacity.py": "private part of backends.s3 (capacity_bytes without an index): tests/backends_s3/test_s3_behaviour.py, test_s3_conformance.py (capacity on)",
+    "backends/_file_jobs.py": "private part of backends.file (its pool and error edge): tests/backends/test_file.py, test_file_contention.py",
+    "backends/_file_writes.py": "private part of backends.file (the put protocol): tests/backends/test_file.py, test_file_contention.py, test_file_crash.py",
     "backends/base.py": "the Backend contract: the conformance suite (hicache_store.testing) every backend's tests run",
     "backends/errors.py": "the storage exceptions; asserted by each backend's tests where they are raised",
     "backends/file_layout.py": "the file layout's object paths: tests/backends/test_file.py (shard_of), and every file-backend test that reads a root's files",

@@ -1,0 +1,131 @@
+"""The file family's put protocol: ``FileWrites``.
+
+A put is four steps, each a job on the store's pool (``_file_jobs``), every one of them run
+for a put that began:
+
+1. reserve: the index records the batch as in flight (``ObjectIndex.reserve``) and counts it
+   against ``capacity_bytes``; a put whose caller gave up before this step began is never
+   begun (nothing reserved, nothing to settle);
+2. make room: the index evicts in its order until the batch fits (``make_room``);
+3. write: the engine writes each object to a temp file and publishes it by ``rename`` (or
+   ``link`` for ``put_if_absent``), in runs of ``FileEngine.write_run``; with
+   ``durability=full`` the shard directories are then ``fsync``-ed;
+4. settle: the index learns what was stored (``settle_put``), whatever failed before, so it
+   stays exact.
+
+Counters go to the ``BackendStats`` each call is given: evictions, eviction failures, and
+refusals by a fleet's index that cannot be reached (``index_refusals``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+
+from ._file_io import FileEngine, Placement, WriteOutcome, fsync_dir
+from ._file_jobs import FileJobs
+from .errors import BackendUnavailableError
+from .index import ObjectIndex, Reservation
+from .lifetime import abandonable
+from .types import BackendStats
+
+
+class FileWrites:
+    """The puts of one file store: ``engine`` moves the bytes, ``index`` keeps the count,
+    ``jobs`` runs the steps. ``capacity_bytes`` and ``pin_budget_bytes`` bound the index's
+    reservations; ``lock`` guards the counters of the stats each call is given."""
+
+    def __init__(self, engine: FileEngine, index: ObjectIndex, places: Placement,
+                 jobs: FileJobs, *, io_threads: int, capacity_bytes: int,
+                 pin_budget_bytes: int, lock: threading.Lock) -> None:
+        self._engine, self._index, self._places, self._jobs = engine, index, places, jobs
+        self._io_threads = io_threads
+        self._capacity_bytes = capacity_bytes
+        self._pin_budget_bytes = pin_budget_bytes
+        self._lock = lock
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[memoryview],
+                  stats: BackendStats) -> None:
+        """Reserve (evicting if needed), write, settle: the index stays exact whatever fails.
+        Raises the first object's error once every object is written or failed."""
+        sizes = [len(view) for view in buffers]
+        # Not begun when the caller has given up by then (``abandonable``): nothing reserved,
+        # nothing to settle, no transaction spent on a put nobody waits for.
+        reservation = await self._reserve(keys, sizes, stats, abandon=True)
+        outcomes: list[WriteOutcome] = []
+        try:
+            await self._make_room(reservation, stats)
+            outcomes = await self._write_batch(keys, buffers, stats)
+            if self._places.durability == "full" and any(o is True for o in outcomes):
+                dirs = sorted({self._places.shard_dir(k)
+                               for k, o in zip(keys, outcomes, strict=True) if o is True})
+                await self._jobs.call("put", _fsync_dirs, dirs)
+        finally:
+            await self._jobs.call("put", self._index.settle_put, reservation)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    async def put_if_absent(self, key: str, buffer: memoryview, stats: BackendStats) -> bool:
+        """One object, published only where no object of ``key`` is (``link`` refuses an
+        existing name: atomic across threads and processes); whether it was."""
+        reservation = await self._reserve([key], [len(buffer)], stats)
+        try:
+            await self._make_room(reservation, stats)
+            wrote = bool(await self._jobs.run_io(self._engine.write_exclusive, key, buffer))
+            self._engine.account(stats)
+            if wrote and self._places.durability == "full":
+                await self._jobs.run(fsync_dir, self._places.shard_dir(key))
+        finally:
+            await self._jobs.call("put_if_absent", self._index.settle_put, reservation)
+        return wrote
+
+    async def _reserve(self, keys: Sequence[str], sizes: Sequence[int], stats: BackendStats,
+                       *, abandon: bool = False) -> Reservation:
+        """The index's reservation of a put (``abandon``: not begun once its caller gave up);
+        a refusal because a fleet's index cannot be reached is counted
+        (``stats.index_refusals``; the index logs an outage once)."""
+        translated = self._jobs.translated
+        step: Callable[..., Reservation] = abandonable(translated) if abandon else translated
+        try:
+            return await self._jobs.run(step, "put", None, self._index.reserve, keys, sizes,
+                                        self._capacity_bytes, self._pin_budget_bytes)
+        except BackendUnavailableError as exc:
+            if exc.backend == "index":
+                with self._lock:
+                    stats.index_refusals += 1
+            raise
+
+    async def _make_room(self, reservation: Reservation, stats: BackendStats) -> None:
+        counts = await self._jobs.call("put", self._index.make_room, self._capacity_bytes,
+                                       reservation)
+        with self._lock:
+            stats.evictions += counts.evicted
+            stats.eviction_failures += counts.failed
+
+    async def _write_batch(self, keys: Sequence[str], buffers: Sequence[memoryview],
+                           stats: BackendStats) -> list[WriteOutcome]:
+        """Write and publish each object; per key True (published) or the error it raised:
+        jobs of the engine's runs (``FileEngine.write_run``)."""
+        per_job = self._engine.write_run(len(keys), self._io_threads)
+        starts = range(0, len(keys), per_job)
+        runs = [self._jobs.run_io(self._engine.write, keys[i : i + per_job],
+                                  buffers[i : i + per_job])
+                for i in starts]
+        out: list[WriteOutcome] = []
+        ended = await asyncio.gather(*runs, return_exceptions=True)
+        for start, run in zip(starts, ended, strict=True):
+            count = len(keys[start : start + per_job])
+            # A job that failed as a whole failed each of its objects.
+            out.extend([run] * count if isinstance(run, BaseException) else run)
+        self._engine.account(stats)
+        return out
+
+
+def _fsync_dirs(paths: Sequence[str]) -> None:
+    for path in paths:
+        fsync_dir(path)
+
+
+__all__ = ["FileWrites"]
