@@ -104,33 +104,25 @@ def pinned_bytes(con: sqlite3.Connection, now: float) -> int:
     return value
 
 
-def held_among(con: sqlite3.Connection, keys: Sequence[str], now: float) -> set[str]:
-    """The keys of ``keys`` with an entry (a pin or a retention) that holds at ``now``."""
+def held_among(con: sqlite3.Connection, keys: Sequence[str], now: float, *,
+               pins_only: bool = False) -> set[str]:
+    """The keys of ``keys`` with an entry (a pin or a retention; ``pins_only``: a pin) that
+    holds at ``now``."""
+    pinned = "pinned = 1 AND " if pins_only else ""
     held: set[str] = set()
     for chunk in _chunks(keys):
         held.update(k for (k,) in con.execute(
-            "SELECT DISTINCT key FROM retention WHERE (until_s IS NULL OR until_s > ?) "  # noqa: S608
+            f"SELECT DISTINCT key FROM retention WHERE {pinned}(until_s IS NULL OR until_s > ?) "  # noqa: S608
             f"AND key IN ({_marks(len(chunk))})", (now, *chunk),
         ))
     return held
-
-
-def _pinned_among(con: sqlite3.Connection, keys: Sequence[str], now: float) -> set[str]:
-    """The keys of ``keys`` with a pin that holds at ``now``."""
-    pinned: set[str] = set()
-    for chunk in _chunks(keys):
-        pinned.update(k for (k,) in con.execute(
-            "SELECT DISTINCT key FROM retention WHERE pinned = 1 AND (until_s IS NULL OR "  # noqa: S608
-            f"until_s > ?) AND key IN ({_marks(len(chunk))})", (now, *chunk),
-        ))
-    return pinned
 
 
 def _pinned_in_flight(con: sqlite3.Connection, in_flight: Mapping[str, int], now: float) -> int:
     """Bytes the puts in flight (``in_flight``: key -> growth) will add to pinned objects."""
     if not in_flight:
         return 0
-    return sum(in_flight[key] for key in _pinned_among(con, list(in_flight), now))
+    return sum(in_flight[key] for key in held_among(con, list(in_flight), now, pins_only=True))
 
 
 def retain(
@@ -149,7 +141,7 @@ def retain(
     if not stored:
         return
     if retention.pinned and retention.holds(now):
-        pinned = _pinned_among(con, list(stored), now)
+        pinned = held_among(con, list(stored), now, pins_only=True)
         asked = sum(size + in_flight.get(key, 0) for key, size in stored.items()
                     if key not in pinned)
         used = pinned_bytes(con, now) + _pinned_in_flight(con, in_flight, now)
@@ -172,7 +164,7 @@ def charge_rewrite(
     it. Objects without a holding pin, and rewrites that do not grow, are not charged."""
     if not growth:
         return
-    pinned = _pinned_among(con, list(growth), now)
+    pinned = held_among(con, list(growth), now, pins_only=True)
     if not pinned:
         return
     used = pinned_bytes(con, now) + _pinned_in_flight(con, in_flight, now)
