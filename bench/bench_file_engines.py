@@ -46,6 +46,14 @@ SYSTEMS = {
 }
 
 
+#: what ``before`` and ``after`` were in the study the page first carried (``--trees`` says it
+#: for another comparison).
+TREES = (
+    "`before`: main before the I/O engines (hf3fs overrode the file backend's reads and writes, "
+    "so its POSIX path ran Python system calls); `after`: the file backend's engine chosen at "
+    "open, hf3fs its configuration.")
+
+
 def bench(tree: Path | None, url: str, args: argparse.Namespace, *, baseline: bool) -> dict[str, Any]:
     """One ``hicache-store bench backend`` run of ``url`` in a fresh process (``tree``: the
     other source tree first on the path; None: this one)."""
@@ -112,10 +120,8 @@ def render(results: dict[str, Any], cmd: str) -> str:
         f"by default without an index, and with `index=sqlite` as `file://` has), "
         f"{results['objects']} objects of {results['size']}, batches of {results['batch']}, "
         "`durability=data`, cold reads after evicting the run's own files; the trees' order "
-        "alternates by round, and so does the backends' order. `before`: main before the I/O engines (hf3fs overrode the file "
-        "backend's reads and writes, so its POSIX path ran Python system calls); `after`: the "
-        "file backend's engine chosen at open, hf3fs its configuration. GB/s = 10^9 bytes/s; "
-        "% = of the same round's raw baseline. Load average "
+        f"alternates by round, and so does the backends' order. {results.get('trees', TREES)} "
+        "GB/s = 10^9 bytes/s; % = of the same round's raw baseline. Load average "
         f"{results['load_start']:.1f} at the start, {results['load_end']:.1f} at the end "
         f"(2 cores shared with other sessions: read rows of one round against each other). "
         f"Run {when}.",
@@ -141,6 +147,21 @@ def render(results: dict[str, Any], cmd: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run_arguments(argv: list[str]) -> list[str]:
+    """The arguments that shape the run: without ``--write-md``, and without ``--from-json``
+    and ``--trees`` with their values (given as ``--x=v`` or ``--x v``)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--from-json", "--trees"):
+            skip = True
+        elif not arg.startswith(("--write-md", "--from-json=", "--trees=")):
+            out.append(arg)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", help="another source tree (see the module docstring)")
@@ -153,15 +174,17 @@ def main() -> int:
                         help="update docs/benchmarks/file.md")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--from-json", help="render the results of an earlier --json run")
+    parser.add_argument("--trees", default=TREES,
+                        help="what `before` and `after` are, for the page (a sentence)")
     args = parser.parse_args()
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:
         results = run(args)
+        results["trees"] = args.trees if args.before else "Only this tree ran (`after`)."
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
-    cmd = ".venv/bin/python bench/bench_file_engines.py " + " ".join(
-        a for a in sys.argv[1:] if not a.startswith(("--write-md", "--from-json")))
+    cmd = ".venv/bin/python bench/bench_file_engines.py " + " ".join(_run_arguments(sys.argv[1:]))
     text = render(results, cmd)
     print(text)
     if args.write_md:
