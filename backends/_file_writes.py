@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from ._file_io import FileEngine, Placement, WriteOutcome, fsync_dir
 from ._file_jobs import FileJobs
 from .errors import BackendUnavailableError
-from .index import ObjectIndex, Reservation
+from .index import ObjectIndex, Reservation, settle_or_unpublish
 from .lifetime import abandonable
 from .types import BackendStats
 
@@ -62,7 +62,8 @@ class FileWrites:
                                for k, o in zip(keys, outcomes, strict=True) if o is True})
                 await self._jobs.call("put", _fsync_dirs, dirs)
         finally:
-            await self._jobs.call("put", self._index.settle_put, reservation)
+            await self._settle("put", reservation,
+                               [k for k, o in zip(keys, outcomes, strict=False) if o is True])
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -71,6 +72,7 @@ class FileWrites:
         """One object, published only where no object of ``key`` is (``link`` refuses an
         existing name: atomic across threads and processes); whether it was."""
         reservation = await self._reserve([key], [len(buffer)], stats)
+        wrote = False
         try:
             await self._make_room(reservation, stats)
             wrote = bool(await self._jobs.run_io(self._engine.write_exclusive, key, buffer))
@@ -78,7 +80,7 @@ class FileWrites:
             if wrote and self._places.durability == "full":
                 await self._jobs.run(fsync_dir, self._places.shard_dir(key))
         finally:
-            await self._jobs.call("put_if_absent", self._index.settle_put, reservation)
+            await self._settle("put_if_absent", reservation, [key] if wrote else [])
         return wrote
 
     async def _reserve(self, keys: Sequence[str], sizes: Sequence[int], stats: BackendStats,
@@ -96,6 +98,12 @@ class FileWrites:
                 with self._lock:
                     stats.index_refusals += 1
             raise
+
+    async def _settle(self, operation: str, reservation: Reservation,
+                      published: Sequence[str]) -> None:
+        """Step 4 (``settle_or_unpublish``: a refused settle removes what it published)."""
+        await self._jobs.call(operation, settle_or_unpublish, self._index, reservation,
+                              published)
 
     async def _make_room(self, reservation: Reservation, stats: BackendStats) -> None:
         counts = await self._jobs.call("put", self._index.make_room, self._capacity_bytes,

@@ -22,7 +22,7 @@ temp files, finishes its deletes and evictions, and sets every key of its puts f
 A reclaimed writer that wakes finds its heartbeat gone: it cannot renew it, and every settle
 of its batches is refused (``WriterFencedError``: its put is reported failed); it registers a
 new incarnation for its next call. An object it published after the reclaim is unaccounted;
-``delete_unindexed`` (gc's reconcile) removes it. Nothing here depends on a host's clock: ranks
+the writer removes it at once (``index.settle_or_unpublish``), gc's reconcile where it cannot. Nothing here depends on a host's clock: ranks
 and leases use the server's.
 
 **When the server cannot be reached** (``_valkey_link``: every call bounded by ``timeout_s``):

@@ -39,7 +39,8 @@ rebuilt from a walk (``rebuilt``).
    behind; ``recover`` (run by any other process of the store) finishes its deletes,
    reconciles its puts' keys with the store and removes its temp files. A writer reclaimed this
    way cannot settle any more (``WriterFencedError``): its put is reported failed, and what it
-   published unaccounted is removed by ``delete_unindexed`` (gc's reconcile).
+   published unaccounted is removed by ``delete_unindexed``: at once by the writer
+   (``settle_or_unpublish``), or by gc's reconcile where the index could not be reached.
 6. *The change feed* (``features.change_feed``): every change of presence, by any process
    (put, eviction, delete, gc, repair), appears once, in order, numbered; ``changes_after``
    names them and ``listing`` gives every key as of one change number, for readers that start
@@ -53,12 +54,14 @@ on its bounded executor, as it runs any blocking SDK call. ``exists_if_current``
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from hicache_store.layout.keys import object_key_parts
 
+from .errors import BackendUnavailableError
 from .retention import Retention
 
 
@@ -403,3 +406,21 @@ __all__ = [
     "FLEET_SCHEMES", "EvictionCount", "FeedChanges", "IndexCheck", "IndexFeatures", "Measured", "ObjectIndex", "ObjectSite",
     "Reservation", "fleet_index_url", "is_page_prefix", "page_depths", "page_of",
 ]
+
+
+def settle_or_unpublish(index: ObjectIndex, reservation: Reservation,
+                        published: Sequence[str]) -> None:
+    """A put's settle (``ObjectIndex.settle_put``). A settle the index refuses (this writer's
+    lease lapsed and another process reclaimed the put, or the index was lost and built again
+    meanwhile) leaves the objects the put ``published`` unaccounted where the reclaim or the
+    rebuild looked before they were there: those are removed at once (``delete_unindexed``,
+    which keeps any the index did count) rather than left for gc's reconcile. The refusal is
+    raised either way."""
+    try:
+        index.settle_put(reservation)
+    except BackendUnavailableError:
+        if published:
+            # (the server unreachable too: gc's reconcile finds them later)
+            with contextlib.suppress(Exception):
+                index.delete_unindexed(published)
+        raise

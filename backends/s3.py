@@ -81,7 +81,7 @@ from ._s3_objects import S3Objects
 from ._valkey_index import ValkeyIndex
 from .base import Backend, removed_once
 from .errors import BackendIOError, BackendUnavailableError
-from .index import IndexCheck, Measured, Reservation, fleet_index_url
+from .index import IndexCheck, Measured, Reservation, fleet_index_url, settle_or_unpublish
 from .lifetime import Handoff
 from .retention import DEFAULT_PIN_FRACTION, Retention, pin_budget_bytes
 from .types import (
@@ -402,7 +402,8 @@ class S3Backend(Backend):
                 for (key, view), result in zip(latest.items(), results, strict=True)
                 if not isinstance(result, BaseException) and result is not False}
         finally:
-            await asyncio.shield(req.run_unbounded(index.settle_put, reservation))
+            await asyncio.shield(req.run_unbounded(settle_or_unpublish, index, reservation,
+                                                   list(reservation.stored)))
         for result in results:
             if isinstance(result, BaseException):
                 raise result

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_store.backends import Backend, open_backend
+from hicache_store.backends import Backend, WriterFencedError, open_backend
 from hicache_store.backends.file import FileBackend
 from hicache_store.testing import BackendTests, RetentionTests
 
@@ -56,3 +56,39 @@ class TestFileValkeyRetention(RetentionTests):
         return FileBackend(where, durability="none", direct_io="never", index=self.url,
                            capacity_counts="size", capacity_bytes=capacity_bytes,
                            pin_fraction=pin_fraction, clock=clock)
+
+
+async def test_a_put_reclaimed_before_it_published_leaves_no_unaccounted_object(
+        tmp_path: Path, valkey: ValkeyServer) -> None:
+    """A writer whose lease lapses between making room and publishing: another process
+    reclaims the put (its object not there yet: absent), the writer then publishes it and its
+    settle is refused. The put fails, and the object it published is removed at once, so the
+    store holds nothing the index does not count (before, it stayed until gc's reconcile)."""
+    url = f"file://{tmp_path}/store?index={valkey.url}"
+    writer = open_backend(url, durability="none")
+    other = open_backend(url, durability="none")
+    assert isinstance(writer, FileBackend) and isinstance(other, FileBackend)
+    index = writer._index  # type: ignore[attr-defined]
+    make_room = index.make_room
+
+    def lapse_then_room(*args: object, **kwargs: object) -> object:
+        counts = make_room(*args, **kwargs)
+        # the writer's heartbeat gone (a stop past its lease), the other process reclaims
+        valkey.client().delete(index._link.key(f"H:{index.writer}"))
+        assert other._index.recover() == 1  # type: ignore[attr-defined]
+        return counts
+
+    index.make_room = lapse_then_room
+    try:
+        with pytest.raises(WriterFencedError):
+            await writer.put(["a0b1"], [b"kv" * 100])
+        index.make_room = make_room
+        assert not writer.path_of("a0b1").exists()
+        assert await other.exists(["a0b1"]) == [False]
+        check = await other.check_index()
+        assert check is not None and check.consistent, check
+        await writer.put(["a0b1"], [b"kv" * 100])  # the writer goes on, as a new incarnation
+        assert await other.get_bytes("a0b1") == b"kv" * 100
+    finally:
+        await writer.close()
+        await other.close()

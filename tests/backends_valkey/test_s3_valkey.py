@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hicache_store.backends import Backend, Retention, open_backend
+from hicache_store.backends import Backend, Retention, WriterFencedError, open_backend
 from hicache_store.backends.feed import FeedFollower
 from hicache_store.backends.s3 import S3Backend
 from hicache_store.testing import BackendTests, RetentionTests
@@ -121,3 +121,35 @@ async def test_writers_share_one_bound_pins_and_one_feed(seaweed: Any, valkey: V
     finally:
         for store in stores:
             await store.close()
+
+
+async def test_a_put_reclaimed_before_it_published_leaves_no_unaccounted_object(
+        seaweed: Any, valkey: ValkeyServer) -> None:
+    """As for the file backend (``test_file_valkey``): a writer reclaimed between making room
+    and uploading fails its put, and the object it uploaded is removed at once."""
+    prefix = f"t-{secrets.token_hex(6)}"
+    writer, other = _store(seaweed, valkey, prefix), _store(seaweed, valkey, prefix)
+    index = writer._index
+    assert index is not None and other._index is not None
+    make_room = index.make_room
+
+    def lapse_then_room(*args: Any, **kwargs: Any) -> Any:
+        counts = make_room(*args, **kwargs)
+        valkey.client().delete(index._link.key(f"H:{index.writer}"))  # type: ignore[attr-defined]
+        assert other._index.recover() == 1  # type: ignore[union-attr]
+        return counts
+
+    index.make_room = lapse_then_room  # type: ignore[method-assign]
+    try:
+        with pytest.raises(WriterFencedError):
+            await writer.put(["a0b1"], [b"kv" * 100])
+        index.make_room = make_room  # type: ignore[method-assign]
+        listed = await asyncio.to_thread(
+            seaweed.client().list_objects_v2, Bucket=writer.bucket, Prefix=f"{prefix}/")
+        assert listed.get("KeyCount", 0) == 0, listed.get("Contents")
+        assert await other.exists(["a0b1"]) == [False]
+        await writer.put(["a0b1"], [b"kv" * 100])
+        assert await other.get_bytes("a0b1") == b"kv" * 100
+    finally:
+        await writer.close()
+        await other.close()
