@@ -5,6 +5,7 @@ for, coalescing, multipart uploads, URL options."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -279,8 +280,21 @@ def own_server(tmp_path: Path) -> Iterator[SeaweedServer]:
 
 
 def _pause(server: SeaweedServer) -> None:
+    """SIGSTOP, and wait until every thread of the server is stopped: the signal is taken
+    asynchronously, and on a loaded machine a thread could still answer a request first."""
     assert server.process is not None
-    os.kill(server.process.pid, signal.SIGSTOP)
+    pid = server.process.pid
+    os.kill(pid, signal.SIGSTOP)
+    for _ in range(1000):  # a hang detector (10 s)
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError), \
+                    open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if states and all(state in "tT" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the server did not stop: thread states {states}")
 
 
 def _resume(server: SeaweedServer) -> None:
