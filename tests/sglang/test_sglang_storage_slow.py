@@ -77,16 +77,24 @@ def test_a_backup_that_runs_out_of_time_keeps_and_reports_its_leading_pages(
     # later page whose own deadline (its bytes added to the floor) had not passed is still
     # started. Each is reported False, never True for a page that is not stored, and each
     # that landed is whole: every page SGLang finds is read back equal.
+    # (A put cut in flight may still land between these calls: each one may find more than
+    # the one before, never fewer, and never a page that is not whole.)
     landed = storage.batch_exists(hashes)
     assert stored <= landed <= N
     hit, loaded, got = rank.prefetch(tokens)
-    assert (hit, loaded) == (landed * 4, landed * 4) and got is not None
-    for i in range(landed):
+    assert hit == loaded
+    assert hit % 4 == 0
+    assert landed * 4 <= hit <= N * 4
+    assert got is not None
+    for i in range(hit // 4):
         assert same(rank.host_page_of(got, i), pages[i]), i
     rank.group.free(got)
     dst = rank.group.alloc(N * 4)
-    assert storage.batch_get_v1(hashes, dst) == [True] * landed + [False] * (N - landed)
-    for i in range(landed):
+    read = storage.batch_get_v1(hashes, dst)
+    found = leading(read)
+    assert hit // 4 <= found
+    assert read == [True] * found + [False] * (N - found)
+    for i in range(found):
         assert same(rank.host_page_of(dst, i), pages[i]), i
     rank.close()
 
