@@ -5,17 +5,25 @@ each (block, head), so its two planes have different strides: the affine pool vi
 ``reference`` (one stride per axis for both planes) cannot describe it. These two ops take
 each plane's strides from the layout layer (``VllmCpuLayout.plane_strides``) and the unified
 page's head blocks from ``UnifiedPageLayout.blocks``, and move each (plane, head block) with
-one index op over every selected block and layer. Contract, for every selected block ``i``
-(vLLM block ``blocks[i]``), local layer ``l``, plane ``p``, token ``t``, local head ``h``, dim
-``d``::
+one index op over every selected segment and layer.
 
-    staging[i] @ unified.element_offsets(layer_start + l, p, t, head_start + h, d)
-        ==  cache @ vllm.element_offsets(p, blocks[i] * block_size + t, l, h, d)
+The unified page's size may be the block size, a multiple of it or a divisor of it
+(``layout.blocks.BlockPages``): a page is ``segments_per_page`` *segments* of
+``segment = min(page, block)`` tokens, each at a *segment slot* of the cache (slot ``s``:
+tokens ``(s % segments_per_block) * segment`` on of block ``s // segments_per_block``; where
+page and block are equal, slots are block ids). ``slots`` names the segment slots of every
+page, in order (``N * segments_per_page`` of them for ``N`` staging rows). Contract, for every
+page ``i``, its segment ``j`` at slot ``s = slots[i * segments_per_page + j]``, local layer
+``l``, plane ``p``, token ``t < segment``, local head ``h``, dim ``d``::
 
+    staging[i] @ unified.element_offsets(layer_start + l, p, j * segment + t, head_start + h, d)
+        ==  cache @ vllm.element_offsets(p, slot_token(s) + t, l, h, d)
+
+where ``slot_token(s) = (s // per_block) * block_size + (s % per_block) * segment``.
 ``pack_blocks`` establishes it by writing staging rows; ``unpack_blocks`` by writing the
-cache's selected blocks (only the given layers; nothing else is written). Bytes move as
-integers (exact for every dtype). The launcher checks every assumption and raises
-``ValueError`` naming it.
+cache's selected segments (only the given layers; a slot ``layout.blocks.SKIP`` is not
+written; nothing else is written). Bytes move as integers (exact for every dtype). The
+launcher checks every assumption and raises ``ValueError`` naming it.
 
 ``pack_block_runs`` / ``unpack_block_runs`` move caches whose block of one layer is one
 contiguous run of bytes (vLLM's CPU MLA cache: a block's tokens of ``[kv_c | k_pe]``; a Mamba
@@ -33,6 +41,7 @@ from collections.abc import Iterator
 
 import torch
 
+from hicache_store.layout.blocks import SKIP, BlockPages
 from hicache_store.layout.host import UnifiedPageLayout, VllmCpuLayout
 
 from ._unified import local_layers, staging_elements
@@ -44,12 +53,12 @@ __all__ = ["pack_block_runs", "pack_blocks", "unpack_block_runs", "unpack_blocks
 def _check(
     cache: torch.Tensor,
     layout: VllmCpuLayout,
-    blocks: torch.Tensor,
+    slots: torch.Tensor,
     staging: torch.Tensor,
     unified: UnifiedPageLayout,
     *,
     writes_cache: bool,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, BlockPages]:
     ns = unified.namespace
     check_dtype("cache", cache)
     if cache.device.type != "cpu" or not cache.is_contiguous() or cache.numel() != layout.numel:
@@ -64,63 +73,86 @@ def _check(
             ("layers", layout.num_layers, unified.num_layers),
             ("heads", layout.num_heads, unified.num_heads),
             ("head_dim", layout.head_dim, ns.head_dim),
-            ("block_size", layout.block_size, ns.page_size),
             ("itemsize", cache.element_size(), ns.itemsize),
         )
         if got != want
     ]
     if wrong:
         raise ValueError("vLLM CPU cache does not match the unified layout: " + "; ".join(wrong))
-    if blocks.dtype not in (torch.int32, torch.int64) or blocks.dim() != 1:
-        raise ValueError(f"blocks: expected a 1-D int32/int64 tensor, got {blocks.dtype} "
-                         f"{tuple(blocks.shape)}")
-    if blocks.numel():
-        low, high = int(blocks.min()), int(blocks.max())
-        if low < 0 or high >= layout.num_blocks:
-            raise ValueError(f"blocks: span [{low}, {high}], outside [0, {layout.num_blocks})")
-        if writes_cache and torch.unique(blocks).numel() != blocks.numel():
-            raise ValueError("blocks: a block appears twice; blocks written must not overlap")
-    return staging_elements(staging, unified, blocks.numel(), cache.device)
+    geometry = BlockPages(ns.page_size, layout.block_size)  # (raises when neither divides)
+    if slots.dtype not in (torch.int32, torch.int64) or slots.dim() != 1:
+        raise ValueError(f"slots: expected a 1-D int32/int64 tensor, got {slots.dtype} "
+                         f"{tuple(slots.shape)}")
+    per_page = geometry.segments_per_page
+    if slots.numel() % per_page:
+        raise ValueError(f"slots: {slots.numel()} segment slots, not whole pages of "
+                         f"{per_page} segments")
+    if slots.numel():
+        named = slots[slots != SKIP] if writes_cache else slots
+        count = layout.num_blocks * geometry.segments_per_block
+        if named.numel():
+            low, high = int(named.min()), int(named.max())
+            if low < 0 or high >= count:
+                raise ValueError(f"slots: span [{low}, {high}], outside [0, {count})")
+        if writes_cache and torch.unique(named).numel() != named.numel():
+            raise ValueError("slots: a slot appears twice; slots written must not overlap")
+    stage = staging_elements(staging, unified, slots.numel() // per_page, cache.device)
+    return stage, geometry
 
 
-def _plane(cache: torch.Tensor, layout: VllmCpuLayout, plane: int) -> torch.Tensor:
-    """``[L, blocks, block_size, H, D]`` view of one plane of the cache, as integers."""
-    shape = (layout.num_layers, layout.num_blocks, layout.block_size, layout.num_heads,
-             layout.head_dim)
+def _plane(cache: torch.Tensor, layout: VllmCpuLayout, plane: int,
+           geometry: BlockPages) -> torch.Tensor:
+    """``[L, blocks, segments per block, segment, H, D]`` view of one plane, as integers."""
+    seg = geometry.segment
+    shape = (layout.num_layers, layout.num_blocks, geometry.segments_per_block, seg,
+             layout.num_heads, layout.head_dim)
+    layer, block, token, head, dim = layout.plane_strides(plane)
     offset = plane * layout.block_size * layout.head_dim
     bits = as_bits(cache)
-    return bits.as_strided(shape, layout.plane_strides(plane), bits.storage_offset() + offset)
+    return bits.as_strided(shape, (layer, block, seg * token, token, head, dim),
+                           bits.storage_offset() + offset)
 
 
 def _unified_views(
-    stage: torch.Tensor, unified: UnifiedPageLayout, plane: int
+    stage: torch.Tensor, unified: UnifiedPageLayout, plane: int, geometry: BlockPages
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """Per head block: (first local head, heads, ``[N, L, P, heads, D]`` view of ``plane``)."""
+    """Per head block: (first local head, heads, ``[N, L, segments per page, segment, heads,
+    D]`` view of ``plane``)."""
     ns = unified.namespace
     item = ns.itemsize
     for block in unified.blocks:
         start = block.offset // item
         part = stage[:, start:start + block.nbytes // item]
-        view = part.view(stage.shape[0], unified.num_layers, ns.kv_planes, ns.page_size,
-                         block.num_heads, ns.head_dim)
+        view = part.view(stage.shape[0], unified.num_layers, ns.kv_planes,
+                         geometry.segments_per_page, geometry.segment, block.num_heads,
+                         ns.head_dim)
         yield block.head_start - unified.head_start, block.num_heads, view[:, :, plane]
 
 
 def pack_blocks(
     cache: torch.Tensor,
     layout: VllmCpuLayout,
-    blocks: torch.Tensor,
+    slots: torch.Tensor,
     staging: torch.Tensor,
     unified: UnifiedPageLayout,
 ) -> torch.Tensor:
-    """Gather vLLM blocks ``blocks`` of every layer into unified rows of ``staging``."""
-    stage = _check(cache, layout, blocks, staging, unified, writes_cache=False)
-    index = blocks.to(torch.int64)
+    """Gather the segments at ``slots`` (every one named) of every layer into unified rows of
+    ``staging``, one row per ``segments_per_page`` slots."""
+    stage, geometry = _check(cache, layout, slots, staging, unified, writes_cache=False)
+    index = slots.to(torch.int64)
+    blocks, parts = index // geometry.segments_per_block, index % geometry.segments_per_block
+    rows = stage.shape[0]
     for plane in (0, 1):
-        src = _plane(cache, layout, plane)
-        for h0, nh, dst in _unified_views(stage, unified, plane):
-            picked = torch.index_select(src[:, :, :, h0:h0 + nh], 1, index)  # [L, N, P, h, D]
-            dst.copy_(picked.transpose(0, 1))
+        src = _plane(cache, layout, plane, geometry)
+        for h0, nh, dst in _unified_views(stage, unified, plane, geometry):
+            heads = src[..., h0:h0 + nh, :]
+            if geometry.segments_per_block == 1:  # whole blocks: one index_select
+                picked = torch.index_select(heads[:, :, 0], 1, blocks)  # [L, M, seg, h, D]
+            else:
+                picked = heads[:, blocks, parts]  # [L, M, seg, h, D]
+            shaped = picked.view(picked.shape[0], rows, geometry.segments_per_page,
+                                 *picked.shape[2:])
+            dst.copy_(shaped.transpose(0, 1))
     return staging
 
 
@@ -128,19 +160,33 @@ def unpack_blocks(
     staging: torch.Tensor,
     cache: torch.Tensor,
     layout: VllmCpuLayout,
-    blocks: torch.Tensor,
+    slots: torch.Tensor,
     unified: UnifiedPageLayout,
     *,
     layers: tuple[int, int] | None = None,
 ) -> None:
-    """Scatter unified rows into vLLM blocks ``blocks``; ``layers``: only that global range."""
-    stage = _check(cache, layout, blocks, staging, unified, writes_cache=True)
+    """Scatter unified rows into the segments at ``slots`` (``SKIP``: not written);
+    ``layers``: only that global range."""
+    stage, geometry = _check(cache, layout, slots, staging, unified, writes_cache=True)
     l0, l1 = local_layers(unified, layers)
-    index = blocks.to(torch.int64)
+    index = slots.to(torch.int64)
+    keep = index != SKIP
+    every = bool(keep.all())
+    if not every:
+        index = index[keep]
+    blocks, parts = index // geometry.segments_per_block, index % geometry.segments_per_block
     for plane in (0, 1):
-        dst = _plane(cache, layout, plane)[l0:l1]
-        for h0, nh, src in _unified_views(stage, unified, plane):
-            dst[:, :, :, h0:h0 + nh].index_copy_(1, index, src[:, l0:l1].transpose(0, 1))
+        dst = _plane(cache, layout, plane, geometry)[l0:l1]
+        for h0, nh, src in _unified_views(stage, unified, plane, geometry):
+            # [N, L, per page, seg, h, D] -> [N * per page, L, seg, h, D]: one entry per slot
+            rows = src[:, l0:l1].transpose(1, 2).flatten(0, 1)
+            if not every:
+                rows = rows[keep]
+            target = dst[..., h0:h0 + nh, :]
+            if geometry.segments_per_block == 1:
+                target[:, :, 0].index_copy_(1, blocks, rows.transpose(0, 1))
+            else:  # [blocks, per block, L, seg, h, D]: the slots' two indices lead
+                target.permute(1, 2, 0, 3, 4, 5).index_put_((blocks, parts), rows)
 
 
 def _check_runs(

@@ -312,7 +312,8 @@ class VllmCpuLayout(_SlotPool):
     V token-major (``[block_size, D]``). Checked against vLLM's own
     ``cpu_attn_reshape_and_cache`` (``tests/vllm``, and by the connector at start-up). So the
     storage is ``(L, blocks, H, K/V, block_size * D)`` and the per-plane strides differ: this is
-    not one of the affine ``PoolLayout`` s. Pages are vLLM blocks.
+    not one of the affine ``PoolLayout`` s. Pages are vLLM blocks (a connector with another
+    page size moves segments of them: ``layout.blocks``).
     """
 
     num_layers: int

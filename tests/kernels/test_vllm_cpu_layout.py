@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hicache_store.kernels.vllm_cpu import pack_blocks, unpack_blocks
+from hicache_store.layout.blocks import SKIP, BlockPages
 from hicache_store.layout.host import UnifiedPageLayout, VllmCpuLayout
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace
 
@@ -116,3 +117,81 @@ def test_launcher_refuses_what_does_not_fit() -> None:
         pack_blocks(src, lay, torch.tensor([0, 1]), staging, unified(1, 0, 2))
     with pytest.raises(ValueError, match="contiguous"):
         pack_blocks(src.transpose(0, 1), lay, torch.tensor([0, 1]), staging, uni)
+
+
+def paged(page: int, heads_per_group: int = 2) -> UnifiedPageLayout:
+    shape = ModelShape.mha(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
+    ns = Namespace.create("m", shape, "float32", page, Grid(LAYERS, heads_per_group))
+    return UnifiedPageLayout(ns, 0, LAYERS, 0, HEADS)
+
+
+def slot_token(geometry: BlockPages, slot: int) -> int:
+    """The first cache token of a segment slot, written out from the contract."""
+    per_block = geometry.segments_per_block
+    return (slot // per_block) * BLOCK + (slot % per_block) * geometry.segment
+
+
+@pytest.mark.parametrize(("page", "slots"), [
+    (2 * BLOCK, [4, 1, 3, 0]),  # a page of two blocks, in the order named
+    (3 * BLOCK, [2, 5, 0]),
+    (BLOCK // 2, [9, 0, 4]),  # half a block: slot 9 is block 4's second half
+    (BLOCK // 4, [23, 1, 6]),
+])
+def test_pages_of_several_blocks_or_part_of_one_follow_the_offsets(
+    page: int, slots: list[int]
+) -> None:
+    src = cache()
+    lay = layout()
+    uni = paged(page)
+    geometry = BlockPages(page, BLOCK)
+    rows = len(slots) // geometry.segments_per_page
+    staging = torch.empty(rows, uni.page_bytes // 4)
+    pack_blocks(src, lay, torch.tensor(slots), staging, uni)
+    flat = src.reshape(-1)
+    seg = geometry.segment
+    for i in range(rows):
+        for j in range(geometry.segments_per_page):
+            start = slot_token(geometry, slots[i * geometry.segments_per_page + j])
+            p, t, layer, h, d = np.meshgrid(np.arange(2), np.arange(seg), np.arange(LAYERS),
+                                            np.arange(HEADS), np.arange(DIM), indexing="ij")
+            pool = lay.element_offsets(p, start + t, layer, h, d)
+            row = uni.element_offsets(layer, p, j * seg + t, h, d)
+            assert torch.equal(staging[i][torch.from_numpy(row.ravel())],
+                               flat[torch.from_numpy(pool.ravel())])
+    # ... and back: exactly the named segments are written, the skipped ones are not
+    target = torch.zeros_like(src)
+    written = [s if k else SKIP for k, s in enumerate(slots)]  # the first segment skipped
+    unpack_blocks(staging, target, lay, torch.tensor(written), uni)
+    expected = torch.zeros_like(src).reshape(-1)
+    for s in written:
+        if s == SKIP:
+            continue
+        p, t, layer, h, d = np.meshgrid(np.arange(2), np.arange(seg), np.arange(LAYERS),
+                                        np.arange(HEADS), np.arange(DIM), indexing="ij")
+        at = torch.from_numpy(lay.element_offsets(p, slot_token(geometry, s) + t, layer, h,
+                                                  d).ravel())
+        expected[at] = flat[at]
+    assert torch.equal(target.reshape(-1), expected)
+    one_layer = torch.zeros_like(src)
+    unpack_blocks(staging, one_layer, lay, torch.tensor(slots), uni, layers=(1, 2))
+    assert not one_layer[0].any() and not one_layer[2].any() and one_layer[1].any()
+
+
+def test_launcher_refuses_slots_that_do_not_fit_the_page() -> None:
+    src = cache()
+    lay = layout()
+    uni = paged(2 * BLOCK)
+    staging = torch.empty(1, uni.page_bytes // 4)
+    with pytest.raises(ValueError, match="not whole pages of 2 segments"):
+        pack_blocks(src, lay, torch.tensor([1, 2, 3]), staging, uni)
+    with pytest.raises(ValueError, match="outside"):
+        pack_blocks(src, lay, torch.tensor([SKIP, 2]), staging, uni)  # a pack names them all
+    with pytest.raises(ValueError, match="appears twice"):
+        unpack_blocks(staging, src, lay, torch.tensor([3, 3]), uni)
+    half = paged(BLOCK // 2)
+    with pytest.raises(ValueError, match="outside"):
+        pack_blocks(src, lay, torch.tensor([2 * BLOCKS]), torch.empty(1, half.page_bytes // 4),
+                    half)
+    odd = paged(24)
+    with pytest.raises(ValueError, match="neither a multiple nor a divisor"):
+        pack_blocks(src, lay, torch.tensor([0]), torch.empty(1, odd.page_bytes // 4), odd)
