@@ -98,7 +98,8 @@ def test_a_bad_setting_reaches_the_caller_of_a_multiprocess_engine_by_name(
     [
         ({"kv_load_failure_policy": "fail"}, {}, "kv_load_failure_policy='recompute'"),
         ({}, {"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'fp8' is not supported"),
-        ({"kv_connector_extra_config": {"page_size": 64}}, {}, "page_size 64 must equal"),
+        ({"kv_connector_extra_config": {"page_size": 96}}, {},
+         "page_size 96 must be a multiple or a divisor of vLLM's block size 128"),
         ({"kv_connector_extra_config": {"l2_mib": 0.25}}, {},
          r"l2_mib 0\.25 holds no page of a worker's shard \(524288 bytes\); set at least 1 "),
     ],

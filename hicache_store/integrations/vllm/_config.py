@@ -35,7 +35,10 @@ Keys (all optional):
                        host memory and served before the backend is asked, least recently used
                        out first. Memory is taken as pages arrive, up to this bound; a non-zero
                        value below one page of the worker's shard is refused.
-``page_size``          stated for clarity: it must equal vLLM's block size.
+``page_size``          tokens of a stored page (default: vLLM's block size): a multiple of the
+                       block size (a page of several blocks) or a divisor of it (a block of
+                       several pages), for one KV cache group of full-attention MHA; other
+                       models keep the block size. Hits are whole blocks (``layout.blocks``).
 ``allow_cpu_mla``      serve an MLA model on vLLM's CPU platform (default off: refused). vLLM
                        0.32's CPU MLA computes a prefill over a restored context differently
                        from a full prefill (vLLM turns prefix caching off for MLA there), so the

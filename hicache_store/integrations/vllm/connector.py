@@ -14,11 +14,14 @@ Load it with::
 (``vllm serve`` takes the same as ``--kv-transfer-config`` JSON; the extra-config keys are in
 ``_config``). vLLM builds one instance in the scheduler and one per worker.
 
-**What a page is.** A vLLM block (the page size is vLLM's block size) of full-attention KV,
-named by hicache-store's own sha256 page-hash chain over the request's token ids
-(``layout.hashing.page_hashes``) in a namespace built from the model, its KV shape, dtype,
-block size and grid exactly as the SGLang adapter and ``hicache-store prepopulate`` build
-theirs, so the same prompt names the same objects whichever engine (or tool) wrote them. vLLM's
+**What a page is.** ``page_size`` tokens of full-attention KV (default: vLLM's block size;
+else a multiple of it, a page of several blocks, or a divisor, a block of several pages:
+``layout.blocks.BlockPages`` does every page <-> block step; vLLM takes whole blocks only, so
+a hit ends where the last whole block the stored pages cover ends), named by hicache-store's
+own sha256 page-hash chain over the request's token ids (``layout.hashing.page_hashes``) in
+a namespace built from the model, its KV shape, dtype, page size and grid exactly as the
+SGLang adapter and ``hicache-store prepopulate`` build theirs, so the same prompt names the
+same objects whichever engine (or tool) wrote them. vLLM's
 own block hashes are not used (they are seeded per process and carry no namespace). Stored as
 framed, checksummed objects in the unified page layout (``objects.L3Link``: the tier's and the
 SGLang adapter's object path), one writer per object among TP replicas.
@@ -95,10 +98,11 @@ front-end process, see the end of this module): a vLLM other than 0.32.x, KV cac
 per-block snapshots or under TP > 1), MLA on vLLM's CPU platform unless ``allow_cpu_mla``, an
 attention backend other than vLLM's CPU one, a CPU attention ISA whose cache layout is not
 the one checked at start-up (``vec`` is; AMX's bf16 layout is not known to this connector),
-quantized KV (fp8: per-tensor scales the namespace does not carry), a ``page_size`` other than
-the block size, ``kv_load_failure_policy="fail"``. Requests whose tokens do not identify their
-KV are neither loaded nor saved (counted): a ``cache_salt``, multimodal inputs, prompt
-embeddings, LoRA adapters.
+quantized KV (fp8: per-tensor scales the namespace does not carry), a ``page_size`` that is
+neither a multiple nor a divisor of the block size, or other than the block size for any model
+but one group of full-attention MHA, ``kv_load_failure_policy="fail"``. Requests whose tokens
+do not identify their KV are neither loaded nor saved (counted): a ``cache_salt``, multimodal
+inputs, prompt embeddings, LoRA adapters.
 
 **Hints.** vLLM's per-request KV hints envelope (``Request.kv_hints``, else the request's
 ``kv_transfer_params["kv_hints"]``) pins, retains, demotes, drops or releases the request's page
@@ -159,6 +163,7 @@ from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, open_backend
 from hicache_store.integrations._lookups import LookupCounters
 from hicache_store.kernels.vllm_cpu import pack_blocks, unpack_blocks
+from hicache_store.layout.blocks import SKIP, BlockPages
 from hicache_store.layout.dtypes import normalize_dtype
 from hicache_store.layout.errors import ConfigError
 from hicache_store.layout.hashing import page_hashes
@@ -198,11 +203,13 @@ SAVED_MEMORY = 1 << 16
 
 @dataclass
 class PageLoad:
-    """Pages of one request to restore: ``hashes[i]`` into vLLM block ``block_ids[i]`` (of
-    the KV cache group of part ``part``)."""
+    """Pages of one request to restore: ``hashes[i]`` into the segment slots ``slots[i * n:
+    (i + 1) * n]`` (``layout.blocks``: ``n`` segments per page; vLLM block ids where the page
+    is the block; ``SKIP`` for a segment vLLM holds itself) of the KV cache group of part
+    ``part``."""
 
     req_id: str
-    block_ids: list[int]
+    slots: list[int]
     hashes: list[str]
     part: int = 0
     tokens: int = 0  # (parts) the request's external tokens, on its first part's load
@@ -210,11 +217,12 @@ class PageLoad:
 
 @dataclass
 class PageSave:
-    """Pages of one request to store: block ``block_ids[i]`` holds page ``hashes[i]``, whose
-    chain parent is ``parents[i]`` (``None`` for a prompt's first page)."""
+    """Pages of one request to store: segment slots ``slots[i * n:(i + 1) * n]`` (as in
+    ``PageLoad``, every one named) hold page ``hashes[i]``, whose chain parent is
+    ``parents[i]`` (``None`` for a prompt's first page)."""
 
     req_id: str
-    block_ids: list[int]
+    slots: list[int]
     hashes: list[str]
     parents: list[str | None]
     part: int = 0
@@ -389,11 +397,7 @@ def deployment(
             "the scheduler's lookups cannot see the workers' attention layers); use 'auto'"
         )
     block = int(groups[0].kv_cache_spec.block_size)
-    if config.page_size is not None and config.page_size != block:
-        raise ConfigError(
-            f"HiCacheStoreConnector: page_size {config.page_size} must equal vLLM's block "
-            f"size {block} (set --block-size instead)"
-        )
+    page = page_size(config, kv_cache_config)
     if parallel.decode_context_parallel_size > 1 or getattr(
         parallel, "prefill_context_parallel_size", 1
     ) > 1:
@@ -401,6 +405,12 @@ def deployment(
     topology = Topology(int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size))
     if is_plain_mha(kv_cache_config, vllm_config):
         return (*model_namespace(config, vllm_config, kv_cache_config), None)
+    if page != block:
+        raise ConfigError(
+            f"HiCacheStoreConnector: page_size {page} other than vLLM's block size {block} is "
+            "supported for one KV cache group of full-attention MHA only (a window's, "
+            "latent's or state's pages are vLLM's blocks); leave page_size unset"
+        )
     if topology.pp_size > 1:
         raise ConfigError("HiCacheStoreConnector: pipeline parallelism is supported for models "
                           "of one full-attention KV cache group only")
@@ -415,6 +425,21 @@ def deployment(
     return parts[0].namespace, topology, parts
 
 
+def page_size(config: ConnectorConfig, kv_cache_config: KVCacheConfig) -> int:
+    """The deployment's page size (``page_size``, else vLLM's block size), a multiple or a
+    divisor of the block size (``layout.blocks.BlockPages``), or a ``ConfigError``."""
+    block = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+    page = block if config.page_size is None else config.page_size
+    try:
+        BlockPages(page, block)
+    except ValueError:
+        raise ConfigError(
+            f"HiCacheStoreConnector: page_size {page} must be a multiple or a divisor of "
+            f"vLLM's block size {block}"
+        ) from None
+    return page
+
+
 def model_namespace(
     config: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
 ) -> tuple[Namespace, Topology]:
@@ -425,7 +450,6 @@ def model_namespace(
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
         raise ConfigError("HiCacheStoreConnector: K and V head sizes differ")
-    block = int(spec.block_size)
     if kv_cache_config.kv_cache_layout not in (None, "LBHNC"):
         raise ConfigError(
             f"HiCacheStoreConnector: KV cache layout {kv_cache_config.kv_cache_layout}; only "
@@ -443,7 +467,7 @@ def model_namespace(
         config.model or str(model_config.model),
         shape,
         dtype,
-        block,
+        page_size(config, kv_cache_config),
         grid,
         model_revision=config.model_revision or "",  # the connector puts the weights' in
         tenant_salt=config.tenant_salt,
@@ -490,7 +514,8 @@ class _Tracked:
     request: Request
     hashes: list[str] = field(default_factory=list)
     stored_pages: int = 0  # leading pages the last lookup found
-    local_pages: int = 0  # pages vLLM had itself at the last lookup
+    local_pages: int = 0  # whole pages vLLM had itself at the last lookup
+    local_tokens: int = 0  # tokens vLLM had itself at the last lookup (whole blocks)
     planned: int = 0  # pages up to which saves have been planned
     skip: str = ""  # why this request is neither loaded nor saved
 
@@ -520,8 +545,12 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             None if parts is None else [with_revision(p, self._revision.current) for p in parts])
         if parts is None:
             _check_l2_size(self.config.l2_bytes, self.namespace, self.topology)
-        #: vLLM's block size: a page (a state part's namespace has pages of one state)
+        #: vLLM's block size
         self.block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+        #: tokens of a page: ``page_size``, else the block size (the parts': a state part's
+        #: namespace has pages of one state); its arithmetic over blocks is ``self.pages``
+        self.page_size = page_size(self.config, kv_cache_config)
+        self.pages = BlockPages(self.page_size, self.block_size)
         self.loads_enabled = transfer.is_kv_consumer
         self.saves_enabled = transfer.is_kv_producer
         if self.config.url.startswith("file://"):
@@ -562,7 +591,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         self._refuted_pages: set[str] = set()  # reads from the store among them
         self._counts_tokens = False  # (the first worker counts tokens for the Prometheus metrics)
         self._lock = threading.Lock()
-        self.hints = ConnectorHints(self.backend, self.namespace.digest, self.block_size,
+        self.hints = ConnectorHints(self.backend, self.namespace.digest, self.page_size,
                                     self._count)
         if role == KVConnectorRole.SCHEDULER:
             # Every object of a page (the scheduler reads no shard): a page counts as stored
@@ -573,10 +602,11 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
                                     for p in self.parts]
         self._rank = 0  # the worker's rank (register_kv_caches)
         log.info(
-            "hicache-store connector (%s): namespace %s (%s, %s, page %d, grid %s, weights %s) "
-            "on %s",
+            "hicache-store connector (%s): namespace %s (%s, %s, page %d, block %d, grid %s, "
+            "weights %s) on %s",
             role.name.lower(), self.namespace.digest, self.namespace.model, self.namespace.dtype,
-            self.block_size, self.namespace.grid, self._revision.describe(), self.config.url,
+            self.page_size, self.block_size, self.namespace.grid, self._revision.describe(),
+            self.config.url,
         )
 
     def _part_link(self, part: GroupPart, topology: Topology, rank: int, *,
@@ -622,14 +652,14 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         return tracked
 
     def _hashes(self, tracked: _Tracked, num_tokens: int) -> list[str]:
-        """Page hashes of the request's first ``num_tokens // block_size`` pages."""
-        want = num_tokens // self.block_size
+        """Page hashes of the request's first ``num_tokens // page_size`` pages."""
+        want = self.pages.pages_of(num_tokens)
         have = len(tracked.hashes)
         if want > have:
-            tokens = list(tracked.request.all_token_ids[have * self.block_size:
-                                                          want * self.block_size])
+            page = self.page_size
+            tokens = list(tracked.request.all_token_ids[have * page:want * page])
             prior = tracked.hashes[-1] if tracked.hashes else None
-            tracked.hashes.extend(page_hashes(tokens, self.block_size, prior_hash=prior))
+            tracked.hashes.extend(page_hashes(tokens, page, prior_hash=prior))
         return tracked.hashes[:want]
 
     def get_num_new_matched_tokens(
@@ -637,14 +667,15 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
     ) -> tuple[int | None, bool]:
         tracked = self._track(request)
         tracked.stored_pages = 0
-        tracked.local_pages = num_computed_tokens // self.block_size
+        tracked.local_pages = self.pages.pages_of(num_computed_tokens)
+        tracked.local_tokens = num_computed_tokens
         if tracked.skip or not self.loads_enabled:
             return 0, False
         # The page holding the last token is never offered: vLLM must compute at least one.
-        usable = (request.num_tokens - 1) // self.block_size
-        if usable * self.block_size <= num_computed_tokens:
+        usable = self.pages.usable_pages(request.num_tokens)
+        if self.pages.hit_tokens(usable) <= num_computed_tokens:
             return 0, False
-        hashes = self._hashes(tracked, usable * self.block_size)
+        hashes = self._hashes(tracked, usable * self.page_size)
         if self.parts is not None:
             return self._match_parts(tracked, hashes, num_computed_tokens)
         # Leading pages every worker holds in L2 need no backend round trip.
@@ -682,10 +713,12 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         tracked.stored_pages = stored
         for h in hashes[stored:]:  # what the store lacks must be saved again
             self._saved.pop(h, None)
-        external = stored * self.block_size - num_computed_tokens
+        # vLLM takes whole blocks: a page that ends inside a block waits for the next one
+        external = self.pages.hit_tokens(stored) - num_computed_tokens
         if external <= 0:
             return 0, False
-        self._count("lookup_hit_pages", external // self.block_size)
+        self._count("lookup_hit_pages",
+                    self.pages.pages_of(num_computed_tokens + external) - tracked.local_pages)
         return external, False
 
     def _match_parts(
@@ -780,20 +813,28 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             self._alloc_parts(tracked, blocks.get_block_ids(), num_external_tokens)
             return
         (block_ids,) = blocks.get_block_ids()
-        # The external tokens are the stored pages after vLLM's own (what the lookup offered).
-        first = tracked.local_pages
-        count = -(-num_external_tokens // self.block_size)
-        hashes = tracked.hashes[first:first + count]
-        if first + count > tracked.stored_pages or count * self.block_size != num_external_tokens:
-            # Not what was offered: never leave vLLM with blocks it thinks were loaded. Names
-            # that match no object make every page fail, so vLLM recomputes them.
-            log.error("hicache-store: vLLM took %d external tokens after %d pages of its own, "
+        # The external tokens are the stored pages after vLLM's own (what the lookup offered):
+        # from the page holding vLLM's first missing token (its segments vLLM holds skipped).
+        held = tracked.local_tokens
+        end_token = held + num_external_tokens
+        first, end = tracked.local_pages, self.pages.pages_of(end_token)
+        slots: list[int] | None = None
+        if end_token == self.pages.hit_tokens(end) and end <= tracked.stored_pages:
+            with contextlib.suppress(ValueError):  # (a block table short of the pages)
+                slots = self.pages.slots(first, end, block_ids, held)
+        hashes = tracked.hashes[first:end]
+        if slots is None:
+            # Not what was offered: never leave vLLM with blocks it thinks were loaded. Pages
+            # whose names match no object, over the blocks it took, fail and are recomputed.
+            log.error("hicache-store: vLLM took %d external tokens after %d tokens of its own, "
                       "%d pages were offered; recomputing them",
-                      num_external_tokens, first, tracked.stored_pages - first)
-            hashes = [""] * count
-        self._pending_loads[request.request_id] = [PageLoad(
-            request.request_id, list(block_ids[first:first + count]), list(hashes)
-        )]
+                      num_external_tokens, held, tracked.stored_pages - first)
+            taken = block_ids[held // self.block_size:-(-end_token // self.block_size)]
+            per_page = self.pages.segments_per_page
+            slots = [b * self.pages.segments_per_block for b in taken]
+            slots += [SKIP] * (-len(slots) % per_page)
+            hashes = [""] * (len(slots) // per_page)
+        self._pending_loads[request.request_id] = [PageLoad(request.request_id, slots, hashes)]
 
     def reset_cache(self) -> bool:
         """vLLM's connector reset (``reset_prefix_cache(reset_connector=True)``, a pause with
@@ -899,17 +940,18 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         """The pages that become complete in this step and are not known to be stored."""
         # A request rescheduled below what was planned (a failed load, a preemption) plans
         # again from where it now stands.
-        tracked.planned = min(tracked.planned, computed // self.block_size)
+        tracked.planned = min(tracked.planned, self.pages.pages_of(computed))
         start = max(tracked.planned, tracked.stored_pages)
-        end = done // self.block_size
+        end = self.pages.pages_of(done)
         if end <= start:
             return None
         assert self._kv_cache_manager is not None
         (block_ids,) = self._kv_cache_manager.get_block_ids(tracked.request.request_id)
-        hashes = self._hashes(tracked, end * self.block_size)
+        hashes = self._hashes(tracked, end * self.page_size)
         tracked.planned = end
+        reach = self.pages.pages_of(len(block_ids) * self.block_size)  # the block table's
         pages = [
-            i for i in range(start, min(end, len(block_ids)))
+            i for i in range(start, min(end, reach))
             if hashes[i] not in self._saved
         ]
         if not pages:
@@ -921,7 +963,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             self._saved.popitem(last=False)
         return PageSave(
             tracked.request.request_id,
-            [block_ids[i] for i in pages],
+            [s for i in pages for s in self.pages.slots(i, i + 1, block_ids)],
             [hashes[i] for i in pages],
             [hashes[i - 1] if i else None for i in pages],
         )
@@ -1127,7 +1169,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
                 if self.config.test_alter_loaded_kv:
                     staging.view(torch.uint8)[:, ::97] = 0  # wrong, and still finite
                 self._caches[load.part].unpack(
-                    staging, torch.tensor(load.block_ids, dtype=torch.int64))
+                    staging, torch.tensor(load.slots, dtype=torch.int64))
         self._count("pages_loaded" if ok else "load_failures", pending.num_pages)
         if self._counts_tokens:
             self._count("tokens_loaded" if ok else "tokens_load_failed", tokens)
@@ -1142,7 +1184,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             return
         assert self._link is not None
         assert self._layout is not None
-        step = _StepLoad(meta.loads, self._layout)
+        step = _StepLoad(meta.loads, self._layout, self.pages)
         if self._l2 is not None:  # copied out now: no L2 row is read after this call
             first = 0
             for load in step.loads:
@@ -1290,7 +1332,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         assert self._cache is not None
         assert self._cache_layout is not None
         global_layer = self._layout.layer_start + layer
-        unpack_blocks(step.good_staging, self._cache, self._cache_layout, step.good_blocks,
+        unpack_blocks(step.good_staging, self._cache, self._cache_layout, step.good_slots,
                       self._layout, layers=(global_layer, global_layer + 1))
         step.layers_done.add(layer)
 
@@ -1313,15 +1355,16 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
                             "attention; recomputing the step's loaded pages",
                             len(self._layer_index) - len(step.layers_done))
                 step.fail_all()
-            errors = step.failed_blocks()
-            self._failed_pages.update(step.failed_hashes())
-            self._load_errors |= errors
+            failed = step.failed_hashes()
+            self._failed_pages.update(failed)
+            self._load_errors |= step.failed_blocks()
             failed_reqs = step.failed_requests()
-            self._count("pages_loaded", step.num_pages - len(errors))
+            failed_pages = step.num_pages - sum(step.ok)
+            self._count("pages_loaded", step.num_pages - failed_pages)
             if self._counts_tokens:
-                self._count("tokens_loaded", (step.num_pages - len(errors)) * self.block_size)
-                self._count("tokens_load_failed", len(errors) * self.block_size)
-            self._count("load_failures", len(errors))
+                self._count("tokens_loaded", step.tokens(good=True))
+                self._count("tokens_load_failed", step.tokens(good=False))
+            self._count("load_failures", failed_pages)
             self._step = None
         meta = self._connector_metadata
         if not isinstance(meta, HiCacheStoreMetadata) or not meta.saves:
@@ -1363,7 +1406,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         if not store and l2 is None:
             return
         staging = torch.empty((pages, page_bytes), dtype=torch.uint8)
-        blocks = torch.tensor([b for s in saves for b in s.block_ids], dtype=torch.int64)
+        blocks = torch.tensor([b for s in saves for b in s.slots], dtype=torch.int64)
         if part is not None:
             part.pack(blocks, staging)
         else:
@@ -1499,6 +1542,7 @@ class _StepLoad:
 
     loads: list[PageLoad]
     layout: UnifiedPageLayout
+    pages: BlockPages
     future: concurrent.futures.Future[tuple[list[bool], IOStats]] | None = None
     settled: bool = False
     ok: list[bool] = field(default_factory=list)
@@ -1543,13 +1587,19 @@ class _StepLoad:
     def any_ok(self) -> bool:
         return any(self.ok)
 
+    def _page_slots(self) -> list[list[int]]:
+        """Each page's segment slots, in page order."""
+        n = self.pages.segments_per_page
+        slots = [s for load in self.loads for s in load.slots]
+        return [slots[i * n:(i + 1) * n] for i in range(self.num_pages)]
+
     def _good_pages(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._good is None:
-            blocks = [b for load in self.loads for b in load.block_ids]
             keep = [i for i, good in enumerate(self.ok) if good]
+            slots = self._page_slots()
             self._good = (
                 self.staging if len(keep) == self.num_pages else self.staging[keep],
-                torch.tensor([blocks[i] for i in keep], dtype=torch.int64),
+                torch.tensor([s for i in keep for s in slots[i]], dtype=torch.int64),
             )
         return self._good
 
@@ -1558,15 +1608,22 @@ class _StepLoad:
         return self._good_pages()[0]
 
     @property
-    def good_blocks(self) -> torch.Tensor:
+    def good_slots(self) -> torch.Tensor:
         return self._good_pages()[1]
 
     def failed_hashes(self) -> set[str]:
         return {h for h, good in zip(self.hashes, self.ok, strict=True) if not good}
 
     def failed_blocks(self) -> set[int]:
-        blocks = [b for load in self.loads for b in load.block_ids]
-        return {b for b, good in zip(blocks, self.ok, strict=True) if not good}
+        """vLLM's blocks that hold a segment of a page that failed (what it recomputes)."""
+        return {self.pages.block_of(s)
+                for page, good in zip(self._page_slots(), self.ok, strict=True) if not good
+                for s in page if s != SKIP}
+
+    def tokens(self, *, good: bool) -> int:
+        """Tokens the restored (``good``) or failed pages were to write into vLLM's blocks."""
+        return sum(self.pages.slot_tokens(page)
+                   for page, ok in zip(self._page_slots(), self.ok, strict=True) if ok == good)
 
     def failed_requests(self) -> set[str]:
         out: set[str] = set()
