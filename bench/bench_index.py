@@ -92,7 +92,7 @@ class RoundTrips:
 
 def seed_files(root: Path, keys: list[str]) -> None:
     """Objects placed as files (the index is then built from a walk at the first open)."""
-    from hicache_store.backends.file import shard_of
+    from hicache_store.backends.file_layout import shard_of
 
     data = b"x" * OBJECT_BYTES
     for key in keys:
