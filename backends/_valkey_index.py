@@ -36,8 +36,10 @@ retention set before are reported lost (logged): an empty hold table holds nothi
 means "evict everything". Change numbers of a rebuilt index start above any the old one gave,
 so a feed reader starts over from a listing.
 
-**Memory** (``_valkey_keys``): per *page*, one record (its objects' suffixes and sizes) in a
-compact hash and one member of the rank set; per object, its suffix and sizes in that record.
+**Memory** (``_valkey_keys``, ``_valkey_scripts``): per *page*, one record (its objects'
+suffixes and sizes) in a compact hash and its rank in a small rank set of the same bucket; per
+object, its suffix and sizes in that record. The index records its format; one written by the
+previous version is migrated at open (``_valkey_pages.Builder``).
 """
 
 from __future__ import annotations

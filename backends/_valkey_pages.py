@@ -6,7 +6,9 @@ record (``pages``: the 65,536 page hashes a chunk at a time, in pipelines) and a
 as of one change number (``listing``). ``Builder`` makes the index when there is none (a new
 store, or one lost with its server): one process builds it from a walk of the store under a
 lock (a key with a TTL, renewed while it builds), the others wait; its change numbers start
-above any an earlier index of the store gave, so a feed reader starts over from a listing.
+above any an earlier index of the store gave, so a feed reader starts over from a listing. An
+index of the previous format (``_valkey_scripts.FORMAT``) is migrated under the same lock, a
+chunk of pages per atomic step; one of a later format is refused.
 The keys and scripts are ``_valkey_scripts``'.
 """
 
@@ -21,7 +23,8 @@ from typing import Any, TypeVar
 
 from ._valkey_keys import names, unpack
 from ._valkey_link import RETRY_S, Link
-from .errors import BackendUnavailableError
+from ._valkey_scripts import FORMAT
+from .errors import BackendError, BackendUnavailableError
 from .index import FeedChanges, Measured, ObjectSite
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,7 @@ _RANK_EPOCH_MS = 1704067200000
 _BUILD_LOCK_MS = 60_000
 _BUILD_CHUNK = 500  # objects per step of a build
 _TRIES = 5  # tries of one idempotent step of a build or a listing that timed out
+_MIGRATE_CHUNK = 2000  # pages per step of a migration from an earlier format
 
 
 def retried(step: Callable[[], T]) -> T:
@@ -117,21 +121,18 @@ class Pages:
             def read(pipe: Any, start: int = start) -> None:
                 for b in range(start, start + SCAN_CHUNK):
                     pipe.hgetall(link.key(f"P:{b:04x}"))
+                    pipe.zrange(link.key(f"R:{b:04x}"), 0, -1, withscores=True)
 
-            records = retried(functools.partial(link.pipeline, "list", read))
-            pages = [(bytes(fp), bytes(value)) for record in records
-                     for fp, value in record.items()]
-            if not pages:
-                continue
-            fps = [fp for fp, _ in pages]
-            scores: list[Any] = retried(functools.partial(
-                link.call, "list", link.client.zmscore, link.key("R"), fps))
+            replies = retried(functools.partial(link.pipeline, "list", read))
+            ranks = {bytes(fp): score for ranked in replies[1::2] for fp, score in ranked}
             out: list[tuple[str, int, float]] = []
-            for (_, value), score in zip(pages, scores, strict=True):
-                when = rank_seconds(score) if score is not None else 0.0
-                for key, size in _objects(value):
-                    if key.startswith(prefix):
-                        out.append((key, size, when))
+            for record in replies[0::2]:
+                for fp, value in record.items():
+                    score = ranks.get(bytes(fp))
+                    when = rank_seconds(score) if score is not None else 0.0
+                    for key, size in _objects(bytes(value)):
+                        if key.startswith(prefix):
+                            out.append((key, size, when))
             if out:
                 yield out
 
@@ -155,24 +156,56 @@ class Builder:
         (one process builds, under a lock; the others wait up to ``lock_timeout``). True when
         this call built it and found objects (``rebuilt``)."""
         link = self._link
-        if link.call("open", link.client.hexists, link.meta, "ready"):
+        if self._state() == "ready":
             return False
         lock = link.key("L")
         for pause in self._waiting():
             if link.call("open", link.client.set, lock, self._holder, nx=True,
                          px=_BUILD_LOCK_MS):
                 try:
-                    if not link.call("open", link.client.hexists, link.meta, "ready"):
+                    state = self._state()
+                    if state == "none":
                         return self._build(lock)
+                    if state == "old":
+                        self._migrate(lock)
                 finally:
                     link.call("open", link.client.delete, lock)
                 return False
-            if link.call("open", link.client.hexists, link.meta, "ready"):
+            if self._state() == "ready":
                 return False
             time.sleep(max(pause, 0.05) - pause)
         raise BackendUnavailableError(
             f"the index at {link.url} is being built by another process", backend="index",
             operation="open")
+
+    def _state(self) -> str:
+        """``ready`` (an index of this format), ``old`` (of an earlier format: migrated at
+        open), ``none`` (none, or one being built). An index of a later format is refused."""
+        link = self._link
+        ready, written = link.call("open", link.client.hmget, link.meta, "ready", "format")
+        if ready is None:
+            return "none"
+        found = int(written or 1)
+        if found > FORMAT:
+            raise BackendError(
+                f"the index of {link.root_id} at {link.url} was written by a later version of "
+                f"hicache-store (format {found}; this one reads format {FORMAT} and earlier): "
+                "run this process with that version (a fleet's processes share one version)",
+                backend="index", operation="open")
+        return "ready" if found == FORMAT else "old"
+
+    def _migrate(self, lock: str) -> None:
+        """Move an index of format 1 (one rank set of every page) to this format, a chunk of
+        pages per step (each step atomic; a migration cut short goes on at the next open)."""
+        link = self._link
+        log.warning("the index of %s at %s is of an earlier format: moving its ranks into "
+                    "buckets (pins, retention and the eviction order are kept)", link.root_id,
+                    link.url)
+        while True:
+            left = retried(lambda: link.script("migrate", [_MIGRATE_CHUNK], operation="open"))
+            if int(left[1]) == 0:
+                return
+            link.call("open", link.client.pexpire, lock, _BUILD_LOCK_MS)
 
     def _build(self, lock: str) -> bool:
         self.clear()
@@ -204,15 +237,16 @@ class Builder:
 
     def clear(self) -> None:
         """Delete every key of this store's index (a rebuild starts from nothing). The page
-        hashes are deleted only where pages may be left (a rank set exists): a new store, or
-        one whose server lost everything, has none."""
+        hashes and rank sets are deleted only where pages may be left (a rank set of buckets,
+        or of an earlier format's, exists): a new store, or one whose server lost everything,
+        has none."""
         link = self._link
         writers = link.call("clear", link.client.hkeys, link.key("W"))
-        names_ = [link.key(n) for n in ("R", "BP", "BD", "W", "T", "N", "F")]
+        names_ = [link.key(n) for n in ("R", "RB", "BP", "BD", "W", "T", "N", "F")]
         names_ += [link.key(f"Q:{bytes(w).decode()}") for w in writers]
         names_ += [link.key(f"H:{bytes(w).decode()}") for w in writers]
-        if link.call("clear", link.client.exists, link.key("R")):
-            names_ += [link.key(f"P:{b:04x}") for b in range(BUCKETS)]
+        if link.call("clear", link.client.exists, link.key("RB"), link.key("R")):
+            names_ += [link.key(f"{kind}:{b:04x}") for b in range(BUCKETS) for kind in "PR"]
         names_.append(link.meta)
         for start in range(0, len(names_), SCAN_CHUNK):
             batch = names_[start : start + SCAN_CHUNK]

@@ -9,9 +9,10 @@ all of them in one slot; ``KEYS[1]`` is the meta hash and every other key is nam
 
 | key | type | holds |
 |---|---|---|
-| ``M`` | hash | ``ready``, ``seq`` (last change), ``total`` (bytes charged), ``count``, ``reserved`` (bytes of puts in flight), ``batches``, ``epoch``, ``rebuilt_at`` |
+| ``M`` | hash | ``ready``, ``format`` (``FORMAT``), ``seq`` (last change), ``total`` (bytes charged), ``count``, ``reserved`` (bytes of puts in flight), ``batches``, ``epoch``, ``rebuilt_at`` |
 | ``P:<4 hex>`` | hash | page records: fingerprint -> prefix and ``\\n<suffix> <size>[ <charged>]`` per object (charged when it is not the size; ``_valkey_keys``) |
-| ``R`` | sorted set | page fingerprint -> rank (eviction order: smallest first) |
+| ``R:<4 hex>`` | sorted set | the same bucket's pages: fingerprint -> rank |
+| ``RB`` | sorted set | bucket (the fingerprints' first two bytes) -> the least rank in it |
 | ``BP`` / ``BD`` | hash | object -> puts / deletes in flight on it |
 | ``W`` | hash | writer -> who (host, pid) |
 | ``H:<writer>`` | string | the writer's heartbeat, with a TTL (its lease) |
@@ -19,6 +20,12 @@ all of them in one slot; ``KEYS[1]`` is the meta hash and every other key is nam
 | ``T`` | hash | object -> its holds (msgpack: owner, until, pinned, priority) |
 | ``N`` | hash | namespace digest -> bytes charged |
 | ``F`` | stream | the change feed: entry ``<seq>-0`` = the changes numbered up to ``seq`` |
+
+**Ranks in buckets.** The eviction order is every page by rank (smallest first, then by
+fingerprint): a merge of the 65,536 bucket rank sets led by ``RB`` (``ranked``). Small sets
+are what Valkey keeps compact (a listpack, under ``zset-max-listpack-entries``: 128 by default,
+about 8 million pages): a page's rank costs about a third of what one member of a set of every
+page costs (a skip list). Each step that changes a rank keeps its bucket's least rank in ``RB``.
 
 **Rank** (a double, exact below 2^53): ``(ms since 2024 by the server's clock) * 4096 +
 (4095 - depth)``: a later call ranks above an earlier one, and within a call a page deeper in
@@ -32,10 +39,16 @@ that this step waits for; ``NOROOM``).
 
 from __future__ import annotations
 
+#: the layout of the keys below (``M``'s ``format``): 1, one rank set ``R`` of every page (no
+#: ``format`` field); 2, the bucketed rank sets. A process opens an index of its own format
+#: only (``_valkey_pages.Builder``: an index of format 1 is migrated at open).
+FORMAT = 2
+
 PRELUDE = r"""
 local M = KEYS[1]
 local P = string.sub(M, 1, #M - 1)
 local EPOCH = 1704067200000
+local FORMAT = "%FORMAT%"
 local function bucket(fp) return P .. "P:" .. string.format("%02x%02x", string.byte(fp, 1, 2)) end
 local function now_ms()
   local t = redis.call("TIME")
@@ -45,7 +58,10 @@ local function score(ms, depth)
   if depth > 4095 then depth = 4095 end
   return (ms - EPOCH) * 4096 + (4095 - depth)
 end
-local function ready() return redis.call("HEXISTS", M, "ready") == 1 end
+local function ready()
+  local r = redis.call("HMGET", M, "ready", "format")
+  return r[1] ~= false and r[2] == FORMAT
+end
 local function alive(w) return redis.call("EXISTS", P .. "H:" .. w) == 1 end
 local function load(fp)
   local v = redis.call("HGET", bucket(fp), fp)
@@ -60,6 +76,99 @@ local function load(fp)
   return prefix, objs
 end
 local function fmt(x) return string.format("%d", x) end
+-- the rank of a page lives in its bucket's rank set (R:<4 hex>, as its record); the top set RB
+-- holds each bucket's least rank (member: the fingerprint's first two bytes)
+local function rank_key(fp) return P .. "R:" .. string.format("%02x%02x", string.byte(fp, 1, 2)) end
+local function rank_top(rk, b)
+  local least = redis.call("ZRANGE", rk, 0, 0, "WITHSCORES")
+  if #least == 0 then redis.call("ZREM", P .. "RB", b)
+  else redis.call("ZADD", P .. "RB", least[2], b) end
+end
+-- ZADD (flag: "GT", "NX" or nil) of a page's rank, its bucket's least rank kept in RB
+local function rank_set(fp, s, flag)
+  local rk = rank_key(fp)
+  if flag then redis.call("ZADD", rk, flag, s, fp) else redis.call("ZADD", rk, s, fp) end
+  rank_top(rk, string.sub(fp, 1, 2))
+end
+local function rank_del(fp)
+  local rk = rank_key(fp)
+  if redis.call("ZREM", rk, fp) == 1 then rank_top(rk, string.sub(fp, 1, 2)) end
+end
+local function rank_of(fp) return redis.call("ZSCORE", rank_key(fp), fp) end
+-- every ranked page in eviction order (rank, then fingerprint), one at a time (fp, rank): a
+-- merge of the bucket rank sets, each opened when its least rank (RB) comes up, read a chunk
+-- at a time; nothing may change the rank sets while it runs
+local function ranked()
+  local heap = {}  -- cursors {rank, fp, rank set, its entries read, at, offset of the next read}
+  local function before(a, b)  -- (fingerprints in byte order: Lua's < follows the locale)
+    if a[1] ~= b[1] then return a[1] < b[1] end
+    local x, y = a[2], b[2]
+    for i = 1, math.min(#x, #y) do
+      local u, v = string.byte(x, i), string.byte(y, i)
+      if u ~= v then return u < v end
+    end
+    return #x < #y
+  end
+  local function push(c)
+    heap[#heap + 1] = c
+    local i = #heap
+    while i > 1 do
+      local up = math.floor(i / 2)
+      if not before(heap[i], heap[up]) then break end
+      heap[i], heap[up] = heap[up], heap[i]
+      i = up
+    end
+  end
+  local function pop()
+    local top = heap[1]
+    heap[1] = heap[#heap]
+    heap[#heap] = nil
+    local i = 1
+    while true do
+      local l, r, m = 2 * i, 2 * i + 1, i
+      if l <= #heap and before(heap[l], heap[m]) then m = l end
+      if r <= #heap and before(heap[r], heap[m]) then m = r end
+      if m == i then break end
+      heap[i], heap[m] = heap[m], heap[i]
+      i = m
+    end
+    return top
+  end
+  local function advance(c)  -- the cursor's next entry, or false when its set is done
+    c[5] = c[5] + 2
+    if c[5] > #c[4] then
+      c[4] = redis.call("ZRANGE", c[3], c[6], c[6] + 127, "WITHSCORES")
+      c[6] = c[6] + 128
+      c[5] = 1
+      if #c[4] == 0 then return false end
+    end
+    c[1], c[2] = tonumber(c[4][c[5] + 1]), c[4][c[5]]
+    return true
+  end
+  local tops, at, offset = {}, 1, 0
+  return function()
+    while true do
+      if at > #tops and offset >= 0 then
+        tops = redis.call("ZRANGE", P .. "RB", offset, offset + 127, "WITHSCORES")
+        offset, at = offset + 128, 1
+        if #tops == 0 then offset = -1 end  -- (every bucket opened)
+      end
+      local b = tops[at]
+      if b and (#heap == 0 or before({tonumber(tops[at + 1]), b}, heap[1])) then
+        at = at + 2
+        local c = {0, "", P .. "R:" .. string.format("%02x%02x", string.byte(b, 1, 2)), {}, -1, 0}
+        if advance(c) then push(c) end
+      elseif #heap == 0 then
+        return nil
+      else
+        local c = pop()
+        local fp, s = c[2], c[1]
+        if advance(c) then push(c) end
+        return fp, s
+      end
+    end
+  end
+end
 local function save(fp, prefix, objs)
   local parts = {string.char(#prefix), prefix}
   for s, o in pairs(objs) do
@@ -71,7 +180,7 @@ local function save(fp, prefix, objs)
     redis.call("HSET", bucket(fp), fp, table.concat(parts))
   else
     redis.call("HDEL", bucket(fp), fp)
-    redis.call("ZREM", P .. "R", fp)
+    rank_del(fp)
   end
 end
 local function ns_of(prefix)
@@ -160,7 +269,7 @@ local function remove_page(fp, prefix, objs)
     change(false, prefix, s)
   end
   redis.call("HDEL", bucket(fp), fp)
-  redis.call("ZREM", P .. "R", fp)
+  rank_del(fp)
 end
 local function busy(oid)
   return redis.call("HEXISTS", P .. "BP", oid) == 1 or redis.call("HEXISTS", P .. "BD", oid) == 1
@@ -210,41 +319,36 @@ end
 -- priority and rank; never a page with a pinned object or an object in flight or excluded)
 local function pick(need, exclude, now)
   local victims, freed, retained, dangling = {}, 0, {}, {}
-  local start = 0
+  local nxt = ranked()
   while freed < need do
-    local page = redis.call("ZRANGE", P .. "R", start, start + 127, "WITHSCORES")
-    if #page == 0 then break end
-    for i = 1, #page, 2 do
-      local fp = page[i]
-      local prefix, objs = load(fp)
-      if not prefix then
-        dangling[#dangling + 1] = fp
-      else
-        local skip, held, prio = false, false, nil
-        for s, _ in pairs(objs) do
-          local oid = fp .. s
-          if exclude[oid] or busy(oid) then skip = true break end
-          local pinned, ret, p = holds_of(oid, now)
-          if pinned then skip = true break end
-          if ret then
-            held = true
-            if prio == nil or p > prio then prio = p end
-          end
+    local fp, rank = nxt()
+    if not fp then break end
+    local prefix, objs = load(fp)
+    if not prefix then
+      dangling[#dangling + 1] = fp
+    else
+      local skip, held, prio = false, false, nil
+      for s, _ in pairs(objs) do
+        local oid = fp .. s
+        if exclude[oid] or busy(oid) then skip = true break end
+        local pinned, ret, p = holds_of(oid, now)
+        if pinned then skip = true break end
+        if ret then
+          held = true
+          if prio == nil or p > prio then prio = p end
         end
-        if not skip then
-          if held then
-            retained[#retained + 1] = {prio, tonumber(page[i + 1]), fp, prefix, objs}
-          else
-            victims[#victims + 1] = {fp, prefix, objs}
-            freed = freed + charged_of(objs)
-            if freed >= need then break end
-          end
+      end
+      if not skip then
+        if held then
+          retained[#retained + 1] = {prio, rank, fp, prefix, objs}
+        else
+          victims[#victims + 1] = {fp, prefix, objs}
+          freed = freed + charged_of(objs)
         end
       end
     end
-    start = start + 128
   end
-  for _, fp in ipairs(dangling) do redis.call("ZREM", P .. "R", fp) end
+  for _, fp in ipairs(dangling) do rank_del(fp) end
   if freed < need then
     table.sort(retained, function(a, b)
       if a[1] ~= b[1] then return a[1] < b[1] end
@@ -273,7 +377,7 @@ local function evict(victims, batch)
   return table.concat(blob)
 end
 local function clock(arg) if arg == "" then return now_ms() / 1000 end return tonumber(arg) end
-"""
+""".replace("%FORMAT%", str(FORMAT))
 
 #: ARGV: writer, capacity, feed maxlen, now (unix s, "" for the server's), pin budget (""
 #: none), then per key: fp, prefix, suffix, charge, depth. Announces the puts and makes room
@@ -358,7 +462,7 @@ for _, v in ipairs(batch.victims or {}) do
   end
   count_busy("BD", v[1] .. v[3], -1)
 end
-for fp, s in pairs(pages) do redis.call("ZADD", P .. "R", "GT", s, fp) end
+for fp, s in pairs(pages) do rank_set(fp, s, "GT") end
 for _, pg in ipairs(batch.pg or {}) do count_busy("BG", pg[1], -pg[2]) end
 redis.call("HINCRBY", M, "reserved", fmt(-(batch.g or 0)))
 redis.call("HDEL", P .. "Q:" .. w, id)
@@ -385,7 +489,7 @@ for i = 6, #ARGV, 3 do
   kept[tonumber(ARGV[i])] = true
   batch.stuck[#batch.stuck + 1] = v[1] .. v[3]
   if set_object(v[1], v[2], v[3], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])) then
-    redis.call("ZADD", P .. "R", "GT", score(ms, 0), v[1])
+    rank_set(v[1], score(ms, 0), "GT")
   end
   count_busy("BD", v[1] .. v[3], -1)
 end
@@ -498,7 +602,7 @@ if not ready() then return {"NOINDEX"} end
 local now = now_ms()
 for i = 1, #ARGV, 2 do
   if redis.call("HEXISTS", bucket(ARGV[i]), ARGV[i]) == 1 then
-    redis.call("ZADD", P .. "R", "GT", score(now, tonumber(ARGV[i + 1])), ARGV[i])
+    rank_set(ARGV[i], score(now, tonumber(ARGV[i + 1])), "GT")
   end
 end
 return {"OK"}
@@ -513,7 +617,7 @@ SET = PRELUDE + r"""
 if not ready() and ARGV[3] ~= "build" then return {"NOINDEX"} end
 local maxlen, look = ARGV[1], tonumber(ARGV[2])
 local function changed_since(fp)
-  local s = redis.call("ZSCORE", P .. "R", fp)
+  local s = rank_of(fp)
   return s ~= false and s ~= nil and math.floor(tonumber(s) / 4096) + EPOCH >= look
 end
 local n = 0
@@ -523,7 +627,7 @@ for i = 4, #ARGV, 6 do
     local fresh = redis.call("HEXISTS", bucket(fp), fp) == 0
     if set_object(fp, prefix, suffix, tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])) then
       n = n + 1
-      if fresh then redis.call("ZADD", P .. "R", "NX", score(tonumber(ARGV[i + 5]), 0), fp) end
+      if fresh then rank_set(fp, score(tonumber(ARGV[i + 5]), 0), "NX") end
     end
   end
 end
@@ -548,7 +652,7 @@ local ms = now_ms()
 for i = 4, #ARGV, 3 do
   local v = batch.victims[tonumber(ARGV[i])]
   if set_object(v[1], v[2], v[3], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])) then
-    redis.call("ZADD", P .. "R", "NX", score(ms, 0), v[1])
+    rank_set(v[1], score(ms, 0), "NX")
   end
 end
 for _, v in ipairs(batch.victims) do count_busy("BD", v[1] .. v[3], -1) end
@@ -675,17 +779,31 @@ return out
 #: ARGV: seq base, epoch, rebuilt ("1": objects were found). Ends a build: the index is
 #: ready, its change numbers start above any an earlier index of this root gave.
 BUILT = PRELUDE + r"""
-redis.call("HSET", M, "seq", ARGV[1], "epoch", ARGV[2], "reserved", "0")
+redis.call("HSET", M, "seq", ARGV[1], "epoch", ARGV[2], "reserved", "0", "format", FORMAT)
 if ARGV[3] == "1" then redis.call("HSET", M, "rebuilt_at", fmt(now_ms())) end
 redis.call("HSET", M, "ready", "1")
 return {"OK"}
+"""
+
+#: ARGV: how many pages. Moves the ranks of up to that many pages from format 1's rank set
+#: ``R`` into their buckets' rank sets; the last call (``R`` empty) sets the format. {OK,
+#: pages left}.
+MIGRATE = PRELUDE + r"""
+local moved = redis.call("ZRANGE", P .. "R", 0, tonumber(ARGV[1]) - 1, "WITHSCORES")
+for i = 1, #moved, 2 do
+  rank_set(moved[i], moved[i + 1], "GT")
+  redis.call("ZREM", P .. "R", moved[i])
+end
+local left = redis.call("ZCARD", P .. "R")
+if left == 0 then redis.call("HSET", M, "format", FORMAT) end
+return {"OK", left}
 """
 
 SCRIPTS = {
     "reserve": RESERVE, "settle": SETTLE, "room": ROOM, "delete": DELETE, "exists": EXISTS,
     "touch": TOUCH, "set": SET, "settle_delete": SETTLE_DELETE, "claim": CLAIM,
     "register": REGISTER, "retain": RETAIN, "release": RELEASE, "holds": HOLDS,
-    "built": BUILT,
+    "built": BUILT, "migrate": MIGRATE,
 }
 
-__all__ = ["SCRIPTS"]
+__all__ = ["FORMAT", "SCRIPTS"]

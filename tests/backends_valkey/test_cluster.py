@@ -57,7 +57,8 @@ def test_stores_spread_over_the_nodes_each_whole_on_one(cluster: ValkeyCluster) 
             assert index.totals() == (400, 4)
             slot = index._link.client.keyslot(index._link.meta)
             assert all(index._link.client.keyslot(index._link.key(n)) == slot
-                       for n in ("R", "F", "P:0000", "P:ffff", f"Q:{index.writer}"))
+                       for n in ("RB", "R:0000", "R:ffff", "F", "P:0000", "P:ffff",
+                                 f"Q:{index.writer}"))
             nodes.add(index._link.client.get_node_from_key(index._link.meta).name.encode())
         finally:
             index.close()
