@@ -145,12 +145,13 @@ local function ranked()
     c[1], c[2] = tonumber(c[4][c[5] + 1]), c[4][c[5]]
     return true
   end
-  local tops, at, offset = {}, 1, 0
+  -- RB is read in growing chunks: most steps need the first few buckets only
+  local tops, at, offset, chunk = {}, 1, 0, 8
   return function()
     while true do
       if at > #tops and offset >= 0 then
-        tops = redis.call("ZRANGE", P .. "RB", offset, offset + 127, "WITHSCORES")
-        offset, at = offset + 128, 1
+        tops = redis.call("ZRANGE", P .. "RB", offset, offset + chunk - 1, "WITHSCORES")
+        offset, at, chunk = offset + chunk, 1, math.min(chunk * 2, 256)
         if #tops == 0 then offset = -1 end  -- (every bucket opened)
       end
       local b = tops[at]
