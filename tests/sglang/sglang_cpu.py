@@ -219,6 +219,7 @@ class Geometry:
     heads: int = 4  # this rank's KV heads (MHA)
     head_dim: int = 8
     kv_dim: int = 16  # MLA latent dim (kv_lora_rank + rope dim)
+    rope_dim: int = 4  # MLA rope dim (qk_rope_head_dim), the latent's last ``rope_dim``
     page_size: int = 4
     device_tokens: int = 64
     dtype: torch.dtype = torch.bfloat16
@@ -263,7 +264,7 @@ def _kv_host_pool(geometry: Geometry, layout: str, *, mla: bool) -> tuple[Any, A
     if mla:
         device = memory_pool.MLATokenToKVPool(
             size=g.device_tokens, page_size=g.page_size, dtype=g.dtype,
-            kv_lora_rank=g.kv_dim - 4, qk_rope_head_dim=4, layer_num=g.layers,
+            kv_lora_rank=g.kv_dim - g.rope_dim, qk_rope_head_dim=g.rope_dim, layer_num=g.layers,
             device="cpu", enable_memory_saver=False, **common,
         )
         host = module("sglang.srt.mem_cache.pool_host.mla").MLATokenToKVPoolHost(
