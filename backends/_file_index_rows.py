@@ -95,6 +95,16 @@ def reserved(
     return value
 
 
+def committed(con: sqlite3.Connection) -> int:
+    """Bytes of the indexed objects and of every put in flight, in one statement (a put that
+    has just announced its keys, in the same transaction, is the last of those puts)."""
+    value: int = con.execute(
+        "SELECT (SELECT value FROM meta WHERE name = 'total_bytes')"
+        " + (SELECT COALESCE(SUM(size), 0) FROM pending WHERE op = 'put')"
+    ).fetchone()[0]
+    return value
+
+
 def first_row(con: sqlite3.Connection, mine: tuple[str, int] | None) -> int | None:
     """The first pending rowid of the put ``mine`` (owner token, batch), if it is pending."""
     if mine is None:

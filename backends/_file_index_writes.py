@@ -4,8 +4,9 @@
 is announced, done, then settled (``_file_index_recovery`` recovers the ones a killed process
 left):
 
-- *put*: T1 records a pending put per key (``reserve``) and evicts if the bound needs room
-  (``make_room``); the files are written and renamed; T2 sets each key's row from a ``stat``
+- *put*: T1 records a pending put per key (``reserve``, which also finds whether the put
+  and the puts before it fit: ``Reservation.fits``) and, where they do not, evicts
+  (``make_room``, transactions of its own); the files are written and renamed; T2 sets each key's row from a ``stat``
   of its file and drops the pending rows (``settle_put``). Row sizes are therefore the sizes
   of the files, whoever renamed last.
 - *delete / evict*: T1 removes the rows and records pending deletes; the files are unlinked;
@@ -26,6 +27,7 @@ from ._file_index_db import IndexDB
 from ._file_index_recovery import Recovery
 from ._file_index_rows import (
     Rows,
+    committed,
     earlier_puts,
     first_row,
     growth_in_flight,
@@ -84,7 +86,11 @@ class Writes:
                     now=self._clock(), budget=pin_budget, in_flight=growth_in_flight(con))
             self._rows.announce(con, keys, "put", batch, [
                 max(0, size - stored.get(key, 0)) for key, size in zip(keys, sizes, strict=True)])
-        return Reservation(list(keys), batch, incoming, since)
+            # make_room's test, in this transaction (where every put in flight is this one
+            # or an earlier one): where it passes now it passes then, so the put spares that
+            # call its transaction (and its caller a thread hop)
+            fits = committed(con) <= capacity
+        return Reservation(list(keys), batch, incoming, since, fits=fits)
 
     def make_room(self, capacity: int, reservation: Reservation | None = None) -> EvictionCount:
         """Evict, in rank order, until the indexed and in-flight bytes fit ``capacity``.
@@ -104,6 +110,8 @@ class Writes:
         calls never wait for each other; a later put counted the earlier ones' bytes when it
         made its room, so the store still fits ``capacity`` once both have settled."""
         counts = EvictionCount()
+        if reservation is not None and reservation.fits:
+            return counts  # (``reserve`` found the room, and nothing since can take it)
         skip: set[str] = set()
         recovered = False
         deadline = time.monotonic() + self._db.lock_timeout

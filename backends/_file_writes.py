@@ -6,7 +6,9 @@ for a put that began:
 1. reserve: the index records the batch as in flight (``ObjectIndex.reserve``) and counts it
    against ``capacity_bytes``; a put whose caller gave up before this step began is never
    begun (nothing reserved, nothing to settle);
-2. make room: the index evicts in its order until the batch fits (``make_room``);
+2. make room: the index evicts in its order until the batch fits (``make_room``); skipped
+   where the reservation found that the batch and the puts before it fit
+   (``Reservation.fits``);
 3. write: the engine writes each object to a temp file and publishes it by ``rename`` (or
    ``link`` for ``put_if_absent``), in runs of ``FileEngine.write_run``; with
    ``durability=full`` the shard directories are then ``fsync``-ed;
@@ -55,7 +57,8 @@ class FileWrites:
         reservation = await self._reserve(keys, sizes, stats, abandon=True)
         outcomes: list[WriteOutcome] = []
         try:
-            await self._make_room(reservation, stats)
+            if not reservation.fits:
+                await self._make_room(reservation, stats)
             outcomes = await self._write_batch(keys, buffers, stats)
             if self._places.durability == "full" and any(o is True for o in outcomes):
                 dirs = sorted({self._places.shard_dir(k)
@@ -74,7 +77,8 @@ class FileWrites:
         reservation = await self._reserve([key], [len(buffer)], stats)
         wrote = False
         try:
-            await self._make_room(reservation, stats)
+            if not reservation.fits:
+                await self._make_room(reservation, stats)
             wrote = bool(await self._jobs.run_io(self._engine.write_exclusive, key, buffer))
             self._engine.account(stats)
             if wrote and self._places.durability == "full":

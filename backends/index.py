@@ -109,7 +109,11 @@ class Reservation:
     implementation that makes room inside ``reserve`` took out of the index for this put,
     whose objects ``make_room`` removes. ``writer``: the incarnation that made it.
     ``stored``: what the put itself stored, by key, when it knows (a store whose every write
-    is one atomic request: S3); ``settle_put`` may take it instead of measuring those keys."""
+    is one atomic request: S3); ``settle_put`` may take it instead of measuring those keys.
+    ``fits``: the index found, when it reserved, that this put and the puts before it fit
+    the capacity, so ``make_room`` has nothing to do for it (puts after it count its bytes
+    when they make their room, and settles and deletes never make it need room); the
+    caller may skip that call."""
 
     keys: list[str]
     batch: int
@@ -118,6 +122,7 @@ class Reservation:
     victims: list[str] = field(default_factory=list)
     writer: str = ""
     stored: dict[str, Measured] = field(default_factory=dict)
+    fits: bool = False
 
 
 @dataclass

@@ -361,6 +361,34 @@ def test_a_put_waits_for_an_earlier_put_in_flight_instead_of_failing(tmp_path: P
     assert audit(tmp_path / "s").ok
 
 
+def test_a_reservation_that_fits_needs_no_room_and_one_that_does_not_gets_it(
+    tmp_path: Path,
+) -> None:
+    """``reserve`` says whether the put and the puts before it fit (``fits``): then
+    ``make_room`` returns at once and a put skips it; a later put counts the earlier ones'
+    bytes, so the store fits once all settle. A put that does not fit evicts as before."""
+    store = FileBackend(tmp_path / "s", durability="none", capacity_bytes=100)
+    asyncio.run(store.put(["a"], [b"x" * 40]))
+    early = store._index.reserve(["b"], [30], 100)  # 40 + 30: fits
+    late = store._index.reserve(["c"], [40], 100)  # 40 + 30 (earlier, in flight) + 40: not
+    assert early.fits and not late.fits
+    assert store._index.make_room(100, early).evicted == 0
+    for reservation, key, size in ((early, "b", 30), (late, "c", 40)):
+        if not reservation.fits:
+            assert store._index.make_room(100, reservation).evicted == 1  # "a", oldest
+        store.path_of(key).parent.mkdir(parents=True, exist_ok=True)
+        store.path_of(key).write_bytes(b"y" * size)
+        store._index.settle_put(reservation)
+    assert store.used_bytes == 70 <= 100
+    # through the backend: puts that fit evict nothing, the one that does not evicts
+    asyncio.run(store.put(["d"], [b"z" * 20]))  # 70 + 20
+    assert store.stats.evictions == 0
+    asyncio.run(store.put(["e"], [b"w" * 30]))  # 90 + 30: "b" goes
+    assert store.stats.evictions == 1 and store.used_bytes <= 100
+    asyncio.run(store.close())
+    assert audit(tmp_path / "s").ok
+
+
 async def test_a_key_busy_in_a_live_process_waits_then_fails(tmp_path: Path) -> None:
     store = FileBackend(tmp_path / "s", lock_timeout=0.3)
     await store.put(["a0"], [b"x"])
