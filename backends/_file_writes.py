@@ -1,7 +1,7 @@
 """The file family's put protocol: ``FileWrites``.
 
 A put is four steps, each a job on the store's pool (``_file_jobs``), every one of them run
-for a put that began:
+for a put that began (a put of one run of writes makes them all in one job, in this order):
 
 1. reserve: the index records the batch as in flight (``ObjectIndex.reserve``) and counts it
    against ``capacity_bytes``; a put whose caller gave up before this step began is never
@@ -52,6 +52,17 @@ class FileWrites:
         """Reserve (evicting if needed), write, settle: the index stays exact whatever fails.
         Raises the first object's error once every object is written or failed."""
         sizes = [len(view) for view in buffers]
+        if self._engine.write_run(len(keys), self._io_threads) >= len(keys):
+            # One run of writes: every step in one job on the pool, so a small put (vLLM's
+            # secondary tier writes one job's rows per put) waits for one thread hand-off,
+            # not one per step (each a wait for the GIL behind a busy engine loop). Not
+            # begun when the caller has given up by then (``run_io``: abandonable).
+            together = await self._jobs.run_io(self._put_steps, keys, buffers, sizes, stats)
+            self._engine.account(stats)
+            for outcome in together:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            return
         # Not begun when the caller has given up by then (``abandonable``): nothing reserved,
         # nothing to settle, no transaction spent on a put nobody waits for.
         reservation = await self._reserve(keys, sizes, stats, abandon=True)
@@ -70,6 +81,38 @@ class FileWrites:
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
+
+    def _put_steps(self, keys: Sequence[str], buffers: Sequence[memoryview],
+                   sizes: Sequence[int], stats: BackendStats) -> list[WriteOutcome]:
+        """``put``'s steps on one pool thread, in their order: reserve, make room where the
+        reservation did not find it, write and publish, flush directories, settle (whatever
+        failed). Per key True or the error its write raised."""
+        translated = self._jobs.translated
+        try:
+            reservation = translated("put", None, self._index.reserve, keys, sizes,
+                                     self._capacity_bytes, self._pin_budget_bytes)
+        except BackendUnavailableError as exc:
+            if exc.backend == "index":
+                with self._lock:
+                    stats.index_refusals += 1
+            raise
+        outcomes: list[WriteOutcome] = []
+        try:
+            if not reservation.fits:
+                counts = translated("put", None, self._index.make_room, self._capacity_bytes,
+                                    reservation)
+                with self._lock:
+                    stats.evictions += counts.evicted
+                    stats.eviction_failures += counts.failed
+            outcomes = self._engine.write(keys, buffers)
+            if self._places.durability == "full" and any(o is True for o in outcomes):
+                translated("put", None, _fsync_dirs, sorted({
+                    self._places.shard_dir(k) for k, o in zip(keys, outcomes, strict=True)
+                    if o is True}))
+        finally:
+            translated("put", None, settle_or_unpublish, self._index, reservation,
+                       [k for k, o in zip(keys, outcomes, strict=False) if o is True])
+        return outcomes
 
     async def put_if_absent(self, key: str, buffer: memoryview, stats: BackendStats) -> bool:
         """One object, published only where no object of ``key`` is (``link`` refuses an
