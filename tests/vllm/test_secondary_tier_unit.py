@@ -355,6 +355,57 @@ def test_the_store_stays_within_its_capacity(make: Any, tmp_path: Path) -> None:
     assert h.lookup(key(200))[0] is LookupResult.MISS  # the oldest went
 
 
+def serve_in_turn(h: Harness, *, conversations: int, turns: int) -> list[int]:
+    """Conversations in turn, as vLLM drives the tier: each turn's prompt is the conversation
+    so far, its chunks looked up in order up to the first miss, the hits loaded, the rest
+    computed and stored. The rows found per turn."""
+    history: dict[int, list[Any]] = {c: [] for c in range(conversations)}
+    fresh = iter(range(10_000, 20_000))
+    hits = []
+    for turn in range(turns):
+        found_in_turn = 0
+        for c in range(conversations):
+            req = ReqContext(req_id=f"c{c}-t{turn}")
+            chain, found = history[c], 0
+            for k in chain:
+                if h.lookup(k, req)[0] is not LookupResult.HIT:
+                    break
+                found += 1
+            if found:
+                assert h.load(chain[:found], [i % CHUNKS for i in range(found)]).success
+            new = chain[found:] + [key(next(fresh)) for _ in range(2)]
+            assert h.store(new, [i % CHUNKS for i in range(len(new))]).success
+            history[c] = chain[:found] + new
+            h.tier.on_request_finished(req)
+            found_in_turn += found
+        hits.append(found_in_turn)
+    return hits
+
+
+def test_a_store_that_evicts_rows_before_their_next_read_holds_what_it_has(
+    make: Any, tmp_path: Path
+) -> None:
+    # Four conversations outgrow a store of sixteen rows. The backend's LRU alone
+    # (write_admission="all", the tier before admission) evicts each conversation's rows
+    # just before it comes back: nothing is served after the store fills, and every turn
+    # is written again. With the default admission the tier refuses writes once its lookups
+    # show that, and what the store holds is served on every later turn.
+    capacity = 16 * (ROW + 4096)
+    runs = {}
+    for admission in ("all", "reuse"):
+        h = make(store=tmp_path / admission, write_admission=admission,
+                 backend_options={"capacity_bytes": capacity, "durability": "none"})
+        hits = serve_in_turn(h, conversations=4, turns=6)
+        runs[admission] = (hits, h.tier.backend.stats.bytes_written, h.tier.stats)
+    lru_hits, lru_written, lru_stats = runs["all"]
+    hits, written, stats = runs["reuse"]
+    assert lru_hits[3:] == [0, 0, 0] and lru_stats.stores_refused == 0
+    assert all(n > 0 for n in hits[4:]), hits
+    assert stats.stores_refused > 0 and stats.store_failures == 0
+    assert written < lru_written / 2
+    assert sum(hits) > 2 * sum(lru_hits)
+
+
 def test_rows_evicted_by_capacity_or_removed_by_another_process_are_removal_events(
     make: Any, tmp_path: Path
 ) -> None:

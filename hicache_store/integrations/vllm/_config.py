@@ -117,6 +117,7 @@ TIER_KEYS = frozenset(
         "enable_kv_events",
         "locality",
         "test_alter_loaded_kv",
+        "write_admission",
     }
 )
 

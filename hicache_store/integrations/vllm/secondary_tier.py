@@ -31,6 +31,15 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   which a tier never sees, so rows could not carry them.
 * **Bounded.** The backend's own capacity and eviction: ``file:///path?capacity_bytes=64GiB``
   (least recently used first; the file backend's default is 90% of the filesystem).
+* **Write admission** (``write_admission``, ``integrations._admission``). Under capacity
+  pressure the backend evicts its least recently used rows; where conversations come back in
+  turn and outgrow the store, those are the rows about to be read, so every row would be
+  evicted before its next read and every recompute written again. While the lookups show
+  that (rows this tier wrote, evicted before they were asked for again, outnumber those
+  found), store jobs are refused (``stats.stores_refused``; vLLM sees a job that moved no
+  bytes, not a failure): what the store holds stays and is served. The hold ends when what
+  it holds is no longer read, or after a while, to try new rows again. ``all`` writes every
+  job (the backend's LRU alone); backends without capacity eviction write every job.
 * **Non-blocking.** ``lookup`` answers at once where the backend can without waiting
   (``InlineExists.now``: the file backend's in-memory index, as last brought up to date if
   that was at most ``lookup_max_age_s`` ago, without a database call: a change of the last
@@ -93,6 +102,7 @@ any other key is refused with one ``ConfigError`` line, as the connector refuses
      "lookup_max_age_s": 0.5,        # age of an in-memory answer taken at once (0: exact only)
      "max_inflight_mib": 256,        # bytes of writes (and of reads through the loop) in flight
      "enable_kv_events": False, "locality": None,
+     "write_admission": "reuse",     # "all": every store job is written (see above)
      "test_alter_loaded_kv": False}  # TEST ONLY: zero every loaded row after its check
                                      # (and store nothing while it is on)
 """
@@ -130,6 +140,7 @@ from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, InlineExists, open_backend
 from hicache_store.backends.errors import InvalidRangeError
 from hicache_store.backends.feed import ChangeFeed, FeedFollower
+from hicache_store.integrations._admission import ReuseAdmission
 from hicache_store.integrations._lookups import LookupCounters
 from hicache_store.layout.errors import ConfigError, CorruptObjectError, InvalidNamespaceError
 from hicache_store.layout.framing import ObjectHeader
@@ -154,6 +165,11 @@ attach_logging()  # this library's lines in vLLM's log, in its format
 
 #: the object coordinates of every row (one block).
 ROW_COORDS = ObjectCoords(0, 1, None)
+
+
+#: ``write_admission`` values: ``reuse`` refuses store jobs while the store evicts rows before
+#: their next read (``integrations._admission``), ``all`` writes every job.
+WRITE_ADMISSIONS = ("reuse", "all")
 
 
 def default_url() -> str:
@@ -275,6 +291,8 @@ class TierStats:
     #: as every integration names them (also in Prometheus: ``_lookups``).
     lookup_pages_asked_l3: int = 0
     lookup_pages_found_l3: int = 0
+    #: rows of store jobs refused by ``write_admission`` (not written, not failures)
+    stores_refused: int = 0
 
 
 class _Feed:
@@ -413,6 +431,7 @@ class _Job:
     future: concurrent.futures.Future[tuple[list[bool], float]] | None
     is_load: bool
     native: _NativeLoad | None = None
+    refused: bool = False  # a store job ``write_admission`` refused
 
     def done(self) -> bool:
         if self.native is not None:
@@ -444,6 +463,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         enable_kv_events: bool = False,
         locality: str | None = None,
         test_alter_loaded_kv: bool = False,
+        write_admission: str = "reuse",
         backpressure_detector: BackpressureDetector | None = None,
         **unknown: Any,
     ) -> None:
@@ -460,6 +480,9 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if not lookup_max_age_s >= 0:
             raise ConfigError(f"lookup_max_age_s must be 0 or more, not {lookup_max_age_s}")
         self.lookup_max_age_s = float(lookup_max_age_s)
+        if write_admission not in WRITE_ADMISSIONS:
+            raise ConfigError(f"write_admission must be one of {', '.join(WRITE_ADMISSIONS)}, "
+                              f"not {write_admission!r}")
         self.locality = Locality(locality) if locality is not None else None
         from vllm.config import get_current_vllm_config_or_none
 
@@ -506,6 +529,11 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self._removed: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
         self._feed = _Feed.of(self.backend) if self._events is not None else None
         self._lookups = _Lookups(self)
+        #: refuses store jobs while the store only evicts rows before their next read
+        #: (``integrations._admission``); None: every job is written (``write_admission="all"``)
+        self.admission: ReuseAdmission | None = (
+            ReuseAdmission(lambda: self.backend.stats.evictions)
+            if write_admission == "reuse" and self.backend.capabilities.eviction else None)
         # vLLM's kv_hints (``_hints``): holds on the request's row objects
         blocks = offloading_spec.config.cache.blocks_per_chunk
         self.hints = TierHints(self.backend, self.namespace.digest, self.storage_key, {
@@ -540,6 +568,8 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if found is None:
             return LookupResult.RETRY
         self._lookup_counts.count("l3", 1, int(found))
+        if self.admission is not None:
+            self.admission.answered(key, found, req_context.req_id)
         with self._stats_lock:
             self.stats.lookup_pages_asked_l3 += 1
             self.stats.lookup_pages_found_l3 += int(found)
@@ -560,7 +590,16 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if self.test_alter_loaded_kv:
             # TEST ONLY: KV computed on top of altered rows is wrong too; never store it.
             future = _resolved([False] * len(keys), 0.0)
+        elif self.admission is not None and not self.admission.admit():
+            # Refused, not failed: the store keeps what it holds (vLLM counts no failure).
+            with self._stats_lock:
+                self.stats.stores_refused += len(keys)
+            self._jobs[job_metadata.job_id] = _Job(keys, _resolved([False] * len(keys), 0.0),
+                                                   is_load=False, refused=True)
+            return
         else:
+            if self.admission is not None:
+                self.admission.written(keys)
             future = submit(self._store(keys, chunks))
         self._jobs[job_metadata.job_id] = _Job(keys, future, is_load=False)
         self.hints.stored(job_metadata, future)
@@ -609,6 +648,8 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self.io = ObjectIO(self.backend, self.namespace, io_timeout_s=io_timeout_s,
                            max_inflight_bytes=max_inflight)
         self.hints.namespace = self.namespace.digest  # hints naming the old one are refused
+        if self.admission is not None:  # the old rows now miss: no evidence of eviction
+            self.admission = ReuseAdmission(lambda: self.backend.stats.evictions)
         log.info("HiCacheStoreTier: reset (the weights may have changed): namespace %s -> %s",
                  old, self.namespace.digest)
 
@@ -640,6 +681,8 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
                 return None
             job.future = finished
         assert job.future is not None
+        if job.refused:
+            return JobResult(job_id, success=True, transfer_time=0.0, transfer_bytes=0)
         try:
             outcome, seconds = job.future.result()
         except Exception as exc:  # a bug or a backend failure outside ObjectIO's own handling

@@ -1,0 +1,165 @@
+"""``ReuseAdmission`` against a model of a store that evicts least recently used first.
+
+The model is the file backend's rule at row granularity (a write or a hit makes a row the most
+recent; room is made by evicting the least recent); the workload is the one where that rule
+fails: conversations served in turn, each turn's prompt the conversation so far, looked up in
+chain order up to the first miss (as vLLM looks up a prompt's chunks), what was not found
+written after it was computed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import pytest
+
+from hicache_store.integrations._admission import ReuseAdmission
+
+
+@dataclass
+class LRUStore:
+    capacity: int
+    rows: OrderedDict[object, None] = field(default_factory=OrderedDict)
+    evictions: int = 0
+    writes: int = 0
+
+    def has(self, key: object) -> bool:
+        if key in self.rows:
+            self.rows.move_to_end(key)
+            return True
+        return False
+
+    def put(self, keys: list[object]) -> None:
+        for key in keys:
+            self.rows[key] = None
+            self.rows.move_to_end(key)
+            self.writes += 1
+            while len(self.rows) > self.capacity:
+                self.rows.popitem(last=False)
+                self.evictions += 1
+
+
+@dataclass
+class Outcome:
+    hits_per_turn: list[int]
+    writes: int
+    kept: int
+
+
+def serve(store: LRUStore, admission: ReuseAdmission | None, *, conversations: int,
+          rows_per_turn: int, turns: int, fresh: bool = False) -> Outcome:
+    """Conversations in turn; ``fresh``: every turn is a new conversation (no reuse)."""
+    history: dict[int, list[object]] = {c: [] for c in range(conversations)}
+    hits_per_turn = []
+    for turn in range(turns):
+        hits = 0
+        for c in range(conversations):
+            # (a new conversation's prompt is looked up too: its first chunk misses)
+            chain = [("new", c, turn)] if fresh else history[c]
+            found = 0
+            for key in chain:
+                there = store.has(key)
+                if admission is not None:
+                    admission.answered(key, there, (c, turn))
+                if not there:
+                    break
+                found += 1
+            hits += found
+            new = chain[found:] + [(c, turn, i) for i in range(rows_per_turn)]
+            history[c] = chain[:found] + new
+            if admission is None or admission.admit():
+                if admission is not None:
+                    admission.written(new)
+                store.put(new)
+        hits_per_turn.append(hits)
+    return Outcome(hits_per_turn, store.writes, len(store.rows))
+
+
+def admission_of(store: LRUStore, **limits: int) -> ReuseAdmission:
+    return ReuseAdmission(lambda: store.evictions, **limits)
+
+
+def test_lru_alone_thrashes_on_conversations_that_outgrow_the_store() -> None:
+    # The failure the admission exists for: after the store fills, nothing is ever served and
+    # every turn is written again.
+    store = LRUStore(capacity=24)
+    out = serve(store, None, conversations=6, rows_per_turn=2, turns=8)
+    assert out.hits_per_turn[4:] == [0, 0, 0, 0]
+    assert out.writes > 3 * store.capacity
+
+
+def test_a_thrashing_store_holds_what_it_has_and_serves_it() -> None:
+    store = LRUStore(capacity=24)
+    admission = admission_of(store)
+    out = serve(store, admission, conversations=6, rows_per_turn=2, turns=8)
+    assert admission.counts.holds >= 1 and admission.counts.refused > 0
+    # what the store holds is served on every later turn (LRU alone: nothing)
+    assert all(h > 0 for h in out.hits_per_turn[4:])
+    assert sum(out.hits_per_turn) > 2 * store.capacity
+    # the writes that filled the store and those that showed the thrash, then none: LRU
+    # alone writes every turn again (416 rows here)
+    assert out.writes <= 3 * store.capacity
+    assert out.hits_per_turn[-1] >= store.capacity // 2
+
+
+def test_a_store_above_the_workload_admits_everything() -> None:
+    store = LRUStore(capacity=1000)
+    admission = admission_of(store)
+    serve(store, admission, conversations=6, rows_per_turn=2, turns=8)
+    assert admission.counts.holds == 0 and admission.counts.refused == 0
+    assert store.evictions == 0
+
+
+def test_a_store_whose_reuse_fits_is_never_held_though_it_evicts() -> None:
+    # Conversations that come back while their rows are held, and new ones that push old
+    # ones out: evictions, and few of them evict what is read next.
+    store = LRUStore(capacity=40)
+    admission = admission_of(store)
+    serve(store, admission, conversations=4, rows_per_turn=2, turns=4)
+    serve(store, admission, conversations=30, rows_per_turn=2, turns=1, fresh=True)
+    serve(store, admission, conversations=4, rows_per_turn=1, turns=4)
+    assert store.evictions > 0
+    assert admission.counts.holds == 0 and admission.counts.refused == 0
+
+
+def test_the_hold_ends_when_what_the_store_holds_is_no_longer_read() -> None:
+    store = LRUStore(capacity=24)
+    admission = admission_of(store, idle=32)
+    serve(store, admission, conversations=6, rows_per_turn=2, turns=8)
+    assert admission.holding
+    # the workload moves on: new conversations only, nothing held is read
+    before = store.writes
+    serve(store, admission, conversations=40, rows_per_turn=1, turns=1, fresh=True)
+    assert not admission.holding
+    assert store.writes > before  # new rows are written again
+
+
+def test_a_hold_is_tried_again_after_a_while_even_while_its_rows_stay_hot() -> None:
+    store = LRUStore(capacity=24)
+    admission = admission_of(store, hold=40)
+    serve(store, admission, conversations=6, rows_per_turn=2, turns=12)
+    assert admission.counts.holds >= 2  # released by the bound, held again on new evidence
+
+
+def test_misses_of_rows_never_written_here_or_gone_without_eviction_are_no_evidence() -> None:
+    evictions = 0
+    admission = ReuseAdmission(lambda: evictions, min_evidence=1, window=4)
+    for i in range(50):
+        admission.answered(("other", i), False)  # never written here
+    admission.written([("mine", 0)])
+    admission.answered(("mine", 0), False)  # gone, but nothing was evicted: a delete
+    assert not admission.holding and admission.counts.premature_evictions == 0
+    admission.written([("mine", 1)])
+    evictions = 1
+    admission.answered(("mine", 1), False)
+    assert admission.holding and admission.counts.premature_evictions == 1
+
+
+@pytest.mark.parametrize("limits", [
+    {"window": 0}, {"min_evidence": 0}, {"min_evidence": 7}, {"idle": 0}, {"hold": 0},
+    {"memory": 0},
+])
+def test_limits_out_of_range_are_refused(limits: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="ReuseAdmission"):
+        ReuseAdmission(lambda: 0, **limits)
