@@ -209,11 +209,11 @@ def raw_read(folder: Path) -> tuple[int, float]:
 
 
 def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turns: int,
-        disk: Path | None, dtype: str = "float32") -> dict[str, Any]:
+        disk: Path | None, dtype: str = "float32", answer_tokens: int = 16) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=answer_tokens, ignore_eos=True)
     connector = tier is not None and tier.get("type") == "connector"
     if connector:
         assert tier is not None
@@ -345,8 +345,18 @@ def bench_family(args: argparse.Namespace, base: Path, family: str) -> str:
         for name, tier, disk in order:
             if disk is not None:
                 shutil.rmtree(disk, ignore_errors=True)  # every run starts on an empty store
-            by_name[name].append(run(model, name, tier, work, args.turns, disk, dtype))
-            print(f"{family} round {round_no} {name} done (load {os.getloadavg()[0]:.1f})",
+            got = run(model, name, tier, work, args.turns, disk, dtype, args.answer_tokens)
+            by_name[name].append(got)
+            meter = got.get("meter")
+            print(f"{family} round {round_no} {name} done (load {os.getloadavg()[0]:.1f}): "
+                  + ("refused" if "refused" in got else
+                     f"reused TTFT median {1000 * statistics.median(got['reused']):.0f} ms, "
+                     f"stored {meter.bytes['store'] / MIB if meter else 0:.1f} MiB at "
+                     f"{meter.rate('store') if meter else 0:.0f} MiB/s, loaded "
+                     f"{meter.bytes['load'] / MIB if meter else 0:.1f} MiB at "
+                     f"{meter.rate('load') if meter else 0:.0f} MiB/s, raw read "
+                     f"{got['raw'][0] / got['raw'][1] / MIB if got['raw'][1] else 0:.0f} MiB/s, "
+                     f"refused rows {got['refused_rows']}"),
                   file=sys.stderr, flush=True)
     ran = [runs for runs in by_name.values() if "refused" not in runs[0]]
     reference = ran[0][0]["outputs"] if ran else []
@@ -410,6 +420,8 @@ def main() -> None:
                         "first one listed is the token reference)")
     parser.add_argument("--write", action="store_true", help="write the section into the run log (docs/benchmarks/log.md)")
     parser.add_argument("--reading", default="", help="the paragraph that reads the figures")
+    parser.add_argument("--answer-tokens", type=int, default=16,
+                        help="greedy tokens per answer (TTFT does not depend on them)")
     parser.add_argument("--families", default="llama",
                         help="comma-separated model families, each its own table: llama, or a "
                         f"family of tests/vllm's FAMILIES ({', '.join(FAMILIES)})")
