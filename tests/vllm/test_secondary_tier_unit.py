@@ -406,6 +406,11 @@ def test_a_store_that_evicts_rows_before_their_next_read_holds_what_it_has(
     assert sum(hits) > 2 * sum(lru_hits)
 
 
+def test_an_unknown_write_admission_is_refused_at_startup(make: Any) -> None:
+    with pytest.raises(ConfigError, match="write_admission must be one of reuse, all"):
+        make(write_admission="lru")
+
+
 def test_rows_evicted_by_capacity_or_removed_by_another_process_are_removal_events(
     make: Any, tmp_path: Path
 ) -> None:
