@@ -255,8 +255,10 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
 
             get_kv_transfer_group().flush()
         elif tier is not None:
-            manager.secondary_tiers[0].wait_jobs()
-            list(manager.secondary_tiers[0].get_finished_jobs())
+            # every job ended (HiCacheStoreTier: wait_jobs, as drain_jobs would also move
+            # its revision; vLLM's fs: drain_jobs)
+            (getattr(secondary, "wait_jobs", None) or secondary.drain_jobs)()
+            list(secondary.get_finished_jobs())
     finally:
         close_llm(llm)
     used = sum(p.stat().st_size for p in disk.rglob("*") if p.is_file()) if disk else 0
