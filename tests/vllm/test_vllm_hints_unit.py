@@ -292,6 +292,28 @@ def test_the_tier_pins_the_chunks_it_stores_within_the_range(make: Any) -> None:
     assert h.tier.hints.counts["hint_pinned_objects"] == 2
 
 
+def test_rows_a_hint_holds_are_written_while_write_admission_refuses_others(
+        make: Any, tmp_path: Path) -> None:
+    """Write admission refuses store jobs while the store evicts rows before their next read;
+    a job whose rows the request's kv_hints pin or retain is written all the same."""
+    from test_secondary_tier_unit import serve_in_turn
+
+    h = make(store=tmp_path / "bounded", backend_options={
+        "capacity_bytes": 16 * (ROW + 4096), "durability": "none"})
+    serve_in_turn(h, conversations=4, turns=6)
+    assert h.tier.admission is not None
+    assert not h.tier.admission.admit(), "the workload should have put admission on hold"
+    refused = h.tier.stats.stores_refused
+    store_for(h, ReqContext(req_id="plain"), [0])
+    assert h.tier.stats.stores_refused > refused  # an ordinary job: refused
+    assert held(h, [0]) == [()]
+    refused = h.tier.stats.stores_refused
+    ctx = hinted(envelope(("pin", {"session": "s", "duration_s": 600})), {key(1): 16}, "r9")
+    store_for(h, ctx, [1])
+    assert h.tier.stats.stores_refused == refused  # the pinned one: written, and held
+    assert [[r.pinned for r in g] for g in held(h, [1])] == [[True]]
+
+
 def test_the_tier_holds_chunks_a_lookup_finds_and_releases_at_session_end(make: Any) -> None:
     h = make()
     store_for(h, ReqContext(req_id="plain"), [0, 1])

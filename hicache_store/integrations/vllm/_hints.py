@@ -480,6 +480,11 @@ class TierHints:
             units.append(Unit(max(0, end - span), end, (self._storage_key(key),)))
         return ops_for(request.parsed, units, wall_s=request.wall_s)
 
+    def holds(self, job: Any) -> bool:
+        """Whether the request's hints hold (pin or retain) any of the store job's rows: such
+        a job is written whatever the tier's write admission says."""
+        return any(op.kind == "hold" for op in self._ops(job.req_context, job.keys))
+
     def stored(self, job: Any, future: concurrent.futures.Future[Any]) -> None:
         """A store job was submitted: its chunks' holds once it has ended."""
         ops = self._ops(job.req_context, job.keys)

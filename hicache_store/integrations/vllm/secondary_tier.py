@@ -39,7 +39,8 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   found), store jobs are refused (``stats.stores_refused``; vLLM sees a job that moved no
   bytes, not a failure): what the store holds stays and is served. The hold ends when what
   it holds is no longer read, or after a while, to try new rows again. ``all`` writes every
-  job (the backend's LRU alone); backends without capacity eviction write every job.
+  job (the backend's LRU alone); backends without capacity eviction write every job. A job
+  whose rows the request's ``kv_hints`` pin or retain is always written.
 * **Non-blocking.** ``lookup`` answers at once where the backend can without waiting
   (``InlineExists.now``: the file backend's in-memory index, as last brought up to date if
   that was at most ``lookup_max_age_s`` ago, without a database call: a change of the last
@@ -590,7 +591,8 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if self.test_alter_loaded_kv:
             # TEST ONLY: KV computed on top of altered rows is wrong too; never store it.
             future = _resolved([False] * len(keys), 0.0)
-        elif self.admission is not None and not self.admission.admit():
+        elif (self.admission is not None and not self.admission.admit()
+              and not self.hints.holds(job_metadata)):  # (rows a hint holds: always written)
             # Refused, not failed: the store keeps what it holds (vLLM counts no failure).
             with self._stats_lock:
                 self.stats.stores_refused += len(keys)
