@@ -1,10 +1,12 @@
 """Writing a benchmark's section into a page of the docs site (shared by the bench scripts).
 
-``--write-md`` runs land in the run log (``RUN_LOG``), under the section of the same heading;
-the subject pages under ``docs/benchmarks/`` carry the current figures, edited by hand."""
+``--write-md`` runs are appended to the run log (``RUN_LOG``, a dated notebook: ``log_run``);
+the subject pages under ``docs/benchmarks/`` carry the current figures (``replace_section``
+where a script owns a section of one)."""
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 #: the dated run log of the docs site, whose sections keep the bench scripts' headings
@@ -24,3 +26,12 @@ def replace_section(path: Path, section: str) -> None:
         rest = text[end:] if end != -1 else ""
         text = text[: start + 1] + section + rest
     path.write_text(text)
+
+
+def log_run(section: str, path: Path = RUN_LOG) -> None:
+    """Append ``section`` to the run log, its heading dated (today, UTC): a run never
+    replaces an earlier one's record."""
+    heading, _, body = section.partition("\n")
+    day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    text = path.read_text() if path.exists() else "# Run log\n"
+    path.write_text(text.rstrip("\n") + f"\n\n{heading} ({day})\n{body}".rstrip("\n") + "\n")

@@ -11,7 +11,8 @@ and LMCache ``LocalDiskBackend`` (each in the peer interpreter ``.build/bench-ve
 ``bench_backend_peers.py``), then raw O_DIRECT again (to show drift within the run). Then exists
 over 10,000 keys: hicache-store in the writing process, in a freshly started process and for
 keys another process wrote after we opened, against SGLang's
-``batch_exists``. ``--write-md`` replaces the "Backends" section of the run log (docs/benchmarks/log.md).
+``batch_exists``. ``--write-md`` appends a dated "Backends"
+section to the run log (docs/benchmarks/log.md).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _markdown import RUN_LOG, replace_section
+from _markdown import log_run
 
 from hicache_store.backends.file import FileBackend
 from hicache_store.commands.bench_backend import (
@@ -262,7 +263,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if args.write_md:
-        replace_section(RUN_LOG, text)
+        log_run(text)
     return 0
 
 

@@ -18,7 +18,8 @@ alternately in each round so that the machine's load falls on all alike:
 - ``new, holds``: this tree, with a tenth of the first objects pinned and a tenth retained
   (every eviction then skips them, and expired entries are pruned).
 
-``--write-md`` replaces the "File backend: eviction with retention" section of the run log (docs/benchmarks/log.md).
+``--write-md`` appends a dated "File backend: eviction with retention"
+section to the run log (docs/benchmarks/log.md).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from _markdown import RUN_LOG, replace_section
+from _markdown import log_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,7 +160,7 @@ def main() -> None:
     ])
     print(section)
     if args.write_md:
-        replace_section(RUN_LOG, section)
+        log_run(section)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ process* (what every engine rank and CLI run is) measures:
 
 In the filling process: exists keys/s over its own keys (hicache-store). Projection to 100 M:
 open and exists measured flat or growing by the measured trend, memory and disk per object
-times 100 M. ``--write-md`` replaces the "File backend at scale" section of the run log (docs/benchmarks/log.md).
+times 100 M. ``--write-md`` appends a dated "File backend at scale"
+section to the run log (docs/benchmarks/log.md).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _markdown import RUN_LOG, replace_section
+from _markdown import log_run
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 1000
@@ -515,7 +516,7 @@ def main() -> int:
     text = render(results, args, meta)
     print(text)
     if args.write_md:
-        replace_section(RUN_LOG, text)
+        log_run(text)
     return 0
 
 

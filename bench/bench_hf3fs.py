@@ -8,8 +8,8 @@ Order: raw O_DIRECT (threads, fdatasync per file), ``hf3fs://`` with ``durabilit
 raw O_DIRECT again (drift within the run). On a local directory the backend's engine is POSIX
 (the file backend's fast path): no 3FS can run on the machines this project is built on. With
 ``--dir`` on a real 3FS mount (and ``hf3fs_fuse`` installed) ``engine=auto`` picks USRBIO; the
-engine that ran is printed and written with the figures. ``--write-md`` replaces the "3FS"
-section of the run log (docs/benchmarks/log.md) and nothing else.
+engine that ran is printed and written with the figures. ``--write-md`` appends a dated "3FS"
+section to the run log (docs/benchmarks/log.md) and nothing else.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _markdown import RUN_LOG, replace_section
+from _markdown import log_run
 
 from hicache_store.backends.hf3fs import HF3FSBackend
 from hicache_store.commands.bench_backend import (
@@ -153,7 +153,7 @@ def main() -> int:
     text = render(results, cmd)
     print(text)
     if args.write_md:
-        replace_section(RUN_LOG, text)
+        log_run(text)
     return 0
 
 

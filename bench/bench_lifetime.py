@@ -16,7 +16,8 @@ the public methods did before), alternating the two on the same objects in each 
 * warm 4 KiB reads, one object per call, guarded and core alternating call by call, to show
   the per-call cost in microseconds.
 
-Medians over ``--rounds``. ``--write-md`` replaces the "Buffer lifetime" section of the run log (docs/benchmarks/log.md).
+Medians over ``--rounds``. ``--write-md`` appends a dated "Buffer lifetime"
+section to the run log (docs/benchmarks/log.md).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from _markdown import RUN_LOG, replace_section
+from _markdown import log_run
 
 from hicache_store.backends import aligned_buffer
 from hicache_store.backends.file import FileBackend
@@ -183,7 +184,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     if args.write_md:
-        replace_section(RUN_LOG, text)
+        log_run(text)
     return 0
 
 

@@ -16,8 +16,8 @@ Both sides move the same pages of one page_first MHA host pool (2 x 32 layers x 
   ``set_from_flat_data_page``. It does not flush, so its durable figure adds an ``os.sync()``.
 
 Cold reads follow ``sync; echo 3 > /proc/sys/vm/drop_caches``. Every read is checked bit-exact
-against the pool's bytes before the pool was cleared. ``--write-md`` replaces the "SGLang"
-section of the run log (docs/benchmarks/log.md).
+against the pool's bytes before the pool was cleared. ``--write-md`` appends a dated "SGLang"
+section to the run log (docs/benchmarks/log.md).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _markdown import RUN_LOG, replace_section
+from _markdown import log_run
 
 from hicache_store.commands.bench_backend import drop_page_cache
 from hicache_store.integrations.sglang import HiCacheStoreStorage
@@ -195,7 +195,7 @@ def main() -> int:
     md = render(args, table, exact, cold, load0, load1, page_bytes)
     print(md)
     if args.write_md:
-        replace_section(RUN_LOG, md)
+        log_run(md)
     return 0
 
 

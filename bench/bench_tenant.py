@@ -11,8 +11,9 @@ after ``sync; echo 3 > /proc/sys/vm/drop_caches``, once plain and once with
 ``tenant_key_file`` (keyed names, AES-256-GCM per layer block, encrypted in place in the
 staging buffer), alternating in each round so both see the same machine state. Every read is
 checked bit-exact. Also measured: the AEAD alone (one thread, in place, 8 MiB objects of 32
-layer blocks), which bounds what sealing can cost. ``--write-md`` replaces the "Tenant
-sealing" section of the run log (docs/benchmarks/log.md).
+layer blocks), which bounds what sealing can cost. ``--write-md`` appends a dated "Tenant
+sealing"
+section to the run log (docs/benchmarks/log.md).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _markdown import RUN_LOG, replace_section
+from _markdown import log_run
 from bench_sglang import BATCH, PAGE_SIZE, PageFirstPool, storage_config, timed
 
 from hicache_store.backends import aligned_buffer
@@ -174,7 +175,7 @@ def main() -> int:
     md = render(args, rows, total, page_bytes, aead, load0, load1)
     print(md)
     if args.write_md:
-        replace_section(RUN_LOG, md)
+        log_run(md)
     return 0
 
 

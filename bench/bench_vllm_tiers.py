@@ -435,10 +435,10 @@ def main() -> None:
         print(tables[-1], flush=True)
     table = "\n\n".join(tables)
     if args.write:
-        from _markdown import RUN_LOG, replace_section
+        from _markdown import log_run
 
         load = ", ".join(f"{x:.0f}" for x in os.getloadavg())
-        replace_section(RUN_LOG, section(args, table, load, args.reading))
+        log_run(section(args, table, load, args.reading))
     if args.dir is None:
         shutil.rmtree(base, ignore_errors=True)
     os._exit(0)  # engines' daemon threads (vLLM's, the sync bridge's) must not hold the exit

@@ -11,7 +11,7 @@ holes except where the fingerprint samples them, which hold random data on disk.
 the header and the samples are read from the device) and warm, ``--rounds`` times, median.
 For contrast, the time a full read would take: ``--full-read-gib`` of real data written,
 evicted and hashed (sha256) cold, scaled to the checkpoint's size. ``--write-md`` replaces the
-"Weights identity" section of the run log (docs/benchmarks/log.md).
+"Weights identity" section to the run log (docs/benchmarks/log.md), dated.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _markdown import RUN_LOG, replace_section
+from _markdown import log_run
 
 from hicache_store.commands.bench_backend import evict_files
 from hicache_store.weights import sample_ranges, weights_identity
@@ -142,7 +142,7 @@ def main() -> None:
     print(f"full read (sha256, cold): {per_gib:.2f} s/GiB -> {full:.0f} s for "
           f"{args.size_gb:g} GB; load {load} -> {load_after}")
     if args.write_md:
-        replace_section(RUN_LOG, section(args, text, per_gib, full, load,
+        log_run(section(args, text, per_gib, full, load,
                                                         load_after))
 
 

@@ -6,8 +6,8 @@ Run from the repository root (SGLang 0.5.23 is in ``.venv`` after ``make setup``
     .venv/bin/python bench/bench_write_contention.py --json /tmp/contention.json --write-md
 
 Each run records its figures under ``--label`` in the JSON file (run it once per code state:
-on ``main`` for "before", on the change for "after"); ``--write-md`` renders every label in
-the file as the "Writes under contention" section of the run log (docs/benchmarks/log.md). The disk is loaded by
+on ``main`` for "before", on the change for "after"); ``--write-md`` appends every label in
+the file as a dated "Writes under contention" section to the run log (docs/benchmarks/log.md). The disk is loaded by
 ``--writers`` competing processes that rewrite and fsync 1 MiB files on the same filesystem
 (``tests/_disk_load.py``) for the whole of each measurement:
 
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _markdown import RUN_LOG, replace_section
+from _markdown import log_run
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -219,7 +219,7 @@ def main() -> None:
         results[args.label] = measure(args)
         args.json.write_text(json.dumps(results, indent=1))
     if args.write_md:
-        replace_section(RUN_LOG, render(results))
+        log_run(render(results))
     if not args.label and not args.write_md:
         print(render(results))
     shutil.rmtree(ROOT / "bench" / "__pycache__", ignore_errors=True)

@@ -1,5 +1,6 @@
-"""The bench scripts' ``--write-md``: a run replaces its own section of the run log and
-nothing else, and no script writes into the retired BENCHMARKS.md map."""
+"""The bench scripts' ``--write-md``: a run is appended to the run log, dated, and never
+replaces an earlier one's record; a subject page's section is replaced in place; no script
+writes into the retired BENCHMARKS.md map."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
-from _markdown import RUN_LOG, replace_section  # noqa: E402
+from _markdown import RUN_LOG, log_run, replace_section  # noqa: E402
 
 
 def test_a_section_is_replaced_in_place_and_the_others_kept(tmp_path: Path) -> None:
@@ -22,6 +23,15 @@ def test_a_section_is_replaced_in_place_and_the_others_kept(tmp_path: Path) -> N
     assert log.read_text() == "# Run log\n\n## A\n\nold a\n\n## B\n\nnew b\n\n## C\n\nc\n"
     replace_section(log, "## D\n\nd\n")
     assert log.read_text().endswith("## C\n\nc\n\n## D\n\nd\n")
+
+
+def test_a_run_is_appended_to_the_log_dated_and_earlier_runs_kept(tmp_path: Path) -> None:
+    log = tmp_path / "log.md"
+    log.write_text("# Run log\n\n## Backends\n\nthe first run\n")
+    log_run("## Backends\n\nthe second run\n", log)
+    text = log.read_text()
+    assert "the first run" in text
+    assert re.search(r"\n## Backends \(\d{4}-\d\d-\d\d\)\n\nthe second run\n$", text), text
 
 
 def test_the_run_log_is_the_docs_site_page() -> None:
