@@ -92,9 +92,7 @@ class FileWrites:
             reservation = translated("put", None, self._index.reserve, keys, sizes,
                                      self._capacity_bytes, self._pin_budget_bytes)
         except BackendUnavailableError as exc:
-            if exc.backend == "index":
-                with self._lock:
-                    stats.index_refusals += 1
+            self._count_refusal(exc, stats)
             raise
         outcomes: list[WriteOutcome] = []
         try:
@@ -141,10 +139,14 @@ class FileWrites:
             return await self._jobs.run(step, "put", None, self._index.reserve, keys, sizes,
                                         self._capacity_bytes, self._pin_budget_bytes)
         except BackendUnavailableError as exc:
-            if exc.backend == "index":
-                with self._lock:
-                    stats.index_refusals += 1
+            self._count_refusal(exc, stats)
             raise
+
+    def _count_refusal(self, exc: BackendUnavailableError, stats: BackendStats) -> None:
+        """A reservation refused because a fleet's index cannot be reached is counted."""
+        if exc.backend == "index":
+            with self._lock:
+                stats.index_refusals += 1
 
     async def _settle(self, operation: str, reservation: Reservation,
                       published: Sequence[str]) -> None:
