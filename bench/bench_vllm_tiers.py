@@ -24,13 +24,17 @@ Configurations:
   the backend's LRU alone, as the tier was before its write admission);
 * ``hicache-connector``: ``HiCacheStoreConnector`` (no vLLM offloading stack, no primary tier)
   on ``file://``, without its L2 (``l2_mib`` 0: every load from the store);
-* ``hicache-connector-l2``: the same with its L2 as configured by default (``l2_mib`` 1024).
+* ``hicache-connector-l2``: the same with its L2 as configured by default (``l2_mib`` 1024);
+* ``hicache-connector-bounded``: ``hicache-connector`` with the bounded store's capacity (its
+  write admission, ``write_admission="reuse"``, the default);
+* ``hicache-connector-bounded-lru``: the same with ``write_admission="all"`` (the backend's
+  LRU alone).
 
 Per run: TTFT (vLLM's own ``first_token_latency``) of the reused turns (turn >= 1) and of the
 first turns; store and load throughput timed alike for every route (``JobMeter``: bytes over
 the time from each job's submission to its end), and each tier's own report
 (``JobResult.transfer_time``); total bytes stored and loaded; store rows the tier refused
-(``write_admission``); disk used by the route's directory at the end, and a raw read of
+(``write_admission``; the connector's: pages); disk used by the route's directory at the end, and a raw read of
 the files there (every file whole, one thread, O_DIRECT: the limit the loads are measured
 against). A route that refuses the model at start-up gets a row saying so.
 """
@@ -230,6 +234,7 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
 
         meter = JobMeter()
         meter.watch_connector(get_kv_transfer_group())
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
     elif tier is not None:
         manager = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler.manager
         (secondary,) = manager.secondary_tiers
@@ -264,7 +269,9 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
     used = sum(p.stat().st_size for p in disk.rglob("*") if p.is_file()) if disk else 0
     raw = raw_read(disk) if disk else (0, 0.0)
     refused = 0
-    if tier is not None and not connector:
+    if connector:
+        refused = scheduler.metrics["saves_refused_pages"]
+    elif tier is not None:
         refused = getattr(getattr(secondary, "stats", None), "stores_refused", 0)
     return {
         "name": name, "outputs": outputs, "wall_s": wall,
@@ -290,7 +297,9 @@ a 1 GiB capacity (above the workload), `hicache-bounded` the same with `capacity
 {args.bounded_mib} MiB. `hicache-connector` is `HiCacheStoreConnector` on `file://` (1 GiB),
 without vLLM's offloading stack: no primary tier, pages of 512 KiB loaded before the step that
 needs them, without its L2 (`l2_mib` 0); `hicache-connector-l2` the same with its default L2
-(1 GiB of host memory: pages it saved or loaded are served from memory). Every hicache-store route uses `durability={args.durability}` (vLLM's `fs` tier
+(1 GiB of host memory: pages it saved or loaded are served from memory);
+`hicache-connector-bounded` the connector without L2 on the bounded store (its write
+admission on), `hicache-connector-bounded-lru` the same with `write_admission="all"`. Every hicache-store route uses `durability={args.durability}` (vLLM's `fs` tier
 flushes nothing either: O_DIRECT writes and a rename) and the file backend's C reads
 (`backends/_fileio.c`). {args.rounds} rounds, the order reversed every other round, each run on
 an empty store; TTFT is vLLM's own per-request `first_token_latency`, medians (and the mean)
@@ -318,6 +327,7 @@ def bench_family(args: argparse.Namespace, base: Path, family: str) -> str:
     fs_root, ours, bounded = base / "fs", base / "hicache", base / "bounded"
     bounded_lru = base / "bounded-lru"
     connector, connector_l2 = base / "connector", base / "connector-l2"
+    connector_bounded, connector_lru = base / "connector-bounded", base / "connector-bounded-lru"
     tier_module = "hicache_store.integrations.vllm.secondary_tier"
 
     def file_url(root: Path, capacity: int) -> str:
@@ -338,6 +348,12 @@ def bench_family(args: argparse.Namespace, base: Path, family: str) -> str:
                                "l2_mib": 0}, connector),
         ("hicache-connector-l2", {"type": "connector", "url": file_url(connector_l2, 1 << 30)},
          connector_l2),
+        ("hicache-connector-bounded", {"type": "connector", "l2_mib": 0,
+                                       "url": file_url(connector_bounded, args.bounded_mib * MIB)},
+         connector_bounded),
+        ("hicache-connector-bounded-lru", {"type": "connector", "l2_mib": 0,
+                                           "url": file_url(connector_lru, args.bounded_mib * MIB),
+                                           "write_admission": "all"}, connector_lru),
     ]
     if args.only:
         configs = [c for c in configs if c[0] in args.only.split(",")]

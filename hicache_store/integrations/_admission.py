@@ -21,6 +21,10 @@ they only evict what is about to be read, from what an integration sees of its o
 
 Memory: one entry per row written here, the ``memory`` most recent ones. Calls may come from
 any thread (one lock).
+
+The routes share the option and the rule: ``write_admission`` (``WRITE_ADMISSIONS``) names it
+(``admission_for``), and a write is refused only while the admission holds and no hint of the
+request pins or retains any of its rows (``refuses``: a held row is always written).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+
+from hicache_store.layout.errors import ConfigError
 
 #: answers of evidence (hits, premature evictions) that decide a hold.
 DEFAULT_WINDOW = 6
@@ -40,6 +46,10 @@ DEFAULT_IDLE = 256
 DEFAULT_HOLD = 4096
 #: rows written here that are remembered (the oldest are forgotten: no evidence).
 DEFAULT_MEMORY = 1 << 16
+
+#: ``write_admission`` values: ``reuse`` refuses writes while the store evicts rows before
+#: their next read (``ReuseAdmission``), ``all`` writes every one (the backend's LRU alone).
+WRITE_ADMISSIONS = ("reuse", "all")
 
 
 @dataclass
@@ -145,3 +155,26 @@ class ReuseAdmission:
             self._holding = True
             self._answers = self._idle = 0
             self.counts.holds += 1
+
+
+def check_write_admission(value: object) -> str:
+    """``value`` as a ``write_admission`` option; ``ConfigError`` naming the values otherwise."""
+    if value not in WRITE_ADMISSIONS:
+        raise ConfigError(f"write_admission must be one of {', '.join(WRITE_ADMISSIONS)}, "
+                          f"not {value!r}")
+    return str(value)
+
+
+def admission_for(mode: str, evicts: bool, evictions: Callable[[], int]) -> ReuseAdmission | None:
+    """The admission a route's ``write_admission`` names, for a store that ``evicts`` under
+    capacity pressure (``BackendCapabilities.eviction``) and counts its ``evictions``; None:
+    every write goes (``all``, or a store that never evicts: nothing to protect)."""
+    return ReuseAdmission(evictions) if check_write_admission(mode) == "reuse" and evicts else None
+
+
+def refuses(admission: ReuseAdmission | None, held: Callable[[], bool]) -> bool:
+    """Whether a write is refused (counted in ``admission.counts.refused``): the admission
+    holds and ``held()`` (whether a hint pins or retains any of the write's rows) is false."""
+    if admission is None or not admission.holding or held():
+        return False
+    return not admission.admit()

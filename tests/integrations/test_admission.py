@@ -10,11 +10,18 @@ written after it was computed.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 
-from hicache_store.integrations._admission import ReuseAdmission
+from hicache_store.integrations._admission import (
+    ReuseAdmission,
+    admission_for,
+    check_write_admission,
+    refuses,
+)
+from hicache_store.layout.errors import ConfigError
 
 
 @dataclass
@@ -48,8 +55,11 @@ class Outcome:
 
 
 def serve(store: LRUStore, admission: ReuseAdmission | None, *, conversations: int,
-          rows_per_turn: int, turns: int, fresh: bool = False) -> Outcome:
-    """Conversations in turn; ``fresh``: every turn is a new conversation (no reuse)."""
+          rows_per_turn: int, turns: int, fresh: bool = False,
+          first_rows: int | None = None) -> Outcome:
+    """Conversations in turn; ``fresh``: every turn is a new conversation (no reuse);
+    ``first_rows``: rows of a conversation's first turn (its system prompt; default
+    ``rows_per_turn``)."""
     history: dict[int, list[object]] = {c: [] for c in range(conversations)}
     hits_per_turn = []
     for turn in range(turns):
@@ -66,7 +76,8 @@ def serve(store: LRUStore, admission: ReuseAdmission | None, *, conversations: i
                     break
                 found += 1
             hits += found
-            new = chain[found:] + [(c, turn, i) for i in range(rows_per_turn)]
+            rows = first_rows if first_rows is not None and turn == 0 else rows_per_turn
+            new = chain[found:] + [(c, turn, i) for i in range(rows)]
             history[c] = chain[:found] + new
             if admission is None or admission.admit():
                 if admission is not None:
@@ -163,3 +174,46 @@ def test_misses_of_rows_never_written_here_or_gone_without_eviction_are_no_evide
 def test_limits_out_of_range_are_refused(limits: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="ReuseAdmission"):
         ReuseAdmission(lambda: 0, **limits)
+
+
+# -- the routes' shared option and rule ----------------------------------------------------------
+
+
+def holding_admission() -> ReuseAdmission:
+    evictions = 0
+    admission = ReuseAdmission(lambda: evictions, min_evidence=1)
+    admission.written(["row"])
+    evictions = 1
+    admission.answered("row", False, "r")  # evicted before its first read: a hold
+    assert admission.holding
+    return admission
+
+
+def test_a_write_is_refused_only_while_holding_and_no_hint_holds_its_rows() -> None:
+    asked: list[str] = []
+
+    def held(answer: bool) -> Callable[[], bool]:
+        def ask() -> bool:
+            asked.append("held")
+            return answer
+        return ask
+
+    assert not refuses(None, held(False))  # no admission: every write goes
+    idle = ReuseAdmission(lambda: 0)
+    assert not refuses(idle, held(False)) and asked == []  # not holding: hints not asked
+    admission = holding_admission()
+    assert refuses(admission, held(False)) and admission.counts.refused == 1
+    assert not refuses(admission, held(True))  # a pinned or retained row: written
+    assert admission.counts.refused == 1 and asked == ["held", "held"]
+
+
+def test_the_option_names_the_admission() -> None:
+    assert isinstance(admission_for("reuse", True, lambda: 0), ReuseAdmission)
+    assert admission_for("all", True, lambda: 0) is None  # the backend's LRU alone
+    assert admission_for("reuse", False, lambda: 0) is None  # a store that never evicts
+    assert check_write_admission("all") == "all"
+    for bad in ("lru", None, ""):
+        with pytest.raises(ConfigError, match="write_admission must be one of reuse, all"):
+            check_write_admission(bad)
+        with pytest.raises(ConfigError, match="write_admission"):
+            admission_for(str(bad), True, lambda: 0)

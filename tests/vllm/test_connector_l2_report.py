@@ -59,3 +59,12 @@ def test_the_list_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     for h in "abcde":
         apply_l2_report(held, HiCacheStoreWorkerMeta({h: 1}, set()), workers=1)
     assert list(held) == ["c", "d", "e"]
+
+
+def test_the_workers_store_evictions_add_up() -> None:
+    # (the scheduler's write admission counts what every worker's saves evicted)
+    reports = [HiCacheStoreWorkerMeta(store_evictions=3), HiCacheStoreWorkerMeta({"a": 1}, set()),
+               HiCacheStoreWorkerMeta(failed={"x"}, store_evictions=4)]
+    out = aggregate(*reports)
+    assert out.store_evictions == 7 and out.added == {"a": 1} and out.failed == {"x"}
+    assert pickle.loads(pickle.dumps(out)) == out

@@ -397,3 +397,25 @@ def test_the_connector_hands_each_page_over_once_as_it_is_stored_or_saved(tmp_pa
     hints.finished("r")
     tracked.planned = 9
     assert hints.plan({"r": tracked}) == []
+
+
+def test_the_connector_knows_which_saves_a_hint_holds(tmp_path: Path) -> None:
+    """The write admission refuses a save only where no hint pins or retains its pages."""
+    from types import SimpleNamespace
+
+    from hicache_store.integrations.vllm._hints import ConnectorHints
+
+    hints = ConnectorHints(Store(tmp_path, n=0).backend, NS, 16, lambda k, n: None)
+    for req_id, env in (
+        ("pin", envelope(("pin", {"session": "s", "end_token": 40}))),
+        ("retain", envelope(("retain", {"session": "s", "priority": 2}))),
+        ("drop", envelope(("drop", {"session": "s"}))),
+    ):
+        hints.track(SimpleNamespace(request_id=req_id, kv_hints=env, kv_transfer_params=None))
+    assert hints.holds("pin", [0, 1]) and hints.holds("pin", [2, 3])  # page 2 starts at 32
+    assert not hints.holds("pin", [3, 4])  # past token 40
+    assert hints.holds("retain", [7])
+    assert not hints.holds("drop", [0])  # no hold: the admission decides
+    assert not hints.holds("unhinted", [0])
+    hints.finished("pin")
+    assert not hints.holds("pin", [0])

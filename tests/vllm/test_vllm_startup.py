@@ -37,6 +37,11 @@ def test_unknown_and_bad_keys_are_refused() -> None:
     with pytest.raises(ConfigError, match="io_timeout_s"):
         ConnectorConfig.from_extra({"io_timeout_s": 0})
     assert ConnectorConfig.from_extra({"grid": "2x1"}).grid is not None
+    # the write admission: the secondary tier's option, values and default
+    assert ConnectorConfig.from_extra({}).write_admission == "reuse"
+    assert ConnectorConfig.from_extra({"write_admission": "all"}).write_admission == "all"
+    with pytest.raises(ConfigError, match="write_admission must be one of reuse, all, not 'lru'"):
+        ConnectorConfig.from_extra({"write_admission": "lru"})
 
 
 @pytest.mark.parametrize(

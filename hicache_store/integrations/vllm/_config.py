@@ -43,6 +43,10 @@ Keys (all optional):
                        0.32's CPU MLA computes a prefill over a restored context differently
                        from a full prefill (vLLM turns prefix caching off for MLA there), so the
                        tokens then follow vLLM's own offloading's, not a recompute's.
+``write_admission``    ``"reuse"`` (default): under capacity pressure, saves are refused while
+                       the store evicts the pages this connector saved before their next read
+                       (``integrations._admission``, the secondary tier's rule); ``"all"``:
+                       every save is made (the backend's LRU alone).
 ``test_alter_loaded_kv``  TEST ONLY: zero every 97th byte of each page after it was verified
                        and before it reaches vLLM (and save nothing), to show that wrong KV
                        does change the tokens.
@@ -64,6 +68,7 @@ from typing import Any
 
 from hicache_store.backends import BackendURL, get_backend_class
 from hicache_store.backends.errors import UnknownBackendError
+from hicache_store.integrations._admission import check_write_admission
 from hicache_store.layout.errors import ConfigError
 from hicache_store.layout.namespace import Grid
 from hicache_store.layout.topology import Topology
@@ -95,6 +100,7 @@ KEYS = frozenset(
         "l2_mib",
         "page_size",
         "allow_cpu_mla",
+        "write_admission",
         "test_alter_loaded_kv",
     }
 )
@@ -189,6 +195,7 @@ class ConnectorConfig:
     l2_bytes: int = DEFAULT_L2_MIB << 20
     page_size: int | None = None
     allow_cpu_mla: bool = False
+    write_admission: str = "reuse"
     test_alter_loaded_kv: bool = False
 
     @property
@@ -226,6 +233,7 @@ class ConnectorConfig:
             l2_bytes=int(_positive(extra, "l2_mib", DEFAULT_L2_MIB, allow_zero=True) * (1 << 20)),
             page_size=int(extra["page_size"]) if extra.get("page_size") is not None else None,
             allow_cpu_mla=bool(extra.get("allow_cpu_mla", False)),
+            write_admission=check_write_admission(extra.get("write_admission", "reuse")),
             test_alter_loaded_kv=bool(extra.get("test_alter_loaded_kv", False)),
         )
 

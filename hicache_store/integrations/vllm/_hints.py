@@ -552,6 +552,16 @@ class ConnectorHints:
             ops.extend(ops_for(request.parsed, units, wall_s=request.wall_s))
         return ops
 
+    def holds(self, req_id: str, pages: Iterable[int]) -> bool:
+        """Whether the request's hints hold (pin or retain) any of its pages ``pages`` (page
+        indexes): their saves are made whatever the connector's write admission says."""
+        request = self._requests.get(req_id)
+        if request is None:
+            return False
+        span = self.page_tokens
+        units = [Unit(i * span, (i + 1) * span, (str(i),)) for i in pages]
+        return any(op.kind == "hold" for op in ops_for(request.parsed, units, wall_s=request.wall_s))
+
     def finished(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
 

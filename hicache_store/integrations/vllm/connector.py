@@ -84,6 +84,13 @@ the backend for ``retry_after_s`` (lookups miss, saves are dropped), so a stoppe
 one deadline, then recompute at full speed; damaged or missing objects are not a backend
 failure (the breaker would drop the saves that replace them).
 
+**Write admission** (``write_admission``, ``integrations._admission``: the secondary tier's
+option and rule). On a store that evicts under capacity pressure, the scheduler's lookups of
+pages it planned to save are the evidence, with the store evictions the workers' saves caused
+(``HiCacheStoreWorkerMeta.store_evictions``): while the store evicts those pages before their
+next read, the scheduler plans no saves (``saves_refused_pages``), except of pages the
+request's hints pin or retain; what the store holds stays and is served.
+
 **Other families** (the connector is ``SupportsHMA``: vLLM keeps its hybrid memory allocator
 on). A model whose cache is not one group of full-attention MHA (sliding window, hybrids of
 sliding and full or of gated-delta-net state and full attention, MLA) has one *part* per KV
@@ -115,7 +122,8 @@ is refused and logged, a malformed envelope logged and ignored; neither fails th
 (``get_kv_connector_stats``): pages and bytes loaded and saved, load failures, corrupt objects,
 dropped saves, lookups that failed; L2 pages and bytes hit, missed, put and evicted
 (``l2_{hit,miss,put,evicted}_{pages,bytes}``), pages the scheduler found in L2
-(``lookup_l2_pages``), corrupt objects deleted (``corrupt_deleted``), pages the store listed
+(``lookup_l2_pages``), corrupt objects deleted (``corrupt_deleted``), saves the write admission refused
+(``saves_refused_pages``), pages the store listed
 that the scheduler did not offer because their read had failed (``lookup_refuted_pages``),
 and in ``metrics`` only the bytes L2 holds now (``l2_held_bytes``). The scheduler's lookups
 count the pages asked of L2 and of the store and found there, as every integration does
@@ -161,6 +169,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, open_backend
+from hicache_store.integrations._admission import ReuseAdmission, admission_for, refuses
 from hicache_store.integrations._lookups import LookupCounters
 from hicache_store.kernels.vllm_cpu import pack_blocks, unpack_blocks
 from hicache_store.layout.blocks import SKIP, BlockPages
@@ -245,20 +254,24 @@ class HiCacheStoreWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
     putting it there during the step; ``evicted`` are pages some worker evicted during the
     step and no longer holds; ``failed`` are pages some worker was sent to load and did not
     restore (reported to vLLM, recomputed); ``refuted``, among them, those whose read from
-    the store failed (missing, corrupt, an error, late).
+    the store failed (missing, corrupt, an error, late); ``store_evictions``, the objects the
+    workers' saves evicted from the store (``BackendStats.evictions``: the scheduler's write
+    admission).
     """
 
     added: dict[str, int] = field(default_factory=dict)
     evicted: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
     refuted: set[str] = field(default_factory=set)
+    store_evictions: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, HiCacheStoreWorkerMeta)
         added = Counter(self.added)
         added.update(other.added)
         return HiCacheStoreWorkerMeta(dict(added), self.evicted | other.evicted,
-                                      self.failed | other.failed, self.refuted | other.refuted)
+                                      self.failed | other.failed, self.refuted | other.refuted,
+                                      self.store_evictions + other.store_evictions)
 
 
 @dataclass
@@ -593,7 +606,13 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         self._lock = threading.Lock()
         self.hints = ConnectorHints(self.backend, self.namespace.digest, self.page_size,
                                     self._count)
+        # Write admission (scheduler): the objects the workers' saves evicted, as they report
+        # them, and the rule over the lookups' answers for the pages saved here.
+        self._store_evictions = 0
+        self._evictions_reported = 0  # (worker) the backend's evictions already reported
+        self.admission: ReuseAdmission | None = None
         if role == KVConnectorRole.SCHEDULER:
+            self.admission = self._new_admission()
             # Every object of a page (the scheduler reads no shard): a page counts as stored
             # when each worker rank's objects are all there.
             self._lookup = self._make_link(Topology(1, 1), 0, read_only=True)
@@ -628,6 +647,10 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         )
         link.trusted_hashes = True  # computed here by page_hashes
         return link
+
+    def _new_admission(self) -> ReuseAdmission | None:
+        return admission_for(self.config.write_admission, self.backend.capabilities.eviction,
+                             lambda: self._store_evictions)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -708,6 +731,9 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
                                     if h in self._refuted), found)
                     if refuted < found:
                         self._count("lookup_refuted_pages", found - refuted)
+                    missed = stored + found  # (the first page the store lacks, if any)
+                    self._evidence(request.request_id, hashes[stored:stored + refuted],
+                                   hashes[missed:missed + 1] if refuted == found else [])
                     stored += refuted
                     self._count_lookup("l3", len(hashes) - above, max(0, stored - above))
         tracked.stored_pages = stored
@@ -751,6 +777,11 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             availability[part.name] = marks
         if refuted:
             self._count("lookup_refuted_pages", refuted)
+        for part, present in zip(self.parts, found, strict=True):
+            keys = [_part_key(part.group, h) for h in hashes[local:]]
+            self._evidence(tracked.request.request_id,
+                           [k for k, there in zip(keys, present, strict=True) if there],
+                           [k for k, there in zip(keys, present, strict=True) if not there][:1])
         match = match_components([p.spec for p in self.parts], availability, self.block_size)
         stored = tracked.stored_pages = match.prefix_pages
         for h in hashes[stored:]:  # what the store lacks must be saved again
@@ -761,6 +792,24 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             return 0, False
         self._count("lookup_hit_pages", stored - local)
         return external, True
+
+    def _evidence(self, req_id: str, found: list[str], missing: list[str]) -> None:
+        """The store's answers to a lookup, for the write admission: pages ``found`` stored,
+        the first page it lacks (``missing``: none where the lookup ended otherwise)."""
+        if self.admission is None:
+            return
+        for key in found:
+            self.admission.answered(key, True, req_id)
+        for key in missing:
+            self.admission.answered(key, False, req_id)
+
+    def _refuse_save(self, req_id: str, pages: list[int]) -> bool:
+        """Whether the write admission refuses the saves of a request's ``pages`` (a hint
+        that pins or retains one of them has them saved whatever it says); counted."""
+        if not refuses(self.admission, lambda: self.hints.holds(req_id, pages)):
+            return False
+        self._count("saves_refused_pages", len(pages))
+        return True
 
     async def _exists_parts(self, hashes: list[str]) -> list[list[bool]]:
         """Per part, per page: whether its object(s) of that page are all stored."""
@@ -849,6 +898,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         self._saved.clear()
         self._refuted.clear()  # those were objects of the old namespace
         self._l2_pages.clear()
+        self.admission = self._new_admission()  # the old pages now miss: no evidence
         log.info("hicache-store connector: reset (the weights may have changed): namespace "
                  "%s -> %s", old, self.namespace.digest)
         return True
@@ -916,6 +966,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         """
         if not isinstance(meta, HiCacheStoreWorkerMeta):
             return
+        self._store_evictions += meta.store_evictions
         apply_l2_report(self._l2_pages, meta, self._workers)
         for h in meta.refuted:
             self._refuted[h] = None
@@ -954,8 +1005,10 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             i for i in range(start, min(end, reach))
             if hashes[i] not in self._saved
         ]
-        if not pages:
+        if not pages or self._refuse_save(tracked.request.request_id, pages):
             return None
+        if self.admission is not None:
+            self.admission.written(hashes[i] for i in pages)
         for i in pages:
             self._saved[hashes[i]] = None
             self._refuted.pop(hashes[i], None)  # its object is being written anew
@@ -984,7 +1037,9 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         hashes = self._hashes(tracked, end * self.block_size)
         tracked.planned = end
         null = self._null_block()
-        saves = []
+        saves: list[PageSave] = []
+        if self._refuse_save(tracked.request.request_id, list(range(start, end))):
+            return saves
         for part in self.parts:
             ids = block_ids[part.group]
             if part.kind == STATE:
@@ -995,6 +1050,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
                      and _part_key(part.group, hashes[i]) not in self._saved]
             if not pages:
                 continue
+            if self.admission is not None:
+                self.admission.written(_part_key(part.group, hashes[i]) for i in pages)
             for i in pages:
                 self._saved[_part_key(part.group, hashes[i])] = None
                 self._refuted.pop(_part_key(part.group, hashes[i]), None)
@@ -1290,13 +1347,18 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         failed, self._failed_pages = self._failed_pages, set()
         refuted, self._refuted_pages = self._refuted_pages, set()
+        evictions = self.backend.stats.evictions
+        evicted, self._evictions_reported = evictions - self._evictions_reported, evictions
         l2 = self._l2
         if l2 is None or not (self._l2_added or self._l2_evicted):
-            return HiCacheStoreWorkerMeta(failed=failed, refuted=refuted) if failed else None
+            if not (failed or evicted):
+                return None
+            return HiCacheStoreWorkerMeta(failed=failed, refuted=refuted,
+                                          store_evictions=evicted)
         meta = HiCacheStoreWorkerMeta(
             {h: 1 for h in self._l2_added if h in l2},
             {h for h in self._l2_evicted if h not in l2},
-            failed, refuted,
+            failed, refuted, evicted,
         )
         self._l2_added, self._l2_evicted = set(), set()
         return meta

@@ -141,7 +141,12 @@ from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, InlineExists, open_backend
 from hicache_store.backends.errors import InvalidRangeError
 from hicache_store.backends.feed import ChangeFeed, FeedFollower
-from hicache_store.integrations._admission import ReuseAdmission
+from hicache_store.integrations._admission import (
+    ReuseAdmission,
+    admission_for,
+    check_write_admission,
+    refuses,
+)
 from hicache_store.integrations._lookups import LookupCounters
 from hicache_store.layout.errors import ConfigError, CorruptObjectError, InvalidNamespaceError
 from hicache_store.layout.framing import ObjectHeader
@@ -167,10 +172,6 @@ attach_logging()  # this library's lines in vLLM's log, in its format
 #: the object coordinates of every row (one block).
 ROW_COORDS = ObjectCoords(0, 1, None)
 
-
-#: ``write_admission`` values: ``reuse`` refuses store jobs while the store evicts rows before
-#: their next read (``integrations._admission``), ``all`` writes every job.
-WRITE_ADMISSIONS = ("reuse", "all")
 
 
 def default_url() -> str:
@@ -481,9 +482,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if not lookup_max_age_s >= 0:
             raise ConfigError(f"lookup_max_age_s must be 0 or more, not {lookup_max_age_s}")
         self.lookup_max_age_s = float(lookup_max_age_s)
-        if write_admission not in WRITE_ADMISSIONS:
-            raise ConfigError(f"write_admission must be one of {', '.join(WRITE_ADMISSIONS)}, "
-                              f"not {write_admission!r}")
+        self._write_admission = check_write_admission(write_admission)
         self.locality = Locality(locality) if locality is not None else None
         from vllm.config import get_current_vllm_config_or_none
 
@@ -532,9 +531,9 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self._lookups = _Lookups(self)
         #: refuses store jobs while the store only evicts rows before their next read
         #: (``integrations._admission``); None: every job is written (``write_admission="all"``)
-        self.admission: ReuseAdmission | None = (
-            ReuseAdmission(lambda: self.backend.stats.evictions)
-            if write_admission == "reuse" and self.backend.capabilities.eviction else None)
+        self.admission: ReuseAdmission | None = admission_for(
+            self._write_admission, self.backend.capabilities.eviction,
+            lambda: self.backend.stats.evictions)
         # vLLM's kv_hints (``_hints``): holds on the request's row objects
         blocks = offloading_spec.config.cache.blocks_per_chunk
         self.hints = TierHints(self.backend, self.namespace.digest, self.storage_key, {
@@ -591,8 +590,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if self.test_alter_loaded_kv:
             # TEST ONLY: KV computed on top of altered rows is wrong too; never store it.
             future = _resolved([False] * len(keys), 0.0)
-        elif (self.admission is not None and not self.admission.admit()
-              and not self.hints.holds(job_metadata)):  # (rows a hint holds: always written)
+        elif refuses(self.admission, lambda: self.hints.holds(job_metadata)):
             # Refused, not failed: the store keeps what it holds (vLLM counts no failure).
             with self._stats_lock:
                 self.stats.stores_refused += len(keys)
@@ -650,8 +648,9 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self.io = ObjectIO(self.backend, self.namespace, io_timeout_s=io_timeout_s,
                            max_inflight_bytes=max_inflight)
         self.hints.namespace = self.namespace.digest  # hints naming the old one are refused
-        if self.admission is not None:  # the old rows now miss: no evidence of eviction
-            self.admission = ReuseAdmission(lambda: self.backend.stats.evictions)
+        # the old rows now miss: no evidence of eviction
+        self.admission = admission_for(self._write_admission, self.backend.capabilities.eviction,
+                                       lambda: self.backend.stats.evictions)
         log.info("HiCacheStoreTier: reset (the weights may have changed): namespace %s -> %s",
                  old, self.namespace.digest)
 
