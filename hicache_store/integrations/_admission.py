@@ -13,7 +13,12 @@ they only evict what is about to be read, from what an integration sees of its o
   gone without an eviction (a failed write, a delete), are no evidence.
 * **Hold.** Once, among the last ``window`` answers of evidence (``min_evidence`` at least),
   premature evictions outnumber hits, writes are refused: what the store holds stays and is
-  served, instead of being replaced by rows that would be evicted in turn.
+  served, instead of being replaced by rows that would be evicted in turn. A run of premature
+  evictions starts a hold at once (``RUN`` answers of evidence in a row; one before the
+  store has served any row written here): conversations that come back in turn lose their
+  history one after the other, each rewrite evicting the next one's, and each write while
+  more evidence gathered would be a history written again and evicted in its turn (writes
+  beyond what the store keeps).
 * **Release.** The hold ends when what the store holds is no longer read (``idle`` answers
   in a row without a hit: the workload moved on) or after ``hold`` answers in all, so a store
   whose held rows stay hot is still tried with new rows now and then; if the store thrashes
@@ -40,6 +45,9 @@ from hicache_store.layout.errors import ConfigError
 DEFAULT_WINDOW = 6
 #: the fewest answers of evidence that may start a hold.
 DEFAULT_MIN_EVIDENCE = 4
+#: premature evictions in a row (answers of evidence) that start a hold at once (one before
+#: the store has served any row written here).
+RUN = 2
 #: answers in a row without a hit that end a hold (what the store holds is not read).
 DEFAULT_IDLE = 256
 #: answers that end a hold in any case (a new trial of the writes).
@@ -151,7 +159,9 @@ class ReuseAdmission:
             return
         hits = sum(self._evidence)
         premature = len(self._evidence) - hits
-        if len(self._evidence) >= self._min_evidence and premature > hits:
+        run = RUN if self.counts.hits else 1  # (module docstring: Hold)
+        in_a_row = len(self._evidence) >= run and not any(list(self._evidence)[-run:])
+        if in_a_row or (len(self._evidence) >= self._min_evidence and premature > hits):
             self._holding = True
             self._answers = self._idle = 0
             self.counts.holds += 1

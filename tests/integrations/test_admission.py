@@ -114,6 +114,66 @@ def test_a_thrashing_store_holds_what_it_has_and_serves_it() -> None:
     assert out.hits_per_turn[-1] >= store.capacity // 2
 
 
+def test_a_first_round_that_overflows_the_store_is_not_written_again() -> None:
+    # The conversations' first turns alone outgrow the store: the first answer of evidence is
+    # a row evicted before its first read. Waiting for more evidence would write each of the
+    # next histories again (and evict the one after it); the store writes what it keeps.
+    store = LRUStore(capacity=16)
+    lru = serve(LRUStore(capacity=16), None, conversations=6, rows_per_turn=1, turns=3,
+                first_rows=3)
+    admission = admission_of(store)
+    out = serve(store, admission, conversations=6, rows_per_turn=1, turns=3, first_rows=3)
+    assert admission.counts.holds == 1 and admission.counts.refused > 0
+    assert out.writes == 6 * 3  # the first round only (LRU alone: 72)
+    assert out.writes <= out.kept + 3  # beyond what it keeps: one conversation's first turn
+    assert sum(out.hits_per_turn) > sum(lru.hits_per_turn) == 0
+
+
+def test_histories_lost_one_after_another_start_a_hold_at_the_second() -> None:
+    # The first turns fit; from the second turn on each conversation's rewrite evicts the
+    # next one's history. Two requests in a row that lost theirs are enough: waiting for
+    # premature evictions to outnumber the window's hits wrote two more histories (28 rows
+    # for the 16 it keeps) and served fewer rows.
+    store = LRUStore(capacity=16)
+    lru = serve(LRUStore(capacity=16), None, conversations=6, rows_per_turn=1, turns=3,
+                first_rows=2)
+    admission = admission_of(store)
+    out = serve(store, admission, conversations=6, rows_per_turn=1, turns=3, first_rows=2)
+    assert admission.counts.holds == 1 and admission.counts.refused > 0
+    assert out.writes <= out.kept + 4  # one history (3 rows) and one new turn beyond it
+    assert sum(out.hits_per_turn) >= 25 > sum(lru.hits_per_turn)
+
+
+def test_premature_evictions_between_hits_do_not_hold() -> None:
+    evictions = 0
+    admission = ReuseAdmission(lambda: evictions)
+    for i, found in enumerate([True, False, True, True, False, True, False]):
+        admission.written([i])
+        evictions += 1
+        admission.answered(i, found, f"r{i}")  # never two in a row, never more than hits
+    assert admission.counts.premature_evictions == 3 and not admission.holding
+    admission.written(["y"])
+    evictions += 1
+    admission.answered("y", False, "ry")  # the second in a row (3 against 3 in the window)
+    assert admission.holding
+
+
+def test_once_the_store_has_served_a_row_one_premature_eviction_does_not_hold() -> None:
+    evictions = 0
+    admission = ReuseAdmission(lambda: evictions)
+    admission.written([("a", 0), ("b", 0)])
+    admission.answered(("a", 0), True, "r1")  # the store served a row written here
+    evictions = 1
+    admission.answered(("b", 0), False, "r2")  # then one evicted before its read
+    assert admission.counts.premature_evictions == 1 and not admission.holding
+    # where nothing written here was ever served, one is enough
+    fresh = ReuseAdmission(lambda: evictions)
+    fresh.written([("b", 0)])
+    evictions = 2
+    fresh.answered(("b", 0), False, "r2")
+    assert fresh.holding
+
+
 def test_a_store_above_the_workload_admits_everything() -> None:
     store = LRUStore(capacity=1000)
     admission = admission_of(store)

@@ -36,7 +36,7 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   turn and outgrow the store, those are the rows about to be read, so every row would be
   evicted before its next read and every recompute written again. While the lookups show
   that (rows this tier wrote, evicted before they were asked for again, outnumber those
-  found), store jobs are refused (``stats.stores_refused``; vLLM sees a job that moved no
+  found, or two requests in a row lost such rows), store jobs are refused (``stats.stores_refused``; vLLM sees a job that moved no
   bytes, not a failure): what the store holds stays and is served. The hold ends when what
   it holds is no longer read, or after a while, to try new rows again. ``all`` writes every
   job (the backend's LRU alone); backends without capacity eviction write every job. A job
