@@ -22,14 +22,18 @@ refusals by a fleet's index that cannot be reached (``index_refusals``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Sequence
 
+from ._call_order import one_call
 from ._file_io import FileEngine, Placement, WriteOutcome, fsync_dir
 from ._file_jobs import FileJobs
 from .errors import BackendUnavailableError
 from .index import ObjectIndex, Reservation, settle_or_unpublish
 from .lifetime import abandonable
+from .protocols import PendingWrites
 from .types import BackendStats
 
 
@@ -78,6 +82,28 @@ class FileWrites:
         finally:
             await self._settle("put", reservation,
                                [k for k, o in zip(keys, outcomes, strict=False) if o is True])
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    def start(self, keys: Sequence[str], buffers: Sequence[memoryview], start_by: float,
+              counted: Callable[[], None], stats: BackendStats) -> PendingWrites:
+        """``put`` as one job on the pool, handed over from the caller's thread (no event
+        loop): ``_put_steps``, begun only by ``start_by``."""
+        pending = _PoolWrites(counted)
+        with one_call():  # (ordered behind the pool's calls begun before it, as ``put``)
+            pending.future = self._jobs.pool.submit(self._put_started, pending, start_by,
+                                                    keys, buffers, stats)
+        return pending
+
+    def _put_started(self, pending: _PoolWrites, start_by: float, keys: Sequence[str],
+                     buffers: Sequence[memoryview], stats: BackendStats) -> None:
+        pending.begin(start_by)
+        try:
+            outcomes = self._put_steps(keys, buffers, [len(b) for b in buffers], stats)
+        finally:
+            self._engine.account(stats)
+            pending.ended = time.monotonic()
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -178,6 +204,28 @@ class FileWrites:
             out.extend([run] * count if isinstance(run, BaseException) else run)
         self._engine.account(stats)
         return out
+
+
+class _PoolWrites(PendingWrites):
+    """A put run as one job of the store's pool (``FileWrites.start``)."""
+
+    future: concurrent.futures.Future[None]
+
+    def begin(self, start_by: float) -> None:
+        """On the pool thread, before anything is reserved: late, never begun."""
+        now = time.monotonic()
+        if now > start_by:
+            raise TimeoutError("put not begun by its deadline")
+        self.began = now
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> None:
+        concurrent.futures.wait([self.future])
+
+    def _result(self) -> None:
+        self.future.result()
 
 
 def _fsync_dirs(paths: Sequence[str]) -> None:

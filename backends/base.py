@@ -18,7 +18,7 @@ Public API (validated here, once, for every backend)::
     helpers (``backends.helpers``, written once on the core): exists_prefix_length,
     exists_prefix_pages, get_ranges, get_bytes
     optional abilities (``backends.protocols``: a ``Capabilities`` flag and an accessor each):
-    host_buffers(), inline_exists(), native_reads(), change_feed()
+    host_buffers(), inline_exists(), native_reads(), native_writes(), change_feed()
 
 Core (what a backend implements; the public method has already validated everything):
 ``_exists``, ``_get_into``, ``_put``, ``_delete``, ``_stat``; optionally ``_list_prefix``,
@@ -28,6 +28,7 @@ Core (what a backend implements; the public method has already validated everyth
 ``capabilities.host_buffers``, ``_register_host_buffer`` and ``_unregister_host_buffer``; with
 ``capabilities.inline_exists``, ``_exists_now`` and ``_exists_blocking``; with
 ``capabilities.native_reads``, ``_get_into_summed`` and ``_start_get_into_summed``; with
+``capabilities.native_writes``, ``_start_put``; with
 ``capabilities.change_feed``, ``_change_feed``.
 
 Contracts every backend keeps (the conformance suite in ``hicache_store.testing`` checks them):
@@ -68,7 +69,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import contextvars
-from collections.abc import AsyncIterator, Iterator, Sequence, Set
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence, Set
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -93,7 +94,9 @@ from .protocols import (
     HostBuffers,
     InlineExists,
     NativeReads,
+    NativeWrites,
     PendingReads,
+    PendingWrites,
     SummedReads,
 )
 from .retention import Retention
@@ -689,6 +692,18 @@ class Backend(Helpers, abc.ABC):
         self._require("native_reads", self.capabilities.native_reads)
         return _NativeReads(self)
 
+    def native_writes(self) -> NativeWrites:
+        """Puts startable from the caller's thread (``NativeWrites``). ``NotSupportedError``
+        unless ``capabilities.native_writes``."""
+        self._require("native_writes", self.capabilities.native_writes)
+        return _NativeWrites(self)
+
+    def _start_put(self, keys: list[str], views: list[memoryview], start_by: float,
+                   counted: Callable[[], None]) -> PendingWrites:
+        """With ``capabilities.native_writes``: ``_put`` started off the loop (validated;
+        ``counted``: the ``PendingWrites``' statistics)."""
+        raise NotSupportedError("native writes", backend=self.name, operation="put")
+
     def _require(self, ability: str, declared: bool) -> None:
         self._check_open(ability)
         if not declared:
@@ -818,6 +833,31 @@ class _NativeReads:
         if not checked:
             return _NoReads(backend._count_reads)
         return backend._start_get_into_summed(checked, views, plans)
+
+
+class _NativeWrites:
+    """``NativeWrites`` over a backend's ``_start_put`` (checked as ``put`` checks)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    def start(self, keys: Sequence[str], buffers: Sequence[BufferLike], *,
+              start_by: float) -> PendingWrites:
+        backend = self._backend
+        backend._check_open("put")
+        checked = backend._check_keys(keys, "put")
+        if len(buffers) != len(checked):
+            raise ValueError(f"put: {len(checked)} keys but {len(buffers)} buffers")
+        if not checked:
+            raise ValueError("put: an empty batch has nothing to start")
+        views = [as_byte_view(b, writable=False) for b in buffers]
+        stats = backend.stats
+
+        def counted() -> None:
+            stats.writes += len(checked)
+            stats.bytes_written += sum(len(v) for v in views)
+
+        return backend._start_put(checked, views, start_by, counted)
 
 
 class _NoReads(PendingReads):

@@ -113,7 +113,8 @@ class FaultyBackend(Backend):
         # The optional abilities bypass the injected faults (their own paths, never wrapped):
         # not offered here.
         self.capabilities: Capabilities = inner.capabilities.replace(
-            host_buffers=False, inline_exists=False, native_reads=False)
+            host_buffers=False, inline_exists=False, native_reads=False,
+            native_writes=False)
         self.injected: Counter[str] = Counter()
         self._faults = FaultConfig()
         self._rng = random.Random(0)

@@ -148,7 +148,7 @@ from .errors import NotSupportedError, translate_os_error
 from .file_layout import object_path
 from .index import IndexCheck, ObjectIndex, fleet_index_url
 from .lifetime import gather_settled
-from .protocols import ChangeFeed, PendingReads, SummedReads
+from .protocols import ChangeFeed, PendingReads, PendingWrites, SummedReads
 from .retention import DEFAULT_PIN_FRACTION, Retention, pin_budget_bytes
 from .types import (
     BackendURL,
@@ -345,6 +345,7 @@ class FileBackend(Backend):
         self.io_engine: str = self._engine.name
         self.capabilities = self.capabilities.replace(
             inline_exists=True, native_reads=self._engine.sums_reads,
+            native_writes=not self.read_only,
             zero_copy_reads=self.capabilities.zero_copy_reads and self._engine.zero_copy_reads)
         if capacity is None:
             usage = shutil.disk_usage(self.root)
@@ -573,6 +574,14 @@ class FileBackend(Backend):
         self._check_writable("put")
         with one_call():
             await _to_completion(self._writes.put(keys, buffers, self.stats))
+
+    def _start_put(self, keys: list[str], views: list[memoryview], start_by: float,
+                   counted: Callable[[], None]) -> PendingWrites:
+        # docstring inherited. The put's steps as one pool job handed over from the caller's
+        # thread: no hand-off to the event loop and back, each a wait for the GIL behind a
+        # busy engine loop (vLLM's scheduler).
+        self._check_writable("put")
+        return self._writes.start(keys, views, start_by, counted, self.stats)
 
     async def _put_if_absent(self, key: str, buffer: memoryview) -> bool:
         self._check_writable("put_if_absent")

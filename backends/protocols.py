@@ -15,6 +15,8 @@ flag                 accessor                    what it offers
                                                  thread, without the library's event loop
 ``native_reads``     ``native_reads()``          reads that checksum what they read, in native
                                                  code, started without a Python thread
+``native_writes``    ``native_writes()``         puts started from the caller's thread without
+                                                 the library's loop, found done by polling
 ``change_feed``      ``change_feed()``           every change of presence of every object,
                                                  whoever made it, numbered in order
                                                  (followed by ``backends.feed.FeedFollower``)
@@ -146,6 +148,61 @@ class PendingReads(abc.ABC):
         return self._outcome
 
 
+class NativeWrites(Protocol):
+    """``put`` started from the caller's own thread, without the library's event loop
+    (``capabilities.native_writes``: the file backend hands the whole put, reservation, writes
+    and settle, to its pool as one job). For a caller that polls from a thread holding the GIL
+    (vLLM's scheduler), where each hand-off to another Python thread waits for the GIL."""
+
+    def start(self, keys: Sequence[str], buffers: Sequence[BufferLike], *,
+              start_by: float) -> PendingWrites:
+        """Start ``put(keys, buffers)``: each object all or nothing, as ``put``. Its checks
+        raise here, before anything is written. Not begun once ``time.monotonic()`` is past
+        ``start_by`` (``result()`` then raises ``TimeoutError``; nothing reserved, nothing
+        written). The buffers are read until
+        ``done()`` is True or ``wait()`` / ``result()`` has returned."""
+        ...
+
+
+class PendingWrites(abc.ABC):
+    """A put under way (``NativeWrites.start``).
+
+    ``done()`` never waits; ``wait()`` waits for the put to end (its buffers are not read after
+    it returns); ``result()`` waits, then returns None or raises what ``put`` raises (or
+    ``TimeoutError`` for a put never begun), the same each time; ``began`` and ``ended`` are
+    the ``time.monotonic()`` at which the put began and ended (None: not yet). ``counted`` is told the
+    bytes once, when a put that succeeded is first taken (the backend's statistics)."""
+
+    def __init__(self, counted: Callable[[], None]) -> None:
+        self._counted = counted
+        self._outcome: BaseException | bool | None = None
+        self.began: float | None = None
+        self.ended: float | None = None
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """Whether the put has ended (never waits)."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Wait for the put to end."""
+
+    @abc.abstractmethod
+    def _result(self) -> None:
+        """Wait, then the put's outcome (raising as ``put``)."""
+
+    def result(self) -> None:
+        if self._outcome is None:
+            try:
+                self._result()
+                self._outcome = True
+                self._counted()
+            except BaseException as exc:
+                self._outcome = exc
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+
+
 class ChangeFeed(Protocol):
     """The store's change feed (``capabilities.change_feed``: a store with an index that
     names every change, ``backends.index``). Calls block (a database or a network round trip):
@@ -162,5 +219,5 @@ class ChangeFeed(Protocol):
     def listing(self) -> tuple[int, list[str]]: ...
 
 
-__all__ = ["ChangeFeed", "HostBuffers", "InlineExists", "NativeReads", "PendingReads",
-           "SummedReads"]
+__all__ = ["ChangeFeed", "HostBuffers", "InlineExists", "NativeReads", "NativeWrites",
+           "PendingReads", "PendingWrites", "SummedReads"]

@@ -90,11 +90,13 @@ class Capabilities:
       without the library's event loop (``backends.protocols.InlineExists``).
     - ``native_reads``: ``native_reads()`` reads whole objects and checksums spans of them in
       native code, startable without a Python thread (``backends.protocols.NativeReads``).
+    - ``native_writes``: ``native_writes()`` starts a ``put`` from the caller's thread without
+      the library's event loop, found done by polling (``backends.protocols.NativeWrites``).
     - ``change_feed``: ``change_feed()`` gives the store's feed of every change of presence,
       whoever made it (``backends.protocols.ChangeFeed``; ``backends.feed.FeedFollower``
       follows it).
 
-    The last four are optional abilities with a protocol each; without the flag, their
+    The last five are optional abilities with a protocol each; without the flag, their
     accessor raises ``NotSupportedError``.
     """
 
@@ -110,6 +112,7 @@ class Capabilities:
     host_buffers: bool = False
     inline_exists: bool = False
     native_reads: bool = False
+    native_writes: bool = False
     change_feed: bool = False
 
     def replace(self, **changes: bool) -> Capabilities:

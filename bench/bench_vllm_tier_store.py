@@ -9,15 +9,17 @@ Run with the vLLM venv (``make setup-vllm``)::
 manager drives it (``tests/vllm/test_secondary_tier_unit.Harness``: a real primary region, a
 real ``OffloadingSpec``), one job of ``--rows`` rows of 12 KiB at a time; between polls the
 main thread runs Python for ``--busy-ms`` (0: it sleeps), so every hand-off to another
-thread waits for the GIL as it does beside vLLM's engine loop. Two stores side by side, their
-jobs alternating:
+thread waits for the GIL as it does beside vLLM's engine loop. Three stores side by side, their
+jobs rotating:
 
-* ``one-job``: the file backend as it is (a put of one run of writes makes its reservation,
-  room, writes and settle in one pool job, and skips ``make_room`` where the reservation found
-  the room);
-* ``steps``: the same store with the put forced through the step-by-step path (reservation,
-  ``make_room``, writes and settle each a pool job of its own, ``make_room`` always called):
-  the put path before that change, kept here as the comparison.
+* ``native``: the tier as it is on ``file://`` (``native_writes``: the job's rows sealed on
+  the scheduler thread and its put handed straight to the backend's pool as one job, found
+  done by the poll without the library's loop);
+* ``one-job``: the same store with ``native_writes`` hidden, so the job goes through the
+  library's loop and write queue (the put still one pool job: reservation, room, writes and
+  settle);
+* ``steps``: as ``one-job`` with the put forced through the step-by-step path (reservation,
+  ``make_room``, writes and settle each a pool job of its own, ``make_room`` always called).
 
 Per variant: median, mean and 25th percentile of the job times.
 """
@@ -44,8 +46,11 @@ def busy(ms: float) -> None:
         pass
 
 
-def harness(root: Path, *, steps: bool) -> Any:
+def harness(root: Path, *, native: bool = False, steps: bool = False) -> Any:
     h = unit.Harness(root, backend_options={"durability": "none", "capacity_bytes": 1 << 30})
+    if not native:  # through the library's loop, as before native writes
+        backend = h.tier.backend
+        backend.capabilities = backend.capabilities.replace(native_writes=False)
     if steps:
         backend = h.tier.backend
         calls = iter(range(1 << 62))
@@ -81,7 +86,8 @@ def main() -> None:
     parser.add_argument("--busy-ms", default="0,2")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench-tier-store-"))
-    stores = {"one-job": harness(base / "one-job", steps=False),
+    stores = {"native": harness(base / "native", native=True),
+              "one-job": harness(base / "one-job"),
               "steps": harness(base / "steps", steps=True)}
     print("| busy ms between polls | put path | median ms | mean ms | p25 ms |")
     print("|---|---|---|---|---|")
@@ -89,7 +95,8 @@ def main() -> None:
     for busy_ms in [float(x) for x in args.busy_ms.split(",")]:
         times: dict[str, list[float]] = {name: [] for name in stores}
         for j in range(args.jobs):
-            for name in (list(stores) if j % 2 == 0 else list(stores)[::-1]):
+            names = list(stores)
+            for name in names[j % len(names):] + names[: j % len(names)]:
                 key += args.rows
                 times[name].append(one_job(stores[name], key, args.rows, busy_ms))
         for name, xs in times.items():

@@ -138,7 +138,7 @@ class JobMeter:
                 ours = getattr(tier, "_jobs", {}).get(job.job_id)
                 if getattr(ours, "future", None) is not None:  # HiCacheStoreTier on its loop
                     ours.future.add_done_callback(lambda _f, j=job.job_id: self.ended(j))
-                # (its native loads end when get_finished_jobs finds their reads done)
+                # (its native loads and stores end when get_finished_jobs finds them done)
                 return out
 
             setattr(tier, f"submit_{kind}", submit)

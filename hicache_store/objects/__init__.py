@@ -27,6 +27,7 @@ from .io import (
     IOStats,
     ObjectIO,
     PendingFrames,
+    PendingFrameWrites,
 )
 from .pages import L3Link, PageWrite
 from .sealed import SealedFormat
@@ -47,6 +48,7 @@ __all__ = [
     "PAGE_UNIFIED",
     "PageWrite",
     "PendingFrames",
+    "PendingFrameWrites",
     "PageUnifiedFormat",
     "format_for",
     "SealedFormat",

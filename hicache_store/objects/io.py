@@ -51,7 +51,7 @@ from hicache_store.backends.aio import wait_for
 from hicache_store.backends.base import Backend
 from hicache_store.backends.errors import InvalidRangeError
 from hicache_store.backends.lifetime import gather_settled
-from hicache_store.backends.protocols import PendingReads
+from hicache_store.backends.protocols import PendingReads, PendingWrites
 from hicache_store.backends.types import ByteRange
 from hicache_store.layout.errors import (
     CorruptObjectError,
@@ -328,6 +328,24 @@ class ObjectIO:
             log.warning("put of %d objects (the first: %s) not stored by its deadline",
                         len(frames), self.storage_key(frames[0].key)[:24])
         return [outcome is Outcome.STORED] * len(frames)
+
+    def start_write_frames(self, frames: Sequence[Frame]) -> PendingFrameWrites | None:
+        """``put_together`` started from the caller's thread (``NativeWrites.start``): the
+        frames sealed here, then stored by one backend job, without the event loop and the
+        write queue; else None, having stored nothing (no native writes; a sealed namespace,
+        whose AES-GCM the caller's thread should not run). ``result()`` is ``put_together``'s:
+        all True only when the put ended stored within the deadline (not begun past
+        ``deadline.end`` of the bytes, ``deadline.seconds`` of them once begun). No write
+        budget: the caller bounds its bytes in flight. ``ValueError`` as ``put_together``."""
+        namespace = self._writable(frames)
+        if not frames or not self.backend.capabilities.native_writes or self.format.sealed:
+            return None
+        page = self._page_out(frames, namespace)
+        page.seal()
+        writes = self.backend.native_writes().start(
+            page.keys, page.buffers, start_by=self.deadline.end(page.nbytes))
+        return PendingFrameWrites(writes, len(frames), self.deadline.seconds(page.nbytes),
+                                  page.keys[0])
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -811,3 +829,35 @@ class PendingFrames:
         got, sums = self._reads.result()
         return self._io._verified(self._keys, self._frames, self._headers, self._storage_keys,
                                   got, sums)
+
+
+class PendingFrameWrites:
+    """A ``put_together`` under way in a backend's own job (``ObjectIO.start_write_frames``):
+    ``done()`` never waits, ``wait()`` waits for the put (the frames are not read after it
+    returns), ``result()`` waits, then ``True`` per frame only where the put stored them all
+    within its deadline; a failure or a late put is logged and all ``False`` (one stored late
+    may still be visible: never ``True`` for one that is not)."""
+
+    def __init__(self, writes: PendingWrites, count: int, seconds: float, first: str) -> None:
+        self._writes, self._count, self._seconds, self._first = writes, count, seconds, first
+
+    def done(self) -> bool:
+        return self._writes.done()
+
+    def wait(self) -> None:
+        self._writes.wait()
+
+    def result(self) -> list[bool]:
+        self.wait()
+        try:
+            self._writes.result()
+        except Exception as exc:  # a lost copy, not an error of the caller's path
+            log.warning("put of %d objects (the first: %s) failed: %r", self._count,
+                        self._first[:24], exc)
+            return [False] * self._count
+        began, ended = self._writes.began, self._writes.ended
+        if began is None or ended is None or ended - began > self._seconds:
+            log.warning("put of %d objects (the first: %s) not stored by its deadline "
+                        "(%.1f s)", self._count, self._first[:24], self._seconds)
+            return [False] * self._count
+        return [True] * self._count

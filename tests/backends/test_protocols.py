@@ -56,7 +56,8 @@ class Able(MemoryBackend):
 
 async def test_an_accessor_refuses_without_its_flag_and_when_closed() -> None:
     plain = MemoryBackend()
-    for accessor in (plain.host_buffers, plain.inline_exists, plain.native_reads):
+    for accessor in (plain.host_buffers, plain.inline_exists, plain.native_reads,
+                     plain.native_writes):
         with pytest.raises(NotSupportedError):
             accessor()
     able = Able()
@@ -98,9 +99,16 @@ async def test_the_built_in_backends_declare_what_they_offer(tmp_path: Path) -> 
     assert file.capabilities.native_reads == (_fileio is not None and SUMS_IN_C)
     posix = FileBackend(tmp_path / "f", io_engine="posix")
     assert posix.io_engine == "posix" and not posix.capabilities.native_reads
+    # native writes: the put's own pool job, whichever engine; never on a read-only store
+    assert file.capabilities.native_writes and posix.capabilities.native_writes
+    reader = FileBackend(tmp_path / "f", read_only=True)
+    assert not reader.capabilities.native_writes
+    with pytest.raises(NotSupportedError, match="native_writes"):
+        reader.native_writes()
+    await reader.close()
     faulty = FaultyBackend(file)
     assert faulty.capabilities == file.capabilities.replace(
-        inline_exists=False, native_reads=False, host_buffers=False)
+        inline_exists=False, native_reads=False, native_writes=False, host_buffers=False)
     hf3fs = HF3FSBackend(tmp_path / "h", engine="posix")
     assert hf3fs.capabilities.host_buffers and hf3fs.capabilities.inline_exists
     assert await hf3fs.host_buffers().register(bytearray(4096)) is True  # reads land directly

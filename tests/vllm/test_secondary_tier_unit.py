@@ -547,6 +547,81 @@ def test_a_load_from_a_closed_backend_fails_and_never_hangs(make: Any) -> None:
     assert h.tier.stats.load_failures == 1
 
 
+def test_stores_go_to_the_backend_without_the_loop(make: Any, monkeypatch: pytest.MonkeyPatch
+                                                  ) -> None:
+    # With native writes a store job never goes through ``put_together`` on the library's
+    # loop: its rows are sealed on this thread, the put runs as the backend's own job and the
+    # poll that finds it done reports it. The rows are stored, counted and load verified.
+    h = make()
+    rows = [h.fill(c, seed=110 + c) for c in range(3)]
+
+    async def refuse(*args: object) -> object:
+        raise AssertionError("a store went through the loop")
+
+    monkeypatch.setattr(ObjectIO, "put_together", refuse)
+    job = h.job([key(110), key(111), key(112)], [0, 1, 2], promotion=False)
+    h.tier.submit_store(job)
+    assert h.tier._jobs[job.job_id].store is not None
+    h.tier.wait_jobs()  # waits for the native put too
+    (result,) = h.tier.get_finished_jobs()
+    assert result.success and result.transfer_bytes == 3 * ROW
+    assert h.tier.stats.stored == 3 and h.tier._native_writing == 0
+    h.primary[3:6] = 0
+    assert h.load([key(110), key(111), key(112)], [3, 4, 5]).success
+    assert [h.primary[c].tobytes() for c in (3, 4, 5)] == rows
+
+
+def test_a_failed_native_write_is_a_failed_job_and_nothing_is_found(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = make()
+    h.fill(0, seed=120)
+    engine = h.tier.backend._engine
+    monkeypatch.setattr(engine, "write", lambda keys, buffers: [OSError(5, "injected")] * len(keys))
+    result = h.store([key(120), key(121)], [0, 1])
+    assert not result.success and result.transfer_bytes == 0
+    assert h.tier.stats.store_failures == 2 and h.tier.stats.stored == 0
+    monkeypatch.undo()
+    assert h.lookup(key(120))[0] is LookupResult.MISS
+
+
+def test_a_native_store_past_its_deadline_is_a_failed_job(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    h = make(io_timeout_s=0.05)
+    engine = h.tier.backend._engine
+    write = engine.write
+
+    def slow(keys: Any, buffers: Any) -> Any:
+        time.sleep(0.5)
+        return write(keys, buffers)
+
+    monkeypatch.setattr(engine, "write", slow)
+    h.fill(0, seed=130)
+    assert not h.store([key(130)], [0]).success  # stored late: reported failed, never True
+
+
+def test_a_store_to_a_closed_backend_fails_and_never_hangs(make: Any) -> None:
+    h = make()
+    h.fill(0, seed=140)
+    run_sync(h.tier.backend.close())
+    result = h.store([key(140)], [0])
+    assert not result.success and h.tier.stats.store_failures == 1
+
+
+def test_native_stores_past_the_inflight_bound_take_the_loops_path(make: Any) -> None:
+    # ``max_inflight_mib`` bounds the native puts' bytes in flight too: past it a job goes
+    # through the loop, whose write budget waits.
+    h = make(max_inflight_mib=0.01)  # less than one row
+    h.fill(0, seed=150)
+    job = h.job([key(150)], [0], promotion=False)
+    h.tier.submit_store(job)
+    assert h.tier._jobs[job.job_id].store is None
+    assert h.finish(job).success
+
+
 def test_unknown_keys_of_the_entry_are_refused_as_the_connector_refuses_its_own(
     tmp_path: Path,
 ) -> None:

@@ -51,18 +51,24 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   (``InlineExists.blocking``: the file backend's index), else through the library's loop
   bounded by ``lookup_timeout_s``; a failed or late check is a miss). Either way the verdict
   lives in vLLM's lookup state, so a key whose load failed answers MISS for the rest of the
-  request (vLLM's livelock guard). Stores run on the library's sync-bridge loop
-  (``hicache_store._sync.submit``). A load job's reads run in the backend's native code
+  request (vLLM's livelock guard). A load job's reads run in the backend's native code
   where it has such a path (``ObjectIO.start_read_frames``: the file backend's C reads and
   checksums on a thread that never takes the GIL), found done by ``get_finished_jobs`` on
   the scheduler thread, which verifies the rows and copies them into their slots; elsewhere
   a load job runs on the library's loop. ``get_finished_jobs`` collects the jobs that ended;
   ``drain_jobs`` waits for all of them (none is cut short). A store job's rows are copied
-  into staging, sealed and written by one backend call (``ObjectIO.put_together``): they are
-  stored, or reported failed, together. Why no Python thread on a load's path: vLLM's engine
-  loop runs Python between steps without pause, so every hand-off to another Python thread
-  waits for the GIL (up to the interpreter's 5 ms switch interval); a load through the
-  library's loop and its pool waited for it five times, a native read waits for it never.
+  into staging, sealed and written by one backend call: they are stored, or reported failed,
+  together. Where the backend can start a put from the caller's thread
+  (``ObjectIO.start_write_frames``: the file backend's reservation, writes and settle as one
+  job of its pool) the rows are sealed on the scheduler thread and the put handed straight to
+  the backend, found done by ``get_finished_jobs``, with ``put_together``'s deadline and
+  ``max_inflight_mib`` (past it a job takes the loop's path, which waits for the budget);
+  elsewhere the job runs on the library's sync-bridge loop (``ObjectIO.put_together``).
+  Why the native paths skip the library's loop: vLLM's engine loop runs Python between
+  steps without pause, so every hand-off to another Python thread waits for the GIL (up to
+  the interpreter's 5 ms switch interval); a load through the library's loop and its pool
+  waited for it five times, a native read waits for it never, and a native put only on its
+  pool thread (not on the way to the loop, from it to the pool, and back).
 * **Verified loads.** A load job reads all its objects whole into staging in one batched
   backend call (``ObjectIO.start_read_frames``, else ``read_frames``; the file backend does
   a run of reads and their checksums in one C call without the GIL), checks each header
@@ -152,7 +158,7 @@ from hicache_store.layout.errors import ConfigError, CorruptObjectError, Invalid
 from hicache_store.layout.framing import ObjectHeader
 from hicache_store.layout.keys import ObjectCoords, ObjectKey
 from hicache_store.layout.namespace import Grid, ModelShape, Namespace, check_kv_scales
-from hicache_store.objects import Arena, Frame, ObjectIO, PendingFrames
+from hicache_store.objects import Arena, Frame, ObjectIO, PendingFrames, PendingFrameWrites
 from hicache_store.objects.io import DEFAULT_IO_TIMEOUT_S
 from hicache_store.weights import WeightsIdentity
 
@@ -428,16 +434,32 @@ class _NativeLoad:
 
 
 @dataclass
+class _NativeStore:
+    """A store job whose put runs as one backend job (``ObjectIO.start_write_frames``)."""
+
+    slots: list[memoryview]
+    writes: PendingFrameWrites
+    nbytes: int
+    start: float
+    #: ends when the put has (``TierHints.stored``: the rows' holds follow it)
+    ended: concurrent.futures.Future[None] = dataclasses.field(
+        default_factory=concurrent.futures.Future)
+
+
+@dataclass
 class _Job:
     keys: list[OffloadKey]
     future: concurrent.futures.Future[tuple[list[bool], float]] | None
     is_load: bool
     native: _NativeLoad | None = None
+    store: _NativeStore | None = None
     refused: bool = False  # a store job ``write_admission`` refused
 
     def done(self) -> bool:
         if self.native is not None:
             return self.native.reads.done()
+        if self.store is not None:
+            return self.store.writes.done()
         assert self.future is not None
         return self.future.done()
 
@@ -513,7 +535,9 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self._stats_lock = threading.Lock()
         self._lookup_counts = LookupCounters("vllm_secondary_tier", labels={})
         self._jobs: dict[int, _Job] = {}
-        self._refreshes: set[asyncio.Future[None]] = set()  # (loop thread only)
+        self._native_writing = 0  # bytes of native store jobs in flight (scheduler thread)
+        #: refreshes of the backend's view after store jobs, under way on the loop
+        self._refreshes: set[asyncio.Future[None] | concurrent.futures.Future[None]] = set()
         #: ``exists`` on the caller's thread, where the backend offers it (the file backend's
         #: index); else lookups go through the library's loop and no store refreshes a view
         self.inline: InlineExists | None = (
@@ -600,6 +624,13 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         else:
             if self.admission is not None:
                 self.admission.written(keys)
+            job = self._native_store_job(keys, chunks)
+            if job is not None:
+                self._jobs[job_metadata.job_id] = job
+                ended = job.store.ended if job.store is not None else job.future  # (or failed)
+                assert ended is not None
+                self.hints.stored(job_metadata, ended)
+                return
             future = submit(self._store(keys, chunks))
         self._jobs[job_metadata.job_id] = _Job(keys, future, is_load=False)
         self.hints.stored(job_metadata, future)
@@ -661,6 +692,8 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         for job in list(self._jobs.values()):
             if job.native is not None:
                 job.native.reads.wait()
+            if job.store is not None:
+                job.store.writes.wait()
         concurrent.futures.wait([job.future for job in self._jobs.values() if job.future is not None])
 
     def shutdown(self) -> None:
@@ -678,6 +711,11 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
     def _result(self, job_id: int, job: _Job) -> JobResult | None:
         if job.native is not None:
             finished = self._finish_native_load(job)
+            if finished is None:
+                return None
+            job.future = finished
+        if job.store is not None:
+            finished = self._finish_native_store(job)
             if finished is None:
                 return None
             job.future = finished
@@ -721,31 +759,92 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         finally:
             for slot in slots:
                 self._staging.give(slot)  # put has returned: nothing reads them any more
+        self._count_store(keys, stored)
+        if any(stored) and self.inline is not None:
+            task = asyncio.ensure_future(self._refresh(keys[stored.index(True)]))
+            self._refreshes.add(task)
+            task.add_done_callback(self._refreshes.discard)
+        await self._follow_feed()
+        return stored, time.perf_counter() - start
+
+    def _count_store(self, keys: list[OffloadKey], stored: list[bool]) -> None:
         with self._stats_lock:
             n = sum(stored)
             self.stats.stored += n
             self.stats.store_failures += len(keys) - n
             self.stats.bytes_stored += n * self.row_bytes
-        if any(stored) and self.inline is not None:
-            self._refresh_soon(keys[stored.index(True)])
+
+    async def _follow_feed(self) -> None:
+        """After a store job: the rows this tier stored that the feed says left the store."""
         if self._feed is not None:
             for key in await self._feed.gone():
                 self._removed.put(key)
-        return stored, time.perf_counter() - start
 
-    def _refresh_soon(self, key: OffloadKey) -> None:
-        """Ask the backend for ``key`` after this job (on the loop, not waited for): the file
-        backend's answer brings its in-memory index up to date, so the scheduler's next
+    async def _refresh(self, key: OffloadKey) -> None:
+        """Ask the backend for ``key`` after a store job (on the loop, not waited for): the
+        file backend's answer brings its in-memory index up to date, so the scheduler's next
         lookups answer from it at once (``lookup_max_age_s``) and see this job's rows."""
-        async def refresh() -> None:
-            try:
-                await self.backend.exists([self.storage_key(key)])
-            except Exception as exc:  # only a later lookup's speed depends on it
-                log.debug("HiCacheStoreTier: refreshing the backend's view failed: %r", exc)
+        try:
+            await self.backend.exists([self.storage_key(key)])
+        except Exception as exc:  # only a later lookup's speed depends on it
+            log.debug("HiCacheStoreTier: refreshing the backend's view failed: %r", exc)
 
-        task = asyncio.ensure_future(refresh())
-        self._refreshes.add(task)
-        task.add_done_callback(self._refreshes.discard)
+    def _native_store_job(self, keys: list[OffloadKey], chunks: list[int]) -> _Job | None:
+        """A store job sealed on this thread and handed to the backend's own job
+        (``ObjectIO.start_write_frames``; already failed when it could not start), or None
+        (then the loop's path): a backend without native writes, or bytes in flight past
+        ``max_inflight_mib`` (the loop's path waits for the write budget)."""
+        nbytes = len(keys) * (self._header_bytes + self.row_bytes)
+        if (not self.backend.capabilities.native_writes  # (asked first: no copy for nothing)
+                or self._native_writing + nbytes > self._io_limits[1]):
+            return None
+        start = time.perf_counter()
+        slots = [self._staging.take() for _ in keys]
+        frames = []
+        for key, chunk, slot in zip(keys, chunks, slots, strict=True):
+            frame = slot[: self._header_bytes + self.row_bytes]
+            frame[self._header_bytes :] = self._row(chunk)  # the primary slot stays pinned
+            frames.append(Frame(self.object_key(key), frame))
+        try:
+            writes = self.io.start_write_frames(frames)
+        except Exception as exc:  # a closed backend: a failed job, never a row reported stored
+            self._give(slots)
+            log.warning("HiCacheStoreTier: store of %d rows failed: %r", len(keys), exc)
+            self._count_store(keys, [False] * len(keys))
+            return _Job(keys, _resolved([False] * len(keys), time.perf_counter() - start),
+                        is_load=False)
+        if writes is None:
+            self._give(slots)
+            return None
+        self._native_writing += nbytes
+        return _Job(keys, None, is_load=False, store=_NativeStore(slots, writes, nbytes, start))
+
+    def _finish_native_store(
+        self, job: _Job
+    ) -> concurrent.futures.Future[tuple[list[bool], float]] | None:
+        """A native store's put has ended (scheduler thread): give its staging back, count.
+        None when the job goes on on the loop to read the change feed (as ``_store`` does)."""
+        store = job.store
+        assert store is not None
+        job.store = None
+        stored = store.writes.result()
+        self._give(store.slots)  # the put has ended: nothing reads them
+        self._native_writing -= store.nbytes
+        store.ended.set_result(None)
+        self._count_store(job.keys, stored)
+        seconds = time.perf_counter() - store.start
+        if any(stored) and self.inline is not None:  # (on the loop, not waited for)
+            refresh = submit(self._refresh(job.keys[stored.index(True)]))
+            self._refreshes.add(refresh)
+            refresh.add_done_callback(self._refreshes.discard)
+        if self._feed is not None:
+            async def followed() -> tuple[list[bool], float]:
+                await self._follow_feed()
+                return stored, seconds
+
+            job.future = submit(followed())
+            return None
+        return _resolved(stored, seconds)
 
     def _native_load_job(self, keys: list[OffloadKey], chunks: list[int]) -> _Job | None:
         """A load job whose reads run in the backend's native code (already failed when they
