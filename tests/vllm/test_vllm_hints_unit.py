@@ -292,6 +292,23 @@ def test_the_tier_pins_the_chunks_it_stores_within_the_range(make: Any) -> None:
     assert h.tier.hints.counts["hint_pinned_objects"] == 2
 
 
+def test_a_stored_jobs_holds_follow_its_put_without_waiting_for_a_poll(make: Any) -> None:
+    # A native store job ends when its put does; the holds that follow it must not wait for
+    # the scheduler's next poll (shutdown waits for the jobs, then the holds, polling none).
+    h = make()
+    env = envelope(("pin", {"session": "s", "end_token": 32, "duration_s": 600}))
+    ctx = hinted(env, {key(c): 16 * (c + 1) for c in range(2)})
+    h.req = ctx
+    h.tier.on_new_request(ctx)
+    for c in (0, 1):
+        h.fill(c, seed=c)
+    job = h.job([key(0), key(1)], [0, 1], promotion=False)
+    h.tier.submit_store(job)
+    h.tier.wait_jobs()  # no get_finished_jobs
+    h.tier.hints.drain(5)
+    assert [[r.pinned for r in g] for g in held(h, [0, 1])] == [[True]] * 2
+
+
 def test_rows_a_hint_holds_are_written_while_write_admission_refuses_others(
         make: Any, tmp_path: Path) -> None:
     """Write admission refuses store jobs while the store evicts rows before their next read;

@@ -445,6 +445,10 @@ class _NativeStore:
     ended: concurrent.futures.Future[None] = dataclasses.field(
         default_factory=concurrent.futures.Future)
 
+    def put_ended(self) -> None:
+        if not self.ended.done():
+            self.ended.set_result(None)
+
 
 @dataclass
 class _Job:
@@ -694,6 +698,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
                 job.native.reads.wait()
             if job.store is not None:
                 job.store.writes.wait()
+                job.store.put_ended()  # (its holds need not wait for a poll)
         concurrent.futures.wait([job.future for job in self._jobs.values() if job.future is not None])
 
     def shutdown(self) -> None:
@@ -830,7 +835,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         stored = store.writes.result()
         self._give(store.slots)  # the put has ended: nothing reads them
         self._native_writing -= store.nbytes
-        store.ended.set_result(None)
+        store.put_ended()
         self._count_store(job.keys, stored)
         seconds = time.perf_counter() - store.start
         if any(stored) and self.inline is not None:  # (on the loop, not waited for)
