@@ -93,7 +93,8 @@ class JobMeter:
 
     Every job is timed from its submission to its end: for a secondary tier from
     ``submit_load`` / ``submit_store`` to the moment its transfer ended (``fs``: its pool's
-    last task queued the result; ``HiCacheStoreTier``: its job's future resolved), for the
+    last task queued the result; ``HiCacheStoreTier``: its job's future resolved, or its
+    native put ended, or for a native load the poll that verified it), for the
     connector from ``start_load_kv`` / the save's submission to the end of its reads / writes.
     Queueing, thread hand-offs and waits for the GIL count for every route. ``own`` keeps
     the seconds each tier reports itself in ``JobResult.transfer_time`` (``fs``: the sum of
@@ -119,6 +120,7 @@ class JobMeter:
     def watch_tier(self, tier: Any) -> None:
         """Time a secondary tier's jobs (``HiCacheStoreTier`` or vLLM's ``fs``)."""
         submitted: dict[int, tuple[str, float]] = {}
+        puts: dict[int, Any] = {}  # HiCacheStoreTier's native store jobs' puts
         pool = getattr(tier, "_pool", None)
         if pool is not None and hasattr(pool, "_finished_q"):  # vLLM fs: its result queue
             meter = self
@@ -138,7 +140,10 @@ class JobMeter:
                 ours = getattr(tier, "_jobs", {}).get(job.job_id)
                 if getattr(ours, "future", None) is not None:  # HiCacheStoreTier on its loop
                     ours.future.add_done_callback(lambda _f, j=job.job_id: self.ended(j))
-                # (its native loads and stores end when get_finished_jobs finds them done)
+                if getattr(ours, "store", None) is not None:  # its native put: when it ended
+                    puts[job.job_id] = ours.store.writes
+                # (its native loads end when get_finished_jobs finds them done: it verifies
+                # and copies them then)
                 return out
 
             setattr(tier, f"submit_{kind}", submit)
@@ -150,6 +155,9 @@ class JobMeter:
             for r in results:
                 kind, start = submitted.pop(r.job_id)
                 end = self._ended.pop(r.job_id, now)
+                put = puts.pop(r.job_id, None)
+                if put is not None and put.ended is not None:  # (time.monotonic's clock)
+                    end = min(end, put.ended + time.perf_counter() - time.monotonic())
                 self.add(kind, r.transfer_bytes or 0, end - start, r.transfer_time or 0.0)
             return results
 

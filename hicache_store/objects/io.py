@@ -847,6 +847,11 @@ class PendingFrameWrites:
     def wait(self) -> None:
         self._writes.wait()
 
+    @property
+    def ended(self) -> float | None:
+        """The ``time.monotonic()`` at which the put ended (None: not yet, or never begun)."""
+        return self._writes.ended
+
     def result(self) -> list[bool]:
         self.wait()
         try:
