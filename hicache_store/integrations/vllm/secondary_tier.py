@@ -803,7 +803,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if (not self.backend.capabilities.native_writes  # (asked first: no copy for nothing)
                 or self._native_writing + nbytes > self._io_limits[1]):
             return None
-        start = time.perf_counter()
+        start = time.monotonic()  # (the put's own clock: ``PendingFrameWrites.ended``)
         slots = [self._staging.take() for _ in keys]
         frames = []
         for key, chunk, slot in zip(keys, chunks, slots, strict=True):
@@ -816,7 +816,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             self._give(slots)
             log.warning("HiCacheStoreTier: store of %d rows failed: %r", len(keys), exc)
             self._count_store(keys, [False] * len(keys))
-            return _Job(keys, _resolved([False] * len(keys), time.perf_counter() - start),
+            return _Job(keys, _resolved([False] * len(keys), time.monotonic() - start),
                         is_load=False)
         if writes is None:
             self._give(slots)
@@ -837,7 +837,8 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self._native_writing -= store.nbytes
         store.put_ended()
         self._count_store(job.keys, stored)
-        seconds = time.perf_counter() - store.start
+        # the put's own time, as fs reports its I/O's (not the wait for this poll)
+        seconds = (store.writes.ended or time.monotonic()) - store.start
         if any(stored) and self.inline is not None:  # (on the loop, not waited for)
             refresh = submit(self._refresh(job.keys[stored.index(True)]))
             self._refreshes.add(refresh)
