@@ -7,17 +7,17 @@ Run from the repository root::
 ``--before`` is another checkout laid out as the installed package (a folder holding
 ``hicache_store/`` with ``backends``, ``layout`` and ``kernels`` inside it, C accelerators
 built), e.g. main before a change; without it only this tree runs. Each round runs, in a fresh
-process each (``hicache-store bench backend --json``), ``file://`` (with its raw O_DIRECT
-baseline, measured in the same process just before) and ``hf3fs://`` with ``engine=posix``
-(its POSIX path; no 3FS runs here), as configured by default (no index) and with
-``index=sqlite`` (the file backend's index, separating the engine from the index), on the same
-directory, for each tree in turn; the trees'
-order and the two backends' order alternate from round to round. Durable writes (``durability=data``),
-cold reads after evicting the run's own files from the page cache. A backend's figure is
-read against the raw baseline of its tree's ``file://`` run of the same round (the raw code
-is the same in both trees). ``--write-md`` replaces the "I/O engines against raw O_DIRECT"
-section of docs/benchmarks/file.md (the dated run log, docs/benchmarks/log.md, is kept by
-hand).
+process each (``hicache-store bench backend --json``), the raw O_DIRECT baseline alone
+(``--baseline only``), ``file://`` and ``hf3fs://`` with ``engine=posix`` (its POSIX path; no 3FS
+runs here), as configured by default (no index) and with ``index=sqlite`` (the file backend's
+index, separating the engine from the index), on the same directory, for each tree in turn; the
+trees' order and the rows' order alternate from round to round. Every row is measured the same
+way: a fresh process that writes its gigabyte durably (``durability=data``), evicts its own
+files from the page cache and reads them cold; no row runs after another's I/O in its own
+process (one that did read faster than the baseline it followed). A backend's figure is read
+against the raw row of its tree in the same round (the raw code is the same in both trees).
+``--write-md`` replaces the "I/O engines against raw O_DIRECT" section of
+docs/benchmarks/file.md (the dated run log, docs/benchmarks/log.md, is kept by hand).
 """
 
 from __future__ import annotations
@@ -37,9 +37,13 @@ from _markdown import replace_section
 
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("write", "cold read", "warm read", "range read")
-#: what each round runs: hf3fs:// as configured by default (no index: 3FS roots are shared by
-#: hosts) and with the file backend's index, which separates the engine from the index.
+#: the raw O_DIRECT row: ``bench backend --baseline only`` on this URL (no backend opened).
+RAW = "raw O_DIRECT"
+#: what each round runs: the raw baseline alone, file://, hf3fs:// as configured by default (no
+#: index: 3FS roots are shared by hosts) and with the file backend's index, which separates the
+#: engine from the index.
 SYSTEMS = {
+    RAW: "file://{where}/raw",
     "file://": "file://{where}/file?durability=data",
     "hf3fs:// posix": "hf3fs://{where}/hf3fs?durability=data&engine=posix",
     "hf3fs:// posix, index=sqlite": "hf3fs://{where}/hf3fs-i?durability=data&engine=posix&index=sqlite",
@@ -54,17 +58,23 @@ TREES = (
     "open, hf3fs its configuration.")
 
 
-def bench(tree: Path | None, url: str, args: argparse.Namespace, *, baseline: bool) -> dict[str, Any]:
-    """One ``hicache-store bench backend`` run of ``url`` in a fresh process (``tree``: the
-    other source tree first on the path; None: this one)."""
+def command(system: str, where: Path, args: argparse.Namespace) -> list[str]:
+    """The ``hicache-store bench backend`` arguments of one row: the same sizes for every row;
+    the raw row is the baseline alone, every other row the backend alone."""
+    return ["bench", "backend", SYSTEMS[system].format(where=where),
+            "--objects", str(args.objects), "--size", args.size, "--batch", str(args.batch),
+            "--exists-keys", "1000", "--baseline", "only" if system == RAW else "no", "--json",
+            "--quiet"]
+
+
+def bench(tree: Path | None, argv: list[str]) -> dict[str, Any]:
+    """One ``hicache-store bench backend`` run (``argv``: ``command``'s) in a fresh process
+    (``tree``: the other source tree first on the path; None: this one)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_STORE_")}
     env.pop("PYTHONPATH", None)
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
-    cmd = [sys.executable, "-m", "hicache_store", "bench", "backend", url,
-           "--objects", str(args.objects), "--size", args.size, "--batch", str(args.batch),
-           "--exists-keys", "1000", "--baseline", "auto" if baseline else "no", "--json",
-           "--quiet"]
+    cmd = [sys.executable, "-m", "hicache_store", *argv]
     # (run outside the repository: its hicache_store/ folder must not shadow ``tree``)
     done = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -84,17 +94,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         order = list(trees) if round_no % 2 == 0 else list(reversed(trees))
         for name in order:
             shutil.rmtree(where, ignore_errors=True)
-            # (which backend goes first alternates too: a later one runs on a busier disk)
+            # (which row goes first alternates too: a later one runs on a busier disk)
             names = SYSTEMS if round_no % 2 == 0 else tuple(reversed(SYSTEMS))
-            got = {system: bench(trees[name], SYSTEMS[system].format(where=where), args,
-                                 baseline=system == "file://")
+            got = {system: bench(trees[name], command(system, where, args))
                    for system in names}
-            raw = {p: got["file://"][p]["raw_gbps"] for p in ("write", "cold read")}
+            raw = {p: got[RAW][p]["gbps"] for p in ("write", "cold read")}
             for system in SYSTEMS:
                 measures = got[system]
                 row: dict[str, Any] = {"round": round_no + 1, "tree": name, "system": system}
-                for phase in PHASES:
-                    row[phase] = measures[phase]["gbps"]
+                for phase in PHASES:  # (the raw row has no warm or range read)
+                    row[phase] = measures[phase]["gbps"] if phase in measures else None
                 for phase in ("write", "cold read"):
                     row[f"raw {phase}"] = raw[phase]
                     row[f"{phase} %"] = 100 * measures[phase]["gbps"] / raw[phase]
@@ -114,13 +123,15 @@ def render(results: dict[str, Any], cmd: str) -> str:
         "",
         f"Last logged {when[:10]}, on the 2-vCPU development VM (no GPU), load as stated.",
         "",
-        f"Command: `{cmd}`. Per round, in a fresh process each, `hicache-store bench backend` "
-        f"of `file://` (with its raw O_DIRECT baseline, 16 threads, measured just before in "
-        f"the same process) and of `hf3fs://?engine=posix` (the POSIX path; no 3FS here; "
-        f"by default without an index, and with `index=sqlite` as `file://` has), "
+        f"Command: `{cmd}`. Per round, in a fresh process each (every row measured the same "
+        "way: write, evict its own files, cold read, nothing before it in its process), "
+        "`hicache-store bench backend` with `--baseline only` (the raw O_DIRECT row, 16 "
+        "threads, no backend opened) and with `--baseline no` for `file://` and "
+        "`hf3fs://?engine=posix` (the POSIX path; no 3FS here; by default without an index, "
+        "and with `index=sqlite` as `file://` has), "
         f"{results['objects']} objects of {results['size']}, batches of {results['batch']}, "
-        "`durability=data`, cold reads after evicting the run's own files; the trees' order "
-        f"alternates by round, and so does the backends' order. {results.get('trees', TREES)} "
+        "`durability=data`; the trees' order "
+        f"alternates by round, and so does the rows' order. {results.get('trees', TREES)} "
         "GB/s = 10^9 bytes/s; % = of the same round's raw baseline. Load average "
         f"{results['load_start']:.1f} at the start, {results['load_end']:.1f} at the end "
         f"(2 cores shared with other sessions: read rows of one round against each other). "
@@ -130,18 +141,29 @@ def render(results: dict[str, Any], cmd: str) -> str:
         "| write % of raw | cold read % of raw |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    def gbps(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
     for row in rows:
         lines.append(
-            f"| {row['round']} | {row['tree']} | {row['system']} | {row['write']:.2f} "
-            f"| {row['cold read']:.2f} | {row['warm read']:.2f} | {row['range read']:.2f} "
+            f"| {row['round']} | {row['tree']} | {row['system']} | {gbps(row['write'])} "
+            f"| {gbps(row['cold read'])} | {gbps(row['warm read'])} "
+            f"| {gbps(row['range read'])} "
             f"| {row['write %']:.0f}% | {row['cold read %']:.0f}% |")
     lines += ["", "Median over the rounds (% of raw):", ""]
     for tree in dict.fromkeys(row["tree"] for row in rows):
         for system in dict.fromkeys(row["system"] for row in rows):
             mine = [r for r in rows if r["tree"] == tree and r["system"] == system]
+            if system == RAW:
+                lines.append(
+                    f"- {tree}, {system}: write {statistics.median(r['write'] for r in mine):.2f}"
+                    f" GB/s, cold read {statistics.median(r['cold read'] for r in mine):.2f} GB/s")
+                continue
             lines.append(
                 f"- {tree}, {system}: write {statistics.median(r['write %'] for r in mine):.0f}%, "
-                f"cold read {statistics.median(r['cold read %'] for r in mine):.0f}%, "
+                f"cold read {statistics.median(r['cold read %'] for r in mine):.0f}% "
+                f"(range {min(r['cold read %'] for r in mine):.0f}-"
+                f"{max(r['cold read %'] for r in mine):.0f}%), "
                 f"warm read {statistics.median(r['warm read'] for r in mine):.2f} GB/s")
     lines += ["", "Every run and study of this subject: [run log](log.md#file-io-engines)."]
     return "\n".join(lines) + "\n"

@@ -11,7 +11,11 @@ store, no root needed, nothing else on the machine is touched); ``--drop-caches 
 whole machine's page cache (root only, and said on stderr); other backends have nothing to drop. For local paths it also
 measures a raw baseline in the same run on the same filesystem: the same bytes written and read
 by ``--threads`` threads with O_DIRECT (plus ``fdatasync`` per file on write, so both sides are
-durable), and prints the backend/raw ratio.
+durable), first, in the same process, and prints the backend/raw ratio. The backend's run then
+follows the baseline's gigabytes, which its own measures do not (a backend's cold read after
+them can read faster than the baseline's own): to compare like with like, ``--baseline only``
+measures the baseline alone (no backend opened) and ``--baseline no`` the backend alone, each
+in a fresh process (``bench/bench_file_engines.py`` does).
 
 Memory: two sets of ``--batch`` page-aligned buffers (sources and destinations), pre-faulted
 before timing, the way an engine's host pool is. Every object read back is checked (its stamp).
@@ -64,8 +68,10 @@ def register(subparsers: Any) -> None:
                         help="keys probed by the exists measure (10000)")
     parser.add_argument("--threads", type=int, default=16,
                         help="raw baseline threads (16, the file backend's default pool)")
-    parser.add_argument("--baseline", choices=("auto", "no"), default="auto",
-                        help="raw O_DIRECT baseline: auto = for file:// and hf3fs:// URLs (auto)")
+    parser.add_argument("--baseline", choices=("auto", "no", "only"), default="auto",
+                        help="raw O_DIRECT baseline: auto = for file:// and hf3fs:// URLs, "
+                        "measured first in the same process (auto); only = the baseline "
+                        "alone on the URL's filesystem, no backend opened")
     parser.add_argument("--drop-caches", choices=("files", "all", "no"), default="files",
                         help="before cold reads: evict only the benchmark's files from the page "
                         "cache (files, the default), drop the whole machine's page cache (all: "
@@ -382,6 +388,8 @@ def _cold_read_preparation(
 def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     root = _file_root(args.url)
+    if args.baseline == "only":
+        return _run_baseline_only(args, cfg, root)
     baseline: RawBaseline | None = None
     if args.baseline == "auto" and root is not None and _O_DIRECT:
         baseline = RawBaseline(root / f"bench-raw-{os.getpid()}", cfg)
@@ -426,6 +434,38 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_table(measures, cfg, args.url, baseline is not None))
+    return 0
+
+
+def _run_baseline_only(args: argparse.Namespace, cfg: BenchConfig, root: Path | None) -> int:
+    """``--baseline only``: the raw O_DIRECT write and cold read alone, in a process of their
+    own, as a backend's run is measured (a backend measured after the baseline in the same
+    process is not measured as the baseline was: its writes come after a gigabyte of others)."""
+    if root is None or not _O_DIRECT:
+        raise UsageError("--baseline only needs a file:// or hf3fs:// URL on a system with "
+                         "O_DIRECT")
+    baseline = RawBaseline(root / f"bench-raw-{os.getpid()}", cfg)
+    drop = _cold_read_preparation(cfg.drop_caches, lambda: sorted(baseline.dir.iterdir()))
+    try:
+        raw_write = baseline.write_seconds()
+        cold = drop() if drop else False
+        raw_read = baseline.read_seconds()
+    finally:
+        baseline.cleanup()
+    nbytes = cfg.objects * cfg.size
+    measures = [Measure("write", cfg.objects, nbytes, raw_write, raw_seconds=raw_write),
+                Measure("cold read", cfg.objects, nbytes, raw_read, raw_seconds=raw_read,
+                        note="" if cold else "page cache not dropped")]
+    report = {
+        "url": args.url, "objects": cfg.objects, "object_bytes": cfg.size, "batch": cfg.batch,
+        "drop_caches": cfg.drop_caches,
+        "baseline": f"O_DIRECT, {cfg.threads} threads, fdatasync (alone: no backend opened)",
+        "measures": [m.as_dict() for m in measures],
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_table(measures, cfg, f"{args.url} (raw baseline only)", True))
     return 0
 
 

@@ -28,6 +28,27 @@ def test_bench_backend_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert [p.name for p in (tmp_path / "kv").iterdir() if p.name.startswith("bench-raw")] == []
 
 
+def test_the_baseline_alone_opens_no_backend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # ``--baseline only``: the raw row of a comparison, measured in its own process as a backend's
+    # run is (a backend measured after the baseline in one process is not measured alike).
+    code = main(["bench", "backend", f"file://{tmp_path}/kv", "--objects", "3", "--size", "1MB",
+                 "--batch", "2", "--baseline", "only", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)
+    phases = {m["phase"]: m for m in report["measures"]}
+    assert set(phases) == {"write", "cold read"}
+    for m in phases.values():
+        assert m["nbytes"] == 3_000_000 and m["gbps"] > 0 and m["ratio"] == pytest.approx(1.0)
+    assert phases["cold read"]["note"] == ""  # its own files were evicted before the read
+    assert list((tmp_path / "kv").iterdir()) == []  # no store made, the raw files removed
+
+
+def test_the_baseline_alone_needs_a_local_path(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "backend", "memory://", "--baseline", "only"]) == 2
+    assert "--baseline only" in capsys.readouterr().err
+
+
 def test_bench_backend_table_for_memory(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "backend", "memory://", "--objects", "3", "--size", "8KiB",
                  "--exists-keys", "10", "--drop-caches", "no"]) == 0
