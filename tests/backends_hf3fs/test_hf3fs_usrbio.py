@@ -20,6 +20,7 @@ from hicache_store.backends._hf3fs_usrbio import (
     shm_mapping_of,
 )
 from hicache_store.backends.errors import BackendError, BackendUnavailableError
+from hicache_store.backends.file import FileBackend
 from hicache_store.backends.hf3fs import HF3FSBackend, HF3FSStats
 from hicache_store.testing import pattern
 
@@ -36,6 +37,24 @@ async def test_auto_is_posix_without_the_module(tmp_path: Path, no_usrbio: None,
     assert await store.get_bytes("a0") == b"x" * 5000
     assert isinstance(store.stats, HF3FSStats) and store.stats.usrbio_ios == 0
     await store.close()
+
+
+async def test_the_posix_path_is_the_file_backend_as_configured_by_default(
+        tmp_path: Path, no_usrbio: None) -> None:
+    # What a comparison of hf3fs:// POSIX with file:// rests on: the same engine, threads,
+    # O_DIRECT and page-cache policy; only the index differs (a 3FS root is shared by hosts).
+    hf3fs = HF3FSBackend(tmp_path / "h", engine="posix")
+    file = FileBackend(tmp_path / "f")
+    try:
+        def shape(store: FileBackend) -> tuple[object, ...]:
+            return (store.io_engine, store.io_threads, store.direct_io, store.page_cache,
+                    store.durability)
+
+        assert shape(hf3fs) == shape(file)
+        assert (hf3fs.index_kind, file.index_kind) == ("none", "sqlite")
+    finally:
+        await hf3fs.close()
+        await file.close()
 
 
 async def test_auto_is_posix_off_a_3fs_mount(tmp_path: Path, fake_usrbio: ModuleType,
