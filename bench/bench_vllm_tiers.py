@@ -33,8 +33,12 @@ Configurations:
 Per run: TTFT (vLLM's own ``first_token_latency``) of the reused turns (turn >= 1) and of the
 first turns; store and load throughput timed alike for every route (``JobMeter``: bytes over
 the time from each job's submission to its end), and each tier's own report
-(``JobResult.transfer_time``); total bytes stored and loaded; store rows the tier refused
-(``write_admission``; the connector's: pages); disk used by the route's directory at the end, and a raw read of
+(``JobResult.transfer_time``); total bytes stored and loaded (the connector's: its own
+counters, whichever way it loads: in steps for one full-attention group, per request for
+several groups); store rows the tier refused (``write_admission``; the connector's: pages); the
+tokens vLLM took from its connector (``vllm:external_prefix_cache_hits``: a tier's primary and
+secondary tiers together, or the connector's store); disk used by the route's directory at the
+end, and a raw read of
 the files there (every file whole, one thread, O_DIRECT: the limit the loads are measured
 against). A route that refuses the model at start-up gets a row saying so.
 """
@@ -164,31 +168,46 @@ class JobMeter:
         tier.get_finished_jobs = collect
 
     def watch_connector(self, connector: Any) -> None:
-        """Time the connector's step loads and background saves (worker side)."""
-        start_load, save = connector.start_load_kv, connector._save
+        """Time the connector's loads and background saves (worker side): a model of one
+        full-attention group loads in steps (``start_load_kv``), a model of several groups per
+        request (``_start_part_loads``, ended in ``get_transfer_results``). Their bytes are the
+        connector's own counters (``count_connector``): saves are chained, so a job's bytes
+        cannot be told from a counter's change while the job ran."""
+        start_load, start_part_loads, save = (connector.start_load_kv,
+                                              connector._start_part_loads, connector._save)
 
-        def timed(kind: str, future: Any, start: float, before: int) -> None:
-            def done(_f: Any) -> None:
-                moved = connector.metrics[f"bytes_{'loaded' if kind == 'load' else 'saved'}"]
-                self.add(kind, moved - before, time.perf_counter() - start)
-            future.add_done_callback(done)
+        def timed(kind: str, future: Any, start: float) -> None:
+            future.add_done_callback(lambda _f: self.add(kind, 0, time.perf_counter() - start))
 
         def start_load_kv(*args: Any, **kwargs: Any) -> None:
-            start, before = time.perf_counter(), connector.metrics["bytes_loaded"]
+            start = time.perf_counter()
             start_load(*args, **kwargs)
             step = connector._step
             if step is not None and step.future is not None:
-                timed("load", step.future, start, before)
+                timed("load", step.future, start)
+
+        def part_loads(*args: Any) -> None:
+            start, before = time.perf_counter(), set(map(id, connector._async.values()))
+            start_part_loads(*args)
+            for pending in connector._async.values():
+                if id(pending) not in before and pending.future is not None:
+                    timed("load", pending.future, start)
 
         def save_pages(saves: Any, *args: Any) -> None:
-            start, before = time.perf_counter(), connector.metrics["bytes_saved"]
+            start = time.perf_counter()
             chain = connector._save_chain
             save(saves, *args)
             if connector._save_chain is not chain and connector._save_chain is not None:
-                timed("store", connector._save_chain, start, before)
+                timed("store", connector._save_chain, start)
 
         connector.start_load_kv = start_load_kv
+        connector._start_part_loads = part_loads
         connector._save = save_pages
+
+    def count_connector(self, connector: Any) -> None:
+        """The bytes the connector loaded and saved, from its counters (every job ended)."""
+        self.bytes = {"load": connector.metrics["bytes_loaded"],
+                      "store": connector.metrics["bytes_saved"]}
 
     def rate(self, kind: str) -> float:
         return self.bytes[kind] / self.seconds[kind] / MIB if self.seconds[kind] else 0.0
@@ -250,6 +269,7 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
         meter.watch_tier(secondary)
     systems, users = work
     history = [list(s) for s in systems]
+    counters: dict[str, int] = {}
     outputs, first_ttft, reused_ttft = [], [], []
     start = time.perf_counter()
     try:
@@ -263,10 +283,16 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
                 outputs.append(tokens)
                 history[c] = prompt + tokens
         wall = time.perf_counter() - start
+        external = sum(m.value for m in llm.get_metrics()
+                       if m.name == "vllm:external_prefix_cache_hits")
         if connector:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            get_kv_transfer_group().flush()
+            worker = get_kv_transfer_group()
+            worker.flush()
+            assert meter is not None
+            meter.count_connector(worker)
+            counters = dict(worker.metrics)
         elif tier is not None:
             # every job ended (HiCacheStoreTier: wait_jobs, as drain_jobs would also move
             # its revision; vLLM's fs: drain_jobs)
@@ -284,7 +310,7 @@ def run(model_dir: Path, name: str, tier: dict[str, Any] | None, work: Any, turn
     return {
         "name": name, "outputs": outputs, "wall_s": wall,
         "first": first_ttft, "reused": reused_ttft, "meter": meter, "disk_bytes": used,
-        "raw": raw, "refused_rows": refused,
+        "raw": raw, "refused_rows": refused, "external_tokens": external, "counters": counters,
     }
 
 
@@ -313,7 +339,8 @@ flushes nothing either: O_DIRECT writes and a rename) and the file backend's C r
 an empty store; TTFT is vLLM's own per-request `first_token_latency`, medians (and the mean)
 over all rounds. Throughput is timed alike for every route: bytes over the time from each
 job's submission to its end (a tier's `submit_load` / `submit_store` to the moment its
-transfer ended; the connector's `start_load_kv` / save to the end of its reads / writes), so
+transfer ended; the connector's loads, in steps or per request, and saves to the end of their
+reads / writes; the connector's bytes are its own counters), so
 queueing, thread hand-offs and GIL waits count for all. The column after them is what each
 tier reports itself in `JobResult.transfer_time` (`fs`: the sum of its I/O tasks' own times,
 queueing excluded; `hicache`: from the job's start on the library's loop). Disk: bytes of the
@@ -389,7 +416,7 @@ def bench_family(args: argparse.Namespace, base: Path, family: str) -> str:
     rows = []
     for name, runs in by_name.items():
         if "refused" in runs[0]:
-            rows.append(f"| {name} | refused at start-up: {runs[0]['refused']} |" + " |" * 11)
+            rows.append(f"| {name} | refused at start-up: {runs[0]['refused']} |" + " |" * 12)
             continue
         first = [x for r in runs for x in r["first"]]
         reused = [x for r in runs for x in r["reused"]]
@@ -412,6 +439,7 @@ def bench_family(args: argparse.Namespace, base: Path, family: str) -> str:
         same = all(r["outputs"] == reference for r in runs)
         disk = max(r["disk_bytes"] for r in runs)
         refused = sum(r["refused_rows"] for r in runs) / len(runs)
+        external = sum(r["external_tokens"] for r in runs) / len(runs)
         rows.append(
             f"| {name} | {1000 * statistics.median(first):.0f} | "
             f"{1000 * statistics.median(reused):.0f} | {1000 * statistics.fmean(reused):.0f} | "
@@ -420,14 +448,15 @@ def bench_family(args: argparse.Namespace, base: Path, family: str) -> str:
                f"{total('store', 'bytes') / len(runs) / MIB:.1f} | "
                f"{total('load', 'bytes') / len(runs) / MIB:.1f} | {refused:.0f} | "
                if meters else "- | - | - | - | - | - | - | ")
-            + f"{disk / MIB:.1f} | {'yes' if same else 'NO'} |"
+            + f"{external:.0f} | {disk / MIB:.1f} | {'yes' if same else 'NO'} |"
         )
     header = (
         "| run | TTFT first turns (ms, median) | TTFT reused turns (ms, median) | (mean) | "
         "store MiB/s | load MiB/s | raw read of its files MiB/s | (as the tier reports: "
         "store / load) | stored MiB per run | loaded MiB per run | store rows refused per run "
-        "| disk MiB at the end | tokens = first run |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| tokens from the connector per run (vLLM's counter) | disk MiB at the end "
+        "| tokens = first run |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     return header + "\n" + "\n".join(rows)
 
