@@ -16,6 +16,10 @@ with the connector on a fresh store, no L2 (every load from the store):
 4. the test-only altered-bytes switch: the same served prefix, other tokens (the check can
    fail).
 
+The same per page size with the connector's L2 (``l2_mib``): after step 1 every object is
+deleted from the store, so step 3's pages (the page over blocks 2-3 with page 64, the half-block
+pages with page 16) are served from L2 alone, and step 4's altered pages are L2's.
+
 Token ids are compared exactly with the reference (float32, greedy); the tokens served are read
 from vLLM's own counters and the connector's.
 """
@@ -23,6 +27,7 @@ from vLLM's own counters and the connector's.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -141,24 +146,45 @@ class Run:
     loaded: int  # tokens the connector restored in step 3
     altered_external: float  # tokens vLLM took from the connector in step 4
     saved_pages: int
+    l2_hits: int = 0  # pages the connector's L2 served in step 3
+    read_bytes: int = 0  # bytes the connector read from the store in step 3
 
 
-def run_engine(llm: Any, prompts: Prompts, *, connector: bool) -> Run:
+def empty_store(root: Path) -> None:
+    """Delete every object (and everything else) under the file store ``root``."""
+    assert any(p.is_file() and "_L" in p.name for p in root.rglob("*"))
+    for child in root.iterdir():
+        if child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+def run_engine(llm: Any, prompts: Prompts, *, connector: bool, emptied: Path | None = None) -> Run:
+    """The steps of the module docstring; ``emptied``: the store to empty after step 1."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     outputs = [generate(llm, prompts.a)]
     worker = get_kv_transfer_group() if connector else None
     if worker is not None:
         worker.flush()
+    if emptied is not None:
+        empty_store(emptied)
     assert llm.reset_prefix_cache()
     outputs.append(generate(llm, prompts.x))
+    if worker is not None:
+        worker.flush()
+    metrics = worker.metrics if worker is not None else {}
     before = [counter(llm, "vllm:prefix_cache_hits"),
               counter(llm, "vllm:external_prefix_cache_hits"),
-              worker.metrics["tokens_loaded"] if worker is not None else 0]
+              metrics.get("tokens_loaded", 0), metrics.get("l2_hit_pages", 0),
+              metrics.get("bytes_loaded", 0)]
     outputs.append(generate(llm, prompts.more))
     local = counter(llm, "vllm:prefix_cache_hits") - before[0]
     external = counter(llm, "vllm:external_prefix_cache_hits") - before[1]
-    loaded = (worker.metrics["tokens_loaded"] if worker is not None else 0) - before[2]
+    loaded = metrics.get("tokens_loaded", 0) - before[2]
+    l2_hits = metrics.get("l2_hit_pages", 0) - before[3]
+    read_bytes = metrics.get("bytes_loaded", 0) - before[4]
     assert llm.reset_prefix_cache()
     if worker is not None:
         worker.config = dataclasses.replace(worker.config, test_alter_loaded_kv=True)
@@ -170,7 +196,7 @@ def run_engine(llm: Any, prompts: Prompts, *, connector: bool) -> Run:
             worker.config = dataclasses.replace(worker.config, test_alter_loaded_kv=False)
     altered_external = counter(llm, "vllm:external_prefix_cache_hits") - before_altered
     saved = worker.metrics["pages_saved"] if worker is not None else 0
-    return Run(outputs, local, external, loaded, altered_external, saved)
+    return Run(outputs, local, external, loaded, altered_external, saved, l2_hits, read_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -218,5 +244,53 @@ def test_altered_bytes_do_change_the_tokens(runs: dict[int | None, Run], page: i
     tokens."""
     run, reference = runs[page], runs[None]
     # nothing of vLLM's own this time: A's every stored page that ends a whole block
+    assert run.altered_external == BlockPages(page, BLOCK).hit_tokens(PROMPT // page) > 0
+    assert run.outputs[3] != reference.outputs[3]
+
+
+@pytest.fixture(scope="module")
+def l2_runs(tiny_llama: Path, runs: dict[int | None, Run],
+            tmp_path_factory: pytest.TempPathFactory) -> dict[int, Run]:
+    """One engine per page size with the connector's L2, the store emptied after step 1 (the
+    engines of ``runs`` are closed: vLLM keeps one worker-side connector per process)."""
+    words = tokenize(tiny_llama, sentence(0, 400))
+    a = words[:PROMPT]
+    prompts = Prompts(a, a[:HELD] + words[300:340], a + words[260:290], a + words[330:360])
+    out: dict[int, Run] = {}
+    for page in PAGES:
+        root = tmp_path_factory.mktemp(f"store-l2-{page}")
+        transfer = connector_config({"url": f"file://{root}", "page_size": page, "l2_mib": 64})
+        llm = make_llm(tiny_llama, kv_transfer_config=transfer, block_size=BLOCK)
+        try:
+            out[page] = run_engine(llm, prompts, connector=True, emptied=root)
+        finally:
+            close_llm(llm)
+    return out
+
+
+@pytest.mark.slow  # five engines
+@pytest.mark.parametrize("page", PAGES)
+def test_l2_serves_pages_of_another_size_with_the_tokens_of_recompute(
+    runs: dict[int | None, Run], l2_runs: dict[int, Run], page: int
+) -> None:
+    run, reference = l2_runs[page], runs[None]
+    assert run.outputs[:3] == reference.outputs[:3]
+    # The prefix the store served without L2, served with the store empty: from L2 alone,
+    # every page after vLLM's three blocks (page 64: the page over blocks 2-3, of which only
+    # block 3 is written; page 16: 14 pages, the fifteenth half a block left to vLLM).
+    expected = runs[page].external
+    assert run.local >= HELD
+    assert (run.external, run.loaded) == (expected, expected) == ({64: 96, 16: 128}[page],) * 2
+    geometry = BlockPages(page, BLOCK)
+    assert run.l2_hits == geometry.pages_of(HELD + expected) - geometry.pages_of(HELD) > 0
+    assert run.read_bytes == 0
+
+
+@pytest.mark.slow  # five engines
+@pytest.mark.parametrize("page", PAGES)
+def test_altered_l2_pages_of_another_size_do_change_the_tokens(
+    runs: dict[int | None, Run], l2_runs: dict[int, Run], page: int
+) -> None:
+    run, reference = l2_runs[page], runs[None]
     assert run.altered_external == BlockPages(page, BLOCK).hit_tokens(PROMPT // page) > 0
     assert run.outputs[3] != reference.outputs[3]
