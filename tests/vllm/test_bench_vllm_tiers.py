@@ -1,12 +1,11 @@
-"""``bench/bench_vllm_tiers.py``'s connector figures on a model of several KV cache groups, in a
-real vLLM 0.32.
+"""``bench/bench_vllm_tiers.py``'s connector figures, in a real vLLM 0.32.
 
-The tiny Gemma-2 (``vllm_support.FAMILIES``: a sliding-window group beside a full-attention
-group) through the bench's own ``run``, its multi-turn workload (six conversations, turns
-interleaved, history beyond vLLM's 8 MiB of KV): recompute, then the connector without L2
-(every load from the store). With several groups the connector loads each hit per request
-(``_start_part_loads``, ended in ``get_transfer_results``), not in steps: the bench's meter must
-count those loads, and its byte totals must be the connector's own counters.
+Per model, through the bench's own ``run`` and its multi-turn workload (six conversations,
+turns interleaved, history beyond vLLM's 8 MiB of KV): recompute, then the connector without L2
+(every load from the store). The tiny Llama (one full-attention group) loads in steps
+(``start_load_kv``); the tiny Gemma-2 (``vllm_support.FAMILIES``: a sliding-window group beside
+a full-attention group) per request (``_start_part_loads``, ended in ``get_transfer_results``).
+The bench's meter must count both, and its byte totals must be the connector's own counters.
 """
 
 from __future__ import annotations
@@ -28,9 +27,10 @@ pytestmark = pytest.mark.slow
 CONVERSATIONS, TURNS, ANSWER = 6, 2, 4
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    model = make_tiny_model(tmp_path_factory.mktemp("gemma2"), "gemma2")
+@pytest.fixture(scope="module", params=["llama", "gemma2"])
+def runs(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    model = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     work = bench_vllm_tiers.workload(model, CONVERSATIONS, TURNS)
     store = tmp_path_factory.mktemp("store")
     reference = bench_vllm_tiers.run(model, "recompute", None, work, TURNS, None,
