@@ -403,7 +403,9 @@ def test_a_store_that_evicts_rows_before_their_next_read_holds_what_it_has(
     assert all(n > 0 for n in hits[4:]), hits
     assert stats.stores_refused > 0 and stats.store_failures == 0
     assert written < lru_written / 2
-    assert sum(hits) > 2 * sum(lru_hits)
+    # (The hold starts at the second history lost in a row: fewer rows written than with a
+    # majority of four answers, and fewer held; what it holds is served on every later turn.)
+    assert sum(hits[3:]) > sum(lru_hits[3:]) and sum(hits) > sum(lru_hits)
 
 
 def test_an_unknown_write_admission_is_refused_at_startup(make: Any) -> None:
