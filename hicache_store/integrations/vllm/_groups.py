@@ -216,3 +216,44 @@ def describe_groups(
         component = ComponentSpec(part_name, tags[rule], rule, window_tokens=window)
         parts.append(GroupPart(number, kind, component, namespace, layers, idx, nbytes))
     return parts
+
+
+def pages_to_save(part: GroupPart, start: int, end: int, on_page_end: bool,
+                  block_size: int) -> list[int]:
+    """The pages of ``part`` among ``[start, end)``, complete after a step that ends ``end``
+    pages in, that a later hit can read: a full part's every page; a window part's those a
+    hit at ``end`` or at ``end - 1`` reads (a continuation of the request resumes at or past
+    its end, the same prompt asked again one page before it when it ends on a page end: a
+    prompt keeps its last token to compute), never the pages behind them, which no such hit
+    reads; a state part's snapshot at ``end`` where the step ends ``on_page_end`` (the state
+    in that block is the state *at* that end). A later request that shares only a part of the
+    step's tokens resumes at the last point where every part was saved."""
+    if part.rule is HitRule.FULL:
+        return list(range(start, end))
+    if part.rule is HitRule.CHECKPOINT:
+        return [end - 1] if on_page_end and end > start else []
+    # (the window behind ``end - 1`` starts no later than the one behind ``end``)
+    first = part.spec.pages_needed(end - 1, block_size).start if end > 1 else 0
+    return list(range(max(start, first), end))
+
+
+def lookup_evidence(
+    parts: list[GroupPart], present: list[list[bool]], local: int, stored: int, block_size: int,
+) -> list[tuple[list[int], list[int]]]:
+    """Per part, what a lookup's answers say of the store for the write admission: the pages
+    (indices into the request's pages) the hit of ``stored`` pages reads from it (found), and
+    those absent that stop the hit one page further (missing): ``present[p][i - local]``
+    answers for page ``i`` of part ``p``, ``local`` pages are vLLM's own. Pages no hit of
+    this length reads (a window part's behind the window, a full part's past a gap) are no
+    evidence either way: their absence costs nothing, their presence serves nothing."""
+    out: list[tuple[list[int], list[int]]] = []
+    looked = local + (len(present[0]) if present else 0)
+    for part, there in zip(parts, present, strict=True):
+        found = [i for i in part.spec.pages_needed(stored, block_size)
+                 if i >= local and there[i - local]]
+        missing = []
+        if stored < looked:
+            missing = [i for i in part.spec.pages_needed(stored + 1, block_size)
+                       if i >= local and not there[i - local]][:1]
+        out.append((found, missing))
+    return out

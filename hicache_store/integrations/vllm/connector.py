@@ -185,7 +185,14 @@ from hicache_store.tier.components import Tier, match_components
 
 from ._caches import GroupCache, check_cache_layout, group_cache, vllm_cpu_cache
 from ._config import SUPPORTED_VLLM, ConnectorConfig, check_backend_url
-from ._groups import STATE, GroupPart, describe_groups, with_revision
+from ._groups import (
+    STATE,
+    GroupPart,
+    describe_groups,
+    lookup_evidence,
+    pages_to_save,
+    with_revision,
+)
 from ._hints import ConnectorHints, KeyOp
 from ._l2 import HostPageCache
 from ._logging import attach as attach_logging
@@ -777,16 +784,22 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             availability[part.name] = marks
         if refuted:
             self._count("lookup_refuted_pages", refuted)
-        for part, present in zip(self.parts, found, strict=True):
-            keys = [_part_key(part.group, h) for h in hashes[local:]]
-            self._evidence(tracked.request.request_id,
-                           [k for k, there in zip(keys, present, strict=True) if there],
-                           [k for k, there in zip(keys, present, strict=True) if not there][:1])
         match = match_components([p.spec for p in self.parts], availability, self.block_size)
         stored = tracked.stored_pages = match.prefix_pages
-        for h in hashes[stored:]:  # what the store lacks must be saved again
-            for part in self.parts:
-                self._saved.pop(_part_key(part.group, h), None)
+        present = [[mark is not None for mark in availability[p.name][local:]]
+                   for p in self.parts]
+        for part, (hits, missing) in zip(
+                self.parts, lookup_evidence(self.parts, present, local, stored, self.block_size),
+                strict=True):
+            self._evidence(tracked.request.request_id,
+                           [_part_key(part.group, hashes[i]) for i in hits],
+                           [_part_key(part.group, hashes[i]) for i in missing])
+        for part, there in zip(self.parts, present, strict=True):
+            # What the store lacks must be saved again; what it holds past the hit (a part
+            # another part's gap stopped) stays as it is.
+            for h, ok in zip(hashes[local:], there, strict=True):
+                if not ok:
+                    self._saved.pop(_part_key(part.group, h), None)
         external = stored * self.block_size - num_computed_tokens
         if external <= 0:
             return 0, False
@@ -803,12 +816,13 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         for key in missing:
             self.admission.answered(key, False, req_id)
 
-    def _refuse_save(self, req_id: str, pages: list[int]) -> bool:
+    def _refuse_save(self, req_id: str, pages: list[int], objects: int) -> bool:
         """Whether the write admission refuses the saves of a request's ``pages`` (a hint
-        that pins or retains one of them has them saved whatever it says); counted."""
+        that pins or retains one of them has them saved whatever it says); counted as the
+        ``objects`` (pages of every part) the plan would have saved."""
         if not refuses(self.admission, lambda: self.hints.holds(req_id, pages)):
             return False
-        self._count("saves_refused_pages", len(pages))
+        self._count("saves_refused_pages", objects)
         return True
 
     async def _exists_parts(self, hashes: list[str]) -> list[list[bool]]:
@@ -1005,7 +1019,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             i for i in range(start, min(end, reach))
             if hashes[i] not in self._saved
         ]
-        if not pages or self._refuse_save(tracked.request.request_id, pages):
+        if not pages or self._refuse_save(tracked.request.request_id, pages, len(pages)):
             return None
         if self.admission is not None:
             self.admission.written(hashes[i] for i in pages)
@@ -1022,10 +1036,9 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         )
 
     def _plan_save_parts(self, tracked: _Tracked, computed: int, done: int) -> list[PageSave]:
-        """Per part, the pages that become complete in this step and are not known to be
-        stored, from the blocks vLLM holds for them (a window part's blocks left behind are
-        vLLM's null block: never saved). A state part's snapshot is saved only where the step
-        ends exactly at a page end: the state in that block is the state *at* that end."""
+        """Per part, the pages that become complete in this step, that a later hit can read
+        (``pages_to_save``) and are not known to be stored, from the blocks vLLM holds for
+        them (a window part's blocks left behind are vLLM's null block: never saved)."""
         assert self.parts is not None
         tracked.planned = min(tracked.planned, computed // self.block_size)
         start = max(tracked.planned, tracked.stored_pages)
@@ -1037,19 +1050,21 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         hashes = self._hashes(tracked, end * self.block_size)
         tracked.planned = end
         null = self._null_block()
-        saves: list[PageSave] = []
-        if self._refuse_save(tracked.request.request_id, list(range(start, end))):
-            return saves
+        plans = []
         for part in self.parts:
             ids = block_ids[part.group]
-            if part.kind == STATE:
-                pages = [end - 1] if done % self.block_size == 0 else []
-            else:
-                pages = list(range(start, end))
-            pages = [i for i in pages if i < len(ids) and ids[i] != null
+            pages = [i for i in pages_to_save(part, start, end, done % self.block_size == 0,
+                                              self.block_size)
+                     if i < len(ids) and ids[i] != null
                      and _part_key(part.group, hashes[i]) not in self._saved]
-            if not pages:
-                continue
+            if pages:
+                plans.append((part, ids, pages))
+        saves: list[PageSave] = []
+        if not plans or self._refuse_save(
+                tracked.request.request_id, sorted({i for _, _, pages in plans for i in pages}),
+                sum(len(pages) for _, _, pages in plans)):
+            return saves
+        for part, ids, pages in plans:
             if self.admission is not None:
                 self.admission.written(_part_key(part.group, hashes[i]) for i in pages)
             for i in pages:
