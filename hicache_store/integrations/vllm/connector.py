@@ -786,18 +786,17 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             self._count("lookup_refuted_pages", refuted)
         match = match_components([p.spec for p in self.parts], availability, self.block_size)
         stored = tracked.stored_pages = match.prefix_pages
-        present = [[mark is not None for mark in availability[p.name][local:]]
-                   for p in self.parts]
+        held = [[mark is not None for mark in availability[p.name][local:]] for p in self.parts]
         for part, (hits, missing) in zip(
-                self.parts, lookup_evidence(self.parts, present, local, stored, self.block_size),
+                self.parts, lookup_evidence(self.parts, held, local, stored, self.block_size),
                 strict=True):
             self._evidence(tracked.request.request_id,
                            [_part_key(part.group, hashes[i]) for i in hits],
                            [_part_key(part.group, hashes[i]) for i in missing])
-        for part, there in zip(self.parts, present, strict=True):
+        for part, answers in zip(self.parts, held, strict=True):
             # What the store lacks must be saved again; what it holds past the hit (a part
             # another part's gap stopped) stays as it is.
-            for h, ok in zip(hashes[local:], there, strict=True):
+            for h, ok in zip(hashes[local:], answers, strict=True):
                 if not ok:
                     self._saved.pop(_part_key(part.group, h), None)
         external = stored * self.block_size - num_computed_tokens
