@@ -170,11 +170,14 @@ class JobMeter:
     def watch_connector(self, connector: Any) -> None:
         """Time the connector's loads and background saves (worker side): a model of one
         full-attention group loads in steps (``start_load_kv``), a model of several groups per
-        request (``_start_part_loads``, ended in ``get_transfer_results``). Their bytes are the
+        request (``_start_part_loads``, ended when ``get_transfer_results`` finds its reads
+        done and copies them: ``_finish_part_load``). Their bytes are the
         connector's own counters (``count_connector``): saves are chained, so a job's bytes
         cannot be told from a counter's change while the job ran."""
-        start_load, start_part_loads, save = (connector.start_load_kv,
-                                              connector._start_part_loads, connector._save)
+        start_load, start_part_loads, finish_part_load, save = (
+            connector.start_load_kv, connector._start_part_loads, connector._finish_part_load,
+            connector._save)
+        part_starts: dict[int, float] = {}
 
         def timed(kind: str, future: Any, start: float) -> None:
             future.add_done_callback(lambda _f: self.add(kind, 0, time.perf_counter() - start))
@@ -190,8 +193,17 @@ class JobMeter:
             start, before = time.perf_counter(), set(map(id, connector._async.values()))
             start_part_loads(*args)
             for pending in connector._async.values():
-                if id(pending) not in before and pending.future is not None:
-                    timed("load", pending.future, start)
+                if id(pending) not in before:
+                    part_starts[id(pending)] = start
+
+        def part_load_ended(pending: Any) -> bool:
+            # (its reads, native or on the loop, end when get_transfer_results finds them
+            # done: it verifies and copies them then, as the tier's native loads)
+            start = part_starts.pop(id(pending), None)
+            ok = finish_part_load(pending)
+            if start is not None:
+                self.add("load", 0, time.perf_counter() - start)
+            return bool(ok)
 
         def save_pages(saves: Any, *args: Any) -> None:
             start = time.perf_counter()
@@ -202,6 +214,7 @@ class JobMeter:
 
         connector.start_load_kv = start_load_kv
         connector._start_part_loads = part_loads
+        connector._finish_part_load = part_load_ended
         connector._save = save_pages
 
     def count_connector(self, connector: Any) -> None:

@@ -54,7 +54,7 @@ from hicache_store.tenant import KeyRing
 
 from .arena import Arena, Arenas
 from .format import ObjectFormat
-from .io import DEFAULT_MIN_BANDWIDTH_MIB_S, Deadline, Frame, IOStats, ObjectIO
+from .io import DEFAULT_MIN_BANDWIDTH_MIB_S, Deadline, Frame, IOStats, ObjectIO, PendingFrames
 from .sealed import SealedFormat
 
 log = logging.getLogger(__name__)
@@ -477,6 +477,40 @@ class L3Link:
         finally:
             self._give_back(taken)  # read_frames has ended: no read into a slot is in flight
 
+    def start_read_pages(
+        self, page_hashes: Sequence[str], rows: Sequence[Row]
+    ) -> PendingPages | None:
+        """Start the reads of pages into their rows in the backend's native code (one
+        ``ObjectIO.start_read_frames`` for every object of every page: no Python thread, no
+        loop, no GIL hand-off per object), for a caller that polls from a thread holding the
+        GIL; None, having read nothing, where there is no such path (the backend has no native
+        reads, the format is not plain framed, this rank reads part of an object, or more than
+        one key is readable): then use ``read_page``. The rows are written only by
+        ``PendingPages.result``, after the objects' checks."""
+        if len(page_hashes) != len(rows):
+            raise ValueError(f"start_read_pages: {len(page_hashes)} pages but {len(rows)} rows")
+        plan = self.read_plan
+        if (not page_hashes or len(self.readers) > 1
+                or not all(obj.is_whole for obj in plan.objects)):
+            return None
+        reader, digest = self.io, self.namespace.digest
+        sizes = [reader.header_bytes(obj.coords.num_layers) + obj.payload_bytes
+                 for obj in plan.objects]
+        # Fresh memory, never pooled: it is the handle's until the reads end, however late.
+        buffer = np.empty(sum(sizes) * len(page_hashes), dtype=np.uint8).data
+        keys: list[ObjectKey] = []
+        frames: list[memoryview] = []
+        at = 0
+        for page_hash in page_hashes:
+            for obj, size in zip(plan.objects, sizes, strict=True):
+                keys.append(ObjectKey(page_hash, digest, obj.coords))
+                frames.append(buffer[at:at + size])
+                at += size
+        reads = reader.start_read_frames(keys, frames)
+        if reads is None:
+            return None
+        return PendingPages(self, list(page_hashes), list(rows), keys, frames, reads)
+
     def _count_corrupt(self, exc: CorruptObjectError, io: IOStats) -> None:
         """Count and log an object that failed its checks (treated as a miss)."""
         if self.namespace.sealed:
@@ -538,3 +572,52 @@ def _tagged(plan: P, component: int) -> P:
         for o in plan.objects
     )
     return dataclasses.replace(plan, objects=objects)
+
+
+class PendingPages:
+    """Page reads under way in a backend's native code (``L3Link.start_read_pages``):
+    ``done()`` never waits; ``result()`` waits, checks every object and copies each page whose
+    objects all arrived and passed into its row."""
+
+    def __init__(self, link: L3Link, page_hashes: list[str], rows: list[Row],
+                 keys: list[ObjectKey], frames: list[memoryview], reads: PendingFrames) -> None:
+        self._link, self._hashes, self._rows = link, page_hashes, rows
+        self._keys, self._frames, self._reads = keys, frames, reads
+
+    def done(self) -> bool:
+        return self._reads.done()
+
+    def result(self, io: IOStats) -> list[bool]:
+        """Per page whether it was read, checked and copied into its row (a miss or a corrupt
+        object is False, counted in ``io`` as ``read_page`` counts it). Raises what
+        ``PendingFrames.result`` raises (a backend failure; ``InvalidRangeError`` when an
+        object is stored larger than its frame): then no row was written."""
+        link = self._link
+        plan, reader = link.read_plan, link.io
+        got = self._reads.result()
+        per_page = len(plan.objects)
+        out: list[bool] = []
+        for n, row in enumerate(self._rows):
+            outcomes = got[n * per_page:(n + 1) * per_page]
+            bad = next((i for i, o in enumerate(outcomes)
+                        if isinstance(o, CorruptObjectError)), None)
+            if bad is not None:
+                corrupt = outcomes[bad]
+                assert isinstance(corrupt, CorruptObjectError)
+                corrupt.key = corrupt.key or reader.storage_key(self._keys[n * per_page + bad])
+                link._count_corrupt(corrupt, io)
+                out.append(False)
+                continue
+            if any(o is None for o in outcomes):
+                out.append(False)
+                continue
+            for i, obj in enumerate(plan.objects):
+                frame = self._frames[n * per_page + i]
+                start = reader.header_bytes(obj.coords.num_layers)
+                payload = np.frombuffer(frame, dtype=np.uint8)[start:start + obj.payload_bytes]
+                apply_segments(obj.segments, payload, row)
+            io.bytes_fetched += plan.bytes_fetched
+            io.bytes_needed += plan.bytes_needed
+            io.bytes_moved += plan.bytes_fetched + plan.header_bytes
+            out.append(True)
+        return out

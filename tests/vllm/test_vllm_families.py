@@ -210,8 +210,22 @@ def test_a_fresh_engine_is_served_then_altered_bytes_show_then_corrupt_objects_m
 ) -> None:
     prompts = [list(p) for p in family.final]
     worker = worker_connector()
-    for p in prompts:
-        assert generate(fresh, p) == family.final[tuple(p)]
+    # The file backend reads natively: no part's pages wait on the library's loop, where
+    # every hand-off waits for the engine thread's GIL while vLLM steps.
+    on_loop: list[list[int]] = []
+    loop_reads = worker._read_part_pages
+
+    def read_on_loop(pending: Any, parts: list[int]) -> Any:
+        on_loop.append(parts)
+        return loop_reads(pending, parts)
+
+    worker._read_part_pages = read_on_loop
+    try:
+        for p in prompts:
+            assert generate(fresh, p) == family.final[tuple(p)]
+    finally:
+        del worker._read_part_pages
+    assert on_loop == []
     served = counter(fresh, "vllm:hicache_store_loaded_tokens")
     assert served == counter(fresh, "vllm:external_prefix_cache_hits")
     # Every full page of each history but the one with the last token: from the store

@@ -97,7 +97,9 @@ sliding and full or of gated-delta-net state and full attention, MLA) has one *p
 cache group (``_groups``: its namespace, its tier hit rule) and its caches (``_caches``); a hit
 is the longest prefix at which every part can resume (``tier.components.match_components``).
 Those loads are asynchronous (``get_transfer_results``: vLLM 0.32 takes a hybrid model's
-failed load only for a whole request, which it then recomputes); no L2, PP 1.
+failed load only for a whole request, which it then recomputes), read in the backend's native
+code where it has such a path (``L3Link.start_read_pages``) and polled from vLLM's engine
+thread, else on the library's loop; no L2, PP 1.
 
 **Refused at start-up** (one ``ConfigError`` line each; what needs no model already in vLLM's
 front-end process, see the end of this module): a vLLM other than 0.32.x, KV cache groups
@@ -169,6 +171,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, open_backend
+from hicache_store.backends.errors import InvalidRangeError
 from hicache_store.integrations._admission import ReuseAdmission, admission_for, refuses
 from hicache_store.integrations._lookups import LookupCounters
 from hicache_store.kernels.vllm_cpu import pack_blocks, unpack_blocks
@@ -180,7 +183,7 @@ from hicache_store.layout.host import UnifiedPageLayout, VllmCpuLayout
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology, shard_of, shards
-from hicache_store.objects import IOStats, L3Link
+from hicache_store.objects import IOStats, L3Link, PendingPages
 from hicache_store.tier.components import Tier, match_components
 
 from ._caches import GroupCache, check_cache_layout, group_cache, vllm_cpu_cache
@@ -1180,19 +1183,38 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             if self._breaker.open:
                 self._count("loads_skipped", pending.num_pages)
             else:
-                pending.future = submit(self._read_part_pages(pending))
+                self._start_reads(pending)
             self._async[req_id] = pending
 
-    async def _read_part_pages(self, pending: _RequestLoad) -> tuple[list[list[bool]], IOStats]:
-        io = IOStats()
+    def _start_reads(self, pending: _RequestLoad) -> None:
+        """Each part's pages read in the backend's native code where it has such a path
+        (``L3Link.start_read_pages``): these loads are polled from vLLM's engine thread, which
+        holds the GIL between its steps, so reads on the library's loop would wait for it at
+        every hand-off (a call, a budget wait, a check per object); the other parts' on the
+        loop (``_read_part_pages``)."""
+        try:
+            pending.native = [
+                self._part_links[load.part].start_read_pages(load.hashes, list(rows.numpy()))
+                if load.hashes else None
+                for load, rows in zip(pending.loads, pending.staging, strict=True)]
+        except Exception as exc:  # a closed backend: failed loads, recomputed
+            pending.error = exc
+            return
+        rest = [i for i, (load, native) in enumerate(zip(pending.loads, pending.native,
+                                                         strict=True))
+                if native is None and load.hashes]
+        if rest:
+            pending.loop_parts = rest
+            pending.future = submit(self._read_part_pages(pending, rest))
+
+    async def _read_part_pages(self, pending: _RequestLoad, parts: list[int]) -> list[list[bool]]:
+        """The pages of ``pending``'s loads ``parts`` (indices) on the library's loop."""
+        io = pending.io
         outcome = await asyncio.gather(*(
-            asyncio.gather(*(self._part_links[load.part].read_page(h, rows[i], io)
-                             for i, h in enumerate(load.hashes)))
-            for load, rows in zip(pending.loads, (s.numpy() for s in pending.staging),
-                                  strict=True)))
-        self._count("corrupt_objects", io.corruptions)
-        self._count("bytes_loaded", io.bytes_moved)
-        return [[bool(hit) for hit in part] for part in outcome], io
+            asyncio.gather(*(self._part_links[pending.loads[p].part].read_page(h, rows[i], io)
+                             for i, h in enumerate(pending.loads[p].hashes)))
+            for p, rows in ((p, pending.staging[p].numpy()) for p in parts)))
+        return [[bool(hit) for hit in part] for part in outcome]
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """(Parts) The requests whose loads ended: every page of every part verified and
@@ -1201,7 +1223,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         results = KVConnectorTransferResults()
         now = time.monotonic()
         for req_id, pending in list(self._async.items()):
-            if pending.future is not None and not pending.future.done() and now < pending.deadline:
+            if not pending.done() and now < pending.deadline:
                 continue
             del self._async[req_id]
             results.finished_recving.add(req_id)
@@ -1211,20 +1233,43 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
 
     def _finish_part_load(self, pending: _RequestLoad) -> bool:
         """Copy a request's verified pages into vLLM's blocks; False when any failed."""
-        future = pending.future
         read: list[list[bool]] = [[False] * len(load.hashes) for load in pending.loads]
+        io = pending.io
+        failed: BaseException | None = pending.error
+        for p, native in enumerate(pending.native):
+            if native is None:
+                continue
+            if not native.done():  # past the deadline: failed (its buffers are its own)
+                failed = failed or TimeoutError("native page reads past their deadline")
+                continue
+            try:
+                read[p] = native.result(io)
+            except InvalidRangeError:  # an object stored larger than its frame (corrupt):
+                # page by page on the loop, which finds it (a miss), the others read
+                try:
+                    (read[p],) = run_sync(self._read_part_pages(pending, [p]),
+                                          self.config.io_timeout_s * 2 + 1.0)
+                except Exception as exc:
+                    failed = failed or exc
+            except Exception as exc:  # a backend failure: failed loads, recomputed
+                failed = failed or exc
+        future = pending.future
         if future is not None:
             try:
-                read, io = future.result(0)
+                for p, got in zip(pending.loop_parts, future.result(0), strict=True):
+                    read[p] = got
             except Exception as exc:  # late (cancelled) or a bug: failed loads, recomputed
-                log.warning("hicache-store: load failed, recomputing: %r", exc)
                 future.cancel()
-                self._breaker.trip()
-            else:
-                if io.errors and not any(any(part) for part in read):
-                    self._breaker.trip()
-                if io.corrupt_keys:
-                    self._drop_corrupt(io.corrupt_keys)
+                failed = failed or exc
+        if failed is not None:
+            log.warning("hicache-store: load failed, recomputing: %r", failed)
+            self._breaker.trip()
+        elif io.errors and not any(any(part) for part in read):
+            self._breaker.trip()
+        self._count("corrupt_objects", io.corruptions)
+        self._count("bytes_loaded", io.bytes_moved)
+        if io.corrupt_keys:
+            self._drop_corrupt(io.corrupt_keys)
         ok = all(all(part) for part in read)
         for load, arrived in zip(pending.loads, read, strict=True):
             for h, hit in zip(load.hashes, arrived, strict=True):
@@ -1596,16 +1641,27 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
 @dataclass
 class _RequestLoad:
     """(Parts) One request's asynchronous loads: a staging tensor per part's load (fresh, never
-    reused: a read past its deadline lands in memory nobody uses), ended by ``deadline``."""
+    reused: a read past its deadline lands in memory nobody uses), ended by ``deadline``.
+    Per load its native reads (``native``, or None), the others in one ``future`` on the
+    library's loop (``loop_parts``: which loads); ``error``: the reads could not start."""
 
     loads: list[PageLoad]
     staging: list[torch.Tensor]
     deadline: float
-    future: concurrent.futures.Future[tuple[list[list[bool]], IOStats]] | None = None
+    native: list[PendingPages | None] = field(default_factory=list)
+    future: concurrent.futures.Future[list[list[bool]]] | None = None
+    loop_parts: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+    io: IOStats = field(default_factory=IOStats)
 
     @property
     def num_pages(self) -> int:
         return sum(len(load.hashes) for load in self.loads)
+
+    def done(self) -> bool:
+        """Every read has ended (never waits)."""
+        return ((self.future is None or self.future.done())
+                and all(n is None or n.done() for n in self.native))
 
 
 @dataclass
