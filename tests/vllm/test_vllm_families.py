@@ -212,12 +212,12 @@ def test_a_fresh_engine_is_served_then_altered_bytes_show_then_corrupt_objects_m
     worker = worker_connector()
     # The file backend reads natively: no part's pages wait on the library's loop, where
     # every hand-off waits for the engine thread's GIL while vLLM steps.
-    on_loop: list[list[int]] = []
+    on_loop: list[Any] = []
     loop_reads = worker._read_part_pages
 
-    def read_on_loop(pending: Any, parts: list[int]) -> Any:
-        on_loop.append(parts)
-        return loop_reads(pending, parts)
+    def read_on_loop(*args: Any) -> Any:
+        on_loop.append(args)
+        return loop_reads(*args)
 
     worker._read_part_pages = read_on_loop
     try:
