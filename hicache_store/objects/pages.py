@@ -39,6 +39,7 @@ from hicache_store.backends.base import Backend
 from hicache_store.backends.lifetime import gather_settled
 from hicache_store.backends.prefix import search_prefix
 from hicache_store.layout.errors import CorruptObjectError, GridMismatchError, MissingKeyError
+from hicache_store.layout.framing import ObjectHeader
 from hicache_store.layout.keys import ObjectKey
 from hicache_store.layout.namespace import Namespace
 from hicache_store.layout.plans import (
@@ -404,9 +405,7 @@ class L3Link:
             return False
         if not all(hits):
             return False
-        io.bytes_fetched += plan.bytes_fetched
-        io.bytes_needed += plan.bytes_needed
-        io.bytes_moved += plan.bytes_fetched + plan.header_bytes
+        self._count_read(io)
         return True
 
     async def read_prefix(self, page_hashes: Sequence[str], rows: Sequence[Row], io: IOStats) -> int:
@@ -451,28 +450,15 @@ class L3Link:
                 return 0
             per_page = len(plan.objects)
             for n, (page_hash, row) in enumerate(zip(page_hashes, rows, strict=True)):
-                outcomes = got[n * per_page : (n + 1) * per_page]
-                bad = next((i for i, o in enumerate(outcomes)
-                            if isinstance(o, CorruptObjectError)), None)
-                if bad is not None:
-                    corrupt = outcomes[bad]
-                    assert isinstance(corrupt, CorruptObjectError)
-                    corrupt.key = corrupt.key or reader.storage_key(keys[n * per_page + bad])
-                    self._count_corrupt(corrupt, io)
+                page = slice(n * per_page, (n + 1) * per_page)
+                if self._found_corrupt(got[page], keys[page], io):
                     return n
-                if any(o is None for o in outcomes):
+                if any(o is None for o in got[page]):
                     # Missed under the active key: an older one may have it (or nothing does).
                     if len(self.readers) > 1 and await self.read_page(page_hash, row, io):
                         continue
                     return n
-                for i, obj in enumerate(plan.objects):
-                    frame = frames[n * per_page + i]
-                    start = reader.header_bytes(obj.coords.num_layers)
-                    payload = np.frombuffer(frame, dtype=np.uint8)[start : start + obj.payload_bytes]
-                    apply_segments(obj.segments, payload, row)
-                io.bytes_fetched += plan.bytes_fetched
-                io.bytes_needed += plan.bytes_needed
-                io.bytes_moved += plan.bytes_fetched + plan.header_bytes
+                self._copy_page(frames[page], row, io)
             return len(page_hashes)
         finally:
             self._give_back(taken)  # read_frames has ended: no read into a slot is in flight
@@ -510,6 +496,36 @@ class L3Link:
         if reads is None:
             return None
         return PendingPages(self, list(page_hashes), list(rows), keys, frames, reads)
+
+    def _found_corrupt(
+        self, outcomes: Sequence[ObjectHeader | CorruptObjectError | None],
+        keys: Sequence[ObjectKey], io: IOStats,
+    ) -> bool:
+        """Whether one page's verified reads (plan order) hold a corrupt object; the first is
+        named, counted and logged (``_count_corrupt``)."""
+        bad = next((i for i, o in enumerate(outcomes) if isinstance(o, CorruptObjectError)), None)
+        if bad is None:
+            return False
+        corrupt = outcomes[bad]
+        assert isinstance(corrupt, CorruptObjectError)
+        corrupt.key = corrupt.key or self.io.storage_key(keys[bad])
+        self._count_corrupt(corrupt, io)
+        return True
+
+    def _copy_page(self, frames: Sequence[memoryview], row: Row, io: IOStats) -> None:
+        """Copy one page's verified whole-object frames (plan order) into its row, counted."""
+        for obj, frame in zip(self.read_plan.objects, frames, strict=True):
+            start = self.io.header_bytes(obj.coords.num_layers)
+            payload = np.frombuffer(frame, dtype=np.uint8)[start : start + obj.payload_bytes]
+            apply_segments(obj.segments, payload, row)
+        self._count_read(io)
+
+    def _count_read(self, io: IOStats) -> None:
+        """Count one page read in full by this rank's plan."""
+        plan = self.read_plan
+        io.bytes_fetched += plan.bytes_fetched
+        io.bytes_needed += plan.bytes_needed
+        io.bytes_moved += plan.bytes_fetched + plan.header_bytes
 
     def _count_corrupt(self, exc: CorruptObjectError, io: IOStats) -> None:
         """Count and log an object that failed its checks (treated as a miss)."""
@@ -593,31 +609,15 @@ class PendingPages:
         ``PendingFrames.result`` raises (a backend failure; ``InvalidRangeError`` when an
         object is stored larger than its frame): then no row was written."""
         link = self._link
-        plan, reader = link.read_plan, link.io
         got = self._reads.result()
-        per_page = len(plan.objects)
+        per_page = len(link.read_plan.objects)
         out: list[bool] = []
         for n, row in enumerate(self._rows):
-            outcomes = got[n * per_page:(n + 1) * per_page]
-            bad = next((i for i, o in enumerate(outcomes)
-                        if isinstance(o, CorruptObjectError)), None)
-            if bad is not None:
-                corrupt = outcomes[bad]
-                assert isinstance(corrupt, CorruptObjectError)
-                corrupt.key = corrupt.key or reader.storage_key(self._keys[n * per_page + bad])
-                link._count_corrupt(corrupt, io)
+            page = slice(n * per_page, (n + 1) * per_page)
+            if link._found_corrupt(got[page], self._keys[page], io) or any(
+                    o is None for o in got[page]):
                 out.append(False)
                 continue
-            if any(o is None for o in outcomes):
-                out.append(False)
-                continue
-            for i, obj in enumerate(plan.objects):
-                frame = self._frames[n * per_page + i]
-                start = reader.header_bytes(obj.coords.num_layers)
-                payload = np.frombuffer(frame, dtype=np.uint8)[start:start + obj.payload_bytes]
-                apply_segments(obj.segments, payload, row)
-            io.bytes_fetched += plan.bytes_fetched
-            io.bytes_needed += plan.bytes_needed
-            io.bytes_moved += plan.bytes_fetched + plan.header_bytes
+            link._copy_page(self._frames[page], row, io)
             out.append(True)
         return out
