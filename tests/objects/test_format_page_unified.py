@@ -9,8 +9,6 @@ byte is not. SGLang's own ``PageUnifiedLayout`` and keys are held to these objec
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,12 +35,6 @@ NS = Namespace.create("org/model", SHAPE, "float16", 4, ukv1_grid(SHAPE, WRITER)
                       key_scheme="sglang-ukv1")
 PAGE = f"{7:064x}"
 
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Backend]:
-    backend = open_backend(f"file://{tmp_path}/s")
-    yield backend
-    await backend.close()
 
 
 def link(backend: Backend, topology: Topology, rank: int) -> L3Link:

@@ -4,7 +4,6 @@ byte budgets, timeouts, reused staging, and the format seam (one place to seal, 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -56,13 +55,6 @@ def frame_of(io: ObjectIO, data: np.ndarray, page_hash: str = H1, parent: str | 
     np.frombuffer(buf, dtype=np.uint8)[header:] = data
     return Frame(key(page_hash), buf, parent)
 
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[FileBackend]:
-    backend = open_backend(f"file://{tmp_path}/s")
-    assert isinstance(backend, FileBackend)
-    yield backend
-    await backend.close()
 
 
 async def test_put_seals_the_callers_frame_in_place_and_reads_back(store: FileBackend) -> None:

@@ -8,13 +8,10 @@ import asyncio
 import dataclasses
 import os
 import threading
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hicache_store.backends import open_backend
 from hicache_store.backends.file import FileBackend
 from hicache_store.layout.errors import TamperedObjectError
 from hicache_store.layout.framing import ObjectHeader
@@ -82,13 +79,6 @@ class _Recording:
         FRAMED.open_blocks(header, data, layer_start, layer_stop)
         self.opened.set()
 
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[FileBackend]:
-    backend = open_backend(f"file://{tmp_path}/s")
-    assert isinstance(backend, FileBackend)
-    yield backend
-    await backend.close()
 
 
 async def test_large_payloads_are_sealed_and_opened_on_workers_small_ones_inline(

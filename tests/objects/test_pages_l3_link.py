@@ -4,8 +4,6 @@ corrupt, short or absent object is a failed page, never wrong bytes."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -58,13 +56,6 @@ def expected_shard(page: np.ndarray, reader: UnifiedPageLayout) -> np.ndarray:
 def new_row(target: L3Link) -> np.ndarray:
     return np.frombuffer(aligned_buffer(target.read_plan.page.page_bytes), dtype=np.uint8)
 
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[FileBackend]:
-    backend = open_backend(f"file://{tmp_path}/s")
-    assert isinstance(backend, FileBackend)
-    yield backend
-    await backend.close()
 
 
 async def test_whole_objects_are_one_read_each(store: FileBackend) -> None:

@@ -7,7 +7,7 @@ gets exactly its shard."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +67,6 @@ async def write_chain(target: L3Link, rows: Sequence[np.ndarray]) -> None:
     assert await target.write_pages(batch, io)
     assert io.bytes_moved > sum(r.nbytes for r in rows)  # headers included
 
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[FileBackend]:
-    backend = open_backend(f"file://{tmp_path}/s")
-    assert isinstance(backend, FileBackend)
-    yield backend
-    await backend.close()
 
 
 def count_calls(store: FileBackend, monkeypatch: pytest.MonkeyPatch, names: list[str]) -> list[str]:

@@ -7,27 +7,16 @@ sealed format) it reads nothing and says so."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 from test_pages_l3_link_runs import HASHES, PAGES, SEALED, link, new_rows, pages, write_chain
 
-from hicache_store.backends import open_backend
 from hicache_store.backends.errors import InvalidRangeError
 from hicache_store.backends.file import FileBackend
 from hicache_store.layout.topology import Topology
 from hicache_store.objects import IOStats, PendingPages
 from hicache_store.tenant import parse_key_ring
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[FileBackend]:
-    backend = open_backend(f"file://{tmp_path}/s")
-    assert isinstance(backend, FileBackend)
-    yield backend
-    await backend.close()
 
 
 def settle(reads: PendingPages, io: IOStats) -> list[bool]:
