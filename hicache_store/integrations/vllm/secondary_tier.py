@@ -36,10 +36,11 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   turn and outgrow the store, those are the rows about to be read, so every row would be
   evicted before its next read and every recompute written again. While the lookups show
   that (rows this tier wrote, evicted before they were asked for again, outnumber those
-  found, or two requests in a row lost such rows), store jobs are refused (``stats.stores_refused``; vLLM sees a job that moved no
-  bytes, not a failure): what the store holds stays and is served. The hold ends when what
-  it holds is no longer read, or after a while, to try new rows again. ``all`` writes every
-  job (the backend's LRU alone); backends without capacity eviction write every job. A job
+  found, or two requests in a row lost such rows), store jobs are refused
+  (``stats.stores_refused``; vLLM sees a job that moved no bytes, not a failure): what the
+  store holds stays and is served. The hold ends when what it holds is no longer read, or
+  after a while, to try new rows again. ``all`` writes every job (the backend's LRU alone);
+  backends without capacity eviction write every job. A job
   whose rows the request's ``kv_hints`` pin or retain is always written.
 * **Non-blocking.** ``lookup`` answers at once where the backend can without waiting
   (``InlineExists.now``: the file backend's in-memory index, as last brought up to date if
@@ -755,12 +756,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         start = time.perf_counter()
         slots = [self._staging.take() for _ in keys]
         try:
-            frames = []
-            for key, chunk, slot in zip(keys, chunks, slots, strict=True):
-                frame = slot[: self._header_bytes + self.row_bytes]
-                frame[self._header_bytes :] = self._row(chunk)  # the primary slot stays pinned
-                frames.append(Frame(self.object_key(key), frame))
-            stored = await self.io.put_together(frames)
+            stored = await self.io.put_together(self._store_frames(keys, chunks, slots))
         finally:
             for slot in slots:
                 self._staging.give(slot)  # put has returned: nothing reads them any more
@@ -771,6 +767,17 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             task.add_done_callback(self._refreshes.discard)
         await self._follow_feed()
         return stored, time.perf_counter() - start
+
+    def _store_frames(self, keys: list[OffloadKey], chunks: list[int],
+                      slots: list[memoryview]) -> list[Frame]:
+        """A store job's rows copied into their staging slots, a frame each (the header's room
+        first, sealed by the put)."""
+        frames = []
+        for key, chunk, slot in zip(keys, chunks, slots, strict=True):
+            frame = slot[: self._header_bytes + self.row_bytes]
+            frame[self._header_bytes :] = self._row(chunk)  # the primary slot stays pinned
+            frames.append(Frame(self.object_key(key), frame))
+        return frames
 
     def _count_store(self, keys: list[OffloadKey], stored: list[bool]) -> None:
         with self._stats_lock:
@@ -805,11 +812,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             return None
         start = time.monotonic()  # (the put's own clock: ``PendingFrameWrites.ended``)
         slots = [self._staging.take() for _ in keys]
-        frames = []
-        for key, chunk, slot in zip(keys, chunks, slots, strict=True):
-            frame = slot[: self._header_bytes + self.row_bytes]
-            frame[self._header_bytes :] = self._row(chunk)  # the primary slot stays pinned
-            frames.append(Frame(self.object_key(key), frame))
+        frames = self._store_frames(keys, chunks, slots)
         try:
             writes = self.io.start_write_frames(frames)
         except Exception as exc:  # a closed backend: a failed job, never a row reported stored
