@@ -18,7 +18,8 @@ Public API (validated here, once, for every backend)::
     helpers (``backends.helpers``, written once on the core): exists_prefix_length,
     exists_prefix_pages, get_ranges, get_bytes
     optional abilities (``backends.protocols``: a ``Capabilities`` flag and an accessor each):
-    host_buffers(), inline_exists(), native_reads(), native_writes(), change_feed()
+    host_buffers(), inline_exists(), native_reads(), native_writes(), change_feed(),
+    capacity_usage()
 
 Core (what a backend implements; the public method has already validated everything):
 ``_exists``, ``_get_into``, ``_put``, ``_delete``, ``_stat``; optionally ``_list_prefix``,
@@ -29,7 +30,7 @@ Core (what a backend implements; the public method has already validated everyth
 ``capabilities.inline_exists``, ``_exists_now`` and ``_exists_blocking``; with
 ``capabilities.native_reads``, ``_get_into_summed`` and ``_start_get_into_summed``; with
 ``capabilities.native_writes``, ``_start_put``; with
-``capabilities.change_feed``, ``_change_feed``.
+``capabilities.change_feed``, ``_change_feed``; with ``capabilities.capacity_usage``, ``_usage``.
 
 Contracts every backend keeps (the conformance suite in ``hicache_store.testing`` checks them):
 
@@ -90,6 +91,7 @@ from .lifetime import (
     until_abandoned,
 )
 from .protocols import (
+    CapacityUsage,
     ChangeFeed,
     HostBuffers,
     InlineExists,
@@ -738,6 +740,16 @@ class Backend(Helpers, abc.ABC):
         """With ``capabilities.change_feed``: the store's ``ChangeFeed``."""
         raise NotSupportedError("change feed", backend=self.name, operation="change_feed")
 
+    def capacity_usage(self) -> CapacityUsage:
+        """The enforced capacity and the bytes held and reserved (``CapacityUsage``).
+        ``NotSupportedError`` unless ``capabilities.capacity_usage``."""
+        self._require("capacity_usage", self.capabilities.capacity_usage)
+        return _CapacityUsage(self)
+
+    def _usage(self) -> tuple[int, int]:
+        """With ``capabilities.capacity_usage``: ``CapacityUsage.usage``."""
+        raise NotSupportedError("capacity usage", backend=self.name, operation="capacity_usage")
+
     async def close(self) -> None:
         """Release resources. Idempotent; every other call afterwards raises
         ``BackendClosedError``."""
@@ -780,6 +792,17 @@ class _HostBuffers:
         # (closed: the backend released its registrations with everything else)
         if not self._backend.closed:
             await self._backend._unregister_host_buffer(buffer)
+
+
+class _CapacityUsage:
+    """``CapacityUsage`` over a backend's ``_usage``."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    def usage(self) -> tuple[int, int]:
+        self._backend._check_open("capacity_usage")
+        return self._backend._usage()
 
 
 class _InlineExists:

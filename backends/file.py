@@ -328,9 +328,11 @@ class FileBackend(Backend):
                     index_hosts=index_hosts, clock=clock or time.time, read_only=read_only,
                 )
             # (read-only: no retention is reported)
+            # (an index counts the bytes it holds and reserves; without one, only an estimate)
             self.capabilities = type(self).capabilities.replace(
                 retention=self._index.features.retention and not read_only,
-                change_feed=self._index.features.change_feed)
+                change_feed=self._index.features.change_feed,
+                capacity_usage=not isinstance(self._index, NoIndex))
             try:
                 #: the engine that moves the bytes (``_file_io``), chosen once, here.
                 self._engine = self._open_engine(io_engine, self._places)
@@ -614,6 +616,10 @@ class FileBackend(Backend):
     def used_bytes(self) -> int:
         """Bytes of the objects in the store (the shared index's count, all processes')."""
         return self._index.totals()[0]
+
+    def _usage(self) -> tuple[int, int]:
+        # docstring inherited: the index's counters (two reads of its totals, no listing)
+        return self.capacity_bytes, self._index.totals()[0] + self._index.reserved_bytes()
 
     # -- retention (kept in the index: ``_file_retention``) --------------------------------------
 

@@ -48,7 +48,7 @@ class MemoryBackend(Backend):
     name = "memory"
     capabilities = Capabilities(
         ranged_reads=True, listing=True, atomic_put=True, eviction=True, mtime=True,
-        retention=True,
+        retention=True, capacity_usage=True,
     )
 
     def __init__(
@@ -69,6 +69,11 @@ class MemoryBackend(Backend):
     @property
     def used_bytes(self) -> int:
         return self._lru.total_bytes
+
+    def _usage(self) -> tuple[int, int]:
+        # docstring inherited (a put holds the lock from its evictions to its insert: nothing
+        # is reserved between calls)
+        return self.capacity_bytes, self._lru.total_bytes
 
     async def _exists(self, keys: Sequence[str]) -> list[bool]:
         # docstring inherited

@@ -20,6 +20,8 @@ flag                 accessor                    what it offers
 ``change_feed``      ``change_feed()``           every change of presence of every object,
                                                  whoever made it, numbered in order
                                                  (followed by ``backends.feed.FeedFollower``)
+``capacity_usage``   ``capacity_usage()``        the capacity the backend enforces and the
+                                                 bytes it holds and has reserved, cheaply
 ===================  ==========================  ==============================================
 
 Without its flag an accessor raises ``NotSupportedError``. A backend that declares a flag
@@ -219,5 +221,21 @@ class ChangeFeed(Protocol):
     def listing(self) -> tuple[int, list[str]]: ...
 
 
-__all__ = ["ChangeFeed", "HostBuffers", "InlineExists", "NativeReads", "NativeWrites",
+class CapacityUsage(Protocol):
+    """The bound a backend enforces and how full it is (``capabilities.capacity_usage``: a
+    backend that evicts to keep ``capacity_bytes`` and counts what it holds: memory, the file
+    backend with an index, S3 with ``capacity_bytes``). For writers that decide whether a
+    write fits before making it (the vLLM routes' write admission): cheap enough to ask before
+    each write (memory, an index's counters: one read, no listing), never exact against other
+    writers racing it."""
+
+    def usage(self) -> tuple[int, int]:
+        """``(capacity, used)``: the bytes the backend keeps at most, and the bytes of the
+        objects it holds plus those the puts in flight reserved (every process's where the
+        store is shared); ``used`` may pass ``capacity`` only while a put in flight waits for
+        its evictions. Raises the backend's error when its counters cannot be read."""
+        ...
+
+
+__all__ = ["CapacityUsage", "ChangeFeed", "HostBuffers", "InlineExists", "NativeReads", "NativeWrites",
            "PendingReads", "PendingWrites", "SummedReads"]

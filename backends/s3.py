@@ -192,7 +192,7 @@ class S3Backend(Backend):
         if not conditional_put:
             caps = caps.replace(atomic_put=False)
         if self.capacity_bytes is not None:
-            caps = caps.replace(eviction=True)
+            caps = caps.replace(eviction=True, capacity_usage=True)
         if fleet_url is not None:
             caps = caps.replace(retention=True, change_feed=True)
         self.capabilities = caps
@@ -498,6 +498,14 @@ class S3Backend(Backend):
         if self._index is not None:
             return self._index.totals()[0]
         return self._bound.used_bytes if self._bound is not None else 0
+
+    def _usage(self) -> tuple[int, int]:
+        # docstring inherited: the fleet's index counters (a round trip each), else the local
+        # bound's (in memory; a put is counted once its uploads are done)
+        assert self.capacity_bytes is not None  # (declared only with capacity_bytes)
+        if self._index is not None:
+            return self.capacity_bytes, self._index.totals()[0] + self._index.reserved_bytes()
+        return self.capacity_bytes, self.used_bytes
 
     async def _close(self) -> None:
         # docstring inherited

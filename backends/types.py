@@ -95,8 +95,10 @@ class Capabilities:
     - ``change_feed``: ``change_feed()`` gives the store's feed of every change of presence,
       whoever made it (``backends.protocols.ChangeFeed``; ``backends.feed.FeedFollower``
       follows it).
+    - ``capacity_usage``: ``capacity_usage()`` reports the capacity the backend enforces and
+      the bytes it holds and has reserved (``backends.protocols.CapacityUsage``).
 
-    The last five are optional abilities with a protocol each; without the flag, their
+    The last six are optional abilities with a protocol each; without the flag, their
     accessor raises ``NotSupportedError``.
     """
 
@@ -114,6 +116,7 @@ class Capabilities:
     native_reads: bool = False
     native_writes: bool = False
     change_feed: bool = False
+    capacity_usage: bool = False
 
     def replace(self, **changes: bool) -> Capabilities:
         return dataclasses.replace(self, **changes)

@@ -26,7 +26,7 @@ from hicache_store.backends import (
 )
 from hicache_store.backends.file import FileBackend
 from hicache_store.layout.errors import ConfigError
-from hicache_store.testing import RetentionTests
+from hicache_store.testing import CapacityUsageTests, RetentionTests
 
 OBJECT = 1000
 
@@ -37,6 +37,21 @@ class TestFileRetention(RetentionTests):
     ) -> Backend:
         return FileBackend(where, durability="none", direct_io="never",
                            capacity_bytes=capacity_bytes, pin_fraction=pin_fraction, clock=clock)
+
+
+class TestFileCapacityUsage(CapacityUsageTests):
+    async def open_bounded_backend(self, where: Path, capacity_bytes: int) -> Backend:
+        return FileBackend(where, durability="none", direct_io="never",
+                           capacity_bytes=capacity_bytes)
+
+
+class TestFileNoIndexCapacityUsage(CapacityUsageTests):
+    """Without an index the bytes used are an estimate: not declared (the suite checks the
+    refusal)."""
+
+    async def open_bounded_backend(self, where: Path, capacity_bytes: int) -> Backend:
+        return FileBackend(where, durability="none", direct_io="never", index="none",
+                           capacity_bytes=capacity_bytes)
 
 
 def _store(root: Path, capacity: int = 10 * OBJECT, pin_fraction: float = 0.5) -> FileBackend:

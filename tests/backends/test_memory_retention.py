@@ -1,4 +1,5 @@
-"""Retention and pins on the memory backend: the shared retention suite, and refusal."""
+"""Retention and pins on the memory backend: the shared retention suite, and refusal; the
+capacity usage suite."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from hicache_store.backends import Backend, NotSupportedError, Retention
 from hicache_store.backends.memory import MemoryBackend
-from hicache_store.testing import RetentionTests
+from hicache_store.testing import CapacityUsageTests, RetentionTests
 
 
 class TestMemoryRetention(RetentionTests):
@@ -18,6 +19,11 @@ class TestMemoryRetention(RetentionTests):
     ) -> Backend:
         return MemoryBackend(capacity_bytes=capacity_bytes, pin_fraction=pin_fraction,
                              clock=clock)
+
+
+class TestMemoryCapacityUsage(CapacityUsageTests):
+    async def open_bounded_backend(self, where: Path, capacity_bytes: int) -> Backend:
+        return MemoryBackend(capacity_bytes=capacity_bytes)
 
 
 async def test_undeclared_backend_refuses() -> None:

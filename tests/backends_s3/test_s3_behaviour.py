@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from hicache_store.backends import (
+    Backend,
     BackendTimeoutError,
     BackendUnavailableError,
     ByteRange,
@@ -27,7 +28,7 @@ from hicache_store.backends import (
 from hicache_store.backends._s3_errors import S3AccessDeniedError
 from hicache_store.backends._s3_io import plan_fetches
 from hicache_store.backends.s3 import DEFAULT_REQUEST_TIMEOUT, S3Backend
-from hicache_store.testing import pattern
+from hicache_store.testing import CapacityUsageTests, pattern
 
 from .seaweed import SeaweedServer, weed_or_skip
 
@@ -179,6 +180,18 @@ def test_url_options_are_parsed(seaweed: SeaweedServer) -> None:
     assert store.capabilities.atomic_put is False
     assert seaweed.secret_key not in repr(store)
     asyncio.run(store.close())
+
+
+class TestS3CapacityUsage(CapacityUsageTests):
+    """The local bound (``capacity_bytes`` without a fleet's index)."""
+
+    @pytest.fixture(autouse=True)
+    def _server(self, seaweed: SeaweedServer, s3_prefix: str) -> None:
+        self.seaweed, self.prefix = seaweed, s3_prefix
+
+    async def open_bounded_backend(self, where: Path, capacity_bytes: int) -> Backend:
+        return open_backend(f"s3://{self.seaweed.bucket}/{self.prefix}/{where.name}",
+                            capacity_bytes=capacity_bytes, **self.seaweed.options)
 
 
 async def test_capacity_evicts_chain_tails_first(seaweed: SeaweedServer, s3_prefix: str) -> None:

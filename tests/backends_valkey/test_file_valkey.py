@@ -10,7 +10,7 @@ import pytest
 
 from hicache_store.backends import Backend, WriterFencedError, open_backend
 from hicache_store.backends.file import FileBackend
-from hicache_store.testing import BackendTests, RetentionTests
+from hicache_store.testing import BackendTests, CapacityUsageTests, RetentionTests
 
 from .valkey_server import ValkeyServer
 
@@ -56,6 +56,16 @@ class TestFileValkeyRetention(RetentionTests):
         return FileBackend(where, durability="none", direct_io="never", index=self.url,
                            capacity_counts="size", capacity_bytes=capacity_bytes,
                            pin_fraction=pin_fraction, clock=clock)
+
+
+class TestFileValkeyCapacityUsage(CapacityUsageTests):
+    @pytest.fixture(autouse=True)
+    def _server(self, valkey: ValkeyServer) -> None:
+        self.url = valkey.url
+
+    async def open_bounded_backend(self, where: Path, capacity_bytes: int) -> Backend:
+        return FileBackend(where, durability="none", direct_io="never", index=self.url,
+                           capacity_bytes=capacity_bytes)
 
 
 async def test_a_put_reclaimed_before_it_published_leaves_no_unaccounted_object(

@@ -14,7 +14,7 @@ import pytest
 from hicache_store.backends import Backend, Retention, WriterFencedError, open_backend
 from hicache_store.backends.feed import FeedFollower
 from hicache_store.backends.s3 import S3Backend
-from hicache_store.testing import BackendTests, RetentionTests
+from hicache_store.testing import BackendTests, CapacityUsageTests, RetentionTests
 
 from .valkey_server import ValkeyServer
 
@@ -79,6 +79,16 @@ class TestS3ValkeyRetention(RetentionTests):
     ) -> Backend:
         return _store(self.seaweed, self.valkey, f"t-{secrets.token_hex(6)}",
                       capacity_bytes=capacity_bytes, pin_fraction=pin_fraction, clock=clock)
+
+
+class TestS3ValkeyCapacityUsage(CapacityUsageTests):
+    @pytest.fixture(autouse=True)
+    def _servers(self, seaweed: Any, valkey: ValkeyServer) -> None:
+        self.seaweed, self.valkey = seaweed, valkey
+
+    async def open_bounded_backend(self, where: Path, capacity_bytes: int) -> Backend:
+        return _store(self.seaweed, self.valkey, f"t-{secrets.token_hex(6)}",
+                      capacity_bytes=capacity_bytes)
 
 
 async def test_writers_share_one_bound_pins_and_one_feed(seaweed: Any, valkey: ValkeyServer
