@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from hicache_store.backends import BackendUnavailableError
 from hicache_store.integrations._admission import (
     ReuseAdmission,
     admission_for,
@@ -79,9 +80,11 @@ def serve(store: LRUStore, admission: ReuseAdmission | None, *, conversations: i
             rows = first_rows if first_rows is not None and turn == 0 else rows_per_turn
             new = chain[found:] + [(c, turn, i) for i in range(rows)]
             history[c] = chain[:found] + new
-            if admission is None or admission.admit():
+            # (rows of one byte: the store's room is counted in rows)
+            if admission is None or admission.admit(
+                    len(new) if admission.knows_room else 0, keys=new):
                 if admission is not None:
-                    admission.written(new)
+                    admission.written(new, len(new))
                 store.put(new)
         hits_per_turn.append(hits)
     return Outcome(hits_per_turn, store.writes, len(store.rows))
@@ -89,6 +92,12 @@ def serve(store: LRUStore, admission: ReuseAdmission | None, *, conversations: i
 
 def admission_of(store: LRUStore, **limits: int) -> ReuseAdmission:
     return ReuseAdmission(lambda: store.evictions, **limits)
+
+
+def room_admission_of(store: LRUStore, **limits: int) -> ReuseAdmission:
+    """The admission with the store's room known (``capabilities.capacity_usage``)."""
+    return ReuseAdmission(lambda: store.evictions, room=lambda: (store.capacity, len(store.rows)),
+                          **limits)
 
 
 def test_lru_alone_thrashes_on_conversations_that_outgrow_the_store() -> None:
@@ -211,6 +220,116 @@ def test_a_hold_is_tried_again_after_a_while_even_while_its_rows_stay_hot() -> N
     admission = admission_of(store, hold=40)
     serve(store, admission, conversations=6, rows_per_turn=2, turns=12)
     assert admission.counts.holds >= 2  # released by the bound, held again on new evidence
+
+
+# -- with the room known (capacity_usage) --------------------------------------------------------
+
+
+def test_with_the_room_known_a_thrashing_workload_writes_only_what_it_keeps() -> None:
+    # The evidence alone holds only after the store has evicted rows before their read: it
+    # writes more than it keeps. Knowing the room, nothing is written that evicts a row
+    # written or found recently, so nothing written is lost, and the store serves more.
+    runs = {}
+    for name, make in (("evidence", admission_of), ("room", room_admission_of)):
+        store = LRUStore(capacity=24)
+        admission = make(store)
+        runs[name] = (serve(store, admission, conversations=6, rows_per_turn=2, turns=8),
+                      admission, store)
+    evidence, (room, admission, store) = runs["evidence"][0], runs["room"]
+    assert evidence.writes > evidence.kept  # (the figure the room improves on)
+    assert room.writes == room.kept == store.capacity
+    assert store.evictions == 0 and admission.counts.premature_evictions == 0
+    assert admission.counts.refused_fresh > 0 and admission.counts.fitted > 0
+    assert sum(room.hits_per_turn) >= sum(evidence.hits_per_turn)
+    assert all(hits > 0 for hits in room.hits_per_turn[1:])
+
+
+def test_with_the_room_known_a_workload_that_moves_on_turns_the_store_over() -> None:
+    # The store full of conversations that are no longer read: new rows are refused until
+    # the old ones are stale (``stale`` capacities of writes offered since they were last
+    # written or found), then written over them, and the new conversations are served.
+    store = LRUStore(capacity=24)
+    admission = room_admission_of(store)
+    serve(store, admission, conversations=6, rows_per_turn=2, turns=8)
+    old = set(store.rows)
+    history: dict[int, list[object]] = {}
+    served = []
+    for turn in range(60):  # three new conversations, in turn, each a row longer a turn
+        hits = 0
+        for c in range(100, 103):
+            chain = history.get(c, [])
+            found = 0
+            for key in chain:
+                there = store.has(key)
+                admission.answered(key, there, (c, turn))
+                if not there:
+                    break
+                found += 1
+            hits += found
+            new = [*chain[found:], (c, turn)]
+            history[c] = chain[:found] + new
+            if admission.admit(len(new), keys=new):
+                admission.written(new, len(new))
+                store.put(new)
+        served.append(hits)
+    assert served[:2] == [0, 0]  # the old rows were fresh: kept, the new refused
+    assert admission.counts.refused_fresh > 0
+    assert served[-1] > 0 and not old <= set(store.rows)  # the store turned over
+    assert admission.counts.premature_evictions == 0
+
+
+def test_with_the_room_known_writes_into_free_room_go_whatever_the_hold() -> None:
+    used, evictions = [0], [0]
+    admission = ReuseAdmission(lambda: evictions[0], room=lambda: (100, used[0]))
+    admission.written(["x"], 10)
+    evictions[0] = 1
+    admission.answered("x", False, "r")  # a premature eviction before any hit: a hold
+    assert admission.holding
+    assert admission.admit(50)  # fits: evicts nothing
+    assert admission.admit(40)  # fits with the 50 the store does not count yet
+    assert not admission.admit(20)  # 50 + 40 + 20 pass 100: it would evict, held
+    used[0] = 90  # the store counts them: nothing ahead
+    assert admission.admit(10) and not admission.admit(1)
+    assert admission.counts.fitted == 3 and admission.counts.refused == 2
+
+
+def test_with_the_room_known_rows_of_unknown_size_follow_the_evidence() -> None:
+    evictions = [0]
+    admission = ReuseAdmission(lambda: evictions[0], room=lambda: (100, 100))
+    assert admission.admit()  # no hold, size unknown: goes
+    admission.written(["x"])
+    evictions[0] = 1
+    admission.answered("x", False, "r")
+    assert not admission.admit()
+
+
+def test_with_the_room_known_a_write_that_evicts_only_stale_or_foreign_rows_goes() -> None:
+    used = [0]
+    admission = ReuseAdmission(lambda: 0, room=lambda: (100, used[0]), stale=1)
+    assert admission.admit(60)
+    admission.written([f"a{i}" for i in range(6)], 60)
+    used[0] = 60
+    assert not admission.admit(50)  # would evict a row written just now
+    assert admission.counts.refused_fresh == 1
+    for _ in range(3):  # 150 bytes of writes offered (refused) since: the rows are stale
+        admission.admit(50)
+    assert admission.admit(50)
+    # rows of other writers (the store holds more than this process wrote): not seen here
+    other = ReuseAdmission(lambda: 0, room=lambda: (100, 100))
+    assert other.admit(10)
+
+
+def test_with_the_room_known_a_unreadable_room_falls_back_to_the_evidence() -> None:
+    def room() -> tuple[int, int]:
+        raise BackendUnavailableError("counters out of reach", backend="test")
+
+    evictions = [0]
+    admission = ReuseAdmission(lambda: evictions[0], room=room)
+    assert admission.admit(10)
+    admission.written(["x"], 10)
+    evictions[0] = 1
+    admission.answered("x", False, "r")
+    assert not admission.admit(10)
 
 
 def test_misses_of_rows_never_written_here_or_gone_without_eviction_are_no_evidence() -> None:

@@ -342,9 +342,10 @@ def test_drain_jobs_leaves_every_result_ready(make: Any) -> None:
 
 
 def test_the_store_stays_within_its_capacity(make: Any, tmp_path: Path) -> None:
+    # Every write goes (write_admission="all"): the backend's LRU makes the room.
     capacity = 6 * (ROW + 4096)  # six objects (header page + row)
     store = tmp_path / "bounded"
-    h = make(store=store, backend_options={"capacity_bytes": capacity})
+    h = make(store=store, write_admission="all", backend_options={"capacity_bytes": capacity})
     for i in range(20):
         h.fill(i % CHUNKS, seed=i)
         assert h.store([key(200 + i)], [i % CHUNKS]).success
@@ -353,6 +354,29 @@ def test_the_store_stays_within_its_capacity(make: Any, tmp_path: Path) -> None:
     assert len(object_files(store)) == 6
     assert h.lookup(key(219))[0] is LookupResult.HIT  # the newest stayed
     assert h.lookup(key(200))[0] is LookupResult.MISS  # the oldest went
+
+
+def test_knowing_the_room_the_tier_writes_only_what_fits_beside_fresh_rows(
+    make: Any, tmp_path: Path
+) -> None:
+    # The file backend declares its capacity and used bytes: with the default admission a
+    # row that would evict a row written just now is refused, so what was written is kept
+    # (no eviction) and served, where LRU alone (above) keeps only the newest.
+    capacity = 6 * (ROW + 4096)
+    store = tmp_path / "bounded"
+    h = make(store=store, backend_options={"capacity_bytes": capacity})
+    assert h.tier.backend.capabilities.capacity_usage
+    assert h.tier.admission is not None and h.tier.admission.knows_room
+    for i in range(20):
+        h.fill(i % CHUNKS, seed=i)
+        assert h.store([key(200 + i)], [i % CHUNKS]).success
+    assert len(object_files(store)) == 6
+    assert h.tier.backend.stats.evictions == 0
+    assert h.tier.backend.stats.writes == 6  # written: what it keeps
+    assert h.tier.stats.stores_refused == 14
+    assert h.tier.admission.counts.refused == h.tier.admission.counts.refused_fresh == 14
+    assert [h.lookup(key(200 + i))[0] for i in (0, 5, 6)] == [
+        LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
 
 
 def serve_in_turn(h: Harness, *, conversations: int, turns: int) -> list[int]:
@@ -391,12 +415,13 @@ def test_a_store_that_evicts_rows_before_their_next_read_holds_what_it_has(
     # is written again. With the default admission the tier refuses writes once its lookups
     # show that, and what the store holds is served on every later turn.
     capacity = 16 * (ROW + 4096)
-    runs = {}
+    runs, evictions = {}, {}
     for admission in ("all", "reuse"):
         h = make(store=tmp_path / admission, write_admission=admission,
                  backend_options={"capacity_bytes": capacity, "durability": "none"})
         hits = serve_in_turn(h, conversations=4, turns=6)
         runs[admission] = (hits, h.tier.backend.stats.bytes_written, h.tier.stats)
+        evictions[admission] = h.tier.backend.stats.evictions
     lru_hits, lru_written, lru_stats = runs["all"]
     hits, written, stats = runs["reuse"]
     assert lru_hits[3:] == [0, 0, 0] and lru_stats.stores_refused == 0
@@ -406,6 +431,8 @@ def test_a_store_that_evicts_rows_before_their_next_read_holds_what_it_has(
     # (The hold starts at the second history lost in a row: fewer rows written than with a
     # majority of four answers, and fewer held; what it holds is served on every later turn.)
     assert sum(hits[3:]) > sum(lru_hits[3:]) and sum(hits) > sum(lru_hits)
+    # The file backend declares its room: no write evicted a row (written: what it keeps).
+    assert evictions == {"all": evictions["all"], "reuse": 0} and evictions["all"] > 0
 
 
 def test_an_unknown_write_admission_is_refused_at_startup(make: Any) -> None:
@@ -420,7 +447,8 @@ def test_rows_evicted_by_capacity_or_removed_by_another_process_are_removal_even
     # left it is named once: the events replay to exactly what is on disk.
     capacity = 4 * (ROW + 4096)  # four objects (header page + row)
     store = tmp_path / "bounded"
-    h = make(store=store, backend_options={"capacity_bytes": capacity},
+    # (every write goes: the backend's LRU evicts, write_admission="all")
+    h = make(store=store, write_admission="all", backend_options={"capacity_bytes": capacity},
              enable_kv_events=True, config=offloading_config(events=True))
     held: set[Any] = set()
     for i in range(10):

@@ -4,8 +4,9 @@ Six conversations served in turn (each turn's prompt the conversation so far) ou
 vLLM's 8 MiB of KV and an 8 MiB store. Under the backend's LRU alone
 (``write_admission="all"``) each conversation's pages are evicted just before it comes back:
 nothing is served and every history is written again. With the connector's write admission
-(the default) the store keeps what it holds and serves it. Both reproduce the greedy tokens
-of a run without the connector. Served tokens are the connector's Prometheus counter of
+(the default) the store keeps what it holds and serves it; the file backend declares its
+capacity and used bytes, so no save evicts a page saved or served lately: what is written is
+what the store keeps. Both reproduce the greedy tokens of a run without the connector. Served tokens are the connector's Prometheus counter of
 tokens restored (``vllm:hicache_store_loaded_tokens``).
 """
 
@@ -36,6 +37,8 @@ class Run:
     bytes_written: int
     refused_pages: int
     disk_bytes: int
+    kept_bytes: int  # the objects' bytes in the store at the end (its index's count)
+    evictions: int
 
 
 def serve(model_dir: Path, store: Path | None, **extra: Any) -> Run:
@@ -64,19 +67,21 @@ def serve(model_dir: Path, store: Path | None, **extra: Any) -> Run:
                 history[c] = prompt + outputs[-1]
         loaded = sum(m.value for m in llm.get_metrics()
                      if m.name == "vllm:hicache_store_loaded_tokens")
-        written = refused = 0
+        written = refused = kept = evictions = 0
         if store is not None:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
             worker = get_kv_transfer_group()
             worker.flush()
             written = worker.backend.stats.bytes_written
+            evictions = worker.backend.stats.evictions
+            kept = worker.backend.capacity_usage().usage()[1]
             scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
             refused = scheduler.metrics["saves_refused_pages"]
     finally:
         close_llm(llm)
     disk = sum(p.stat().st_size for p in store.rglob("*") if p.is_file()) if store else 0
-    return Run(outputs, loaded, written, refused, disk)
+    return Run(outputs, loaded, written, refused, disk, kept, evictions)
 
 
 def test_a_capped_store_serves_reused_turns_where_lru_alone_serves_none(
@@ -93,3 +98,6 @@ def test_a_capped_store_serves_reused_turns_where_lru_alone_serves_none(
     assert admitted.loaded_tokens > 0 and admitted.refused_pages > 0
     assert admitted.bytes_written < lru.bytes_written / 2
     assert admitted.disk_bytes <= CAPACITY and lru.disk_bytes <= CAPACITY
+    # knowing the room: nothing written was evicted, so it wrote exactly what it keeps
+    assert admitted.evictions == 0 and lru.evictions > 0
+    assert admitted.bytes_written == admitted.kept_bytes <= CAPACITY

@@ -38,6 +38,7 @@ from hicache_store.tier.components import Tier, match_components
 
 BLOCK, WINDOW = 32, 64  # tests/vllm's tiny Gemma-2: pages of 32 tokens, a window of 64
 NULL = 0
+PAGE_BYTES = 4096  # (the write admission's sizes: a store without capacity_usage ignores them)
 
 
 def gemma_parts() -> list[Any]:
@@ -82,6 +83,7 @@ def connector(store: Store, admission: ReuseAdmission | None) -> Any:
     conn._breaker = SimpleNamespace(open=False)
     conn._part_links = [store.link(p.group) for p in parts]
     conn._saved, conn._refuted = OrderedDict(), OrderedDict()
+    conn._page_bytes = {p.group: PAGE_BYTES for p in parts}
     conn.metrics, conn._interval, conn._lock = Counter(), Counter(), threading.Lock()
     conn.hints = SimpleNamespace(holds=lambda req_id, pages: False)
     conn._kv_cache_manager = SimpleNamespace(

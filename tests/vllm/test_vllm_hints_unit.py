@@ -319,7 +319,7 @@ def test_rows_a_hint_holds_are_written_while_write_admission_refuses_others(
         "capacity_bytes": 16 * (ROW + 4096), "durability": "none"})
     serve_in_turn(h, conversations=4, turns=6)
     assert h.tier.admission is not None
-    assert not h.tier.admission.admit(), "the workload should have put admission on hold"
+    assert h.tier.stats.stores_refused > 0, "the workload should have the store refuse writes"
     refused = h.tier.stats.stores_refused
     store_for(h, ReqContext(req_id="plain"), [0])
     assert h.tier.stats.stores_refused > refused  # an ordinary job: refused

@@ -44,8 +44,10 @@ Keys (all optional):
                        from a full prefill (vLLM turns prefix caching off for MLA there), so the
                        tokens then follow vLLM's own offloading's, not a recompute's.
 ``write_admission``    ``"reuse"`` (default): under capacity pressure, saves are refused while
-                       the store evicts the pages this connector saved before their next read
-                       (``integrations._admission``, the secondary tier's rule); ``"all"``:
+                       the store evicts the pages this connector saved before their next read,
+                       or (a backend that declares ``capacity_usage``) when they would evict
+                       pages saved or found lately (``integrations._admission``, the
+                       secondary tier's rule); ``"all"``:
                        every save is made (the backend's LRU alone).
 ``test_alter_loaded_kv``  TEST ONLY: zero every 97th byte of each page after it was verified
                        and before it reaches vLLM (and save nothing), to show that wrong KV

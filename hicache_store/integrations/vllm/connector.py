@@ -89,7 +89,10 @@ option and rule). On a store that evicts under capacity pressure, the scheduler'
 pages it planned to save are the evidence, with the store evictions the workers' saves caused
 (``HiCacheStoreWorkerMeta.store_evictions``): while the store evicts those pages before their
 next read, the scheduler plans no saves (``saves_refused_pages``), except of pages the
-request's hints pin or retain; what the store holds stays and is served.
+request's hints pin or retain; what the store holds stays and is served. Where the backend
+declares its room (``capacity_usage``), a save plan is judged by its bytes (each part's page
+as the scheduler's link reads it) before any page is evicted: into free room it goes,
+otherwise only over pages no lookup or save touched lately (``_admission``).
 
 **Other families** (the connector is ``SupportsHMA``: vLLM keeps its hybrid memory allocator
 on). A model whose cache is not one group of full-attention MHA (sliding window, hybrids of
@@ -172,7 +175,12 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from hicache_store._sync import run_sync, submit
 from hicache_store.backends import Backend, open_backend
 from hicache_store.backends.errors import InvalidRangeError
-from hicache_store.integrations._admission import ReuseAdmission, admission_for, refuses
+from hicache_store.integrations._admission import (
+    ReuseAdmission,
+    admission_for,
+    refuses,
+    room_of,
+)
 from hicache_store.integrations._lookups import LookupCounters
 from hicache_store.kernels.vllm_cpu import pack_blocks, unpack_blocks
 from hicache_store.layout.blocks import SKIP, BlockPages
@@ -498,6 +506,12 @@ def model_namespace(
     return namespace, topology
 
 
+def _stored_bytes(link: L3Link) -> int:
+    """The bytes one page's objects take in the store, as ``link`` reads them all (headers
+    and payloads)."""
+    return sum(o.header_bytes + o.payload_bytes for o in link.read_plan.objects)
+
+
 def _check_l2_size(l2_bytes: int, namespace: Namespace, topology: Topology) -> None:
     """Refuse an L2 that is on but holds no page of some worker's shard."""
     if not l2_bytes:
@@ -621,14 +635,20 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         self._store_evictions = 0
         self._evictions_reported = 0  # (worker) the backend's evictions already reported
         self.admission: ReuseAdmission | None = None
+        #: (scheduler) the bytes a page's objects take in the store: per part where there
+        #: are parts (by group), else the one entry -1 (the write admission's sizes)
+        self._page_bytes: dict[int, int] = {}
         if role == KVConnectorRole.SCHEDULER:
             self.admission = self._new_admission()
             # Every object of a page (the scheduler reads no shard): a page counts as stored
             # when each worker rank's objects are all there.
             self._lookup = self._make_link(Topology(1, 1), 0, read_only=True)
+            self._page_bytes[-1] = _stored_bytes(self._lookup)
             if self.parts is not None:
                 self._part_links = [self._part_link(p, Topology(1, 1), 0, read_only=True)
                                     for p in self.parts]
+                self._page_bytes = {p.group: _stored_bytes(link)
+                                    for p, link in zip(self.parts, self._part_links, strict=True)}
         self._rank = 0  # the worker's rank (register_kv_caches)
         log.info(
             "hicache-store connector (%s): namespace %s (%s, %s, page %d, block %d, grid %s, "
@@ -660,7 +680,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
 
     def _new_admission(self) -> ReuseAdmission | None:
         return admission_for(self.config.write_admission, self.backend.capabilities.eviction,
-                             lambda: self._store_evictions)
+                             lambda: self._store_evictions, room_of(self.backend))
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -818,11 +838,11 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         for key in missing:
             self.admission.answered(key, False, req_id)
 
-    def _refuse_save(self, req_id: str, pages: list[int], objects: int) -> bool:
-        """Whether the write admission refuses the saves of a request's ``pages`` (a hint
-        that pins or retains one of them has them saved whatever it says); counted as the
-        ``objects`` (pages of every part) the plan would have saved."""
-        if not refuses(self.admission, lambda: self.hints.holds(req_id, pages)):
+    def _refuse_save(self, req_id: str, pages: list[int], objects: int, nbytes: int) -> bool:
+        """Whether the write admission refuses the saves of a request's ``pages``, ``nbytes``
+        in the store (a hint that pins or retains one of them has them saved whatever it
+        says); counted as the ``objects`` (pages of every part) the plan would have saved."""
+        if not refuses(self.admission, lambda: self.hints.holds(req_id, pages), nbytes):
             return False
         self._count("saves_refused_pages", objects)
         return True
@@ -1021,10 +1041,11 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             i for i in range(start, min(end, reach))
             if hashes[i] not in self._saved
         ]
-        if not pages or self._refuse_save(tracked.request.request_id, pages, len(pages)):
+        nbytes = len(pages) * self._page_bytes[-1]
+        if not pages or self._refuse_save(tracked.request.request_id, pages, len(pages), nbytes):
             return None
         if self.admission is not None:
-            self.admission.written(hashes[i] for i in pages)
+            self.admission.written((hashes[i] for i in pages), nbytes)
         for i in pages:
             self._saved[hashes[i]] = None
             self._refuted.pop(hashes[i], None)  # its object is being written anew
@@ -1064,11 +1085,13 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         saves: list[PageSave] = []
         if not plans or self._refuse_save(
                 tracked.request.request_id, sorted({i for _, _, pages in plans for i in pages}),
-                sum(len(pages) for _, _, pages in plans)):
+                sum(len(pages) for _, _, pages in plans),
+                sum(len(pages) * self._page_bytes[part.group] for part, _, pages in plans)):
             return saves
         for part, ids, pages in plans:
             if self.admission is not None:
-                self.admission.written(_part_key(part.group, hashes[i]) for i in pages)
+                self.admission.written((_part_key(part.group, hashes[i]) for i in pages),
+                                       len(pages) * self._page_bytes[part.group])
             for i in pages:
                 self._saved[_part_key(part.group, hashes[i])] = None
                 self._refuted.pop(_part_key(part.group, hashes[i]), None)

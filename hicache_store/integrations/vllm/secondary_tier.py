@@ -39,7 +39,10 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   found, or two requests in a row lost such rows), store jobs are refused
   (``stats.stores_refused``; vLLM sees a job that moved no bytes, not a failure): what the
   store holds stays and is served. The hold ends when what it holds is no longer read, or
-  after a while, to try new rows again. ``all`` writes every job (the backend's LRU alone);
+  after a while, to try new rows again. Where the backend declares its room
+  (``capacity_usage``) a job is judged by its bytes before anything is evicted: into free
+  room it goes, otherwise only over rows no lookup or job touched lately (``_admission``).
+  ``all`` writes every job (the backend's LRU alone);
   backends without capacity eviction write every job. A job
   whose rows the request's ``kv_hints`` pin or retain is always written.
 * **Non-blocking.** ``lookup`` answers at once where the backend can without waiting
@@ -153,6 +156,7 @@ from hicache_store.integrations._admission import (
     admission_for,
     check_write_admission,
     refuses,
+    room_of,
 )
 from hicache_store.integrations._lookups import LookupCounters
 from hicache_store.layout.errors import ConfigError, CorruptObjectError, InvalidNamespaceError
@@ -560,9 +564,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self._lookups = _Lookups(self)
         #: refuses store jobs while the store only evicts rows before their next read
         #: (``integrations._admission``); None: every job is written (``write_admission="all"``)
-        self.admission: ReuseAdmission | None = admission_for(
-            self._write_admission, self.backend.capabilities.eviction,
-            lambda: self.backend.stats.evictions)
+        self.admission: ReuseAdmission | None = self._new_admission()
         # vLLM's kv_hints (``_hints``): holds on the request's row objects
         blocks = offloading_spec.config.cache.blocks_per_chunk
         self.hints = TierHints(self.backend, self.namespace.digest, self.storage_key, {
@@ -587,6 +589,12 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         return self._rows[start : start + self.row_bytes]
 
     # -- the scheduler's calls ----------------------------------------------------------------
+
+    def _new_admission(self) -> ReuseAdmission | None:
+        """The write admission (``write_admission``), judging by the store's room where the
+        backend declares it."""
+        return admission_for(self._write_admission, self.backend.capabilities.eviction,
+                             lambda: self.backend.stats.evictions, room_of(self.backend))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self.hints.new_request(req_context)
@@ -619,7 +627,8 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if self.test_alter_loaded_kv:
             # TEST ONLY: KV computed on top of altered rows is wrong too; never store it.
             future = _resolved([False] * len(keys), 0.0)
-        elif refuses(self.admission, lambda: self.hints.holds(job_metadata)):
+        elif refuses(self.admission, lambda: self.hints.holds(job_metadata),
+                     len(keys) * (self._header_bytes + self.row_bytes)):
             # Refused, not failed: the store keeps what it holds (vLLM counts no failure).
             with self._stats_lock:
                 self.stats.stores_refused += len(keys)
@@ -628,7 +637,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             return
         else:
             if self.admission is not None:
-                self.admission.written(keys)
+                self.admission.written(keys, len(keys) * (self._header_bytes + self.row_bytes))
             job = self._native_store_job(keys, chunks)
             if job is not None:
                 self._jobs[job_metadata.job_id] = job
@@ -684,9 +693,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self.io = ObjectIO(self.backend, self.namespace, io_timeout_s=io_timeout_s,
                            max_inflight_bytes=max_inflight)
         self.hints.namespace = self.namespace.digest  # hints naming the old one are refused
-        # the old rows now miss: no evidence of eviction
-        self.admission = admission_for(self._write_admission, self.backend.capabilities.eviction,
-                                       lambda: self.backend.stats.evictions)
+        self.admission = self._new_admission()  # the old rows now miss: no evidence
         log.info("HiCacheStoreTier: reset (the weights may have changed): namespace %s -> %s",
                  old, self.namespace.digest)
 
