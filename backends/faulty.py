@@ -289,5 +289,9 @@ class FaultyBackend(Backend):
         await self._before("retention_of", writing=False)
         return await self.inner.retention_of(keys)
 
+    def _usage(self) -> tuple[int, int]:
+        # docstring inherited: the inner store's counters (no fault: nothing is moved)
+        return self.inner.capacity_usage().usage()
+
     async def _close(self) -> None:
         await self.inner.close()

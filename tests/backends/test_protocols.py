@@ -119,7 +119,14 @@ async def test_the_built_in_backends_declare_what_they_offer(tmp_path: Path) -> 
     assert memory.capabilities == MemoryBackend.capabilities
     assert not (memory.capabilities.host_buffers or memory.capabilities.inline_exists
                 or memory.capabilities.native_reads)
-    for store in (posix, faulty, hf3fs, memory):
+    # capacity usage: where the bound is counted (an index, memory), never an estimate
+    assert file.capabilities.capacity_usage and memory.capabilities.capacity_usage
+    assert faulty.capacity_usage().usage() == file.capacity_usage().usage()
+    unindexed = FileBackend(tmp_path / "n", index="none")
+    assert not unindexed.capabilities.capacity_usage
+    with pytest.raises(NotSupportedError, match="capacity_usage"):
+        unindexed.capacity_usage()
+    for store in (posix, faulty, hf3fs, memory, unindexed):
         await store.close()
 
 
