@@ -32,3 +32,23 @@ async def test_undeclared_backend_refuses() -> None:
 
     with pytest.raises(NotSupportedError):
         await NoRetention().retain(["a0"], Retention("o", None, pinned=True))
+
+
+async def test_the_capacity_usage_suite_catches_a_backend_that_miscounts() -> None:
+    class Miscounts(MemoryBackend):
+        def _usage(self) -> tuple[int, int]:  # every byte put, never one deleted or evicted
+            return self.capacity_bytes, self.stats.bytes_written
+
+    opened: list[Backend] = []
+
+    async def open_(capacity_bytes: int) -> Backend:
+        opened.append(Miscounts(capacity_bytes=capacity_bytes))
+        return opened[-1]
+
+    suite = TestMemoryCapacityUsage()
+    for test in (suite.test_used_bytes_track_puts_rewrites_and_deletes,
+                 suite.test_used_bytes_follow_evictions_and_never_pass_the_capacity):
+        with pytest.raises(AssertionError):
+            await test(open_)
+    for store in opened:
+        await store.close()
