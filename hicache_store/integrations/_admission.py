@@ -38,15 +38,17 @@ declares ``capabilities.capacity_usage``), each write is judged before it goes, 
   offered again is no new demand). A row that fresh is a row the workload may still read
   (a workload that comes back to its rows looks up about what the store holds between two
   reads of one), so the write is refused and the row kept; a workload that moves on looks
-  up and offers other rows until the old ones are stale, and the store turns over to them. Rows of other writers are
-  not seen here: where this process's rows do not cover the room needed, the write goes.
+  up and offers other rows until the old ones are stale, and the store turns over to them.
+  Rows another writer (or an earlier process) wrote are seen only where they are found here
+  (then kept as this process's, at its row size): where the rows seen do not cover the room
+  needed, the write goes.
 
-Memory: one entry per row written here, the ``memory`` most recent ones. Calls may come from
-any thread (one lock).
+Memory: one entry per row written or found here, the ``memory`` most recent ones. Calls may
+come from any thread (one lock).
 
 The routes share the option and the rule: ``write_admission`` (``WRITE_ADMISSIONS``) names it
-(``admission_for``), and a write is refused only while the admission holds and no hint of the
-request pins or retains any of its rows (``refuses``: a held row is always written).
+(``admission_for``), and a write is refused only while the admission refuses it and no hint of
+the request pins or retains any of its rows (``refuses``: a held row is always written).
 """
 
 from __future__ import annotations
@@ -300,6 +302,10 @@ class ReuseAdmission:
                     if True not in seen or request is None:
                         seen.add(True)
                         self._evidence.append(True)
+                elif self._room is not None and self._row_bytes:
+                    # a row another process (or an earlier one) wrote, read here: kept as
+                    # this process's own (no evidence: the counts stay of rows written here)
+                    self._touch(key, self._row_bytes)
                 self._idle = 0
             else:
                 entry = self._written.get(key)

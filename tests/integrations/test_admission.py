@@ -319,6 +319,23 @@ def test_with_the_room_known_a_write_that_evicts_only_stale_or_foreign_rows_goes
     assert other.admit(10)
 
 
+def test_with_the_room_known_rows_found_here_are_kept_whoever_wrote_them() -> None:
+    # A store another process filled: the rows this one reads are kept as its own (no
+    # evidence counted); rows it never reads are the store's LRU's to evict.
+    runs = []
+    for reads_old in (False, True):
+        admission = ReuseAdmission(lambda: 0, room=lambda: (100, 100), stale=1)
+        admission.written(["mine"], 10)  # (the row size: 10)
+        for i in range(10):  # 100 bytes looked up since: "mine" is stale
+            admission.answered(("gone", i), False, "r1")
+        if reads_old:
+            admission.answered("old0", True, "r2")  # written by another process, read here
+        runs.append((admission.admit(30), admission.counts))
+    assert runs[0][0]  # evicts "mine" (stale) and rows never seen here
+    assert not runs[1][0] and runs[1][1].refused_fresh == 1  # would evict "old0", just read
+    assert runs[1][1].hits == 0  # (hits count rows written here only)
+
+
 def test_with_the_room_known_a_unreadable_room_falls_back_to_the_evidence() -> None:
     def room() -> tuple[int, int]:
         raise BackendUnavailableError("counters out of reach", backend="test")
