@@ -79,10 +79,10 @@ DEFAULT_IDLE = 256
 DEFAULT_HOLD = 4096
 #: rows written here that are remembered (the oldest are forgotten: no evidence).
 DEFAULT_MEMORY = 1 << 16
-#: with the room known: a row neither written nor found while this many capacities of bytes
-#: of writes were offered is stale (a write may evict it). Under LRU alone a row lasts one
-#: capacity of writes; four lets a workload that comes back within a few capacities keep
-#: its rows, and one that moved on turn the store over.
+#: with the room known: a row neither written nor found while rows of this many capacities
+#: were looked up or first offered is stale (a write may evict it). A workload that comes
+#: back to its rows looks up about one capacity between two reads of a held row; four keeps
+#: its rows through a busy stretch, and lets one that moved on turn the store over.
 DEFAULT_STALE = 4
 #: seconds after which bytes admitted into free room and not yet counted by the store are
 #: no longer expected (a put that failed, or that rewrote an object: no growth to see).

@@ -336,6 +336,18 @@ def test_with_the_room_known_rows_found_here_are_kept_whoever_wrote_them() -> No
     assert runs[1][1].hits == 0  # (hits count rows written here only)
 
 
+def test_with_the_room_known_a_refused_row_offered_again_is_no_new_demand() -> None:
+    # An engine offers a refused row again each time it computes it: that is not a workload
+    # moving on, and must not age the rows the store holds into stale ones.
+    outcomes = {}
+    for named in (True, False):
+        admission = ReuseAdmission(lambda: 0, room=lambda: (100, 100), stale=1)
+        admission.written([f"a{i}" for i in range(10)], 100)
+        outcomes[named] = [admission.admit(10, keys=["x"] if named else ()) for _ in range(30)]
+    assert not any(outcomes[True])
+    assert any(outcomes[False])  # (its rows unnamed, every offer counts as new)
+
+
 def test_with_the_room_known_a_unreadable_room_falls_back_to_the_evidence() -> None:
     def room() -> tuple[int, int]:
         raise BackendUnavailableError("counters out of reach", backend="test")

@@ -838,11 +838,13 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         for key in missing:
             self.admission.answered(key, False, req_id)
 
-    def _refuse_save(self, req_id: str, pages: list[int], objects: int, nbytes: int) -> bool:
+    def _refuse_save(self, req_id: str, pages: list[int], objects: int, nbytes: int,
+                     keys: list[str]) -> bool:
         """Whether the write admission refuses the saves of a request's ``pages``, ``nbytes``
-        in the store (a hint that pins or retains one of them has them saved whatever it
-        says); counted as the ``objects`` (pages of every part) the plan would have saved."""
-        if not refuses(self.admission, lambda: self.hints.holds(req_id, pages), nbytes):
+        in the store as the admission's ``keys`` (a hint that pins or retains one of them has
+        them saved whatever it says); counted as the ``objects`` (pages of every part) the
+        plan would have saved."""
+        if not refuses(self.admission, lambda: self.hints.holds(req_id, pages), nbytes, keys):
             return False
         self._count("saves_refused_pages", objects)
         return True
@@ -1041,11 +1043,12 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             i for i in range(start, min(end, reach))
             if hashes[i] not in self._saved
         ]
-        nbytes = len(pages) * self._page_bytes[-1]
-        if not pages or self._refuse_save(tracked.request.request_id, pages, len(pages), nbytes):
+        nbytes, keys = len(pages) * self._page_bytes[-1], [hashes[i] for i in pages]
+        if not pages or self._refuse_save(tracked.request.request_id, pages, len(pages), nbytes,
+                                          keys):
             return None
         if self.admission is not None:
-            self.admission.written((hashes[i] for i in pages), nbytes)
+            self.admission.written(keys, nbytes)
         for i in pages:
             self._saved[hashes[i]] = None
             self._refuted.pop(hashes[i], None)  # its object is being written anew
@@ -1086,7 +1089,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         if not plans or self._refuse_save(
                 tracked.request.request_id, sorted({i for _, _, pages in plans for i in pages}),
                 sum(len(pages) for _, _, pages in plans),
-                sum(len(pages) * self._page_bytes[part.group] for part, _, pages in plans)):
+                sum(len(pages) * self._page_bytes[part.group] for part, _, pages in plans),
+                [_part_key(part.group, hashes[i]) for part, _, pages in plans for i in pages]):
             return saves
         for part, ids, pages in plans:
             if self.admission is not None:

@@ -628,7 +628,7 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
             # TEST ONLY: KV computed on top of altered rows is wrong too; never store it.
             future = _resolved([False] * len(keys), 0.0)
         elif refuses(self.admission, lambda: self.hints.holds(job_metadata),
-                     len(keys) * (self._header_bytes + self.row_bytes)):
+                     len(keys) * (self._header_bytes + self.row_bytes), keys):
             # Refused, not failed: the store keeps what it holds (vLLM counts no failure).
             with self._stats_lock:
                 self.stats.stores_refused += len(keys)
