@@ -33,11 +33,12 @@ declares ``capabilities.capacity_usage``), each write is judged before it goes, 
 * **Room made by evicting.** Otherwise the write would evict the store's least recently used
   rows; this process's rows, in the order of their writes and hits (its view of that order),
   stand for them. It goes only while there is no hold and every row it would evict is
-  *stale*: neither written nor found here while rows of ``stale`` times the capacity in
-  bytes were looked up or offered for the first time (admitted or refused; a refused row
-  offered again is no new demand). A row that fresh is a row the workload may still read
-  (a workload that comes back to its rows looks up about what the store holds between two
-  reads of one), so the write is refused and the row kept; a workload that moves on looks
+  *stale*: neither written nor found here while other rows of ``stale`` times the capacity
+  in bytes were looked up or offered (each counted once, however often it is asked: a
+  refused row offered again, or a lookup repeated while a request waits, is no new demand).
+  Under LRU alone a row is kept while less than one capacity of other rows is touched before
+  its next read; a row within four is one the workload may still read, so the write is
+  refused and the row kept; a workload that moves on looks
   up and offers other rows until the old ones are stale, and the store turns over to them.
   Rows another writer (or an earlier process) wrote are seen only where they are found here
   (then kept as this process's, at its row size): where the rows seen do not cover the room
@@ -79,10 +80,10 @@ DEFAULT_IDLE = 256
 DEFAULT_HOLD = 4096
 #: rows written here that are remembered (the oldest are forgotten: no evidence).
 DEFAULT_MEMORY = 1 << 16
-#: with the room known: a row neither written nor found while rows of this many capacities
-#: were looked up or first offered is stale (a write may evict it). A workload that comes
-#: back to its rows looks up about one capacity between two reads of a held row; four keeps
-#: its rows through a busy stretch, and lets one that moved on turn the store over.
+#: with the room known: a row neither written nor found while other rows of this many
+#: capacities were looked up or offered (each once) is stale (a write may evict it). LRU
+#: alone keeps a row whose reuse distance is under one capacity; four keeps what a workload
+#: comes back to a little later, and lets one that moved on turn the store over.
 DEFAULT_STALE = 4
 #: seconds after which bytes admitted into free room and not yet counted by the store are
 #: no longer expected (a put that failed, or that rewrote an object: no growth to see).
@@ -131,11 +132,10 @@ class ReuseAdmission:
         #: found first -> (bytes, the bytes offered when last written or found)
         self._present: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()
         self._present_bytes = 0
-        #: the staleness clock: bytes of rows looked up, and of rows offered for the first
-        #: time (admitted or refused)
+        #: the staleness clock: bytes of distinct rows looked up or offered (``_new_bytes``)
         self._offered = 0
         self._row_bytes = 0  # the last row size written (for lookups of rows of no size known)
-        self._seen: OrderedDict[Hashable, None] = OrderedDict()  # rows offered
+        self._seen: OrderedDict[Hashable, None] = OrderedDict()  # rows looked up or offered
         #: bytes admitted into free room the store may not count yet: [expires, bytes]
         self._ahead: deque[list[float]] = deque()
         self._ahead_bytes = 0.0
@@ -232,7 +232,10 @@ class ReuseAdmission:
         return self._ahead_bytes
 
     def _new_bytes(self, nbytes: int, keys: Iterable[Hashable]) -> int:
-        """The bytes of a write's rows not offered before (all of them: ``keys`` unknown)."""
+        """The bytes of rows (``nbytes`` for ``keys``) not looked up or offered lately (all
+        of them: ``keys`` unknown): the staleness clock counts distinct rows, so a row's age
+        is how much other data the workload touched since (its reuse distance, as LRU
+        counts it), not how often it asked."""
         keys = list(keys)
         if not keys:
             return nbytes
@@ -286,7 +289,8 @@ class ReuseAdmission:
         with self._lock:
             if self._room is not None:
                 entry = self._written.get(key)
-                self._offered += entry[1] if entry is not None and entry[1] else self._row_bytes
+                size = entry[1] if entry is not None and entry[1] else self._row_bytes
+                self._offered += self._new_bytes(size, (key,))
             seen = self._requests.setdefault(request, set())
             self._requests.move_to_end(request)
             while len(self._requests) > self._request_memory:
