@@ -174,6 +174,8 @@ class FileEngine(abc.ABC):
     name: ClassVar[str]
     #: whether reads land in the caller's buffers with no copy (``zero_copy_reads``).
     zero_copy_reads: ClassVar[bool] = True
+    #: whether ``start_write`` runs a put's writes on a thread of their own (no pool job).
+    starts_writes: ClassVar[bool] = False
 
     def __init__(self, places: Placement) -> None:
         self.places = places
@@ -204,6 +206,12 @@ class FileEngine(abc.ABC):
     def write(self, keys: Sequence[str], views: Sequence[memoryview]) -> list[WriteOutcome]:
         """Write and publish each object (replacing any previous one); per key True or the
         translated error (its temp file removed)."""
+
+    def start_write(self, keys: Sequence[str], views: Sequence[memoryview],
+                    start_by: float) -> StartedWrites:
+        """``write`` begun on a thread of its own that never takes the GIL, only if
+        ``time.monotonic()`` there has not passed ``start_by`` (with ``starts_writes``)."""
+        raise NotImplementedError(f"the {self.name} engine does not start writes")
 
     @abc.abstractmethod
     def write_exclusive(self, key: str, view: memoryview) -> bool:
@@ -409,6 +417,7 @@ class NativeEngine(PosixEngine):
     body O_DIRECT). Exclusive writes (``put_if_absent``: a ``link``) are the posix engine's."""
 
     name = "native"
+    starts_writes = True
 
     def __init__(self, places: Placement) -> None:
         if _fileio is None:
@@ -539,6 +548,32 @@ class NativeEngine(PosixEngine):
         (``_fileio.write_files``): the same temp file, O_DIRECT rule, flush and rename as
         ``write_one``, so the same files; per key True or the translated error (its temp file
         removed)."""
+        out, slots, batch = self._write_batch(keys, views)
+        started = time.perf_counter()
+        written = _fileio.write_files(batch)
+        if batch:
+            self._timed_writes((time.perf_counter() - started) / len(batch))
+        return self._judged_writes(keys, out, slots, batch, written)
+
+    def start_write(self, keys: Sequence[str], views: Sequence[memoryview],
+                    start_by: float) -> StartedWrites:
+        # docstring inherited. ``_fileio.start_write_files``: the same items as ``write``'s.
+        out, slots, batch = self._write_batch(keys, views)
+        job = _fileio.start_write_files(batch, start_by)
+
+        def judged() -> tuple[list[WriteOutcome], float | None, float | None]:
+            written, began, ended = job.wait()
+            if began is not None and ended is not None and batch:
+                self._timed_writes((ended - began) / len(batch))
+            return self._judged_writes(keys, out, slots, batch, written), began, ended
+
+        return StartedWrites(list(keys), job.done, judged)
+
+    def _write_batch(
+        self, keys: Sequence[str], views: Sequence[memoryview]
+    ) -> tuple[list[WriteOutcome], list[int], list[tuple[str, str, memoryview, bool, int]]]:
+        """Per key True or the error of making its shard directory; the ``_fileio`` items of
+        the others and their slots in that list."""
         places = self.places
         flush = {"none": 0, "data": 1, "full": 2}[places.durability]
         out: list[WriteOutcome] = []
@@ -556,18 +591,39 @@ class NativeEngine(PosixEngine):
             out.append(True)
             batch.append((places.temp_path(), os.path.join(directory, key), view,
                           places.direct_io, flush))
-        started = time.perf_counter()
-        written = _fileio.write_files(batch)
-        if batch:  # a benign race between pool threads: the estimate is only a hint
-            per_object = (time.perf_counter() - started) / len(batch)
-            cost = self.write_cost_s
-            self.write_cost_s = per_object if cost is None else cost + (per_object - cost) * 0.1
+        return out, slots, batch
+
+    def _timed_writes(self, per_object: float) -> None:
+        # a benign race between threads: the estimate is only a hint
+        cost = self.write_cost_s
+        self.write_cost_s = per_object if cost is None else cost + (per_object - cost) * 0.1
+
+    def _judged_writes(self, keys: Sequence[str], out: list[WriteOutcome], slots: list[int],
+                       batch: list[tuple[str, str, memoryview, bool, int]],
+                       written: list[tuple[int, int]]) -> list[WriteOutcome]:
+        """``out`` with each written item's ``(status, errno)`` judged: True or the error."""
+        places = self.places
         for slot, (_, final, _, _, _), (status, err) in zip(slots, batch, written, strict=True):
-            if status != 0:
+            if status == 2:  # (not attempted: the job began late; the caller fails it whole)
+                out[slot] = TimeoutError("put not begun by its deadline")
+            elif status != 0:
                 out[slot] = translate_os_error(OSError(err, os.strerror(err), final),
                                                backend=places.backend, operation="put",
                                                key=keys[slot])
         return out
+
+
+class StartedWrites:
+    """A put's writes under way on their own thread (``FileEngine.start_write``): ``done()``
+    never waits; ``wait()`` waits for them, then per key (of ``keys``) True or its error, and the
+    ``time.monotonic()`` at which they began and ended (None, None: begun too late, nothing
+    written, every key a ``TimeoutError``)."""
+
+    def __init__(
+        self, keys: list[str], done: Callable[[], bool],
+        wait: Callable[[], tuple[list[WriteOutcome], float | None, float | None]],
+    ) -> None:
+        self.keys, self.done, self.wait = keys, done, wait
 
 
 def open_engine(io_engine: str, places: Placement) -> FileEngine:

@@ -15,6 +15,13 @@ for a put that began (a put of one run of writes makes them all in one job, in t
 4. settle: the index learns what was stored (``settle_put``), whatever failed before, so it
    stays exact.
 
+A put started from the caller's thread (``start``: ``NativeWrites``) whose engine
+``starts_writes``, with ``durability`` other than ``full``, takes these steps apart: the
+reservation on the caller's thread; where it fits, the writes on a thread of their own that
+never takes the GIL (``FileEngine.start_write``); the settle, whatever failed, on the thread
+that takes the outcome (``wait`` / ``result``, or the handle's release), before any outcome
+is reported. Else (room to make, directories to flush) the put is one pool job as above.
+
 Counters go to the ``BackendStats`` each call is given: evictions, eviction failures, and
 refusals by a fleet's index that cannot be reached (``index_refusals``).
 """
@@ -23,12 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 from ._call_order import one_call
-from ._file_io import FileEngine, Placement, WriteOutcome, fsync_dir
+from ._file_io import FileEngine, Placement, StartedWrites, WriteOutcome, fsync_dir
 from ._file_jobs import FileJobs
 from .errors import BackendUnavailableError
 from .index import ObjectIndex, Reservation, settle_or_unpublish
@@ -88,24 +96,65 @@ class FileWrites:
 
     def start(self, keys: Sequence[str], buffers: Sequence[memoryview], start_by: float,
               counted: Callable[[], None], stats: BackendStats) -> PendingWrites:
-        """``put`` as one job on the pool, handed over from the caller's thread (no event
-        loop): ``_put_steps``, begun only by ``start_by``."""
-        # Reservation and settle stay two transactions: timed inside a tier store job of two
-        # 12 KiB rows beside a busy scheduler thread (bench_vllm_tier_store's set-up), they
-        # took 0.3 and 0.6 ms (medians) of a 30 ms job; the rest was this job waiting for
-        # the GIL to begin (~7 ms) and the write with its wait for the GIL after (~12 ms).
-        # What paid was removing the hand-offs to the loop and back, not index statements.
+        """``put`` handed over from the caller's thread (no event loop), begun only by
+        ``start_by``. With an engine that ``starts_writes`` and ``durability`` other than
+        ``full``, and where the reservation (made here) fits: the writes on a thread of their
+        own, the settle on the thread that takes the outcome (``_ThreadWrites``). Else one job
+        on the pool: ``_put_steps``."""
+        # Why not a pool job: timed inside the bench's tier store jobs (one 516 KiB row each,
+        # beside vLLM's busy scheduler thread), a pool job waited a median 0.7 ms (mean 3.5)
+        # for the GIL to begin, and its C write 1.0 (mean 2.6) including the wait to take
+        # the GIL back; the reservation and the settle took 0.4 ms each, the seal 0.1. A
+        # thread that never takes the GIL waits for neither. (docs/benchmarks/log.md)
+        if not self._engine.starts_writes or self._places.durability == "full":
+            return self._start_on_pool(keys, buffers, start_by, counted, stats, None)
+        sizes = [len(b) for b in buffers]
+        try:
+            reservation = self._jobs.translated("put", None, self._index.reserve, keys, sizes,
+                                                self._capacity_bytes, self._pin_budget_bytes)
+        except BackendUnavailableError as exc:
+            self._count_refusal(exc, stats)
+            raise
+        if not reservation.fits:  # eviction may remove many files: the pool's job, as before
+            return self._start_on_pool(keys, buffers, start_by, counted, stats, reservation)
+        try:
+            writes = self._engine.start_write(keys, buffers, start_by)
+        except BaseException:
+            self._settle_now(reservation, [])
+            raise
+        return _ThreadWrites(counted, writes, lambda published: self._settle_now(
+            reservation, published), lambda: self._engine.account(stats))
+
+    def _settle_now(self, reservation: Reservation, published: Sequence[str]) -> None:
+        self._jobs.translated("put", None, settle_or_unpublish, self._index, reservation,
+                              published)
+
+    def _start_on_pool(self, keys: Sequence[str], buffers: Sequence[memoryview],
+                       start_by: float, counted: Callable[[], None], stats: BackendStats,
+                       reservation: Reservation | None) -> PendingWrites:
         pending = _PoolWrites(counted)
-        with one_call():  # (ordered behind the pool's calls begun before it, as ``put``)
-            pending.future = self._jobs.pool.submit(self._put_started, pending, start_by,
-                                                    keys, buffers, stats)
+        try:
+            with one_call():  # (ordered behind the pool's calls begun before it, as ``put``)
+                pending.future = self._jobs.pool.submit(self._put_started, pending, start_by,
+                                                        keys, buffers, stats, reservation)
+        except BaseException:  # (a pool shut down): nothing written, nothing left reserved
+            if reservation is not None:
+                self._settle_now(reservation, [])
+            raise
         return pending
 
     def _put_started(self, pending: _PoolWrites, start_by: float, keys: Sequence[str],
-                     buffers: Sequence[memoryview], stats: BackendStats) -> None:
-        pending.begin(start_by)
+                     buffers: Sequence[memoryview], stats: BackendStats,
+                     reservation: Reservation | None) -> None:
         try:
-            outcomes = self._put_steps(keys, buffers, [len(b) for b in buffers], stats)
+            pending.begin(start_by)
+        except TimeoutError:
+            if reservation is not None:  # reserved by the caller: released, nothing written
+                self._settle_now(reservation, [])
+            raise
+        try:
+            outcomes = self._put_steps(keys, buffers, [len(b) for b in buffers], stats,
+                                       reservation)
         finally:
             self._engine.account(stats)
             pending.ended = time.monotonic()
@@ -114,17 +163,20 @@ class FileWrites:
                 raise outcome
 
     def _put_steps(self, keys: Sequence[str], buffers: Sequence[memoryview],
-                   sizes: Sequence[int], stats: BackendStats) -> list[WriteOutcome]:
-        """``put``'s steps on one pool thread, in their order: reserve, make room where the
-        reservation did not find it, write and publish, flush directories, settle (whatever
-        failed). Per key True or the error its write raised."""
+                   sizes: Sequence[int], stats: BackendStats,
+                   reservation: Reservation | None = None) -> list[WriteOutcome]:
+        """``put``'s steps on one pool thread, in their order: reserve (unless given the
+        ``reservation``), make room where the reservation did not find it, write and publish,
+        flush directories, settle (whatever failed). Per key True or the error its write
+        raised."""
         translated = self._jobs.translated
-        try:
-            reservation = translated("put", None, self._index.reserve, keys, sizes,
-                                     self._capacity_bytes, self._pin_budget_bytes)
-        except BackendUnavailableError as exc:
-            self._count_refusal(exc, stats)
-            raise
+        if reservation is None:
+            try:
+                reservation = translated("put", None, self._index.reserve, keys, sizes,
+                                         self._capacity_bytes, self._pin_budget_bytes)
+            except BackendUnavailableError as exc:
+                self._count_refusal(exc, stats)
+                raise
         outcomes: list[WriteOutcome] = []
         try:
             if not reservation.fits:
@@ -231,6 +283,53 @@ class _PoolWrites(PendingWrites):
 
     def _result(self) -> None:
         self.future.result()
+
+
+class _ThreadWrites(PendingWrites):
+    """A put whose writes run on a thread of their own (``FileEngine.start_write``); the
+    reservation is settled, once, by the first ``wait`` or ``result`` (or when the handle is
+    dropped), on that caller's thread: before any outcome is taken, so a put is never
+    reported stored before the index counts it. ``ended`` is when the writes ended (their
+    objects published)."""
+
+    def __init__(self, counted: Callable[[], None], writes: StartedWrites,
+                 settle: Callable[[Sequence[str]], None], account: Callable[[], None]) -> None:
+        super().__init__(counted)
+        self._writes, self._settle, self._account = writes, settle, account
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._finished = False
+
+    def done(self) -> bool:
+        return self._finished or self._writes.done()
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            outcomes, self.began, self.ended = self._writes.wait()
+            self._account()
+            published = [k for k, o in zip(self._writes.keys, outcomes, strict=True) if o is True]
+            self._finished = True
+            try:
+                self._settle(published)
+            except BaseException as exc:  # (settle_or_unpublish removed what it published)
+                self._error = exc
+                return
+            if self.began is None:
+                self._error = TimeoutError("put not begun by its deadline")
+                return
+            self._error = next((o for o in outcomes if isinstance(o, BaseException)), None)
+
+    def _result(self) -> None:
+        self.wait()
+        if self._error is not None:
+            raise self._error
+
+    def __del__(self) -> None:
+        if not self._finished:  # dropped untaken: its reservation is still settled
+            with contextlib.suppress(Exception):
+                self.wait()
 
 
 def _fsync_dirs(paths: Sequence[str]) -> None:

@@ -41,6 +41,17 @@
  * the result is ``(status, errno)``: 0 published; 1 a system call failed (``errno``) and the
  * temp file is removed. Every item is attempted whatever the others did.
  *
+ * ``start_write_files(items, start_by)`` is ``write_files`` on a thread of its own (a POSIX
+ * thread that never takes the GIL), begun only if ``CLOCK_MONOTONIC`` (Python's
+ * ``time.monotonic``) has not passed ``start_by`` (else nothing is written): it returns a
+ * ``WriteJob`` at once; ``job.done()`` tells, without waiting, whether the writes have ended;
+ * ``job.wait()`` waits for them (GIL released) and returns ``(outcomes, began, ended)``: per
+ * item ``(status, errno)`` as ``write_files``' (status 2: not attempted, the job began late),
+ * and the monotonic seconds at which the writes began and ended (None when never begun). For
+ * a caller whose thread keeps the GIL busy (an engine's scheduler loop): no Python thread has
+ * to win the GIL before the writes start or after they end. The job holds the buffers until
+ * its writes have ended: one dropped before that waits for them first.
+ *
  * ``start_read_files(items)`` is ``read_files`` on a thread of its own (a POSIX thread that never
  * takes the GIL): it returns a ``ReadJob`` at once; ``job.done()`` tells, without waiting or
  * releasing the GIL, whether every read has ended; ``job.wait()`` waits for them (GIL
@@ -68,6 +79,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #define ALIGN 4096
@@ -289,25 +301,12 @@ static void release_witems(witem_t *items, Py_ssize_t count) {
     PyMem_Free(items);
 }
 
+static witem_t *parse_witems(PyObject *arg, Py_ssize_t *count_out);
+
 static PyObject *write_files(PyObject *self, PyObject *arg) {
-    PyObject *seq = PySequence_Fast(arg, "write_files: items must be a sequence");
-    if (!seq) return NULL;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    witem_t *items = PyMem_Calloc(count ? count : 1, sizeof(witem_t));
-    if (!items) { Py_DECREF(seq); return PyErr_NoMemory(); }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        witem_t *it = &items[i];
-        PyObject *tmp, *final, *buf;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "OOOpi", &tmp, &final, &buf,
-                              &it->direct, &it->flush)
-            || !PyUnicode_FSConverter(tmp, &it->tmp) || !PyUnicode_FSConverter(final, &it->final)
-            || PyObject_GetBuffer(buf, &it->buf, PyBUF_C_CONTIGUOUS) != 0) {
-            release_witems(items, i + 1);
-            Py_DECREF(seq);
-            return NULL;
-        }
-        it->has_buf = 1;
-    }
+    Py_ssize_t count = 0;
+    witem_t *items = parse_witems(arg, &count);
+    if (!items) return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) write_item(&items[i]);
     Py_END_ALLOW_THREADS
@@ -318,8 +317,142 @@ static PyObject *write_files(PyObject *self, PyObject *arg) {
         PyList_SET_ITEM(out, i, r);
     }
     release_witems(items, count);
-    Py_DECREF(seq);
     return out;
+}
+
+/* ``start_write_files``' job: its items, written by a thread of its own. */
+typedef struct {
+    PyObject_HEAD
+    witem_t *items;
+    Py_ssize_t count;
+    double start_by;    /* CLOCK_MONOTONIC seconds (Python's ``time.monotonic``) */
+    double began, ended; /* -1: never begun (late) / not yet */
+    pthread_t thread;
+    int running;        /* a thread was started and not joined yet */
+    atomic_int done;    /* every write has ended (set last by the thread) */
+} WriteJob;
+
+static double monotonic_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void *run_writes(void *arg) {
+    WriteJob *job = (WriteJob *)arg;
+    double now = monotonic_now();
+    if (now <= job->start_by) { /* else late: nothing is written (every item status 2) */
+        job->began = now;
+        for (Py_ssize_t i = 0; i < job->count; i++) write_item(&job->items[i]);
+        job->ended = monotonic_now();
+    }
+    atomic_store_explicit(&job->done, 1, memory_order_release);
+    return NULL;
+}
+
+/* Wait for the job's thread, GIL released (GIL held on entry and exit). */
+static void join_writes(WriteJob *job) {
+    if (!job->running) return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_join(job->thread, NULL);
+    Py_END_ALLOW_THREADS
+    job->running = 0;
+}
+
+static void WriteJob_dealloc(WriteJob *job) {
+    join_writes(job); /* the buffers are read until the writes end: only then released */
+    if (job->items) release_witems(job->items, job->count);
+    Py_TYPE(job)->tp_free((PyObject *)job);
+}
+
+static PyObject *WriteJob_done(WriteJob *job, PyObject *unused) {
+    return PyBool_FromLong(atomic_load_explicit(&job->done, memory_order_acquire));
+}
+
+static PyObject *WriteJob_wait(WriteJob *job, PyObject *unused) {
+    join_writes(job);
+    PyObject *out = PyList_New(job->count);
+    for (Py_ssize_t i = 0; out && i < job->count; i++) {
+        PyObject *r = Py_BuildValue("(ii)", job->items[i].status, job->items[i].err);
+        if (!r) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, i, r);
+    }
+    PyObject *began = job->began < 0 ? Py_NewRef(Py_None) : PyFloat_FromDouble(job->began);
+    PyObject *ended = job->ended < 0 ? Py_NewRef(Py_None) : PyFloat_FromDouble(job->ended);
+    if (!out || !began || !ended) {
+        Py_XDECREF(out); Py_XDECREF(began); Py_XDECREF(ended);
+        return NULL;
+    }
+    return Py_BuildValue("(NNN)", out, began, ended);
+}
+
+static PyMethodDef writejob_methods[] = {
+    {"done", (PyCFunction)WriteJob_done, METH_NOARGS, "done() -> bool: every write has ended."},
+    {"wait", (PyCFunction)WriteJob_wait, METH_NOARGS,
+     "wait() -> ([(status, errno)], began, ended): the writes' outcomes, once they ended."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject WriteJobType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "hicache_store.backends._fileio.WriteJob",
+    .tp_basicsize = sizeof(WriteJob),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "File writes running on a thread of their own (start_write_files).",
+    .tp_dealloc = (destructor)WriteJob_dealloc,
+    .tp_methods = writejob_methods,
+};
+
+/* Parse ``write_files`` items (GIL held); NULL with an exception set on a bad item. */
+static witem_t *parse_witems(PyObject *arg, Py_ssize_t *count_out) {
+    PyObject *seq = PySequence_Fast(arg, "write_files: items must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    witem_t *items = PyMem_Calloc(count ? count : 1, sizeof(witem_t));
+    if (!items) { Py_DECREF(seq); PyErr_NoMemory(); return NULL; }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        witem_t *it = &items[i];
+        PyObject *tmp, *final, *buf;
+        it->status = 2; /* not attempted until written */
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "OOOpi", &tmp, &final, &buf,
+                              &it->direct, &it->flush)
+            || !PyUnicode_FSConverter(tmp, &it->tmp) || !PyUnicode_FSConverter(final, &it->final)
+            || PyObject_GetBuffer(buf, &it->buf, PyBUF_C_CONTIGUOUS) != 0) {
+            release_witems(items, i + 1);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        it->has_buf = 1;
+    }
+    Py_DECREF(seq);
+    *count_out = count;
+    return items;
+}
+
+static PyObject *start_write_files(PyObject *self, PyObject *args) {
+    PyObject *arg;
+    double start_by;
+    if (!PyArg_ParseTuple(args, "Od", &arg, &start_by)) return NULL;
+    Py_ssize_t count = 0;
+    witem_t *items = parse_witems(arg, &count);
+    if (!items) return NULL;
+    WriteJob *job = PyObject_New(WriteJob, &WriteJobType);
+    if (!job) { release_witems(items, count); return NULL; }
+    job->items = items;
+    job->count = count;
+    job->start_by = start_by;
+    job->began = -1.0;
+    job->ended = -1.0;
+    job->running = 0;
+    atomic_init(&job->done, 0);
+    if (pthread_create(&job->thread, NULL, run_writes, job) == 0) {
+        job->running = 1;
+    } else { /* no thread to be had: write here, GIL released, and hand back a finished job */
+        Py_BEGIN_ALLOW_THREADS
+        run_writes(job);
+        Py_END_ALLOW_THREADS
+    }
+    return (PyObject *)job;
 }
 
 /* ``spans`` of an item whose buffers are held: each (offset, length) inside one buffer. */
@@ -534,6 +667,8 @@ static PyMethodDef methods[] = {
      "start_read_files(items) -> ReadJob: read_files on a thread of its own, without the GIL."},
     {"write_files", write_files, METH_O,
      "write_files(items) -> [(status, errno)]: temp-file writes and renames, GIL released."},
+    {"start_write_files", start_write_files, METH_VARARGS,
+     "start_write_files(items, start_by) -> WriteJob: write_files on a thread of its own."},
     {"bind_xxh3", bind_xxh3, METH_O,
      "bind_xxh3(path) -> bool: take XXH3_64bits from the loaded shared object path."},
     {NULL, NULL, 0, NULL},
@@ -544,6 +679,6 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__fileio(void) {
-    if (PyType_Ready(&ReadJobType) < 0) return NULL;
+    if (PyType_Ready(&ReadJobType) < 0 || PyType_Ready(&WriteJobType) < 0) return NULL;
     return PyModule_Create(&module);
 }

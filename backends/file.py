@@ -579,9 +579,10 @@ class FileBackend(Backend):
 
     def _start_put(self, keys: list[str], views: list[memoryview], start_by: float,
                    counted: Callable[[], None]) -> PendingWrites:
-        # docstring inherited. The put's steps as one pool job handed over from the caller's
-        # thread: no hand-off to the event loop and back, each a wait for the GIL behind a
-        # busy engine loop (vLLM's scheduler).
+        # docstring inherited. Handed over from the caller's thread (``FileWrites.start``: the
+        # writes on a thread that never takes the GIL where the engine can, else one pool
+        # job): no hand-off to the event loop and back, each a wait for the GIL behind a busy
+        # engine loop (vLLM's scheduler).
         self._check_writable("put")
         return self._writes.start(keys, views, start_by, counted, self.stats)
 

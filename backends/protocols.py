@@ -152,14 +152,16 @@ class PendingReads(abc.ABC):
 
 class NativeWrites(Protocol):
     """``put`` started from the caller's own thread, without the library's event loop
-    (``capabilities.native_writes``: the file backend hands the whole put, reservation, writes
-    and settle, to its pool as one job). For a caller that polls from a thread holding the GIL
+    (``capabilities.native_writes``: the file backend reserves on the caller's thread, writes
+    on a thread that never takes the GIL and settles when the outcome is taken, or hands the
+    whole put to its pool as one job). For a caller that polls from a thread holding the GIL
     (vLLM's scheduler), where each hand-off to another Python thread waits for the GIL."""
 
     def start(self, keys: Sequence[str], buffers: Sequence[BufferLike], *,
               start_by: float) -> PendingWrites:
         """Start ``put(keys, buffers)``: each object all or nothing, as ``put``. Its checks
-        raise here, before anything is written. Not begun once ``time.monotonic()`` is past
+        raise here, before anything is written (and may a refused reservation: capacity, an
+        index that cannot be reached). Not begun once ``time.monotonic()`` is past
         ``start_by`` (``result()`` then raises ``TimeoutError``; nothing reserved, nothing
         written). The buffers are read until
         ``done()`` is True or ``wait()`` / ``result()`` has returned."""

@@ -6,19 +6,28 @@ a closed store or where the backend has no such path."""
 from __future__ import annotations
 
 import asyncio
-import errno
+import gc
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_io_frame_batches import HASHES, NS, PAYLOAD, frame_of, frames_for, key, payload
 
 from hicache_store.backends import BackendClosedError, open_backend
+from hicache_store.backends._file_io import StartedWrites
 from hicache_store.backends.file import FileBackend
+from hicache_store.layout.errors import CorruptObjectError
 from hicache_store.layout.framing import ObjectHeader
 from hicache_store.layout.keys import format_key
 from hicache_store.objects import Frame, ObjectIO
+
+
+def flip_byte(path: str, at: int) -> None:
+    stored = bytearray(Path(path).read_bytes())
+    stored[at] ^= 0xFF
+    Path(path).write_bytes(stored)
 
 
 def frames(io: ObjectIO, n: int, first: int = 0) -> list[Frame]:
@@ -49,25 +58,24 @@ async def test_without_native_writes_nothing_starts(tmp_path: Path) -> None:
     await backend.close()
 
 
+@pytest.mark.parametrize("durability", ["none", "full"])  # its own thread / a pool job
 async def test_a_failed_write_is_all_false_and_the_index_stays_exact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: str
 ) -> None:
-    backend = FileBackend(tmp_path / "s")
+    backend = FileBackend(tmp_path / "s", durability=durability)
     io = ObjectIO(backend, NS)
-
-    def broken(keys: object, buffers: object) -> list[object]:
-        return [OSError(errno.EIO, "injected")] * 2
-
-    monkeypatch.setattr(backend._engine, "write", broken)
+    # a real failure of the C write: its temp file's directory does not exist (ENOENT)
+    monkeypatch.setattr(backend._places, "temp_path", lambda: str(tmp_path / "gone" / "t.tmp"))
     pending = io.start_write_frames(frames(io, 2))
     assert pending is not None and pending.result() == [False, False]
     assert await backend.exists([format_key(key(h)) for h in HASHES[:2]]) == [False, False]
     assert backend._index.totals()[0] == 0  # the reservation was settled: nothing counted
+    assert backend._index.reserved_bytes() == 0
     await backend.close()
 
 
 async def test_a_put_not_begun_by_its_deadline_never_begins(tmp_path: Path) -> None:
-    backend = FileBackend(tmp_path / "s")
+    backend = FileBackend(tmp_path / "s", durability="full")  # (a pool job)
     io = ObjectIO(backend, NS, io_timeout_s=0.05, min_bandwidth_mib_s=1e9)
     gate = threading.Event()
     # the pool's one thread is busy past the deadline: the put queued behind it never begins
@@ -83,18 +91,62 @@ async def test_a_put_not_begun_by_its_deadline_never_begins(tmp_path: Path) -> N
     await backend.close()
 
 
-async def test_a_put_that_ends_past_its_deadline_is_all_false(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_writes_on_their_own_thread_begun_late_write_nothing(tmp_path: Path) -> None:
     backend = FileBackend(tmp_path / "s")
+    io = ObjectIO(backend, NS)
+    batch = frames(io, 2)
+    names = [format_key(f.key) for f in batch]
+    pending = backend.native_writes().start(names, [f.buffer for f in batch],
+                                            start_by=time.monotonic() - 1.0)
+    pending.wait()
+    assert pending.began is None
+    with pytest.raises(TimeoutError):
+        pending.result()
+    assert await backend.exists(names) == [False, False]
+    assert backend._index.reserved_bytes() == 0 and backend._index.totals()[0] == 0
+    assert backend.stats.writes == 0
+    await backend.close()
+
+
+def test_a_dropped_handle_still_settles_its_reservation(tmp_path: Path) -> None:
+    backend = FileBackend(tmp_path / "s")
+    io = ObjectIO(backend, NS)
+    pending = io.start_write_frames(frames(io, 2))
+    assert pending is not None
+    while not pending.done():  # (the writes' own thread: done without this thread's help)
+        time.sleep(0.001)
+    assert backend._index.reserved_bytes() > 0  # (settled by whoever takes the outcome)
+    del pending
+    gc.collect()
+    assert backend._index.reserved_bytes() == 0
+    assert backend._index.totals()[0] == 2 * (io.header_bytes(4) + PAYLOAD)
+    asyncio.run(backend.close())
+
+
+@pytest.mark.parametrize("durability", ["none", "full"])
+async def test_a_put_that_ends_past_its_deadline_is_all_false(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: str
+) -> None:
+    backend = FileBackend(tmp_path / "s", durability=durability)
     io = ObjectIO(backend, NS, io_timeout_s=0.05, min_bandwidth_mib_s=1e9)
-    write = backend._engine.write
+    write, start_write = backend._engine.write, backend._engine.start_write
 
     def slow(keys: object, buffers: object) -> object:
         time.sleep(0.3)
         return write(keys, buffers)
 
+    def slow_start(keys: Any, buffers: Any, start_by: float) -> StartedWrites:
+        started = start_write(keys, buffers, start_by)
+        wait = started.wait
+
+        def late() -> Any:  # the writes as they ended, reported as ending 0.3 s later
+            outcomes, began, ended = wait()
+            return outcomes, began, None if ended is None else ended + 0.3
+
+        return StartedWrites(started.keys, started.done, late)
+
     monkeypatch.setattr(backend._engine, "write", slow)
+    monkeypatch.setattr(backend._engine, "start_write", slow_start)
     pending = io.start_write_frames(frames(io, 2))
     assert pending is not None and pending.result() == [False, False]  # (stored late: False)
     await backend.close()
@@ -126,3 +178,15 @@ async def test_a_closed_store_or_a_frame_without_payload_starts_nothing(tmp_path
     await backend.close()
     with pytest.raises(BackendClosedError):
         io.start_write_frames(frames(io, 1))
+
+
+async def test_bytes_changed_after_a_threaded_write_are_found_corrupt(tmp_path: Path) -> None:
+    backend = FileBackend(tmp_path / "s")  # (durability none: the writes' own thread)
+    io = ObjectIO(backend, NS)
+    pending = io.start_write_frames(frames(io, 2))
+    assert pending is not None and pending.result() == [True, True]
+    path = backend._places.final_path(io.storage_key(key(HASHES[1])))
+    await asyncio.to_thread(flip_byte, path, io.header_bytes(4) + 7)  # a payload byte
+    got = await io.read_frames([key(h) for h in HASHES[:2]], frames_for(io, 2))
+    assert isinstance(got[0], ObjectHeader) and isinstance(got[1], CorruptObjectError)
+    await backend.close()

@@ -63,16 +63,16 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   ``drain_jobs`` waits for all of them (none is cut short). A store job's rows are copied
   into staging, sealed and written by one backend call: they are stored, or reported failed,
   together. Where the backend can start a put from the caller's thread
-  (``ObjectIO.start_write_frames``: the file backend's reservation, writes and settle as one
-  job of its pool) the rows are sealed on the scheduler thread and the put handed straight to
-  the backend, found done by ``get_finished_jobs``, with ``put_together``'s deadline and
+  (``ObjectIO.start_write_frames``: the file backend reserves on the scheduler thread, writes
+  on a thread that never takes the GIL, and settles when the poll takes the outcome) the
+  rows are sealed on the scheduler thread and the put handed straight to the backend, found
+  done by ``get_finished_jobs``, with ``put_together``'s deadline and
   ``max_inflight_mib`` (past it a job takes the loop's path, which waits for the budget);
   elsewhere the job runs on the library's sync-bridge loop (``ObjectIO.put_together``).
   Why the native paths skip the library's loop: vLLM's engine loop runs Python between
   steps without pause, so every hand-off to another Python thread waits for the GIL (up to
   the interpreter's 5 ms switch interval); a load through the library's loop and its pool
-  waited for it five times, a native read waits for it never, and a native put only on its
-  pool thread (not on the way to the loop, from it to the pool, and back).
+  waited for it five times; a native read or put waits for it never.
 * **Verified loads.** A load job reads all its objects whole into staging in one batched
   backend call (``ObjectIO.start_read_frames``, else ``read_frames``; the file backend does
   a run of reads and their checksums in one C call without the GIL), checks each header
