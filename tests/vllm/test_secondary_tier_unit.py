@@ -606,8 +606,9 @@ def test_a_failed_native_write_is_a_failed_job_and_nothing_is_found(
 ) -> None:
     h = make()
     h.fill(0, seed=120)
-    engine = h.tier.backend._engine
-    monkeypatch.setattr(engine, "write", lambda keys, buffers: [OSError(5, "injected")] * len(keys))
+    # a real failure of the C write on its own thread: no directory for its temp file (ENOENT)
+    places = h.tier.backend._places
+    monkeypatch.setattr(places, "temp_path", lambda: places.tmp + "/gone/t.tmp")
     result = h.store([key(120), key(121)], [0, 1])
     assert not result.success and result.transfer_bytes == 0
     assert h.tier.stats.store_failures == 2 and h.tier.stats.stored == 0
@@ -620,15 +621,28 @@ def test_a_native_store_past_its_deadline_is_a_failed_job(
 ) -> None:
     import time
 
+    from hicache_store.backends._file_io import StartedWrites
+
     h = make(io_timeout_s=0.05)
     engine = h.tier.backend._engine
-    write = engine.write
+    write, start_write = engine.write, engine.start_write
 
     def slow(keys: Any, buffers: Any) -> Any:
         time.sleep(0.5)
         return write(keys, buffers)
 
-    monkeypatch.setattr(engine, "write", slow)
+    def slow_start(keys: Any, buffers: Any, start_by: float) -> StartedWrites:
+        started = start_write(keys, buffers, start_by)
+        wait = started.wait
+
+        def late() -> Any:  # the writes as they ended, reported as ending 0.5 s later
+            outcomes, began, ended = wait()
+            return outcomes, began, None if ended is None else ended + 0.5
+
+        return StartedWrites(started.keys, started.done, late)
+
+    monkeypatch.setattr(engine, "write", slow)  # (the pool's path)
+    monkeypatch.setattr(engine, "start_write", slow_start)  # (the writes' own thread)
     h.fill(0, seed=130)
     assert not h.store([key(130)], [0]).success  # stored late: reported failed, never True
 
