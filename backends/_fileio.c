@@ -41,8 +41,8 @@
  * the result is ``(status, errno)``: 0 published; 1 a system call failed (``errno``) and the
  * temp file is removed. Every item is attempted whatever the others did.
  *
- * ``start_write_files(items, start_by)`` is ``write_files`` on a thread of its own (a POSIX
- * thread that never takes the GIL), begun only if ``CLOCK_MONOTONIC`` (Python's
+ * ``start_write_files(items, start_by)`` is ``write_files`` on the module's writer thread (one
+ * POSIX thread, kept, that never takes the GIL; jobs in submission order), begun only if ``CLOCK_MONOTONIC`` (Python's
  * ``time.monotonic``) has not passed ``start_by`` (else nothing is written): it returns a
  * ``WriteJob`` at once; ``job.done()`` tells, without waiting, whether the writes have ended;
  * ``job.wait()`` waits for them (GIL released) and returns ``(outcomes, began, ended)``: per
@@ -320,17 +320,25 @@ static PyObject *write_files(PyObject *self, PyObject *arg) {
     return out;
 }
 
-/* ``start_write_files``' job: its items, written by a thread of its own. */
-typedef struct {
+/* ``start_write_files``' job: its items, written by the module's writer thread. */
+typedef struct WriteJob {
     PyObject_HEAD
     witem_t *items;
     Py_ssize_t count;
     double start_by;    /* CLOCK_MONOTONIC seconds (Python's ``time.monotonic``) */
     double began, ended; /* -1: never begun (late) / not yet */
-    pthread_t thread;
-    int running;        /* a thread was started and not joined yet */
-    atomic_int done;    /* every write has ended (set last by the thread) */
+    struct WriteJob *next; /* in the writer's queue */
+    atomic_int done;    /* every write has ended (set last by the writer) */
 } WriteJob;
+
+/* One writer thread, started at the first job and kept: a thread made per job starts behind
+ * every runnable thread of a loaded machine (a new thread is queued last), where a thread
+ * that waits on a condition is woken ahead. Jobs run in submission order. */
+static pthread_mutex_t writer_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t writer_wake = PTHREAD_COND_INITIALIZER;  /* a job was queued */
+static pthread_cond_t writer_done = PTHREAD_COND_INITIALIZER;  /* a job ended */
+static WriteJob *queue_head = NULL, *queue_tail = NULL;
+static int writer_running = 0;
 
 static double monotonic_now(void) {
     struct timespec ts;
@@ -338,25 +346,68 @@ static double monotonic_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static void *run_writes(void *arg) {
-    WriteJob *job = (WriteJob *)arg;
+static void run_writes(WriteJob *job) {
     double now = monotonic_now();
     if (now <= job->start_by) { /* else late: nothing is written (every item status 2) */
         job->began = now;
         for (Py_ssize_t i = 0; i < job->count; i++) write_item(&job->items[i]);
         job->ended = monotonic_now();
     }
-    atomic_store_explicit(&job->done, 1, memory_order_release);
+}
+
+static void *writer_main(void *unused) {
+    pthread_mutex_lock(&writer_lock);
+    for (;;) {
+        while (!queue_head) pthread_cond_wait(&writer_wake, &writer_lock);
+        WriteJob *job = queue_head;
+        queue_head = job->next;
+        if (!queue_head) queue_tail = NULL;
+        pthread_mutex_unlock(&writer_lock);
+        run_writes(job);
+        pthread_mutex_lock(&writer_lock);
+        atomic_store_explicit(&job->done, 1, memory_order_release);
+        pthread_cond_broadcast(&writer_done);
+    }
     return NULL;
 }
 
-/* Wait for the job's thread, GIL released (GIL held on entry and exit). */
+static void writer_after_fork(void) { /* the child has no writer thread: one starts anew */
+    pthread_mutex_init(&writer_lock, NULL);
+    pthread_cond_init(&writer_wake, NULL);
+    pthread_cond_init(&writer_done, NULL);
+    queue_head = queue_tail = NULL;
+    writer_running = 0;
+}
+
+/* Queue ``job`` for the writer (GIL held); 0, or -1 when no writer thread can be had. */
+static int queue_writes(WriteJob *job) {
+    pthread_mutex_lock(&writer_lock);
+    if (!writer_running) {
+        pthread_t thread;
+        if (pthread_create(&thread, NULL, writer_main, NULL) != 0) {
+            pthread_mutex_unlock(&writer_lock);
+            return -1;
+        }
+        pthread_detach(thread);
+        writer_running = 1;
+    }
+    job->next = NULL;
+    if (queue_tail) queue_tail->next = job; else queue_head = job;
+    queue_tail = job;
+    pthread_cond_signal(&writer_wake);
+    pthread_mutex_unlock(&writer_lock);
+    return 0;
+}
+
+/* Wait until the writer has ended ``job``, GIL released (GIL held on entry and exit). */
 static void join_writes(WriteJob *job) {
-    if (!job->running) return;
+    if (atomic_load_explicit(&job->done, memory_order_acquire)) return;
     Py_BEGIN_ALLOW_THREADS
-    pthread_join(job->thread, NULL);
+    pthread_mutex_lock(&writer_lock);
+    while (!atomic_load_explicit(&job->done, memory_order_acquire))
+        pthread_cond_wait(&writer_done, &writer_lock);
+    pthread_mutex_unlock(&writer_lock);
     Py_END_ALLOW_THREADS
-    job->running = 0;
 }
 
 static void WriteJob_dealloc(WriteJob *job) {
@@ -398,7 +449,7 @@ static PyTypeObject WriteJobType = {
     .tp_name = "hicache_store.backends._fileio.WriteJob",
     .tp_basicsize = sizeof(WriteJob),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "File writes running on a thread of their own (start_write_files).",
+    .tp_doc = "File writes running on the module's writer thread (start_write_files).",
     .tp_dealloc = (destructor)WriteJob_dealloc,
     .tp_methods = writejob_methods,
 };
@@ -443,14 +494,13 @@ static PyObject *start_write_files(PyObject *self, PyObject *args) {
     job->start_by = start_by;
     job->began = -1.0;
     job->ended = -1.0;
-    job->running = 0;
+    job->next = NULL;
     atomic_init(&job->done, 0);
-    if (pthread_create(&job->thread, NULL, run_writes, job) == 0) {
-        job->running = 1;
-    } else { /* no thread to be had: write here, GIL released, and hand back a finished job */
+    if (queue_writes(job) != 0) { /* no thread to be had: write here, GIL released */
         Py_BEGIN_ALLOW_THREADS
         run_writes(job);
         Py_END_ALLOW_THREADS
+        atomic_store_explicit(&job->done, 1, memory_order_release);
     }
     return (PyObject *)job;
 }
@@ -680,5 +730,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__fileio(void) {
     if (PyType_Ready(&ReadJobType) < 0 || PyType_Ready(&WriteJobType) < 0) return NULL;
+    pthread_atfork(NULL, NULL, writer_after_fork);
     return PyModule_Create(&module);
 }

@@ -9,12 +9,15 @@ Run with the vLLM venv (``make setup-vllm``)::
 manager drives it (``tests/vllm/test_secondary_tier_unit.Harness``: a real primary region, a
 real ``OffloadingSpec``), one job of ``--rows`` rows of 12 KiB at a time; between polls the
 main thread runs Python for ``--busy-ms`` (0: it sleeps), so every hand-off to another
-thread waits for the GIL as it does beside vLLM's engine loop. Three stores side by side, their
+thread waits for the GIL as it does beside vLLM's engine loop. Four stores side by side, their
 jobs rotating:
 
 * ``native``: the tier as it is on ``file://`` (``native_writes``: the job's rows sealed on
   the scheduler thread and its put handed straight to the backend's pool as one job, found
   done by the poll without the library's loop);
+* ``native-pool``: ``native`` with the file engine's own write threads hidden
+  (``starts_writes``), so the put is one job of the backend's pool: reservation, writes and
+  settle on a pool thread that must win the GIL to begin and again after its C write;
 * ``one-job``: the same store with ``native_writes`` hidden, so the job goes through the
   library's loop and write queue (the put still one pool job: reservation, room, writes and
   settle);
@@ -46,8 +49,11 @@ def busy(ms: float) -> None:
         pass
 
 
-def harness(root: Path, *, native: bool = False, steps: bool = False) -> Any:
+def harness(root: Path, *, native: bool = False, steps: bool = False,
+            pool: bool = False) -> Any:
     h = unit.Harness(root, backend_options={"durability": "none", "capacity_bytes": 1 << 30})
+    if pool:  # the native put as one pool job (the engine does not start its own writes)
+        h.tier.backend._engine.starts_writes = False
     if not native:  # through the library's loop, as before native writes
         backend = h.tier.backend
         backend.capabilities = backend.capabilities.replace(native_writes=False)
@@ -87,6 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench-tier-store-"))
     stores = {"native": harness(base / "native", native=True),
+              "native-pool": harness(base / "native-pool", native=True, pool=True),
               "one-job": harness(base / "one-job"),
               "steps": harness(base / "steps", steps=True)}
     print("| busy ms between polls | put path | median ms | mean ms | p25 ms |")
