@@ -29,6 +29,7 @@ from .protocols import (
     PendingReads,
     PendingWrites,
     SummedReads,
+    SumSpans,
 )
 from .views import as_byte_view
 
@@ -197,10 +198,7 @@ class _NativeReads:
         self._backend = backend
 
     async def get_into_summed(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[BufferLike],
-        spans: Sequence[Sequence[tuple[int, int]]],
+        self, keys: Sequence[str], buffers: Sequence[BufferLike], spans: SumSpans
     ) -> SummedReads:
         backend = self._backend
         checked, views, plans = backend._summed_plan(keys, buffers, spans)
@@ -211,10 +209,7 @@ class _NativeReads:
         return results, sums
 
     def start(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[BufferLike],
-        spans: Sequence[Sequence[tuple[int, int]]],
+        self, keys: Sequence[str], buffers: Sequence[BufferLike], spans: SumSpans
     ) -> PendingReads:
         backend = self._backend
         checked, views, plans = backend._summed_plan(keys, buffers, spans)

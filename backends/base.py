@@ -73,7 +73,7 @@ import contextlib
 import contextvars
 from collections.abc import AsyncIterator, Iterator, Sequence, Set
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, TypeVar
 
 from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_keys
@@ -94,6 +94,7 @@ from .lifetime import (
 )
 from .protocols import (
     PendingReads,
+    SumSpans,
 )
 from .retention import Retention
 from .types import (
@@ -118,6 +119,11 @@ T = TypeVar("T")
 
 #: keys ``stat``-ed per call by the default ``_list_entries``.
 LIST_STAT_BATCH = 1000
+
+#: ``get_into``'s ranges: per key, the ``ByteRange`` to read, or None for the whole object.
+ReadRanges: TypeAlias = Sequence[ByteRange | None]
+#: ``get_into``'s result: per key, the bytes read into its buffer, or None for a miss.
+ReadCounts: TypeAlias = list[int | None]
 
 #: False inside ``reads_not_counted``: reads there are not uses (see that function).
 _READS_ARE_USES: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -212,11 +218,8 @@ class Backend(Helpers, Abilities, abc.ABC):
 
     @abc.abstractmethod
     async def _get_into(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[memoryview],
-        ranges: Sequence[ByteRange | None],
-    ) -> list[int | None]:
+        self, keys: Sequence[str], buffers: Sequence[memoryview], ranges: ReadRanges
+    ) -> ReadCounts:
         """Read each object (or its range) into its buffer; return bytes read or None (miss).
 
         Buffers are writable flat byte views; for a range, ``len(buffer) >= range.length`` is
@@ -342,8 +345,8 @@ class Backend(Helpers, Abilities, abc.ABC):
         self,
         keys: Sequence[str],
         buffers: Sequence[BufferLike],
-        ranges: Sequence[ByteRange | None] | None = None,
-    ) -> list[int | None]:
+        ranges: ReadRanges | None = None,
+    ) -> ReadCounts:
         """Read objects (or byte ranges of them) into caller-owned buffers.
 
         Returns, per key, the number of bytes written at the start of its buffer (the object
@@ -430,16 +433,16 @@ class Backend(Helpers, Abilities, abc.ABC):
         return n
 
     async def _fetch_into(
-        self, keys: list[str], views: list[memoryview], ranges: list[ByteRange | None]
-    ) -> list[int | None]:
+        self, keys: list[str], views: list[memoryview], ranges: ReadRanges
+    ) -> ReadCounts:
         # Native ranges where the backend has them, else emulated on whole-object reads.
         if self.capabilities.ranged_reads or all(r is None for r in ranges):
             return await self._get_into(keys, views, ranges)
         return await self._emulated_ranges(keys, views, ranges)
 
     async def _emulated_ranges(
-        self, keys: list[str], views: list[memoryview], ranges: list[ByteRange | None]
-    ) -> list[int | None]:
+        self, keys: list[str], views: list[memoryview], ranges: ReadRanges
+    ) -> ReadCounts:
         # Whole-object reads into scratch memory, then a copy of the range: correct for any
         # backend, but not zero-copy (hence the ``ranged_reads`` flag).
         stats = await self._stat(keys)
@@ -451,7 +454,7 @@ class Backend(Helpers, Abilities, abc.ABC):
                 rng.check_within(st.size, backend=self.name, key=key)
                 scratch_views.append(memoryview(bytearray(st.size)))
         got = await self._get_into(keys, scratch_views, [None] * len(keys))
-        results: list[int | None] = []
+        results: ReadCounts = []
         for key, view, rng, scratch, n in zip(keys, views, ranges, scratch_views, got, strict=True):
             if rng is None or n is None:
                 results.append(n)
@@ -466,7 +469,7 @@ class Backend(Helpers, Abilities, abc.ABC):
         self,
         keys: Sequence[str],
         buffers: Sequence[BufferLike],
-        spans: Sequence[Sequence[tuple[int, int]]],
+        spans: SumSpans,
     ) -> tuple[list[str], list[memoryview], list[list[tuple[int, int]]]]:
         """The checked keys, byte views and spans of a ``get_into_summed`` call."""
         self._check_open("get_into")
@@ -685,6 +688,8 @@ __all__ = [
     "CallAbandoned",
     "Handoff",
     "PendingReads",
+    "ReadCounts",
+    "ReadRanges",
     "abandonable",
     "as_byte_view",
     "gather_settled",

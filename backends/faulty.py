@@ -45,7 +45,7 @@ from typing import Any
 
 from hicache_store.layout.errors import ConfigError
 
-from .base import Backend
+from .base import Backend, ReadCounts, ReadRanges
 from .errors import BackendTimeoutError, BackendUnavailableError, OutOfSpaceError
 from .lifetime import until_abandoned
 from .retention import Retention
@@ -177,11 +177,8 @@ class FaultyBackend(Backend):
         return await self.inner.exists(keys)
 
     async def _get_into(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[memoryview],
-        ranges: Sequence[ByteRange | None],
-    ) -> list[int | None]:
+        self, keys: Sequence[str], buffers: Sequence[memoryview], ranges: ReadRanges
+    ) -> ReadCounts:
         await self._before("get_into", writing=False)
         if self._faults.reads_in_flight:
             staged = [bytearray(len(buf)) for buf in buffers]

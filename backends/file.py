@@ -143,7 +143,7 @@ from ._file_site import (
 from ._file_writes import FileWrites
 from ._index_check import check_index
 from ._valkey_index import ValkeyIndex
-from .base import Backend, reads_are_uses
+from .base import Backend, ReadCounts, ReadRanges, reads_are_uses
 from .errors import NotSupportedError, translate_os_error
 from .file_layout import object_path
 from .index import IndexCheck, ObjectIndex, fleet_index_url
@@ -469,11 +469,8 @@ class FileBackend(Backend):
     # -- core: reads (the engine's runs, ``_file_io``) -----------------------------------------
 
     async def _get_into(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[memoryview],
-        ranges: Sequence[ByteRange | None],
-    ) -> list[int | None]:
+        self, keys: Sequence[str], buffers: Sequence[memoryview], ranges: ReadRanges
+    ) -> ReadCounts:
         # docstring inherited. Jobs of the engine's runs (``FileEngine.read_run``: the batch
         # spread over at most ``io_threads`` jobs, or one ring batch). All jobs end before the
         # call does, even when one fails (buffer lifetime).
@@ -482,7 +479,7 @@ class FileBackend(Backend):
         per_job = self._engine.read_run(len(items), self.io_threads)
         jobs = [self._run_io(self._read_run, items[i : i + per_job])
                 for i in range(0, len(items), per_job)]
-        results: list[int | None] = [
+        results: ReadCounts = [
             n for run in await gather_settled(*jobs) for n in run]
         await self._after_reads(keys, results)
         return results

@@ -60,7 +60,7 @@ from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_key
 
 from .aio import wait_for
-from .base import Backend, removed_once
+from .base import Backend, ReadCounts, ReadRanges, removed_once
 from .errors import (
     BackendError,
     BackendIOError,
@@ -238,11 +238,8 @@ class FsspecBackend(Backend):
             return None
 
     async def _get_into(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[memoryview],
-        ranges: Sequence[ByteRange | None],
-    ) -> list[int | None]:
+        self, keys: Sequence[str], buffers: Sequence[memoryview], ranges: ReadRanges
+    ) -> ReadCounts:
         # docstring inherited. One pool job per key, as the s3 backend does: the batch runs
         # ``max_concurrency`` requests at a time whatever the filesystem (a single batch call
         # such as ``cat_ranges`` is serial on sync filesystems, and one job for a whole batch
@@ -251,7 +248,7 @@ class FsspecBackend(Backend):
             self._run("get_into", key, self._cat, key, rng)
             for key, rng in zip(keys, ranges, strict=True)
         ))
-        results: list[int | None] = []
+        results: ReadCounts = []
         for key, buf, rng, data in zip(keys, buffers, ranges, datas, strict=True):
             if data is None:
                 results.append(None)

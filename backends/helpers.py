@@ -23,6 +23,7 @@ from .prefix import DEFAULT_FANOUT, search_prefix
 from .types import ByteRange
 
 if TYPE_CHECKING:
+    from .base import ReadCounts, ReadRanges
     from .types import ObjectStat
     from .views import BufferLike
 
@@ -41,8 +42,8 @@ class Helpers:
             self,
             keys: Sequence[str],
             buffers: Sequence[BufferLike],
-            ranges: Sequence[ByteRange | None] | None = None,
-        ) -> list[int | None]: ...
+            ranges: ReadRanges | None = None,
+        ) -> ReadCounts: ...
 
     async def exists_prefix_length(self, keys: Sequence[str], *, chunk: int = 1024) -> int:
         """How many keys from the start exist consecutively (what engines' ``batch_exists``

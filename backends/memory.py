@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from ._lru import ChainLRU
-from .base import Backend
+from .base import Backend, ReadCounts, ReadRanges
 from .errors import CapacityError, InvalidRangeError
 from .retention import (
     DEFAULT_PIN_FRACTION,
@@ -27,7 +27,7 @@ from .retention import (
     is_pinned,
     pin_budget_bytes,
 )
-from .types import ByteRange, Capabilities, DeletedUntilHeld, ObjectStat, parse_size
+from .types import Capabilities, DeletedUntilHeld, ObjectStat, parse_size
 
 #: default bound: 1 GiB.
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -82,13 +82,10 @@ class MemoryBackend(Backend):
         return hits
 
     async def _get_into(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[memoryview],
-        ranges: Sequence[ByteRange | None],
-    ) -> list[int | None]:
+        self, keys: Sequence[str], buffers: Sequence[memoryview], ranges: ReadRanges
+    ) -> ReadCounts:
         # docstring inherited
-        results: list[int | None] = []
+        results: ReadCounts = []
         for key, buf, rng in zip(keys, buffers, ranges, strict=True):
             data = self._data.get(key)
             if data is None:

@@ -71,7 +71,7 @@ from ._mooncake_client import (
 )
 from ._mooncake_config import MooncakeConfig
 from .aio import wait_for
-from .base import Backend
+from .base import Backend, ReadCounts, ReadRanges
 from .errors import BackendTimeoutError, InvalidRangeError
 from .lifetime import CallAbandoned, Handoff, until_abandoned
 from .types import BackendURL, ByteRange, Capabilities, ObjectStat
@@ -298,15 +298,12 @@ class MooncakeBackend(Backend):
             check_capacity(code, key)
 
     async def _get_into(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[memoryview],
-        ranges: Sequence[ByteRange | None],
-    ) -> list[int | None]:
+        self, keys: Sequence[str], buffers: Sequence[memoryview], ranges: ReadRanges
+    ) -> ReadCounts:
         # docstring inherited
         whole = [i for i, r in enumerate(ranges) if r is None]
         ranged = [i for i, r in enumerate(ranges) if r is not None]
-        results: list[int | None] = [None] * len(keys)
+        results: ReadCounts = [None] * len(keys)
         if whole:
             got = await self._read_whole([keys[i] for i in whole], [buffers[i] for i in whole])
             for i, n in zip(whole, got, strict=True):

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 #: per key the bytes read (None: a miss) and the xxh3_64 of each span asked (empty for a miss
 #: or an object shorter than a span's end).
 SummedReads = tuple[list[int | None], list[tuple[int, ...]]]
+#: per buffer the ``(offset, length)`` byte spans to checksum (``NativeReads``).
+SumSpans = Sequence[Sequence[tuple[int, int]]]
 
 
 class HostBuffers(Protocol):
@@ -87,10 +89,7 @@ class NativeReads(Protocol):
     the bytes and no thread hand-off of its own."""
 
     async def get_into_summed(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[BufferLike],
-        spans: Sequence[Sequence[tuple[int, int]]],
+        self, keys: Sequence[str], buffers: Sequence[BufferLike], spans: SumSpans
     ) -> SummedReads:
         """``get_into`` of whole objects, and the xxh3_64 of byte spans of each buffer read.
 
@@ -100,10 +99,7 @@ class NativeReads(Protocol):
         ...
 
     def start(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[BufferLike],
-        spans: Sequence[Sequence[tuple[int, int]]],
+        self, keys: Sequence[str], buffers: Sequence[BufferLike], spans: SumSpans
     ) -> PendingReads:
         """Start ``get_into_summed`` without the library's loop and without a Python thread.
         Its checks raise here, before anything is read. The buffers are written until

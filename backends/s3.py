@@ -79,14 +79,13 @@ from ._s3_errors import scrub
 from ._s3_io import Fetch, plan_fetches
 from ._s3_objects import S3Objects
 from ._valkey_index import ValkeyIndex
-from .base import Backend, removed_once
+from .base import Backend, ReadCounts, ReadRanges, removed_once
 from .errors import BackendIOError, BackendUnavailableError
 from .index import IndexCheck, Measured, Reservation, fleet_index_url, settle_or_unpublish
 from .lifetime import Handoff
 from .retention import DEFAULT_PIN_FRACTION, Retention, pin_budget_bytes
 from .types import (
     BackendURL,
-    ByteRange,
     Capabilities,
     DeletedUntilHeld,
     ObjectStat,
@@ -273,11 +272,8 @@ class S3Backend(Backend):
     # -- reads ----------------------------------------------------------------------------------
 
     async def _get_into(
-        self,
-        keys: Sequence[str],
-        buffers: Sequence[memoryview],
-        ranges: Sequence[ByteRange | None],
-    ) -> list[int | None]:
+        self, keys: Sequence[str], buffers: Sequence[memoryview], ranges: ReadRanges
+    ) -> ReadCounts:
         # docstring inherited
         fetches = plan_fetches(keys, ranges, self.range_coalesce_gap)
         handoff = Handoff()
@@ -296,7 +292,7 @@ class S3Backend(Backend):
                     buffers[index][:length] = data[offset : offset + length]  # on the loop
                     results[index] = length
 
-        results: list[int | None] = [None] * len(keys)
+        results: ReadCounts = [None] * len(keys)
         try:
             await asyncio.gather(*(one(f) for f in fetches))
         finally:
