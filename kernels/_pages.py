@@ -58,17 +58,25 @@ def slot_table(
             f"pages: shape {tuple(pages.shape)}, expected [N] first slots or "
             f"[N, {page_size}] slot table"
         )
-    if check_indices and table.numel():
-        low, high = int(table.min()), int(table.max())
-        if low < 0 or high >= num_slots:
-            raise ValueError(
-                f"pages: slots span [{low}, {high}], outside the pool's [0, {num_slots})"
-            )
-        if writes_pool and torch.unique(table).numel() != table.numel():
-            raise ValueError(
-                "pages: a slot appears twice; pages written to the pool must not overlap"
-            )
+    if check_indices:
+        check_indices_in(table, num_slots, what="pages", unit="slot", of="the pool's ",
+                         distinct=writes_pool)
     return table
+
+
+def check_indices_in(
+    indices: torch.Tensor, count: int, *, what: str, unit: str, of: str = "", distinct: bool
+) -> None:
+    """Every index in ``indices`` within ``[0, count)`` and, with ``distinct`` (the operation
+    writes them), none named twice; else a ``ValueError`` naming the argument ``what``, its
+    ``unit`` and the bounds (``of``: whose). Costs a device synchronisation on the GPU."""
+    if not indices.numel():
+        return
+    low, high = int(indices.min()), int(indices.max())
+    if low < 0 or high >= count:
+        raise ValueError(f"{what}: {unit}s span [{low}, {high}], outside {of}[0, {count})")
+    if distinct and torch.unique(indices).numel() != indices.numel():
+        raise ValueError(f"{what}: a {unit} appears twice; {what} written must not overlap")
 
 
 def page_structure(table: torch.Tensor, page_size: int) -> tuple[int, torch.Tensor] | None:

@@ -44,6 +44,7 @@ import torch
 from hicache_store.layout.blocks import SKIP, BlockPages
 from hicache_store.layout.host import UnifiedPageLayout, VllmCpuLayout
 
+from ._pages import check_indices_in
 from ._unified import local_layers, staging_elements
 from .pools import as_bits, check_dtype
 
@@ -87,15 +88,9 @@ def _check(
     if slots.numel() % per_page:
         raise ValueError(f"slots: {slots.numel()} segment slots, not whole pages of "
                          f"{per_page} segments")
-    if slots.numel():
-        named = slots[slots != SKIP] if writes_cache else slots
-        count = layout.num_blocks * geometry.segments_per_block
-        if named.numel():
-            low, high = int(named.min()), int(named.max())
-            if low < 0 or high >= count:
-                raise ValueError(f"slots: span [{low}, {high}], outside [0, {count})")
-        if writes_cache and torch.unique(named).numel() != named.numel():
-            raise ValueError("slots: a slot appears twice; slots written must not overlap")
+    named = slots[slots != SKIP] if writes_cache else slots
+    check_indices_in(named, layout.num_blocks * geometry.segments_per_block, what="slots",
+                     unit="segment slot", distinct=writes_cache)
     stage = staging_elements(staging, unified, slots.numel() // per_page, cache.device)
     return stage, geometry
 
@@ -203,12 +198,8 @@ def _check_runs(
     if blocks.dtype not in (torch.int32, torch.int64) or blocks.dim() != 1:
         raise ValueError(f"blocks: expected a 1-D int32/int64 tensor, got {blocks.dtype} "
                          f"{tuple(blocks.shape)}")
-    if blocks.numel():
-        low, high = int(blocks.min()), int(blocks.max())
-        if low < 0 or high >= num_blocks:
-            raise ValueError(f"blocks: span [{low}, {high}], outside [0, {num_blocks})")
-        if writes_cache and torch.unique(blocks).numel() != blocks.numel():
-            raise ValueError("blocks: a block appears twice; blocks written must not overlap")
+    check_indices_in(blocks, num_blocks, what="blocks", unit="cache block",
+                     distinct=writes_cache)
     if staging.device.type != "cpu" or staging.dim() != 2 or staging.shape[0] != blocks.numel():
         raise ValueError(f"staging: shape {tuple(staging.shape)} on {staging.device}, expected "
                          f"[{blocks.numel()} pages, page row] in host memory")
