@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from .index import FeedChanges
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 SummedReads = tuple[list[int | None], list[tuple[int, ...]]]
 #: per buffer the ``(offset, length)`` byte spans to checksum (``NativeReads``).
 SumSpans = Sequence[Sequence[tuple[int, int]]]
+
+_Outcome = TypeVar("_Outcome")
 
 
 class HostBuffers(Protocol):
@@ -109,7 +111,44 @@ class NativeReads(Protocol):
         ...
 
 
-class PendingReads(abc.ABC):
+class _Pending(abc.ABC, Generic[_Outcome]):
+    """Work under way whose outcome is taken once (``PendingReads``, ``PendingWrites``):
+    ``result()`` waits for ``_result()``, hands a success to ``_took`` the first time, and
+    returns or raises the same outcome on every call."""
+
+    def __init__(self) -> None:
+        self._outcome: tuple[_Outcome] | BaseException | None = None
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """Whether the work has ended (never waits)."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Wait for the work to end."""
+
+    @abc.abstractmethod
+    def _result(self) -> _Outcome:
+        """Wait, then the work's outcome (raising what it raised)."""
+
+    @abc.abstractmethod
+    def _took(self, outcome: _Outcome) -> None:
+        """A success's outcome, when it is first taken (the backend's statistics)."""
+
+    def result(self) -> _Outcome:
+        if self._outcome is None:
+            try:
+                outcome = self._result()
+                self._took(outcome)
+                self._outcome = (outcome,)
+            except BaseException as exc:
+                self._outcome = exc
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome[0]
+
+
+class PendingReads(_Pending[SummedReads]):
     """Reads under way in native code (``NativeReads.start``).
 
     ``done()`` never waits; ``wait()`` waits for the reads (the buffers are not written after
@@ -119,31 +158,11 @@ class PendingReads(abc.ABC):
     waits for the reads before the buffers are let go."""
 
     def __init__(self, counted: Callable[[list[int | None]], None]) -> None:
+        super().__init__()
         self._counted = counted
-        self._outcome: SummedReads | BaseException | None = None
 
-    @abc.abstractmethod
-    def done(self) -> bool:
-        """Whether every read has ended (never waits)."""
-
-    @abc.abstractmethod
-    def wait(self) -> None:
-        """Wait for every read to end."""
-
-    @abc.abstractmethod
-    def _result(self) -> SummedReads:
-        """Wait, then the outcome of the reads (raising as ``get_into_summed``)."""
-
-    def result(self) -> SummedReads:
-        if self._outcome is None:
-            try:
-                self._outcome = self._result()
-                self._counted(self._outcome[0])
-            except BaseException as exc:
-                self._outcome = exc
-        if isinstance(self._outcome, BaseException):
-            raise self._outcome
-        return self._outcome
+    def _took(self, outcome: SummedReads) -> None:
+        self._counted(outcome[0])
 
 
 class NativeWrites(Protocol):
@@ -164,7 +183,7 @@ class NativeWrites(Protocol):
         ...
 
 
-class PendingWrites(abc.ABC):
+class PendingWrites(_Pending[None]):
     """A put under way (``NativeWrites.start``).
 
     ``done()`` never waits; ``wait()`` waits for the put to end (its buffers are not read after
@@ -174,33 +193,13 @@ class PendingWrites(abc.ABC):
     bytes once, when a put that succeeded is first taken (the backend's statistics)."""
 
     def __init__(self, counted: Callable[[], None]) -> None:
+        super().__init__()
         self._counted = counted
-        self._outcome: BaseException | bool | None = None
         self.began: float | None = None
         self.ended: float | None = None
 
-    @abc.abstractmethod
-    def done(self) -> bool:
-        """Whether the put has ended (never waits)."""
-
-    @abc.abstractmethod
-    def wait(self) -> None:
-        """Wait for the put to end."""
-
-    @abc.abstractmethod
-    def _result(self) -> None:
-        """Wait, then the put's outcome (raising as ``put``)."""
-
-    def result(self) -> None:
-        if self._outcome is None:
-            try:
-                self._result()
-                self._outcome = True
-                self._counted()
-            except BaseException as exc:
-                self._outcome = exc
-        if isinstance(self._outcome, BaseException):
-            raise self._outcome
+    def _took(self, outcome: None) -> None:
+        self._counted()
 
 
 class ChangeFeed(Protocol):
