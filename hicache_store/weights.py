@@ -77,6 +77,25 @@ class WeightsIdentity:
         return f"{self.value} ({self.how})"
 
 
+def revision_source(
+    explicit: str | None, identity: WeightsIdentity | None, *, given: str,
+    engine_model: str = "the model", unknown: str | None = None,
+) -> str:
+    """Where a namespace's model revision comes from, in words, by the precedence of
+    ``layout.namespace.weights_revision``: a ``model_revision`` set (``given`` says where;
+    set empty, none), else the weights' ``identity``, else ``unknown`` (by default: no model
+    files at ``engine_model``, where the engine loads them)."""
+    if explicit is not None:
+        return f"model_revision {explicit!r} {given}" if explicit else (
+            "none: model_revision set empty")
+    if identity is not None:
+        return str(identity)
+    if unknown is not None:
+        return unknown
+    return (f"unknown: no model files found at {engine_model}; set model_revision to tell "
+            "other weights apart")
+
+
 def weights_identity(
     model: str | os.PathLike[str], revision: str | None = None, *, hub_cache: Path | None = None
 ) -> WeightsIdentity | None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from hicache_store.layout.errors import WeightsError
 from hicache_store.layout.namespace import updated_weights, weights_revision
-from hicache_store.weights import WeightsIdentity, weights_identity
+from hicache_store.weights import WeightsIdentity, revision_source, weights_identity
 
 log = logging.getLogger(__name__)
 
@@ -111,14 +111,8 @@ class WeightsWatch:
 
     def describe(self) -> str:
         """Where the revision comes from, for the start-up log and ``doctor``."""
-        if self._explicit is not None:
-            source = "model_revision from the extra-config" if self._explicit else (
-                "none: model_revision set empty in the extra-config")
-        elif self.identity is not None:
-            source = str(self.identity)
-        else:
-            source = ("unknown: no model files found at SGLang's model path; set "
-                      "model_revision to tell other weights apart")
+        source = revision_source(self._explicit, self.identity, given="from the extra-config",
+                                 engine_model="SGLang's model path")
         labels = self._labels()
         return source + (f", updated as {'+'.join(labels)}" if labels else "")
 

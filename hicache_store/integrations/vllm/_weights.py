@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache_store.layout.namespace import updated_weights, weights_revision
-from hicache_store.weights import WeightsIdentity, weights_identity
+from hicache_store.weights import WeightsIdentity, revision_source, weights_identity
 
 
 class Revision:
@@ -58,14 +58,8 @@ class Revision:
 
     def describe(self) -> str:
         """Where the revision comes from, for the start-up log."""
-        if self.explicit is not None:
-            source = "model_revision as configured" if self.explicit else (
-                "none: model_revision set empty")
-        elif self.identity is not None:
-            source = str(self.identity)
-        else:
-            source = ("unknown: no model files found at vLLM's model; set model_revision to "
-                      "tell other weights apart")
+        source = revision_source(self.explicit, self.identity, given="as configured",
+                                 engine_model="vLLM's model")
         if self.keep_on_reset:
             return source + ", kept across connector resets"
         return source + (f", {self.resets} connector reset(s) since start" if self.resets else "")
