@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from hicache_store.errors import UsageError
+from hicache_store.tenant import KEY_FILE_ENV, KEY_TEXT_ENV
 
-__all__ = ["INSTALL_HINTS", "add_json_output", "add_prompts_argument", "add_report_arguments",
-           "add_store_command", "doc_summary", "json_on_stdout", "require_module", "write_json"]
+__all__ = ["INSTALL_HINTS", "add_command", "add_json_output", "add_prompts_argument",
+           "add_report_arguments", "add_store_command", "add_tenant_key_argument", "doc_summary",
+           "json_on_stdout", "require_module", "write_json"]
 
 
 #: optional packages commands import, and how to install each (one line instead of a traceback).
@@ -49,14 +51,23 @@ def doc_summary(doc: str | None) -> str | None:
     return None if not doc else doc.split("\n\n")[0].replace("``", "")
 
 
+def add_command(
+    subparsers: Any, name: str, *, help: str, doc: str | None
+) -> argparse.ArgumentParser:
+    """Add subcommand ``name``: ``help`` in its parent's list, described by ``doc``'s first
+    paragraph (``doc_summary``)."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name, help=help, description=doc_summary(doc))
+    return parser
+
+
 def add_store_command(
     subparsers: Any, name: str, *, help: str, doc: str | None
 ) -> argparse.ArgumentParser:
     """Add subcommand ``name`` of a command that opens one store: described by ``doc``'s first
     paragraph, its first argument the store's URL (optional on the command line: the
     ``HICACHE_STORE_URL`` layer of ``ops.config`` gives it)."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        name, help=help, description=doc_summary(doc))
+    parser = add_command(subparsers, name, help=help, doc=doc)
     parser.add_argument("url", nargs="?", default=None,
                         help="backend URL, e.g. file:///var/cache/kv (or HICACHE_STORE_URL)")
     return parser
@@ -72,6 +83,18 @@ def add_report_arguments(parser: argparse._ActionsContainer, report: str) -> Non
     """``--json`` (print ``report`` as JSON) and ``--no-progress`` (nothing on stderr)."""
     parser.add_argument("--json", action="store_true", help=f"print the {report} as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+
+
+def add_tenant_key_argument(
+    parser: argparse._ActionsContainer, use: str, *, deployment: bool = False
+) -> None:
+    """``--tenant-key-file PATH``: ``use`` says what the command does with the ring; the default
+    named is where ``tenant.load_key_ring`` finds one (with ``deployment``, where
+    ``ops.deployment.deployment_keys`` does: the extra-config first)."""
+    default = f"${KEY_FILE_ENV} or ${KEY_TEXT_ENV}"
+    if deployment:
+        default = f"the extra-config's tenant_key_file, else {default}"
+    parser.add_argument("--tenant-key-file", metavar="PATH", help=f"{use} (default: {default})")
 
 
 def add_json_output(parser: argparse._ActionsContainer, what: str) -> None:

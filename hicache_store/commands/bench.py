@@ -10,6 +10,8 @@ import argparse
 import importlib
 from typing import Any
 
+from hicache_store.commands._common import add_command
+
 #: bench subcommand modules, in the order ``bench --help`` lists them.
 BENCH_MODULES: tuple[str, ...] = (
     "hicache_store.commands.bench_backend",
@@ -20,9 +22,8 @@ BENCH_MODULES: tuple[str, ...] = (
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "bench", help="measure throughput (backends, ...)", description=__doc__.splitlines()[0]
-    )
+    parser = add_command(subparsers, "bench", doc=__doc__,
+                         help="measure throughput (backends, ...)")
     inner = parser.add_subparsers(
         dest="bench_command", metavar="BENCHMARK", parser_class=type(parser)
     )

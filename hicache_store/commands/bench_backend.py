@@ -44,6 +44,7 @@ from hicache_store._sync import run_sync
 from hicache_store.backends import Backend, BackendURL, ByteRange, aligned_buffer, open_backend
 from hicache_store.backends.file_layout import object_path
 from hicache_store.backends.types import parse_size
+from hicache_store.commands._common import add_command
 from hicache_store.errors import UsageError
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -52,11 +53,9 @@ _STAMP = 16  # bytes at the start of each object that identify it
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "backend",
-        help="measure a backend's write/read/exists throughput against raw O_DIRECT",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
+    parser = add_command(
+        subparsers, "backend", doc=__doc__,
+        help="measure a backend's write/read/exists throughput against raw O_DIRECT")
     parser.add_argument("url", help="backend URL, e.g. file:///mnt/nvme/kv?durability=data")
     parser.add_argument("--objects", type=int, default=512, help="objects to write (512)")
     parser.add_argument("--size", default="8MiB", help="bytes per object (8MiB)")

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from hicache_store.demo.bench.workload import WorkloadSpec
 
 from hicache_store.commands._common import (
+    add_command,
     add_json_output,
     json_on_stdout,
     require_module,
@@ -74,11 +75,8 @@ def workload_spec(args: Any, vocab_size: int) -> WorkloadSpec:
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "multiturn",
-        help="multi-turn shared-prefix workload under L1, L1+L2, L1+L2+L3",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
+    parser = add_command(subparsers, "multiturn", doc=__doc__,
+                         help="multi-turn shared-prefix workload under L1, L1+L2, L1+L2+L3")
     add_workload_arguments(parser, "workload", turns=4, question_tokens=32, answer_tokens=128)
     sizes = parser.add_argument_group("tiers")
     sizes.add_argument("--preset", default="bench", help="mini engine preset (tiny, bench)")

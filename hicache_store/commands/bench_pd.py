@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache_store.commands._common import (
+    add_command,
     add_json_output,
     json_on_stdout,
     require_module,
@@ -25,11 +26,9 @@ from hicache_store.ops.progress import ProgressBar
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "pd",
-        help="P/D disaggregation: decode-side prefix reuse off vs on, two processes",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
+    parser = add_command(
+        subparsers, "pd", doc=__doc__,
+        help="P/D disaggregation: decode-side prefix reuse off vs on, two processes")
     add_workload_arguments(parser, "workload (multi-turn conversations, scaled to a 2-core CPU)",
                            turns=6, question_tokens=64, answer_tokens=32)
     sizes = parser.add_argument_group("workers")

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hicache_store.commands._common import add_json_output, json_on_stdout, write_json
+from hicache_store.commands._common import add_command, add_json_output, json_on_stdout, write_json
 from hicache_store.commands.bench_multiturn import add_transfer_policy_arguments
 from hicache_store.errors import UsageError
 from hicache_store.ops.progress import ProgressBar, counted
@@ -54,11 +54,9 @@ WEKA_CAPACITIES = ("10000", "20000", "40000", "80000", "160000", "320000", "unbo
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "trace",
-        help="replay a production trace through the tier; hit rates next to LRU and Belady",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
+    parser = add_command(
+        subparsers, "trace", doc=__doc__,
+        help="replay a production trace through the tier; hit rates next to LRU and Belady")
     parser.add_argument(
         "trace",
         type=Path,
@@ -200,23 +198,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if l1 < longest:
         raise UsageError(f"--l1: {l1} pages cannot hold the longest prompt ({longest} pages)")
-    print(
-        f"trace {trace.name}: {len(trace)} requests over {trace.duration_s:.0f} s, "
-        f"{trace.block_accesses} blocks of {trace.block_tokens} tokens; page {page} tokens "
-        f"({page_bytes} B of KV), L1 {l1} pages",
-        file=sys.stderr,
-    )
+    _say_trace(trace, f"{trace.block_accesses} blocks of {trace.block_tokens} tokens; page "
+                      f"{page} tokens ({page_bytes} B of KV), L1 {l1} pages")
     results: list[dict[str, Any]] = []
     fields: dict[str, Any] = {"requests": len(trace)}
     with _keeping(args, results, fields):
         _replay_tier(args, trace, capacities, policies, l1, shape, results, fields)
     print(render_table(results), file=_table(args))
-    peak = max(r["peak_rss_bytes"] for r in results)
-    print(
-        f"replayed in {sum(r['wall_s'] for r in results):.0f} s, peak memory "
-        f"{peak / 2**20:.0f} MiB",
-        file=sys.stderr,
-    )
+    _say_replayed(sum(r["wall_s"] for r in results), max(r["peak_rss_bytes"] for r in results))
     return write_outputs(args, trace, results, fields)
 
 
@@ -318,12 +307,9 @@ def run_simulated(args: argparse.Namespace, policies: list[str]) -> int:
     except (OSError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     sessions = len({r.session.session for r in trace.requests if r.session is not None})
-    print(
-        f"trace {trace.name}: {len(trace)} requests over {trace.duration_s:.0f} s, "
-        f"{sessions} sessions, {trace.block_accesses} block references ({distinct} distinct) "
-        f"of {trace.block_tokens} tokens; read in {time.monotonic() - started:.0f} s",
-        file=sys.stderr,
-    )
+    _say_trace(trace, f"{sessions} sessions, {trace.block_accesses} block references "
+                      f"({distinct} distinct) of {trace.block_tokens} tokens; read in "
+                      f"{time.monotonic() - started:.0f} s")
     results: list[dict[str, Any]] = []
     fields: dict[str, Any] = {
         "format": args.format, "replay": "sim", "requests": len(trace), "sessions": sessions}
@@ -331,10 +317,7 @@ def run_simulated(args: argparse.Namespace, policies: list[str]) -> int:
         _simulate_all(args, trace, capacities, with_bound, distinct, policies, results, fields)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(render_sim_table(results), file=_table(args))
-    print(
-        f"replayed in {time.monotonic() - started:.0f} s, peak memory {peak / 2**20:.0f} MiB",
-        file=sys.stderr,
-    )
+    _say_replayed(time.monotonic() - started, peak)
     return write_outputs(args, trace, results, {
         **fields, "peak_rss_bytes": peak, "wall_s": time.monotonic() - started})
 
@@ -384,6 +367,18 @@ def _simulate_all(
                 **references,
             })
             _save_rows(args, results, fields)
+
+
+def _say_trace(trace: Trace, detail: str) -> None:
+    """A run's first line on stderr: the trace, its requests and span, then ``detail``."""
+    print(f"trace {trace.name}: {len(trace)} requests over {trace.duration_s:.0f} s, {detail}",
+          file=sys.stderr)
+
+
+def _say_replayed(seconds: float, peak_bytes: int) -> None:
+    """A run's last line on stderr: how long the replays took, and the peak memory."""
+    print(f"replayed in {seconds:.0f} s, peak memory {peak_bytes / 2**20:.0f} MiB",
+          file=sys.stderr)
 
 
 def _table(args: argparse.Namespace) -> Any:

@@ -31,14 +31,18 @@ from typing import TYPE_CHECKING, Any
 from hicache_store._sync import run_sync
 from hicache_store.backends import RootSite
 from hicache_store.backends.index import IndexCheck
-from hicache_store.commands._common import add_prompts_argument, add_store_command
+from hicache_store.commands._common import (
+    add_prompts_argument,
+    add_store_command,
+    add_tenant_key_argument,
+)
 from hicache_store.errors import UsageError
 from hicache_store.layout.namespace import HASH_ALGOS, ModelShape, Namespace
 from hicache_store.layout.topology import Topology
 from hicache_store.ops.config import layered, require, resolve
 from hicache_store.ops.progress import counted
 from hicache_store.ops.store import open_store
-from hicache_store.weights import WeightsIdentity, weights_identity
+from hicache_store.weights import WeightsIdentity, revision_source, weights_identity
 
 if TYPE_CHECKING:
     from hicache_store.ops.deployment import Deployment
@@ -64,10 +68,8 @@ def register(subparsers: Any) -> None:
     dep.add_argument("--page-size", type=int, help="tokens per page (SGLang's --page-size)")
     dep.add_argument("--grid", metavar="LxH", help="partition grid, e.g. 1x1 or 30x2")
     dep.add_argument("--tenant-salt", help="tenant salt")
-    dep.add_argument("--tenant-key-file", metavar="PATH",
-                     help="the deployment's tenant key ring: its namespace is sealed (default: "
-                     "the extra-config's tenant_key_file, else $HICACHE_STORE_TENANT_KEY_FILE "
-                     "or $HICACHE_STORE_TENANT_KEY)")
+    add_tenant_key_argument(dep, "the deployment's tenant key ring: its namespace is sealed",
+                            deployment=True)
     dep.add_argument("--topology", default="tp=1,pp=1",
                      help="the deployment's TP x PP (default: tp=1,pp=1); decides the default "
                      "grid and which ranks the prompt check asks")
@@ -165,13 +167,10 @@ def _weights_of(model_path: str | None) -> WeightsIdentity | None:
 
 def _weights_line(deployment: Deployment) -> str:
     """Where the deployment's revision comes from, or that it is unknown."""
-    explicit = deployment.config.model_revision
-    if explicit is not None:
-        return f"model_revision {explicit!r} as given" if explicit else "none (set empty)"
-    if deployment.weights is not None:
-        return str(deployment.weights)
-    return ("unknown: give --model-path (the directory the engine loads) or model_revision; "
-            "taken from the stored namespace, so it counts as no difference")
+    return revision_source(
+        deployment.config.model_revision, deployment.weights, given="as given",
+        unknown="unknown: give --model-path (the directory the engine loads) or model_revision; "
+                "taken from the stored namespace, so it counts as no difference")
 
 
 def _weights_json(deployment: Deployment | None) -> dict[str, Any] | None:

@@ -40,7 +40,11 @@ from hicache_store._sync import run_sync
 from hicache_store.backends.errors import NotSupportedError
 from hicache_store.backends.index import IndexCheck
 from hicache_store.backends.types import parse_size
-from hicache_store.commands._common import add_report_arguments
+from hicache_store.commands._common import (
+    add_command,
+    add_report_arguments,
+    add_tenant_key_argument,
+)
 from hicache_store.errors import UsageError
 from hicache_store.layout.errors import ConfigError
 from hicache_store.ops.gc import (
@@ -85,11 +89,8 @@ def parse_budget(text: str) -> int:
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "gc",
-        help="delete old objects and keep a shared store under a size budget",
-        description=__doc__.splitlines()[0],
-    )
+    parser = add_command(subparsers, "gc", doc=__doc__,
+                         help="delete old objects and keep a shared store under a size budget")
     parser.add_argument("url", help="backend URL, e.g. s3://bucket/prefix?endpoint_url=...")
     parser.add_argument("--max-bytes", help="size budget with a unit, e.g. 500GiB or 0B")
     parser.add_argument("--max-age",
@@ -101,9 +102,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--state-dir", help="where the working set is kept (default: one "
                         "folder per store under ~/.cache/hicache-store/gc)")
-    parser.add_argument("--tenant-key-file", metavar="PATH",
-                        help="a tenant key ring (default: $HICACHE_STORE_TENANT_KEY_FILE or "
-                             "$HICACHE_STORE_TENANT_KEY), for --remove-retired")
+    add_tenant_key_argument(parser, "a tenant key ring, for --remove-retired")
     parser.add_argument("--remove-retired", action="store_true",
                         help="delete the objects sealed with keys the ring lists as retired")
     parser.add_argument("--fresh", action="store_true",

@@ -26,7 +26,11 @@ from typing import Any
 
 from hicache_store._sync import run_sync
 from hicache_store.backends.types import parse_size
-from hicache_store.commands._common import add_report_arguments, add_store_command
+from hicache_store.commands._common import (
+    add_report_arguments,
+    add_store_command,
+    add_tenant_key_argument,
+)
 from hicache_store.errors import UsageError
 from hicache_store.ops.config import layered, require, resolve
 from hicache_store.ops.inspection import StoreReport, inspect_store
@@ -46,9 +50,8 @@ def register(subparsers: Any) -> None:
                         help="with --verify: delete the corrupt objects found")
     parser.add_argument("--dry-run", action="store_true",
                         help="with --delete-corrupt: list what would be deleted, delete nothing")
-    parser.add_argument("--tenant-key-file", metavar="PATH",
-                        help="a tenant key ring: authenticate its sealed objects and name the "
-                             "state of each key id (default: $HICACHE_STORE_TENANT_KEY_FILE)")
+    add_tenant_key_argument(parser, "a tenant key ring: authenticate its sealed objects and "
+                                    "name the state of each key id")
     parser.add_argument("--concurrency", type=int, default=16,
                         help="objects read at once by --verify (default: 16)")
     parser.add_argument("--window", default="8MiB",

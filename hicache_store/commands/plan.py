@@ -21,6 +21,7 @@ import argparse
 import json
 from typing import Any
 
+from hicache_store.commands._common import add_command
 from hicache_store.errors import UsageError
 from hicache_store.layout.dtypes import KV_DTYPE_ITEMSIZE
 from hicache_store.layout.errors import GridMismatchError, InvalidNamespaceError
@@ -30,11 +31,8 @@ from hicache_store.layout.topology import Topology
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "plan",
-        help="show the objects each rank writes and reads per page",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
+    parser = add_command(subparsers, "plan", doc=__doc__,
+                         help="show the objects each rank writes and reads per page")
     shape = parser.add_argument_group("model shape")
     shape.add_argument("--model", default="model", help="model name in the namespace")
     shape.add_argument("--layers", type=int, required=True, help="number of layers")

@@ -25,6 +25,7 @@ from hicache_store.commands._common import (
     add_prompts_argument,
     add_report_arguments,
     add_store_command,
+    add_tenant_key_argument,
 )
 from hicache_store.errors import UsageError
 from hicache_store.layout.errors import GridMismatchError, InvalidNamespaceError
@@ -33,6 +34,7 @@ from hicache_store.layout.topology import Topology
 from hicache_store.ops.config import layered, require, resolve
 from hicache_store.ops.progress import ProgressBar, counted, human_bytes
 from hicache_store.ops.store import open_store
+from hicache_store.weights import revision_source
 
 if TYPE_CHECKING:
     from hicache_store.ops.deployment import Deployment
@@ -85,10 +87,8 @@ def register(subparsers: Any) -> None:
     ns.add_argument("--hash-algo", default="sha256", choices=list(HASH_ALGOS),
                     help="page-hash algorithm (default: sha256, as SGLang)")
     ns.add_argument("--tenant-salt", help="tenant salt of the namespace (default: none)")
-    ns.add_argument("--tenant-key-file", metavar="PATH",
-                    help="tenant key ring: seal the KV for a deployment configured with it "
-                         "(default: the extra-config's tenant_key_file, else "
-                         "$HICACHE_STORE_TENANT_KEY_FILE or $HICACHE_STORE_TENANT_KEY)")
+    add_tenant_key_argument(ns, "tenant key ring: seal the KV for a deployment configured "
+                                "with it", deployment=True)
     run_ = parser.add_argument_group("run")
     run_.add_argument("--batch-size", type=int, default=8,
                       help="prompts per batch (one exists probe and concurrent writes; default 8)")
@@ -128,12 +128,9 @@ def _deployment(args: argparse.Namespace, topology: Topology) -> Deployment:
 
 def _weights(deployment: Deployment, source: Any) -> str:
     """Where the namespace's revision came from, for the summary."""
-    explicit = deployment.config.model_revision
-    if explicit is not None:
-        return f"model_revision {explicit!r} as given" if explicit else "none (set empty)"
-    if source.weights is not None:
-        return str(source.weights)
-    return "unknown (no model files): only the model id tells other weights apart"
+    return revision_source(
+        deployment.config.model_revision, source.weights, given="as given",
+        unknown="unknown (no model files): only the model id tells other weights apart")
 
 
 def run(args: argparse.Namespace) -> int:

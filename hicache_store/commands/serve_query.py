@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hicache_store.commands._common import add_store_command
+from hicache_store.commands._common import add_store_command, add_tenant_key_argument
 from hicache_store.errors import UsageError
 from hicache_store.ops.config import layered, require, resolve
 
@@ -32,9 +32,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--port", type=int, default=8470, help="port (default: 8470; 0: any free)")
     parser.add_argument("--io-timeout", type=float, default=10.0,
                         help="seconds one query may wait on the store (default: 10)")
-    parser.add_argument("--tenant-key-file", metavar="PATH",
-                        help="the tenant key ring of a sealed namespace "
-                             "(default: $HICACHE_STORE_TENANT_KEY_FILE)")
+    add_tenant_key_argument(parser, "the tenant key ring of a sealed namespace")
     layered(parser, section="serve-query")
     parser.set_defaults(func=run)
 

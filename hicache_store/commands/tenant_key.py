@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hicache_store.commands._common import add_command
 from hicache_store.errors import UsageError
 from hicache_store.tenant import (
     new_ring_text,
@@ -29,10 +30,8 @@ from hicache_store.tenant import (
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "tenant-key", help="make, rotate and retire a tenant key ring (sealed namespaces)",
-        description=__doc__.splitlines()[0] if __doc__ else None,
-    )
+    parser = add_command(subparsers, "tenant-key", doc=__doc__,
+                         help="make, rotate and retire a tenant key ring (sealed namespaces)")
     parser.add_argument("action", choices=["new", "rotate", "retire", "show"])
     parser.add_argument("path", help="the key ring file")
     parser.add_argument("key_id", nargs="?", help="retire: the key id to retire")
