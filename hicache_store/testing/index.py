@@ -124,6 +124,13 @@ def _later() -> None:
     time.sleep(0.003)
 
 
+def _a0_then_b0(index: ObjectIndex, site: MemorySite) -> None:
+    """Fill a 200-byte store with ``a0``, then ``b0`` (100 bytes each, ``a0`` the older)."""
+    put(index, site, ["a0"], capacity=200)
+    _later()
+    put(index, site, ["b0"], capacity=200)
+
+
 class IndexTests(abc.ABC):
     """Mixin: the index contract. See the module docstring."""
 
@@ -239,9 +246,7 @@ class IndexTests(abc.ABC):
 
     def test_a_read_makes_a_key_recent(self, env: IndexEnv) -> None:
         index = env.open()
-        put(index, env.site, ["a0"], capacity=200)
-        _later()
-        put(index, env.site, ["b0"], capacity=200)
+        _a0_then_b0(index, env.site)
         _later()
         index.touch(["a0"])
         index.flush_touches()
@@ -281,9 +286,7 @@ class IndexTests(abc.ABC):
 
     def test_a_key_in_flight_is_never_evicted(self, env: IndexEnv) -> None:
         first, second = env.open(), env.open()
-        put(first, env.site, ["a0"], capacity=200)
-        _later()
-        put(first, env.site, ["b0"], capacity=200)
+        _a0_then_b0(first, env.site)
         rewriting = first.reserve(["a0"], [100], 200)  # a0 busy in the first process
         first.make_room(200, rewriting)
         put(second, env.site, ["c0"], capacity=200)
@@ -295,9 +298,7 @@ class IndexTests(abc.ABC):
     def test_an_object_that_cannot_be_removed_stays_indexed_and_eviction_goes_on(
             self, env: IndexEnv) -> None:
         index = env.open()
-        put(index, env.site, ["a0"], capacity=200)
-        _later()
-        put(index, env.site, ["b0"], capacity=200)
+        _a0_then_b0(index, env.site)
         env.site.fail_removal.add("a0")
         reservation = index.reserve(["c0"], [100], 200)
         counts = index.make_room(200, reservation)
@@ -313,9 +314,7 @@ class IndexTests(abc.ABC):
         failure is not picked again for it), and the put is refused for want of room. The
         objects stay indexed, and the reservation is released."""
         index = env.open()
-        put(index, env.site, ["a0"], capacity=200)
-        _later()
-        put(index, env.site, ["b0"], capacity=200)
+        _a0_then_b0(index, env.site)
         env.site.fail_removal.update({"a0", "b0"})
         outcome: list[object] = []
 
@@ -412,9 +411,7 @@ class IndexTests(abc.ABC):
 
     def test_a_dead_writers_eviction_is_finished(self, env: IndexEnv) -> None:
         dead, live = env.open(), env.open()
-        put(live, env.site, ["a0"], capacity=200)
-        _later()
-        put(live, env.site, ["b0"], capacity=200)
+        _a0_then_b0(live, env.site)
         reservation = dead.reserve(["c0"], [100], 200)
         if not reservation.victims:
             pytest.skip(f"{type(dead).__name__} evicts inside make_room, in one call")
@@ -436,9 +433,7 @@ class IndexTests(abc.ABC):
     def test_a_pinned_page_is_never_evicted(self, env: IndexEnv) -> None:
         index = env.open()
         self._retention(index)
-        put(index, env.site, ["a0"], capacity=200)
-        _later()
-        put(index, env.site, ["b0"], capacity=200)
+        _a0_then_b0(index, env.site)
         index.retain(["a0"], Retention("pinner", None, pinned=True), pin_budget=200)
         put(index, env.site, ["c0"], capacity=200)
         assert index.exists(["a0", "b0", "c0"]) == [True, False, True]
@@ -504,9 +499,7 @@ class IndexTests(abc.ABC):
     def test_a_hold_past_its_deadline_is_ordinary_data(self, env: IndexEnv) -> None:
         index = env.open()
         self._retention(index)
-        put(index, env.site, ["a0"], capacity=200)
-        _later()
-        put(index, env.site, ["b0"], capacity=200)
+        _a0_then_b0(index, env.site)
         index.retain(["a0"], Retention("p", env.clock.now + 10, pinned=True), pin_budget=200)
         env.clock.now += 11
         assert index.retention_of(["a0"]) == [()]
