@@ -19,7 +19,7 @@ from hicache_store.layout.errors import ConfigError
 
 from ._aligned import DIRECT_ALIGNMENT, aligned_buffer
 from ._file_site import RootSite
-from .base import Backend, reads_are_uses, reads_not_counted
+from .base import Backend, ReadCounts, ReadRanges, reads_are_uses, reads_not_counted
 from .errors import (
     BackendClosedError,
     BackendError,
@@ -75,6 +75,8 @@ __all__ = [
     "Capabilities",
     "CapacityError",
     "PinBudgetError",
+    "ReadCounts",
+    "ReadRanges",
     "Retention",
     "RootSite",
     "ConfigError",
