@@ -111,6 +111,7 @@ class JobMeter:
         self.own = {"load": 0.0, "store": 0.0}
         self.jobs = {"load": 0, "store": 0}
         self._ended: dict[int, float] = {}
+        self._native_saves: list[tuple[Any, float]] = []  # the connector's, with their start
 
     def ended(self, job_id: int) -> None:
         self._ended[job_id] = time.perf_counter()
@@ -207,10 +208,14 @@ class JobMeter:
 
         def save_pages(saves: Any, *args: Any) -> None:
             start = time.perf_counter()
-            chain = connector._save_chain
+            chain, natives = connector._save_chain, list(connector._native_saves)
             save(saves, *args)
             if connector._save_chain is not chain and connector._save_chain is not None:
                 timed("store", connector._save_chain, start)
+            # a save stored by the backend's own job: timed to the end of its put, as the
+            # tier's native puts (judged when a later poll finds it ended)
+            self._native_saves += [(native, start) for native in connector._native_saves
+                                   if native not in natives]
 
         connector.start_load_kv = start_load_kv
         connector._start_part_loads = part_loads
@@ -218,7 +223,14 @@ class JobMeter:
         connector._save = save_pages
 
     def count_connector(self, connector: Any) -> None:
-        """The bytes the connector loaded and saved, from its counters (every job ended)."""
+        """The bytes the connector loaded and saved, from its counters (every job ended), and
+        the time of its native saves (each to its put's end)."""
+        for native, start in self._native_saves:
+            writes = native.writes
+            ended = writes.ended if writes is not None else None
+            if ended is not None:  # (time.monotonic's clock)
+                self.add("store", 0, ended + time.perf_counter() - time.monotonic() - start)
+        self._native_saves = []
         self.bytes = {"load": connector.metrics["bytes_loaded"],
                       "store": connector.metrics["bytes_saved"]}
 

@@ -29,7 +29,7 @@ from .io import (
     PendingFrames,
     PendingFrameWrites,
 )
-from .pages import L3Link, PageWrite, PendingPages
+from .pages import L3Link, PageWrite, PendingPages, PendingPageWrites
 from .sealed import SealedFormat
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "FramedFormat",
     "IOStats",
     "L3Link",
+    "PendingPageWrites",
     "PendingPages",
     "ObjectFormat",
     "ObjectIO",

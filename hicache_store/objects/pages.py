@@ -5,9 +5,10 @@ among replicas). ``write_page`` frames them in reused staging (each object's pay
 once from the host row behind its reserved header) and ``ObjectIO.put`` seals and stores them;
 a page counts as written when all its objects are. ``write_in_order`` writes several pages
 so, each kept or not on its own (a leading run of them on a slow store); ``write_pages``
-stores a run of pages in one backend call, kept or lost together. Callers whose staging
-already has the frame layout (the SGLang adapter relays straight into it) use ``ObjectIO.put``
-themselves.
+stores a run of pages in one backend call, kept or lost together; ``start_write_pages``
+starts such a run in the backend's native code (no loop), for a caller that polls it.
+Callers whose staging already has the frame layout (the SGLang adapter relays straight into
+it) use ``ObjectIO.put`` themselves.
 
 Reads: each page is assembled from the objects (or layer ranges of objects) ``plan_reads``
 names, every byte verified by ``ObjectIO.read_blocks`` before it counts: whole head groups land
@@ -28,7 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -55,7 +57,15 @@ from hicache_store.tenant import KeyRing
 
 from .arena import Arena, Arenas
 from .format import ObjectFormat
-from .io import DEFAULT_MIN_BANDWIDTH_MIB_S, Deadline, Frame, IOStats, ObjectIO, PendingFrames
+from .io import (
+    DEFAULT_MIN_BANDWIDTH_MIB_S,
+    Deadline,
+    Frame,
+    IOStats,
+    ObjectIO,
+    PendingFrames,
+    PendingFrameWrites,
+)
 from .sealed import SealedFormat
 
 log = logging.getLogger(__name__)
@@ -345,23 +355,59 @@ class L3Link:
         io.bytes_moved += sum(len(f.buffer) for f in frames)
         return True
 
+    def start_write_pages(self, pages: Sequence[PageWrite]) -> PendingPageWrites | None:
+        """``write_pages`` started in the backend's native code (``ObjectIO.start_write_frames``:
+        every object of every page framed and sealed on the caller's thread, then stored by
+        one backend job, without the library's loop and without a GIL hand-off per object),
+        for a caller that polls from a thread holding the GIL; None, having stored nothing,
+        where there is no such path (nothing to write, a backend without native writes, a
+        sealed namespace): then use ``write_pages``. The frames are fresh memory, the
+        handle's until the put ends, so the rows are the caller's again on return. Raises
+        what ``start_write_frames`` raises (a closed backend)."""
+        if (not pages or not self.can_write or self.io.format.sealed
+                or not self.backend.capabilities.native_writes):  # (asked first: no copy)
+            return None
+        assert self.write_plan is not None
+        sizes = [self.io.header_bytes(obj.coords.num_layers) + obj.nbytes
+                 for obj in self.write_plan.objects]
+        # Fresh memory, never pooled: the put reads it until it ends, however late.
+        buffer = np.empty(sum(sizes) * len(pages), dtype=np.uint8).data
+        used = 0
+
+        def carve(size: int) -> memoryview:  # the buffer's next ``size`` bytes
+            nonlocal used
+            used += size
+            return buffer[used - size:used]
+
+        frames = [frame for page in pages
+                  for frame in self._frame_page(page.page_hash, page.row, page.parent_hash,
+                                                carve)]
+        writes = self.io.start_write_frames(frames)
+        if writes is None:
+            return None
+        return PendingPageWrites(writes, len(pages), sum(len(f.buffer) for f in frames))
+
     def _frame_page(
         self,
         page_hash: str,
         row: Row,
         parent_hash: str | None,
-        taken: list[tuple[Arena, memoryview]],
+        taken: list[tuple[Arena, memoryview]] | Callable[[int], memoryview],
     ) -> list[Frame]:
         """This rank's unsealed frames of one page (``write_plan`` order), each in an arena
-        slot recorded in ``taken`` (the caller gives them back once the puts have ended)."""
+        slot recorded in ``taken`` (the caller gives them back once the puts have ended), or
+        in the memory ``taken`` gives for its size."""
         assert self.write_plan is not None
         digest = self.namespace.digest
         frames: list[Frame] = []
         for obj in self.write_plan.objects:
             header = self.io.header_bytes(obj.coords.num_layers)
-            arena = self._frames.arena(header + obj.nbytes)
-            slot = arena.take()
-            taken.append((arena, slot))
+            if callable(taken):
+                slot = taken(header + obj.nbytes)
+            else:
+                arena = self._frames.arena(header + obj.nbytes)
+                slot = arena.take()
+                taken.append((arena, slot))
             frame = slot[: header + obj.nbytes]
             np.frombuffer(frame, dtype=np.uint8)[header:] = row[
                 obj.page_offset : obj.page_offset + obj.nbytes
@@ -621,3 +667,33 @@ class PendingPages:
             link._copy_page(self._frames[page], row, io)
             out.append(True)
         return out
+
+
+class PendingPageWrites:
+    """Pages being stored by a backend's own job (``L3Link.start_write_pages``), kept or lost
+    together as ``write_pages``'s: ``done()`` never waits, ``wait()`` waits for the put (its
+    frames are not read after it returns), ``ended`` is when it ended (``time.monotonic()``;
+    None: not yet). ``stored()`` waits, then whether every page was stored within the put's
+    deadline; judged once (a lock: the caller's thread and another may both ask), the same
+    answer every time. ``pages`` and ``nbytes``: the pages and the framed bytes put."""
+
+    def __init__(self, writes: PendingFrameWrites, pages: int, nbytes: int) -> None:
+        self._writes, self.pages, self.nbytes = writes, pages, nbytes
+        self._lock = threading.Lock()
+        self._stored: bool | None = None
+
+    def done(self) -> bool:
+        return self._writes.done()
+
+    def wait(self) -> None:
+        self._writes.wait()
+
+    @property
+    def ended(self) -> float | None:
+        return self._writes.ended
+
+    def stored(self) -> bool:
+        with self._lock:
+            if self._stored is None:
+                self._stored = all(self._writes.result())
+            return self._stored

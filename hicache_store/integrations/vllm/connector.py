@@ -48,7 +48,14 @@ lands in memory nobody uses); ``wait_for_layer_load`` waits for the reads on the
 and then restores one layer at a time, just before that layer's attention runs. Saves:
 ``wait_for_save`` packs the step's completed pages out of vLLM's blocks into staging (a copy,
 so vLLM may reuse the blocks at once) and writes them in the background, chains parent first,
-bounded by ``max_pending_save_mib`` (beyond it saves are dropped, counted).
+bounded by ``max_pending_save_mib`` (beyond it saves are dropped, counted). Where the backend
+has native writes (``L3Link.start_write_pages``) a step's pages of a link are framed on vLLM's
+engine thread and stored by one backend job, judged when a later poll (``wait_for_save``,
+``get_transfer_results``, ``flush``) finds it ended, oldest first: a save that failed or ran
+past its deadline counts its pages failed, and a later save's pages whose chain parent it did
+not store are deleted and counted failed too (no page is kept after a missing parent). Else,
+and while a step of the save chain (a save, a kv_hints step, a deletion) still runs on the
+library's loop, the pages are written there, page by page, after what was issued before.
 
 **L2** (``l2_mib`` per worker process, ``_l2.HostPageCache``; 0: none). Each worker keeps the
 pages of its own shard that it saved (packed from vLLM's KV) or loaded (verified reads, put
@@ -150,7 +157,7 @@ import logging
 import sys
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -191,7 +198,7 @@ from hicache_store.layout.host import UnifiedPageLayout, VllmCpuLayout
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology, shard_of, shards
-from hicache_store.objects import IOStats, L3Link, PendingPages
+from hicache_store.objects import IOStats, L3Link, PageWrite, PendingPages, PendingPageWrites
 from hicache_store.tier.components import Tier, match_components
 
 from ._caches import GroupCache, check_cache_layout, group_cache, vllm_cpu_cache
@@ -204,7 +211,7 @@ from ._groups import (
     pages_to_save,
     with_revision,
 )
-from ._hints import ConnectorHints, KeyOp
+from ._hints import ConnectorHints, KeyOp, after
 from ._l2 import HostPageCache
 from ._logging import attach as attach_logging
 from ._weights import Revision, model_identity
@@ -618,6 +625,9 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         self._load_errors: set[int] = set()
         self._save_chain: concurrent.futures.Future[None] | None = None
         self._pending_save_bytes = 0
+        self._native_saves: deque[_NativeSave] = deque()  # started here, oldest first
+        self._abandoned: list[_NativeSave] = []  # past their deadline, not ended yet
+        self._lost: set[str] = set()  # part keys of pages those saves did not store
         self._l2: HostPageCache | None = None
         self._l2_added: set[str] = set()
         self._l2_evicted: set[str] = set()
@@ -1247,6 +1257,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         """(Parts) The requests whose loads ended: every page of every part verified and
         copied into vLLM's blocks, or failed (``failed_recving``: vLLM recomputes the
         request, and its next lookup no longer offers the pages that failed)."""
+        self._finish_saves()
         results = KVConnectorTransferResults()
         now = time.monotonic()
         for req_id, pending in list(self._async.items()):
@@ -1452,7 +1463,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
     def _drop_corrupt(self, keys: list[str]) -> None:
         """Delete objects that failed verification (after the saves issued before), so that
         the store stops listing them and the recompute's save writes the page anew."""
-        previous = self._save_chain
+        previous = self._chain_tail()
 
         async def drop() -> None:
             if previous is not None:
@@ -1491,6 +1502,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         return  # pages are packed once per step, in wait_for_save
 
     def wait_for_save(self) -> None:
+        self._finish_saves()
         step, self._step = self._step, None
         failed_reqs: set[str] = set()
         if step is not None:
@@ -1562,16 +1574,128 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             assert self._cache_layout is not None
             assert self._layout is not None
             pack_blocks(self._cache, self._cache_layout, blocks, staging, self._layout)
-        if store:  # the write only reads ``staging``; so does the L2's copy below
-            previous = self._save_chain
-            # the link of the weights the pages were computed by, should a reset follow
-            self._save_chain = submit(self._write_pages(saves, staging, nbytes, previous, link))
+        # the write only reads ``staging``; so does the L2's copy below. (The link is the one
+        # of the weights the pages were computed by, should a reset follow.)
+        if store and not self._start_native_save(saves, staging, nbytes, link):
+            self._save_chain = submit(self._write_pages(saves, staging, nbytes,
+                                                        self._chain_tail(), link))
         if l2 is not None:
             first = 0
             for save in saves:
                 count = len(save.hashes)
                 self._l2_put(save.hashes, staging[first:first + count])
                 first += count
+
+    def _start_native_save(self, saves: list[PageSave], staging: torch.Tensor, nbytes: int,
+                           link: L3Link) -> bool:
+        """The step's pages framed here and stored by one backend job
+        (``L3Link.start_write_pages``), judged when a poll finds it ended
+        (``_finish_saves``); False, having started nothing, where the save goes on the loop
+        instead (``_write_pages``): the backend has no native writes, or a step of the save
+        chain (a save, a kv_hints step, a deletion) is still running there, which the saves
+        issued after it must follow."""
+        chain = self._save_chain
+        if chain is not None and not chain.done():
+            return False
+        rows = staging.numpy()
+        pages = [PageWrite(h, rows[at], parent) for at, (h, parent) in enumerate(
+            (h, parent) for save in saves
+            for h, parent in zip(save.hashes, save.parents, strict=True))]
+        native = _NativeSave(saves, nbytes, link, time.monotonic())
+        try:
+            native.writes = link.start_write_pages(pages)
+        except Exception as exc:  # a closed backend: a failed save, never a page counted stored
+            log.warning("hicache-store: save failed: %r", exc)
+            self._native_saves.append(native)
+            self._finish_saves()  # (judged now, after those before it)
+            return True
+        if native.writes is None:
+            return False
+        self._native_saves.append(native)
+        return True
+
+    def _finish_saves(self, wait_s: float = 0.0) -> None:
+        """Judge the native saves that have ended, oldest first (a later one waits for the
+        earlier ones: a child's save is judged after its parent's), waiting up to ``wait_s``
+        for them. A save stored within its deadline counts its pages saved, except those whose
+        chain parent a save judged before did not store: those are deleted (after the saves
+        issued before, on the save chain) and counted failed, as are the pages of a save that
+        failed, ran late or passed the connector's deadline for it (``io_timeout_s`` twice
+        and its bytes' time: abandoned, its frames kept until its put ends). A failure trips
+        the breaker."""
+        end = time.monotonic() + wait_s
+        self._abandoned = [a for a in self._abandoned if a.running()]
+        while self._native_saves:
+            native = self._native_saves[0]
+            writes = native.writes
+            if native.running() and not native.overdue():
+                now = time.monotonic()
+                if now >= end:
+                    return
+                time.sleep(min(0.001, end - now))
+                continue
+            if native.running():
+                assert writes is not None
+                log.warning("hicache-store: a save of %d pages still running past its "
+                            "deadline: counted failed", writes.pages)
+                self._abandoned.append(native)  # (its frames stay alive until it ends)
+                stored = False
+            else:
+                stored = writes is not None and writes.stored()
+            self._native_saves.popleft()
+            self._judge(native, stored)
+        self._lost.clear()  # no save in flight depends on them any more
+
+    def _judge(self, native: _NativeSave, stored: bool) -> None:
+        """Count one native save's pages (``_finish_saves``)."""
+        orphans: list[str] = []
+        kept = 0
+        for save in native.saves:
+            for h, parent in zip(save.hashes, save.parents, strict=True):
+                key = _part_key(save.part, h)
+                if stored and (parent is None or _part_key(save.part, parent) not in self._lost):
+                    kept += 1
+                    continue
+                self._lost.add(key)
+                if stored:  # stored after a missing parent: not kept
+                    orphans.extend(native.link.write_names(h))
+        pages = sum(len(save.hashes) for save in native.saves)
+        if kept < pages:
+            self._breaker.trip()
+        self._count("pages_saved", kept)
+        self._count("saves_failed", pages - kept)
+        if native.writes is not None and native.writes.pages:
+            self._count("bytes_saved", native.writes.nbytes * kept // native.writes.pages)
+        with self._lock:
+            self._pending_save_bytes -= native.nbytes
+        if orphans:
+            async def drop() -> None:
+                try:
+                    await self.backend.delete(orphans)
+                except Exception as exc:  # a page the lookups cannot reach anyway
+                    log.warning("hicache-store: deleting %d objects stored after a missing "
+                                "parent failed: %r", len(orphans), exc)
+
+            self._save_chain = submit(after(self._chain_tail(), drop()))
+
+    def _chain_tail(self) -> concurrent.futures.Future[None] | None:
+        """What a step of the save chain issued now waits for: the chain's last step, and the
+        native saves in flight (a native save that did not store its pages trips the breaker
+        before this resolves, so a save on the loop after it stores nothing)."""
+        natives = list(self._native_saves)
+        if not natives:
+            return self._save_chain
+
+        async def tail() -> None:
+            for native in natives:
+                while True:  # a poll: no thread is left waiting on a hung put
+                    if not native.running() or native.overdue():
+                        break
+                    await asyncio.sleep(0.002)
+                if native.running() or native.writes is None or not native.writes.stored():
+                    self._breaker.trip()
+
+        return submit(after(self._save_chain, tail()))
 
     def _layout_page_bytes(self) -> int:
         assert self._layout is not None
@@ -1616,7 +1740,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         """The step has ended (after ``wait_for_save``): its kv_hints steps, after its saves."""
         meta = self._connector_metadata
         if isinstance(meta, HiCacheStoreMetadata) and meta.holds and self._link is not None:
-            self._save_chain = self.hints.apply_after(self._save_chain, meta.holds,
+            self._save_chain = self.hints.apply_after(self._chain_tail(), meta.holds,
                                                       self._link.write_names)
         super().clear_connector_metadata()
 
@@ -1644,10 +1768,15 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
                                        per_engine_labelvalues)
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Wait until every save started so far has ended (tests, shutdown)."""
+        """Wait until every save started so far has ended and is counted (tests, shutdown);
+        ``TimeoutError`` past ``timeout``."""
+        end = time.monotonic() + timeout
+        self._finish_saves(timeout)
+        if self._native_saves:
+            raise TimeoutError(f"{len(self._native_saves)} saves still running")
         chain = self._save_chain
         if chain is not None:
-            chain.result(timeout)
+            chain.result(max(0.0, end - time.monotonic()))
 
     def shutdown(self) -> None:
         if sys.is_finalizing():  # the bridge loop is gone; the OS closes the files
@@ -1663,6 +1792,28 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
 
 
 # -- worker helpers --------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _NativeSave:
+    """One step's pages of one link being stored by a backend job
+    (``L3Link.start_write_pages``; ``writes`` None: it could not start, a failed save), begun
+    at ``start`` (``time.monotonic()``); ``nbytes``, its share of the pending save bytes."""
+
+    saves: list[PageSave]
+    nbytes: int
+    link: L3Link
+    start: float
+    writes: PendingPageWrites | None = None
+
+    def running(self) -> bool:
+        return self.writes is not None and not self.writes.done()
+
+    def overdue(self) -> bool:
+        """Past the longest its put may take (not begun by its deadline, then its deadline
+        once begun: ``ObjectIO.start_write_frames``): judged failed without waiting more."""
+        nbytes = self.writes.nbytes if self.writes is not None else 0
+        return time.monotonic() > self.start + self.link.deadline.seconds(nbytes) * 2
 
 
 @dataclass
