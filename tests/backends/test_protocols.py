@@ -57,7 +57,7 @@ class Able(MemoryBackend):
 async def test_an_accessor_refuses_without_its_flag_and_when_closed() -> None:
     plain = MemoryBackend()
     for accessor in (plain.host_buffers, plain.inline_exists, plain.native_reads,
-                     plain.native_writes):
+                     plain.native_writes, plain.change_feed):
         with pytest.raises(NotSupportedError):
             accessor()
     able = Able()
@@ -74,6 +74,21 @@ async def test_an_accessor_refuses_without_its_flag_and_when_closed() -> None:
     assert inline.now(["a0"]) is None  # no answer at once: ``exists`` says what is wrong
     await buffers.unregister(bytearray(8))  # closed: its registrations went with it
     assert able.calls == []
+
+
+async def test_capacity_usage_reads_the_backends_own_counters_until_it_closes() -> None:
+    store = MemoryBackend(capacity_bytes=4096)
+    usage = store.capacity_usage()
+    assert usage.usage() == (4096, 0)
+    await store.put(["a0"], [bytes(100)])
+    assert usage.usage() == (4096, 100)
+    await store.delete(["a0"])
+    assert usage.usage() == (4096, 0)
+    await store.close()
+    with pytest.raises(BackendClosedError):
+        usage.usage()
+    with pytest.raises(BackendClosedError):
+        store.capacity_usage()
 
 
 async def test_the_hooks_run_on_validated_input_and_answer_in_one_type() -> None:
