@@ -163,6 +163,9 @@ def drive(llm: Any, prompts: Prompts, backend: Any, keys_of: Any, settle: Any,
     return Run(tokens, keys, alive, pinned, dict(counts()), records.lines)
 
 
+# Both routes write every row (``write_admission="all"``): the flood must reach the store and
+# make its LRU evict, which is what the pin is tested against. (With the default admission a
+# store that knows its room refuses writes that would evict rows not yet stale: B would stay.)
 def store_url(root: Path) -> str:
     return f"file://{root}?capacity_bytes={CAPACITY}&pin_fraction={PIN_FRACTION}"
 
@@ -182,7 +185,7 @@ def tier_run(tiny_llama: Path, prompts: Prompts, reference: Any,
             "cpu_bytes_to_use": PRIMARY_BYTES,
             "secondary_tiers": [{
                 "type": TIER, "module_path": "hicache_store.integrations.vllm.secondary_tier",
-                "url": store_url(root)}]}))
+                "url": store_url(root), "write_admission": "all"}]}))
     try:
         tier = tier_of(llm)
         stored: list[list[str]] = []  # the storage keys of each store job, in order
@@ -219,7 +222,7 @@ def connector_run(tiny_llama: Path, prompts: Prompts, reference: Any, tier_run: 
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     root = tmp_path_factory.mktemp("hints-connector")
-    llm = make_llm(tiny_llama, kv_transfer_config=connector_config({"url": store_url(root)}))
+    llm = make_llm(tiny_llama, kv_transfer_config=connector_config({"url": store_url(root), "write_admission": "all"}))
     try:
         worker = get_kv_transfer_group()
         sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
