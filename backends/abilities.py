@@ -15,7 +15,7 @@ do before calling the hooks::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, ClassVar
 
 from .errors import NotSupportedError
 from .lifetime import guarded
@@ -34,8 +34,7 @@ from .protocols import (
 from .views import as_byte_view
 
 if TYPE_CHECKING:
-    from .base import Backend
-    from .types import Capabilities
+    from .types import BackendStats, Capabilities
     from .views import BufferLike
 
 
@@ -46,35 +45,41 @@ class Abilities:
         name: ClassVar[str]
         capabilities: Capabilities
 
-        def _check_open(self, operation: str) -> None: ...
+        stats: BackendStats
 
-    def _as_backend(self) -> Backend:
-        """This object as the ``Backend`` it is mixed into (never used alone)."""
-        return cast("Backend", self)
+        @property
+        def closed(self) -> bool: ...
+        def _check_open(self, operation: str) -> None: ...
+        def _check_keys(self, keys: Sequence[str], operation: str) -> list[str]: ...
+        def _count_reads(self, results: Sequence[int | None]) -> None: ...
+        def _summed_plan(
+            self, keys: Sequence[str], buffers: Sequence[BufferLike], spans: SumSpans,
+        ) -> tuple[list[str], list[memoryview], list[list[tuple[int, int]]]]: ...
+
 
     def host_buffers(self) -> HostBuffers:
         """Registration of host memory for zero-copy I/O (``HostBuffers``).
         ``NotSupportedError`` unless ``capabilities.host_buffers``."""
         self._require("host_buffers", self.capabilities.host_buffers)
-        return _HostBuffers(self._as_backend())
+        return _HostBuffers(self)
 
     def inline_exists(self) -> InlineExists:
         """``exists`` on the caller's own thread (``InlineExists``). ``NotSupportedError``
         unless ``capabilities.inline_exists``."""
         self._require("inline_exists", self.capabilities.inline_exists)
-        return _InlineExists(self._as_backend())
+        return _InlineExists(self)
 
     def native_reads(self) -> NativeReads:
         """Reads checksummed in native code, startable without a thread (``NativeReads``).
         ``NotSupportedError`` unless ``capabilities.native_reads``."""
         self._require("native_reads", self.capabilities.native_reads)
-        return _NativeReads(self._as_backend())
+        return _NativeReads(self)
 
     def native_writes(self) -> NativeWrites:
         """Puts startable from the caller's thread (``NativeWrites``). ``NotSupportedError``
         unless ``capabilities.native_writes``."""
         self._require("native_writes", self.capabilities.native_writes)
-        return _NativeWrites(self._as_backend())
+        return _NativeWrites(self)
 
     def _start_put(self, keys: list[str], views: list[memoryview], start_by: float,
                    counted: Callable[[], None]) -> PendingWrites:
@@ -134,7 +139,7 @@ class Abilities:
         """The enforced capacity and the bytes held and reserved (``CapacityUsage``).
         ``NotSupportedError`` unless ``capabilities.capacity_usage``."""
         self._require("capacity_usage", self.capabilities.capacity_usage)
-        return _CapacityUsage(self._as_backend())
+        return _CapacityUsage(self)
 
     def _usage(self) -> tuple[int, int]:
         """With ``capabilities.capacity_usage``: ``CapacityUsage.usage``."""
@@ -147,7 +152,7 @@ class Abilities:
 class _HostBuffers:
     """``HostBuffers`` over a backend's ``_register_host_buffer`` / ``_unregister_host_buffer``."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Abilities) -> None:
         self._backend = backend
 
     async def register(self, buffer: BufferLike) -> bool:
@@ -163,7 +168,7 @@ class _HostBuffers:
 class _CapacityUsage:
     """``CapacityUsage`` over a backend's ``_usage``."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Abilities) -> None:
         self._backend = backend
 
     def usage(self) -> tuple[int, int]:
@@ -174,7 +179,7 @@ class _CapacityUsage:
 class _InlineExists:
     """``InlineExists`` over a backend's ``_exists_now`` / ``_exists_blocking``."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Abilities) -> None:
         self._backend = backend
 
     def now(self, keys: Sequence[str], max_age_s: float = 0.0) -> list[bool] | None:
@@ -194,7 +199,7 @@ class _InlineExists:
 class _NativeReads:
     """``NativeReads`` over a backend's ``_get_into_summed`` / ``_start_get_into_summed``."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Abilities) -> None:
         self._backend = backend
 
     async def get_into_summed(
@@ -221,7 +226,7 @@ class _NativeReads:
 class _NativeWrites:
     """``NativeWrites`` over a backend's ``_start_put`` (checked as ``put`` checks)."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Abilities) -> None:
         self._backend = backend
 
     def start(self, keys: Sequence[str], buffers: Sequence[BufferLike], *,

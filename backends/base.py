@@ -73,7 +73,7 @@ import contextlib
 import contextvars
 from collections.abc import AsyncIterator, Iterator, Sequence, Set
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from hicache_store.layout.errors import ConfigError, InvalidKeyError
 from hicache_store.layout.keys import validate_storage_keys
@@ -104,6 +104,8 @@ from .types import (
     Capabilities,
     DeletedUntilHeld,
     ObjectStat,
+    ReadCounts,
+    ReadRanges,
     validate_prefix,
 )
 from .views import as_byte_view, is_buffer, scatter_views
@@ -119,11 +121,6 @@ T = TypeVar("T")
 
 #: keys ``stat``-ed per call by the default ``_list_entries``.
 LIST_STAT_BATCH = 1000
-
-#: ``get_into``'s ranges: per key, the ``ByteRange`` to read, or None for the whole object.
-ReadRanges: TypeAlias = Sequence[ByteRange | None]
-#: ``get_into``'s result: per key, the bytes read into its buffer, or None for a miss.
-ReadCounts: TypeAlias = list[int | None]
 
 #: False inside ``reads_not_counted``: reads there are not uses (see that function).
 _READS_ARE_USES: contextvars.ContextVar[bool] = contextvars.ContextVar(

@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING
 
 from .errors import InvalidRangeError
 from .prefix import DEFAULT_FANOUT, search_prefix
-from .types import ByteRange
+from .types import ByteRange, ReadCounts, ReadRanges
 
 if TYPE_CHECKING:
-    from .base import ReadCounts, ReadRanges
     from .types import ObjectStat
     from .views import BufferLike
 

@@ -9,9 +9,9 @@ import dataclasses
 import difflib
 import re
 import urllib.parse
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from hicache_store.layout.errors import ConfigError, InvalidKeyError
 
@@ -60,6 +60,12 @@ class ByteRange:
                 operation="get_into",
                 key=key,
             )
+
+
+#: ``get_into``'s ranges: per key, the ``ByteRange`` to read, or None for the whole object.
+ReadRanges: TypeAlias = Sequence[ByteRange | None]
+#: ``get_into``'s result: per key, the bytes read into its buffer, or None for a miss.
+ReadCounts: TypeAlias = list[int | None]
 
 
 @dataclass(frozen=True)
