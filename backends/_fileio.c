@@ -301,6 +301,17 @@ static void release_witems(witem_t *items, Py_ssize_t count) {
     PyMem_Free(items);
 }
 
+/* The ``(status, errno)`` list of written items (GIL held); NULL with an exception set. */
+static PyObject *write_results(witem_t *items, Py_ssize_t count) {
+    PyObject *out = PyList_New(count);
+    for (Py_ssize_t i = 0; out && i < count; i++) {
+        PyObject *r = Py_BuildValue("(ii)", items[i].status, items[i].err);
+        if (!r) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, i, r);
+    }
+    return out;
+}
+
 static witem_t *parse_witems(PyObject *arg, Py_ssize_t *count_out);
 
 static PyObject *write_files(PyObject *self, PyObject *arg) {
@@ -310,12 +321,7 @@ static PyObject *write_files(PyObject *self, PyObject *arg) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) write_item(&items[i]);
     Py_END_ALLOW_THREADS
-    PyObject *out = PyList_New(count);
-    for (Py_ssize_t i = 0; out && i < count; i++) {
-        PyObject *r = Py_BuildValue("(ii)", items[i].status, items[i].err);
-        if (!r) { Py_CLEAR(out); break; }
-        PyList_SET_ITEM(out, i, r);
-    }
+    PyObject *out = write_results(items, count);
     release_witems(items, count);
     return out;
 }
@@ -422,12 +428,7 @@ static PyObject *WriteJob_done(WriteJob *job, PyObject *unused) {
 
 static PyObject *WriteJob_wait(WriteJob *job, PyObject *unused) {
     join_writes(job);
-    PyObject *out = PyList_New(job->count);
-    for (Py_ssize_t i = 0; out && i < job->count; i++) {
-        PyObject *r = Py_BuildValue("(ii)", job->items[i].status, job->items[i].err);
-        if (!r) { Py_CLEAR(out); break; }
-        PyList_SET_ITEM(out, i, r);
-    }
+    PyObject *out = write_results(job->items, job->count);
     PyObject *began = job->began < 0 ? Py_NewRef(Py_None) : PyFloat_FromDouble(job->began);
     PyObject *ended = job->ended < 0 ? Py_NewRef(Py_None) : PyFloat_FromDouble(job->ended);
     if (!out || !began || !ended) {
