@@ -45,7 +45,7 @@ import logging
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from hicache_store.backends.aio import wait_for
 from hicache_store.backends.base import Backend
@@ -831,15 +831,25 @@ class PendingFrames:
                                   got, sums)
 
 
-class PendingFrameWrites:
-    """A ``put_together`` under way in a backend's own job (``ObjectIO.start_write_frames``):
-    ``done()`` never waits, ``wait()`` waits for the put (the frames are not read after it
-    returns), ``result()`` waits, then ``True`` per frame only where the put stored them all
-    within its deadline; a failure or a late put is logged and all ``False`` (one stored late
-    may still be visible: never ``True`` for one that is not)."""
+class _Put(Protocol):
+    """A put under way, as a handle over it sees it (``PendingWrites``, ``PendingFrameWrites``)."""
 
-    def __init__(self, writes: PendingWrites, count: int, seconds: float, first: str) -> None:
-        self._writes, self._count, self._seconds, self._first = writes, count, seconds, first
+    @property
+    def ended(self) -> float | None: ...
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+_P = TypeVar("_P", bound=_Put)
+
+
+class PutOver(Generic[_P]):
+    """A handle over the put ``_writes`` (``PendingFrameWrites``, ``pages.PendingPageWrites``):
+    its ``done()``, ``wait()`` and ``ended`` are the put's."""
+
+    _writes: _P
 
     def done(self) -> bool:
         return self._writes.done()
@@ -851,6 +861,17 @@ class PendingFrameWrites:
     def ended(self) -> float | None:
         """The ``time.monotonic()`` at which the put ended (None: not yet, or never begun)."""
         return self._writes.ended
+
+
+class PendingFrameWrites(PutOver[PendingWrites]):
+    """A ``put_together`` under way in a backend's own job (``ObjectIO.start_write_frames``):
+    ``done()`` never waits, ``wait()`` waits for the put (the frames are not read after it
+    returns), ``result()`` waits, then ``True`` per frame only where the put stored them all
+    within its deadline; a failure or a late put is logged and all ``False`` (one stored late
+    may still be visible: never ``True`` for one that is not)."""
+
+    def __init__(self, writes: PendingWrites, count: int, seconds: float, first: str) -> None:
+        self._writes, self._count, self._seconds, self._first = writes, count, seconds, first
 
     def result(self) -> list[bool]:
         self.wait()

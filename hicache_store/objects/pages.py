@@ -65,6 +65,7 @@ from .io import (
     ObjectIO,
     PendingFrames,
     PendingFrameWrites,
+    PutOver,
 )
 from .sealed import SealedFormat
 
@@ -669,7 +670,7 @@ class PendingPages:
         return out
 
 
-class PendingPageWrites:
+class PendingPageWrites(PutOver[PendingFrameWrites]):
     """Pages being stored by a backend's own job (``L3Link.start_write_pages``), kept or lost
     together as ``write_pages``'s: ``done()`` never waits, ``wait()`` waits for the put (its
     frames are not read after it returns), ``ended`` is when it ended (``time.monotonic()``;
@@ -681,16 +682,6 @@ class PendingPageWrites:
         self._writes, self.pages, self.nbytes = writes, pages, nbytes
         self._lock = threading.Lock()
         self._stored: bool | None = None
-
-    def done(self) -> bool:
-        return self._writes.done()
-
-    def wait(self) -> None:
-        self._writes.wait()
-
-    @property
-    def ended(self) -> float | None:
-        return self._writes.ended
 
     def stored(self) -> bool:
         with self._lock:
