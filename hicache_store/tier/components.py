@@ -112,7 +112,8 @@ KV = ComponentSpec("kv", KV_TAG, HitRule.FULL)
 
 class SpecHolder:
     """``name`` and ``tag`` of what holds one component's ``spec`` (the engine's
-    ``Component``, the tier's ``Pools``). A mixin: it declares no dataclass field."""
+    ``Component``, the tier's ``Pools``, an integration's part of a component). A mixin: it
+    declares no dataclass field."""
 
     spec: ComponentSpec
 

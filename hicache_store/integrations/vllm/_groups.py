@@ -49,6 +49,7 @@ from hicache_store.tier.components import (
     WINDOW_TAG,
     ComponentSpec,
     HitRule,
+    SpecHolder,
 )
 
 from ._config import ConnectorConfig
@@ -61,7 +62,7 @@ MHA, MLA, STATE = "mha", "mla", "state"
 
 
 @dataclass(frozen=True)
-class GroupPart:
+class GroupPart(SpecHolder):
     """One KV cache group of the deployment (see the module docstring).
 
     ``layers``: its layers' names in vLLM, in layer order; ``indices`` their layer numbers.
@@ -77,10 +78,6 @@ class GroupPart:
     layers: tuple[str, ...]
     indices: tuple[int, ...]
     state_bytes: int = 0
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
 
     @property
     def rule(self) -> HitRule:
