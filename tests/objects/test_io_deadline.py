@@ -53,18 +53,18 @@ def test_object_io_and_the_adapter_config_share_the_rule() -> None:
 
 
 async def test_a_batch_out_of_time_keeps_and_reports_its_leading_objects() -> None:
-    # One frame in flight at a time (the byte budget), each put 0.3 s: 40 frames need 12 s,
-    # the batch gets 0.25 s + its bytes at a bandwidth that buys 2.75 s more: some frames
-    # are stored and some are not however busy the machine is (a first put needs 0.3 s of
-    # the 3 s; the last cannot be reached). Every put alone is longer than the floor (each
-    # one failed against a per-put deadline of 0.25 s).
+    # One frame in flight at a time (the byte budget), each put 0.3 s: 12 frames need 3.6 s.
+    # The bandwidth buys 0.25 s per frame, so the batch gets 0.25 + 12 x 0.25 = 3.25 s: the
+    # last frame cannot be reached however fast the machine is (puts only get slower), and
+    # a started put has 0.25 + 0.25 s for its 0.3 s (a margin of 0.2 s for a busy machine),
+    # where a deadline of the floor alone (0.25 s) would fail every put.
     store = FaultyBackend(open_backend("memory://"))
     probe = ObjectIO(store, NS)
     header = probe.header_bytes(COORDS.num_layers)
     frame_bytes = header + PAYLOAD
-    n = 40
+    n = 12
     io = ObjectIO(store, NS, max_inflight_bytes=frame_bytes, io_timeout_s=0.25,
-                  min_bandwidth_mib_s=n * frame_bytes / 2.75 / MiB)
+                  min_bandwidth_mib_s=frame_bytes / 0.25 / MiB)
     hashes = [f"{i + 1:064x}" for i in range(n)]
     frames = []
     for i, h in enumerate(hashes):
