@@ -20,8 +20,10 @@ from hicache_store.backends.errors import (
     NotFoundError,
     NotSupportedError,
     OutOfSpaceError,
+    PinBudgetError,
     UnknownBackendError,
     UnsafeIndexError,
+    WriterFencedError,
 )
 from hicache_store.layout.errors import (
     BadMagicError,
@@ -70,6 +72,7 @@ __all__ = [
     "NotSupportedError",
     "OutOfSpaceError",
     "PayloadChecksumError",
+    "PinBudgetError",
     "SealingUnavailableError",
     "TamperedObjectError",
     "TruncatedObjectError",
@@ -78,6 +81,7 @@ __all__ = [
     "UnsafeIndexError",
     "UnsupportedVersionError",
     "WeightsError",
+    "WriterFencedError",
 ]
 
 

@@ -108,3 +108,23 @@ def test_the_readers_errors_are_the_documented_classes(store: tuple[str, str]) -
     assert isinstance(missing.value, LookupError) and isinstance(missing.value, HiCacheStoreError)
     with pytest.raises(ConfigError):
         KVReader("fiel:///x", "0123456789abcdef")
+
+
+def test_every_exception_of_the_layers_is_exported_for_users() -> None:
+    # ``hicache_store.errors`` is the one place users import exceptions from: a class a layer
+    # defines and raises but this module does not name is one users cannot catch by name.
+    import inspect
+
+    import hicache_store.errors as public
+    from hicache_store.backends import errors as backend_errors
+    from hicache_store.layout import errors as layout_errors
+
+    defined = {name for module in (backend_errors, layout_errors)
+               for name, obj in vars(module).items()
+               if inspect.isclass(obj) and issubclass(obj, Exception)
+               and obj.__module__ == module.__name__ and not name.startswith("_")}
+    assert defined, "no exception classes found: the test reads the wrong modules"
+    assert defined - set(public.__all__) == set()
+    for name in defined:
+        assert getattr(public, name) is getattr(backend_errors, name, None) or getattr(
+            public, name) is getattr(layout_errors, name, None)
