@@ -48,6 +48,7 @@ from hicache_store.layout.errors import ConfigError
 from .base import Backend, ReadCounts, ReadRanges
 from .errors import BackendTimeoutError, BackendUnavailableError, OutOfSpaceError
 from .lifetime import until_abandoned
+from .protocols import ChangeFeed
 from .retention import Retention
 from .types import (
     BackendURL,
@@ -285,6 +286,11 @@ class FaultyBackend(Backend):
     async def _retention_of(self, keys: Sequence[str]) -> list[tuple[Retention, ...]]:
         await self._before("retention_of", writing=False)
         return await self.inner.retention_of(keys)
+
+    def _change_feed(self) -> ChangeFeed:
+        # docstring inherited: the inner store's feed (no fault: a feed read moves no object),
+        # which names the puts and deletes made through this wrapper as the inner made them
+        return self.inner.change_feed()
 
     def _usage(self) -> tuple[int, int]:
         # docstring inherited: the inner store's counters (no fault: nothing is moved)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from hicache_store.backends import NotSupportedError, open_backend
+from hicache_store.backends.faulty import FaultyBackend
 from hicache_store.backends.feed import FeedFollower
 from hicache_store.backends.index import FeedChanges
 
@@ -89,5 +90,22 @@ def test_the_capability_says_which_stores_have_a_feed(tmp_path: Path) -> None:
         finally:
             for store in (indexed, unindexed, memory):
                 await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_fault_injecting_wrapper_gives_the_feed_it_declares(tmp_path: Path) -> None:
+    # FaultyBackend declares the inner store's change_feed: the feed it gives must be the
+    # inner one's, naming what was put and deleted through the wrapper.
+    async def main() -> None:
+        faulty = FaultyBackend(open_backend(f"file://{tmp_path}/kv"))
+        try:
+            assert faulty.capabilities.change_feed
+            follower = FeedFollower(faulty.change_feed(), from_start=False)
+            await faulty.put(["a0", "b0"], [b"x", b"y"])
+            await faulty.delete(["a0"])
+            assert follower.read().changes == [("a0", True), ("b0", True), ("a0", False)]
+        finally:
+            await faulty.close()
 
     asyncio.run(main())
