@@ -74,6 +74,16 @@ from hicache_store.objects.io import ObjectIO
 from .lifetime import BufferLifetimeTests
 from .stateful import run_backend_state_machine
 
+#: the optional abilities (``backends.abilities``): each one's ``Capabilities`` flag and accessor.
+ABILITIES: dict[str, tuple[Callable[[Capabilities], bool], Callable[[Backend], object]]] = {
+    "host_buffers": (lambda c: c.host_buffers, Backend.host_buffers),
+    "inline_exists": (lambda c: c.inline_exists, Backend.inline_exists),
+    "native_reads": (lambda c: c.native_reads, Backend.native_reads),
+    "native_writes": (lambda c: c.native_writes, Backend.native_writes),
+    "change_feed": (lambda c: c.change_feed, Backend.change_feed),
+    "capacity_usage": (lambda c: c.capacity_usage, Backend.capacity_usage),
+}
+
 #: keys every backend must refuse, before touching storage.
 INVALID_KEYS: tuple[object, ...] = (
     "",
@@ -465,6 +475,19 @@ class BackendTests(BufferLifetimeTests, abc.ABC):
         assert isinstance(backend.capabilities, Capabilities)
         assert isinstance(backend.name, str)
         assert backend.name
+
+    async def test_gives_each_ability_it_declares_and_refuses_the_others(
+        self, backend: Backend
+    ) -> None:
+        # A declared ability whose accessor refuses (a wrapper that copies the flags of the
+        # store it wraps without forwarding the hook) is found by the callers that trust the
+        # flag, at run time: the accessor answers as the flag says.
+        for ability, (declared, accessor) in ABILITIES.items():
+            if declared(backend.capabilities):
+                assert accessor(backend) is not None, ability
+            else:
+                with pytest.raises(NotSupportedError):
+                    accessor(backend)
 
     # -- round trips --------------------------------------------------------------------------
 
