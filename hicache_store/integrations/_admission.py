@@ -44,6 +44,11 @@ declares ``capabilities.capacity_usage``), each write is judged before it goes, 
   (then kept as this process's, at its row size): where the rows seen do not cover the room
   needed, the write goes.
 
+**Rows offered that the store already holds** (``held``: an integration that can tell writes
+only the others) are no write: neither admitted nor refused, no evidence. They are offered
+rows for the staleness clock, and in demand: fresh from then on where they stand in the
+store's order (an existence check moves nothing in the store's LRU).
+
 Memory: one entry per row written or found here, the ``memory`` most recent ones. Calls may
 come from any thread (one lock).
 
@@ -280,6 +285,33 @@ class ReuseAdmission:
                 self._written.popitem(last=False)
             while len(self._present) > self._memory:
                 self._present_bytes -= self._present.popitem(last=False)[1][0]
+
+    def held(self, keys: Iterable[Hashable], nbytes: int = 0) -> None:
+        """``keys`` (``nbytes`` in all) were offered for a write and are already in the store
+        (not written again: no write to admit, none refused). An offer like any other for
+        the staleness clock (each row counted once, as ``admit`` counts it), and a row in
+        demand: with the room known, a row this process holds is fresh from now on, where
+        it stands in the store's order (an existence check is no use for the store's LRU:
+        the row goes no later than before); one it did not know is kept as found. Its
+        eviction count is reset, as a hit's: a later miss is premature only after an
+        eviction from now on. No evidence."""
+        with self._lock:
+            keys = list(keys)
+            size = nbytes // len(keys) if keys else 0
+            now = self._evictions()
+            if self._room is not None:
+                self._offered += self._new_bytes(nbytes, keys)
+            for key in keys:
+                entry = self._written.get(key)
+                if entry is not None:
+                    self._written[key] = (now, entry[1])
+                if self._room is None:
+                    continue
+                there = self._present.get(key)
+                if there is not None:
+                    self._present[key] = (there[0], self._offered)  # (its place unchanged)
+                elif size:
+                    self._touch(key, size)
 
     def answered(self, key: Hashable, found: bool, request: Hashable = None) -> None:
         """A lookup of ``key`` for ``request`` was answered. Evidence counts per request (at

@@ -342,6 +342,31 @@ def test_with_the_room_known_a_refused_row_offered_again_is_no_new_demand() -> N
     assert any(outcomes[False])  # (its rows unnamed, every offer counts as new)
 
 
+def test_with_the_room_known_a_row_offered_while_held_is_fresh_and_no_write() -> None:
+    # Rows offered that the store holds are not written: no write counted either way, and
+    # in demand, so a write that would evict them is refused; rows never offered again age.
+    runs = {}
+    for reoffered in (False, True):
+        admission = ReuseAdmission(lambda: 0, room=lambda: (100, 100), stale=1)
+        admission.written([f"a{i}" for i in range(10)], 100)
+        for i in range(10):  # 100 bytes of other rows looked up since: all ten are stale
+            admission.answered(("other", i), False, "r")
+        if reoffered:
+            admission.held(["a0"], 10)  # the oldest, offered again while the store holds it
+        runs[reoffered] = (admission.admit(10, keys=["new"]), admission.counts)
+    assert runs[False][0]  # evicts a0, stale
+    admitted, counts = runs[True]
+    assert not admitted and counts.refused_fresh == 1  # a0 would be evicted: in demand
+    assert counts.fitted == 0 and counts.refused == 1 and counts.hits == 0
+    # held rows move the staleness clock as any offer, once each: a row held offered again
+    # and again is no new demand
+    clock = ReuseAdmission(lambda: 0, room=lambda: (100, 100), stale=1)
+    clock.written(["b"], 10)
+    for _ in range(20):
+        clock.held(["c"], 10)
+    assert not clock.admit(10, keys=["d"])  # "b" is not stale: 20 bytes offered, 10 new
+
+
 def test_with_the_room_known_a_unreadable_room_falls_back_to_the_evidence() -> None:
     def room() -> tuple[int, int]:
         raise BackendUnavailableError("counters out of reach", backend="test")

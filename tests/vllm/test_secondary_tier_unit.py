@@ -235,6 +235,50 @@ def test_a_corrupt_object_fails_only_its_own_key_and_is_deleted(make: Any, tmp_p
     assert [(e.removed, e.keys) for e in removed] == [(True, [key(1)])]
 
 
+def test_a_row_the_store_holds_is_not_written_again(make: Any, tmp_path: Path) -> None:
+    # vLLM offers a chunk again where it recomputed it (a hybrid's full-attention chunks past
+    # the hit its sliding-window group allowed): the row the store holds is not rewritten,
+    # the job reports it stored, and its bytes count only what was written.
+    h = make(enable_kv_events=True, config=offloading_config(events=True))
+    rows = [h.fill(c, seed=10 + c) for c in range(3)]
+    first = h.store([key(1)], [0])
+    assert first.success and first.transfer_bytes == ROW
+    (path,) = object_files(tmp_path / "store")
+    written = path.read_bytes()
+    writes = h.tier.backend.stats.writes
+    again = h.store([key(1), key(2)], [0, 1])
+    assert again.success and again.transfer_bytes == ROW  # key(2)'s row only
+    assert h.tier.backend.stats.writes == writes + 1
+    assert h.tier.stats.stored == 2 and h.tier.stats.bytes_stored == 2 * ROW
+    assert h.tier.stats.stores_held == 1
+    assert path.read_bytes() == written
+    held_only = h.store([key(1), key(2)], [0, 1])  # a job of rows all held: no I/O at all
+    assert held_only.success and held_only.transfer_bytes == 0
+    assert h.tier.backend.stats.writes == writes + 1 and h.tier.stats.stores_held == 3
+    # every row offered is a stored event (a consumer's view of the store stays whole)
+    assert [sorted(e.keys) for e in h.tier.take_events()] == [
+        [key(1)], sorted([key(1), key(2)]), sorted([key(1), key(2)])]
+    h.primary[:] = 0
+    assert h.load([key(1), key(2)], [4, 5]).success
+    assert h.primary[4].tobytes() == rows[0] and h.primary[5].tobytes() == rows[1]
+
+
+def test_a_row_deleted_as_corrupt_is_written_again_when_offered(
+    make: Any, tmp_path: Path
+) -> None:
+    h = make()
+    row = h.fill(0, seed=5)
+    assert h.store([key(7)], [0]).success
+    (path,) = object_files(tmp_path / "store")
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 1
+    path.write_bytes(bytes(data))
+    assert not h.load([key(7)], [3]).success and not path.exists()
+    again = h.store([key(7)], [0])
+    assert again.success and again.transfer_bytes == ROW and h.tier.stats.stores_held == 0
+    assert h.load([key(7)], [3]).success and h.primary[3].tobytes() == row
+
+
 def test_a_truncated_object_is_a_failed_load(make: Any, tmp_path: Path) -> None:
     h = make()
     h.fill(0, seed=3)
@@ -379,10 +423,13 @@ def test_knowing_the_room_the_tier_writes_only_what_fits_beside_fresh_rows(
         LookupResult.HIT, LookupResult.HIT, LookupResult.MISS]
 
 
-def serve_in_turn(h: Harness, *, conversations: int, turns: int) -> list[int]:
+def serve_in_turn(h: Harness, *, conversations: int, turns: int,
+                  recomputed: int = 0) -> list[int]:
     """Conversations in turn, as vLLM drives the tier: each turn's prompt is the conversation
     so far, its chunks looked up in order up to the first miss, the hits loaded, the rest
-    computed and stored. The rows found per turn."""
+    computed and stored. ``recomputed``: the last rows found are computed and offered again
+    instead of loaded (as vLLM does for a hybrid's full-attention chunks past the hit its
+    other group allowed). The rows found per turn."""
     history: dict[int, list[Any]] = {c: [] for c in range(conversations)}
     fresh = iter(range(10_000, 20_000))
     hits = []
@@ -395,6 +442,7 @@ def serve_in_turn(h: Harness, *, conversations: int, turns: int) -> list[int]:
                 if h.lookup(k, req)[0] is not LookupResult.HIT:
                     break
                 found += 1
+            found = max(found - recomputed, 0) if found else 0
             if found:
                 assert h.load(chain[:found], [i % CHUNKS for i in range(found)]).success
             new = chain[found:] + [key(next(fresh)) for _ in range(2)]
@@ -433,6 +481,31 @@ def test_a_store_that_evicts_rows_before_their_next_read_holds_what_it_has(
     assert sum(hits[3:]) > sum(lru_hits[3:]) and sum(hits) > sum(lru_hits)
     # The file backend declares its room: no write evicted a row (written: what it keeps).
     assert evictions == {"all": evictions["all"], "reuse": 0} and evictions["all"] > 0
+
+
+@pytest.mark.parametrize("admission", ["reuse", "all"])
+def test_a_bounded_store_writes_no_more_than_it_keeps_when_rows_are_offered_again(
+    make: Any, tmp_path: Path, admission: str
+) -> None:
+    # Each turn recomputes and offers again the last row its lookup found. Rows the store
+    # holds are not written again, so with the default admission (the room known: nothing
+    # evicted) every byte written is kept; with LRU alone, a row is written again only
+    # after it was evicted.
+    capacity = 16 * (ROW + 4096)
+    store = tmp_path / admission
+    h = make(store=store, write_admission=admission,
+             backend_options={"capacity_bytes": capacity, "durability": "none"})
+    hits = serve_in_turn(h, conversations=4, turns=6, recomputed=1)
+    backend, stats = h.tier.backend.stats, h.tier.stats
+    kept = sum(p.stat().st_size for p in object_files(store))
+    if admission == "reuse":
+        assert backend.evictions == 0
+        assert backend.bytes_written <= kept
+        assert backend.writes == len(object_files(store)) == stats.stored
+    else:
+        assert backend.writes == len(object_files(store)) + backend.evictions
+    assert sum(hits) > 0 and stats.store_failures == 0
+    assert stats.stores_held > 0
 
 
 def test_an_unknown_write_admission_is_refused_at_startup(make: Any) -> None:

@@ -31,6 +31,13 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   which a tier never sees, so rows could not carry them.
 * **Bounded.** The backend's own capacity and eviction: ``file:///path?capacity_bytes=64GiB``
   (least recently used first; the file backend's default is 90% of the filesystem).
+* **Written once.** A store job's rows the store already holds (vLLM offers a chunk again
+  where it recomputed it: a hybrid's full-attention chunks past the hit its sliding-window
+  group allowed) are not written again where the backend's index says so at once and exactly
+  (``InlineExists.now``; else every row is written): the job reports them stored and its
+  ``transfer_bytes`` counts only the rows written (``stats.stores_held``). The key names the
+  namespace and the chunk, so a row held is this deployment's; one found corrupt on a read is
+  deleted, and written again when next offered.
 * **Write admission** (``write_admission``, ``integrations._admission``). Under capacity
   pressure the backend evicts its least recently used rows; where conversations come back in
   turn and outgrow the store, those are the rows about to be read, so every row would be
@@ -42,6 +49,7 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   after a while, to try new rows again. Where the backend declares its room
   (``capacity_usage``) a job is judged by its bytes before anything is evicted: into free
   room it goes, otherwise only over rows no lookup or job touched lately (``_admission``).
+  Rows the store already holds are no write to admit (``ReuseAdmission.held``).
   ``all`` writes every job (the backend's LRU alone);
   backends without capacity eviction write every job. A job
   whose rows the request's ``kv_hints`` pin or retain is always written.
@@ -306,6 +314,8 @@ class TierStats:
     lookup_pages_found_l3: int = 0
     #: rows of store jobs refused by ``write_admission`` (not written, not failures)
     stores_refused: int = 0
+    #: rows of store jobs the store already held (not written again; stored, for vLLM)
+    stores_held: int = 0
 
 
 class _Feed:
@@ -463,6 +473,8 @@ class _Job:
     native: _NativeLoad | None = None
     store: _NativeStore | None = None
     refused: bool = False  # a store job ``write_admission`` refused
+    #: a store job's rows the store already held (not written; stored, for vLLM)
+    held: list[OffloadKey] = dataclasses.field(default_factory=list)
 
     def done(self) -> bool:
         if self.native is not None:
@@ -627,6 +639,20 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         if self.test_alter_loaded_kv:
             # TEST ONLY: KV computed on top of altered rows is wrong too; never store it.
             future = _resolved([False] * len(keys), 0.0)
+            self._jobs[job_metadata.job_id] = _Job(keys, future, is_load=False)
+            self.hints.stored(job_metadata, future)
+            return
+        held = self._held(keys)
+        if held:
+            with self._stats_lock:
+                self.stats.stores_held += len(held)
+            if self.admission is not None:
+                self.admission.held(held, len(held) * (self._header_bytes + self.row_bytes))
+            kept = set(held)
+            chunks = [c for k, c in zip(keys, chunks, strict=True) if k not in kept]
+            keys = [k for k in keys if k not in kept]
+        if not keys:  # every row already stored: a job done without I/O
+            job = _Job([], _resolved([], 0.0), is_load=False, held=held)
         elif refuses(self.admission, lambda: self.hints.holds(job_metadata),
                      len(keys) * (self._header_bytes + self.row_bytes), keys):
             # Refused, not failed: the store keeps what it holds (vLLM counts no failure).
@@ -638,16 +664,29 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         else:
             if self.admission is not None:
                 self.admission.written(keys, len(keys) * (self._header_bytes + self.row_bytes))
-            job = self._native_store_job(keys, chunks)
-            if job is not None:
-                self._jobs[job_metadata.job_id] = job
-                ended = job.store.ended if job.store is not None else job.future  # (or failed)
-                assert ended is not None
-                self.hints.stored(job_metadata, ended)
-                return
-            future = submit(self._store(keys, chunks))
-        self._jobs[job_metadata.job_id] = _Job(keys, future, is_load=False)
-        self.hints.stored(job_metadata, future)
+            job = (self._native_store_job(keys, chunks)
+                   or _Job(keys, submit(self._store(keys, chunks)), is_load=False))
+            job.held = held
+        self._jobs[job_metadata.job_id] = job
+        ended = job.store.ended if job.store is not None else job.future  # (or failed)
+        assert ended is not None
+        self.hints.stored(job_metadata, ended)
+
+    def _held(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """The rows of a store job the store holds already, as the backend's index says now
+        (``InlineExists.now``, exact: no answer of another moment), not written again: the
+        key names the namespace and the chunk's bytes, and an object found corrupt on a read
+        is deleted (then written again). None where the backend cannot say at once."""
+        if self.inline is None or not keys:
+            return []
+        try:
+            found = self.inline.now([self.storage_key(k) for k in keys], max_age_s=0.0)
+        except Exception as exc:  # never into the scheduler: then every row is written
+            log.debug("HiCacheStoreTier: an inline exists before a store failed: %r", exc)
+            return []
+        if found is None:
+            return []
+        return [k for k, there in zip(keys, found, strict=True) if there]
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
@@ -749,11 +788,12 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
                 self._lookups.mark_miss(failed)  # no re-promotion of what just failed
             return JobResult(job_id, success=not failed, successful_keys=ok if failed else None,
                              transfer_time=seconds, transfer_bytes=nbytes)
-        if ok and self._events is not None:
+        stored = ok + job.held  # (the rows already held: stored, no bytes moved)
+        if stored and self._events is not None:
             self._events.append(OffloadingEvent(
-                keys=ok, medium=Medium.STORAGE, removed=False, locality=self.locality))
+                keys=stored, medium=Medium.STORAGE, removed=False, locality=self.locality))
             if self._feed is not None:  # followed from now: its removal comes after this event
-                self._feed.stored([(self.storage_key(k), k) for k in ok])
+                self._feed.stored([(self.storage_key(k), k) for k in stored])
         return JobResult(job_id, success=len(ok) == len(job.keys), transfer_time=seconds,
                          transfer_bytes=nbytes)
 
