@@ -263,6 +263,28 @@ def test_a_row_the_store_holds_is_not_written_again(make: Any, tmp_path: Path) -
     assert h.primary[4].tobytes() == rows[0] and h.primary[5].tobytes() == rows[1]
 
 
+def test_a_row_offered_again_while_the_index_cannot_answer_at_once_is_asked_exactly(
+    make: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Right after a commit the index's in-memory answer is not current (``now`` is None): a
+    # job offering a chunk again asks the index on this thread; a job of new chunks does not.
+    h = make()
+    h.fill(0, seed=1)
+    h.fill(1, seed=2)
+    assert h.store([key(1)], [0]).transfer_bytes == ROW
+    inline = h.tier.inline
+    asked: list[int] = []
+    blocking = inline.blocking
+    monkeypatch.setattr(inline, "now", lambda keys, max_age_s=0.0: None)
+    monkeypatch.setattr(inline, "blocking", lambda keys: asked.append(len(keys)) or blocking(keys))
+    writes = h.tier.backend.stats.writes
+    assert h.store([key(2)], [1]).transfer_bytes == ROW and asked == []
+    again = h.store([key(3), key(1), key(2)], [1, 0, 1])
+    assert again.success and again.transfer_bytes == ROW  # key(3) only
+    assert asked == [2]  # (only the chunks offered before)
+    assert h.tier.backend.stats.writes == writes + 2 and h.tier.stats.stores_held == 2
+
+
 def test_a_row_deleted_as_corrupt_is_written_again_when_offered(
     make: Any, tmp_path: Path
 ) -> None:

@@ -33,8 +33,9 @@ through ``objects.ObjectIO``) on any hicache-store backend:
   (least recently used first; the file backend's default is 90% of the filesystem).
 * **Written once.** A store job's rows the store already holds (vLLM offers a chunk again
   where it recomputed it: a hybrid's full-attention chunks past the hit its sliding-window
-  group allowed) are not written again where the backend's index says so at once and exactly
-  (``InlineExists.now``; else every row is written): the job reports them stored and its
+  group allowed) are not written again where the backend's index says so exactly
+  (``InlineExists.now``, else for chunks offered before ``InlineExists.blocking``; a backend
+  without either writes every row): the job reports them stored and its
   ``transfer_bytes`` counts only the rows written (``stats.stores_held``). The key names the
   namespace and the chunk, so a row held is this deployment's; one found corrupt on a read is
   deleted, and written again when next offered.
@@ -137,6 +138,7 @@ import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -190,6 +192,8 @@ attach_logging()  # this library's lines in vLLM's log, in its format
 
 #: the object coordinates of every row (one block).
 ROW_COORDS = ObjectCoords(0, 1, None)
+#: chunks offered for a store remembered (a store job offering one again asks the index)
+OFFERED_MEMORY = 1 << 16
 
 
 
@@ -557,6 +561,8 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self._lookup_counts = LookupCounters("vllm_secondary_tier", labels={})
         self._jobs: dict[int, _Job] = {}
         self._native_writing = 0  # bytes of native store jobs in flight (scheduler thread)
+        #: chunks offered for a store lately (scheduler thread; ``_held``)
+        self._offered: OrderedDict[OffloadKey, None] = OrderedDict()
         #: refreshes of the backend's view after store jobs, under way on the loop
         self._refreshes: set[asyncio.Future[None] | concurrent.futures.Future[None]] = set()
         #: ``exists`` on the caller's thread, where the backend offers it (the file backend's
@@ -673,20 +679,35 @@ class HiCacheStoreTier(SecondaryTierManager):  # type: ignore[misc]
         self.hints.stored(job_metadata, ended)
 
     def _held(self, keys: list[OffloadKey]) -> list[OffloadKey]:
-        """The rows of a store job the store holds already, as the backend's index says now
-        (``InlineExists.now``, exact: no answer of another moment), not written again: the
-        key names the namespace and the chunk's bytes, and an object found corrupt on a read
-        is deleted (then written again). None where the backend cannot say at once."""
+        """The rows of a store job the store holds already, as the backend's index says now,
+        exactly (no answer of another moment), not written again: the key names the
+        namespace and the chunk's bytes, and an object found corrupt on a read is deleted
+        (then written again). Asked at once (``InlineExists.now``); where that cannot answer
+        (the index changed since it was last read: a store job just committed), the rows
+        this tier was offered before are asked on this thread (``InlineExists.blocking``:
+        one index read, only for a job that offers rows again). None where the backend has
+        no inline answer."""
         if self.inline is None or not keys:
             return []
+        offered = self._offered
+        again = [k for k in keys if k in offered]
+        for k in keys:
+            offered[k] = None
+            offered.move_to_end(k)
+        while len(offered) > OFFERED_MEMORY:
+            offered.popitem(last=False)
         try:
+            asked = keys
             found = self.inline.now([self.storage_key(k) for k in keys], max_age_s=0.0)
+            if found is None and again:
+                asked = again
+                found = self.inline.blocking([self.storage_key(k) for k in again])
         except Exception as exc:  # never into the scheduler: then every row is written
-            log.debug("HiCacheStoreTier: an inline exists before a store failed: %r", exc)
+            log.debug("HiCacheStoreTier: an exists before a store failed: %r", exc)
             return []
         if found is None:
             return []
-        return [k for k, there in zip(keys, found, strict=True) if there]
+        return [k for k, there in zip(asked, found, strict=True) if there]
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
