@@ -247,8 +247,10 @@ def test_the_store_stays_within_its_capacity(
     tiny_llama: Path, reference: Reference, first_run: FirstRun,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    capacity = 6 << 20  # well under what the workload writes (first_run's stats below)
-    assert first_run.stats.bytes_stored > 2 * capacity
+    capacity = 6 << 20  # under what the workload writes (first_run's stats below)
+    # (its distinct rows: vLLM offers half of them again, and a row the store holds is not
+    # written again)
+    assert first_run.stats.bytes_stored > capacity
     root = tmp_path_factory.mktemp("bounded")
     # Every row written (write_admission="all"): the bound is tested against the backend's own
     # evictions (the default admission refuses writes that would evict fresh rows).
