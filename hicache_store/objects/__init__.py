@@ -28,8 +28,9 @@ from .io import (
     ObjectIO,
     PendingFrames,
     PendingFrameWrites,
+    start_write_together,
 )
-from .pages import L3Link, PageWrite, PendingPages, PendingPageWrites
+from .pages import L3Link, PageWrite, PendingPages, PendingPageWrites, start_write_links
 from .sealed import SealedFormat
 
 __all__ = [
@@ -54,4 +55,6 @@ __all__ = [
     "PageUnifiedFormat",
     "format_for",
     "SealedFormat",
+    "start_write_links",
+    "start_write_together",
 ]

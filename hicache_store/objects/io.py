@@ -337,15 +337,7 @@ class ObjectIO:
         all True only when the put ended stored within the deadline (not begun past
         ``deadline.end`` of the bytes, ``deadline.seconds`` of them once begun). No write
         budget: the caller bounds its bytes in flight. ``ValueError`` as ``put_together``."""
-        namespace = self._writable(frames)
-        if not frames or not self.backend.capabilities.native_writes or self.format.sealed:
-            return None
-        page = self._page_out(frames, namespace)
-        page.seal()
-        writes = self.backend.native_writes().start(
-            page.keys, page.buffers, start_by=self.deadline.end(page.nbytes))
-        return PendingFrameWrites(writes, len(frames), self.deadline.seconds(page.nbytes),
-                                  page.keys[0])
+        return start_write_together([(self, frames)])
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -829,6 +821,39 @@ class PendingFrames:
         got, sums = self._reads.result()
         return self._io._verified(self._keys, self._frames, self._headers, self._storage_keys,
                                   got, sums)
+
+
+def start_write_together(
+    batches: Sequence[tuple[ObjectIO, Sequence[Frame]]],
+) -> PendingFrameWrites | None:
+    """``ObjectIO.start_write_frames`` of several ``ObjectIO``s' frames over one backend as
+    ONE backend job (a model's cache components, each its own namespace: one reservation and
+    one queue slot on the writer for all of them): each batch's frames checked and sealed by
+    its own ``ObjectIO`` (its namespace, its format, its storage keys), then all stored or
+    not together. None, having stored nothing, where any batch could not start alone (no
+    native writes, a sealed format) or there are no frames. The deadline is the most lenient
+    of the ``ObjectIO``s' for all the bytes (the links of one owner share their limits).
+    ``ValueError`` (before anything is sealed) for a frame without a payload, an ``ObjectIO``
+    without a namespace, or batches over different backends."""
+    batches = [(io, frames) for io, frames in batches if frames]
+    namespaces = [io._writable(frames) for io, frames in batches]
+    if not batches:
+        return None
+    backend = batches[0][0].backend
+    if any(io.backend is not backend for io, _ in batches):
+        raise ValueError("frames written together must go to one backend")
+    if not backend.capabilities.native_writes or any(io.format.sealed for io, _ in batches):
+        return None
+    outs = [io._page_out(frames, ns) for (io, frames), ns in zip(batches, namespaces, strict=True)]
+    for out in outs:
+        out.seal()
+    keys = [k for out in outs for k in out.keys]
+    buffers = [b for out in outs for b in out.buffers]
+    nbytes = sum(out.nbytes for out in outs)
+    start_by = max(io.deadline.end(nbytes) for io, _ in batches)
+    seconds = max(io.deadline.seconds(nbytes) for io, _ in batches)
+    writes = backend.native_writes().start(keys, buffers, start_by=start_by)
+    return PendingFrameWrites(writes, len(keys), seconds, keys[0])
 
 
 class _Put(Protocol):

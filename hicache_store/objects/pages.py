@@ -6,7 +6,8 @@ once from the host row behind its reserved header) and ``ObjectIO.put`` seals an
 a page counts as written when all its objects are. ``write_in_order`` writes several pages
 so, each kept or not on its own (a leading run of them on a slow store); ``write_pages``
 stores a run of pages in one backend call, kept or lost together; ``start_write_pages``
-starts such a run in the backend's native code (no loop), for a caller that polls it.
+starts such a run in the backend's native code (no loop), for a caller that polls it, and
+``start_write_links`` the runs of several links (a model's cache components) as one job.
 Callers whose staging already has the frame layout (the SGLang adapter relays straight into
 it) use ``ObjectIO.put`` themselves.
 
@@ -66,6 +67,7 @@ from .io import (
     PendingFrames,
     PendingFrameWrites,
     PutOver,
+    start_write_together,
 )
 from .sealed import SealedFormat
 
@@ -364,29 +366,19 @@ class L3Link:
         where there is no such path (nothing to write, a backend without native writes, a
         sealed namespace): then use ``write_pages``. The frames are fresh memory, the
         handle's until the put ends, so the rows are the caller's again on return. Raises
-        what ``start_write_frames`` raises (a closed backend)."""
-        if (not pages or not self.can_write or self.io.format.sealed
-                or not self.backend.capabilities.native_writes):  # (asked first: no copy)
+        what ``start_write_frames`` raises (a closed backend). ``start_write_links`` does
+        the same for several links' pages in one job."""
+        return start_write_links([(self, pages)])
+
+    def _native_sizes(self) -> list[int] | None:
+        """The framed size of each object this rank writes of a page (``write_plan`` order),
+        or None where this link cannot start native writes (``start_write_pages``)."""
+        if (not self.can_write or self.io.format.sealed
+                or not self.backend.capabilities.native_writes):
             return None
         assert self.write_plan is not None
-        sizes = [self.io.header_bytes(obj.coords.num_layers) + obj.nbytes
-                 for obj in self.write_plan.objects]
-        # Fresh memory, never pooled: the put reads it until it ends, however late.
-        buffer = np.empty(sum(sizes) * len(pages), dtype=np.uint8).data
-        used = 0
-
-        def carve(size: int) -> memoryview:  # the buffer's next ``size`` bytes
-            nonlocal used
-            used += size
-            return buffer[used - size:used]
-
-        frames = [frame for page in pages
-                  for frame in self._frame_page(page.page_hash, page.row, page.parent_hash,
-                                                carve)]
-        writes = self.io.start_write_frames(frames)
-        if writes is None:
-            return None
-        return PendingPageWrites(writes, len(pages), sum(len(f.buffer) for f in frames))
+        return [self.io.header_bytes(obj.coords.num_layers) + obj.nbytes
+                for obj in self.write_plan.objects]
 
     def _frame_page(
         self,
@@ -623,6 +615,42 @@ class L3Link:
         return header is not None
 
 
+def start_write_links(
+    writes: Sequence[tuple[L3Link, Sequence[PageWrite]]],
+) -> PendingPageWrites | None:
+    """``L3Link.start_write_pages`` of several links' pages over one backend (a model's cache
+    components: each link its own namespace and format) as ONE backend job
+    (``io.start_write_together``): each link's pages framed by that link (its keys, its
+    headers), all stored or not together. None, having stored nothing, where any link with
+    pages has no native path (``start_write_pages``) or there are no pages: then each link's
+    ``write_pages``. ``PendingPageWrites.parts`` gives each entry's pages and framed bytes,
+    in ``writes`` order. ``ValueError`` for links over different backends."""
+    sizes = [link._native_sizes() if pages else [] for link, pages in writes]
+    if not any(pages for _, pages in writes) or any(s is None for s in sizes):
+        return None
+    total = sum(sum(s) * len(pages) for s, (_, pages) in zip(sizes, writes, strict=True)
+                if s is not None)
+    # Fresh memory, never pooled: the put reads it until it ends, however late.
+    buffer = np.empty(total, dtype=np.uint8).data
+    used = 0
+
+    def carve(size: int) -> memoryview:  # the buffer's next ``size`` bytes
+        nonlocal used
+        used += size
+        return buffer[used - size:used]
+
+    framed = [[frame for page in pages
+               for frame in link._frame_page(page.page_hash, page.row, page.parent_hash, carve)]
+              for link, pages in writes]
+    started = start_write_together(
+        [(link.io, frames) for (link, _), frames in zip(writes, framed, strict=True)])
+    if started is None:
+        return None
+    parts = tuple((len(pages), sum(len(f.buffer) for f in frames))
+                  for (_, pages), frames in zip(writes, framed, strict=True))
+    return PendingPageWrites(started, parts)
+
+
 P = TypeVar("P", ReadPlan, WritePlan)
 
 
@@ -676,10 +704,13 @@ class PendingPageWrites(PutOver[PendingFrameWrites]):
     frames are not read after it returns), ``ended`` is when it ended (``time.monotonic()``;
     None: not yet). ``stored()`` waits, then whether every page was stored within the put's
     deadline; judged once (a lock: the caller's thread and another may both ask), the same
-    answer every time. ``pages`` and ``nbytes``: the pages and the framed bytes put."""
+    answer every time. ``pages`` and ``nbytes``: the pages and the framed bytes put;
+    ``parts``: the same per link (``start_write_links``' order)."""
 
-    def __init__(self, writes: PendingFrameWrites, pages: int, nbytes: int) -> None:
-        self._writes, self.pages, self.nbytes = writes, pages, nbytes
+    def __init__(self, writes: PendingFrameWrites, parts: Sequence[tuple[int, int]]) -> None:
+        self._writes, self.parts = writes, tuple(parts)
+        self.pages = sum(pages for pages, _ in self.parts)
+        self.nbytes = sum(nbytes for _, nbytes in self.parts)
         self._lock = threading.Lock()
         self._stored: bool | None = None
 

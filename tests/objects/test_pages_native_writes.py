@@ -2,20 +2,37 @@
 backend job, polled without a loop. What it stores reads back exactly and names each page's
 parent; the rows are the caller's again at once (the frames are the handle's own memory); a
 failed put is not stored, said the same way from any thread; where there is no native path (a
-sealed format, a backend without native writes) it stores nothing and says so."""
+sealed format, a backend without native writes) it stores nothing and says so.
+``start_write_links``: several links' pages (a model's cache components, each its own
+namespace) stored by ONE backend job, each read back under its own namespace, counted per
+link; any link without a native path, or links over two backends, start nothing."""
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 from test_pages_l3_link_runs import HASHES, PAGES, SEALED, link, new_rows, pages
 
+from hicache_store.backends import open_backend
 from hicache_store.backends.faulty import FaultyBackend
 from hicache_store.backends.file import FileBackend
+from hicache_store.backends.protocols import PendingWrites
 from hicache_store.layout.framing import decode_header
-from hicache_store.objects import IOStats, PageWrite, PendingPageWrites
+from hicache_store.layout.namespace import Grid, ModelShape, Namespace
+from hicache_store.layout.topology import Topology
+from hicache_store.objects import (
+    DEFAULT_IO_TIMEOUT_S,
+    IOStats,
+    L3Link,
+    PageWrite,
+    PendingPageWrites,
+    start_write_links,
+)
 from hicache_store.tenant import parse_key_ring
 
 
@@ -77,4 +94,63 @@ async def test_no_native_path_stores_nothing(store: FileBackend) -> None:
     assert wrapped.start_write_pages(chain(pages(23))) is None
     plain = link(store)
     assert plain.start_write_pages([]) is None
+    assert not any(await store.exists(plain.write_names(HASHES[0])))
+
+
+def component(store: FileBackend) -> L3Link:
+    """A second cache component's link: another namespace (another page size), tag 1."""
+    ns = Namespace.create("m", ModelShape.mha(2, 4, 8), "float16", 4, Grid(2, 2))
+    return L3Link(store, ns, Topology(1, 1), 0, max_inflight_bytes=1 << 20,
+                  io_timeout_s=DEFAULT_IO_TIMEOUT_S, component=1)
+
+
+def rows_of(target: L3Link, count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, target.read_plan.page.page_bytes, dtype=np.uint8)
+            for _ in range(count)]
+
+
+async def test_several_links_pages_are_one_job_each_under_its_namespace(
+    store: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    full, window = link(store), component(store)
+    puts: list[int] = []
+    real = store._start_put
+
+    def start(keys: list[str], *args: Any, **kwargs: Any) -> PendingWrites:
+        puts.append(len(keys))
+        return real(keys, *args, **kwargs)
+
+    monkeypatch.setattr(store, "_start_put", start)
+    full_rows = pages(24)
+    window_pages = chain(rows_of(window, PAGES, 25))[:2]  # (a sliding window: a page a step)
+    window_rows = [page.row for page in window_pages]
+    writes = start_write_links([(full, chain(full_rows)), (window, window_pages)])
+    assert writes is not None and settle(writes)
+    assert len(puts) == 1 and puts[0] == len(full.write_names(HASHES[0])) * PAGES + len(
+        window.write_names(HASHES[0])) * 2
+    assert [pages for pages, _ in writes.parts] == [PAGES, 2]
+    assert writes.pages == PAGES + 2 and writes.nbytes == sum(n for _, n in writes.parts)
+    assert writes.parts[0][1] > PAGES * full.read_plan.page.page_bytes  # framed: headers too
+    for target, want in ((full, full_rows), (window, window_rows)):
+        got = new_rows(target, len(want))
+        assert await target.read_prefix(HASHES[:len(want)], got, IOStats()) == len(want)
+        for row, expected in zip(got, want, strict=True):
+            assert np.array_equal(row, expected)
+
+
+async def test_several_links_start_nothing_without_a_path_for_each(
+    store: FileBackend, tmp_path: Path
+) -> None:
+    sealed = link(store, SEALED, keys=parse_key_ring(f"active {'22' * 32}\n"))
+    plain = link(store)
+    assert start_write_links([(plain, chain(pages(26))), (sealed, chain(pages(26)))]) is None
+    assert start_write_links([(plain, []), (component(store), [])]) is None
+    assert not any(await store.exists(plain.write_names(HASHES[0])))
+    other = open_backend(f"file://{tmp_path}/other")
+    try:
+        with pytest.raises(ValueError, match="one backend"):
+            start_write_links([(plain, chain(pages(27))), (link(other), chain(pages(27)))])
+    finally:
+        await other.close()
     assert not any(await store.exists(plain.write_names(HASHES[0])))

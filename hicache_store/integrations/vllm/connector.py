@@ -49,11 +49,12 @@ and then restores one layer at a time, just before that layer's attention runs. 
 ``wait_for_save`` packs the step's completed pages out of vLLM's blocks into staging (a copy,
 so vLLM may reuse the blocks at once) and writes them in the background, chains parent first,
 bounded by ``max_pending_save_mib`` (beyond it saves are dropped, counted). Where the backend
-has native writes (``L3Link.start_write_pages``) a step's pages of a link are framed on vLLM's
-engine thread and stored by one backend job, judged when a later poll (``wait_for_save``,
+has native writes (``start_write_links``) a step's pages of every part (a model's KV cache
+groups, each its own namespace) are framed on vLLM's engine thread and stored by ONE backend
+job, judged when a later poll (``wait_for_save``,
 ``get_transfer_results``, ``flush``) finds it ended, oldest first: a save that failed or ran
-past its deadline counts its pages failed, and a later save's pages whose chain parent it did
-not store are deleted and counted failed too (no page is kept after a missing parent). Else,
+past its deadline counts its pages (every part's) failed, and a later save's pages whose chain
+parent (in the same part) it did not store are deleted and counted failed too (no page is kept after a missing parent). Else,
 and while a step of the save chain (a save, a kv_hints step, a deletion) still runs on the
 library's loop, the pages are written there, page by page, after what was issued before.
 
@@ -158,6 +159,7 @@ import sys
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -198,7 +200,14 @@ from hicache_store.layout.host import UnifiedPageLayout, VllmCpuLayout
 from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology, shard_of, shards
-from hicache_store.objects import IOStats, L3Link, PageWrite, PendingPages, PendingPageWrites
+from hicache_store.objects import (
+    IOStats,
+    L3Link,
+    PageWrite,
+    PendingPages,
+    PendingPageWrites,
+    start_write_links,
+)
 from hicache_store.tier.components import Tier, match_components
 
 from ._caches import GroupCache, check_cache_layout, group_cache, vllm_cpu_cache
@@ -1535,19 +1544,47 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         if self.parts is None:
             self._save(saves)
             return
-        for number, cache in enumerate(self._caches):
-            self._save([s for s in saves if s.part == number], cache, self._part_links[number])
+        self._save(saves, list(zip(self._caches, self._part_links, strict=True)))
 
-    def _save(self, saves: list[PageSave], part: GroupCache | None = None,
-              link: L3Link | None = None) -> None:
-        """Pack the pages out of vLLM's blocks; write them in the background (unless the
-        breaker is open or too much is pending: dropped, counted) and keep them in L2.
-        ``part`` / ``link``: one part's cache and link (no L2), else the first route's."""
+    def _save(self, saves: list[PageSave],
+              parts: Sequence[tuple[GroupCache, L3Link]] | None = None) -> None:
+        """Pack the step's pages out of vLLM's blocks; write them in the background (unless
+        the breaker is open or too much is pending: dropped, counted, each part on its own)
+        and keep them in L2. ``parts``: each part's cache and link (no L2), a save going to
+        its ``PageSave.part``'s; else the first route's. Every part's pages of the step are
+        stored by one backend job where it can start (``_start_native_save``), else each
+        part's on the save chain (``_write_pages``)."""
+        if parts is None:
+            assert self._link is not None
+            packed = [self._pack(saves, None, self._link)]
+        else:
+            packed = [self._pack([s for s in saves if s.part == number], cache, link)
+                      for number, (cache, link) in enumerate(parts)]
+        # the write only reads ``staging``; so does the L2's copy below. (The link is the one
+        # of the weights the pages were computed by, should a reset follow.)
+        stores = [p for p in packed if p is not None and p.store]
+        if stores and not self._start_native_save(stores):
+            for store in stores:
+                self._save_chain = submit(self._write_pages(
+                    store.saves, store.staging, store.nbytes, self._chain_tail(), store.link))
+        route = packed[0] if parts is None else None
+        if route is not None and self._l2 is not None:
+            first = 0
+            for save in route.saves:
+                count = len(save.hashes)
+                self._l2_put(save.hashes, route.staging[first:first + count])
+                first += count
+
+    def _pack(self, saves: list[PageSave], part: GroupCache | None,
+              link: L3Link) -> _PartSave | None:
+        """One part's (``part`` None: the first route's) pages of the step packed into fresh
+        staging, and whether they are to be stored: not where the link writes nothing, the
+        breaker is open or the pending save bytes would pass ``max_pending_save_bytes``
+        (dropped, counted; admitted ones count as pending until judged). None where there is
+        nothing to pack: no pages, or none to store and no L2 to keep them (parts have none)."""
         if not saves:
-            return
+            return None
         page_bytes = part.page_bytes if part is not None else self._layout_page_bytes()
-        link = link if link is not None else self._link
-        assert link is not None
         pages = sum(len(s.hashes) for s in saves)
         nbytes = pages * page_bytes
         store = link.can_write
@@ -1562,9 +1599,8 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
                     store = False
                 else:
                     self._pending_save_bytes += nbytes
-        l2 = self._l2 if part is None else None
-        if not store and l2 is None:
-            return
+        if not store and (part is not None or self._l2 is None):
+            return None
         staging = torch.empty((pages, page_bytes), dtype=torch.uint8)
         blocks = torch.tensor([b for s in saves for b in s.slots], dtype=torch.int64)
         if part is not None:
@@ -1574,36 +1610,30 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             assert self._cache_layout is not None
             assert self._layout is not None
             pack_blocks(self._cache, self._cache_layout, blocks, staging, self._layout)
-        # the write only reads ``staging``; so does the L2's copy below. (The link is the one
-        # of the weights the pages were computed by, should a reset follow.)
-        if store and not self._start_native_save(saves, staging, nbytes, link):
-            self._save_chain = submit(self._write_pages(saves, staging, nbytes,
-                                                        self._chain_tail(), link))
-        if l2 is not None:
-            first = 0
-            for save in saves:
-                count = len(save.hashes)
-                self._l2_put(save.hashes, staging[first:first + count])
-                first += count
+        return _PartSave(saves, staging, nbytes if store else 0, link, store)
 
-    def _start_native_save(self, saves: list[PageSave], staging: torch.Tensor, nbytes: int,
-                           link: L3Link) -> bool:
-        """The step's pages framed here and stored by one backend job
-        (``L3Link.start_write_pages``), judged when a poll finds it ended
-        (``_finish_saves``); False, having started nothing, where the save goes on the loop
-        instead (``_write_pages``): the backend has no native writes, or a step of the save
-        chain (a save, a kv_hints step, a deletion) is still running there, which the saves
-        issued after it must follow."""
+    def _start_native_save(self, stores: list[_PartSave]) -> bool:
+        """The step's pages of every part framed here (each by its part's link) and stored
+        by ONE backend job (``start_write_links``), judged as one save when a poll finds it
+        ended (``_finish_saves``); False, having started nothing, where the saves go on the
+        loop instead (``_write_pages``): the backend has no native writes, or a step of the
+        save chain (a save, a kv_hints step, a deletion) is still running there, which the
+        saves issued after it must follow."""
         chain = self._save_chain
         if chain is not None and not chain.done():
             return False
-        rows = staging.numpy()
-        pages = [PageWrite(h, rows[at], parent) for at, (h, parent) in enumerate(
-            (h, parent) for save in saves
-            for h, parent in zip(save.hashes, save.parents, strict=True))]
-        native = _NativeSave(saves, nbytes, link, time.monotonic())
+        writes: list[tuple[L3Link, list[PageWrite]]] = []
+        for store in stores:
+            rows = store.staging.numpy()
+            writes.append((store.link, [PageWrite(h, rows[at], parent) for at, (h, parent)
+                                        in enumerate((h, parent) for save in store.saves
+                                                     for h, parent in zip(
+                                                         save.hashes, save.parents,
+                                                         strict=True))]))
+        native = _NativeSave([(store.saves, store.link) for store in stores],
+                             sum(store.nbytes for store in stores), time.monotonic())
         try:
-            native.writes = link.start_write_pages(pages)
+            native.writes = start_write_links(writes)
         except Exception as exc:  # a closed backend: a failed save, never a page counted stored
             log.warning("hicache-store: save failed: %r", exc)
             self._native_saves.append(native)
@@ -1647,25 +1677,33 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         self._lost.clear()  # no save in flight depends on them any more
 
     def _judge(self, native: _NativeSave, stored: bool) -> None:
-        """Count one native save's pages (``_finish_saves``)."""
+        """Count one native save's pages (``_finish_saves``), chain order per part: a page is
+        kept when stored and its parent (in its part) is not ``_lost``; bytes per part."""
         orphans: list[str] = []
-        kept = 0
-        for save in native.saves:
-            for h, parent in zip(save.hashes, save.parents, strict=True):
-                key = _part_key(save.part, h)
-                if stored and (parent is None or _part_key(save.part, parent) not in self._lost):
-                    kept += 1
-                    continue
-                self._lost.add(key)
-                if stored:  # stored after a missing parent: not kept
-                    orphans.extend(native.link.write_names(h))
-        pages = sum(len(save.hashes) for save in native.saves)
+        kept = pages = saved_bytes = 0
+        shares = native.writes.parts if native.writes is not None else None
+        for number, (saves, link) in enumerate(native.parts):
+            part_kept = part_pages = 0
+            for save in saves:
+                for h, parent in zip(save.hashes, save.parents, strict=True):
+                    part_pages += 1
+                    key = _part_key(save.part, h)
+                    if stored and (parent is None
+                                   or _part_key(save.part, parent) not in self._lost):
+                        part_kept += 1
+                        continue
+                    self._lost.add(key)
+                    if stored:  # stored after a missing parent: not kept
+                        orphans.extend(link.write_names(h))
+            if shares is not None and shares[number][0]:
+                saved_bytes += shares[number][1] * part_kept // shares[number][0]
+            kept, pages = kept + part_kept, pages + part_pages
         if kept < pages:
             self._breaker.trip()
         self._count("pages_saved", kept)
         self._count("saves_failed", pages - kept)
-        if native.writes is not None and native.writes.pages:
-            self._count("bytes_saved", native.writes.nbytes * kept // native.writes.pages)
+        if shares is not None and any(pages for pages, _ in shares):
+            self._count("bytes_saved", saved_bytes)
         with self._lock:
             self._pending_save_bytes -= native.nbytes
         if orphans:
@@ -1795,14 +1833,27 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
 
 
 @dataclass(eq=False)
-class _NativeSave:
-    """One step's pages of one link being stored by a backend job
-    (``L3Link.start_write_pages``; ``writes`` None: it could not start, a failed save), begun
-    at ``start`` (``time.monotonic()``); ``nbytes``, its share of the pending save bytes."""
+class _PartSave:
+    """One part's pages of a step packed (``_pack``): its saves, their rows in ``staging``
+    (in the saves' order), ``nbytes`` of the pending save bytes it holds, its link, and
+    whether it is to be stored (else only kept in L2)."""
 
     saves: list[PageSave]
+    staging: torch.Tensor
     nbytes: int
     link: L3Link
+    store: bool
+
+
+@dataclass(eq=False)
+class _NativeSave:
+    """One step's pages of every part being stored by one backend job
+    (``start_write_links``; ``writes`` None: it could not start, a failed save): ``parts``,
+    each part's saves and link (``writes.parts``' order), begun at ``start``
+    (``time.monotonic()``); ``nbytes``, its share of the pending save bytes."""
+
+    parts: list[tuple[list[PageSave], L3Link]]
+    nbytes: int
     start: float
     writes: PendingPageWrites | None = None
 
@@ -1813,7 +1864,8 @@ class _NativeSave:
         """Past the longest its put may take (not begun by its deadline, then its deadline
         once begun: ``ObjectIO.start_write_frames``): judged failed without waiting more."""
         nbytes = self.writes.nbytes if self.writes is not None else 0
-        return time.monotonic() > self.start + self.link.deadline.seconds(nbytes) * 2
+        seconds = max(link.deadline.seconds(nbytes) for _, link in self.parts)
+        return time.monotonic() > self.start + seconds * 2
 
 
 @dataclass
