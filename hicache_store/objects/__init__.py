@@ -30,7 +30,14 @@ from .io import (
     PendingFrameWrites,
     start_write_together,
 )
-from .pages import L3Link, PageWrite, PendingPages, PendingPageWrites, start_write_links
+from .pages import (
+    FrameRows,
+    L3Link,
+    PageWrite,
+    PendingPages,
+    PendingPageWrites,
+    start_write_links,
+)
 from .sealed import SealedFormat
 
 __all__ = [
@@ -42,6 +49,7 @@ __all__ = [
     "Deadline",
     "Frame",
     "FramedFormat",
+    "FrameRows",
     "IOStats",
     "L3Link",
     "PendingPageWrites",

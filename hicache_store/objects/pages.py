@@ -7,7 +7,8 @@ a page counts as written when all its objects are. ``write_in_order`` writes sev
 so, each kept or not on its own (a leading run of them on a slow store); ``write_pages``
 stores a run of pages in one backend call, kept or lost together; ``start_write_pages``
 starts such a run in the backend's native code (no loop), for a caller that polls it, and
-``start_write_links`` the runs of several links (a model's cache components) as one job.
+``start_write_links`` the runs of several links (a model's cache components) as one job,
+framing in place the pages a caller packed straight into ``frame_rows``' memory.
 Callers whose staging already has the frame layout (the SGLang adapter relays straight into
 it) use ``ObjectIO.put`` themselves.
 
@@ -83,6 +84,18 @@ class PageWrite:
     page_hash: str
     row: Row
     parent_hash: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameRows:
+    """Fresh frame memory for ``len(rows)`` pages of one link whose page is one object holding
+    the whole host row (``L3Link.frame_rows``): ``rows[i]`` is page ``i``'s payload in place
+    (a view of ``frames[i]`` past its header). A caller fills the rows, gives them as its
+    pages' ``PageWrite.row`` in order, and this to ``start_write_links``: the pages are
+    framed without a copy. The rows stay the frames' until the put ends."""
+
+    frames: Row  # [pages, header + row]
+    rows: Row  # [pages, row]: frames[:, header:]
 
 
 class TransferLimits(Protocol):
@@ -370,6 +383,21 @@ class L3Link:
         the same for several links' pages in one job."""
         return start_write_links([(self, pages)])
 
+    def frame_rows(self, pages: int) -> FrameRows | None:
+        """Fresh frame memory whose rows a caller packs ``pages`` pages into, to be started
+        without copying them (``FrameRows``); None where ``start_write_pages`` has no native
+        path or a page is not one object of the whole row (several objects a page: the
+        payloads are not contiguous in the frames): then pack into rows of your own."""
+        sizes, plan = self._native_sizes(), self.write_plan
+        if sizes is None or plan is None or len(plan.objects) != 1 or pages < 1:
+            return None
+        (obj,) = plan.objects
+        if obj.page_offset or obj.nbytes != plan.page.page_bytes:
+            return None
+        # Fresh memory, never pooled: the put reads it until it ends, however late.
+        frames = np.empty((pages, sizes[0]), dtype=np.uint8)
+        return FrameRows(frames, frames[:, sizes[0] - obj.nbytes:])
+
     def _native_sizes(self) -> list[int] | None:
         """The framed size of each object this rank writes of a page (``write_plan`` order),
         or None where this link cannot start native writes (``start_write_pages``)."""
@@ -406,6 +434,21 @@ class L3Link:
                 obj.page_offset : obj.page_offset + obj.nbytes
             ]
             frames.append(Frame(ObjectKey(page_hash, digest, obj.coords), frame, parent_hash))
+        return frames
+
+    def _frames_in_place(self, pages: Sequence[PageWrite], mem: FrameRows) -> list[Frame]:
+        """The frames of pages packed into ``mem``'s rows (``frame_rows``), without a copy."""
+        assert self.write_plan is not None
+        (obj,) = self.write_plan.objects
+        if len(pages) > len(mem.rows):
+            raise ValueError(f"{len(pages)} pages for {len(mem.rows)} frame rows")
+        digest = self.namespace.digest
+        frames: list[Frame] = []
+        for page, row, frame in zip(pages, mem.rows, mem.frames, strict=False):
+            if page.row.ctypes.data != row.ctypes.data or len(page.row) != len(row):
+                raise ValueError(f"page {page.page_hash[:16]}: its row is not its frame row")
+            frames.append(Frame(ObjectKey(page.page_hash, digest, obj.coords), frame.data,
+                                page.parent_hash))
         return frames
 
     @staticmethod
@@ -617,19 +660,25 @@ class L3Link:
 
 def start_write_links(
     writes: Sequence[tuple[L3Link, Sequence[PageWrite]]],
+    framed: Sequence[FrameRows | None] | None = None,
 ) -> PendingPageWrites | None:
     """``L3Link.start_write_pages`` of several links' pages over one backend (a model's cache
     components: each link its own namespace and format) as ONE backend job
     (``io.start_write_together``): each link's pages framed by that link (its keys, its
-    headers), all stored or not together. None, having stored nothing, where any link with
-    pages has no native path (``start_write_pages``) or there are no pages: then each link's
-    ``write_pages``. ``PendingPageWrites.parts`` gives each entry's pages and framed bytes,
-    in ``writes`` order. ``ValueError`` for links over different backends."""
+    headers), all stored or not together. ``framed``: per entry, the ``FrameRows`` (of that
+    entry's link, ``L3Link.frame_rows``) whose rows are its pages' rows in order, framed in
+    place, or None (each page's objects copied into fresh frames). None, having stored
+    nothing, where any link with pages has no native path (``start_write_pages``) or there
+    are no pages: then each link's ``write_pages``. ``PendingPageWrites.parts`` gives each
+    entry's pages and framed bytes, in ``writes`` order. ``ValueError`` for links over
+    different backends, or a page whose row is not its ``FrameRows`` row."""
     sizes = [link._native_sizes() if pages else [] for link, pages in writes]
     if not any(pages for _, pages in writes) or any(s is None for s in sizes):
         return None
-    total = sum(sum(s) * len(pages) for s, (_, pages) in zip(sizes, writes, strict=True)
-                if s is not None)
+    in_place = list(framed) if framed is not None else [None] * len(writes)
+    total = sum(sum(s) * len(pages)
+                for s, (_, pages), mem in zip(sizes, writes, in_place, strict=True)
+                if s is not None and mem is None)
     # Fresh memory, never pooled: the put reads it until it ends, however late.
     buffer = np.empty(total, dtype=np.uint8).data
     used = 0
@@ -639,15 +688,16 @@ def start_write_links(
         used += size
         return buffer[used - size:used]
 
-    framed = [[frame for page in pages
-               for frame in link._frame_page(page.page_hash, page.row, page.parent_hash, carve)]
-              for link, pages in writes]
+    batches = [link._frames_in_place(pages, mem) if mem is not None else
+               [frame for page in pages
+                for frame in link._frame_page(page.page_hash, page.row, page.parent_hash, carve)]
+               for (link, pages), mem in zip(writes, in_place, strict=True)]
     started = start_write_together(
-        [(link.io, frames) for (link, _), frames in zip(writes, framed, strict=True)])
+        [(link.io, frames) for (link, _), frames in zip(writes, batches, strict=True)])
     if started is None:
         return None
     parts = tuple((len(pages), sum(len(f.buffer) for f in frames))
-                  for (_, pages), frames in zip(writes, framed, strict=True))
+                  for (_, pages), frames in zip(writes, batches, strict=True))
     return PendingPageWrites(started, parts)
 
 

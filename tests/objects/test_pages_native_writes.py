@@ -5,7 +5,9 @@ failed put is not stored, said the same way from any thread; where there is no n
 sealed format, a backend without native writes) it stores nothing and says so.
 ``start_write_links``: several links' pages (a model's cache components, each its own
 namespace) stored by ONE backend job, each read back under its own namespace, counted per
-link; any link without a native path, or links over two backends, start nothing."""
+link; any link without a native path, or links over two backends, start nothing. Pages packed
+straight into ``L3Link.frame_rows``' memory are framed in place (no copy) and read back
+exactly; a row that is not its frame row is refused."""
 
 from __future__ import annotations
 
@@ -154,3 +156,41 @@ async def test_several_links_start_nothing_without_a_path_for_each(
     finally:
         await other.close()
     assert not any(await store.exists(plain.write_names(HASHES[0])))
+
+
+def one_object(store: FileBackend) -> L3Link:
+    """A link whose page is one object (every layer and head): its rows can be its frames'."""
+    ns = Namespace.create("m", ModelShape.mha(2, 2, 8), "float16", 4, Grid(2, 2))
+    return L3Link(store, ns, Topology(1, 1), 0, max_inflight_bytes=1 << 20,
+                  io_timeout_s=DEFAULT_IO_TIMEOUT_S)
+
+
+async def test_pages_packed_into_frame_rows_are_framed_in_place(
+    store: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = one_object(store)
+    assert link(store).frame_rows(3) is None  # two objects a page: payloads not contiguous
+    mem = target.frame_rows(3)
+    assert mem is not None and mem.rows.shape == (3, target.read_plan.page.page_bytes)
+    want = rows_of(target, 3, 28)
+    for row, data in zip(mem.rows, want, strict=True):
+        row[:] = data  # (the caller's pack)
+    writes = [PageWrite(h, mem.rows[i], HASHES[i - 1] if i else None)
+              for i, h in enumerate(HASHES[:3])]
+
+    def copied(*args: object) -> None:
+        raise AssertionError("a page framed by a copy")
+
+    monkeypatch.setattr(L3Link, "_frame_page", copied)
+    started = start_write_links([(target, writes)], [mem])
+    assert started is not None and settle(started)
+    assert started.parts == ((3, mem.frames.nbytes),)
+    got = new_rows(target, 3)
+    assert await target.read_prefix(HASHES[:3], got, IOStats()) == 3
+    for row, expected in zip(got, want, strict=True):
+        assert np.array_equal(row, expected)
+    other = target.frame_rows(1)
+    assert other is not None
+    with pytest.raises(ValueError, match="not its frame row"):  # a copy of the row
+        start_write_links([(target, [PageWrite(HASHES[5], want[0], None)])], [other])
+    assert not any(await store.exists(target.write_names(HASHES[5])))

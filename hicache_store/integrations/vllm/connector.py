@@ -201,6 +201,7 @@ from hicache_store.layout.namespace import ModelShape, Namespace
 from hicache_store.layout.plans import suggest_grid
 from hicache_store.layout.topology import Topology, shard_of, shards
 from hicache_store.objects import (
+    FrameRows,
     IOStats,
     L3Link,
     PageWrite,
@@ -1601,7 +1602,10 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
                     self._pending_save_bytes += nbytes
         if not store and (part is not None or self._l2 is None):
             return None
-        staging = torch.empty((pages, page_bytes), dtype=torch.uint8)
+        # Packed straight into the frames where a page is one object (no copy to frame it).
+        rows = link.frame_rows(pages) if store else None
+        staging = (torch.from_numpy(rows.rows) if rows is not None
+                   else torch.empty((pages, page_bytes), dtype=torch.uint8))
         blocks = torch.tensor([b for s in saves for b in s.slots], dtype=torch.int64)
         if part is not None:
             part.pack(blocks, staging)
@@ -1610,7 +1614,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             assert self._cache_layout is not None
             assert self._layout is not None
             pack_blocks(self._cache, self._cache_layout, blocks, staging, self._layout)
-        return _PartSave(saves, staging, nbytes if store else 0, link, store)
+        return _PartSave(saves, staging, nbytes if store else 0, link, store, rows)
 
     def _start_native_save(self, stores: list[_PartSave]) -> bool:
         """The step's pages of every part framed here (each by its part's link) and stored
@@ -1633,7 +1637,7 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         native = _NativeSave([(store.saves, store.link) for store in stores],
                              sum(store.nbytes for store in stores), time.monotonic())
         try:
-            native.writes = start_write_links(writes)
+            native.writes = start_write_links(writes, [store.rows for store in stores])
         except Exception as exc:  # a closed backend: a failed save, never a page counted stored
             log.warning("hicache-store: save failed: %r", exc)
             self._native_saves.append(native)
@@ -1835,14 +1839,16 @@ class HiCacheStoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
 @dataclass(eq=False)
 class _PartSave:
     """One part's pages of a step packed (``_pack``): its saves, their rows in ``staging``
-    (in the saves' order), ``nbytes`` of the pending save bytes it holds, its link, and
-    whether it is to be stored (else only kept in L2)."""
+    (in the saves' order), ``nbytes`` of the pending save bytes it holds, its link, whether
+    it is to be stored (else only kept in L2), and the frame memory ``staging`` views where
+    the pages were packed straight into their frames (``L3Link.frame_rows``)."""
 
     saves: list[PageSave]
     staging: torch.Tensor
     nbytes: int
     link: L3Link
     store: bool
+    rows: FrameRows | None = None
 
 
 @dataclass(eq=False)
