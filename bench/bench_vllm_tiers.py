@@ -39,8 +39,8 @@ several groups); store rows the tier refused (``write_admission``; the connector
 tokens vLLM took from its connector (``vllm:external_prefix_cache_hits``: a tier's primary and
 secondary tiers together, or the connector's store); disk used by the route's directory at the
 end, and a raw read of
-the files there (every file whole, one thread, O_DIRECT: the limit the loads are measured
-against). A route that refuses the model at start-up gets a row saying so.
+the files there (every file whole, one thread, O_DIRECT, after an untimed fsync of each: the
+limit the loads are measured against). A route that refuses the model at start-up gets a row saying so.
 """
 
 from __future__ import annotations
@@ -241,10 +241,21 @@ class JobMeter:
 def raw_read(folder: Path) -> tuple[int, float]:
     """Bytes and seconds of reading every file under ``folder`` whole, one thread, with
     O_DIRECT where the file's size allows it (the page cache neither helps nor is filled;
-    else buffered): what the device gives the same files without any tier's work."""
+    else buffered): what the device gives the same files without any tier's work. The
+    files are synced first, untimed: an O_DIRECT read of a range the page cache still holds
+    dirty writes it back first, so without the sync the first read timed the writeback of
+    whatever the route wrote last (a route whose last writes end nearer the read looked
+    slower: the connector's files read at about half the tier's rate, and at the same rate
+    once read again)."""
     import mmap
 
     files = sorted(p for p in folder.rglob("*") if p.is_file())
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     largest = max((p.stat().st_size for p in files), default=0)
     buffer = mmap.mmap(-1, max(largest, 4096) + 4096)  # page-aligned
     view = memoryview(buffer)
