@@ -37,7 +37,9 @@
  * GIL: per item ``(tmp: str, final: str, buffer, direct: bool, flush: int)``, a new file
  * ``tmp`` (``O_EXCL``, mode 0644; ``direct``: ``O_DIRECT`` for the 4096-aligned body, the
  * tail as one zero-padded block, then truncated), flushed (``flush`` 1: ``fdatasync``, 2:
- * ``fsync``), closed, then renamed onto ``final`` (whose directory must exist). Per item
+ * ``fsync``), closed, then renamed onto ``final``; where ``final``'s directory is missing, it
+ * and its missing ancestors are made first (mode 0777 less the umask; ``flush`` 2: each
+ * new directory's entry ``fsync``-ed in its parent). Per item
  * the result is ``(status, errno)``: 0 published; 1 a system call failed (``errno``) and the
  * temp file is removed. Every item is attempted whatever the others did.
  *
@@ -263,6 +265,59 @@ static int pwrite_all(int fd, const char *p, long long n, long long off) {
     return 0;
 }
 
+/* fsync the directory that holds ``path``'s last component; 0 or errno. */
+static int fsync_parent(const char *path) {
+    char dir[PATH_MAX];
+    const char *slash = strrchr(path, '/');
+    size_t n = slash ? (size_t)(slash - path) : 0;
+    if (n == 0 || n >= sizeof dir) return 0; /* "/x" or a relative name: nothing to do here */
+    memcpy(dir, path, n);
+    dir[n] = '\0';
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return errno;
+    int rc = fsync(fd) != 0 ? errno : 0;
+    close(fd);
+    return rc;
+}
+
+/* Make ``dir`` and whichever of its ancestors are missing (``os.makedirs``); 0 or errno.
+ * Each new directory's entry is made durable in its parent (``durable``) before anything is
+ * published in it. Made here, on the writer thread, rather than by the caller: a new
+ * shard's ``mkdir`` calls run without the GIL instead of as a Python ``makedirs`` on the
+ * engine's thread. */
+static int make_dirs(char *dir, int durable, int depth) {
+    if (mkdir(dir, 0777) == 0) return durable ? fsync_parent(dir) : 0;
+    if (errno == EEXIST) return 0;
+    if (errno != ENOENT || depth >= 32) return errno;
+    char *slash = strrchr(dir, '/');
+    if (!slash || slash == dir) return ENOENT;
+    *slash = '\0'; /* the parent first, */
+    int rc = make_dirs(dir, durable, depth + 1);
+    *slash = '/';   /* then ``dir`` again */
+    if (rc) return rc;
+    if (mkdir(dir, 0777) == 0) return durable ? fsync_parent(dir) : 0;
+    return errno == EEXIST ? 0 : errno;
+}
+
+/* rename ``tmp`` onto ``final``, making ``final``'s directory where it is missing; 0 or
+ * errno. (Tried three times: a directory may be emptied and removed between its mkdir and
+ * the rename.) */
+static int publish(const char *tmp, const char *final, int durable) {
+    for (int attempt = 0; attempt < 3; attempt++) {
+        if (rename(tmp, final) == 0) return 0;
+        if (errno != ENOENT) return errno;
+        char dir[PATH_MAX];
+        const char *slash = strrchr(final, '/');
+        size_t n = slash ? (size_t)(slash - final) : 0;
+        if (n == 0 || n >= sizeof dir) return ENOENT;
+        memcpy(dir, final, n);
+        dir[n] = '\0';
+        int rc = make_dirs(dir, durable, 0);
+        if (rc) return rc;
+    }
+    return ENOENT;
+}
+
 static void write_item(witem_t *it) {
     const char *tmp = PyBytes_AS_STRING(it->tmp);
     const char *data = it->buf.buf;
@@ -286,7 +341,7 @@ static void write_item(witem_t *it) {
     if (!rc && it->flush == 1 && fdatasync(fd) != 0) rc = errno;
     if (!rc && it->flush == 2 && fsync(fd) != 0) rc = errno;
     if (close(fd) != 0 && !rc) rc = errno;
-    if (!rc && rename(tmp, PyBytes_AS_STRING(it->final)) != 0) rc = errno;
+    if (!rc) rc = publish(tmp, PyBytes_AS_STRING(it->final), it->flush == 2);
     if (rc) { unlink(tmp); it->status = 1; it->err = rc; return; }
     it->status = 0;
     it->err = 0;

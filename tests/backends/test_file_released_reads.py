@@ -5,6 +5,7 @@ equal to xxhash's, and the same files written."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from hicache_store.backends.errors import (
     NotSupportedError,
 )
 from hicache_store.backends.file import FileBackend
+from hicache_store.backends.file_layout import object_path
 from hicache_store.backends.types import ByteRange
 
 fileio = pytest.importorskip(
@@ -456,5 +458,54 @@ async def test_a_batch_spread_over_the_pool_stores_every_object_and_fails_its_ow
     for key, chunk in zip(keys, data, strict=True):
         if key != keys[20]:
             assert await store.get_bytes(key) == chunk
+    assert list((store.root / "tmp").iterdir()) == []
+    await store.close()
+
+
+def test_released_writes_make_missing_directories(tmp_path: Path) -> None:
+    # ``write_files`` makes an object's directory and its missing ancestors (as
+    # ``os.makedirs``), at once or after its directory was removed; a rename that still
+    # fails is the item's errno, its temp file removed.
+    (tmp_path / "tmp").mkdir()
+    blocked = tmp_path / "file"
+    blocked.write_bytes(b"x")
+    finals = [tmp_path / "a" / "b" / "k0", tmp_path / "a" / "b" / "k1", tmp_path / "a" / "c" / "k2",
+              blocked / "d" / "k3"]
+    items = [(str(tmp_path / "tmp" / f"{i}.tmp"), str(f), memoryview(pattern(100 + i, i)), False, flush)
+             for i, (f, flush) in enumerate(zip(finals, [0, 2, 1, 0], strict=True))]
+    got = fileio.write_files(items)
+    assert got[:3] == [(0, 0)] * 3
+    assert got[3] == (1, errno.ENOTDIR)  # "file" is no directory
+    assert [f.read_bytes() for f in finals[:3]] == [pattern(100 + i, i) for i in range(3)]
+    assert list((tmp_path / "tmp").iterdir()) == []
+    (finals[2]).unlink()
+    (tmp_path / "a" / "c").rmdir()
+    assert fileio.write_files([items[2]]) == [(0, 0)]
+    assert finals[2].read_bytes() == pattern(102, 2)
+
+
+@pytest.mark.parametrize("engine", ["native", "posix"])
+@pytest.mark.parametrize("durability", ["none", "full"])
+async def test_puts_make_a_removed_shard_again(tmp_path: Path, durability: str,
+                                               engine: str) -> None:
+    # Either engine's puts make a shard's directories where they are missing, also after a
+    # shard the store wrote to was emptied and removed (by an operator's clean-up), where a
+    # cached "this directory exists" would fail the put.
+    store = FileBackend(tmp_path / "s", durability=durability,  # type: ignore[arg-type]
+                        io_engine=engine)
+    assert store.io_engine == engine
+    keys = [f"{i:04x}" for i in range(40)]
+    data = [pattern(64 + i, i) for i in range(len(keys))]
+    await store.put(keys, data)
+    assert [await store.get_bytes(k) for k in keys] == data
+    shard = object_path(store.root, keys[0]).parent
+    same = next(k for k in (f"{i:06x}" for i in range(1 << 20)) if k not in keys
+                and object_path(store.root, k).parent == shard)
+    await store.delete([k for k in keys if object_path(store.root, k).parent == shard])
+    shard.rmdir()
+    if not any(shard.parent.iterdir()):
+        shard.parent.rmdir()
+    await store.put([same], [b"again"])
+    assert await store.get_bytes(same) == b"again"
     assert list((store.root / "tmp").iterdir()) == []
     await store.close()
