@@ -136,26 +136,26 @@ def pack_blocks(
     ``staging``, one row per ``segments_per_page`` slots."""
     stage, geometry = _check(cache, layout, slots, staging, unified, writes_cache=False)
     index = slots.to(torch.int64)
-    if geometry.segments_per_block == 1:
+    whole = geometry.segments_per_block == 1
+    if whole:
         # Whole blocks: gather each named block's run of each layer first (one contiguous
-        # run of the storage each: a memcpy), then reorder from that compact copy. An index
-        # op over the strided plane view itself makes torch copy the WHOLE cache contiguous
-        # first: its cost grew with vLLM's cache, not with the pages (7 ms for one page of a
-        # 32 MiB cache against 0.2 ms: bench/bench_kernels_vllm_cpu.py).
+        # run of the storage each: a memcpy), then reorder from that compact copy, in the
+        # slots' order already: a view of it. An index op over the strided plane view itself
+        # makes torch copy the WHOLE cache contiguous first: its cost grew with vLLM's cache,
+        # not with the pages (7 ms for one page of a 32 MiB cache against 0.2 ms:
+        # bench/bench_kernels_vllm_cpu.py).
         cache = as_bits(cache).view(layout.num_layers, layout.num_blocks, -1).index_select(
             1, index)
         layout = dataclasses.replace(layout, num_blocks=index.numel())
-        index = torch.arange(index.numel())
-    blocks, parts = index // geometry.segments_per_block, index % geometry.segments_per_block
+    else:
+        blocks, parts = index // geometry.segments_per_block, index % geometry.segments_per_block
     rows = stage.shape[0]
     for plane in (0, 1):
         src = _plane(cache, layout, plane, geometry)
         for h0, nh, dst in _unified_views(stage, unified, plane, geometry):
             heads = src[..., h0:h0 + nh, :]
-            if geometry.segments_per_block == 1:  # whole blocks: one index_select
-                picked = torch.index_select(heads[:, :, 0], 1, blocks)  # [L, M, seg, h, D]
-            else:
-                picked = heads[:, blocks, parts]  # [L, M, seg, h, D]
+            # [L, M, seg, h, D]
+            picked = heads[:, :, 0] if whole else heads[:, blocks, parts]
             shaped = picked.view(picked.shape[0], rows, geometry.segments_per_page,
                                  *picked.shape[2:])
             dst.copy_(shaped.transpose(0, 1))

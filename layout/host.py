@@ -21,6 +21,7 @@ every index from here. Nothing here allocates or copies.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -197,7 +198,7 @@ class _SlotPool(abc.ABC):
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
 
     def element_offsets(
         self,
