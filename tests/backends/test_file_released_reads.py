@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -509,3 +510,38 @@ async def test_puts_make_a_removed_shard_again(tmp_path: Path, durability: str,
     assert await store.get_bytes(same) == b"again"
     assert list((store.root / "tmp").iterdir()) == []
     await store.close()
+
+
+def test_started_writes_of_one_key_end_in_the_order_they_were_started(tmp_path: Path) -> None:
+    # ``start_write_files`` writes a job's items on several writer threads side by side, yet
+    # one key's writes (one final path) go to the same writer, taken in submission order: of
+    # many jobs rewriting the same objects, each object holds the last job's bytes.
+    (tmp_path / "tmp").mkdir()
+    finals = [tmp_path / "objects" / f"{i:02x}" / f"k{i}" for i in range(8)]
+    jobs = []
+    for round_ in range(40):
+        items = [(str(tmp_path / "tmp" / f"{round_}-{i}.tmp"), str(final),
+                  memoryview(pattern(4096 + round_, round_ * 8 + i)), False, 0)
+                 for i, final in enumerate(finals)]
+        jobs.append(fileio.start_write_files(items, time.monotonic() + 60))
+    outcomes = [job.wait() for job in jobs]
+    assert all(done == [(0, 0)] * len(finals) for done, _, _ in outcomes)
+    assert all(began is not None and ended is not None and began <= ended
+               for _, began, ended in outcomes)
+    assert [f.read_bytes() for f in finals] == [pattern(4096 + 39, 39 * 8 + i)
+                                               for i in range(len(finals))]
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_started_writes_begun_late_write_none_of_their_items(tmp_path: Path) -> None:
+    # A job is begun or not as a whole (its first item decides): past ``start_by``, none of
+    # its items is written, whichever writer takes them; an empty job ends at once.
+    (tmp_path / "tmp").mkdir()
+    items = [(str(tmp_path / "tmp" / f"{i}.tmp"), str(tmp_path / "o" / f"k{i}"),
+              memoryview(pattern(100, i)), False, 0) for i in range(6)]
+    assert fileio.start_write_files(items, time.monotonic() - 1.0).wait() == (
+        [(2, 0)] * 6, None, None)
+    assert not (tmp_path / "o").exists() and list((tmp_path / "tmp").iterdir()) == []
+    done, began, ended = fileio.start_write_files([], time.monotonic() + 60).wait()
+    assert done == [] and began is not None and began == ended
+    assert fileio.start_write_files([], time.monotonic() - 1.0).wait() == ([], None, None)
