@@ -17,8 +17,8 @@ for a put that began (a put of one run of writes makes them all in one job, in t
 
 A put started from the caller's thread (``start``: ``NativeWrites``) whose engine
 ``starts_writes``, with ``durability`` other than ``full``, takes these steps apart: the
-reservation on the caller's thread; where it fits, the writes on a thread of their own that
-never takes the GIL (``FileEngine.start_write``); the settle, whatever failed, on the thread
+reservation on the caller's thread; where it fits, the writes on the engine's writer threads,
+which never take the GIL (``FileEngine.start_write``); the settle, whatever failed, on the thread
 that takes the outcome (``wait`` / ``result``, or the handle's release), before any outcome
 is reported. Else (room to make, directories to flush) the put is one pool job as above.
 
