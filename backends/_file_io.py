@@ -182,13 +182,6 @@ class Placement:
         except FileExistsError:
             return False
         return True
-        try:
-            os.link(tmp, final)
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
-        return True
 
 
 class FileEngine(abc.ABC):
@@ -573,64 +566,57 @@ class NativeEngine(PosixEngine):
         (``_fileio.write_files``): the same temp file, O_DIRECT rule, flush and rename as
         ``write_one``, so the same files; per key True or the translated error (its temp file
         removed)."""
-        out, slots, batch = self._write_batch(keys, views)
+        batch = self._write_batch(keys, views)
         started = time.perf_counter()
         written = _fileio.write_files(batch)
         if batch:
             self._timed_writes((time.perf_counter() - started) / len(batch))
-        return self._judged_writes(keys, out, slots, batch, written)
+        return self._judged_writes(keys, batch, written)
 
     def start_write(self, keys: Sequence[str], views: Sequence[memoryview],
                     start_by: float) -> StartedWrites:
         # docstring inherited. ``_fileio.start_write_files``: the same items as ``write``'s.
-        out, slots, batch = self._write_batch(keys, views)
+        batch = self._write_batch(keys, views)
         job = _fileio.start_write_files(batch, start_by)
 
         def judged() -> tuple[list[WriteOutcome], float | None, float | None]:
             written, began, ended = job.wait()
             if began is not None and ended is not None and batch:
                 self._timed_writes((ended - began) / len(batch))
-            return self._judged_writes(keys, out, slots, batch, written), began, ended
+            return self._judged_writes(keys, batch, written), began, ended
 
         return StartedWrites(list(keys), job.done, judged)
 
     def _write_batch(
         self, keys: Sequence[str], views: Sequence[memoryview]
-    ) -> tuple[list[WriteOutcome], list[int], list[tuple[str, str, memoryview, bool, int]]]:
-        """Per key True until judged; the ``_fileio`` items and their slots in that list.
-        The C writer makes a missing shard directory itself (durably with ``durability=full``,
-        as ``Placement.ensure_dir``), off the caller's thread: a new shard's two ``mkdir``
-        calls cost the engine's thread nothing, where ``os.makedirs`` had cost it about as
-        much as writing the object; an error making it is the key's outcome."""
+    ) -> list[tuple[str, str, memoryview, bool, int]]:
+        """The ``_fileio`` items of ``keys``' writes. The C writer makes a missing shard
+        directory itself (durably with ``durability=full``, as ``Placement.ensure_dir``), off
+        the caller's thread; an error making it is that key's outcome."""
         places = self.places
         flush = {"none": 0, "data": 1, "full": 2}[places.durability]
-        out: list[WriteOutcome] = []
-        batch: list[tuple[str, str, memoryview, bool, int]] = []
-        slots: list[int] = []
-        for key, view in zip(keys, views, strict=True):
-            slots.append(len(out))
-            out.append(True)
-            batch.append((places.temp_path(), places.final_path(key), view, places.direct_io,
-                          flush))
-        return out, slots, batch
+        return [(places.temp_path(), places.final_path(key), view, places.direct_io, flush)
+                for key, view in zip(keys, views, strict=True)]
 
     def _timed_writes(self, per_object: float) -> None:
         # a benign race between threads: the estimate is only a hint
         cost = self.write_cost_s
         self.write_cost_s = per_object if cost is None else cost + (per_object - cost) * 0.1
 
-    def _judged_writes(self, keys: Sequence[str], out: list[WriteOutcome], slots: list[int],
+    def _judged_writes(self, keys: Sequence[str],
                        batch: list[tuple[str, str, memoryview, bool, int]],
                        written: list[tuple[int, int]]) -> list[WriteOutcome]:
-        """``out`` with each written item's ``(status, errno)`` judged: True or the error."""
+        """Each item's ``(status, errno)`` judged: True or the error."""
         places = self.places
-        for slot, (_, final, _, _, _), (status, err) in zip(slots, batch, written, strict=True):
-            if status == 2:  # (not attempted: the job began late; the caller fails it whole)
-                out[slot] = TimeoutError("put not begun by its deadline")
-            elif status != 0:
-                out[slot] = translate_os_error(OSError(err, os.strerror(err), final),
-                                               backend=places.backend, operation="put",
-                                               key=keys[slot])
+        out: list[WriteOutcome] = []
+        for key, (_, final, _, _, _), (status, err) in zip(keys, batch, written, strict=True):
+            if status == 0:
+                out.append(True)
+            elif status == 2:  # (not attempted: the job began late; the caller fails it whole)
+                out.append(TimeoutError("put not begun by its deadline"))
+            else:
+                out.append(translate_os_error(OSError(err, os.strerror(err), final),
+                                              backend=places.backend, operation="put", key=key))
         return out
 
 

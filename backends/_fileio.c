@@ -267,14 +267,21 @@ static int pwrite_all(int fd, const char *p, long long n, long long off) {
     return 0;
 }
 
+/* ``path`` less its last component into ``dir`` (PATH_MAX bytes); 0 where there is none to
+ * copy ("/x", a relative name, a path too long). */
+static int parent_of(const char *path, char *dir) {
+    const char *slash = strrchr(path, '/');
+    size_t n = slash ? (size_t)(slash - path) : 0;
+    if (n == 0 || n >= PATH_MAX) return 0;
+    memcpy(dir, path, n);
+    dir[n] = '\0';
+    return 1;
+}
+
 /* fsync the directory that holds ``path``'s last component; 0 or errno. */
 static int fsync_parent(const char *path) {
     char dir[PATH_MAX];
-    const char *slash = strrchr(path, '/');
-    size_t n = slash ? (size_t)(slash - path) : 0;
-    if (n == 0 || n >= sizeof dir) return 0; /* "/x" or a relative name: nothing to do here */
-    memcpy(dir, path, n);
-    dir[n] = '\0';
+    if (!parent_of(path, dir)) return 0; /* nothing to do here */
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return errno;
     int rc = fsync(fd) != 0 ? errno : 0;
@@ -309,11 +316,7 @@ static int publish(const char *tmp, const char *final, int durable) {
         if (rename(tmp, final) == 0) return 0;
         if (errno != ENOENT) return errno;
         char dir[PATH_MAX];
-        const char *slash = strrchr(final, '/');
-        size_t n = slash ? (size_t)(slash - final) : 0;
-        if (n == 0 || n >= sizeof dir) return ENOENT;
-        memcpy(dir, final, n);
-        dir[n] = '\0';
+        if (!parent_of(final, dir)) return ENOENT;
         int rc = make_dirs(dir, durable, 0);
         if (rc) return rc;
     }
@@ -492,7 +495,9 @@ static int writer_of(PyObject *final, int writers) {
  * had (then nothing was queued). */
 static int queue_writes(WriteJob *job) {
     pthread_mutex_lock(&writer_lock);
-    while (writers_running < WRITERS) {
+    /* Started by the first job, as many as can be had (then their number is kept: one key
+     * must always hash to the same writer). */
+    for (int first = !writers_running; first && writers_running < WRITERS;) {
         pthread_t thread;
         int w = writers_running;
         queue_head[w] = queue_tail[w] = NULL;
